@@ -1,0 +1,201 @@
+"""Agents: anything with `async def __call__(task, ctx)`, a name and the kinds it serves.
+
+`@agent(kinds=[...])` turns a function into an `Agent`. Classes (the Claude agents of
+`orchestra.agents`, an HTTP agent, a user's own) fit the `AgentLike` protocol without inheriting
+from anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
+
+import anyio
+import anyio.to_process
+import anyio.to_thread
+
+from ._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from ._context import Context
+    from ._retry import RetryPolicy
+    from ._task import Task
+
+__all__ = ("Agent", "AgentLike", "agent")
+
+Executor = Literal["thread", "process"]
+T = TypeVar("T")
+
+
+@runtime_checkable
+class AgentLike(Protocol):
+    """What the registry needs of an agent. Optional attributes, read when present:
+    `concurrency` (int), `input` and `output` (pydantic models), `retry` (RetryPolicy),
+    `timeout` (seconds per attempt)."""
+
+    name: str
+    kinds: Sequence[str]
+
+    def __call__(self, task: Task, ctx: Context, /) -> Awaitable[Any]: ...
+
+
+class Agent:
+    """A function registered as an agent. Build it with `@agent(...)`.
+
+    Args:
+        fn: `async def fn(task, ctx)`; with `executor=`, a plain `def fn(task)` run off the loop.
+        kinds: the task kinds it serves.
+        name: how fallback chains, limits, events and the registry refer to it (default: the function's name).
+        concurrency: the most tasks it runs at once (its own limit, under the global one).
+        input: a pydantic model that every payload of its kinds must validate against, before work starts.
+        output: a pydantic model its output must validate against; garbage fails the attempt (retryable).
+        executor: "thread" or "process" to run a CPU-bound sync function without blocking the loop.
+        retry: its own `RetryPolicy`, over the run's and the kind's.
+        timeout: seconds per attempt on this agent, over the run's default.
+    """
+
+    __slots__ = (
+        "__wrapped__",
+        "concurrency",
+        "executor",
+        "fn",
+        "input",
+        "kinds",
+        "name",
+        "output",
+        "retry",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        kinds: Sequence[str],
+        name: str | None = None,
+        concurrency: int | None = None,
+        input: type[BaseModel] | None = None,
+        output: type[BaseModel] | None = None,
+        executor: Executor | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        label = name or getattr(fn, "__name__", None) or repr(fn)
+        if isinstance(kinds, str) or not kinds or not all(isinstance(k, str) and k for k in kinds):
+            raise ConfigError(f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}")
+        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+            raise ConfigError(f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+            raise ConfigError(f"agent {label!r}: timeout must be a positive number, got {timeout!r}")
+        if executor not in (None, "thread", "process"):
+            raise ConfigError(f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}")
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004  (a callable object's async __call__)
+        )
+        if executor is None and not is_async:
+            raise ConfigError(
+                f"agent {label!r}: a plain function needs executor='thread' or 'process'; "
+                "an agent without one must be `async def fn(task, ctx)`"
+            )
+        if executor is not None and is_async:
+            raise ConfigError(f"agent {label!r}: executor={executor!r} runs sync functions; this one is async")
+        self.fn = fn
+        self.__wrapped__ = fn
+        self.kinds = tuple(kinds)
+        self.name = label
+        self.concurrency = concurrency
+        self.input = input
+        self.output = output
+        self.executor = executor
+        self.retry = retry
+        self.timeout = timeout
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        if self.executor is None:
+            return await self.fn(task, ctx)
+        if self.executor == "thread":
+            return await anyio.to_thread.run_sync(self.fn, task, abandon_on_cancel=True)
+        # The function travels to the worker process by module and name: the module attribute is
+        # this Agent, not the function, so pickling the function itself would fail.
+        return await anyio.to_process.run_sync(
+            _call_in_process, self.fn.__module__, self.fn.__qualname__, task, cancellable=True
+        )
+
+    def direct(self) -> Callable[[Task, Context], Awaitable[Any]]:
+        """The coroutine function the dispatcher awaits: the user's own for async agents (one frame less)."""
+        return self.fn if self.executor is None else self.__call__
+
+    def __repr__(self) -> str:
+        return f"Agent(name={self.name!r}, kinds={list(self.kinds)!r})"
+
+
+def _call_in_process(module: str, qualname: str, task: Task) -> Any:
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    if isinstance(target, Agent):
+        target = target.fn
+    return target(task)
+
+
+@overload
+def agent(
+    fn: Callable[..., Any],
+    *,
+    kinds: Sequence[str],
+    name: str | None = ...,
+    concurrency: int | None = ...,
+    input: type[BaseModel] | None = ...,
+    output: type[BaseModel] | None = ...,
+    executor: Executor | None = ...,
+    retry: RetryPolicy | None = ...,
+    timeout: float | None = ...,
+) -> Agent: ...
+@overload
+def agent(
+    fn: None = ...,
+    *,
+    kinds: Sequence[str],
+    name: str | None = ...,
+    concurrency: int | None = ...,
+    input: type[BaseModel] | None = ...,
+    output: type[BaseModel] | None = ...,
+    executor: Executor | None = ...,
+    retry: RetryPolicy | None = ...,
+    timeout: float | None = ...,
+) -> Callable[[Callable[..., Any]], Agent]: ...
+def agent(
+    fn: Callable[..., Any] | None = None,
+    *,
+    kinds: Sequence[str],
+    name: str | None = None,
+    concurrency: int | None = None,
+    input: type[BaseModel] | None = None,
+    output: type[BaseModel] | None = None,
+    executor: Executor | None = None,
+    retry: RetryPolicy | None = None,
+    timeout: float | None = None,
+) -> Agent | Callable[[Callable[..., Any]], Agent]:
+    """Register a function as an agent: ``@agent(kinds=["research"], concurrency=20)``.
+
+    See `Agent` for the arguments.
+    """
+
+    def wrap(f: Callable[..., Any]) -> Agent:
+        return Agent(
+            f,
+            kinds=kinds,
+            name=name,
+            concurrency=concurrency,
+            input=input,
+            output=output,
+            executor=executor,
+            retry=retry,
+            timeout=timeout,
+        )
+
+    return wrap if fn is None else wrap(fn)

@@ -1,0 +1,133 @@
+"""Circuit breaker: one per agent, so a failing agent stops getting tasks for a while.
+
+closed ─(N consecutive failures, or a failure rate over a window)─▶ open ─(cool-down)─▶ half_open
+half_open ─(the single probe succeeds)─▶ closed;  half_open ─(the probe fails)─▶ open.
+
+While a breaker is open the dispatcher sends the agent's tasks straight to the next agent of their
+fallback chain. Written by hand (aiobreaker and pybreaker wrap a call and raise; here the dispatcher
+asks before it picks an agent and must not call it at all) and small: a state, two counters, a window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from ._exceptions import ConfigError
+
+__all__ = ("Breaker", "BreakerPolicy", "BreakerState")
+
+BreakerState = Literal["closed", "open", "half_open"]
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    """When an agent's breaker opens and for how long.
+
+    Args:
+        failures: consecutive failed attempts that open the breaker.
+        cooldown: seconds the breaker stays open before one probe is let through.
+        failure_rate: also open when at least this fraction of the last `window` attempts failed.
+        window: how many recent attempts `failure_rate` looks at (it waits for a full window).
+    """
+
+    failures: int = 5
+    cooldown: float = 30.0
+    failure_rate: float | None = None
+    window: int = 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.failures, int) or self.failures < 1:
+            raise ConfigError(f"BreakerPolicy.failures must be an int >= 1, got {self.failures!r}")
+        if self.cooldown < 0:
+            raise ConfigError(f"BreakerPolicy.cooldown must be >= 0, got {self.cooldown!r}")
+        if self.failure_rate is not None and not 0 < self.failure_rate <= 1:
+            raise ConfigError(
+                f"BreakerPolicy.failure_rate must be in (0, 1], got {self.failure_rate!r}"
+            )
+        if self.window < 1:
+            raise ConfigError(f"BreakerPolicy.window must be >= 1, got {self.window!r}")
+
+
+class Breaker:
+    """The state of one agent's breaker. Every method takes the current time; none sleeps."""
+
+    __slots__ = ("consecutive", "opened_at", "policy", "probing", "recent", "state")
+
+    def __init__(self, policy: BreakerPolicy) -> None:
+        self.policy = policy
+        self.state: BreakerState = CLOSED
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.probing = False
+        self.recent: deque[bool] | None = (
+            deque(maxlen=policy.window) if policy.failure_rate is not None else None
+        )
+
+    def available(self, now: float) -> bool:
+        """Whether the agent may take a task now (without reserving the half-open probe)."""
+        if self.state is CLOSED:
+            return True
+        if self.state is OPEN:
+            return now - self.opened_at >= self.policy.cooldown
+        return not self.probing
+
+    def reopens_in(self, now: float) -> float:
+        """Seconds until an open breaker lets a probe through (0 when it would now)."""
+        if self.state is not OPEN:
+            return 0.0
+        return max(0.0, self.opened_at + self.policy.cooldown - now)
+
+    def on_dispatch(self, now: float) -> BreakerState | None:
+        """Call when a task is sent to the agent; returns the new state if it changed."""
+        if self.state is CLOSED:
+            return None
+        if self.state is OPEN:  # the cool-down is over (`available` said so): this is the probe
+            self.state = HALF_OPEN
+            self.probing = True
+            return HALF_OPEN
+        self.probing = True
+        return None
+
+    def on_success(self) -> BreakerState | None:
+        self.consecutive = 0
+        if self.recent is not None:
+            self.recent.append(True)
+        if self.state is CLOSED:
+            return None
+        self.state = CLOSED
+        self.probing = False
+        if self.recent is not None:
+            self.recent.clear()
+        return CLOSED
+
+    def on_failure(self, now: float) -> BreakerState | None:
+        self.consecutive += 1
+        if self.state is HALF_OPEN:
+            return self._open(now)
+        if self.state is OPEN:
+            return None
+        if self.consecutive >= self.policy.failures:
+            return self._open(now)
+        recent = self.recent
+        if recent is not None:
+            recent.append(False)
+            if len(recent) == recent.maxlen:
+                rate = recent.count(False) / len(recent)
+                if rate >= self.policy.failure_rate:  # type: ignore[operator]
+                    return self._open(now)
+        return None
+
+    def on_abandon(self) -> None:
+        """The probe ended without a verdict (cancelled): let another probe through."""
+        self.probing = False
+
+    def _open(self, now: float) -> BreakerState:
+        self.state = OPEN
+        self.opened_at = now
+        self.probing = False
+        return OPEN

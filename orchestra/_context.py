@@ -1,0 +1,73 @@
+"""The context an agent receives with each attempt: dependencies' outputs, feedback, spawning, logging."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from ._run import Node, Run
+    from ._task import Task
+
+__all__ = ("Context",)
+
+
+class Context:
+    """What an agent knows of the run while it handles one attempt.
+
+    Attributes:
+        run_id: the run's id.
+        task: the task being handled.
+        agent: the name of the agent called.
+        attempt: the attempt number of this task, from 1, across every agent of its chain.
+        feedback: what went wrong in earlier attempts (verifier feedback and error messages), oldest
+            first; empty on the first attempt.
+    """
+
+    __slots__ = ("_node", "_run", "_spawned", "agent", "attempt", "feedback", "run_id", "task")
+
+    def __init__(self, run: Run, node: Node, agent: str, attempt: int, feedback: list[str]) -> None:
+        self._run = run
+        self._node = node
+        self._spawned: list[Task] | None = None
+        self.run_id = run.run_id
+        self.task: Task = node.task
+        self.agent = agent
+        self.attempt = attempt
+        self.feedback = feedback
+
+    @property
+    def deps(self) -> Mapping[str, Any]:
+        """The outputs of this task's dependencies (and of the members of the groups it waits for), by id."""
+        return self._run.deps_of(self._node)
+
+    def spawn(self, task: Task) -> Task:
+        """Add a task to the run. It is checked now (an `InputError` names what is wrong) and admitted
+        when this attempt succeeds; a failed attempt's spawns are dropped, so a retry may spawn the
+        same ids again."""
+        spawned = self._spawned
+        if spawned is None:
+            spawned = self._spawned = []
+        self._run.check_spawn(task, self._node, spawned)
+        spawned.append(task)
+        return task
+
+    def record_usage(self, *, cost: float = 0.0, **tokens: int) -> None:
+        """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's metadata."""
+        self._run.record_usage(cost, tokens)
+
+    @property
+    def log(self) -> Any:
+        """A structlog logger bound to the run, task, kind, agent and attempt."""
+        return structlog.get_logger("orchestra.agent").bind(
+            run_id=self.run_id,
+            task_id=self.task.id,
+            kind=self.task.kind,
+            agent=self.agent,
+            attempt=self.attempt,
+        )
+
+    def __repr__(self) -> str:
+        return f"Context(run_id={self.run_id!r}, task={self.task.id!r}, attempt={self.attempt})"

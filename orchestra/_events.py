@@ -1,0 +1,231 @@
+"""Typed events for every state change, and the bus that delivers them to subscribers.
+
+Events are built only when somebody subscribed (the dispatcher checks `bus.active`), so they cost
+nothing otherwise. Each subscriber has its own bounded buffer, drained by its own task in the
+orchestrator's task group: a slow subscriber drops events (counted in `dropped`) instead of slowing
+dispatch, and one that raises is logged and kept, never allowed to break the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+    from ._task import TaskResult
+
+__all__ = (
+    "AttemptFailed",
+    "AttemptStarted",
+    "AttemptSucceeded",
+    "BreakerChanged",
+    "Event",
+    "EventBus",
+    "FallbackUsed",
+    "RetryScheduled",
+    "RunFinished",
+    "RunStarted",
+    "TaskFinished",
+    "TaskReady",
+)
+
+log = structlog.get_logger("orchestra.events")
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """Base of every event. `at` is the event loop's clock (seconds), `run_id` the run it belongs to."""
+
+    at: float
+    run_id: str | None
+
+
+@dataclass(slots=True, frozen=True)
+class RunStarted(Event):
+    """A run began."""
+
+
+@dataclass(slots=True, frozen=True)
+class TaskReady(Event):
+    """A task's dependencies succeeded (or it had none): it waits in the ready-queue."""
+
+    task_id: str
+    kind: str
+    priority: int
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptStarted(Event):
+    """An agent was called on a task. `attempt` counts every attempt of the task, from 1."""
+
+    task_id: str
+    kind: str
+    agent: str
+    attempt: int
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptSucceeded(Event):
+    """An attempt returned an output that passed verification."""
+
+    task_id: str
+    kind: str
+    agent: str
+    attempt: int
+    duration: float
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptFailed(Event):
+    """An attempt raised, timed out, returned garbage or failed verification."""
+
+    task_id: str
+    kind: str
+    agent: str
+    attempt: int
+    error_type: str
+    message: str
+    retryable: bool
+    duration: float
+
+
+@dataclass(slots=True, frozen=True)
+class RetryScheduled(Event):
+    """The task will be tried again on the same agent after `delay` seconds (no slot held meanwhile)."""
+
+    task_id: str
+    kind: str
+    agent: str
+    attempt: int
+    delay: float
+
+
+@dataclass(slots=True, frozen=True)
+class FallbackUsed(Event):
+    """The task moved from one agent to the next of its chain (`to_agent` None: the chain ran out)."""
+
+    task_id: str
+    kind: str
+    from_agent: str
+    to_agent: str | None
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
+class BreakerChanged(Event):
+    """An agent's circuit breaker changed state: "closed", "open" or "half_open"."""
+
+    agent: str
+    state: str
+    previous: str
+
+
+@dataclass(slots=True, frozen=True)
+class TaskFinished(Event):
+    """A task reached its terminal state; `result.status` says which."""
+
+    result: TaskResult
+
+
+@dataclass(slots=True, frozen=True)
+class RunFinished(Event):
+    """A run ended with `status` after `elapsed` seconds."""
+
+    status: str
+    elapsed: float
+
+
+Subscriber = Callable[[Any], Awaitable[None] | None]
+
+
+class _Subscription:
+    __slots__ = ("buffer", "fn", "receive", "send", "types")
+
+    def __init__(self, fn: Subscriber, types: tuple[type[Event], ...], buffer: int) -> None:
+        self.fn = fn
+        self.types = types
+        self.buffer = buffer
+        self.open()
+
+    def open(self) -> None:
+        self.send: MemoryObjectSendStream[Event]
+        self.receive: MemoryObjectReceiveStream[Event]
+        self.send, self.receive = anyio.create_memory_object_stream[Event](self.buffer)
+
+
+class EventBus:
+    """Fan-out of events to subscribers, each through a bounded buffer."""
+
+    __slots__ = ("_group", "_subs", "active", "dropped", "errors")
+
+    def __init__(self) -> None:
+        self._subs: list[_Subscription] = []
+        self._group: TaskGroup | None = None
+        self.active = False
+        self.dropped = 0
+        self.errors = 0
+
+    def subscribe(
+        self, fn: Subscriber, types: tuple[type[Event], ...] = (), buffer: int = 10_000
+    ) -> Callable[[], None]:
+        sub = _Subscription(fn, types, buffer)
+        self._subs.append(sub)
+        self.active = True
+        if self._group is not None:
+            self._group.start_soon(self._deliver, sub)
+
+        def unsubscribe() -> None:
+            if sub in self._subs:
+                self._subs.remove(sub)
+                self.active = bool(self._subs)
+                sub.send.close()
+
+        return unsubscribe
+
+    def emit(self, event: Event) -> None:
+        for sub in self._subs:
+            if sub.types and not isinstance(event, sub.types):
+                continue
+            try:
+                sub.send.send_nowait(event)
+            except anyio.WouldBlock:
+                self.dropped += 1
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+
+    def start(self, group: TaskGroup) -> None:
+        """Start delivering, with one task per subscriber in `group`."""
+        self._group = group
+        for sub in self._subs:
+            group.start_soon(self._deliver, sub)
+
+    def stop(self) -> None:
+        """Close every buffer: the delivery tasks finish what is buffered, then end."""
+        self._group = None
+        for sub in self._subs:
+            sub.send.close()
+            sub.open()  # fresh buffers for a later `start` (the orchestrator entered again)
+
+    async def _deliver(self, sub: _Subscription) -> None:
+        fn = sub.fn
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004
+        )
+        async with sub.receive:
+            async for event in sub.receive:
+                try:
+                    if is_async:
+                        await fn(event)  # type: ignore[misc]
+                    else:
+                        fn(event)
+                except Exception:
+                    self.errors += 1
+                    log.warning("subscriber raised", subscriber=repr(fn), event=type(event).__name__, exc_info=True)

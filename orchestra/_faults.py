@@ -1,0 +1,121 @@
+"""Faults that agents suffer: the modes shared by `Orchestrator.simulate_agent_failure` and the
+scripted agents of `orchestra.testing`.
+
+Each mode behaves as the real failure does on the wire, so the runtime's own classification is what
+gets tested: a rate limit is an `anthropic.RateLimitError` carrying a real HTTP 429 response with a
+`retry-after` header, an overload is a 529, a crash is a `ConnectionError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import anyio
+
+from ._exceptions import ConfigError, PermanentError
+
+if TYPE_CHECKING:
+    from ._context import Context
+    from ._task import Task
+
+__all__ = ("GARBAGE", "Fault", "FaultMode", "raise_fault")
+
+FaultMode = Literal["error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow"]
+MODES: Final = ("error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow")
+
+
+class _Garbage:
+    """What a broken agent returns: not what anyone asked for."""
+
+    def __repr__(self) -> str:
+        return "<garbage>"
+
+
+GARBAGE: Final = _Garbage()
+
+
+def _http_error(status: int, message: str, retry_after: float | None) -> Exception:
+    import anthropic
+
+    try:
+        import httpx2 as httpx  # the transport of the anthropic SDK in use
+    except ImportError:  # pragma: no cover - older SDKs use httpx
+        import httpx  # type: ignore[no-redef]
+    headers = {} if retry_after is None else {"retry-after": f"{retry_after:g}"}
+    request = httpx.Request("POST", "https://api.anthropic.com/v1/messages")
+    response = httpx.Response(status, headers=headers, request=request)
+    body = {"type": "error", "error": {"type": "simulated", "message": message}}
+    if status == 429:
+        return anthropic.RateLimitError(message, response=response, body=body)
+    return anthropic.APIStatusError(message, response=response, body=body)
+
+
+async def raise_fault(mode: str, who: str, *, retry_after: float | None = None, latency: float = 0.0) -> Any:
+    """Behave as an agent failing in `mode`: raise, hang, or return garbage."""
+    if mode == "error":
+        raise ConnectionError(f"simulated failure: {who} is unreachable")
+    if mode == "rate_limit":
+        raise _http_error(429, f"simulated rate limit on {who}", 1.0 if retry_after is None else retry_after)
+    if mode == "overloaded":
+        raise _http_error(529, f"simulated overload of {who}", retry_after)
+    if mode == "server_error":
+        raise _http_error(500, f"simulated internal error of {who}", None)
+    if mode == "hang":
+        await anyio.sleep(math.inf)
+    if mode == "garbage":
+        return GARBAGE
+    if mode == "permanent":
+        raise PermanentError(f"simulated permanent failure of {who}")
+    if mode == "slow":
+        await anyio.sleep(latency)
+        return None
+    raise ConfigError(f"unknown fault mode {mode!r}; use one of {', '.join(MODES)}")
+
+
+Call = Callable[["Task", "Context"], Awaitable[Any]]
+
+
+class Fault:
+    """A live fault on one agent until `until` (loop time; None: until cleared).
+
+    `affected` collects the ids of the tasks whose attempt it failed, for the recovery report.
+    """
+
+    __slots__ = ("affected", "agent", "latency", "mode", "retry_after", "started", "until")
+
+    def __init__(
+        self,
+        agent: str,
+        mode: str,
+        *,
+        started: float,
+        until: float | None,
+        retry_after: float | None = None,
+        latency: float = 1.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"unknown fault mode {mode!r}; use one of {', '.join(MODES)}")
+        self.agent = agent
+        self.mode = mode
+        self.started = started
+        self.until = until
+        self.retry_after = retry_after
+        self.latency = latency
+        self.affected: set[str] = set()
+
+    def active(self, now: float) -> bool:
+        return self.until is None or now < self.until
+
+    def wrap(self, call: Call) -> Call:
+        async def faulty(task: Task, ctx: Context) -> Any:
+            if not self.active(anyio.current_time()):
+                return await call(task, ctx)
+            self.affected.add(task.id)  # type: ignore[arg-type]
+            if self.mode == "slow":
+                await anyio.sleep(self.latency)
+                return await call(task, ctx)
+            return await raise_fault(self.mode, f"agent {self.agent!r}", retry_after=self.retry_after)
+
+        return faulty

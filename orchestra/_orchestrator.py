@@ -1,0 +1,441 @@
+"""`Orchestrator`: the public face. Configuration is checked here, once; runs happen in `_run`."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import uuid
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from ._aggregate import Aggregator, aggregator_of
+from ._breaker import BreakerPolicy
+from ._events import Event, EventBus
+from ._exceptions import ConfigError, InputError
+from ._faults import Fault, FaultMode
+from ._registry import Registry
+from ._retry import RetryPolicy, Timeouts
+from ._run import Capacity, Run, RunConfig
+from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+    from anyio.streams.memory import MemoryObjectReceiveStream
+
+    from ._agent import AgentLike
+    from ._clock import FakeClock
+    from ._result import RunResult
+    from ._verify import Check
+
+__all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
+
+log = structlog.get_logger("orchestra")
+
+Decomposer = Callable[[Any], Any]
+
+
+class Orchestrator:
+    """Runs tasks on agents in parallel, safely, and folds their results into one `RunResult`.
+
+    Args:
+        agents: the agents (see `@agent`); each serves one or more kinds.
+        concurrency: the most attempts running at once, across the orchestrator's runs.
+        decomposer: turns `run(input)` into tasks: a function returning a list or an iterable, a
+            generator, an async generator (streamed), or an async function (an LLM planner).
+        retry: the default `RetryPolicy`; `retry_per_kind` overrides it per kind, an agent's own
+            `retry=` overrides both.
+        fallbacks: per kind, the ordered chain of agent names to try.
+        defaults: per kind, a value that closes the chain: a task whose every agent failed succeeds
+            with it (listed in `metadata.defaulted`).
+        breaker: the circuit breaker policy of every agent.
+        timeouts: `Timeouts(attempt=, task=, run=)` or a mapping with those keys, in seconds.
+        success_threshold: the success rate at or above which a run with failures is "partial".
+        verify: per kind, a check of each attempt's output (see `Verdict`).
+        safety: a check of each task before its first attempt; a refusal fails it, unretried.
+        aggregate: how outputs fold into `data` (default `Collect()`; a mapping kind → aggregator).
+        window: the most unfinished tasks a streamed input may have admitted at once.
+        seed: seeds the backoff jitter, for reproducible schedules.
+        clock: a `FakeClock` to run in virtual time (tests).
+        on_threshold_missed: ``fn(result, failed_tasks)`` (sync or async) called when a run misses
+            its success threshold; it may return a new `RunResult` (say, after re-running the
+            failed tasks) that replaces the result.
+    """
+
+    def __init__(
+        self,
+        *,
+        agents: Sequence[AgentLike],
+        concurrency: int = 100,
+        decomposer: Decomposer | None = None,
+        retry: RetryPolicy | None = None,
+        retry_per_kind: Mapping[str, RetryPolicy] | None = None,
+        fallbacks: Mapping[str, Sequence[str]] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        breaker: BreakerPolicy | None = None,
+        timeouts: Timeouts | Mapping[str, float | None] | None = None,
+        success_threshold: float = 0.8,
+        verify: Mapping[str, Check] | None = None,
+        safety: Callable[[Task], Any] | None = None,
+        aggregate: Aggregator | Mapping[str, Aggregator] | None = None,
+        window: int | None = None,
+        seed: int | None = None,
+        clock: FakeClock | None = None,
+        on_threshold_missed: Callable[..., Any] | None = None,
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError(f"concurrency must be an int >= 1, got {concurrency!r}")
+        if not 0.0 <= success_threshold <= 1.0:
+            raise ConfigError(f"success_threshold must be in [0, 1], got {success_threshold!r}")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"window must be an int >= 1, got {window!r}")
+        if decomposer is not None and not callable(decomposer):
+            raise ConfigError(f"decomposer must be callable, got {decomposer!r}")
+        self.registry = Registry(agents, breaker or BreakerPolicy(), fallbacks)
+        kinds = set(self.registry.by_kind)
+        for name, mapping in (("retry_per_kind", retry_per_kind), ("defaults", defaults), ("verify", verify)):
+            unknown = set(mapping or ()) - kinds
+            if unknown:
+                raise ConfigError(f"{name} names kinds no agent serves: {sorted(unknown)}")
+        for kind, check in (verify or {}).items():
+            if not callable(check):
+                raise ConfigError(f"verify[{kind!r}] must be callable, got {check!r}")
+        self.decomposer = decomposer
+        self.clock = clock
+        self._bus = EventBus()
+        self._capacity = Capacity(concurrency)
+        self._config = RunConfig(
+            registry=self.registry,
+            capacity=self._capacity,
+            bus=self._bus,
+            retry=retry or RetryPolicy(),
+            retry_per_kind=dict(retry_per_kind or {}),
+            timeouts=Timeouts.of(timeouts),
+            defaults=dict(defaults or {}),
+            verify=dict(verify or {}),
+            safety=safety,
+            success_threshold=success_threshold,
+            window=window or max(10_000, 10 * concurrency),
+            aggregate=aggregator_of(aggregate),
+            seed=seed,
+            on_threshold_missed=on_threshold_missed,
+        )
+        self._tg: TaskGroup | None = None
+        self._entered = 0
+        self._runs: list[Run] = []
+        self._recent: deque[Run] = deque(maxlen=8)
+        self._faults: dict[str, Fault] = {}
+
+    @property
+    def concurrency(self) -> int:
+        return self._capacity.limit
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Orchestrator:
+        if self._entered:
+            self._entered += 1
+            return self
+        if self.clock is not None:
+            self.clock.install()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._entered = 1
+        self._bus.start(tg)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        self._entered -= 1
+        if self._entered:
+            return None
+        tg, self._tg = self._tg, None
+        self._bus.stop()  # subscribers get what is buffered, then their tasks end
+        try:
+            assert tg is not None
+            return await tg.__aexit__(exc_type, exc, tb)
+        finally:
+            if self.clock is not None:
+                self.clock.uninstall()
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        input: Any = None,
+        *,
+        tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+        run_id: str | None = None,
+    ) -> RunResult:
+        """Run `input` through the decomposer (or `tasks` as given) and return the `RunResult`.
+
+        Bad input raises `InputError` before any agent is called (for a streamed input: when the bad
+        task arrives, cancelling what runs). Cancelling the caller cancels every attempt.
+        """
+        if not self._entered:
+            async with self:
+                return await self.run(input, tasks=tasks, run_id=run_id)
+        source = await self._source(input, tasks)
+        result = await self._execute(source, run_id)
+        return await self._threshold_hook(result)
+
+    def stream(
+        self,
+        input: Any = None,
+        *,
+        tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+        run_id: str | None = None,
+    ) -> ResultStream:
+        """Run like `run`, yielding each `TaskResult` as it finishes: ``async for r in orch.stream(x)``.
+
+        Needs ``async with Orchestrator(...)``. After the loop, `.result` holds the `RunResult`.
+        Leaving the loop early cancels the run (``async with orch.stream(x) as results:`` makes that
+        immediate; otherwise it happens when the stream is closed or the orchestrator exits).
+        """
+        if self._tg is None:
+            raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
+        return ResultStream(self, input, tasks, run_id)
+
+    async def _source(self, input: Any, tasks: Any) -> Iterable[Task] | AsyncIterable[Task]:
+        if tasks is not None:
+            if input is not None:
+                raise ConfigError("give run() an input or tasks=, not both")
+            source = tasks
+        elif self.decomposer is not None:
+            source = self.decomposer(input)
+            if inspect.isawaitable(source):
+                source = await source
+        elif input is not None:
+            source = input  # an iterable of tasks, without a decomposer
+        else:
+            raise ConfigError("run() needs an input (with a decomposer) or tasks=")
+        if isinstance(source, Task):
+            source = [source]
+        if not isinstance(source, Iterable | AsyncIterable) or isinstance(source, str | bytes | Mapping):
+            raise InputError(
+                f"the decomposer must return tasks (a list, an iterable or an async iterable), got {type(source).__name__}"
+            )
+        return source
+
+    async def _execute(
+        self,
+        source: Iterable[Task] | AsyncIterable[Task],
+        run_id: str | None,
+        results: Any = None,
+    ) -> RunResult:
+        run = Run(self._config, run_id or uuid.uuid4().hex[:12], results)
+        self._runs.append(run)
+        try:
+            return await run.execute(source)
+        finally:
+            self._runs.remove(run)
+            self._recent.append(run)
+
+    async def _threshold_hook(self, result: RunResult) -> RunResult:
+        hook = self._config.on_threshold_missed
+        if hook is None or result.status != "failed" or result.metadata.success_rate >= result.metadata.success_threshold:
+            return result
+        run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
+        failed = [n.task for n in run.not_ok] if run is not None else []
+        try:
+            replacement = hook(result, failed)
+            if inspect.isawaitable(replacement):
+                replacement = await replacement
+        except Exception:
+            log.error("on_threshold_missed raised; keeping the result", exc_info=True)
+            return result
+        return replacement if replacement is not None else result
+
+    # -- events and control ------------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        fn: Callable[[Any], Awaitable[None] | None],
+        *types: type[Event],
+        buffer: int = 10_000,
+    ) -> Callable[[], None]:
+        """Call `fn(event)` (sync or async) for every event (or only those of `types`).
+
+        Delivery is from a bounded buffer of `buffer` events; when it is full, events are dropped
+        and counted in `metadata.events_dropped`, so a slow subscriber never slows the run. What
+        `fn` raises is logged and ignored. Returns a function that unsubscribes.
+        """
+        if buffer < 1:
+            raise ConfigError(f"buffer must be >= 1, got {buffer!r}")
+        return self._bus.subscribe(fn, types, buffer)
+
+    def reprioritize(self, task_id: str, priority: int) -> bool:
+        """Change the priority of a task that has not started; True if it was found waiting."""
+        if type(priority) is not int:
+            raise InputError(f"priority must be an int, got {priority!r}", task_id=task_id, field="priority")
+        for run in self._runs:
+            node = run.graph.nodes.get(task_id)
+            if node is None or node.state in TERMINAL:
+                continue
+            if node.state == "ready":
+                run.queue.discard(node)
+                node.priority = priority
+                run.queue.push(node)
+                return True
+            if node.state in ("pending", "retry_wait"):
+                node.priority = priority
+                return True
+            return False
+        return False
+
+    def agents_status(self) -> list[dict[str, Any]]:
+        """Every agent's status (idle / busy / failing / open), breaker, load and counters."""
+        return self.registry.snapshot()
+
+    # -- the fault kit ---------------------------------------------------------------------------
+
+    def simulate_agent_failure(
+        self,
+        agent: str,
+        *,
+        mode: FaultMode = "error",
+        duration: float | None = None,
+        retry_after: float | None = None,
+        latency: float = 1.0,
+    ) -> None:
+        """Take a live agent down: its calls fail in `mode` for `duration` seconds (None: until
+        `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
+        Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
+        "garbage", "permanent", "slow" (adds `latency`)."""
+        slot = self.registry.slots.get(agent)
+        if slot is None:
+            raise ConfigError(f"unknown agent {agent!r}; known: {sorted(self.registry.slots)}")
+        now = anyio.current_time()
+        fault = Fault(
+            agent,
+            mode,
+            started=now,
+            until=None if duration is None else now + duration,
+            retry_after=retry_after,
+            latency=latency,
+        )
+        slot.fault = fault
+        self._faults[agent] = fault
+        log.warning("simulated agent failure", agent=agent, mode=mode, duration=duration)
+
+    def restore_agent(self, agent: str) -> None:
+        """End a simulated failure now."""
+        slot = self.registry.slots.get(agent)
+        if slot is not None and slot.fault is not None:
+            slot.fault.until = anyio.current_time()
+            slot.fault = None
+
+    def recovery_status(self) -> RecoveryStatus:
+        """"recovered" when every task that a simulated failure hit finished successfully through
+        retries or fallbacks; "degraded" while some are unfinished; "failed" if some failed.
+        The returned string carries the details: `.pending`, `.failed`, `.agents`."""
+        pending: list[str] = []
+        failed: list[str] = []
+        for fault in self._faults.values():
+            for task_id in sorted(fault.affected):
+                node = self._find(task_id)
+                if node is None or node.state not in TERMINAL:
+                    pending.append(task_id)
+                elif node.state is not SUCCEEDED:
+                    failed.append(task_id)
+        state = "failed" if failed else "degraded" if pending else "recovered"
+        return RecoveryStatus(state, agents=sorted(self._faults), pending=pending, failed=failed)
+
+    def _find(self, task_id: str) -> Any:
+        for run in (*self._runs, *reversed(self._recent)):
+            node = run.graph.nodes.get(task_id)
+            if node is not None:
+                return node
+        return None
+
+
+class RecoveryStatus(str):
+    """A str ("recovered", "degraded" or "failed") with the details of what is not recovered."""
+
+    agents: list[str]
+    pending: list[str]
+    failed: list[str]
+
+    def __new__(cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]) -> RecoveryStatus:
+        self = super().__new__(cls, state)
+        self.agents = agents
+        self.pending = pending
+        self.failed = failed
+        return self
+
+    def describe(self) -> str:
+        if self == "recovered":
+            return f"recovered: every task hit by failures of {self.agents} succeeded"
+        return f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
+
+
+class ResultStream:
+    """The `TaskResult`s of one run as they finish; `result` is the `RunResult` once it is over."""
+
+    def __init__(self, orch: Orchestrator, input: Any, tasks: Any, run_id: str | None) -> None:
+        self._orch = orch
+        self._args = (input, tasks, run_id)
+        self._receive: MemoryObjectReceiveStream[TaskResult] | None = None
+        self._scope = anyio.CancelScope()
+        self._over = anyio.Event()
+        self._error: BaseException | None = None
+        self.result: RunResult | None = None
+
+    def _start(self) -> None:
+        # Unbounded: a worker must never wait on the reader; results are small and the run is finite.
+        send, self._receive = anyio.create_memory_object_stream[TaskResult](math.inf)
+        tg = self._orch._tg
+        if tg is None:
+            raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
+        tg.start_soon(self._drive, send)
+
+    async def _drive(self, send: Any) -> None:
+        input, tasks, run_id = self._args
+        try:
+            with self._scope:
+                source = await self._orch._source(input, tasks)
+                result = await self._orch._execute(source, run_id, send)
+                self.result = await self._orch._threshold_hook(result)
+        except Exception as exc:
+            self._error = exc
+        finally:
+            send.close()
+            self._over.set()
+
+    def __aiter__(self) -> AsyncIterator[TaskResult]:
+        return self
+
+    async def __anext__(self) -> TaskResult:
+        if self._receive is None:
+            self._start()
+        assert self._receive is not None
+        try:
+            return await self._receive.receive()
+        except anyio.EndOfStream:
+            await self._over.wait()
+            if self._error is not None:
+                raise self._error from None
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Cancel the run if it is still going, and wait for it to end."""
+        if self._receive is None:
+            return
+        self._scope.cancel()
+        await self._over.wait()
+        self._receive.close()
+
+    async def __aenter__(self) -> ResultStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,150 @@
+"""The registry: the agents of an orchestrator by name and by kind, with their health and load.
+
+An `AgentSlot` is the runtime side of one agent: how many tasks it runs now and may run, its circuit
+breaker, its policies and counters. Slots live as long as the orchestrator, so per-agent limits and
+breakers hold across concurrent runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from ._agent import Agent, AgentLike
+from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
+from ._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from ._context import Context
+    from ._retry import RetryPolicy
+    from ._task import Task
+
+__all__ = ("AgentSlot", "AgentStatus", "Registry")
+
+AgentStatus = Literal["idle", "busy", "failing", "open"]
+UNLIMITED = sys.maxsize
+
+
+class AgentSlot:
+    """One registered agent at run time."""
+
+    __slots__ = (
+        "agent",
+        "attempts",
+        "breaker",
+        "call",
+        "failures",
+        "fault",
+        "in_flight",
+        "input",
+        "kinds",
+        "last_error",
+        "limit",
+        "name",
+        "output",
+        "retry",
+        "succeeded",
+        "timeout",
+    )
+
+    def __init__(self, agent: AgentLike, breaker: BreakerPolicy) -> None:
+        self.agent = agent
+        self.name: str = agent.name
+        self.kinds: tuple[str, ...] = tuple(agent.kinds)
+        self.call: Callable[[Task, Context], Awaitable[Any]] = (
+            agent.direct() if isinstance(agent, Agent) else agent
+        )
+        concurrency = getattr(agent, "concurrency", None)
+        self.limit: int = UNLIMITED if concurrency is None else concurrency
+        self.input: type[BaseModel] | None = getattr(agent, "input", None)
+        self.output: type[BaseModel] | None = getattr(agent, "output", None)
+        self.retry: RetryPolicy | None = getattr(agent, "retry", None)
+        self.timeout: float | None = getattr(agent, "timeout", None)
+        self.breaker = Breaker(breaker)
+        self.in_flight = 0
+        self.attempts = 0
+        self.succeeded = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.fault: Any = None  # set by Orchestrator.simulate_agent_failure (orchestra.testing)
+
+    def status(self) -> AgentStatus:
+        if self.breaker.state is OPEN:
+            return "open"
+        if self.breaker.state is not CLOSED or self.breaker.consecutive:
+            return "failing"
+        return "busy" if self.in_flight else "idle"
+
+    @property
+    def load(self) -> float:
+        """In-flight tasks over the agent's limit (0 for an agent without a limit and nothing running)."""
+        return self.in_flight / self.limit if self.limit != UNLIMITED else float(self.in_flight)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kinds": list(self.kinds),
+            "status": self.status(),
+            "breaker": self.breaker.state,
+            "in_flight": self.in_flight,
+            "limit": None if self.limit == UNLIMITED else self.limit,
+            "attempts": self.attempts,
+            "succeeded": self.succeeded,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+class Registry:
+    """Agents by name and by kind, and the fallback chain of each kind."""
+
+    __slots__ = ("by_kind", "chains", "slots")
+
+    def __init__(
+        self,
+        agents: Sequence[AgentLike],
+        breaker: BreakerPolicy,
+        fallbacks: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        self.slots: dict[str, AgentSlot] = {}
+        self.by_kind: dict[str, list[AgentSlot]] = {}
+        for agent in agents:
+            if not isinstance(agent, AgentLike) or not isinstance(getattr(agent, "name", None), str):
+                raise ConfigError(
+                    f"{agent!r} is not an agent: decorate a function with @agent(kinds=[...]) "
+                    "or give the object `name`, `kinds` and `async def __call__(task, ctx)`"
+                )
+            if agent.name in self.slots:
+                raise ConfigError(f"two agents are named {agent.name!r}; give one another name=")
+            slot = AgentSlot(agent, breaker)
+            self.slots[slot.name] = slot
+            for kind in slot.kinds:
+                self.by_kind.setdefault(kind, []).append(slot)
+        # An explicit chain is followed in order. Without one, the agents serving the kind share the
+        # load (least loaded first) and the others are the fallbacks of the one picked.
+        self.chains: dict[str, tuple[AgentSlot, ...]] = {}
+        for kind, names in (fallbacks or {}).items():
+            if isinstance(names, str) or not names:
+                raise ConfigError(f"fallbacks[{kind!r}] must be a non-empty list of agent names")
+            chain = []
+            for name in names:
+                if name not in self.slots:
+                    raise ConfigError(
+                        f"fallbacks[{kind!r}] names unknown agent {name!r}; known: {sorted(self.slots)}"
+                    )
+                chain.append(self.slots[name])
+            self.chains[kind] = tuple(chain)
+            self.by_kind.setdefault(kind, [])
+            for slot in chain:
+                if slot not in self.by_kind[kind]:
+                    self.by_kind[kind].append(slot)
+
+    def serves(self, kind: str) -> bool:
+        return bool(self.by_kind.get(kind))
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every agent's status, load and counters (for `Orchestrator.agents_status`)."""
+        return [slot.snapshot() for slot in self.slots.values()]

@@ -1,0 +1,110 @@
+"""The structured answer of a run: `RunResult` with status, data, metadata and errors.
+
+Pydantic models, built once per run (never on the hot path), so a result round-trips through JSON:
+`RunResult.model_validate_json(result.model_dump_json()) == result`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ("AttemptRecord", "ErrorRecord", "RunMetadata", "RunResult", "RunStatus", "TimingStats")
+
+RunStatus = Literal["success", "partial", "failed", "cancelled"]
+
+
+class AttemptRecord(BaseModel):
+    """One failed attempt: which agent, what went wrong, when (seconds since the run started), how long."""
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    agent: str
+    error_type: str
+    message: str
+    started: float
+    duration: float
+    retry_in: float | None = None
+
+
+class ErrorRecord(BaseModel):
+    """One task that did not succeed, with every attempt and a suggested remediation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    kind: str
+    status: Literal["failed", "skipped", "cancelled"]
+    error_type: str
+    message: str
+    attempts: list[AttemptRecord] = Field(default_factory=list)
+    remediation: str
+    critical: bool = False
+    partial_output: Any = None
+
+
+class TimingStats(BaseModel):
+    """Seconds per task of one kind, from its first attempt's start to its end."""
+
+    model_config = ConfigDict(frozen=True)
+
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    max: float
+
+
+class RunMetadata(BaseModel):
+    """The statistics of a run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    started_at: datetime
+    finished_at: datetime
+    elapsed: float
+    total: int
+    counts: dict[str, int]
+    counts_by_kind: dict[str, dict[str, int]]
+    success_rate: float
+    success_threshold: float
+    attempts: int
+    retries: int
+    fallbacks: int
+    agents_used: list[str]
+    tasks_per_agent: dict[str, int]
+    time_per_kind: dict[str, TimingStats]
+    peak_concurrency: int
+    defaulted: list[str] = Field(default_factory=list)
+    tokens: dict[str, int] = Field(default_factory=dict)
+    cost: float = 0.0
+    events_dropped: int = 0
+    reason: str | None = None
+
+
+class RunResult(BaseModel):
+    """What `Orchestrator.run` returns.
+
+    `status` is "success" when every task succeeded, "partial" when the success rate meets the
+    threshold and no critical task failed, "failed" otherwise, "cancelled" when the run was cancelled.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    status: RunStatus
+    data: Any
+    metadata: RunMetadata
+    errors: list[ErrorRecord] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True for "success" and "partial"."""
+        return self.status in ("success", "partial")
+
+    def error_for(self, task_id: str) -> ErrorRecord | None:
+        """The error record of `task_id`, if it did not succeed."""
+        return next((e for e in self.errors if e.task_id == task_id), None)

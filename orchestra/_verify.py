@@ -1,0 +1,82 @@
+"""Verifiers and the safety check: judging an attempt's output, or a task before it runs.
+
+A verifier is `fn(task, output)` (sync or async) per kind, returning True / None (pass), False, or a
+`Verdict` with feedback. A failed check is a retryable failure; its feedback reaches the next attempt
+in `ctx.feedback`. An agent's declared `output` model is checked the same way: garbage is retried.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._exceptions import Rejected, VerificationError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from ._task import Task
+
+__all__ = ("Check", "Verdict", "check_output", "check_safety", "verify")
+
+Check = Callable[["Task", Any], "bool | Verdict | None | Awaitable[bool | Verdict | None]"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The answer of a verifier or a safety check: passed or not, and why."""
+
+    passed: bool
+    feedback: str | None = None
+
+    @classmethod
+    def ok(cls) -> Verdict:
+        return cls(True)
+
+    @classmethod
+    def fail(cls, feedback: str) -> Verdict:
+        return cls(False, feedback)
+
+
+def _judge(verdict: Any) -> tuple[bool, str | None]:
+    if verdict is None or verdict is True:
+        return True, None
+    if verdict is False:
+        return False, None
+    if isinstance(verdict, Verdict):
+        return verdict.passed, verdict.feedback
+    raise TypeError(f"a verifier or safety check returned {verdict!r}: return a bool or a Verdict")
+
+
+async def verify(check: Check, task: Task, output: Any) -> None:
+    """Raise `VerificationError` when `check` rejects `output`."""
+    verdict = check(task, output)
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    passed, feedback = _judge(verdict)
+    if not passed:
+        raise VerificationError(feedback or "the verifier rejected the output", output=output)
+
+
+async def check_safety(check: Callable[[Task], Any], task: Task) -> None:
+    """Raise `Rejected` when the safety check refuses `task`."""
+    verdict = check(task)
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    passed, reason = _judge(verdict)
+    if not passed:
+        raise Rejected(reason or "refused by the safety check")
+
+
+def check_output(model: type[BaseModel], output: Any) -> Any:
+    """`output` validated as `model`; garbage raises `VerificationError` (retryable, with feedback)."""
+    from pydantic import ValidationError
+
+    if isinstance(output, model):
+        return output
+    try:
+        return model.model_validate(output)
+    except ValidationError as exc:
+        raise VerificationError(f"output does not match {model.__name__}: {exc}", output=output) from exc
