@@ -12,59 +12,130 @@ async with Orchestrator(agents=[researcher], concurrency=100) as orch:
 ```
 """
 
-from ._agent import Agent as Agent, AgentLike as AgentLike, agent as agent
+from ._agent import Agent as Agent
+from ._agent import AgentLike as AgentLike
+from ._agent import agent as agent
 from ._aggregate import (
     Aggregator as Aggregator,
+)
+from ._aggregate import (
     ByKind as ByKind,
+)
+from ._aggregate import (
     Collect as Collect,
+)
+from ._aggregate import (
     Discard as Discard,
+)
+from ._aggregate import (
     Merge as Merge,
+)
+from ._aggregate import (
     Reduce as Reduce,
+)
+from ._aggregate import (
     Transform as Transform,
 )
 from ._breaker import BreakerPolicy as BreakerPolicy
 from ._context import Context as Context
-from ._decompose import by_priority as by_priority, by_type as by_type, chunked as chunked
+from ._decompose import by_priority as by_priority
+from ._decompose import by_type as by_type
+from ._decompose import chunked as chunked
 from ._events import (
     AttemptFailed as AttemptFailed,
+)
+from ._events import (
     AttemptStarted as AttemptStarted,
+)
+from ._events import (
     AttemptSucceeded as AttemptSucceeded,
+)
+from ._events import (
     BreakerChanged as BreakerChanged,
+)
+from ._events import (
     Event as Event,
+)
+from ._events import (
     FallbackUsed as FallbackUsed,
+)
+from ._events import (
     RetryScheduled as RetryScheduled,
+)
+from ._events import (
     RunFinished as RunFinished,
+)
+from ._events import (
     RunStarted as RunStarted,
+)
+from ._events import (
     TaskFinished as TaskFinished,
+)
+from ._events import (
     TaskReady as TaskReady,
 )
 from ._exceptions import (
     AgentError as AgentError,
+)
+from ._exceptions import (
     AttemptTimeout as AttemptTimeout,
+)
+from ._exceptions import (
     ConfigError as ConfigError,
+)
+from ._exceptions import (
     InputError as InputError,
+)
+from ._exceptions import (
     OrchestraError as OrchestraError,
+)
+from ._exceptions import (
     PermanentError as PermanentError,
+)
+from ._exceptions import (
     Rejected as Rejected,
+)
+from ._exceptions import (
     RetryableError as RetryableError,
+)
+from ._exceptions import (
     RunError as RunError,
+)
+from ._exceptions import (
     TaskTimeout as TaskTimeout,
+)
+from ._exceptions import (
     VerificationError as VerificationError,
 )
 from ._orchestrator import (
     Orchestrator as Orchestrator,
+)
+from ._orchestrator import (
     RecoveryStatus as RecoveryStatus,
+)
+from ._orchestrator import (
     ResultStream as ResultStream,
 )
 from ._result import (
     AttemptRecord as AttemptRecord,
+)
+from ._result import (
     ErrorRecord as ErrorRecord,
+)
+from ._result import (
     RunMetadata as RunMetadata,
+)
+from ._result import (
     RunResult as RunResult,
+)
+from ._result import (
     TimingStats as TimingStats,
 )
-from ._retry import RetryPolicy as RetryPolicy, Timeouts as Timeouts
-from ._task import Attempt as Attempt, Task as Task, TaskResult as TaskResult
+from ._retry import RetryPolicy as RetryPolicy
+from ._retry import Timeouts as Timeouts
+from ._task import Attempt as Attempt
+from ._task import Task as Task
+from ._task import TaskResult as TaskResult
 from ._verify import Verdict as Verdict
 
 __version__ = "0.1.0"

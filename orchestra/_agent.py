@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 import anyio
@@ -19,6 +18,8 @@ import anyio.to_thread
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
     from pydantic import BaseModel
 
     from ._context import Context
@@ -37,8 +38,10 @@ class AgentLike(Protocol):
     `concurrency` (int), `input` and `output` (pydantic models), `retry` (RetryPolicy),
     `timeout` (seconds per attempt)."""
 
-    name: str
-    kinds: Sequence[str]
+    @property
+    def name(self) -> str: ...
+    @property
+    def kinds(self) -> Sequence[str]: ...
 
     def __call__(self, task: Task, ctx: Context, /) -> Awaitable[Any]: ...
 
@@ -86,13 +89,21 @@ class Agent:
     ) -> None:
         label = name or getattr(fn, "__name__", None) or repr(fn)
         if isinstance(kinds, str) or not kinds or not all(isinstance(k, str) and k for k in kinds):
-            raise ConfigError(f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}")
+            raise ConfigError(
+                f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}"
+            )
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
-            raise ConfigError(f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}")
+            raise ConfigError(
+                f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}"
+            )
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-            raise ConfigError(f"agent {label!r}: timeout must be a positive number, got {timeout!r}")
+            raise ConfigError(
+                f"agent {label!r}: timeout must be a positive number, got {timeout!r}"
+            )
         if executor not in (None, "thread", "process"):
-            raise ConfigError(f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}")
+            raise ConfigError(
+                f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}"
+            )
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004  (a callable object's async __call__)
         )
@@ -102,7 +113,9 @@ class Agent:
                 "an agent without one must be `async def fn(task, ctx)`"
             )
         if executor is not None and is_async:
-            raise ConfigError(f"agent {label!r}: executor={executor!r} runs sync functions; this one is async")
+            raise ConfigError(
+                f"agent {label!r}: executor={executor!r} runs sync functions; this one is async"
+            )
         self.fn = fn
         self.__wrapped__ = fn
         self.kinds = tuple(kinds)

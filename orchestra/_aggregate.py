@@ -170,7 +170,9 @@ class Reduce:
         select: Callable[[Any], Any] | None = None,
     ) -> None:
         if isinstance(fn, str) and fn not in ("sum", "mean", "max", "min", "count"):
-            raise ConfigError(f"Reduce: unknown reducer {fn!r}; use sum, mean, max, min, count or a function")
+            raise ConfigError(
+                f"Reduce: unknown reducer {fn!r}; use sum, mean, max, min, count or a function"
+            )
         self.fn = fn
         self.initial = initial
         self.select = select
@@ -292,7 +294,9 @@ class ByKind:
     Kinds without an entry use `default` (`Collect()`); pass `default=None` to leave them out.
     """
 
-    def __init__(self, by_kind: Mapping[str, Aggregator], default: Aggregator | None = None) -> None:
+    def __init__(
+        self, by_kind: Mapping[str, Aggregator], default: Aggregator | None = None
+    ) -> None:
         self.by_kind = dict(by_kind)
         self.default = default if default is not None else Collect()
 

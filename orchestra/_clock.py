@@ -11,10 +11,12 @@ It needs asyncio's default selector event loop (not uvloop).
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 __all__ = ("FakeClock",)
 
@@ -75,10 +77,11 @@ class FakeClock:
         self._installs -= 1
         if self._installs:
             return
-        assert self._saved is not None and self._loop is not None
+        assert self._saved is not None
+        assert self._loop is not None
         selector, real_select = self._saved
         selector.select = real_select
-        del self._loop.time  # type: ignore[attr-defined]  # back to the class's method
+        del self._loop.time  # back to the class's method
         self._loop = None
         self._saved = None
 

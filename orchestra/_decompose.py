@@ -54,12 +54,9 @@ def by_type(
     from the item to its kind.
     """
     for i, item in enumerate(items):
-        if callable(route):
-            kind = route(item)
-        else:
-            kind = _route(item, route, field)
-            if kind is None:
-                raise InputError(f"by_type: item {i} ({item!r:.80}) matches no route of {sorted(map(str, route))}")
+        kind = route(item) if callable(route) else _route(item, route, field)
+        if kind is None:
+            raise InputError(f"by_type: item {i} ({item!r:.80}) matches no route")
         prio = priority(item) if callable(priority) else priority
         yield Task(kind, item, priority=prio)
 

@@ -228,4 +228,9 @@ class EventBus:
                         fn(event)
                 except Exception:
                     self.errors += 1
-                    log.warning("subscriber raised", subscriber=repr(fn), event=type(event).__name__, exc_info=True)
+                    log.warning(
+                        "subscriber raised",
+                        subscriber=repr(fn),
+                        event=type(event).__name__,
+                        exc_info=True,
+                    )

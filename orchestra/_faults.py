@@ -22,8 +22,19 @@ if TYPE_CHECKING:
 
 __all__ = ("GARBAGE", "Fault", "FaultMode", "raise_fault")
 
-FaultMode = Literal["error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow"]
-MODES: Final = ("error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow")
+FaultMode = Literal[
+    "error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow"
+]
+MODES: Final = (
+    "error",
+    "rate_limit",
+    "overloaded",
+    "server_error",
+    "hang",
+    "garbage",
+    "permanent",
+    "slow",
+)
 
 
 class _Garbage:
@@ -52,12 +63,16 @@ def _http_error(status: int, message: str, retry_after: float | None) -> Excepti
     return anthropic.APIStatusError(message, response=response, body=body)
 
 
-async def raise_fault(mode: str, who: str, *, retry_after: float | None = None, latency: float = 0.0) -> Any:
+async def raise_fault(
+    mode: str, who: str, *, retry_after: float | None = None, latency: float = 0.0
+) -> Any:
     """Behave as an agent failing in `mode`: raise, hang, or return garbage."""
     if mode == "error":
         raise ConnectionError(f"simulated failure: {who} is unreachable")
     if mode == "rate_limit":
-        raise _http_error(429, f"simulated rate limit on {who}", 1.0 if retry_after is None else retry_after)
+        raise _http_error(
+            429, f"simulated rate limit on {who}", 1.0 if retry_after is None else retry_after
+        )
     if mode == "overloaded":
         raise _http_error(529, f"simulated overload of {who}", retry_after)
     if mode == "server_error":
@@ -116,6 +131,8 @@ class Fault:
             if self.mode == "slow":
                 await anyio.sleep(self.latency)
                 return await call(task, ctx)
-            return await raise_fault(self.mode, f"agent {self.agent!r}", retry_after=self.retry_after)
+            return await raise_fault(
+                self.mode, f"agent {self.agent!r}", retry_after=self.retry_after
+            )
 
         return faulty

@@ -34,8 +34,8 @@ class Node:
         "agent_tries",
         "attempts",
         "chain_pos",
-        "dependents",
         "deadline",
+        "dependents",
         "failures",
         "feedback",
         "id",
@@ -105,7 +105,7 @@ def _strings(task_id: str, field: str, value: Any) -> Sequence[str]:
                 task_id=task_id,
                 field=field,
             )
-    return value
+    return value  # type: ignore[return-value]
 
 
 class Graph:
@@ -142,7 +142,9 @@ class Graph:
             self._auto += 1
             task_id = task.id = f"{kind}#{self._auto}"
         elif not isinstance(task_id, str) or not task_id:
-            raise InputError(f"{where}: task id must be a non-empty string, got {task_id!r}", field="id")
+            raise InputError(
+                f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
+            )
         if not isinstance(kind, str) or kind not in self._kinds or not self._kinds[kind]:
             known = ", ".join(sorted(k for k, v in self._kinds.items() if v)) or "none"
             raise InputError(
@@ -231,8 +233,10 @@ class Graph:
             if task.id in nodes or task.id in ids:
                 raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
             if not forward:
-                self._known_deps(task, ids, " (a streamed or spawned task may only depend on tasks before it)")
-            ids[task.id] = task  # type: ignore[index]
+                self._known_deps(
+                    task, ids, " (a streamed or spawned task may only depend on tasks before it)"
+                )
+            ids[task.id] = task
             batch.append(task)
         for task in batch:
             if forward:

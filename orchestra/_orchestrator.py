@@ -6,8 +6,15 @@ import inspect
 import math
 import uuid
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from types import TracebackType
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -24,6 +31,8 @@ from ._run import Capacity, Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from anyio.abc import TaskGroup
     from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -97,7 +106,11 @@ class Orchestrator:
             raise ConfigError(f"decomposer must be callable, got {decomposer!r}")
         self.registry = Registry(agents, breaker or BreakerPolicy(), fallbacks)
         kinds = set(self.registry.by_kind)
-        for name, mapping in (("retry_per_kind", retry_per_kind), ("defaults", defaults), ("verify", verify)):
+        for name, mapping in (
+            ("retry_per_kind", retry_per_kind),
+            ("defaults", defaults),
+            ("verify", verify),
+        ):
             unknown = set(mapping or ()) - kinds
             if unknown:
                 raise ConfigError(f"{name} names kinds no agent serves: {sorted(unknown)}")
@@ -160,8 +173,14 @@ class Orchestrator:
             return None
         tg, self._tg = self._tg, None
         self._bus.stop()  # subscribers get what is buffered, then their tasks end
+        assert tg is not None
         try:
-            assert tg is not None
+            if isinstance(exc, Exception):
+                # An error from the body (say, an InputError from run()) reaches the caller as it
+                # is, not wrapped in an ExceptionGroup by our background task group.
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+                return None
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
             if self.clock is not None:
@@ -220,7 +239,9 @@ class Orchestrator:
             raise ConfigError("run() needs an input (with a decomposer) or tasks=")
         if isinstance(source, Task):
             source = [source]
-        if not isinstance(source, Iterable | AsyncIterable) or isinstance(source, str | bytes | Mapping):
+        if not isinstance(source, Iterable | AsyncIterable) or isinstance(
+            source, str | bytes | Mapping
+        ):
             raise InputError(
                 f"the decomposer must return tasks (a list, an iterable or an async iterable), got {type(source).__name__}"
             )
@@ -242,7 +263,11 @@ class Orchestrator:
 
     async def _threshold_hook(self, result: RunResult) -> RunResult:
         hook = self._config.on_threshold_missed
-        if hook is None or result.status != "failed" or result.metadata.success_rate >= result.metadata.success_threshold:
+        if (
+            hook is None
+            or result.status != "failed"
+            or result.metadata.success_rate >= result.metadata.success_threshold
+        ):
             return result
         run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
         failed = [n.task for n in run.not_ok] if run is not None else []
@@ -276,7 +301,9 @@ class Orchestrator:
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Change the priority of a task that has not started; True if it was found waiting."""
         if type(priority) is not int:
-            raise InputError(f"priority must be an int, got {priority!r}", task_id=task_id, field="priority")
+            raise InputError(
+                f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
+            )
         for run in self._runs:
             node = run.graph.nodes.get(task_id)
             if node is None or node.state in TERMINAL:
@@ -335,7 +362,7 @@ class Orchestrator:
             slot.fault = None
 
     def recovery_status(self) -> RecoveryStatus:
-        """"recovered" when every task that a simulated failure hit finished successfully through
+        """ "recovered" when every task that a simulated failure hit finished successfully through
         retries or fallbacks; "degraded" while some are unfinished; "failed" if some failed.
         The returned string carries the details: `.pending`, `.failed`, `.agents`."""
         pending: list[str] = []
@@ -365,7 +392,9 @@ class RecoveryStatus(str):
     pending: list[str]
     failed: list[str]
 
-    def __new__(cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]) -> RecoveryStatus:
+    def __new__(
+        cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]
+    ) -> RecoveryStatus:
         self = super().__new__(cls, state)
         self.agents = agents
         self.pending = pending
@@ -375,7 +404,9 @@ class RecoveryStatus(str):
     def describe(self) -> str:
         if self == "recovered":
             return f"recovered: every task hit by failures of {self.agents} succeeded"
-        return f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
+        return (
+            f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
+        )
 
 
 class ResultStream:

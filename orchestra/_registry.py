@@ -8,7 +8,6 @@ breakers hold across concurrent runs.
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._agent import Agent, AgentLike
@@ -16,6 +15,8 @@ from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
+
     from pydantic import BaseModel
 
     from ._context import Context
@@ -54,6 +55,7 @@ class AgentSlot:
         self.agent = agent
         self.name: str = agent.name
         self.kinds: tuple[str, ...] = tuple(agent.kinds)
+        # An `Agent`'s own function is awaited directly: one frame less per call.
         self.call: Callable[[Task, Context], Awaitable[Any]] = (
             agent.direct() if isinstance(agent, Agent) else agent
         )
@@ -112,7 +114,9 @@ class Registry:
         self.slots: dict[str, AgentSlot] = {}
         self.by_kind: dict[str, list[AgentSlot]] = {}
         for agent in agents:
-            if not isinstance(agent, AgentLike) or not isinstance(getattr(agent, "name", None), str):
+            if not isinstance(agent, AgentLike) or not isinstance(
+                getattr(agent, "name", None), str
+            ):
                 raise ConfigError(
                     f"{agent!r} is not an agent: decorate a function with @agent(kinds=[...]) "
                     "or give the object `name`, `kinds` and `async def __call__(task, ctx)`"

@@ -14,12 +14,14 @@ from __future__ import annotations
 import email.utils
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from random import Random
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._exceptions import ConfigError, InputError, PermanentError, RetryableError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from random import Random
 
 __all__ = ("RetryPolicy", "Timeouts", "backoff", "classify")
 
@@ -48,13 +50,17 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ConfigError(f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}")
+            raise ConfigError(
+                f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}"
+            )
         if self.base < 0 or self.cap < 0:
             raise ConfigError(
                 f"RetryPolicy.base and .cap must be >= 0, got base={self.base}, cap={self.cap}"
             )
         if self.jitter not in ("full", "equal", "none"):
-            raise ConfigError(f"RetryPolicy.jitter must be 'full', 'equal' or 'none', got {self.jitter!r}")
+            raise ConfigError(
+                f"RetryPolicy.jitter must be 'full', 'equal' or 'none', got {self.jitter!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,9 @@ class Timeouts:
         for name in ("attempt", "task", "run"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value <= 0):
-                raise ConfigError(f"Timeouts.{name} must be a positive number or None, got {value!r}")
+                raise ConfigError(
+                    f"Timeouts.{name} must be a positive number or None, got {value!r}"
+                )
 
     @classmethod
     def of(cls, value: Timeouts | Mapping[str, float | None] | None) -> Timeouts:
@@ -90,7 +98,9 @@ class Timeouts:
         return cls(**value)
 
 
-def backoff(policy: RetryPolicy, retry: int, rng: Random, retry_after: float | None = None) -> float:
+def backoff(
+    policy: RetryPolicy, retry: int, rng: Random, retry_after: float | None = None
+) -> float:
     """Seconds to wait before retry number `retry` (0 for the first retry)."""
     delay = min(policy.cap, policy.base * 2.0**retry)
     if policy.jitter == "full":

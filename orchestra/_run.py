@@ -48,7 +48,6 @@ from ._graph import Graph, Group, Node
 from ._result import AttemptRecord, ErrorRecord, RunMetadata, RunResult, RunStatus, TimingStats
 from ._retry import RetryPolicy, backoff, classify
 from ._scheduler import ReadyQueue
-from ._verify import check_output, check_safety, verify
 from ._task import (
     CANCELLED,
     FAILED,
@@ -63,17 +62,17 @@ from ._task import (
     Task,
     TaskResult,
 )
+from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
-
-    from ._verify import Check
     from anyio.streams.memory import MemoryObjectSendStream
 
     from ._aggregate import Accumulator
     from ._events import EventBus
     from ._registry import AgentSlot, Registry
     from ._retry import Timeouts
+    from ._verify import Check
 
 __all__ = ("Capacity", "Node", "Run", "RunConfig", "remediation")
 
@@ -233,15 +232,23 @@ class Run:
                 for node in self.graph.unfinished():
                     self._settle(node, CANCELLED, None, error=self.reason)
             result = self._result(wall0)
-            log.info("run finished", status=result.status, elapsed=round(result.metadata.elapsed, 6))
+            log.info(
+                "run finished", status=result.status, elapsed=round(result.metadata.elapsed, 6)
+            )
         if self.bus.active:
-            self.bus.emit(RunFinished(self._time(), self.run_id, result.status, result.metadata.elapsed))
+            self.bus.emit(
+                RunFinished(self._time(), self.run_id, result.status, result.metadata.elapsed)
+            )
         return result
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _admit(self, tasks: Iterable[Any], *, where: str, forward: bool, closed_ok: bool = True) -> None:
-        new, skipped = self.graph.admit(tasks, where=where, forward=forward, closed_groups_ok=closed_ok)
+    def _admit(
+        self, tasks: Iterable[Any], *, where: str, forward: bool, closed_ok: bool = True
+    ) -> None:
+        new, skipped = self.graph.admit(
+            tasks, where=where, forward=forward, closed_groups_ok=closed_ok
+        )
         self._open += len(new)
         for node, reason in skipped:
             self._settle(node, SKIPPED, None, error=reason)
@@ -282,7 +289,11 @@ class Run:
         graph = self.graph
         graph.check(task, f"task spawned by {parent.id!r}")
         if task.id in graph.nodes or any(p.id == task.id for p in pending):
-            raise InputError(f"task {parent.id!r} spawns duplicate task id {task.id!r}", task_id=task.id, field="id")
+            raise InputError(
+                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
+                task_id=task.id,
+                field="id",
+            )
         known = {p.id for p in pending}
         for dep in task.depends_on:
             if dep not in graph.nodes and dep not in known:
@@ -381,11 +392,17 @@ class Run:
                 self._chain_end(node, "no agent left in the fallback chain (circuit breakers open)")
                 continue
             if node.deadline is not None and self._time() >= node.deadline:
-                self._settle(node, FAILED, None, error=f"task timeout after {node.task.timeout or self.config.timeouts.task}s before its attempt started", error_type="TaskTimeout")
+                self._settle(
+                    node,
+                    FAILED,
+                    None,
+                    error=f"task timeout after {node.task.timeout or self.config.timeouts.task}s before its attempt started",
+                    error_type="TaskTimeout",
+                )
                 continue
-            if slot.breaker.state is not CLOSED:  # type: ignore[union-attr]
-                self._breaker_changed(slot, slot.breaker.on_dispatch(self._time()))  # type: ignore[union-attr]
-            return node, slot  # type: ignore[return-value]
+            if slot.breaker.state is not CLOSED:
+                self._breaker_changed(slot, slot.breaker.on_dispatch(self._time()))
+            return node, slot
         return None
 
     def _pick(self, node: Node) -> Any:
@@ -455,7 +472,9 @@ class Run:
         ctx = Context(self, node, slot.name, node.attempts, node.feedback)
         bus = self.bus if self.bus.active else None
         if bus is not None:
-            bus.emit(AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts))
+            bus.emit(
+                AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
+            )
         try:
             call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
             if self.config.safety is not None and node.attempts == 1:
@@ -468,15 +487,24 @@ class Run:
                     output = await call(task, ctx)
                 if scope.cancelled_caught:
                     if node.deadline is not None and deadline >= node.deadline:
-                        raise TaskTimeout(f"task timeout after {task.timeout or self.config.timeouts.task}s")
-                    raise AttemptTimeout(f"attempt timeout after {deadline - start:.3g}s on agent {slot.name!r}")
+                        raise TaskTimeout(
+                            f"task timeout after {task.timeout or self.config.timeouts.task}s"
+                        )
+                    raise AttemptTimeout(
+                        f"attempt timeout after {deadline - start:.3g}s on agent {slot.name!r}"
+                    )
             if slot.output is not None:
                 output = check_output(slot.output, output)
             check = self.config.verify.get(node.kind)
             if check is not None:
                 await verify(check, task, output)
             if ctx._spawned:
-                self._admit(ctx._spawned, where=f"tasks spawned by {node.id!r}", forward=False, closed_ok=False)
+                self._admit(
+                    ctx._spawned,
+                    where=f"tasks spawned by {node.id!r}",
+                    forward=False,
+                    closed_ok=False,
+                )
         except Exception as exc:
             self._failed_attempt(node, slot, exc, start)
         else:
@@ -485,7 +513,11 @@ class Run:
             if slot.breaker.state is not CLOSED or slot.breaker.consecutive:
                 self._breaker_changed(slot, slot.breaker.on_success())
             if bus is not None:
-                bus.emit(AttemptSucceeded(end, self.run_id, node.id, node.kind, slot.name, node.attempts, end - start))
+                bus.emit(
+                    AttemptSucceeded(
+                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, end - start
+                    )
+                )
             self._settle(node, SUCCEEDED, output, agent=slot.name)
         finally:
             capacity.in_flight -= 1
@@ -529,26 +561,59 @@ class Run:
             node.failures = [attempt]
         else:
             node.failures.append(attempt)
-        node.feedback.append(exc.feedback if isinstance(exc, VerificationError) else f"{error_type}: {message}")
+        node.feedback.append(
+            exc.feedback if isinstance(exc, VerificationError) else f"{error_type}: {message}"
+        )
         if isinstance(exc, VerificationError):
             node.output = exc.output  # kept as the partial output if the task fails in the end
         if self.bus.active:
-            self.bus.emit(AttemptFailed(end, self.run_id, node.id, node.kind, slot.name, node.attempts, error_type, message, retryable, end - start))
+            self.bus.emit(
+                AttemptFailed(
+                    end,
+                    self.run_id,
+                    node.id,
+                    node.kind,
+                    slot.name,
+                    node.attempts,
+                    error_type,
+                    message,
+                    retryable,
+                    end - start,
+                )
+            )
         if self._debug:
-            log.debug("attempt failed", task_id=node.id, agent=slot.name, attempt=node.attempts, error=f"{error_type}: {message}")
+            log.debug(
+                "attempt failed",
+                task_id=node.id,
+                agent=slot.name,
+                attempt=node.attempts,
+                error=f"{error_type}: {message}",
+            )
         if isinstance(exc, TaskTimeout | Rejected):
-            self._settle(node, FAILED, None, error=f"{error_type}: {message}", error_type=error_type)
+            self._settle(
+                node, FAILED, None, error=f"{error_type}: {message}", error_type=error_type
+            )
             return
         if retryable and node.agent_tries < policy.max_attempts:
             delay = backoff(policy, node.agent_tries - 1, self.rng, retry_after)
             if node.deadline is not None and end + delay >= node.deadline:
-                self._settle(node, FAILED, None, error=f"task timeout: the retry in {delay:.3g}s would pass the task's deadline", error_type="TaskTimeout")
+                self._settle(
+                    node,
+                    FAILED,
+                    None,
+                    error=f"task timeout: the retry in {delay:.3g}s would pass the task's deadline",
+                    error_type="TaskTimeout",
+                )
                 return
             attempt.retry_in = delay
             node.state = RETRY_WAIT
             self.retries += 1
             if self.bus.active:
-                self.bus.emit(RetryScheduled(end, self.run_id, node.id, node.kind, slot.name, node.attempts, delay))
+                self.bus.emit(
+                    RetryScheduled(
+                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, delay
+                    )
+                )
             self._tg.start_soon(self._retry_later, node, delay)  # type: ignore[union-attr]
             return
         reason = "permanent error" if not retryable else f"{policy.max_attempts} attempts failed"
@@ -586,11 +651,23 @@ class Run:
         tried = node.tried or ()
         return next((s for s in self.registry.by_kind[node.kind] if s not in tried), None)
 
-    def _emit_fallback(self, node: Node, slot: AgentSlot, nxt: AgentSlot | None, reason: str) -> None:
+    def _emit_fallback(
+        self, node: Node, slot: AgentSlot, nxt: AgentSlot | None, reason: str
+    ) -> None:
         if nxt is not None:
             self.fallbacks += 1
         if self.bus.active:
-            self.bus.emit(FallbackUsed(self._time(), self.run_id, node.id, node.kind, slot.name, None if nxt is None else nxt.name, reason))
+            self.bus.emit(
+                FallbackUsed(
+                    self._time(),
+                    self.run_id,
+                    node.id,
+                    node.kind,
+                    slot.name,
+                    None if nxt is None else nxt.name,
+                    reason,
+                )
+            )
 
     def _chain_end(self, node: Node, reason: str) -> None:
         """Every agent of the chain failed the task: its default value, or a failure."""
@@ -629,11 +706,19 @@ class Run:
         cascade: list[tuple[Node, str]] | None = None
         while True:
             if node.state not in TERMINAL:
-                cascade = self._settle_one(node, status, output, agent, error, error_type, defaulted, cascade)
+                cascade = self._settle_one(
+                    node, status, output, agent, error, error_type, defaulted, cascade
+                )
             if not cascade:
                 return
             node, error = cascade.pop()
-            status, output, agent, error_type, defaulted = SKIPPED, None, None, "DependencyFailed", False
+            status, output, agent, error_type, defaulted = (
+                SKIPPED,
+                None,
+                None,
+                "DependencyFailed",
+                False,
+            )
 
     def _settle_one(
         self,
@@ -756,8 +841,8 @@ class Run:
         total = sum(sum(c.values()) for c in self.counts.values())
         by_status: dict[str, int] = dict.fromkeys((SUCCEEDED, FAILED, SKIPPED, CANCELLED), 0)
         for counts in self.counts.values():
-            for status, n in counts.items():
-                by_status[status] += n
+            for state, n in counts.items():
+                by_status[state] += n
         succeeded = by_status[SUCCEEDED]
         rate = succeeded / total if total else 1.0
         threshold = self.config.success_threshold
@@ -828,7 +913,9 @@ def _error_record(node: Node) -> ErrorRecord:
     assert result is not None
     failures = node.failures or []
     error_type = result.error_type or (failures[-1].error_type if failures else "Error")
-    message = result.error or (f"{failures[-1].error_type}: {failures[-1].message}" if failures else "")
+    message = result.error or (
+        f"{failures[-1].error_type}: {failures[-1].message}" if failures else ""
+    )
     return ErrorRecord(
         task_id=node.id,
         kind=node.kind,
@@ -874,7 +961,9 @@ def remediation(status: str, error_type: str, message: str, node: Node) -> str:
         return "The request is invalid for this agent: fix the payload; retrying will not help."
     if error_type == "BreakerOpen":
         return "Every agent of the chain has an open circuit breaker: check the agents' health or add a fallback."
-    return "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
+    return (
+        "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
+    )
 
 
 def _message(exc: BaseException) -> str:

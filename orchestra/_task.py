@@ -7,8 +7,10 @@ once, when the run admits the task (`orchestra._graph`), and never again on the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = ("Attempt", "Task", "TaskResult", "TaskStatus")
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Check", "Verdict", "check_output", "check_safety", "verify")
 
-Check = Callable[["Task", Any], "bool | Verdict | None | Awaitable[bool | Verdict | None]"]
+Check = Callable[["Task", Any], "bool | Verdict | Awaitable[bool | Verdict | None] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,4 +79,6 @@ def check_output(model: type[BaseModel], output: Any) -> Any:
     try:
         return model.model_validate(output)
     except ValidationError as exc:
-        raise VerificationError(f"output does not match {model.__name__}: {exc}", output=output) from exc
+        raise VerificationError(
+            f"output does not match {model.__name__}: {exc}", output=output
+        ) from exc

@@ -1,0 +1,202 @@
+"""The six scenarios of the suite, in a full size and a smoke size.
+
+A scenario is a list of groups; a group is the variants that measure the same thing at the same
+size and are run one after another in each repetition (their order rotating from one repetition to
+the next), so that a drift in the machine's speed lands on all of them alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .spec import Spec
+
+#: Variants of scenario 2 and 3 (LangGraph is added at its own sizes).
+PEERS = ("orchestra", "gather", "taskgroup", "worker_queue", "anyio", "aiometer")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    spec: Spec
+    #: Run this case in at most this many repetitions (LangGraph at 20,000 takes ~50 s a run).
+    max_reps: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    title: str
+    groups: list[list[Case]] = field(default_factory=list)
+
+    def cases(self) -> list[Case]:
+        return [case for group in self.groups for case in group]
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    speedup_n: int = 200
+    speedup_latency: float = 0.050
+    speedup_jitter: float = 0.005
+    speedup_limits: tuple[int, ...] = (1, 10, 50, 200)
+    dispatch_ns: tuple[int, ...] = (20_000, 100_000)
+    langgraph_ns: tuple[int, ...] = (2_000, 20_000)
+    #: LangGraph grows faster than linearly; its largest size runs in this many repetitions.
+    langgraph_big_reps: int = 2
+    latency_n: int = 2_000
+    latency: float = 0.050
+    memory_n: int = 100_000
+    memory_sleep: float = 0.001
+    million_n: int = 1_000_000
+    million_slice: int = 100_000
+    million_reps: int = 2
+    features_n: int = 100_000
+    limit: int = 100
+    reps: int = 5
+
+
+FULL = Sizes()
+SMOKE = Sizes(
+    speedup_n=20,
+    speedup_latency=0.005,
+    speedup_jitter=0.0005,
+    speedup_limits=(1, 10),
+    dispatch_ns=(300,),
+    langgraph_ns=(50,),
+    langgraph_big_reps=1,
+    latency_n=50,
+    latency=0.005,
+    memory_n=500,
+    million_n=2_000,
+    million_slice=500,
+    million_reps=1,
+    features_n=300,
+    limit=10,
+    reps=1,
+)
+
+
+def plan(sizes: Sizes) -> list[Scenario]:
+    limit = sizes.limit
+
+    speedup = Scenario(
+        "speedup",
+        f"1. Parallel vs sequential: {sizes.speedup_n} simulated agent calls, "
+        f"{sizes.speedup_latency * 1e3:g} ms ± {sizes.speedup_jitter * 1e3:g} ms, 4 kinds",
+    )
+    for c in sizes.speedup_limits:
+        speedup.groups.append(
+            [
+                Case(
+                    Spec(
+                        "speedup",
+                        variant,
+                        sizes.speedup_n,
+                        c,
+                        work="sleep",
+                        latency=sizes.speedup_latency,
+                        jitter=sizes.speedup_jitter,
+                        kinds=4,
+                    )
+                )
+                for variant in ("orchestra", "gather")
+            ]
+        )
+
+    dispatch = Scenario("dispatch", f"2. Dispatch overhead: no-op subtasks, limit {limit}")
+    sizes_and_variants: dict[int, list[str]] = {}
+    for n in sizes.dispatch_ns:
+        sizes_and_variants.setdefault(n, []).extend(PEERS)
+    for n in sizes.langgraph_ns:
+        # orchestra and gather at LangGraph's sizes too, for a ratio measured side by side.
+        for variant in ("orchestra", "gather", "langgraph"):
+            if variant not in sizes_and_variants.setdefault(n, []):
+                sizes_and_variants[n].append(variant)
+    big_langgraph = max(sizes.langgraph_ns)
+    for loop in ("asyncio", "uvloop"):
+        for n, variants in sorted(sizes_and_variants.items()):
+            group = []
+            for variant in variants:
+                max_reps = None
+                if variant == "langgraph" and n == big_langgraph and n > min(sizes.langgraph_ns):
+                    if loop == "uvloop":
+                        continue  # ~50 s a run; its asyncio rows are the comparison
+                    max_reps = sizes.langgraph_big_reps
+                group.append(Case(Spec("dispatch", variant, n, limit, loop=loop), max_reps))
+            dispatch.groups.append(group)
+
+    latency = Scenario(
+        "latency",
+        f"3. Latency-bound efficiency: {sizes.latency_n} x {sizes.latency * 1e3:g} ms, limit {limit}",
+    )
+    latency.groups.append(
+        [
+            Case(
+                Spec(
+                    "latency",
+                    variant,
+                    sizes.latency_n,
+                    limit,
+                    work="sleep",
+                    latency=sizes.latency,
+                )
+            )
+            for variant in (*PEERS, "langgraph")
+        ]
+    )
+
+    memory = Scenario(
+        "memory",
+        f"4. Memory: {sizes.memory_n:,} pending subtasks "
+        f"({sizes.memory_sleep * 1e3:g} ms each), limit {limit}",
+    )
+    memory.groups.append(
+        [
+            Case(
+                Spec(
+                    "memory",
+                    variant,
+                    sizes.memory_n,
+                    limit,
+                    work="sleep",
+                    latency=sizes.memory_sleep,
+                )
+            )
+            for variant in ("orchestra", "gather", "worker_queue")
+        ]
+    )
+
+    million = Scenario(
+        "million",
+        f"5. {sizes.million_n:,} no-op tasks streamed from an async generator, limit {limit}",
+    )
+    million.groups.append(
+        [
+            Case(
+                Spec("million", variant, sizes.million_n, limit, slice=sizes.million_slice),
+                sizes.million_reps,
+            )
+            for variant in ("orchestra_stream", "worker_stream")
+        ]
+    )
+
+    features = Scenario(
+        "features",
+        f"6. Cost of features: {sizes.features_n:,} no-op tasks, limit {limit}",
+    )
+    features.groups.append(
+        [
+            Case(Spec("features", variant, sizes.features_n, limit))
+            for variant in (
+                "orchestra",
+                "orchestra_retry",
+                "orchestra_subscriber",
+                "orchestra_structlog",
+                "orchestra_verifier",
+            )
+        ]
+    )
+
+    return [speedup, dispatch, latency, memory, million, features]
+
+
+SCENARIOS = ("speedup", "dispatch", "latency", "memory", "million", "features")

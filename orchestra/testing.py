@@ -1,0 +1,232 @@
+"""The fault kit: what you need to test code that runs on orchestra, shipped for users.
+
+- `FakeClock`: virtual time; backoff, timeouts and breaker cool-downs take microseconds.
+- `ScriptedAgent` / `scripted(...)`: agents that fail the first N calls, raise 429 with Retry-After,
+  hang, return garbage, fail at random with a seed, or die for good — and record every call.
+- `Probe`: counts how many calls run at once across agents, to check limits.
+- `Orchestrator.simulate_agent_failure(...)` and `Orchestrator.recovery_status()` take a live agent
+  down and report whether its tasks recovered.
+
+```python
+from orchestra import Orchestrator, Task
+from orchestra.testing import FakeClock, scripted
+
+flaky = scripted("flaky", kinds=["research"], script=["rate_limit", "error"], latency=0.05)
+async with Orchestrator(agents=[flaky], clock=FakeClock(), seed=1) as orch:
+    result = await orch.run(tasks=[Task("research", i) for i in range(10)])
+assert result.status == "success" and flaky.calls[0].outcome == "rate_limit"
+```
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._clock import FakeClock
+from ._exceptions import ConfigError
+from ._faults import GARBAGE, MODES, raise_fault
+
+if TYPE_CHECKING:
+    from ._context import Context
+    from ._retry import RetryPolicy
+    from ._task import Task
+
+__all__ = ("GARBAGE", "Call", "FakeClock", "Probe", "ScriptedAgent", "scripted")
+
+OUTCOMES = ("ok", *MODES)
+
+
+@dataclass(slots=True)
+class Call:
+    """One call of a scripted agent: which task, which attempt, what it did, when (loop time)."""
+
+    task_id: str
+    attempt: int
+    outcome: str
+    started: float
+    ended: float | None = None
+
+
+class Probe:
+    """Counts calls in progress across every agent that shares it; `peak` is the most at once."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.by_agent: dict[str, int] = {}
+        self.peak_by_agent: dict[str, int] = {}
+
+    def enter(self, agent: str) -> None:
+        self.current += 1
+        self.peak = max(self.peak, self.current)
+        n = self.by_agent[agent] = self.by_agent.get(agent, 0) + 1
+        self.peak_by_agent[agent] = max(self.peak_by_agent.get(agent, 0), n)
+
+    def exit(self, agent: str) -> None:
+        self.current -= 1
+        self.by_agent[agent] -= 1
+
+
+class ScriptedAgent:
+    """An agent that follows a script, for tests and demos. See `scripted` for the arguments."""
+
+    def __init__(
+        self,
+        name: str,
+        kinds: Sequence[str],
+        *,
+        script: Sequence[str] = (),
+        then: str = "ok",
+        output: Any = None,
+        latency: float = 0.0,
+        jitter: float = 0.0,
+        failure_rate: float = 0.0,
+        failure_mode: str = "error",
+        dies_after: int | None = None,
+        die_mode: str = "error",
+        retry_after: float | None = None,
+        seed: int | None = None,
+        probe: Probe | None = None,
+        concurrency: int | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        for outcome in (*script, then, failure_mode, die_mode):
+            if outcome not in OUTCOMES:
+                raise ConfigError(
+                    f"scripted {name!r}: unknown outcome {outcome!r}; use one of {OUTCOMES}"
+                )
+        if not 0.0 <= failure_rate <= 1.0:
+            raise ConfigError(
+                f"scripted {name!r}: failure_rate must be in [0, 1], got {failure_rate}"
+            )
+        self.name = name
+        self.kinds = tuple(kinds)
+        self.script = list(script)
+        self.then = then
+        self.output = output
+        self.latency = latency
+        self.jitter = jitter
+        self.failure_rate = failure_rate
+        self.failure_mode = failure_mode
+        self.dies_after = dies_after
+        self.die_mode = die_mode
+        self.retry_after = retry_after
+        self.rng = random.Random(seed)
+        self.probe = probe
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.retry = retry
+        self.calls: list[Call] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def next_outcome(self) -> str:
+        n = len(self.calls)
+        if self.dies_after is not None and n >= self.dies_after:
+            return self.die_mode
+        if n < len(self.script):
+            return self.script[n]
+        if self.failure_rate and self.rng.random() < self.failure_rate:
+            return self.failure_mode
+        return self.then
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        outcome = self.next_outcome()
+        delay = self.latency + (self.rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0)
+        call = Call(task.id or "", ctx.attempt, outcome, anyio.current_time())
+        self.calls.append(call)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if self.probe is not None:
+            self.probe.enter(self.name)
+        try:
+            if delay > 0:
+                await anyio.sleep(delay)
+            if outcome == "ok":
+                return self._output(task)
+            result = await raise_fault(
+                outcome, f"agent {self.name!r}", retry_after=self.retry_after, latency=self.latency
+            )
+            return self._output(task) if outcome == "slow" else result
+        finally:
+            call.ended = anyio.current_time()
+            self.in_flight -= 1
+            if self.probe is not None:
+                self.probe.exit(self.name)
+
+    def _output(self, task: Task) -> Any:
+        if callable(self.output):
+            return self.output(task)
+        if self.output is not None:
+            return self.output
+        return {"agent": self.name, "task": task.id}
+
+    def outcomes(self) -> list[str]:
+        """What each call did, in call order."""
+        return [c.outcome for c in self.calls]
+
+    def __repr__(self) -> str:
+        return f"ScriptedAgent({self.name!r}, kinds={list(self.kinds)!r}, calls={len(self.calls)})"
+
+
+def scripted(
+    name: str,
+    kinds: Sequence[str],
+    *,
+    script: Sequence[str] = (),
+    then: str = "ok",
+    output: Any | Callable[[Task], Any] = None,
+    latency: float = 0.0,
+    jitter: float = 0.0,
+    fail_first: int = 0,
+    failure_rate: float = 0.0,
+    failure_mode: str = "error",
+    dies_after: int | None = None,
+    die_mode: str = "error",
+    retry_after: float | None = None,
+    seed: int | None = None,
+    probe: Probe | None = None,
+    concurrency: int | None = None,
+    timeout: float | None = None,
+    retry: RetryPolicy | None = None,
+) -> ScriptedAgent:
+    """An agent that plays a script of outcomes, one per call, then `then` for every later call.
+
+    Outcomes: "ok", "error" (connection error), "rate_limit" (HTTP 429 with Retry-After
+    `retry_after`), "overloaded" (529), "server_error" (500), "hang" (never returns: set a timeout),
+    "garbage" (returns `GARBAGE`), "permanent" (`PermanentError`), "slow" (`latency` more).
+
+    Args:
+        fail_first: shorthand for a script of that many "error"s.
+        failure_rate: after the script, fail this fraction of calls (seeded by `seed`) in `failure_mode`.
+        dies_after: after this many calls, every call fails in `die_mode`.
+        output: the output (or ``output(task)``); default ``{"agent": name, "task": task.id}``.
+        latency, jitter: seconds each call takes (uniform ± jitter), in the loop's time.
+        probe: a `Probe` shared with other agents, to measure concurrency.
+    """
+    steps = list(script) if script else ["error"] * fail_first
+    return ScriptedAgent(
+        name,
+        kinds,
+        script=steps,
+        then=then,
+        output=output,
+        latency=latency,
+        jitter=jitter,
+        failure_rate=failure_rate,
+        failure_mode=failure_mode,
+        dies_after=dies_after,
+        die_mode=die_mode,
+        retry_after=retry_after,
+        seed=seed,
+        probe=probe,
+        concurrency=concurrency,
+        timeout=timeout,
+        retry=retry,
+    )
