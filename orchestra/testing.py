@@ -21,7 +21,6 @@ assert result.status == "success" and flaky.calls[0].outcome == "rate_limit"
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,8 @@ from ._exceptions import ConfigError
 from ._faults import GARBAGE, MODES, raise_fault
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ._context import Context
     from ._retry import RetryPolicy
     from ._task import Task
