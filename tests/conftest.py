@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -42,14 +42,15 @@ async def clock() -> AsyncIterator[FakeClock]:
         yield fake
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every async test ends with no asyncio task of its own still alive."""
+@pytest.fixture
+async def no_leaks() -> AsyncIterator[None]:
+    """Fails the test if it leaves an asyncio task of its own running."""
+    before = await live_tasks()
     yield
-    if "asyncio" not in {m.name for m in request.node.iter_markers()} and not asyncio.iscoroutinefunction(
-        getattr(request.node, "obj", None)
-    ):
-        return
+    for _ in range(3):  # let cancelled tasks finish unwinding
+        await asyncio.sleep(0)
+    leaked = await live_tasks() - before
+    assert not leaked, f"leaked asyncio tasks: {leaked}"
 
 
 async def live_tasks() -> set[asyncio.Task[Any]]:
