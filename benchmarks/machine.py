@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -55,6 +56,18 @@ def _git_revision(root: Path) -> str | None:
     return out.stdout.strip() or None
 
 
+def _source_digest(root: Path) -> str | None:
+    """A digest of orchestra's sources, naming the code measured even when it is not committed."""
+    files = sorted((root / "orchestra").rglob("*.py"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def machine_info(root: Path) -> dict[str, Any]:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
@@ -67,4 +80,5 @@ def machine_info(root: Path) -> dict[str, Any]:
         "executable": sys.executable,
         "libraries": {name: _version(name) for name in LIBRARIES},
         "git_revision": _git_revision(root),
+        "orchestra_source_sha256": _source_digest(root),
     }

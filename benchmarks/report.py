@@ -326,6 +326,8 @@ def machine_line(results: Row) -> str:
     mem = f", {m['memory_bytes'] / 2**30:.1f} GiB RAM" if m.get("memory_bytes") else ""
     libs = ", ".join(f"{k} {v}" for k, v in m["libraries"].items() if v)
     rev = f" (git {m['git_revision']})" if m.get("git_revision") else ""
+    if m.get("orchestra_source_sha256"):
+        rev += f", orchestra sources sha256 {m['orchestra_source_sha256']}"
     return (
         f"**Machine:** {m['cpu']}, {m['cores']} cores{mem}; {m['platform']}; {m['python']}. "
         f"**Versions:** {libs}{rev}."
@@ -340,15 +342,22 @@ def _failed_cell(row: Row) -> str:
     return f"failed ({row['failed']} runs)"
 
 
-def markdown(results: Row, images: list[str], image_prefix: str = "", heading: str = "#") -> str:
+def markdown(
+    results: Row,
+    images: list[str],
+    image_prefix: str = "",
+    heading: str = "#",
+    title: str = "orchestra benchmarks",
+) -> str:
     summary: list[Row] = results["summary"]
     h2 = heading + "#"
+    reps = results["reps"]
     lines = [
-        f"{heading} orchestra benchmarks",
+        f"{heading} {title}",
         "",
         f"Generated {results['generated']}{' (smoke size)' if results['smoke'] else ''} by "
         f"`python -m benchmarks` in {results['duration_s']:.0f} s: each variant in its own fresh "
-        f"process, variants alternating, {results['reps']} repetitions unless noted; "
+        f"process, variants alternating, {reps} repetition{'s' if reps != 1 else ''} unless noted; "
         "cells show the median [min-max] over repetitions. Wall time is the workload alone "
         "(building the tasks included, interpreter start excluded).",
         "",
@@ -712,7 +721,13 @@ def write_all(
     if readme is not None:
         prefix = Path("results") if readme.parent != out else Path()
         rel = out.relative_to(readme.parent) if out.is_relative_to(readme.parent) else prefix
-        section = markdown(results, images, image_prefix=f"{rel.as_posix()}/", heading="##")
+        section = markdown(
+            results,
+            images,
+            image_prefix=f"{rel.as_posix()}/",
+            heading="###",
+            title=f"Run of {results['generated'][:10]}",
+        )
         update_readme(readme, section)
         paths.append(readme)
     return paths

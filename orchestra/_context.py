@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from ._run import Node, Run
     from ._task import Task
@@ -29,7 +29,9 @@ class Context:
 
     __slots__ = ("_node", "_run", "_spawned", "agent", "attempt", "feedback", "run_id", "task")
 
-    def __init__(self, run: Run, node: Node, agent: str, attempt: int, feedback: list[str]) -> None:
+    def __init__(
+        self, run: Run, node: Node, agent: str, attempt: int, feedback: Sequence[str]
+    ) -> None:
         self._run = run
         self._node = node
         self._spawned: list[Task] | None = None

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import InputError
-from ._task import PENDING, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
+from ._task import PENDING, SUCCEEDED, TERMINAL, Task, TaskResult
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -26,53 +26,58 @@ if TYPE_CHECKING:
 __all__ = ("Graph", "Group", "Node")
 
 
-class Node:
-    """A task's state in a run. Plain and slotted: it changes on every transition of the hot path."""
+class Node(TaskResult):
+    """A task's state in a run; once the task is terminal, the node is its `TaskResult`.
+
+    One object per task, not two: the hot path allocates as little as it can (every allocation also
+    feeds the garbage collector). The `TaskResult` fields (`status`, `agent`, `started`, `finished`,
+    ...) are set when the task settles; until then `state`, `slot` and `t_start` say where it is.
+    """
 
     __slots__ = (
-        "agent",
         "agent_tries",
-        "attempts",
         "chain_pos",
         "deadline",
         "dependents",
-        "failures",
         "feedback",
         "id",
-        "kind",
-        "output",
         "priority",
         "qseq",
-        "result",
-        "seq",
-        "started",
+        "slot",
         "state",
-        "task",
+        "t_start",
         "tried",
         "waiting",
     )
 
     def __init__(self, task: Task, seq: int) -> None:
         self.task = task
-        self.id: str = task.id  # type: ignore[assignment]  # assigned before the node is built
+        task_id: str = task.id  # type: ignore[assignment]  # assigned before the node is built
+        self.id = self.task_id = task_id
         self.kind = task.kind
         self.priority = task.priority
         self.seq = seq
         self.qseq = -1
         self.state: str = PENDING
+        self.status = PENDING  # type: ignore[assignment]  # the terminal status once settled
         self.waiting = 0
         self.dependents: list[Node] | None = None
-        self.agent: AgentSlot | None = None
+        self.slot: AgentSlot | None = None
         self.chain_pos = 0
         self.tried: list[AgentSlot] | None = None
         self.agent_tries = 0
         self.attempts = 0
-        self.failures: list[Attempt] | None = None
-        self.feedback: list[str] = []
-        self.started: float | None = None
+        self.failures = None
+        self.feedback: list[str] | None = None
+        self.t_start: float | None = None
         self.deadline: float | None = None
-        self.output: Any = None
-        self.result: TaskResult | None = None
+        self.output = None
+        self.agent = None
+        self.started = None
+        self.finished = 0.0
+        self.error = None
+        self.error_type = None
+        self.defaulted = False
 
     def __repr__(self) -> str:
         return f"Node({self.id!r}, {self.state})"
@@ -228,18 +233,21 @@ class Graph:
         batch: list[Task] = []
         ids: dict[str, Task] = {}
         nodes = self.nodes
+        linked = False  # any dependency at all: only then can there be a cycle
         for i, task in enumerate(tasks):
             self.check(task, f"{where}[{i}]")
+            if task.depends_on or task.depends_on_tags:
+                linked = True
             if task.id in nodes or task.id in ids:
                 raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
-            if not forward:
+            if not forward and task.depends_on:
                 self._known_deps(
                     task, ids, " (a streamed or spawned task may only depend on tasks before it)"
                 )
             ids[task.id] = task
             batch.append(task)
         for task in batch:
-            if forward:
+            if forward and task.depends_on:
                 self._known_deps(task, ids, "")
             for tag in task.tags:
                 group = self.groups.get(tag)
@@ -249,7 +257,7 @@ class Graph:
                         task_id=task.id,
                         field="tags",
                     )
-        if forward and len(batch) > 1:
+        if forward and linked and len(batch) > 1:
             self._reject_cycles(batch, ids)
         new = []
         for task in batch:

@@ -270,7 +270,7 @@ class Orchestrator:
         ):
             return result
         run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
-        failed = [n.task for n in run.not_ok] if run is not None else []
+        failed = [n.task for n in run.report.not_ok] if run is not None else []
         try:
             replacement = hook(result, failed)
             if inspect.isawaitable(replacement):
@@ -309,9 +309,7 @@ class Orchestrator:
             if node is None or node.state in TERMINAL:
                 continue
             if node.state == "ready":
-                run.queue.discard(node)
-                node.priority = priority
-                run.queue.push(node)
+                run.queue.move(node, priority)
                 return True
             if node.state in ("pending", "retry_wait"):
                 node.priority = priority

@@ -1,78 +1,99 @@
 """The priority ready-queue: smallest priority number first, FIFO within a priority.
 
-One heap per kind, so the dispatcher can skip a kind whose agents are all busy and still take the
-best task of another kind (one busy agent never blocks the rest). Entries are `(priority, seq, node)`;
-`seq` is unique, so nodes are never compared, and the node remembers the `seq` of its one live entry:
-a node that was reprioritized, cancelled or picked leaves its old entry behind, recognised as stale
-when it reaches the top (lazy deletion, as the `heapq` documentation recommends).
+A bucket queue: per kind, one FIFO deque per priority and a heap of the priorities present. Pushing
+is a deque append (no tuple per entry, no comparisons); the dispatcher reads each kind's head and
+picks the best (priority, then ready order) among the kinds whose agents have room, so one busy
+agent never blocks the others. Priorities are few in practice (a handful of levels), so the heap
+of priorities stays tiny.
+
+A node that leaves the queue without being taken (it was cancelled or timed out) stays in its deque
+and is dropped when it reaches the front (its state is no longer ready); a reprioritized node is
+moved at once (rare, O(bucket)).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from heapq import heappop, heappush
-from itertools import count
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from ._task import READY
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from ._graph import Node
 
-__all__ = ("Queued", "ReadyQueue")
-
-
-class Queued(Protocol):
-    state: str
-    priority: int
-    kind: str
-    qseq: int
+__all__ = ("KindQueue", "ReadyQueue")
 
 
-Entry = tuple[int, int, Queued]
+class KindQueue:
+    """The ready nodes of one kind."""
+
+    __slots__ = ("buckets", "prios")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, deque[Node]] = {}
+        self.prios: list[int] = []  # heap of the priorities that have a bucket
+
+    def head(self) -> Node | None:
+        """The best ready node of this kind (left in place), dropping stale entries."""
+        prios = self.prios
+        buckets = self.buckets
+        while prios:
+            bucket = buckets[prios[0]]
+            while bucket:
+                node = bucket[0]
+                if node.state is READY:
+                    return node
+                bucket.popleft()
+            del buckets[heappop(prios)]
+        return None
 
 
 class ReadyQueue:
-    """Ready nodes by kind. `heads()` gives each kind's best live entry, for the dispatcher to choose."""
+    """Ready nodes by kind; `size` counts the live ones."""
 
-    __slots__ = ("_heaps", "_seq", "size")
+    __slots__ = ("_seq", "kinds", "size")
 
     def __init__(self) -> None:
-        self._heaps: dict[str, list[Entry]] = {}
-        self._seq = count()
-        self.size = 0  # live entries (stale ones excluded)
+        self.kinds: dict[str, KindQueue] = {}
+        self._seq = 0
+        self.size = 0
 
-    def push(self, node: Queued) -> None:
-        heap = self._heaps.get(node.kind)
-        if heap is None:
-            heap = self._heaps[node.kind] = []
-        seq = node.qseq = next(self._seq)
-        heappush(heap, (node.priority, seq, node))
+    def push(self, node: Node) -> None:
+        queue = self.kinds.get(node.kind)
+        if queue is None:
+            queue = self.kinds[node.kind] = KindQueue()
+        bucket = queue.buckets.get(node.priority)
+        if bucket is None:
+            bucket = queue.buckets[node.priority] = deque()
+            heappush(queue.prios, node.priority)
+        bucket.append(node)
+        self._seq += 1
+        node.qseq = self._seq  # ready order, to compare heads of different kinds
         self.size += 1
 
-    def heads(self) -> Iterator[tuple[list[Entry], Entry]]:
-        """Each non-empty kind's heap with its best live entry, dropping stale entries on the way."""
-        for heap in self._heaps.values():
-            while heap:
-                entry = heap[0]
-                node = entry[2]
-                if entry[1] == node.qseq and node.state is READY:
-                    yield heap, entry
-                    break
-                heappop(heap)
-
-    def take(self, heap: list[Entry]) -> Queued:
-        """Remove the head of `heap` (as returned by `heads`)."""
-        self.size -= 1
-        node = heappop(heap)[2]
+    def take(self, queue: KindQueue) -> Node:
+        """Remove the head of `queue` (the node `queue.head()` returned)."""
+        node = queue.buckets[queue.prios[0]].popleft()
         node.qseq = -1
+        self.size -= 1
         return node
 
-    def discard(self, node: Queued) -> None:
-        """A ready node leaves the queue without being taken (cancelled, reprioritized); its entry
-        stays behind, stale."""
+    def discard(self, node: Node) -> None:
+        """A ready node leaves without being taken; its entry is dropped when it reaches the front."""
         if node.qseq >= 0:
             node.qseq = -1
             self.size -= 1
+
+    def move(self, node: Node, priority: int) -> None:
+        """Change the priority of a ready node (it goes to the back of its new priority)."""
+        queue = self.kinds[node.kind]
+        bucket = queue.buckets.get(node.priority)
+        if bucket is not None and node in bucket:
+            bucket.remove(node)
+        self.size -= 1
+        node.priority = priority
+        self.push(node)
 
     def __len__(self) -> int:
         return self.size

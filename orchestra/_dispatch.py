@@ -1,0 +1,533 @@
+"""The dispatcher: a pool of worker coroutines, each taking the best dispatchable task and calling
+its agent, then retrying, falling back or finishing it.
+
+No asyncio task per subtask: at most `concurrency` workers (started as work appears) pull from the
+ready-queue and await the agent call themselves, so 100k pending tasks are 100k small nodes, not
+100k coroutines, and the common path is a handful of attribute updates around one `await`.
+A task waiting for its retry holds no worker and no slot: a sleeper puts it back in the queue.
+Limits: the global one is a counter shared by the orchestrator's runs, the per-agent ones are
+counters on the agents' slots; a worker takes a task only when both have room, and the `finally`
+of every attempt gives both back, so they hold under errors and cancellation alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from random import Random
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import structlog
+
+from ._breaker import CLOSED
+from ._context import Context
+from ._events import (
+    AttemptFailed,
+    AttemptStarted,
+    AttemptSucceeded,
+    BreakerChanged,
+    FallbackUsed,
+    RetryScheduled,
+    TaskReady,
+)
+from ._exceptions import AttemptTimeout, InputError, Rejected, TaskTimeout, VerificationError
+from ._retry import RetryPolicy, Timeouts, backoff, classify
+from ._scheduler import ReadyQueue
+from ._task import FAILED, READY, RETRY_WAIT, RUNNING, SUCCEEDED, Attempt
+from ._verify import check_output, check_safety, verify
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from anyio.abc import TaskGroup
+
+    from ._events import EventBus
+    from ._graph import Node
+    from ._registry import AgentSlot, Registry
+    from ._report import Report
+    from ._task import Task
+    from ._verify import Check
+
+__all__ = ("Capacity", "Dispatcher", "RunConfig")
+
+log = structlog.get_logger("orchestra")
+
+_EXHAUSTED: Final = object()  # `_pick`: no agent of the chain can take the task any more
+_YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
+
+
+class Capacity:
+    """The orchestrator-wide concurrency limit, shared by its concurrent runs."""
+
+    __slots__ = ("blocked", "in_flight", "limit", "runs")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.blocked = False  # a worker found the limit reached: wake the other runs on release
+        self.runs: list[Dispatcher] = []
+
+
+class RunConfig:
+    """What a run takes from its orchestrator (built once per orchestrator)."""
+
+    __slots__ = (
+        "aggregate",
+        "bus",
+        "capacity",
+        "defaults",
+        "on_threshold_missed",
+        "registry",
+        "retry",
+        "retry_per_kind",
+        "safety",
+        "seed",
+        "success_threshold",
+        "timeouts",
+        "verify",
+        "window",
+    )
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        capacity: Capacity,
+        bus: EventBus,
+        retry: RetryPolicy,
+        retry_per_kind: Mapping[str, RetryPolicy],
+        timeouts: Timeouts,
+        defaults: Mapping[str, Any],
+        verify: Mapping[str, Check],
+        safety: Callable[[Task], Any] | None,
+        success_threshold: float,
+        window: int,
+        aggregate: Any,
+        seed: int | None,
+        on_threshold_missed: Callable[..., Any] | None,
+    ) -> None:
+        self.registry = registry
+        self.capacity = capacity
+        self.bus = bus
+        self.retry = retry
+        self.retry_per_kind = retry_per_kind
+        self.timeouts = timeouts
+        self.defaults = defaults
+        self.verify = verify
+        self.safety = safety
+        self.success_threshold = success_threshold
+        self.window = window
+        self.aggregate = aggregate
+        self.seed = seed
+        self.on_threshold_missed = on_threshold_missed
+
+
+class Dispatcher:
+    """Workers, agent choice and the attempt loop of one run. `Run` adds admission and settling."""
+
+    def __init__(self, config: RunConfig, run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.registry = config.registry
+        self.queue = ReadyQueue()
+        self.bus = config.bus
+        self.rng = Random(config.seed)
+        self.report: Report
+        self._capacity = config.capacity
+        self._chains = config.registry.chains
+        self._verify = config.verify
+        self._safety = config.safety
+        self._attempt_timeout = config.timeouts.attempt
+        self._task_timeout = config.timeouts.task
+        self._tg: TaskGroup | None = None
+        self._parked: list[asyncio.Future[None]] = []
+        self._workers = 0
+        self._closing = False
+        self._running = 0
+        self._time: Callable[[], float] = anyio.current_time
+        self.t0 = 0.0
+
+    # Defined by `Run`: the terminal transition of a task.
+    def _settle(
+        self,
+        node: Node,
+        status: str,
+        output: Any,
+        *,
+        agent: str | None = None,
+        error: str | None = None,
+        error_type: str | None = None,
+        defaulted: bool = False,
+    ) -> None:
+        raise NotImplementedError
+
+    def _admit_spawned(self, tasks: list[Task], parent: Node) -> None:
+        raise NotImplementedError
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def _ready(self, node: Node) -> None:
+        node.state = READY
+        if node.deadline is None:
+            timeout = node.task.timeout or self._task_timeout
+            if timeout is not None:
+                node.deadline = self._time() + timeout
+        self.queue.push(node)
+        if self.bus.active:
+            self.bus.emit(TaskReady(self._time(), self.run_id, node.id, node.kind, node.priority))
+        if self._parked:
+            self._wake_one()
+        elif self._tg is not None and self._workers < self._capacity.limit:
+            self._workers += 1
+            self._tg.start_soon(self._worker)
+
+    def _start_workers(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        for _ in range(min(self._capacity.limit, len(self.queue)) - self._workers):
+            self._workers += 1
+            tg.start_soon(self._worker)
+
+    def _wake_one(self) -> None:
+        parked = self._parked
+        while parked:
+            waiter = parked.pop()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _stop_workers(self) -> None:
+        self._closing = True
+        while self._parked:
+            self._wake_one()
+
+    async def _worker(self) -> None:
+        # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
+        # allocation; `_wake_one` wakes a worker when a task is ready or a slot frees.
+        loop = asyncio.get_running_loop()
+        done = 0
+        try:
+            while True:
+                picked = self._next()
+                if picked is None:
+                    if self._closing:
+                        return
+                    waiter = loop.create_future()
+                    self._parked.append(waiter)
+                    await waiter
+                    continue
+                await self._attempt(*picked)
+                done += 1
+                if not done % _YIELD_EVERY:
+                    await asyncio.sleep(0)
+        finally:
+            self._workers -= 1
+
+    def _next(self) -> tuple[Node, AgentSlot] | None:
+        """The best ready task with an agent free to take it, taken out of the queue (or None)."""
+        capacity = self._capacity
+        queue = self.queue
+        while queue.size:
+            if capacity.in_flight >= capacity.limit:
+                capacity.blocked = True
+                return None
+            best: Node | None = None
+            best_queue = best_slot = None
+            for kind_queue in queue.kinds.values():
+                node = kind_queue.head()
+                if node is None:
+                    continue
+                if best is not None and (
+                    node.priority > best.priority
+                    or (node.priority == best.priority and node.qseq > best.qseq)
+                ):
+                    continue
+                slot = self._pick(node)
+                if slot is not None:
+                    best, best_queue, best_slot = node, kind_queue, slot
+                    if slot is _EXHAUSTED:
+                        break
+            if best is None:
+                return None
+            node = queue.take(best_queue)  # type: ignore[arg-type]
+            if best_slot is _EXHAUSTED:
+                self._chain_end(node, "every agent of the chain has an open circuit breaker")
+                continue
+            if node.deadline is not None and self._time() >= node.deadline:
+                self._settle(
+                    node,
+                    FAILED,
+                    None,
+                    error=f"TaskTimeout: the task's deadline passed before attempt {node.attempts + 1} started",
+                    error_type="TaskTimeout",
+                )
+                continue
+            slot = best_slot
+            breaker = slot.breaker  # type: ignore[union-attr]
+            if breaker.state is not CLOSED:
+                self._breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))  # type: ignore[arg-type]
+            return node, slot  # type: ignore[return-value]
+        return None
+
+    def _pick(self, node: Node) -> Any:
+        """The agent for `node` now: a slot, None (all busy: wait), or _EXHAUSTED."""
+        slot = node.slot
+        if slot is None:
+            chain = self._chains.get(node.kind)
+            if chain is None:
+                return self._least_loaded(node)
+            slot = node.slot = chain[node.chain_pos]
+        breaker = slot.breaker
+        if breaker.state is not CLOSED and not breaker.available(self._time()):
+            return self._skip_open(node, slot)
+        return slot if slot.in_flight < slot.limit else None
+
+    def _least_loaded(self, node: Node) -> Any:
+        tried = node.tried
+        best = None
+        healthy = False
+        for slot in self.registry.by_kind[node.kind]:
+            if tried is not None and slot in tried:
+                continue
+            breaker = slot.breaker
+            if breaker.state is not CLOSED and not breaker.available(self._time()):
+                continue
+            healthy = True
+            if slot.in_flight < slot.limit and (best is None or slot.load < best.load):
+                best = slot
+        if best is not None:
+            return best
+        return None if healthy else _EXHAUSTED
+
+    def _skip_open(self, node: Node, slot: AgentSlot) -> Any:
+        """`node`'s agent has an open breaker: go straight to the next agent of the chain."""
+        self._mark_tried(node, slot)
+        nxt = self._next_in_chain(node)
+        self._emit_fallback(node, slot, nxt, "circuit breaker open")
+        if nxt is None:
+            return _EXHAUSTED
+        return self._pick(node)
+
+    # -- one attempt -----------------------------------------------------------------------------
+
+    async def _attempt(self, node: Node, slot: AgentSlot) -> None:
+        capacity = self._capacity
+        capacity.in_flight += 1
+        slot.in_flight += 1
+        self._running += 1
+        report = self.report
+        if self._running > report.peak:
+            report.peak = self._running
+        node.state = RUNNING
+        node.slot = slot
+        node.attempts += 1
+        node.agent_tries += 1
+        slot.attempts += 1
+        report.attempts += 1
+        task = node.task
+        start = self._time()
+        if node.t_start is None:
+            node.t_start = start
+        ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
+        bus = self.bus if self.bus.active else None
+        if bus is not None:
+            bus.emit(
+                AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
+            )
+        try:
+            call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
+            if self._safety is not None and node.attempts == 1:
+                await check_safety(self._safety, task)
+            timeout = slot.timeout or self._attempt_timeout
+            if timeout is None and node.deadline is None:
+                output = await call(task, ctx)
+            else:
+                deadline = node.deadline if timeout is None else start + timeout
+                if node.deadline is not None and node.deadline < deadline:  # type: ignore[operator]
+                    deadline = node.deadline
+                with anyio.CancelScope(deadline=deadline) as scope:  # type: ignore[arg-type]
+                    output = await call(task, ctx)
+                if scope.cancelled_caught:
+                    if deadline == node.deadline:
+                        raise TaskTimeout(
+                            f"task timeout: {node.task.timeout or self._task_timeout}s passed"
+                        )
+                    raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
+            if slot.output is not None:
+                output = check_output(slot.output, output)
+            check = self._verify.get(node.kind) if self._verify else None
+            if check is not None:
+                await verify(check, task, output)
+            if ctx._spawned:
+                self._admit_spawned(ctx._spawned, node)
+        except Exception as exc:
+            self._failed_attempt(node, slot, exc, start)
+        else:
+            slot.succeeded += 1
+            breaker = slot.breaker
+            if breaker.consecutive or breaker.state is not CLOSED:
+                self._breaker_changed(slot, breaker.state, breaker.on_success())
+            if bus is not None:
+                end = self._time()
+                bus.emit(
+                    AttemptSucceeded(
+                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, end - start
+                    )
+                )
+            self._settle(node, SUCCEEDED, output, agent=slot.name)
+        finally:
+            capacity.in_flight -= 1
+            slot.in_flight -= 1
+            self._running -= 1
+            if node.state is RUNNING:  # cancelled mid-call: a half-open probe ends unjudged
+                slot.breaker.on_abandon()
+            if capacity.blocked:
+                capacity.blocked = False
+                for run in capacity.runs:
+                    run._wake_one()
+            elif self._parked:
+                self._wake_one()
+
+    def _failed_attempt(self, node: Node, slot: AgentSlot, exc: Exception, start: float) -> None:
+        end = self._time()
+        policy = slot.retry or self.config.retry_per_kind.get(node.kind) or self.config.retry
+        retryable, retry_after = classify(exc, policy)
+        error_type = type(exc).__name__
+        message = _message(exc)
+        slot.failures += 1
+        slot.last_error = f"{error_type}: {message}"
+        if not isinstance(exc, VerificationError | Rejected | InputError):
+            breaker = slot.breaker
+            self._breaker_changed(slot, breaker.state, breaker.on_failure(end))
+        attempt = Attempt(
+            number=node.attempts,
+            agent=slot.name,
+            error_type=error_type,
+            message=message,
+            started=start - self.t0,
+            duration=end - start,
+        )
+        if node.failures is None:
+            node.failures = [attempt]
+        else:
+            node.failures.append(attempt)
+        if node.feedback is None:
+            node.feedback = []
+        if isinstance(exc, VerificationError):
+            node.feedback.append(exc.feedback)
+            node.output = exc.output  # kept as the partial output if the task fails in the end
+        else:
+            node.feedback.append(f"{error_type}: {message}")
+        if self.bus.active:
+            self.bus.emit(
+                AttemptFailed(
+                    end, self.run_id, node.id, node.kind, slot.name, node.attempts,
+                    error_type, message, retryable, end - start,
+                )
+            )  # fmt: skip
+        if isinstance(exc, TaskTimeout | Rejected):
+            self._settle(
+                node, FAILED, None, error=f"{error_type}: {message}", error_type=error_type
+            )
+            return
+        if retryable and node.agent_tries < policy.max_attempts:
+            delay = backoff(policy, node.agent_tries - 1, self.rng, retry_after)
+            if node.deadline is not None and end + delay >= node.deadline:
+                self._settle(
+                    node,
+                    FAILED,
+                    None,
+                    error=f"TaskTimeout: the retry in {delay:.3g}s would pass the task's deadline",
+                    error_type="TaskTimeout",
+                )
+                return
+            attempt.retry_in = delay
+            node.state = RETRY_WAIT
+            self.report.retries += 1
+            if self.bus.active:
+                self.bus.emit(
+                    RetryScheduled(
+                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, delay
+                    )
+                )
+            self._tg.start_soon(self._retry_later, node, delay)  # type: ignore[union-attr]
+            return
+        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
+        self._mark_tried(node, slot)
+        nxt = self._next_in_chain(node)
+        self._emit_fallback(node, slot, nxt, reason)
+        if nxt is None:
+            self._chain_end(node, reason)
+        else:
+            self._ready(node)
+
+    async def _retry_later(self, node: Node, delay: float) -> None:
+        await anyio.sleep(delay)
+        if node.state is RETRY_WAIT:
+            self._ready(node)
+
+    # -- fallback chains and breakers ------------------------------------------------------------
+
+    def _mark_tried(self, node: Node, slot: AgentSlot) -> None:
+        if node.tried is None:
+            node.tried = [slot]
+        elif slot not in node.tried:
+            node.tried.append(slot)
+        node.agent_tries = 0
+
+    def _next_in_chain(self, node: Node) -> AgentSlot | None:
+        """Move `node` to the next agent of its chain; None when the chain has run out."""
+        chain = self._chains.get(node.kind)
+        if chain is not None:
+            node.chain_pos += 1
+            if node.chain_pos >= len(chain):
+                node.slot = None
+                return None
+            node.slot = chain[node.chain_pos]
+            return node.slot
+        node.slot = None  # `_least_loaded` picks among the agents not tried yet
+        tried = node.tried or ()
+        return next((s for s in self.registry.by_kind[node.kind] if s not in tried), None)
+
+    def _emit_fallback(
+        self, node: Node, slot: AgentSlot, nxt: AgentSlot | None, reason: str
+    ) -> None:
+        if nxt is not None:
+            self.report.fallbacks += 1
+        if self.bus.active:
+            self.bus.emit(
+                FallbackUsed(
+                    self._time(), self.run_id, node.id, node.kind, slot.name,
+                    None if nxt is None else nxt.name, reason,
+                )
+            )  # fmt: skip
+
+    def _chain_end(self, node: Node, reason: str) -> None:
+        """Every agent of the chain failed the task: its default value, or a failure."""
+        defaults = self.config.defaults
+        if node.kind in defaults:
+            self.report.defaulted.append(node.id)
+            self._settle(node, SUCCEEDED, defaults[node.kind], defaulted=True)
+            return
+        last = node.failures[-1] if node.failures else None
+        if last is None:
+            self._settle(node, FAILED, None, error=reason, error_type="BreakerOpen")
+        else:
+            self._settle(
+                node,
+                FAILED,
+                None,
+                error=f"{last.error_type}: {last.message} ({reason})",
+                error_type=last.error_type,
+            )
+
+    def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
+        if state is None:
+            return
+        log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
+        if self.bus.active:
+            self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."

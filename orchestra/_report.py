@@ -1,0 +1,212 @@
+"""The report of a run: counters kept as tasks finish, and the `RunResult` built from them once.
+
+Counting happens on the hot path (a few dict updates per task); everything else — status rules,
+percentiles, error records with remediations, the pydantic models — happens once, at the end.
+"""
+
+from __future__ import annotations
+
+from array import array
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ._aggregate import percentile
+from ._result import AttemptRecord, ErrorRecord, RunMetadata, RunResult, RunStatus, TimingStats
+from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+
+if TYPE_CHECKING:
+    from ._graph import Node
+
+__all__ = ("Report", "remediation")
+
+
+class Report:
+    """What a run counts while it goes."""
+
+    __slots__ = (
+        "attempts",
+        "cancelled",
+        "cost",
+        "counts",
+        "defaulted",
+        "durations",
+        "fallbacks",
+        "not_ok",
+        "peak",
+        "per_agent",
+        "reason",
+        "retries",
+        "tokens",
+    )
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.retries = 0
+        self.fallbacks = 0
+        self.peak = 0
+        self.counts: dict[str, dict[str, int]] = {}
+        self.per_agent: dict[str, int] = {}
+        self.durations: dict[str, array[float]] = {}
+        self.defaulted: list[str] = []
+        self.not_ok: list[Node] = []
+        self.tokens: dict[str, int] = {}
+        self.cost = 0.0
+        self.reason: str | None = None
+        self.cancelled = False
+
+    def finished(self, node: Node, status: str, agent: str | None, end: float) -> None:
+        """Count one task reaching its terminal state."""
+        kind = node.kind
+        counts = self.counts.get(kind)
+        if counts is None:
+            counts = self.counts[kind] = {}
+        counts[status] = counts.get(status, 0) + 1
+        if node.t_start is not None:
+            durations = self.durations.get(kind)
+            if durations is None:
+                durations = self.durations[kind] = array("d")
+            durations.append(end - node.t_start)
+        if status is SUCCEEDED:
+            if agent is not None:
+                self.per_agent[agent] = self.per_agent.get(agent, 0) + 1
+        else:
+            self.not_ok.append(node)
+
+    def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
+        self.cost += cost
+        for name, n in tokens.items():
+            self.tokens[name] = self.tokens.get(name, 0) + n
+
+    def result(
+        self,
+        *,
+        run_id: str,
+        wall0: datetime,
+        elapsed: float,
+        threshold: float,
+        data: Any,
+        events_dropped: int,
+    ) -> RunResult:
+        """The `RunResult`, by DESIGN.md's status rules."""
+        by_status: dict[str, int] = dict.fromkeys((SUCCEEDED, FAILED, SKIPPED, CANCELLED), 0)
+        for counts in self.counts.values():
+            for state, n in counts.items():
+                by_status[state] += n
+        total = sum(by_status.values())
+        succeeded = by_status[SUCCEEDED]
+        rate = succeeded / total if total else 1.0
+        critical = [n.id for n in self.not_ok if n.task.critical]
+        status: RunStatus
+        if self.cancelled:
+            status = "cancelled"
+        elif succeeded == total:
+            status = "success"
+        elif rate >= threshold and not critical:
+            status = "partial"
+        else:
+            status = "failed"
+            if self.reason is None:
+                self.reason = (
+                    f"critical task {critical[0]!r} did not succeed"
+                    if critical
+                    else f"success rate {rate:.3f} is below the threshold {threshold}"
+                )
+        metadata = RunMetadata(
+            run_id=run_id,
+            started_at=wall0,
+            finished_at=wall0 + timedelta(seconds=elapsed),
+            elapsed=elapsed,
+            total=total,
+            counts=by_status,
+            counts_by_kind={k: dict(sorted(v.items())) for k, v in sorted(self.counts.items())},
+            success_rate=rate,
+            success_threshold=threshold,
+            attempts=self.attempts,
+            retries=self.retries,
+            fallbacks=self.fallbacks,
+            agents_used=sorted(self.per_agent),
+            tasks_per_agent=dict(sorted(self.per_agent.items())),
+            time_per_kind={k: _timing(v) for k, v in sorted(self.durations.items())},
+            peak_concurrency=self.peak,
+            defaulted=self.defaulted,
+            tokens=dict(sorted(self.tokens.items())),
+            cost=self.cost,
+            events_dropped=events_dropped,
+            reason=self.reason,
+        )
+        errors = [_error_record(node) for node in sorted(self.not_ok, key=_by_seq)]
+        return RunResult(status=status, data=data, metadata=metadata, errors=errors)
+
+
+def _by_seq(node: Node) -> int:
+    return node.seq
+
+
+def _timing(values: array[float]) -> TimingStats:
+    ordered = sorted(values)
+    return TimingStats(
+        count=len(ordered),
+        mean=sum(ordered) / len(ordered),
+        p50=percentile(ordered, 0.5),
+        p95=percentile(ordered, 0.95),
+        max=ordered[-1],
+    )
+
+
+def _error_record(node: Node) -> ErrorRecord:
+    result = node
+    failures = node.failures or []
+    error_type = result.error_type or (failures[-1].error_type if failures else "Error")
+    message = result.error or (
+        f"{failures[-1].error_type}: {failures[-1].message}" if failures else ""
+    )
+    return ErrorRecord(
+        task_id=node.id,
+        kind=node.kind,
+        status=result.status,  # type: ignore[arg-type]
+        error_type=error_type,
+        message=message,
+        attempts=[
+            AttemptRecord(
+                number=a.number,
+                agent=a.agent,
+                error_type=a.error_type,
+                message=a.message,
+                started=a.started,
+                duration=a.duration,
+                retry_in=a.retry_in,
+            )
+            for a in failures
+        ],
+        remediation=remediation(result.status, error_type, message),
+        critical=node.task.critical,
+        partial_output=node.output if result.status == FAILED else None,
+    )
+
+
+def remediation(status: str, error_type: str, message: str) -> str:
+    """A suggestion for the user, from what went wrong."""
+    if status == SKIPPED:
+        return f"Fix what failed first ({message}); this task runs once its dependencies succeed."
+    if status == CANCELLED:
+        return "The run ended before this task finished: raise the run timeout, or run it again."
+    lowered = message.lower()
+    if error_type == "TaskTimeout":
+        return "Raise the task's timeout, lower its attempts or backoff, or speed up its agents."
+    if error_type == "AttemptTimeout":
+        return "Raise the attempt timeout (timeouts={'attempt': ...} or @agent(timeout=...)) or check the agent's latency."
+    if error_type == "Rejected":
+        return "The safety check refused this task: change its payload or the check."
+    if error_type == "VerificationError":
+        return "The output kept failing verification: improve the agent or its prompt, or relax the verifier."
+    if error_type == "InputError":
+        return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
+    if "429" in message or "rate limit" in lowered:
+        return "The agent is rate limited: lower concurrency or the agent's limit, or raise your API quota."
+    if error_type in ("ValidationError", "PermanentError") or "400" in message:
+        return "The request is invalid for this agent: fix the payload; retrying will not help."
+    if error_type == "BreakerOpen":
+        return "Every agent of the chain has an open circuit breaker: check the agents' health or add a fallback."
+    return (
+        "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
+    )
