@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import os
 import resource
 import sys
 import time
@@ -56,7 +57,8 @@ def warmup_spec(spec: Spec) -> Spec:
 def measure(spec: Spec) -> dict[str, Any]:
     warmup = build(warmup_spec(spec))
     workload = build(spec)
-    record: dict[str, Any] = {"spec": as_dict(spec)}
+    # Another process busy on the machine shows here (the suite cannot stop one from running).
+    record: dict[str, Any] = {"spec": as_dict(spec), "loadavg_1m": os.getloadavg()[0]}
 
     async def timed() -> dict[str, Any]:
         record["baseline_rss_kb"] = _peak_rss_kb()

@@ -135,6 +135,12 @@ class Dispatcher:
         self.report: Report
         self._capacity = config.capacity
         self._chains = config.registry.chains
+        # Kinds served by one agent and no chain: no choice to make at dispatch.
+        self._only: dict[str, AgentSlot] = {
+            kind: slots[0]
+            for kind, slots in config.registry.by_kind.items()
+            if len(slots) == 1 and kind not in config.registry.chains
+        }
         self._verify = config.verify
         self._safety = config.safety
         self._attempt_timeout = config.timeouts.attempt
@@ -272,10 +278,12 @@ class Dispatcher:
         """The agent for `node` now: a slot, None (all busy: wait), or _EXHAUSTED."""
         slot = node.slot
         if slot is None:
-            chain = self._chains.get(node.kind)
-            if chain is None:
-                return self._least_loaded(node)
-            slot = node.slot = chain[node.chain_pos]
+            slot = self._only.get(node.kind)
+            if slot is None or node.tried is not None:
+                chain = self._chains.get(node.kind)
+                if chain is None:
+                    return self._least_loaded(node)
+                slot = node.slot = chain[node.chain_pos]
         breaker = slot.breaker
         if breaker.state is not CLOSED and not breaker.available(self._time()):
             return self._skip_open(node, slot)

@@ -72,12 +72,7 @@ class Node(TaskResult):
         self.t_start: float | None = None
         self.deadline: float | None = None
         self.output = None
-        self.agent = None
-        self.started = None
-        self.finished = 0.0
-        self.error = None
-        self.error_type = None
-        self.defaulted = False
+        # agent, started, finished, error, error_type and defaulted are set when the task settles.
 
     def __repr__(self) -> str:
         return f"Node({self.id!r}, {self.state})"
@@ -137,9 +132,12 @@ class Graph:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def check(self, task: Any, where: str) -> Task:
-        """Check one task's own fields (not its references); give it an id if it has none."""
+    def check(self, task: Any, where: str, index: int | None = None) -> Task:
+        """Check one task's own fields (not its references); give it an id if it has none.
+
+        `where` (and `index`) say where the task came from, for the error message only."""
         if not isinstance(task, Task):
+            where = where if index is None else f"{where}[{index}]"
             raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
         kind = task.kind
         task_id = task.id
@@ -147,6 +145,7 @@ class Graph:
             self._auto += 1
             task_id = task.id = f"{kind}#{self._auto}"
         elif not isinstance(task_id, str) or not task_id:
+            where = where if index is None else f"{where}[{index}]"
             raise InputError(
                 f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
             )
@@ -235,7 +234,7 @@ class Graph:
         nodes = self.nodes
         linked = False  # any dependency at all: only then can there be a cycle
         for i, task in enumerate(tasks):
-            self.check(task, f"{where}[{i}]")
+            self.check(task, where, i)
             if task.depends_on or task.depends_on_tags:
                 linked = True
             if task.id in nodes or task.id in ids:
@@ -267,9 +266,11 @@ class Graph:
             new.append(node)
         skipped = []
         for node in new:
-            reason = self._wire(node)
-            if reason is not None:
-                skipped.append((node, reason))
+            task = node.task
+            if task.depends_on or task.tags or task.depends_on_tags:
+                reason = self._wire(node)
+                if reason is not None:
+                    skipped.append((node, reason))
         return new, skipped
 
     def _known_deps(self, task: Task, ids: Mapping[str, Task], hint: str) -> None:

@@ -270,7 +270,11 @@ class Orchestrator:
         ):
             return result
         run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
-        failed = [n.task for n in run.report.not_ok] if run is not None else []
+        failed = (
+            [n.task for n in run.graph.nodes.values() if n.state != SUCCEEDED]
+            if run is not None
+            else []
+        )
         try:
             replacement = hook(result, failed)
             if inspect.isawaitable(replacement):

@@ -6,7 +6,6 @@ percentiles, error records with remediations, the pydantic models — happens on
 
 from __future__ import annotations
 
-from array import array
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -15,25 +14,23 @@ from ._result import AttemptRecord, ErrorRecord, RunMetadata, RunResult, RunStat
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ._graph import Node
 
 __all__ = ("Report", "remediation")
 
 
 class Report:
-    """What a run counts while it goes."""
+    """What a run counts while it goes; the rest is read off the settled nodes at the end."""
 
     __slots__ = (
         "attempts",
         "cancelled",
         "cost",
-        "counts",
         "defaulted",
-        "durations",
         "fallbacks",
-        "not_ok",
         "peak",
-        "per_agent",
         "reason",
         "retries",
         "tokens",
@@ -44,33 +41,11 @@ class Report:
         self.retries = 0
         self.fallbacks = 0
         self.peak = 0
-        self.counts: dict[str, dict[str, int]] = {}
-        self.per_agent: dict[str, int] = {}
-        self.durations: dict[str, array[float]] = {}
         self.defaulted: list[str] = []
-        self.not_ok: list[Node] = []
         self.tokens: dict[str, int] = {}
         self.cost = 0.0
         self.reason: str | None = None
         self.cancelled = False
-
-    def finished(self, node: Node, status: str, agent: str | None, end: float) -> None:
-        """Count one task reaching its terminal state."""
-        kind = node.kind
-        counts = self.counts.get(kind)
-        if counts is None:
-            counts = self.counts[kind] = {}
-        counts[status] = counts.get(status, 0) + 1
-        if node.t_start is not None:
-            durations = self.durations.get(kind)
-            if durations is None:
-                durations = self.durations[kind] = array("d")
-            durations.append(end - node.t_start)
-        if status is SUCCEEDED:
-            if agent is not None:
-                self.per_agent[agent] = self.per_agent.get(agent, 0) + 1
-        else:
-            self.not_ok.append(node)
 
     def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
         self.cost += cost
@@ -79,6 +54,7 @@ class Report:
 
     def result(
         self,
+        nodes: Iterable[Node],
         *,
         run_id: str,
         wall0: datetime,
@@ -87,15 +63,34 @@ class Report:
         data: Any,
         events_dropped: int,
     ) -> RunResult:
-        """The `RunResult`, by DESIGN.md's status rules."""
+        """The `RunResult` of the settled `nodes`, by DESIGN.md's status rules.
+
+        Counting here, in one pass at the end, keeps the per-task path free of bookkeeping."""
+        counts: dict[str, dict[str, int]] = {}
+        durations: dict[str, list[float]] = {}
+        per_agent: dict[str, int] = {}
+        not_ok: list[Node] = []
+        for node in nodes:
+            kind, state = node.kind, node.status
+            by_kind = counts.get(kind)
+            if by_kind is None:
+                by_kind = counts[kind] = {}
+            by_kind[state] = by_kind.get(state, 0) + 1
+            if node.started is not None:
+                durations.setdefault(kind, []).append(node.finished - node.started)
+            if state == SUCCEEDED:
+                if node.agent is not None:
+                    per_agent[node.agent] = per_agent.get(node.agent, 0) + 1
+            else:
+                not_ok.append(node)
         by_status: dict[str, int] = dict.fromkeys((SUCCEEDED, FAILED, SKIPPED, CANCELLED), 0)
-        for counts in self.counts.values():
-            for state, n in counts.items():
-                by_status[state] += n
+        for by_kind in counts.values():
+            for name, n in by_kind.items():
+                by_status[name] += n
         total = sum(by_status.values())
         succeeded = by_status[SUCCEEDED]
         rate = succeeded / total if total else 1.0
-        critical = [n.id for n in self.not_ok if n.task.critical]
+        critical = [n.id for n in not_ok if n.task.critical]
         status: RunStatus
         if self.cancelled:
             status = "cancelled"
@@ -118,15 +113,15 @@ class Report:
             elapsed=elapsed,
             total=total,
             counts=by_status,
-            counts_by_kind={k: dict(sorted(v.items())) for k, v in sorted(self.counts.items())},
+            counts_by_kind={k: dict(sorted(v.items())) for k, v in sorted(counts.items())},
             success_rate=rate,
             success_threshold=threshold,
             attempts=self.attempts,
             retries=self.retries,
             fallbacks=self.fallbacks,
-            agents_used=sorted(self.per_agent),
-            tasks_per_agent=dict(sorted(self.per_agent.items())),
-            time_per_kind={k: _timing(v) for k, v in sorted(self.durations.items())},
+            agents_used=sorted(per_agent),
+            tasks_per_agent=dict(sorted(per_agent.items())),
+            time_per_kind={k: _timing(v) for k, v in sorted(durations.items())},
             peak_concurrency=self.peak,
             defaulted=self.defaulted,
             tokens=dict(sorted(self.tokens.items())),
@@ -134,7 +129,7 @@ class Report:
             events_dropped=events_dropped,
             reason=self.reason,
         )
-        errors = [_error_record(node) for node in sorted(self.not_ok, key=_by_seq)]
+        errors = [_error_record(node) for node in sorted(not_ok, key=_by_seq)]
         return RunResult(status=status, data=data, metadata=metadata, errors=errors)
 
 
@@ -142,7 +137,7 @@ def _by_seq(node: Node) -> int:
     return node.seq
 
 
-def _timing(values: array[float]) -> TimingStats:
+def _timing(values: list[float]) -> TimingStats:
     ordered = sorted(values)
     return TimingStats(
         count=len(ordered),

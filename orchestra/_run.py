@@ -57,6 +57,7 @@ class Run(Dispatcher):
         self._window_free: anyio.Event | None = None
         self._input_error: InputError | None = None
         self._debug = _debug_enabled()
+        self._cascade: list[tuple[Node, str]] = []
 
     async def execute(self, source: Iterable[Task] | AsyncIterable[Task]) -> RunResult:
         self._time = asyncio.get_running_loop().time  # virtual under a FakeClock
@@ -113,6 +114,7 @@ class Run(Dispatcher):
             data = None
             self.report.reason = f"aggregator raised {type(exc).__name__}: {exc}"
         return self.report.result(
+            self.graph.nodes.values(),
             run_id=self.run_id,
             wall0=wall0,
             elapsed=self._time() - self.t0,
@@ -213,7 +215,7 @@ class Run(Dispatcher):
         defaulted: bool = False,
     ) -> None:
         """Put `node` in a terminal state, once, and skip what can no longer run because of it."""
-        cascade: list[tuple[Node, str]] = []
+        cascade = self._cascade  # what to skip next; empty between calls (one list per run)
         while True:
             if node.state not in TERMINAL:
                 self._settle_one(node, status, output, agent, error, error_type, defaulted, cascade)
@@ -254,7 +256,6 @@ class Run(Dispatcher):
         node.error = error
         node.error_type = error_type
         node.defaulted = defaulted
-        self.report.finished(node, status, agent, end)
         dependents = node.dependents
         if status is SUCCEEDED:
             self._acc.add(node)

@@ -1,0 +1,306 @@
+"""Dispatch: global and per-agent limits, the fixed worker pool, executors, the registry's choice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from orchestra import Context, Orchestrator, RetryPolicy, Task, agent
+from orchestra.testing import FakeClock, Probe, ScriptedAgent, scripted
+
+
+@agent(kinds=["cpu"], executor="process", concurrency=2)
+def square_in_process(task: Task) -> list[int]:
+    """Runs in a worker process: must be importable, hence at module top."""
+    return [os.getpid(), int(task.payload) ** 2]
+
+
+def tasks_of(kind: str, n: int, prefix: str = "t") -> list[Task]:
+    return [Task(kind, i, id=f"{prefix}{i}") for i in range(n)]
+
+
+class TestGlobalLimit:
+    @pytest.mark.parametrize("limit", [1, 3, 8])
+    async def test_reached_and_never_exceeded(
+        self, limit: int, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        agents = [
+            scripted(name, ["work"], latency=1.0, jitter=0.5, seed=i, probe=probe)
+            for i, name in enumerate(("a", "b", "c"))
+        ]
+        orch = make_orchestrator(agents=agents, concurrency=limit)
+        result = await orch.run(tasks=tasks_of("work", 40))
+        assert result.status == "success"
+        assert probe.peak == limit
+        assert result.metadata.peak_concurrency == limit
+
+    async def test_holds_under_errors_and_retries(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        agents = [
+            scripted(n, ["work"], latency=0.5, jitter=0.4, failure_rate=0.5, seed=i, probe=probe)
+            for i, n in enumerate(("a", "b"))
+        ]
+        orch = make_orchestrator(
+            agents=agents,
+            concurrency=4,
+            retry=RetryPolicy(max_attempts=6, base=0.1, cap=1.0),
+            success_threshold=0.0,
+        )
+        result = await orch.run(tasks=tasks_of("work", 60))
+        assert result.metadata.retries > 0
+        assert probe.peak == 4
+        assert probe.current == 0
+
+    async def test_is_shared_by_concurrent_runs(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        worker = scripted("w", ["work"], latency=1.0, jitter=0.3, seed=5, probe=probe)
+        results: list[str] = []
+        async with make_orchestrator(agents=[worker], concurrency=3) as orch:
+
+            async def one(prefix: str) -> None:
+                result = await orch.run(tasks=tasks_of("work", 12, prefix))
+                results.append(result.status)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "x")
+                tg.start_soon(one, "y")
+        assert results == ["success", "success"]
+        assert probe.peak == 3
+
+
+class TestPerAgentLimit:
+    async def test_each_agent_keeps_its_own_limit(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        two = scripted("two", ["a"], latency=1.0, jitter=0.5, seed=1, probe=probe, concurrency=2)
+        three = scripted("three", ["b"], latency=1.0, jitter=0.5, seed=2, probe=probe, concurrency=3)
+        orch = make_orchestrator(agents=[two, three], concurrency=50)
+        result = await orch.run(tasks=[*tasks_of("a", 20, "a"), *tasks_of("b", 20, "b")])
+        assert result.status == "success"
+        assert two.max_in_flight == 2
+        assert three.max_in_flight == 3
+        assert probe.peak_by_agent == {"two": 2, "three": 3}
+        assert probe.peak == 5
+
+    async def test_holds_under_errors(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        flaky = scripted(
+            "flaky", ["work"], latency=0.3, jitter=0.2, failure_rate=0.6, seed=9, concurrency=2
+        )
+        orch = make_orchestrator(
+            agents=[flaky],
+            concurrency=20,
+            retry=RetryPolicy(max_attempts=8, base=0.05, cap=0.2),
+            success_threshold=0.0,
+        )
+        result = await orch.run(tasks=tasks_of("work", 30))
+        assert result.metadata.retries > 0
+        assert flaky.max_in_flight == 2
+        assert flaky.in_flight == 0
+
+    async def test_holds_across_concurrent_runs(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        one = scripted("one", ["work"], latency=1.0, concurrency=1)
+        async with make_orchestrator(agents=[one], concurrency=10) as orch:
+            async with anyio.create_task_group() as tg:
+                for prefix in "xyz":
+                    tg.start_soon(lambda p=prefix: orch.run(tasks=tasks_of("work", 3, p)))
+        assert one.max_in_flight == 1
+        assert len(one.calls) == 9
+
+    async def test_hold_after_a_cancelled_run(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        slow = scripted("slow", ["work"], latency=10.0, probe=probe, concurrency=2)
+        async with make_orchestrator(agents=[slow], concurrency=3) as orch:
+            with anyio.move_on_after(5.0):
+                await orch.run(tasks=tasks_of("work", 6, "x"))
+            assert probe.current == 0
+            assert [s["in_flight"] for s in orch.agents_status()] == [0]
+            result = await orch.run(tasks=tasks_of("work", 6, "y"))
+        assert result.status == "success"
+        assert slow.max_in_flight == 2  # neither lost nor gained a slot to the cancelled run
+        assert probe.peak == 2
+
+
+class TestWorkerPool:
+    async def test_a_large_run_uses_a_fixed_pool_of_workers(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        samples: list[int] = []
+
+        @agent(kinds=["work"])
+        async def sample(task: Task, ctx: Context) -> None:
+            samples.append(len(asyncio.all_tasks()))
+            await asyncio.sleep(0)
+
+        baseline = len(asyncio.all_tasks())
+        orch = make_orchestrator(agents=[sample], concurrency=10)
+        result = await orch.run(tasks=[Task("work", i) for i in range(10_000)])
+        assert result.metadata.counts["succeeded"] == 10_000
+        assert len(samples) == 10_000
+        assert max(samples) <= baseline + 10 + 3
+
+
+class TestExecutors:
+    async def test_a_thread_agent_runs_off_the_loop(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        flag = threading.Event()
+
+        @agent(kinds=["blocking"], executor="thread")
+        def wait_for_flag(task: Task) -> list[Any]:
+            # Blocks its thread until the async agent, on the loop, sets the flag: it could not
+            # if this function blocked the loop.
+            return [threading.get_ident(), flag.wait(timeout=5)]
+
+        @agent(kinds=["async"])
+        async def set_flag(task: Task, ctx: Context) -> None:
+            await anyio.sleep(0.01)
+            flag.set()
+
+        orch = make_orchestrator(agents=[wait_for_flag, set_flag], concurrency=4)
+        result = await orch.run(tasks=[Task("blocking", None, id="b"), Task("async", None, id="s")])
+        assert result.status == "success"
+        ident, was_set = result.data["b"]
+        assert ident != threading.get_ident()
+        assert was_set is True
+
+    async def test_a_process_agent_runs_in_another_process(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[square_in_process], concurrency=4)
+        result = await orch.run(tasks=[Task("cpu", n, id=f"n{n}") for n in range(4)])
+        assert result.status == "success", result.errors
+        assert {k: v[1] for k, v in result.data.items()} == {"n0": 0, "n1": 1, "n2": 4, "n3": 9}
+        assert all(pid != os.getpid() for pid, _ in result.data.values())
+
+    async def test_thread_agents_keep_their_limit(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        lock = threading.Lock()
+        state = {"now": 0, "peak": 0}
+
+        @agent(kinds=["blocking"], executor="thread", concurrency=2)
+        def busy(task: Task) -> None:
+            with lock:
+                state["now"] += 1
+                state["peak"] = max(state["peak"], state["now"])
+            time.sleep(0.005)
+            with lock:
+                state["now"] -= 1
+
+        result = await make_orchestrator(agents=[busy], concurrency=8).run(
+            tasks=tasks_of("blocking", 12)
+        )
+        assert result.status == "success"
+        assert state["peak"] == 2
+
+
+class TestRegistry:
+    async def test_agents_of_a_kind_share_the_work(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        a = scripted("a", ["work"], latency=1.0, concurrency=1)
+        b = scripted("b", ["work"], latency=1.0, concurrency=1)
+        result = await make_orchestrator(agents=[a, b], concurrency=10).run(
+            tasks=tasks_of("work", 10)
+        )
+        assert result.metadata.tasks_per_agent == {"a": 5, "b": 5}
+        assert sorted(result.metadata.agents_used) == ["a", "b"]
+        assert result.metadata.elapsed == pytest.approx(5.0)
+
+    async def test_the_least_loaded_agent_gets_the_task(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # "busy" holds two of its four slots with long tasks; "idle" has none in use: a new task
+        # goes to "idle", though "busy" still has room.
+        busy = ScriptedAgent("busy", ["work"], latency=100.0, concurrency=4)
+        idle = ScriptedAgent("idle", ["quick"], latency=100.0, concurrency=4)
+        both = scripted("both-kinds", ["never"])
+        calls: dict[str, list[str]] = {}
+
+        class Spy:
+            def __init__(self, name: str) -> None:
+                self.name = name
+                self.kinds = ["work"]
+                self.concurrency = 4
+                calls[name] = []
+
+            async def __call__(self, task: Task, ctx: Context) -> None:
+                calls[self.name].append(str(task.id))
+                await anyio.sleep(100.0 if str(task.id).startswith("long") else 1.0)
+
+        first, second = Spy("first"), Spy("second")
+        orch = make_orchestrator(agents=[first, second, busy, idle, both], concurrency=20)
+        async with orch:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    lambda: orch.run(tasks=[Task("work", id="long1"), Task("work", id="long2")])
+                )
+                while sum(len(v) for v in calls.values()) < 2:
+                    await anyio.sleep(0)
+                # One long task each, or both on one agent: the next task must go where fewer run.
+                loads = {name: len(v) for name, v in calls.items()}
+                result = await orch.run(tasks=[Task("work", id="short")])
+                lighter = min(loads, key=lambda n: (loads[n], n != "second"))
+                assert "short" in calls[lighter]
+                assert result.status == "success"
+                tg.cancel_scope.cancel()
+
+    async def test_agents_status_reports_load_and_counters(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        release = anyio.Event()
+        started = anyio.Event()
+
+        @agent(kinds=["work"], concurrency=3)
+        async def holder(task: Task, ctx: Context) -> None:
+            started.set()
+            await release.wait()
+
+        failing = scripted("failing", ["other"], then="permanent")
+        orch = make_orchestrator(agents=[holder, failing], success_threshold=0.0)
+        during: list[dict[str, Any]] = []
+        async with orch:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    lambda: orch.run(tasks=[Task("work", id="h"), Task("other", id="f")])
+                )
+                await started.wait()
+                while not failing.calls:
+                    await anyio.sleep(0)
+                await anyio.sleep(0)
+                during = orch.agents_status()
+                release.set()
+        after = {s["name"]: s for s in orch.agents_status()}
+        now = {s["name"]: s for s in during}
+        assert set(now) == {"holder", "failing"}
+        assert now["holder"]["status"] == "busy"
+        assert now["holder"]["in_flight"] == 1
+        assert now["holder"]["limit"] == 3
+        assert now["holder"]["kinds"] == ["work"]
+        assert after["holder"]["status"] == "idle"
+        assert after["holder"]["in_flight"] == 0
+        assert after["holder"]["attempts"] == 1
+        assert after["holder"]["succeeded"] == 1
+        assert after["failing"]["failures"] == 1
+        assert after["failing"]["succeeded"] == 0
+        assert after["failing"]["limit"] is None
+        assert "PermanentError" in str(after["failing"]["last_error"])

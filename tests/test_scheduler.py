@@ -1,0 +1,190 @@
+"""The ready-queue: smallest priority first, FIFO within a priority; reprioritize while waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from orchestra import Context, InputError, Orchestrator, Task
+
+
+class Gate:
+    """An agent that records the order in which tasks start; tasks in `hold` wait for `release`."""
+
+    def __init__(
+        self,
+        name: str = "gate",
+        kinds: Sequence[str] = ("work",),
+        *,
+        hold: Sequence[str] = (),
+        concurrency: int | None = None,
+        order: list[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.kinds = tuple(kinds)
+        self.concurrency = concurrency
+        self.hold = set(hold)
+        self.started = anyio.Event()
+        self.release = anyio.Event()
+        self.order: list[str] = [] if order is None else order
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        self.order.append(str(task.id))
+        if task.id in self.hold:
+            self.started.set()
+            await self.release.wait()
+        return task.payload
+
+
+def expected_order(priorities: Sequence[int]) -> list[str]:
+    return [f"t{i}" for _, i in sorted((p, i) for i, p in enumerate(priorities))]
+
+
+class TestPriorityOrder:
+    @pytest.mark.parametrize(
+        "priorities",
+        [[5, 0, 5, -1, 0, 3], [0, 0, 0, 0], [3, 2, 1, 0], [-10, 10, -10, 10, 0]],
+        ids=str,
+    )
+    async def test_smallest_priority_first_fifo_within(
+        self, priorities: list[int], make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        gate = Gate()
+        tasks = [Task("work", i, id=f"t{i}", priority=p) for i, p in enumerate(priorities)]
+        result = await make_orchestrator(agents=[gate], concurrency=1).run(tasks=tasks)
+        assert result.status == "success"
+        assert gate.order == expected_order(priorities)
+
+    async def test_priority_orders_across_kinds(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        order: list[str] = []
+        a = Gate("a", ["a"], order=order)
+        b = Gate("b", ["b"], order=order)
+        kinds = ["a", "b", "a", "b", "b", "a"]
+        priorities = [3, 1, 2, 0, 3, 1]
+        tasks = [
+            Task(k, None, id=f"t{i}", priority=p)
+            for i, (k, p) in enumerate(zip(kinds, priorities, strict=True))
+        ]
+        await make_orchestrator(agents=[a, b], concurrency=1).run(tasks=tasks)
+        assert order == expected_order(priorities)
+
+    async def test_a_task_that_becomes_ready_jumps_ahead_of_worse_waiting_ones(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        gate = Gate()
+        tasks = [
+            Task("work", id="first", priority=5),
+            *(Task("work", id=f"low{i}", priority=5) for i in range(3)),
+            Task("work", id="urgent", priority=0, depends_on=["first"]),
+        ]
+        await make_orchestrator(agents=[gate], concurrency=1).run(tasks=tasks)
+        assert gate.order == ["first", "urgent", "low0", "low1", "low2"]
+
+    async def test_a_busy_agent_does_not_block_other_kinds(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        order: list[str] = []
+        slow = Gate("slow", ["slow"], hold=["s0"], concurrency=1, order=order)
+        fast = Gate("fast", ["fast"], order=order)
+        tasks = [
+            Task("slow", id="s0", priority=0),
+            Task("slow", id="s1", priority=0),
+            *(Task("fast", id=f"f{i}", priority=9) for i in range(3)),
+        ]
+        async with make_orchestrator(agents=[slow, fast], concurrency=2) as orch:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: orch.run(tasks=tasks))
+                await slow.started.wait()
+                while len(order) < 4:  # s0 and the three fast tasks
+                    await anyio.sleep(0)
+                assert order[1:] == ["f0", "f1", "f2"]
+                slow.release.set()
+        assert order == ["s0", "f0", "f1", "f2", "s1"]
+
+
+class TestReprioritize:
+    async def _with_blocker(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        tasks: list[Task],
+        change: Callable[[Orchestrator], None],
+    ) -> list[str]:
+        gate = Gate(hold=["blocker"])
+        async with make_orchestrator(agents=[gate], concurrency=1) as orch:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: orch.run(tasks=[Task("work", id="blocker"), *tasks]))
+                await gate.started.wait()
+                change(orch)
+                gate.release.set()
+        return gate.order
+
+    async def test_a_waiting_task_moves_ahead(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        found: list[bool] = []
+        order = await self._with_blocker(
+            make_orchestrator,
+            [Task("work", id=f"q{i}") for i in range(3)],
+            lambda orch: found.append(orch.reprioritize("q2", -1)),
+        )
+        assert found == [True]
+        assert order == ["blocker", "q2", "q0", "q1"]
+
+    async def test_a_waiting_task_moves_back(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        order = await self._with_blocker(
+            make_orchestrator,
+            [Task("work", id=f"q{i}") for i in range(3)],
+            lambda orch: [orch.reprioritize("q0", 7)] and None,
+        )
+        assert order == ["blocker", "q1", "q2", "q0"]
+
+    async def test_a_pending_task_keeps_its_new_priority_when_it_becomes_ready(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        found: list[bool] = []
+        tasks = [
+            Task("work", id="dep", priority=0),
+            Task("work", id="later", priority=9, depends_on=["dep"]),
+            *(Task("work", id=f"q{i}", priority=5) for i in range(2)),
+        ]
+        order = await self._with_blocker(
+            make_orchestrator, tasks, lambda orch: found.append(orch.reprioritize("later", 1))
+        )
+        assert found == [True]
+        assert order == ["blocker", "dep", "later", "q0", "q1"]
+
+    async def test_running_unknown_and_finished_tasks_are_not_found(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        answers: dict[str, bool] = {}
+        gate = Gate(hold=["blocker"])
+        async with make_orchestrator(agents=[gate], concurrency=2) as orch:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    lambda: orch.run(tasks=[Task("work", id="blocker"), Task("work", id="quick")])
+                )
+                await gate.started.wait()
+                while "quick" not in gate.order:
+                    await anyio.sleep(0)
+                await anyio.sleep(0)
+                answers["running"] = orch.reprioritize("blocker", -5)
+                answers["unknown"] = orch.reprioritize("nobody", -5)
+                answers["finished"] = orch.reprioritize("quick", -5)
+                gate.release.set()
+        assert answers == {"running": False, "unknown": False, "finished": False}
+
+    @pytest.mark.parametrize("priority", ["high", 1.5, None, True], ids=repr)
+    def test_a_priority_that_is_not_an_int_is_refused(
+        self, priority: Any, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[Gate()])
+        with pytest.raises(InputError) as info:
+            orch.reprioritize("t1", priority)
+        assert info.value.field == "priority"
