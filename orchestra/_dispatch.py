@@ -13,6 +13,7 @@ of every attempt gives both back, so they hold under errors and cancellation ali
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
 
@@ -52,6 +53,11 @@ __all__ = ("Capacity", "Dispatcher", "RunConfig")
 
 log = structlog.get_logger("orchestra")
 
+# The task id in structlog's context, for every log line of the agent call. Named as
+# `structlog.contextvars.bind_contextvars` names its variables, so `merge_contextvars` picks it up;
+# set directly (0.1 µs, against 1.5 µs for bind + reset): each worker runs in its own copy of the
+# context, so the value never leaks out of the worker.
+_TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
 _EXHAUSTED: Final = object()  # `_pick`: no agent of the chain can take the task any more
 _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
 
@@ -336,6 +342,7 @@ class Dispatcher:
         if node.t_start is None:
             node.t_start = start
         ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
+        _TASK_ID.set(node.id)
         bus = self.bus if self.bus.active else None
         if bus is not None:
             bus.emit(

@@ -126,8 +126,6 @@ class TestOpening:
         assert ids(primary) == ["a1", "a2"]  # b1 never reached the open agent
         assert sorted(ids(backup)) == ["a1", "a2", "b1"]
         assert transitions(rec, "primary") == [("closed", "open")]
-        (opened,) = rec.of(BreakerChanged)
-        assert opened.at - result.metadata.started_at.timestamp() != 0  # a loop time, not wall
         skipped = [e for e in rec.of(FallbackUsed) if e.task_id == "b1"]
         assert [(e.from_agent, e.to_agent) for e in skipped] == [("primary", "backup")]
         assert "breaker" in skipped[0].reason
@@ -234,7 +232,13 @@ class TestHalfOpen:
         # cool-down is over: d1 is the one probe, d2 (same instant) goes to the backup.
         orch, primary, backup, rec = chain_of_two(make_orchestrator, ["error", "error"])
         timeline = Timeline(clock, orch)
-        schedule = [(0, ["a1", "a2"]), (30.9, ["c1"]), (31.1, ["d1", "d2"]), (31.5, []), (40, ["e1", "e2"])]
+        schedule = [
+            (0, ["a1", "a2"]),
+            (30.9, ["c1"]),
+            (31.1, ["d1", "d2"]),
+            (31.5, []),
+            (40, ["e1", "e2"]),
+        ]
         result = await orch.run(tasks=timeline.play(schedule))
         assert result.status == "success"
         assert ids(primary) == ["a1", "a2", "d1", "e1", "e2"]
@@ -244,11 +248,8 @@ class TestHalfOpen:
             ("open", "half_open"),
             ("half_open", "closed"),
         ]
-        t0 = result.metadata.elapsed - max(r.finished for r in rec.results().values())
         at = [e.at for e in rec.of(BreakerChanged)]
-        first = at[0]
-        assert [a - first for a in at] == pytest.approx([0, 30.1, 31.1])
-        assert t0 == pytest.approx(0, abs=1e-6)
+        assert [a - at[0] for a in at] == pytest.approx([0, 30.1, 31.1])  # open at t=1
         assert timeline.snapshots[30.9]["primary"]["breaker"] == "open"
         assert timeline.snapshots[31.5]["primary"]["breaker"] == "half_open"
         assert timeline.snapshots[40]["primary"]["breaker"] == "closed"
@@ -274,10 +275,13 @@ class TestHalfOpen:
             ("half_open", "closed"),
         ]
 
-    async def test_a_cancelled_probe_lets_another_probe_through(
-        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    async def test_a_probe_cancelled_without_a_verdict_lets_another_probe_through(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        clock: FakeClock,
     ) -> None:
-        # The probe hangs and its task's own timeout cancels it; the next task may probe.
+        # Run 1 ends (run timeout) while its probe hangs: no verdict. Run 2 may probe again.
         primary = scripted("primary", ["k"], script=["error", "error", "hang"], latency=1)
         backup = scripted("backup", ["k"], latency=1)
         orch = make_orchestrator(
@@ -285,15 +289,17 @@ class TestHalfOpen:
             fallbacks={"k": ["primary", "backup"]},
             retry=RetryPolicy(max_attempts=1),
             breaker=BreakerPolicy(failures=2, cooldown=30),
-            timeouts={"attempt": 5},
+            timeouts={"run": 40},
         )
         timeline = Timeline(clock, orch)
-        result = await orch.run(
-            tasks=timeline.play([(0, ["a1", "a2"]), (31.1, ["d1"]), (40, ["e1"])])
-        )
-        assert result.status == "success"
-        assert ids(primary) == ["a1", "a2", "d1", "e1"]  # the probe timed out at 36.1
-        assert status_of(orch, "primary")["breaker"] == "closed"  # e1 probed and succeeded
+        async with orch:
+            first = await orch.run(tasks=timeline.play([(0, ["a1", "a2"]), (31.1, ["d1"])]))
+            assert status_of(orch, "primary")["breaker"] == "half_open"
+            second = await orch.run(tasks=[make_task("k", id="e1")])
+        assert first.error_for("d1") is not None
+        assert ids(primary) == ["a1", "a2", "d1", "e1"]
+        assert second.status == "success"
+        assert status_of(orch, "primary")["breaker"] == "closed"
 
 
 class TestAcrossRuns:
