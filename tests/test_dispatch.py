@@ -13,10 +13,10 @@ import anyio
 import pytest
 
 from orchestra import Context, Orchestrator, RetryPolicy, Task, agent
-from orchestra.testing import FakeClock, Probe, ScriptedAgent, scripted
+from orchestra.testing import FakeClock, Probe, scripted
 
 
-@agent(kinds=["cpu"], executor="process", concurrency=2)
+@agent(kinds=["cpu"], executor="process", concurrency=1)
 def square_in_process(task: Task) -> list[int]:
     """Runs in a worker process: must be importable, hence at module top."""
     return [os.getpid(), int(task.payload) ** 2]
@@ -117,9 +117,11 @@ class TestPerAgentLimit:
     ) -> None:
         one = scripted("one", ["work"], latency=1.0, concurrency=1)
         async with make_orchestrator(agents=[one], concurrency=10) as orch:
-            async with anyio.create_task_group() as tg:
-                for prefix in "xyz":
-                    tg.start_soon(lambda p=prefix: orch.run(tasks=tasks_of("work", 3, p)))
+            # A deadlock shows as the virtual deadline passing, not as a hung test.
+            with anyio.fail_after(1000.0):
+                async with anyio.create_task_group() as tg:
+                    for prefix in "xyz":
+                        tg.start_soon(lambda p=prefix: orch.run(tasks=tasks_of("work", 3, p)))
         assert one.max_in_flight == 1
         assert len(one.calls) == 9
 
@@ -229,39 +231,20 @@ class TestRegistry:
     async def test_the_least_loaded_agent_gets_the_task(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        # "busy" holds two of its four slots with long tasks; "idle" has none in use: a new task
-        # goes to "idle", though "busy" still has room.
-        busy = ScriptedAgent("busy", ["work"], latency=100.0, concurrency=4)
-        idle = ScriptedAgent("idle", ["quick"], latency=100.0, concurrency=4)
-        both = scripted("both-kinds", ["never"])
-        calls: dict[str, list[str]] = {}
-
-        class Spy:
-            def __init__(self, name: str) -> None:
-                self.name = name
-                self.kinds = ["work"]
-                self.concurrency = 4
-                calls[name] = []
-
-            async def __call__(self, task: Task, ctx: Context) -> None:
-                calls[self.name].append(str(task.id))
-                await anyio.sleep(100.0 if str(task.id).startswith("long") else 1.0)
-
-        first, second = Spy("first"), Spy("second")
-        orch = make_orchestrator(agents=[first, second, busy, idle, both], concurrency=20)
+        first = scripted("first", ["work"], latency=100.0, concurrency=4)
+        second = scripted("second", ["work"], latency=1.0, concurrency=4)
+        orch = make_orchestrator(agents=[first, second], concurrency=20)
         async with orch:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    lambda: orch.run(tasks=[Task("work", id="long1"), Task("work", id="long2")])
-                )
-                while sum(len(v) for v in calls.values()) < 2:
+                tg.start_soon(lambda: orch.run(tasks=[Task("work", id="long")]))
+                while not first.calls and not second.calls:
                     await anyio.sleep(0)
-                # One long task each, or both on one agent: the next task must go where fewer run.
-                loads = {name: len(v) for name, v in calls.items()}
+                busy = first if first.calls else second
+                other = second if busy is first else first
+                # `busy` has one of its four slots in use, `other` none: the next task goes there.
                 result = await orch.run(tasks=[Task("work", id="short")])
-                lighter = min(loads, key=lambda n: (loads[n], n != "second"))
-                assert "short" in calls[lighter]
-                assert result.status == "success"
+                assert result.metadata.tasks_per_agent == {other.name: 1}
+                assert [c.task_id for c in other.calls] == ["short"]
                 tg.cancel_scope.cancel()
 
     async def test_agents_status_reports_load_and_counters(
