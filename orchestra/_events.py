@@ -147,18 +147,13 @@ Subscriber = Callable[[Any], Awaitable[None] | None]
 
 
 class _Subscription:
-    __slots__ = ("buffer", "fn", "receive", "send", "types")
+    __slots__ = ("buffer", "fn", "send", "types")
 
     def __init__(self, fn: Subscriber, types: tuple[type[Event], ...], buffer: int) -> None:
         self.fn = fn
         self.types = types
         self.buffer = buffer
-        self.open()
-
-    def open(self) -> None:
-        self.send: MemoryObjectSendStream[Event]
-        self.receive: MemoryObjectReceiveStream[Event]
-        self.send, self.receive = anyio.create_memory_object_stream[Event](self.buffer)
+        self.send: MemoryObjectSendStream[Event] | None = None  # open while the bus is started
 
 
 class EventBus:
@@ -180,19 +175,21 @@ class EventBus:
         self._subs.append(sub)
         self.active = True
         if self._group is not None:
-            self._group.start_soon(self._deliver, sub)
+            self._open(sub, self._group)
 
         def unsubscribe() -> None:
             if sub in self._subs:
                 self._subs.remove(sub)
                 self.active = bool(self._subs)
-                sub.send.close()
+                if sub.send is not None:
+                    sub.send.close()
+                    sub.send = None
 
         return unsubscribe
 
     def emit(self, event: Event) -> None:
         for sub in self._subs:
-            if sub.types and not isinstance(event, sub.types):
+            if sub.send is None or (sub.types and not isinstance(event, sub.types)):
                 continue
             try:
                 sub.send.send_nowait(event)
@@ -205,22 +202,26 @@ class EventBus:
         """Start delivering, with one task per subscriber in `group`."""
         self._group = group
         for sub in self._subs:
-            group.start_soon(self._deliver, sub)
+            self._open(sub, group)
 
     def stop(self) -> None:
         """Close every buffer: the delivery tasks finish what is buffered, then end."""
         self._group = None
         for sub in self._subs:
-            sub.send.close()
-            sub.open()  # fresh buffers for a later `start` (the orchestrator entered again)
+            if sub.send is not None:
+                sub.send.close()
+                sub.send = None
 
-    async def _deliver(self, sub: _Subscription) -> None:
-        fn = sub.fn
+    def _open(self, sub: _Subscription, group: TaskGroup) -> None:
+        sub.send, receive = anyio.create_memory_object_stream[Event](sub.buffer)
+        group.start_soon(self._deliver, sub.fn, receive)
+
+    async def _deliver(self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event]) -> None:
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004
         )
-        async with sub.receive:
-            async for event in sub.receive:
+        async with receive:
+            async for event in receive:
                 try:
                     if is_async:
                         await fn(event)  # type: ignore[misc]

@@ -12,7 +12,7 @@ that fails skips the waiters at once, as a failed dependency does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import InputError
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from ._registry import AgentSlot
 
-__all__ = ("Graph", "Group", "Node")
+__all__ = ("Graph", "Group", "Node", "Settled")
 
 
 class Node(TaskResult):
@@ -78,6 +78,18 @@ class Node(TaskResult):
         return f"Node({self.id!r}, {self.state})"
 
 
+class Settled:
+    """What a streamed run keeps of a succeeded task once it is done: enough for a later task that
+    depends on it (its state and output) and for the duplicate-id check, in 40 bytes instead of a node.
+    Its counts went into the run's `Report` when it was compacted."""
+
+    __slots__ = ("output", "state")
+
+    def __init__(self, output: Any) -> None:
+        self.state = SUCCEEDED
+        self.output = output
+
+
 class Group:
     """The tasks carrying one tag, and the tasks waiting for all of them."""
 
@@ -117,7 +129,7 @@ class Graph:
         self,
         kinds: Mapping[str, Sequence[AgentSlot]],
     ) -> None:
-        self.nodes: dict[str, Node] = {}
+        self.nodes: dict[str, Node | Settled] = {}
         self.groups: dict[str, Group] = {}
         self.seq = 0
         self._auto = 0
@@ -324,6 +336,7 @@ class Graph:
                 skip_reason = f"dependency {dep_id!r} {dep.state}"
                 continue
             node.waiting += 1
+            assert type(dep) is Node  # a Settled record is always succeeded
             if dep.dependents is None:
                 dep.dependents = [node]
             else:
@@ -357,17 +370,17 @@ class Graph:
             node = stack.pop()
             for dep_id in node.task.depends_on:
                 dep = self.nodes.get(dep_id)
-                if dep is None or id(dep) in seen:
-                    continue
+                if dep is None or type(dep) is Settled or id(dep) in seen:
+                    continue  # a settled task waits for nothing
                 if id(dep) in waiters:
                     raise InputError(
                         f"dependency cycle: task {member.id!r} joins group {tag!r} but depends on "
-                        f"{dep.id!r}, which waits for that group",
+                        f"{dep_id!r}, which waits for that group",
                         task_id=member.id,
                         field="tags",
                     )
                 seen.add(id(dep))
-                stack.append(dep)
+                stack.append(dep)  # type: ignore[arg-type]
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -389,8 +402,15 @@ class Graph:
         owner = self.nodes.get(tag)
         return owner is None or owner.state in TERMINAL
 
-    def unfinished(self) -> list[Node]:
-        return [n for n in self.nodes.values() if n.state not in TERMINAL]
+    def live(self) -> Iterator[Node]:
+        """The nodes not compacted into `Settled` records."""
+        for node in self.nodes.values():
+            if type(node) is not Settled:
+                yield node  # type: ignore[misc]
 
-    def by_predicate(self, keep: Callable[[Node], bool]) -> list[Node]:
-        return [n for n in self.nodes.values() if keep(n)]
+    def unfinished(self) -> list[Node]:
+        return [n for n in self.live() if n.state not in TERMINAL]
+
+    def compact(self, node: Node) -> None:
+        """Forget a succeeded node but its output (streamed runs: bounded memory)."""
+        self.nodes[node.id] = Settled(node.output)

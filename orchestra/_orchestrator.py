@@ -25,6 +25,7 @@ from ._breaker import BreakerPolicy
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._faults import Fault, FaultMode
+from ._graph import Node
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Capacity, Run, RunConfig
@@ -271,9 +272,7 @@ class Orchestrator:
             return result
         run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
         failed = (
-            [n.task for n in run.graph.nodes.values() if n.state != SUCCEEDED]
-            if run is not None
-            else []
+            [n.task for n in run.graph.live() if n.state != SUCCEEDED] if run is not None else []
         )
         try:
             replacement = hook(result, failed)
@@ -310,7 +309,7 @@ class Orchestrator:
             )
         for run in self._runs:
             node = run.graph.nodes.get(task_id)
-            if node is None or node.state in TERMINAL:
+            if not isinstance(node, Node) or node.state in TERMINAL:
                 continue
             if node.state == "ready":
                 run.queue.move(node, priority)

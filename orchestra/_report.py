@@ -22,15 +22,22 @@ __all__ = ("Report", "remediation")
 
 
 class Report:
-    """What a run counts while it goes; the rest is read off the settled nodes at the end."""
+    """What a run counts: live counters, and the tallies of settled tasks.
+
+    A whole-list run tallies its nodes once, at the end (nothing per task on the hot path); a
+    streamed run tallies a succeeded task when it compacts it away (`Graph.compact`)."""
 
     __slots__ = (
         "attempts",
         "cancelled",
         "cost",
+        "counts",
         "defaulted",
+        "durations",
         "fallbacks",
+        "not_ok",
         "peak",
+        "per_agent",
         "reason",
         "retries",
         "tokens",
@@ -41,11 +48,33 @@ class Report:
         self.retries = 0
         self.fallbacks = 0
         self.peak = 0
+        self.counts: dict[str, dict[str, int]] = {}
+        self.durations: dict[str, list[float]] = {}
+        self.per_agent: dict[str, int] = {}
+        self.not_ok: list[Node] = []
         self.defaulted: list[str] = []
         self.tokens: dict[str, int] = {}
         self.cost = 0.0
         self.reason: str | None = None
         self.cancelled = False
+
+    def tally(self, node: Node) -> None:
+        """Count one settled task."""
+        kind, state = node.kind, node.status
+        by_kind = self.counts.get(kind)
+        if by_kind is None:
+            by_kind = self.counts[kind] = {}
+        by_kind[state] = by_kind.get(state, 0) + 1
+        if node.started is not None:
+            durations = self.durations.get(kind)
+            if durations is None:
+                durations = self.durations[kind] = []
+            durations.append(node.finished - node.started)
+        if state == SUCCEEDED:
+            if node.agent is not None:
+                self.per_agent[node.agent] = self.per_agent.get(node.agent, 0) + 1
+        else:
+            self.not_ok.append(node)
 
     def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
         self.cost += cost
@@ -63,26 +92,15 @@ class Report:
         data: Any,
         events_dropped: int,
     ) -> RunResult:
-        """The `RunResult` of the settled `nodes`, by DESIGN.md's status rules.
-
-        Counting here, in one pass at the end, keeps the per-task path free of bookkeeping."""
-        counts: dict[str, dict[str, int]] = {}
-        durations: dict[str, list[float]] = {}
-        per_agent: dict[str, int] = {}
-        not_ok: list[Node] = []
+        """The `RunResult` of the settled `nodes` (those not tallied yet), by DESIGN.md's rules."""
         for node in nodes:
-            kind, state = node.kind, node.status
-            by_kind = counts.get(kind)
-            if by_kind is None:
-                by_kind = counts[kind] = {}
-            by_kind[state] = by_kind.get(state, 0) + 1
-            if node.started is not None:
-                durations.setdefault(kind, []).append(node.finished - node.started)
-            if state == SUCCEEDED:
-                if node.agent is not None:
-                    per_agent[node.agent] = per_agent.get(node.agent, 0) + 1
-            else:
-                not_ok.append(node)
+            self.tally(node)
+        counts, durations, per_agent, not_ok = (
+            self.counts,
+            self.durations,
+            self.per_agent,
+            self.not_ok,
+        )
         by_status: dict[str, int] = dict.fromkeys((SUCCEEDED, FAILED, SKIPPED, CANCELLED), 0)
         for by_kind in counts.values():
             for name, n in by_kind.items():

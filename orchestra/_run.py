@@ -58,12 +58,14 @@ class Run(Dispatcher):
         self._input_error: InputError | None = None
         self._debug = _debug_enabled()
         self._cascade: list[tuple[Node, str]] = []
+        self._compact = False  # a streamed run forgets succeeded tasks as it goes
 
     async def execute(self, source: Iterable[Task] | AsyncIterable[Task]) -> RunResult:
         self._time = asyncio.get_running_loop().time  # virtual under a FakeClock
         self.t0 = self._time()
         wall0 = datetime.now(UTC)
         whole = isinstance(source, list | tuple)
+        self._compact = not whole
         if whole:  # a whole input is checked before anything runs
             self._admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
             self._input_done()
@@ -114,7 +116,7 @@ class Run(Dispatcher):
             data = None
             self.report.reason = f"aggregator raised {type(exc).__name__}: {exc}"
         return self.report.result(
-            self.graph.nodes.values(),
+            self.graph.live(),
             run_id=self.run_id,
             wall0=wall0,
             elapsed=self._time() - self.t0,
@@ -289,6 +291,9 @@ class Run(Dispatcher):
                 self._results.send_nowait(node)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._results = None  # the stream's reader went away; the run goes on
+        if self._compact and status is SUCCEEDED and not node.task.tags:
+            self.report.tally(node)
+            self.graph.compact(node)
         self._open -= 1
         if self._window_free is not None and self._open < self._window:
             self._window_free.set()
