@@ -92,11 +92,15 @@ class Agent:
             raise ConfigError(
                 f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}"
             )
-        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+        if concurrency is not None and (
+            isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
+        ):
             raise ConfigError(
                 f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}"
             )
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
             raise ConfigError(
                 f"agent {label!r}: timeout must be a positive number, got {timeout!r}"
             )

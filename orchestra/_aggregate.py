@@ -291,7 +291,8 @@ class _TransformAcc:
 class ByKind:
     """One aggregator per kind: `data` maps each kind to its own folded data.
 
-    Kinds without an entry use `default` (`Collect()`); pass `default=None` to leave them out.
+    Kinds without an entry use `default` (`Collect()`). Every mapped kind has an entry in `data`,
+    even when none of its tasks succeeded.
     """
 
     def __init__(
@@ -319,6 +320,9 @@ class _ByKindAcc:
         acc.add(result)
 
     def finish(self) -> dict[str, Any]:
+        for kind, agg in self.spec.by_kind.items():  # a mapped kind with no success still has data
+            if kind not in self.accs:
+                self.accs[kind] = agg.begin()
         return {kind: acc.finish() for kind, acc in sorted(self.accs.items())}
 
 

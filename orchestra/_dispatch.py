@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from heapq import heappop, heappush
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
 
@@ -34,7 +35,7 @@ from ._events import (
 from ._exceptions import AttemptTimeout, InputError, Rejected, TaskTimeout, VerificationError
 from ._retry import RetryPolicy, Timeouts, backoff, classify
 from ._scheduler import ReadyQueue
-from ._task import FAILED, READY, RETRY_WAIT, RUNNING, SUCCEEDED, Attempt
+from ._task import FAILED, PENDING, READY, RETRY_WAIT, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
@@ -156,6 +157,10 @@ class Dispatcher:
         self._workers = 0
         self._closing = False
         self._running = 0
+        self._active = 0  # tasks ready, running or waiting for a retry (the window's measure)
+        self._deadlines: list[tuple[float, int, Node]] = []  # task deadlines of queued tasks
+        self._watch_wake: anyio.Event | None = None
+        self._watching = False
         self._time: Callable[[], float] = anyio.current_time
         self.t0 = 0.0
 
@@ -179,11 +184,14 @@ class Dispatcher:
     # -- workers ---------------------------------------------------------------------------------
 
     def _ready(self, node: Node) -> None:
+        if node.state is PENDING:
+            self._active += 1
         node.state = READY
         if node.deadline is None:
             timeout = node.task.timeout or self._task_timeout
             if timeout is not None:
                 node.deadline = self._time() + timeout
+                self._watch(node)
         self.queue.push(node)
         if self.bus.active:
             self.bus.emit(TaskReady(self._time(), self.run_id, node.id, node.kind, node.priority))
@@ -193,8 +201,47 @@ class Dispatcher:
             self._workers += 1
             self._tg.start_soon(self._worker)
 
+    def _watch(self, node: Node) -> None:
+        """Fail `node` at its deadline if it is still waiting in the queue then (running attempts
+        have their own cancel scope; retries check before they wait)."""
+        deadline: float = node.deadline  # type: ignore[assignment]  # set by `_ready`
+        heappush(self._deadlines, (deadline, node.seq, node))
+        if self._watch_wake is not None:
+            self._watch_wake.set()
+        elif self._tg is not None and not self._watching:
+            self._watching = True
+            self._tg.start_soon(self._watcher)
+
+    async def _watcher(self) -> None:
+        deadlines = self._deadlines
+        while True:
+            while deadlines and deadlines[0][2].state is not READY:
+                heappop(deadlines)  # started, retried or done: its deadline is handled elsewhere
+            if not deadlines:
+                self._watching = False
+                return
+            now = self._time()
+            deadline, _, node = deadlines[0]
+            if deadline <= now:
+                heappop(deadlines)
+                self._settle(
+                    node,
+                    FAILED,
+                    None,
+                    error=f"TaskTimeout: the task's deadline passed while it waited for attempt {node.attempts + 1}",
+                    error_type="TaskTimeout",
+                )
+                continue
+            wake = self._watch_wake = anyio.Event()
+            with anyio.move_on_after(deadline - now):
+                await wake.wait()
+            self._watch_wake = None
+
     def _start_workers(self, tg: TaskGroup) -> None:
         self._tg = tg
+        if self._deadlines and not self._watching:
+            self._watching = True
+            tg.start_soon(self._watcher)
         for _ in range(min(self._capacity.limit, len(self.queue)) - self._workers):
             self._workers += 1
             tg.start_soon(self._worker)
@@ -374,12 +421,19 @@ class Dispatcher:
                 await verify(check, task, output)
             if ctx._spawned:
                 self._admit_spawned(ctx._spawned, node)
+        except asyncio.CancelledError as exc:
+            # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
+            # raised by itself (no cancellation pending on this task): a failed attempt, as any error.
+            current = asyncio.current_task()
+            if current is None or current.cancelling():
+                raise
+            self._failed_attempt(node, slot, exc, start)
         except Exception as exc:
             self._failed_attempt(node, slot, exc, start)
         else:
             slot.succeeded += 1
             breaker = slot.breaker
-            if breaker.consecutive or breaker.state is not CLOSED:
+            if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
                 self._breaker_changed(slot, breaker.state, breaker.on_success())
             if bus is not None:
                 end = self._time()
@@ -395,14 +449,18 @@ class Dispatcher:
             self._running -= 1
             if node.state is RUNNING:  # cancelled mid-call: a half-open probe ends unjudged
                 slot.breaker.on_abandon()
-            if capacity.blocked:
+            if capacity.blocked or len(capacity.runs) > 1:
+                # The freed slot (global, or this agent's, which other runs share) may be what
+                # another run's parked worker waits for.
                 capacity.blocked = False
                 for run in capacity.runs:
                     run._wake_one()
             elif self._parked:
                 self._wake_one()
 
-    def _failed_attempt(self, node: Node, slot: AgentSlot, exc: Exception, start: float) -> None:
+    def _failed_attempt(
+        self, node: Node, slot: AgentSlot, exc: BaseException, start: float
+    ) -> None:
         end = self._time()
         policy = slot.retry or self.config.retry_per_kind.get(node.kind) or self.config.retry
         retryable, retry_after = classify(exc, policy)
@@ -444,14 +502,15 @@ class Dispatcher:
                 node, FAILED, None, error=f"{error_type}: {message}", error_type=error_type
             )
             return
+        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
         if retryable and node.agent_tries < policy.max_attempts:
             delay = backoff(policy, node.agent_tries - 1, self.rng, retry_after)
             if node.deadline is not None and end + delay >= node.deadline:
-                self._settle(
+                # Waiting would pass the task's deadline: the next agent of the chain, now.
+                self._fall_back(
                     node,
-                    FAILED,
-                    None,
-                    error=f"TaskTimeout: the retry in {delay:.3g}s would pass the task's deadline",
+                    slot,
+                    f"a retry in {delay:.3g}s would pass the task's deadline",
                     error_type="TaskTimeout",
                 )
                 return
@@ -466,12 +525,17 @@ class Dispatcher:
                 )
             self._tg.start_soon(self._retry_later, node, delay)  # type: ignore[union-attr]
             return
-        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
+        self._fall_back(node, slot, reason)
+
+    def _fall_back(
+        self, node: Node, slot: AgentSlot, reason: str, error_type: str | None = None
+    ) -> None:
+        """`slot` is done with `node`: the next agent of the chain gets it, or the chain ends."""
         self._mark_tried(node, slot)
         nxt = self._next_in_chain(node)
         self._emit_fallback(node, slot, nxt, reason)
         if nxt is None:
-            self._chain_end(node, reason)
+            self._chain_end(node, reason, error_type)
         else:
             self._ready(node)
 
@@ -516,7 +580,7 @@ class Dispatcher:
                 )
             )  # fmt: skip
 
-    def _chain_end(self, node: Node, reason: str) -> None:
+    def _chain_end(self, node: Node, reason: str, error_type: str | None = None) -> None:
         """Every agent of the chain failed the task: its default value, or a failure."""
         defaults = self.config.defaults
         if node.kind in defaults:
@@ -532,7 +596,7 @@ class Dispatcher:
                 FAILED,
                 None,
                 error=f"{last.error_type}: {last.message} ({reason})",
-                error_type=last.error_type,
+                error_type=error_type or last.error_type,
             )
 
     def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:

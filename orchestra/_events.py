@@ -232,6 +232,6 @@ class EventBus:
                     log.warning(
                         "subscriber raised",
                         subscriber=repr(fn),
-                        event=type(event).__name__,
+                        event_type=type(event).__name__,
                         exc_info=True,
                     )

@@ -12,7 +12,7 @@ that fails skips the waiters at once, as a failed dependency does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import InputError
@@ -144,7 +144,13 @@ class Graph:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def check(self, task: Any, where: str, index: int | None = None) -> Task:
+    def check(
+        self,
+        task: Any,
+        where: str,
+        index: int | None = None,
+        taken: Container[str] = (),
+    ) -> Task:
         """Check one task's own fields (not its references); give it an id if it has none.
 
         `where` (and `index`) say where the task came from, for the error message only."""
@@ -153,9 +159,13 @@ class Graph:
             raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
         kind = task.kind
         task_id = task.id
-        if task_id is None:
+        if task_id is None:  # generated: never one that is, or will be in this batch, given
             self._auto += 1
-            task_id = task.id = f"{kind}#{self._auto}"
+            task_id = f"{kind}#{self._auto}"
+            while task_id in self.nodes or task_id in taken:
+                self._auto += 1
+                task_id = f"{kind}#{self._auto}"
+            task.id = task_id
         elif not isinstance(task_id, str) or not task_id:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(
@@ -176,7 +186,7 @@ class Graph:
             )
         timeout = task.timeout
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
         ):
             raise InputError(
                 f"task {task_id!r}: timeout must be a positive number of seconds, got {timeout!r}",
@@ -245,8 +255,15 @@ class Graph:
         ids: dict[str, Task] = {}
         nodes = self.nodes
         linked = False  # any dependency at all: only then can there be a cycle
+        if not isinstance(tasks, list | tuple):
+            tasks = list(tasks)
+        given = (
+            {t.id for t in tasks if isinstance(t, Task) and t.id is not None}
+            if len(tasks) > 1
+            else ()
+        )
         for i, task in enumerate(tasks):
-            self.check(task, where, i)
+            self.check(task, where, i, given)
             if task.depends_on or task.depends_on_tags:
                 linked = True
             if task.id in nodes or task.id in ids:

@@ -68,7 +68,9 @@ class Orchestrator:
         verify: per kind, a check of each attempt's output (see `Verdict`).
         safety: a check of each task before its first attempt; a refusal fails it, unretried.
         aggregate: how outputs fold into `data` (default `Collect()`; a mapping kind → aggregator).
-        window: the most unfinished tasks a streamed input may have admitted at once.
+        window: backpressure on a streamed input: the most of its tasks that may be ready,
+            running or waiting for a retry at once (tasks waiting for dependencies do not count:
+            they may be waiting for the end of the input).
         seed: seeds the backoff jitter, for reproducible schedules.
         clock: a `FakeClock` to run in virtual time (tests).
         on_threshold_missed: ``fn(result, failed_tasks)`` (sync or async) called when a run misses
@@ -101,7 +103,9 @@ class Orchestrator:
             raise ConfigError(f"concurrency must be an int >= 1, got {concurrency!r}")
         if not 0.0 <= success_threshold <= 1.0:
             raise ConfigError(f"success_threshold must be in [0, 1], got {success_threshold!r}")
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
             raise ConfigError(f"window must be an int >= 1, got {window!r}")
         if decomposer is not None and not callable(decomposer):
             raise ConfigError(f"decomposer must be callable, got {decomposer!r}")
@@ -453,6 +457,7 @@ class ResultStream:
         try:
             return await self._receive.receive()
         except anyio.EndOfStream:
+            self._receive.close()
             await self._over.wait()
             if self._error is not None:
                 raise self._error from None

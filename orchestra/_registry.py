@@ -61,8 +61,8 @@ class AgentSlot:
         )
         concurrency = getattr(agent, "concurrency", None)
         self.limit: int = UNLIMITED if concurrency is None else concurrency
-        self.input: type[BaseModel] | None = getattr(agent, "input", None)
-        self.output: type[BaseModel] | None = getattr(agent, "output", None)
+        self.input = _model(agent, "input")
+        self.output = _model(agent, "output")
         self.retry: RetryPolicy | None = getattr(agent, "retry", None)
         self.timeout: float | None = getattr(agent, "timeout", None)
         self.breaker = Breaker(breaker)
@@ -98,6 +98,19 @@ class AgentSlot:
             "failures": self.failures,
             "last_error": self.last_error,
         }
+
+
+def _model(agent: AgentLike, field: str) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
+    model = getattr(agent, field, None)
+    if model is None:
+        return None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(
+            f"agent {agent.name!r}: {field} must be a pydantic model class, got {model!r}"
+        )
+    return model
 
 
 class Registry:

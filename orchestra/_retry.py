@@ -80,7 +80,9 @@ class Timeouts:
     def __post_init__(self) -> None:
         for name in ("attempt", "task", "run"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or value <= 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
                 raise ConfigError(
                     f"Timeouts.{name} must be a positive number or None, got {value!r}"
                 )

@@ -55,10 +55,11 @@ class Run(Dispatcher):
         self._open = 0  # admitted tasks not yet terminal
         self._done = anyio.Event()
         self._window_free: anyio.Event | None = None
-        self._input_error: InputError | None = None
+        self._input_error: Exception | None = None
         self._debug = _debug_enabled()
         self._cascade: list[tuple[Node, str]] = []
         self._compact = False  # a streamed run forgets succeeded tasks as it goes
+        self._agg_error: str | None = None
 
     async def execute(self, source: Iterable[Task] | AsyncIterable[Task]) -> RunResult:
         self._time = asyncio.get_running_loop().time  # virtual under a FakeClock
@@ -66,11 +67,12 @@ class Run(Dispatcher):
         wall0 = datetime.now(UTC)
         whole = isinstance(source, list | tuple)
         self._compact = not whole
+        dropped = self.bus.dropped
+        if self.bus.active:
+            self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
             self._admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
             self._input_done()
-        if self.bus.active:
-            self.bus.emit(RunStarted(self.t0, self.run_id))
         capacity = self.config.capacity
         capacity.runs.append(self)
         timed_out = False
@@ -98,7 +100,7 @@ class Run(Dispatcher):
                     self._settle(
                         node, CANCELLED, None, error=self.report.reason, error_type="RunTimeout"
                     )
-            result = self._result(wall0)
+            result = self._result(wall0, self.bus.dropped - dropped)
             log.info(
                 "run finished", status=result.status, elapsed=round(result.metadata.elapsed, 6)
             )
@@ -108,13 +110,15 @@ class Run(Dispatcher):
             )
         return result
 
-    def _result(self, wall0: datetime) -> RunResult:
-        try:
-            data = self._acc.finish()
-        except Exception as exc:  # a user's reducer must not lose the run's result
-            log.error("aggregator failed", exc_info=True)
-            data = None
-            self.report.reason = f"aggregator raised {type(exc).__name__}: {exc}"
+    def _result(self, wall0: datetime, dropped: int) -> RunResult:
+        data = None
+        if self._agg_error is None:
+            try:
+                data = self._acc.finish()
+            except Exception as exc:  # a user's reducer must not lose the run's result
+                self._aggregator_failed(exc)
+        if self._agg_error is not None:
+            self.report.reason = self._agg_error
         return self.report.result(
             self.graph.live(),
             run_id=self.run_id,
@@ -122,7 +126,7 @@ class Run(Dispatcher):
             elapsed=self._time() - self.t0,
             threshold=self.config.success_threshold,
             data=data,
-            events_dropped=self.bus.dropped,
+            events_dropped=dropped,
         )
 
     # -- admission -------------------------------------------------------------------------------
@@ -144,7 +148,10 @@ class Run(Dispatcher):
         self._admit(tasks, where=f"tasks spawned by {parent.id!r}", forward=False, closed_ok=False)
 
     async def _feed(self, source: Iterable[Task] | AsyncIterable[Task]) -> None:
-        """Admit a streamed input, keeping at most `window` tasks unfinished (backpressure)."""
+        """Admit a streamed input, with backpressure (at most `window` of its tasks active).
+
+        What the input raises (an `InputError` for a bad task, or the source's own error) ends the
+        run and reaches the caller as it is; the source is closed however the run ends."""
         try:
             if isinstance(source, AsyncIterable):
                 async for task in source:
@@ -152,15 +159,18 @@ class Run(Dispatcher):
             else:
                 for task in source:
                     await self._admit_streamed(task)
-        except InputError as exc:
+        except Exception as exc:
             self._input_error = exc
             self._finish()
             return
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(source)
         self._input_done()
         self._check_done()
 
     async def _admit_streamed(self, task: Task) -> None:
-        while self._open >= self._window:
+        while self._active >= self._window:
             event = self._window_free = anyio.Event()
             await event.wait()
         self._admit((task,), where=f"input item {self.graph.seq}", forward=False)
@@ -243,8 +253,11 @@ class Run(Dispatcher):
         defaulted: bool,
         cascade: list[tuple[Node, str]],
     ) -> None:
-        if node.state is READY:
+        state = node.state
+        if state is READY:
             self.queue.discard(node)
+        if state is not PENDING:
+            self._active -= 1
         node.state = status
         end = self._time()
         t0 = self.t0
@@ -260,7 +273,11 @@ class Run(Dispatcher):
         node.defaulted = defaulted
         dependents = node.dependents
         if status is SUCCEEDED:
-            self._acc.add(node)
+            if self._agg_error is None:
+                try:
+                    self._acc.add(node)
+                except Exception as exc:
+                    self._aggregator_failed(exc)
             if dependents:
                 for dep in dependents:
                     dep.waiting -= 1
@@ -295,11 +312,16 @@ class Run(Dispatcher):
             self.report.tally(node)
             self.graph.compact(node)
         self._open -= 1
-        if self._window_free is not None and self._open < self._window:
+        if self._window_free is not None and self._active < self._window:
             self._window_free.set()
             self._window_free = None
         if not self._open:
             self._check_done()
+
+    def _aggregator_failed(self, exc: Exception) -> None:
+        """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
+        log.error("aggregator raised; data will be None", exc_info=True)
+        self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"
 
     def _maybe_close(self, tag: str, group: Group) -> None:
         # Only a group that somebody waits for is closed (and then refuses new members); a waiter
@@ -321,6 +343,16 @@ class Run(Dispatcher):
     def _finish(self) -> None:
         self._done.set()
         self._stop_workers()
+
+
+async def _close(source: object) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        await aclose()
+        return
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
 
 
 def _debug_enabled() -> bool:

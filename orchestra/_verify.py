@@ -61,11 +61,14 @@ async def verify(check: Check, task: Task, output: Any) -> None:
 
 
 async def check_safety(check: Callable[[Task], Any], task: Task) -> None:
-    """Raise `Rejected` when the safety check refuses `task`."""
-    verdict = check(task)
-    if inspect.isawaitable(verdict):
-        verdict = await verdict
-    passed, reason = _judge(verdict)
+    """Raise `Rejected` when the safety check refuses `task`, or fails: it fails closed."""
+    try:
+        verdict = check(task)
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        passed, reason = _judge(verdict)
+    except Exception as exc:
+        raise Rejected(f"the safety check raised {type(exc).__name__}: {exc}") from exc
     if not passed:
         raise Rejected(reason or "refused by the safety check")
 

@@ -110,7 +110,7 @@ class ScriptedAgent:
         self.kinds = tuple(kinds)
         self.script = list(script)
         self.then = then
-        self.output = output
+        self.returns = output  # not `output`: that attribute names an agent's output model
         self.latency = latency
         self.jitter = jitter
         self.failure_rate = failure_rate
@@ -162,10 +162,10 @@ class ScriptedAgent:
                 self.probe.exit(self.name)
 
     def _output(self, task: Task) -> Any:
-        if callable(self.output):
-            return self.output(task)
-        if self.output is not None:
-            return self.output
+        if callable(self.returns):
+            return self.returns(task)
+        if self.returns is not None:
+            return self.returns
         return {"agent": self.name, "task": task.id}
 
     def outcomes(self) -> list[str]:

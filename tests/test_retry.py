@@ -32,7 +32,7 @@ from orchestra._retry import backoff, classify
 from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from orchestra import Orchestrator, RunResult
 
@@ -119,27 +119,6 @@ class Raiser:
         if self.errors:
             raise self.errors.pop(0)
         return {"by": self.name, "task": task.id}
-
-
-@pytest.fixture
-def make_orchestrator(
-    make_orchestrator: Callable[..., Orchestrator],
-) -> Iterator[Callable[..., Orchestrator]]:
-    """conftest's factory; afterwards it closes the event buffers that `EventBus.stop()` re-opens
-    and never closes (an orchestra bug, see tests/test_fallback.py::TestHooks), so that their
-    ResourceWarning does not fail every test that subscribes."""
-    made: list[Orchestrator] = []
-
-    def make(**options: Any) -> Orchestrator:
-        orch = make_orchestrator(**options)
-        made.append(orch)
-        return orch
-
-    yield make
-    for orch in made:
-        for sub in getattr(getattr(orch, "_bus", None), "_subs", ()):
-            sub.send.close()
-            sub.receive.close()
 
 
 async def run_recorded(

@@ -23,7 +23,7 @@ from orchestra import (
 from orchestra.testing import scripted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from orchestra import Orchestrator, RunResult
 
@@ -45,26 +45,6 @@ class Recorder:
 
     def results(self) -> dict[str, TaskResult]:
         return {e.result.task_id: e.result for e in self.of(TaskFinished)}
-
-
-@pytest.fixture
-def make_orchestrator(
-    make_orchestrator: Callable[..., Orchestrator],
-) -> Iterator[Callable[..., Orchestrator]]:
-    """conftest's factory; afterwards it closes the event buffers that `EventBus.stop()` re-opens
-    and never closes (an orchestra bug, see tests/test_fallback.py::TestHooks)."""
-    made: list[Orchestrator] = []
-
-    def make(**options: Any) -> Orchestrator:
-        orch = make_orchestrator(**options)
-        made.append(orch)
-        return orch
-
-    yield make
-    for orch in made:
-        for sub in getattr(getattr(orch, "_bus", None), "_subs", ()):
-            sub.send.close()
-            sub.receive.close()
 
 
 async def run_recorded(

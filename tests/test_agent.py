@@ -1,0 +1,206 @@
+"""Agents: `@agent(...)`, agent-like objects, what they are told in their `Context`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+from pydantic import BaseModel
+from structlog.testing import capture_logs
+
+from orchestra import (
+    Agent,
+    AgentLike,
+    ConfigError,
+    Context,
+    Orchestrator,
+    RetryPolicy,
+    Task,
+    agent,
+)
+from orchestra.testing import FakeClock
+
+
+class Answer(BaseModel):
+    value: int
+
+
+async def plain(task: Task, ctx: Context) -> Any:
+    return task.payload
+
+
+def sync_fn(task: Task) -> Any:
+    return task.payload
+
+
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
+
+class TestDecorator:
+    def test_defaults(self) -> None:
+        a = agent(plain, kinds=["work"])
+        assert isinstance(a, Agent)
+        assert isinstance(a, AgentLike)
+        assert a.name == "plain"
+        assert tuple(a.kinds) == ("work",)
+        assert a.concurrency is None
+        assert a.timeout is None
+        assert a.input is None
+        assert a.output is None
+        assert a.retry is None
+        assert "plain" in repr(a)
+
+    def test_every_option_is_kept(self) -> None:
+        policy = RetryPolicy(max_attempts=2)
+
+        @agent(
+            kinds=["a", "b"],
+            name="custom",
+            concurrency=3,
+            input=Answer,
+            output=Answer,
+            retry=policy,
+            timeout=2.5,
+        )
+        async def fn(task: Task, ctx: Context) -> None:
+            return None
+
+        assert (fn.name, tuple(fn.kinds), fn.concurrency, fn.timeout) == (
+            "custom",
+            ("a", "b"),
+            3,
+            2.5,
+        )
+        assert fn.input is Answer
+        assert fn.output is Answer
+        assert fn.retry is policy
+
+    @pytest.mark.parametrize(
+        "options",
+        [
+            {"kinds": []},
+            {"kinds": "work"},
+            {"kinds": ["work", ""]},
+            {"kinds": ["work", 3]},
+            {"kinds": ["work"], "concurrency": 0},
+            {"kinds": ["work"], "concurrency": -2},
+            {"kinds": ["work"], "concurrency": 1.5},
+            {"kinds": ["work"], "concurrency": True},
+            {"kinds": ["work"], "timeout": 0},
+            {"kinds": ["work"], "timeout": -1},
+            {"kinds": ["work"], "timeout": math.nan},
+            {"kinds": ["work"], "executor": "gpu"},
+            {"kinds": ["work"], "executor": "thread"},  # `plain` is async
+        ],
+        ids=repr,
+    )
+    def test_bad_options(self, options: dict[str, Any]) -> None:
+        with pytest.raises(ConfigError):
+            agent(plain, **options)
+
+    def test_a_sync_function_needs_an_executor(self) -> None:
+        with pytest.raises(ConfigError, match="executor"):
+            agent(sync_fn, kinds=["work"])
+        assert agent(sync_fn, kinds=["work"], executor="thread").name == "sync_fn"
+
+
+class TestAgentLikeObjects:
+    async def test_an_object_with_name_kinds_and_async_call(self, clock: FakeClock) -> None:
+        class Translator:
+            name = "translator"
+            kinds = ("translate",)
+            concurrency = 2
+
+            def __init__(self) -> None:
+                self.now = 0
+                self.peak = 0
+
+            async def __call__(self, task: Task, ctx: Context) -> str:
+                self.now += 1
+                self.peak = max(self.peak, self.now)
+                await anyio.sleep(1.0)
+                self.now -= 1
+                return str(task.payload).upper()
+
+        translator = Translator()
+        assert isinstance(translator, AgentLike)
+        result = await Orchestrator(agents=[translator], concurrency=10).run(
+            tasks=[Task("translate", w, id=w) for w in ("a", "b", "c", "d")]
+        )
+        assert result.data == {"a": "A", "b": "B", "c": "C", "d": "D"}
+        assert translator.peak == 2  # its `concurrency` attribute is its limit
+        assert result.metadata.tasks_per_agent == {"translator": 4}
+
+    async def test_a_declared_output_model_validates_and_converts(self, clock: FakeClock) -> None:
+        @agent(kinds=["work"], output=Answer)
+        async def answer(task: Task, ctx: Context) -> Any:
+            return {"value": 42} if ctx.attempt > 1 else {"value": "not a number"}
+
+        orch = Orchestrator(agents=[answer], retry=RetryPolicy(max_attempts=2, base=0.0), seed=1)
+        result = await orch.run(tasks=[Task("work", None, id="x")])
+        assert result.status == "success"
+        assert result.data == {"x": Answer(value=42)}
+        assert result.metadata.attempts == 2
+
+
+class TestContext:
+    async def test_what_an_attempt_is_told(self, clock: FakeClock) -> None:
+        seen: list[tuple[Any, ...]] = []
+
+        @agent(kinds=["work"], name="teller")
+        async def teller(task: Task, ctx: Context) -> str:
+            seen.append((ctx.run_id, ctx.task, ctx.agent, ctx.attempt, list(ctx.feedback)))
+            if ctx.attempt < 3:
+                raise ConnectionError(f"drop {ctx.attempt}")
+            return "ok"
+
+        orch = Orchestrator(agents=[teller], retry=RetryPolicy(max_attempts=3, base=0.0), seed=1)
+        task = Task("work", None, id="x")
+        result = await orch.run(tasks=[task])
+        assert result.status == "success"
+        assert [s[0] for s in seen] == [result.metadata.run_id] * 3
+        assert all(s[1] is task for s in seen)
+        assert [s[2] for s in seen] == ["teller"] * 3
+        assert [s[3] for s in seen] == [1, 2, 3]
+        assert seen[0][4] == []
+        assert len(seen[2][4]) == 2
+        assert "drop 1" in seen[2][4][0]
+        assert "drop 2" in seen[2][4][1]
+
+    async def test_record_usage_adds_up_in_the_metadata(self) -> None:
+        @agent(kinds=["work"])
+        async def llm(task: Task, ctx: Context) -> None:
+            ctx.record_usage(cost=0.25, input_tokens=100, output_tokens=int(task.payload))
+
+        result = await Orchestrator(agents=[llm]).run(
+            tasks=[Task("work", n, id=f"t{n}") for n in (1, 2, 3)]
+        )
+        assert result.metadata.tokens == {"input_tokens": 300, "output_tokens": 6}
+        assert result.metadata.cost == pytest.approx(0.75)
+
+    @pytest.mark.usefixtures("restore_structlog")
+    async def test_the_log_is_bound_to_the_attempt(self) -> None:
+        @agent(kinds=["work"], name="talker")
+        async def talker(task: Task, ctx: Context) -> None:
+            ctx.log.info("thinking", step=1)
+
+        with capture_logs() as entries:
+            result = await Orchestrator(agents=[talker]).run(tasks=[Task("work", None, id="x")])
+        [line] = [e for e in entries if e["event"] == "thinking"]
+        assert line["run_id"] == result.metadata.run_id
+        assert (line["task_id"], line["kind"], line["agent"], line["attempt"]) == (
+            "x",
+            "work",
+            "talker",
+            1,
+        )
+        assert line["step"] == 1
+

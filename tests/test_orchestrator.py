@@ -1,0 +1,418 @@
+"""The orchestrator's face: configuration errors, the exception tree, failures that stay in their
+attempt, cancellation, streaming, and how `run()` behaves with and without `async with`."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import warnings
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from orchestra import (
+    AgentError,
+    AttemptTimeout,
+    ConfigError,
+    Context,
+    InputError,
+    Orchestrator,
+    OrchestraError,
+    PermanentError,
+    Rejected,
+    RetryableError,
+    RetryPolicy,
+    RunError,
+    RunResult,
+    Task,
+    TaskResult,
+    TaskTimeout,
+    Timeouts,
+    VerificationError,
+    agent,
+)
+from orchestra.testing import FakeClock, scripted
+
+
+def tasks_of(n: int, kind: str = "work", prefix: str = "t") -> list[Task]:
+    return [Task(kind, i, id=f"{prefix}{i}") for i in range(n)]
+
+
+class Hanging:
+    """An agent whose calls never end on their own; it counts calls started and cancelled."""
+
+    def __init__(self, name: str = "hang", kinds: tuple[str, ...] = ("work",)) -> None:
+        self.name = name
+        self.kinds = kinds
+        self.started = 0
+        self.cancelled = 0
+        self.running = anyio.Event()
+
+    async def __call__(self, task: Task, ctx: Context) -> None:
+        self.started += 1
+        self.running.set()
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+
+
+def ok_agent() -> Any:
+    @agent(kinds=["work"])
+    async def fine(task: Task, ctx: Context) -> Any:
+        return task.payload
+
+    return fine
+
+
+BAD_OPTIONS: dict[str, dict[str, Any]] = {
+    "concurrency-0": {"concurrency": 0},
+    "concurrency-negative": {"concurrency": -1},
+    "concurrency-bool": {"concurrency": True},
+    "concurrency-float": {"concurrency": 2.5},
+    "concurrency-str": {"concurrency": "10"},
+    "threshold-above-1": {"success_threshold": 1.5},
+    "threshold-negative": {"success_threshold": -0.1},
+    "window-0": {"window": 0},
+    "window-float": {"window": 2.5},
+    "window-bool": {"window": True},
+    "decomposer-not-callable": {"decomposer": [1, 2]},
+    "negative-attempt-timeout": {"timeouts": {"attempt": -1}},
+    "zero-task-timeout": {"timeouts": {"task": 0}},
+    "negative-run-timeout": {"timeouts": {"run": -5.0}},
+    "nan-attempt-timeout": {"timeouts": {"attempt": math.nan}},
+    "unknown-timeout": {"timeouts": {"forever": 1}},
+    "unknown-fallback-agent": {"fallbacks": {"work": ["fine", "ghost"]}},
+    "empty-fallback-chain": {"fallbacks": {"work": []}},
+    "retry-for-unknown-kind": {"retry_per_kind": {"nokind": RetryPolicy()}},
+    "verify-for-unknown-kind": {"verify": {"nokind": lambda t, o: True}},
+    "defaults-for-unknown-kind": {"defaults": {"nokind": 0}},
+}
+
+
+class TestConfigErrors:
+    @pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+    def test_bad_option(self, case: str) -> None:
+        with pytest.raises(ConfigError) as info:
+            Orchestrator(agents=[ok_agent()], **BAD_OPTIONS[case])
+        assert isinstance(info.value, OrchestraError)
+        assert str(info.value)
+
+    def test_two_agents_with_one_name(self) -> None:
+        with pytest.raises(ConfigError, match="fine"):
+            Orchestrator(agents=[ok_agent(), ok_agent()])
+
+    def test_something_that_is_not_an_agent(self) -> None:
+        async def no_name(task: Task, ctx: Context) -> None:
+            return None
+
+        bad: Any = no_name
+        with pytest.raises(ConfigError):
+            Orchestrator(agents=[bad])
+
+    @pytest.mark.parametrize(
+        "build",
+        [
+            lambda: Timeouts(attempt=-1),
+            lambda: Timeouts(task=0),
+            lambda: RetryPolicy(max_attempts=0),
+            lambda: RetryPolicy(base=-1),
+        ],
+    )
+    def test_bad_policies(self, build: Callable[[], Any]) -> None:
+        with pytest.raises(ConfigError):
+            build()
+
+    async def test_run_needs_an_input_or_tasks_but_not_both(self) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        with pytest.raises(ConfigError):
+            await orch.run()
+        with pytest.raises(ConfigError):
+            await orch.run([Task("work")], tasks=[Task("work")])
+
+    def test_the_configured_limit_is_readable(self) -> None:
+        assert Orchestrator(agents=[ok_agent()], concurrency=7).concurrency == 7
+
+
+class TestExceptionTree:
+    @pytest.mark.parametrize(
+        ("child", "parent"),
+        [
+            (ConfigError, OrchestraError),
+            (InputError, OrchestraError),
+            (RunError, OrchestraError),
+            (AgentError, OrchestraError),
+            (RetryableError, AgentError),
+            (PermanentError, AgentError),
+            (AttemptTimeout, RetryableError),
+            (VerificationError, RetryableError),
+            (TaskTimeout, PermanentError),
+            (Rejected, PermanentError),
+            (OrchestraError, Exception),
+        ],
+    )
+    def test_hierarchy(self, child: type[Exception], parent: type[Exception]) -> None:
+        assert issubclass(child, parent)
+
+    def test_retryable_and_permanent_are_distinct(self) -> None:
+        assert not issubclass(RetryableError, PermanentError)
+        assert not issubclass(PermanentError, RetryableError)
+
+    def test_errors_carry_their_details(self) -> None:
+        assert RetryableError("slow down", retry_after=2.5).retry_after == 2.5
+        err = InputError("task 'a' is bad", task_id="a", field="kind")
+        assert (err.task_id, err.field) == ("a", "kind")
+        assert RunError("lost", result=None).result is None
+
+
+class _Custom(Exception):
+    pass
+
+
+AGENT_ERRORS: dict[str, Callable[[], BaseException]] = {
+    "ValueError": lambda: ValueError("bad value"),
+    "KeyError": lambda: KeyError("missing"),
+    "TypeError": lambda: TypeError("wrong type"),
+    "RuntimeError": lambda: RuntimeError("boom"),
+    "AssertionError": lambda: AssertionError("assumption broken"),
+    "NotImplementedError": lambda: NotImplementedError("todo"),
+    "ZeroDivisionError": lambda: ZeroDivisionError("division by zero"),
+    "custom": lambda: _Custom("custom failure"),
+    "ExceptionGroup": lambda: ExceptionGroup("inner task group", [ValueError("child")]),
+    "ConfigError": lambda: ConfigError("agent misconfigured"),
+    "spontaneous-CancelledError": lambda: asyncio.CancelledError(),
+}
+
+
+class TestAgentFailuresStayInTheAttempt:
+    @pytest.mark.parametrize("case", sorted(AGENT_ERRORS))
+    async def test_anything_an_agent_raises_fails_that_attempt_only(
+        self, case: str, clock: FakeClock
+    ) -> None:
+        raised = AGENT_ERRORS[case]
+
+        @agent(kinds=["work"])
+        async def sometimes(task: Task, ctx: Context) -> Any:
+            await anyio.sleep(0.1)
+            if task.payload == "bad" and ctx.attempt == 1:
+                raise raised()
+            return task.payload
+
+        orch = Orchestrator(
+            agents=[sometimes],
+            retry=RetryPolicy(max_attempts=2, base=0.0),
+            timeouts=Timeouts(run=100.0),  # a lost task shows as a timed-out run, not a hang
+            success_threshold=0.0,
+            seed=1,
+        )
+        tasks = [Task("work", "bad", id="bad"), *tasks_of(3)]
+        result = await orch.run(tasks=tasks)
+        assert result.metadata.total == 4
+        assert set(result.data) >= {"t0", "t1", "t2"}
+        assert result.metadata.reason is None or "timeout" not in result.metadata.reason
+        error = result.error_for("bad")
+        if error is None:  # retried, and the second attempt succeeded
+            assert result.data["bad"] == "bad"
+            assert result.metadata.attempts == 5
+        else:  # classified as permanent: failed, with the attempt on record
+            assert error.status == "failed"
+            assert len(error.attempts) == 1
+
+    async def test_an_agent_returning_garbage_does_not_break_the_loop(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        garbage = object()
+
+        @agent(kinds=["work"])
+        async def weird(task: Task, ctx: Context) -> Any:
+            return garbage
+
+        result = await make_orchestrator(agents=[weird]).run(tasks=tasks_of(2))
+        assert result.status == "success"
+        assert result.data == {"t0": garbage, "t1": garbage}
+
+
+class TestCancellingTheCaller:
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_move_on_after_cancels_every_attempt(self, clock: FakeClock) -> None:
+        hang = Hanging()
+        probe_agent = scripted("quick", ["quick"], latency=0.5)
+        orch = Orchestrator(agents=[hang, probe_agent], concurrency=4)
+        done: list[RunResult] = []
+        with anyio.move_on_after(10.0) as scope:
+            done.append(await orch.run(tasks=[*tasks_of(6), *tasks_of(3, "quick", "q")]))
+        assert scope.cancelled_caught
+        assert done == []
+        assert hang.started == 4  # the first four tasks (FIFO) took every slot
+        assert hang.cancelled == hang.started
+        assert {s["name"]: s["in_flight"] for s in orch.agents_status()} == {
+            "hang": 0,
+            "quick": 0,
+        }
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_task_cancel_cancels_every_attempt(self) -> None:
+        hang = Hanging()
+        orch = Orchestrator(agents=[hang], concurrency=3)
+        runner = asyncio.ensure_future(orch.run(tasks=tasks_of(5)))
+        await hang.running.wait()
+        while hang.started < 3:
+            await asyncio.sleep(0)
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
+        assert hang.started == 3
+        assert hang.cancelled == 3
+        assert [s["in_flight"] for s in orch.agents_status()] == [0]
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_cancelled_while_tasks_wait_for_a_retry(self, clock: FakeClock) -> None:
+        down = scripted("down", ["work"], then="error", latency=0.1)
+        orch = Orchestrator(agents=[down], retry=RetryPolicy(max_attempts=5, base=50.0, cap=50.0))
+        with anyio.move_on_after(5.0):
+            await orch.run(tasks=tasks_of(4))
+        assert down.calls  # they failed once and were waiting for their retry
+        assert down.in_flight == 0
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_cancelled_while_reading_a_streamed_input(self, clock: FakeClock) -> None:
+        hang = Hanging()
+
+        async def endless() -> AsyncIterator[Task]:
+            n = 0
+            while True:
+                yield Task("work", n, id=f"s{n}")
+                n += 1
+                await anyio.sleep(1.0)
+
+        orch = Orchestrator(agents=[hang])
+        with anyio.move_on_after(10.5):
+            await orch.run(tasks=endless())
+        assert hang.started == 11
+        assert hang.cancelled == 11
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_the_orchestrator_is_usable_after_a_cancelled_run(self, clock: FakeClock) -> None:
+        probe_limit = scripted("w", ["work"], latency=5.0)
+        async with Orchestrator(agents=[probe_limit], concurrency=2) as orch:
+            with anyio.move_on_after(1.0):
+                await orch.run(tasks=tasks_of(4, prefix="a"))
+            result = await orch.run(tasks=tasks_of(4, prefix="b"))
+        assert result.status == "success"
+        assert result.metadata.peak_concurrency == 2
+        assert probe_limit.max_in_flight == 2
+
+
+class TestStream:
+    async def test_results_arrive_as_tasks_finish(self, clock: FakeClock) -> None:
+        @agent(kinds=["work"])
+        async def timed(task: Task, ctx: Context) -> int:
+            await anyio.sleep(float(task.payload))
+            return int(task.payload)
+
+        tasks = [Task("work", d, id=f"d{d}") for d in (3, 1, 2)]
+        seen: list[tuple[str, float]] = []
+        async with Orchestrator(agents=[timed]) as orch:
+            t0 = anyio.current_time()
+            async with orch.stream(tasks=tasks) as results:
+                async for item in results:
+                    assert isinstance(item, TaskResult)
+                    seen.append((item.task_id, anyio.current_time() - t0))
+        assert [tid for tid, _ in seen] == ["d1", "d2", "d3"]
+        assert [at for _, at in seen] == pytest.approx([1.0, 2.0, 3.0])
+        assert results.result is not None
+        assert results.result.status == "success"
+        assert results.result.data == {"d3": 3, "d1": 1, "d2": 2}
+
+    async def test_a_fully_read_stream_leaves_nothing_unclosed(self, clock: FakeClock) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count = 0
+            async with Orchestrator(agents=[scripted("w", ["work"], latency=0.1)]) as orch:
+                stream = orch.stream(tasks=tasks_of(3))
+                async for _ in stream:
+                    count += 1
+                assert stream.result is not None
+            del stream
+            gc.collect()
+        assert count == 3
+        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+    def test_stream_needs_async_with(self) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        with pytest.raises(ConfigError):
+            orch.stream(tasks=tasks_of(1))
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_leaving_the_loop_early_cancels_the_run(self, clock: FakeClock) -> None:
+        hang = Hanging("hang", ("slow",))
+        quick = scripted("quick", ["work"], latency=1.0)
+        got: list[str] = []
+        async with Orchestrator(agents=[hang, quick]) as orch:
+            async with orch.stream(tasks=[*tasks_of(1, "slow", "s"), *tasks_of(2)]) as results:
+                async for item in results:
+                    got.append(item.task_id)
+                    break
+            assert hang.cancelled == 1
+        assert got == ["t0"]
+
+    async def test_bad_input_raises_from_the_stream(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        async with make_orchestrator(agents=[ok_agent()]) as orch:
+            with pytest.raises(InputError):
+                async with orch.stream(tasks=[Task("nokind", id="x")]) as results:
+                    async for _ in results:
+                        pass
+
+
+class TestRunWithAndWithoutAsyncWith:
+    async def test_run_without_async_with(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[ok_agent()])
+        first = await orch.run(tasks=tasks_of(2))
+        second = await orch.run(tasks=tasks_of(3, prefix="u"))
+        assert first.data == {"t0": 0, "t1": 1}
+        assert second.data == {"u0": 0, "u1": 1, "u2": 2}
+        assert first.metadata.run_id != second.metadata.run_id
+
+    async def test_several_runs_inside_async_with(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        async with make_orchestrator(agents=[ok_agent()]) as orch:
+            a = await orch.run(tasks=tasks_of(2))
+            b = await orch.run(tasks=tasks_of(2), run_id="given-id")
+        assert a.status == b.status == "success"
+        assert b.metadata.run_id == "given-id"
+
+    @pytest.mark.parametrize("streamed", [False, True])
+    async def test_an_input_error_reaches_the_caller_unwrapped(
+        self, streamed: bool, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        bad = [Task("work", 1, id="a"), Task("work", 2, id="a")]
+
+        async def source() -> AsyncIterator[Task]:
+            for task in bad:
+                yield task
+
+        caught: BaseException | None = None
+        try:
+            async with make_orchestrator(agents=[ok_agent()]) as orch:
+                await orch.run(tasks=source() if streamed else bad)
+        except BaseException as exc:  # noqa: BLE001 - the exact type is what is checked
+            caught = exc
+        assert type(caught) is InputError
+        assert "a" in str(caught)
+
+    async def test_an_error_in_the_body_reaches_the_caller_unwrapped(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        with pytest.raises(KeyError):
+            async with make_orchestrator(agents=[ok_agent()]) as orch:
+                await orch.run(tasks=tasks_of(1))
+                raise KeyError("user code")
