@@ -242,6 +242,7 @@ class Graph:
         where: str,
         forward: bool,
         closed_groups_ok: bool = True,
+        first_index: int = 0,
     ) -> tuple[list[Node], list[tuple[Node, str]]]:
         """Check and insert a batch, all or nothing.
 
@@ -262,7 +263,7 @@ class Graph:
             if len(tasks) > 1
             else ()
         )
-        for i, task in enumerate(tasks):
+        for i, task in enumerate(tasks, first_index):
             self.check(task, where, i, given)
             if task.depends_on or task.depends_on_tags:
                 linked = True

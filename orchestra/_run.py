@@ -9,11 +9,14 @@ folds it into the aggregate, readies or skips its dependents and groups, and str
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, Iterable
+import gc
+from collections.abc import AsyncIterable, Iterable, Sequence
 from datetime import UTC, datetime
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from ._dispatch import Capacity, Dispatcher, RunConfig
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
 __all__ = ("Capacity", "Node", "Run", "RunConfig")
 
 log = structlog.get_logger("orchestra")
+
+_GC_PAUSE_BATCH = 1_000  # admissions at least this large pause the cyclic GC (see `_admit`)
+_CHUNK = 1_024  # a plain iterable input is admitted this many tasks at a time
 
 
 class Run(Dispatcher):
@@ -132,11 +138,32 @@ class Run(Dispatcher):
     # -- admission -------------------------------------------------------------------------------
 
     def _admit(
-        self, tasks: Iterable[Any], *, where: str, forward: bool, closed_ok: bool = True
+        self,
+        tasks: Sequence[Any],
+        *,
+        where: str,
+        forward: bool,
+        closed_ok: bool = True,
+        first_index: int = 0,
     ) -> None:
-        new, skipped = self.graph.admit(
-            tasks, where=where, forward=forward, closed_groups_ok=closed_ok
-        )
+        # A large batch allocates a node per task, and all of them survive: left on, the cyclic
+        # garbage collector would walk them again and again while they are built, which costs as
+        # much as the admission itself. It is paused for this synchronous loop (only payload
+        # validation runs user code here) and restored right after.
+        pause = len(tasks) >= _GC_PAUSE_BATCH and gc.isenabled()
+        if pause:
+            gc.disable()
+        try:
+            new, skipped = self.graph.admit(
+                tasks,
+                where=where,
+                forward=forward,
+                closed_groups_ok=closed_ok,
+                first_index=first_index,
+            )
+        finally:
+            if pause:
+                gc.enable()
         self._open += len(new)
         for node, reason in skipped:
             self._settle(node, SKIPPED, None, error=reason, error_type="DependencyFailed")
@@ -152,13 +179,23 @@ class Run(Dispatcher):
 
         What the input raises (an `InputError` for a bad task, or the source's own error) ends the
         run and reaches the caller as it is; the source is closed however the run ends."""
+        pulled = 0
         try:
             if isinstance(source, AsyncIterable):
-                async for task in source:
-                    await self._admit_streamed(task)
-            else:
-                for task in source:
-                    await self._admit_streamed(task)
+                async for task in source:  # each item admitted as soon as it arrives
+                    await self._wait_for_window()
+                    self._admit((task,), where="input item", forward=False, first_index=pulled)
+                    pulled += 1
+            else:  # a plain iterable never waits: admit it in chunks, as the window allows
+                iterator = iter(source)
+                while True:
+                    await self._wait_for_window()
+                    chunk = list(islice(iterator, min(_CHUNK, self._window - self._active)))
+                    if not chunk:
+                        break
+                    self._admit(chunk, where="input item", forward=False, first_index=pulled)
+                    pulled += len(chunk)
+                    await anyio.lowlevel.checkpoint()  # let the workers start on it
         except Exception as exc:
             self._input_error = exc
             self._finish()
@@ -169,11 +206,10 @@ class Run(Dispatcher):
         self._input_done()
         self._check_done()
 
-    async def _admit_streamed(self, task: Task) -> None:
+    async def _wait_for_window(self) -> None:
         while self._active >= self._window:
             event = self._window_free = anyio.Event()
             await event.wait()
-        self._admit((task,), where=f"input item {self.graph.seq}", forward=False)
 
     def _input_done(self) -> None:
         self.graph.source_done = True
