@@ -173,9 +173,9 @@ def _add_derived(rows: list[Row]) -> None:
             if gather:
                 row["x_gather_bytes"] = row["bytes_per_task"]["median"] / gather
         if spec.scenario == "features":
-            plain = _median(_find(rows, scenario="features", variant="orchestra", n=spec.n))
+            plain = _median(_find(rows, scenario="features", variant="orchestra_plain", n=spec.n))
             plain_cpu = _median(
-                _find(rows, scenario="features", variant="orchestra", n=spec.n), "cpu_s"
+                _find(rows, scenario="features", variant="orchestra_plain", n=spec.n), "cpu_s"
             )
             if plain_cpu is not None:
                 row["cpu_overhead_us_per_task"] = (
@@ -582,10 +582,14 @@ def markdown(
                 [
                     r["variant"],
                     _spread(r["us_per_task"]),
-                    "—" if over is None or r["variant"] == "orchestra" else f"{over:+.2f}",
-                    "—" if rel is None or r["variant"] == "orchestra" else f"{rel * 100:+.0f} %",
+                    "—" if over is None or r["variant"] == "orchestra_plain" else f"{over:+.2f}",
+                    "—"
+                    if rel is None or r["variant"] == "orchestra_plain"
+                    else f"{rel * 100:+.0f} %",
                     _spread(r["cpu_us_per_task"]),
-                    "—" if cpu_over is None or r["variant"] == "orchestra" else f"{cpu_over:+.2f}",
+                    "—"
+                    if cpu_over is None or r["variant"] == "orchestra_plain"
+                    else f"{cpu_over:+.2f}",
                 ]
             )
         lines += _table(
@@ -601,7 +605,9 @@ def markdown(
         )
         lines += [
             "",
-            "retry: `RetryPolicy(max_attempts=3)`, no failures; subscriber: one callback counting "
+            "plain: retries off (`RetryPolicy(max_attempts=1)`); each other row adds one feature to "
+            "it. retry: `RetryPolicy(max_attempts=3)` (orchestra's default, used in every other "
+            "scenario), no failures; subscriber: one callback counting "
             "events; structlog: `make_filtering_bound_logger(INFO)` so per-task DEBUG lines are "
             "dropped; verifier: one accepting verifier per kind.",
             "",

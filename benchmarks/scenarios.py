@@ -187,7 +187,7 @@ def plan(sizes: Sizes) -> list[Scenario]:
         [
             Case(Spec("features", variant, sizes.features_n, limit))
             for variant in (
-                "orchestra",
+                "orchestra_plain",
                 "orchestra_retry",
                 "orchestra_subscriber",
                 "orchestra_structlog",

@@ -94,6 +94,8 @@ class Breaker:
         return None
 
     def on_success(self) -> BreakerState | None:
+        if self.state is OPEN:
+            return None  # a call sent before the breaker opened: only the probe may close it
         self.consecutive = 0
         if self.recent is not None:
             self.recent.append(True)

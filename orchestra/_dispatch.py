@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 from heapq import heappop, heappush
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
@@ -224,12 +225,10 @@ class Dispatcher:
             deadline, _, node = deadlines[0]
             if deadline <= now:
                 heappop(deadlines)
-                self._settle(
+                self._chain_end(
                     node,
-                    FAILED,
-                    None,
-                    error=f"TaskTimeout: the task's deadline passed while it waited for attempt {node.attempts + 1}",
-                    error_type="TaskTimeout",
+                    f"the deadline passed while the task waited for attempt {node.attempts + 1}",
+                    "TaskTimeout",
                 )
                 continue
             wake = self._watch_wake = anyio.Event()
@@ -312,12 +311,10 @@ class Dispatcher:
                 self._chain_end(node, "every agent of the chain has an open circuit breaker")
                 continue
             if node.deadline is not None and self._time() >= node.deadline:
-                self._settle(
+                self._chain_end(
                     node,
-                    FAILED,
-                    None,
-                    error=f"TaskTimeout: the task's deadline passed before attempt {node.attempts + 1} started",
-                    error_type="TaskTimeout",
+                    f"the deadline passed before attempt {node.attempts + 1} started",
+                    "TaskTimeout",
                 )
                 continue
             slot = best_slot
@@ -380,69 +377,75 @@ class Dispatcher:
             report.peak = self._running
         node.state = RUNNING
         node.slot = slot
-        node.attempts += 1
-        node.agent_tries += 1
-        slot.attempts += 1
-        report.attempts += 1
         task = node.task
-        start = self._time()
-        if node.t_start is None:
-            node.t_start = start
-        ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
         _TASK_ID.set(node.id)
-        bus = self.bus if self.bus.active else None
-        if bus is not None:
-            bus.emit(
-                AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
-            )
         try:
-            call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
-            if self._safety is not None and node.attempts == 1:
-                await check_safety(self._safety, task)
-            timeout = slot.timeout or self._attempt_timeout
-            if timeout is None and node.deadline is None:
-                output = await call(task, ctx)
-            else:
-                deadline = node.deadline if timeout is None else start + timeout
-                if node.deadline is not None and node.deadline < deadline:  # type: ignore[operator]
-                    deadline = node.deadline
-                with anyio.CancelScope(deadline=deadline) as scope:  # type: ignore[arg-type]
-                    output = await call(task, ctx)
-                if scope.cancelled_caught:
-                    if deadline == node.deadline:
-                        raise TaskTimeout(
-                            f"task timeout: {node.task.timeout or self._task_timeout}s passed"
-                        )
-                    raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
-            if slot.output is not None:
-                output = check_output(slot.output, output)
-            check = self._verify.get(node.kind) if self._verify else None
-            if check is not None:
-                await verify(check, task, output)
-            if ctx._spawned:
-                self._admit_spawned(ctx._spawned, node)
-        except asyncio.CancelledError as exc:
-            # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
-            # raised by itself (no cancellation pending on this task): a failed attempt, as any error.
-            current = asyncio.current_task()
-            if current is None or current.cancelling():
-                raise
-            self._failed_attempt(node, slot, exc, start)
-        except Exception as exc:
-            self._failed_attempt(node, slot, exc, start)
-        else:
-            slot.succeeded += 1
-            breaker = slot.breaker
-            if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
-                self._breaker_changed(slot, breaker.state, breaker.on_success())
+            if self._safety is not None and not node.attempts and not await self._safe(node):
+                return
+            node.attempts += 1
+            node.agent_tries += 1
+            slot.attempts += 1
+            report.attempts += 1
+            start = self._time()
+            if node.t_start is None:
+                node.t_start = start
+            ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
+            bus = self.bus if self.bus.active else None
             if bus is not None:
-                end = self._time()
                 bus.emit(
-                    AttemptSucceeded(
-                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, end - start
-                    )
+                    AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
                 )
-            self._settle(node, SUCCEEDED, output, agent=slot.name)
+            try:
+                if (
+                    node.deadline is None
+                    and slot.fault is None
+                    and slot.timeout is None
+                    and self._attempt_timeout is None
+                    and slot.output is None
+                    and not self._verify
+                ):
+                    output = await slot.call(task, ctx)  # the common case: nothing around the call
+                elif node.deadline is None:
+                    output = await self._call(node, slot, ctx, start)
+                else:
+                    # The task's deadline bounds the whole attempt: the call, the verifier, and
+                    # what runs around them.
+                    with anyio.CancelScope(deadline=node.deadline) as scope:
+                        output = await self._call(node, slot, ctx, start)
+                    if scope.cancelled_caught:
+                        raise TaskTimeout(
+                            f"task timeout: {task.timeout or self._task_timeout}s passed"
+                        )
+                if ctx._spawned:
+                    self._admit_spawned(ctx._spawned, node)
+            except asyncio.CancelledError as exc:
+                # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
+                # raised by itself (no cancellation pending on this task): a failed attempt.
+                current = asyncio.current_task()
+                if current is None or current.cancelling():
+                    raise
+                self._failed_attempt(node, slot, exc, start)
+            except Exception as exc:
+                self._failed_attempt(node, slot, exc, start)
+            else:
+                slot.succeeded += 1
+                breaker = slot.breaker
+                if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
+                    self._breaker_changed(slot, breaker.state, breaker.on_success())
+                if bus is not None:
+                    end = self._time()
+                    bus.emit(
+                        AttemptSucceeded(
+                            end,
+                            self.run_id,
+                            node.id,
+                            node.kind,
+                            slot.name,
+                            node.attempts,
+                            end - start,
+                        )
+                    )
+                self._settle(node, SUCCEEDED, output, agent=slot.name)
         finally:
             capacity.in_flight -= 1
             slot.in_flight -= 1
@@ -457,6 +460,39 @@ class Dispatcher:
                     run._wake_one()
             elif self._parked:
                 self._wake_one()
+
+    async def _call(self, node: Node, slot: AgentSlot, ctx: Context, start: float) -> Any:
+        """The agent call with its fault (simulated), its attempt timeout, its output check and
+        the kind's verifier: an exception here is a failed attempt."""
+        call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
+        timeout = slot.timeout or self._attempt_timeout
+        if timeout is None:
+            output = await call(node.task, ctx)
+        else:
+            with anyio.CancelScope(deadline=start + timeout) as scope:
+                output = await call(node.task, ctx)
+            if scope.cancelled_caught:
+                raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
+        if slot.output is not None:
+            output = check_output(slot.output, output)
+        check = self._verify.get(node.kind) if self._verify else None
+        if check is not None:
+            await verify(check, node.task, output)
+        return output
+
+    async def _safe(self, node: Node) -> bool:
+        """The safety check, before the task's first attempt (not counted as one). A refusal (or a
+        check that raises or passes the task's deadline) fails the task, unretried."""
+        check: Callable[[Task], Any] = self._safety  # type: ignore[assignment]
+        try:
+            with anyio.CancelScope(deadline=node.deadline or math.inf) as scope:
+                await check_safety(check, node.task)
+            if scope.cancelled_caught:
+                raise Rejected("the safety check did not answer before the task's deadline")
+        except Rejected as exc:
+            self._settle(node, FAILED, None, error=f"Rejected: {exc}", error_type="Rejected")
+            return False
+        return True
 
     def _failed_attempt(
         self, node: Node, slot: AgentSlot, exc: BaseException, start: float
@@ -497,10 +533,11 @@ class Dispatcher:
                     error_type, message, retryable, end - start,
                 )
             )  # fmt: skip
-        if isinstance(exc, TaskTimeout | Rejected):
-            self._settle(
-                node, FAILED, None, error=f"{error_type}: {message}", error_type=error_type
-            )
+        if isinstance(exc, TaskTimeout):
+            self._chain_end(node, message, "TaskTimeout")
+            return
+        if isinstance(exc, Rejected):
+            self._settle(node, FAILED, None, error=f"Rejected: {message}", error_type="Rejected")
             return
         reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
         if retryable and node.agent_tries < policy.max_attempts:
@@ -563,9 +600,17 @@ class Dispatcher:
                 return None
             node.slot = chain[node.chain_pos]
             return node.slot
-        node.slot = None  # `_least_loaded` picks among the agents not tried yet
+        # Among the agents serving the kind and not tried yet: the least loaded healthy one (or,
+        # all breakers open, the first, whose open breaker moves the task on at dispatch).
         tried = node.tried or ()
-        return next((s for s in self.registry.by_kind[node.kind] if s not in tried), None)
+        untried = [s for s in self.registry.by_kind[node.kind] if s not in tried]
+        if not untried:
+            node.slot = None
+            return None
+        now = self._time()
+        healthy = [s for s in untried if s.breaker.available(now)]
+        node.slot = min(healthy, key=_load) if healthy else untried[0]
+        return node.slot
 
     def _emit_fallback(
         self, node: Node, slot: AgentSlot, nxt: AgentSlot | None, reason: str
@@ -581,23 +626,21 @@ class Dispatcher:
             )  # fmt: skip
 
     def _chain_end(self, node: Node, reason: str, error_type: str | None = None) -> None:
-        """Every agent of the chain failed the task: its default value, or a failure."""
+        """The task can go no further (every agent of its chain failed it, or its deadline
+        passed): it takes its kind's default value if there is one, else it fails."""
         defaults = self.config.defaults
         if node.kind in defaults:
             self.report.defaulted.append(node.id)
             self._settle(node, SUCCEEDED, defaults[node.kind], defaulted=True)
             return
         last = node.failures[-1] if node.failures else None
-        if last is None:
-            self._settle(node, FAILED, None, error=reason, error_type="BreakerOpen")
+        if error_type is not None:
+            message = f"{error_type}: {reason}"
+        elif last is None:
+            error_type, message = "BreakerOpen", reason
         else:
-            self._settle(
-                node,
-                FAILED,
-                None,
-                error=f"{last.error_type}: {last.message} ({reason})",
-                error_type=error_type or last.error_type,
-            )
+            error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
+        self._settle(node, FAILED, None, error=message, error_type=error_type)
 
     def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
         if state is None:
@@ -605,6 +648,10 @@ class Dispatcher:
         log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
         if self.bus.active:
             self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
+
+
+def _load(slot: AgentSlot) -> float:
+    return slot.load
 
 
 def _message(exc: BaseException) -> str:

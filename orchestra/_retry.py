@@ -104,7 +104,7 @@ def backoff(
     policy: RetryPolicy, retry: int, rng: Random, retry_after: float | None = None
 ) -> float:
     """Seconds to wait before retry number `retry` (0 for the first retry)."""
-    delay = min(policy.cap, policy.base * 2.0**retry)
+    delay = min(policy.cap, policy.base * 2.0 ** min(retry, 64))  # 2**1024 overflows a float
     if policy.jitter == "full":
         delay = rng.uniform(0.0, delay)
     elif policy.jitter == "equal":

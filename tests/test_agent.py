@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -22,7 +21,11 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from orchestra.testing import FakeClock
 
 
 class Answer(BaseModel):
@@ -203,4 +206,3 @@ class TestContext:
             1,
         )
         assert line["step"] == 1
-

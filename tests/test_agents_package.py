@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestra import Orchestrator, RetryPolicy, Task
-from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from orchestra.testing import FakeClock
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +68,7 @@ class TestNoShadowing:
         code = (
             f"{order}\n"
             "from orchestra.agents import simulated, cpu_agent\n"
-            "assert agents.WHO == \"someone else's agents\", agents\n"
+            'assert agents.WHO == "someone else\'s agents", agents\n'
             "assert orchestra.agents.__name__ == 'orchestra.agents'\n"
             "assert agents.__file__ != orchestra.agents.__file__\n"
             "print('ok')\n"

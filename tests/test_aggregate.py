@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -26,7 +25,11 @@ from orchestra import (
     TaskResult,
     Transform,
 )
-from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from orchestra.testing import FakeClock
 
 
 class Worker:
@@ -145,9 +148,7 @@ class TestReduce:
             result = await run_with(Reduce("sum"), tasks)
             assert result.data == 2.0
 
-    async def test_a_function_folds_in_admission_order_from_initial(
-        self, clock: FakeClock
-    ) -> None:
+    async def test_a_function_folds_in_admission_order_from_initial(self, clock: FakeClock) -> None:
         tasks = [work(ch, f"t{i}", delay=5 - i) for i, ch in enumerate("abcde")]
         result = await run_with(Reduce(lambda acc, x: acc + x, ">"), tasks)
         assert result.data == ">abcde"
@@ -341,7 +342,10 @@ class TestMetadata:
         assert result.status == "partial"
         assert m.total == 5
         assert m.counts == {"succeeded": 3, "failed": 1, "skipped": 1, "cancelled": 0}
-        assert m.counts_by_kind == {"a": {"succeeded": 2}, "b": {"failed": 1, "skipped": 1, "succeeded": 1}}
+        assert m.counts_by_kind == {
+            "a": {"succeeded": 2},
+            "b": {"failed": 1, "skipped": 1, "succeeded": 1},
+        }
         assert m.success_rate == pytest.approx(0.6)
         assert m.success_threshold == 0.5
         assert m.attempts == 5  # a1, a2 twice, b1, b3; b2 never ran

@@ -169,7 +169,7 @@ class TestOpening:
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         # ok, error, ok, error: half of the last 4 attempts failed -> open (never 2 in a row).
-        orch, primary, backup, rec = chain_of_two(
+        orch, primary, _, rec = chain_of_two(
             make_orchestrator,
             ["ok", "error", "ok", "error"],
             concurrency=1,
@@ -234,6 +234,25 @@ class TestHalfOpen:
         assert timeline.snapshots[31.5]["primary"]["breaker"] == "half_open"
         assert timeline.snapshots[40]["primary"]["breaker"] == "closed"
         assert status_of(orch, "primary")["status"] == "idle"
+
+    async def test_a_late_success_from_before_the_opening_does_not_skip_the_cooldown(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # a1-a3 fail at t=1 and open the breaker; a4, sent before that, succeeds at t=2. Only a
+        # probe after the cool-down may close it: b1 at t=10 still goes to the backup.
+        orch, primary, backup, rec = chain_of_two(
+            make_orchestrator,
+            ["error", "error", "error", "slow"],  # "slow": twice the latency, then ok
+            breaker=BreakerPolicy(failures=3, cooldown=30),
+        )
+        timeline = Timeline(clock, orch)
+        result = await orch.run(tasks=timeline.play([(0, ["a1", "a2", "a3", "a4"]), (10, ["b1"])]))
+        assert result.status == "success"
+        assert rec.results()["a4"].agent == "primary"
+        assert timeline.snapshots[10]["primary"]["breaker"] == "open"
+        assert ids(primary) == ["a1", "a2", "a3", "a4"]
+        assert "b1" in ids(backup)
+        assert transitions(rec, "primary") == [("closed", "open")]
 
     async def test_a_failed_probe_reopens_for_another_cooldown(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anthropic
 import anyio
 import pydantic
 import pytest
@@ -41,12 +42,13 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.usefixtures("clock")
 
-#: What the runtime must record for each scripted outcome.
+#: What the runtime must record for each scripted outcome. (anthropic is imported here, at
+#: collection, rather than by the first rate limit in the middle of the run.)
 ERROR_TYPE = {
     "error": "ConnectionError",
-    "rate_limit": "RateLimitError",
-    "overloaded": "APIStatusError",
-    "server_error": "APIStatusError",
+    "rate_limit": anthropic.RateLimitError.__name__,
+    "overloaded": anthropic.APIStatusError.__name__,
+    "server_error": anthropic.APIStatusError.__name__,
     "permanent": "PermanentError",
     "hang": "AttemptTimeout",
     "garbage": "VerificationError",
@@ -56,6 +58,7 @@ LIMITS = {"a1": 20, "a2": 10, "a3": 12, "b1": 15, "b2": 10, "b3": 12}
 FLAKY = {"ok": 70, "error": 8, "server_error": 4, "overloaded": 3, "rate_limit": 5,
          "hang": 3, "garbage": 5, "permanent": 2}  # fmt: skip
 HEALTHY = {"ok": 96, "error": 1, "rate_limit": 1, "hang": 1, "garbage": 1}  # never permanent
+RETRY_AFTER = 2.0  # seconds, on every 429
 STRIKE_PER_TASK = 0.02  # b1 goes down for good n_tasks * this virtual seconds into the run
 
 
@@ -112,7 +115,7 @@ async def chaos_run(seed: int, n_tasks: int, clock: FakeClock) -> Chaos:
             latency=1.0,
             jitter=0.5,
             seed=rng.randrange(2**32),
-            retry_after=2.0,
+            retry_after=RETRY_AFTER,
             probe=probe,
             concurrency=LIMITS[name],
             **options,
@@ -199,6 +202,8 @@ def check_invariants(chaos: Chaos) -> None:
                 simulated += 1
                 continue
             assert attempt.error_type == ERROR_TYPE[call.outcome], (key, call.outcome)
+            if call.outcome == "rate_limit" and attempt.retry_in is not None:
+                assert attempt.retry_in >= RETRY_AFTER, key  # the server's hint was honoured
             recorded.add(key)
         ok = calls.get((task.agent or "", task.task_id, task.attempts))
         assert ok is not None, task
@@ -242,7 +247,12 @@ class TestChaos:
 
         def story(chaos: Chaos) -> Sequence[Any]:
             return [
-                (r.task_id, r.agent, r.attempts, [(a.agent, a.error_type) for a in r.failures or []])
+                (
+                    r.task_id,
+                    r.agent,
+                    r.attempts,
+                    [(a.agent, a.error_type) for a in r.failures or []],
+                )
                 for r in sorted(chaos.finished, key=lambda r: r.task_id)
             ]
 

@@ -4,8 +4,7 @@ backpressure, `ctx.spawn`, and the helpers `chunked`, `by_type` and `by_priority
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -22,7 +21,11 @@ from orchestra import (
     by_type,
     chunked,
 )
-from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+
+    from orchestra.testing import FakeClock
 
 
 class Doubler:
@@ -159,7 +162,7 @@ class TestDecomposerShapes:
         caught: BaseException | None = None
         try:
             await Orchestrator(agents=[Doubler(latency=10.0)], decomposer=broken).run("x")
-        except BaseException as exc:  # noqa: BLE001 - the exact type is what is checked
+        except BaseException as exc:
             caught = exc
         assert type(caught) is LookupError
 
@@ -186,6 +189,30 @@ class TestBackpressure:
         assert max(unfinished_at_pull) <= window
         assert max(unfinished_at_pull) == window  # the window is used, not just respected
         assert doubler.peak <= min(window, concurrency)
+
+    async def test_tasks_waiting_for_a_dependency_count_against_the_window(
+        self, clock: FakeClock
+    ) -> None:
+        # Everything waits for a slow first task: the input must still not be read ahead of the
+        # window (those waiting tasks are admitted and unfinished; they can all make progress).
+        finished: list[str] = []
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> None:
+            await anyio.sleep(100.0 if task.id == "t0" else 1.0)
+            finished.append(str(task.id))
+
+        unfinished_at_pull: list[int] = []
+
+        async def source(n: int) -> AsyncIterator[Task]:
+            for i in range(n):
+                unfinished_at_pull.append(i - len(finished))
+                yield Task("work", i, id=f"t{i}", depends_on=["t0"] if i else [])
+
+        orch = Orchestrator(agents=[work], decomposer=source, window=3)
+        result = await orch.run(20)
+        assert result.status == "success"
+        assert max(unfinished_at_pull) <= 3
 
     async def test_a_sync_generator_is_pulled_lazily_too(self, clock: FakeClock) -> None:
         doubler = Doubler(latency=1.0)
@@ -217,6 +244,23 @@ class TestBackpressure:
             await Orchestrator(agents=[Doubler()], decomposer=source).run("x")
         assert closed == [True]
 
+    async def test_a_sync_generator_is_closed_when_the_run_is_cancelled(
+        self, clock: FakeClock
+    ) -> None:
+        closed: list[bool] = []
+
+        def source(x: Any) -> Iterator[Task]:
+            try:
+                for i in range(1000):
+                    yield Task("work", i, id=f"t{i}")
+            finally:
+                closed.append(True)
+
+        orch = Orchestrator(agents=[Doubler(latency=10.0)], decomposer=source, window=2)
+        with anyio.move_on_after(5.0):
+            await orch.run("x")
+        assert closed == [True]
+
 
 class TestSpawn:
     async def test_spawned_tasks_run_after_their_spawner_succeeded(self, clock: FakeClock) -> None:
@@ -240,7 +284,12 @@ class TestSpawn:
         assert result.status == "success"
         assert events[:2] == ["parent spawned", "parent done"]
         assert sorted(events[2:]) == ["child0 started", "child1 started", "child2 started"]
-        assert list(result.data.items()) == [("p", "p"), ("child0", 0), ("child1", 1), ("child2", 2)]
+        assert list(result.data.items()) == [
+            ("p", "p"),
+            ("child0", 0),
+            ("child1", 1),
+            ("child2", 2),
+        ]
 
     async def test_a_failed_attempts_spawns_are_dropped(self, clock: FakeClock) -> None:
         children: list[str] = []
@@ -382,8 +431,9 @@ class TestByType:
         assert [(t.kind, t.priority) for t in tasks] == [("len1", -1), ("len2", -2), ("len3", -3)]
 
     def test_an_item_without_a_route(self) -> None:
+        route: dict[type, str] = {str: "text"}
         with pytest.raises(InputError, match="no route"):
-            list(by_type([1.5], {int: "number"}))
+            list(by_type([1.5], route))
 
     async def test_as_a_decomposer(self) -> None:
         @agent(kinds=["number", "text"])
@@ -420,4 +470,3 @@ class TestByPriority:
         )
         await orch.run([{"size": 1}, {"size": 9}, {"size": 5}, {"size": 9}])
         assert [c["size"] for c in order] == [9, 9, 5, 1]
-

@@ -6,14 +6,17 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from orchestra import Context, Orchestrator, RetryPolicy, Task, agent
 from orchestra.testing import FakeClock, Probe, scripted
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 @agent(kinds=["cpu"], executor="process", concurrency=1)
@@ -86,7 +89,9 @@ class TestPerAgentLimit:
     ) -> None:
         probe = Probe()
         two = scripted("two", ["a"], latency=1.0, jitter=0.5, seed=1, probe=probe, concurrency=2)
-        three = scripted("three", ["b"], latency=1.0, jitter=0.5, seed=2, probe=probe, concurrency=3)
+        three = scripted(
+            "three", ["b"], latency=1.0, jitter=0.5, seed=2, probe=probe, concurrency=3
+        )
         orch = make_orchestrator(agents=[two, three], concurrency=50)
         result = await orch.run(tasks=[*tasks_of("a", 20, "a"), *tasks_of("b", 20, "b")])
         assert result.status == "success"
@@ -116,12 +121,17 @@ class TestPerAgentLimit:
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         one = scripted("one", ["work"], latency=1.0, concurrency=1)
-        async with make_orchestrator(agents=[one], concurrency=10) as orch:
-            # A deadlock shows as the virtual deadline passing, not as a hung test.
+        orch = make_orchestrator(agents=[one], concurrency=10)
+
+        async def run(prefix: str) -> None:
+            await orch.run(tasks=tasks_of("work", 3, prefix))
+
+        # A deadlock shows as the virtual deadline passing, not as a hung test.
+        async with orch:
             with anyio.fail_after(1000.0):
                 async with anyio.create_task_group() as tg:
                     for prefix in "xyz":
-                        tg.start_soon(lambda p=prefix: orch.run(tasks=tasks_of("work", 3, p)))
+                        tg.start_soon(run, prefix)
         assert one.max_in_flight == 1
         assert len(one.calls) == 9
 
@@ -198,13 +208,17 @@ class TestExecutors:
     ) -> None:
         lock = threading.Lock()
         state = {"now": 0, "peak": 0}
+        # Calls meet in pairs: the limit of 2 must be reached (or the barrier breaks and the
+        # attempt fails), and a third call at once would show in the peak.
+        pair = threading.Barrier(2, timeout=5)
 
         @agent(kinds=["blocking"], executor="thread", concurrency=2)
         def busy(task: Task) -> None:
             with lock:
                 state["now"] += 1
                 state["peak"] = max(state["peak"], state["now"])
-            time.sleep(0.005)
+            pair.wait()
+            time.sleep(0.001)
             with lock:
                 state["now"] -= 1
 
@@ -234,18 +248,17 @@ class TestRegistry:
         first = scripted("first", ["work"], latency=100.0, concurrency=4)
         second = scripted("second", ["work"], latency=1.0, concurrency=4)
         orch = make_orchestrator(agents=[first, second], concurrency=20)
-        async with orch:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: orch.run(tasks=[Task("work", id="long")]))
-                while not first.calls and not second.calls:
-                    await anyio.sleep(0)
-                busy = first if first.calls else second
-                other = second if busy is first else first
-                # `busy` has one of its four slots in use, `other` none: the next task goes there.
-                result = await orch.run(tasks=[Task("work", id="short")])
-                assert result.metadata.tasks_per_agent == {other.name: 1}
-                assert [c.task_id for c in other.calls] == ["short"]
-                tg.cancel_scope.cancel()
+        async with orch, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: orch.run(tasks=[Task("work", id="long")]))
+            while not first.calls and not second.calls:
+                await anyio.lowlevel.checkpoint()
+            busy = first if first.calls else second
+            other = second if busy is first else first
+            # `busy` has one of its four slots in use, `other` none: the next task goes there.
+            result = await orch.run(tasks=[Task("work", id="short")])
+            assert result.metadata.tasks_per_agent == {other.name: 1}
+            assert [c.task_id for c in other.calls] == ["short"]
+            tg.cancel_scope.cancel()
 
     async def test_agents_status_reports_load_and_counters(
         self, make_orchestrator: Callable[..., Orchestrator]
@@ -261,17 +274,14 @@ class TestRegistry:
         failing = scripted("failing", ["other"], then="permanent")
         orch = make_orchestrator(agents=[holder, failing], success_threshold=0.0)
         during: list[dict[str, Any]] = []
-        async with orch:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    lambda: orch.run(tasks=[Task("work", id="h"), Task("other", id="f")])
-                )
-                await started.wait()
-                while not failing.calls:
-                    await anyio.sleep(0)
-                await anyio.sleep(0)
-                during = orch.agents_status()
-                release.set()
+        async with orch, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: orch.run(tasks=[Task("work", id="h"), Task("other", id="f")]))
+            await started.wait()
+            while not failing.calls:
+                await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            during = orch.agents_status()
+            release.set()
         after = {s["name"]: s for s in orch.agents_status()}
         now = {s["name"]: s for s in during}
         assert set(now) == {"holder", "failing"}

@@ -208,7 +208,9 @@ class TestProbe:
         a = scripted("a", ["x"], latency=1, probe=probe, concurrency=2)
         b = scripted("b", ["y"], latency=1.5, probe=probe)
         orch = make_orchestrator(agents=[a, b], concurrency=5)
-        await orch.run(tasks=[make_task("x") for _ in range(10)] + [make_task("y") for _ in range(10)])
+        await orch.run(
+            tasks=[make_task("x") for _ in range(10)] + [make_task("y") for _ in range(10)]
+        )
         assert probe.peak == 5
         assert probe.peak_by_agent["a"] == 2
         assert probe.current == 0
@@ -378,7 +380,9 @@ class TestSimulatedFailure:
         assert seen[0].pending == ["t"]
         assert final == "recovered"
 
-    async def test_no_fault_means_recovered(self, make_orchestrator: Callable[..., Orchestrator]) -> None:
+    async def test_no_fault_means_recovered(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
         status = make_orchestrator(agents=[scripted("a", ["k"])]).recovery_status()
         assert status == "recovered"
         assert status.agents == []
@@ -391,4 +395,3 @@ class TestSimulatedFailure:
             orch.simulate_agent_failure("agent-9")
         with pytest.raises(ConfigError, match="meltdown"):
             orch.simulate_agent_failure("a", mode="meltdown")  # type: ignore[arg-type]
-

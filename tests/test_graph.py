@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -18,7 +17,11 @@ from orchestra import (
     Task,
     Timeouts,
 )
-from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Sequence
+
+    from orchestra.testing import FakeClock
 
 
 class Recorder:
@@ -187,6 +190,26 @@ class TestGroups:
         assert result.status == "success"
         assert rec.deps["waiter"] == {}
 
+    async def test_streamed_tasks_see_the_outputs_of_long_finished_dependencies(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        rec = Recorder()
+
+        async def source() -> AsyncIterator[Task]:
+            for i in range(30):
+                yield Task(
+                    "work", f"out{i}", id=f"t{i}", depends_on=[f"t{i - 10}"] if i >= 10 else []
+                )
+                await anyio.sleep(1.0)  # t{i-10} finished long ago
+            yield Task("work", "last", id="last", depends_on=["t0", "t29"])
+
+        result = await make_orchestrator(agents=[rec], window=4).run(tasks=source())
+        assert result.status == "success"
+        assert len(result.data) == 31
+        assert rec.deps["t10"] == {"t0": "out0"}
+        assert rec.deps["t29"] == {"t19": "out19"}
+        assert rec.deps["last"] == {"t0": "out0", "t29": "out29"}
+
     async def test_a_streamed_waiter_waits_until_the_input_is_exhausted(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
@@ -223,11 +246,11 @@ class TestGroups:
             for n in range(6):
                 cid = f"contract-{n}"
                 yield Task("split", None, id=cid)
-                yield Task("summarize", None, id=f"{cid}/sum", depends_on=[cid], depends_on_tags=[cid])
+                yield Task(
+                    "summarize", None, id=f"{cid}/sum", depends_on=[cid], depends_on_tags=[cid]
+                )
 
-        orch = make_orchestrator(
-            agents=[rec, splitter], window=3, timeouts=Timeouts(run=1000.0)
-        )
+        orch = make_orchestrator(agents=[rec, splitter], window=3, timeouts=Timeouts(run=1000.0))
         result = await orch.run(tasks=contracts())
         assert result.status == "success", result.metadata.reason
         assert result.metadata.total == 6 * 4
@@ -330,14 +353,14 @@ class TestBadGraphsAreRejectedBeforeWork:
         assert "'p'" in str(info.value)
         assert rec.calls == []
 
-    @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+    @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
     async def test_bad_timeout(
-        self, timeout: Any, make_orchestrator: Callable[..., Orchestrator]
+        self, bad: Any, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         rec = Recorder()
         with pytest.raises(InputError) as info:
             await make_orchestrator(agents=[rec]).run(
-                tasks=[Task("work", id="ok"), Task("work", id="t", timeout=timeout)]
+                tasks=[Task("work", id="ok"), Task("work", id="t", timeout=bad)]
             )
         assert (info.value.task_id, info.value.field) == ("t", "timeout")
         assert "'t'" in str(info.value)
@@ -376,7 +399,9 @@ SPAWNED: dict[str, tuple[Callable[[], Task], str]] = {
 
 class TestBadSpawnsFailTheSpawner:
     @pytest.mark.parametrize("case", sorted(SPAWNED))
-    async def test_bad_spawn(self, case: str, make_orchestrator: Callable[..., Orchestrator]) -> None:
+    async def test_bad_spawn(
+        self, case: str, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
         build, fragment = SPAWNED[case]
         rec = Recorder()
 
@@ -390,7 +415,9 @@ class TestBadSpawnsFailTheSpawner:
         orch = make_orchestrator(
             agents=[rec, agent_], retry=RetryPolicy(max_attempts=3, base=0.0), success_threshold=0.0
         )
-        result = await orch.run(tasks=[Task("work", 0, id="other"), Task("spawn", None, id="parent")])
+        result = await orch.run(
+            tasks=[Task("work", 0, id="other"), Task("spawn", None, id="parent")]
+        )
         error = result.error_for("parent")
         assert error is not None
         assert error.status == "failed"

@@ -7,8 +7,7 @@ import asyncio
 import gc
 import math
 import warnings
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -19,8 +18,8 @@ from orchestra import (
     ConfigError,
     Context,
     InputError,
-    Orchestrator,
     OrchestraError,
+    Orchestrator,
     PermanentError,
     Rejected,
     RetryableError,
@@ -35,6 +34,9 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import FakeClock, scripted
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 
 def tasks_of(n: int, kind: str = "work", prefix: str = "t") -> list[Task]:
@@ -363,11 +365,16 @@ class TestStream:
     async def test_bad_input_raises_from_the_stream(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
+        got: list[TaskResult] = []
+
+        async def read_all(orch: Orchestrator) -> None:
+            async with orch.stream(tasks=[Task("nokind", id="x")]) as results:
+                got.extend([item async for item in results])
+
         async with make_orchestrator(agents=[ok_agent()]) as orch:
             with pytest.raises(InputError):
-                async with orch.stream(tasks=[Task("nokind", id="x")]) as results:
-                    async for _ in results:
-                        pass
+                await read_all(orch)
+        assert got == []
 
 
 class TestRunWithAndWithoutAsyncWith:
@@ -404,7 +411,7 @@ class TestRunWithAndWithoutAsyncWith:
         try:
             async with make_orchestrator(agents=[ok_agent()]) as orch:
                 await orch.run(tasks=source() if streamed else bad)
-        except BaseException as exc:  # noqa: BLE001 - the exact type is what is checked
+        except BaseException as exc:
             caught = exc
         assert type(caught) is InputError
         assert "a" in str(caught)
@@ -412,7 +419,10 @@ class TestRunWithAndWithoutAsyncWith:
     async def test_an_error_in_the_body_reaches_the_caller_unwrapped(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        with pytest.raises(KeyError):
+        async def body() -> None:
             async with make_orchestrator(agents=[ok_agent()]) as orch:
                 await orch.run(tasks=tasks_of(1))
                 raise KeyError("user code")
+
+        with pytest.raises(KeyError):
+            await body()

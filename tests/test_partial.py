@@ -89,7 +89,7 @@ class TestStatus:
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         orch = make_orchestrator(agents=[judge()], success_threshold=0.5)
-        tasks = batch(make_task, 19, 0) + [make_task("k", "fail", id="key", critical=True)]
+        tasks = [*batch(make_task, 19, 0), make_task("k", "fail", id="key", critical=True)]
         result = await orch.run(tasks=tasks)
         assert result.metadata.success_rate == pytest.approx(0.95)
         assert result.status == "failed"
@@ -194,7 +194,7 @@ class TestThresholdHook:
         assert len(partial.data) == 5
         assert failed_ids == [f"bad{i}" for i in range(5)]
         assert final.status == "success"
-        assert sorted(final.data) == sorted(t.id for t in tasks)
+        assert sorted(final.data) == sorted(t.id or "" for t in tasks)
         assert final.errors == []
 
     async def test_a_sync_hook_returning_a_result(
@@ -235,9 +235,7 @@ class TestThresholdHook:
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         calls: list[RunResult] = []
-        orch = make_orchestrator(
-            agents=[judge()], on_threshold_missed=lambda r, f: calls.append(r)
-        )
+        orch = make_orchestrator(agents=[judge()], on_threshold_missed=lambda r, f: calls.append(r))
         async with orch:
             assert (await orch.run(tasks=batch(make_task, 10, 0))).status == "success"
             assert (await orch.run(tasks=batch(make_task, 9, 1))).status == "partial"

@@ -6,17 +6,18 @@ Each example builds its own `FakeClock` (hypothesis examples cannot share functi
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestra import (
     AttemptStarted,
+    BreakerPolicy,
     Context,
     Event,
     Orchestrator,
@@ -27,9 +28,8 @@ from orchestra import (
 )
 from orchestra.testing import FakeClock, Probe
 
-# The event bus leaves receive streams unclosed (tests/test_events.py::TestResourceHygiene checks
-# that on its own); here it would only hide the invariants under a ResourceWarning.
-pytestmark = pytest.mark.filterwarnings("ignore:Unclosed <MemoryObject:ResourceWarning")
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 KINDS = ("a", "b")
 LATENCIES = (0.0, 0.1, 0.5, 1.0, 2.5)
@@ -46,6 +46,13 @@ class Spec:
     latency: float
     fails: bool
     flaky: bool
+    spawns: bool = False  # spawns one child, "<id>/child", before it fails or succeeds
+
+
+def payload(
+    latency: float, *, fails: bool = False, flaky: bool = False, spawns: bool = False
+) -> dict[str, Any]:
+    return {"latency": latency, "fails": fails, "flaky": flaky, "spawns": spawns}
 
 
 @dataclass
@@ -54,18 +61,32 @@ class Scenario:
     concurrency: int
     agents: dict[str, tuple[str, int | None]]  # name -> (kind, limit)
     cancel_after: float = 0.0
+    streamed: bool = False  # given as an async generator (admitted one by one) or a whole list
+    window: int | None = None
 
-    def tasks(self) -> list[Task]:
+    def task_list(self) -> list[Task]:
         return [
             Task(
                 s.kind,
-                {"latency": s.latency, "fails": s.fails, "flaky": s.flaky},
+                payload(s.latency, fails=s.fails, flaky=s.flaky, spawns=s.spawns),
                 id=s.id,
                 priority=s.priority,
                 depends_on=list(s.deps),
             )
             for s in self.specs
         ]
+
+    def tasks(self) -> list[Task] | AsyncIterator[Task]:
+        if not self.streamed:
+            return self.task_list()
+
+        async def stream() -> AsyncIterator[Task]:
+            for i, task in enumerate(self.task_list()):
+                if i % 3 == 2:
+                    await anyio.sleep(0.2)
+                yield task
+
+        return stream()
 
     def expected_statuses(self) -> dict[str, str]:
         status: dict[str, str] = {}
@@ -74,6 +95,8 @@ class Scenario:
                 status[s.id] = "skipped"
             else:
                 status[s.id] = "failed" if s.fails else "succeeded"
+                if s.spawns and not s.fails:  # only a successful attempt's spawn is admitted
+                    status[f"{s.id}/child"] = "succeeded"
         return status
 
 
@@ -94,6 +117,7 @@ def scenarios(draw: st.DrawFn, *, with_deps: bool = True, failures: bool = True)
                 latency=draw(st.sampled_from(LATENCIES)),
                 fails=failures and draw(st.integers(0, 9)) == 0,
                 flaky=failures and draw(st.integers(0, 4)) == 0,
+                spawns=draw(st.integers(0, 4)) == 0,
             )
         )
     agents: dict[str, tuple[str, int | None]] = {}
@@ -105,11 +129,17 @@ def scenarios(draw: st.DrawFn, *, with_deps: bool = True, failures: bool = True)
         concurrency=draw(st.integers(1, 6)),
         agents=agents,
         cancel_after=draw(st.sampled_from((0.0, 0.05, 0.3, 1.0, 2.0, 4.0))),
+        streamed=draw(st.booleans()),
+        window=draw(st.none() | st.integers(1, 6)),
     )
 
 
+_CHILD = payload(0.1)
+
+
 class PropAgent:
-    """Sleeps the task's latency; fails when told to (permanently, or its first attempt)."""
+    """Sleeps the task's latency; spawns a child when told to; then fails when told to
+    (permanently, or its first attempt only)."""
 
     def __init__(self, name: str, kind: str, limit: int | None, probe: Probe) -> None:
         self.name = name
@@ -123,6 +153,8 @@ class PropAgent:
             payload = task.payload
             if payload["latency"]:
                 await anyio.sleep(payload["latency"])
+            if payload["spawns"]:
+                ctx.spawn(Task(task.kind, _CHILD, id=f"{task.id}/child"))
             if payload["fails"]:
                 raise PermanentError(f"{task.id} fails")
             if payload["flaky"] and ctx.attempt == 1:
@@ -133,11 +165,15 @@ class PropAgent:
 
 
 def build(scenario: Scenario, probe: Probe) -> Orchestrator:
-    agents = [PropAgent(name, kind, limit, probe) for name, (kind, limit) in scenario.agents.items()]
+    agents = [
+        PropAgent(name, kind, limit, probe) for name, (kind, limit) in scenario.agents.items()
+    ]
     return Orchestrator(
         agents=agents,
         concurrency=scenario.concurrency,
+        window=scenario.window,
         retry=RetryPolicy(max_attempts=2, base=0.05, cap=0.1),
+        breaker=BreakerPolicy(failures=1_000),  # failures here are the scenario's, not an outage
         success_threshold=0.0,
         seed=0,
     )
@@ -171,10 +207,11 @@ class TestInvariants:
 
         assert result.metadata.events_dropped == 0
         finished = [e.result for e in events if isinstance(e, TaskFinished)]
+        expected = scenario.expected_statuses()  # spawned children included
         # every task ends in exactly one terminal state, exactly once
-        assert Counter(r.task_id for r in finished) == {s.id: 1 for s in scenario.specs}
-        assert {r.task_id: r.status for r in finished} == scenario.expected_statuses()
-        assert result.metadata.total == len(scenario.specs)
+        assert Counter(r.task_id for r in finished) == dict.fromkeys(expected, 1)
+        assert {r.task_id: r.status for r in finished} == expected
+        assert result.metadata.total == len(expected)
 
         # the global and per-agent limits are never exceeded
         assert probe.peak <= scenario.concurrency
@@ -192,7 +229,7 @@ class TestInvariants:
                 if event.result.status == "succeeded":
                     succeeded.add(event.result.task_id)
             elif isinstance(event, AttemptStarted):
-                assert set(deps[event.task_id]) <= succeeded, event
+                assert set(deps.get(event.task_id, ())) <= succeeded, event
 
     @settings(max_examples=30, deadline=None)
     @given(
@@ -210,8 +247,7 @@ class TestInvariants:
             started: list[str] = []
             orch.subscribe(lambda e: started.append(e.task_id), AttemptStarted, buffer=100_000)
             tasks = [
-                Task(kinds[i], {"latency": latencies[i], "fails": False, "flaky": False},
-                     id=f"t{i}", priority=p)
+                Task(kinds[i], payload(latencies[i]), id=f"t{i}", priority=p)
                 for i, p in enumerate(priorities)
             ]
             result = await orch.run(tasks=tasks)
@@ -230,7 +266,15 @@ class TestInvariants:
             orch = build(scenario, probe)
             with anyio.move_on_after(scenario.cancel_after):
                 await orch.run(tasks=scenario.tasks())
-        await assert_no_leaks(before)
-        assert probe.current == 0
-        assert all(s["in_flight"] == 0 for s in orch.agents_status())
-
+            await assert_no_leaks(before)
+            assert probe.current == 0
+            assert all(s["in_flight"] == 0 for s in orch.agents_status())
+            # The global count came back to 0 too: a new run gets every slot again.
+            limits = [limit for kind, limit in scenario.agents.values() if kind == "a"]
+            room = math.inf if None in limits else sum(x for x in limits if x is not None)
+            n = scenario.concurrency
+            again_tasks = [Task("a", payload(1.0), id=f"again{i}") for i in range(n)]
+            with anyio.fail_after(100.0):
+                again = await orch.run(tasks=again_tasks)
+        assert again.status == "success"
+        assert again.metadata.peak_concurrency == min(n, room)

@@ -3,7 +3,7 @@ classification, policies per run / kind / agent, and retry waits that hold no sl
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 from random import Random
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -121,9 +121,7 @@ class Raiser:
         return {"by": self.name, "task": task.id}
 
 
-async def run_recorded(
-    orch: Orchestrator, tasks: Sequence[Task]
-) -> tuple[RunResult, Recorder]:
+async def run_recorded(orch: Orchestrator, tasks: Sequence[Task]) -> tuple[RunResult, Recorder]:
     recorder = Recorder()
     orch.subscribe(recorder)
     result = await orch.run(tasks=list(tasks))
@@ -190,6 +188,24 @@ class TestBackoffSchedule:
     def test_exponential_and_capped_without_jitter(self) -> None:
         policy = RetryPolicy(base=0.5, cap=3, jitter="none")
         assert [backoff(policy, n, Random(0)) for n in range(6)] == [0.5, 1, 2, 3, 3, 3]
+
+    def test_the_cap_holds_for_any_number_of_retries(self) -> None:
+        # base * 2**n overflows a float from n = 1024 on; the cap must still apply.
+        policy = RetryPolicy(max_attempts=5000, base=0.5, cap=30, jitter="none")
+        assert [backoff(policy, n, Random(0)) for n in (1023, 1024, 4999)] == [30, 30, 30]
+
+    async def test_a_long_retry_budget_does_not_crash_the_run(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        flaky = scripted("flaky", ["work"], fail_first=1030)
+        orch = make_orchestrator(
+            agents=[flaky],
+            retry=RetryPolicy(max_attempts=1100, base=0.001, cap=0.01),
+            breaker=BreakerPolicy(failures=5000),
+        )
+        result = await orch.run(tasks=[make_task("work")])
+        assert result.status == "success"
+        assert len(flaky.calls) == 1031
 
     def test_full_jitter_is_uniform_below_the_envelope(self) -> None:
         policy = RetryPolicy(base=0.5, cap=30, jitter="full")
@@ -303,7 +319,7 @@ class TestRetryAfter:
         assert failures is not None
         assert {a.error_type for a in failures} == {"RateLimitError"}
         starts = [e.at for e in rec.of(AttemptStarted)]
-        assert [b - a for a, b in zip(starts, starts[1:], strict=False)] == pytest.approx([5, 5, 5])
+        assert [b - a for a, b in itertools.pairwise(starts)] == pytest.approx([5, 5, 5])
 
     async def test_precedence_checked_exactly_against_seeded_jitter(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
@@ -412,6 +428,12 @@ RETRYABLE: list[tuple[str, BaseException]] = [
     ("APIStatusError", api_error(502)),
     ("APIStatusError", api_error(503)),
     ("RetryableError", RetryableError("try again")),
+    ("ConnectError", httpx2.ConnectError("refused")),
+    ("ReadTimeout", httpx2.ReadTimeout("slow")),
+    (
+        "HTTPStatusError",
+        httpx2.HTTPStatusError("503", request=_response(503).request, response=_response(503)),
+    ),
 ]
 
 PERMANENT: list[tuple[str, BaseException]] = [
@@ -423,6 +445,10 @@ PERMANENT: list[tuple[str, BaseException]] = [
     ("ValidationError", validation_error()),
     ("PermanentError", PermanentError("no such document")),
     ("InputError", InputError("bad payload")),
+    (
+        "HTTPStatusError",
+        httpx2.HTTPStatusError("404", request=_response(404).request, response=_response(404)),
+    ),
 ]
 
 
@@ -475,7 +501,7 @@ class TestClassification:
             (RetryableError("x", retry_after=3), True, 3.0),
             (PermanentError("x"), False, None),
             (validation_error(), False, None),
-            (asyncio.TimeoutError(), True, None),
+            (TimeoutError(), True, None),
         ],
     )
     def test_classify(self, error: BaseException, retryable: bool, hint: float | None) -> None:
@@ -546,9 +572,13 @@ class TestRetryWaitHoldsNoSlot:
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         # concurrency=1: A is rate limited for 10 s at t=1; B runs in the meantime (t=1..2).
-        api = scripted("api", ["work"], script=["rate_limit", "ok", "ok"], retry_after=10, latency=1)
+        api = scripted(
+            "api", ["work"], script=["rate_limit", "ok", "ok"], retry_after=10, latency=1
+        )
         orch = make_orchestrator(agents=[api], concurrency=1, retry=RetryPolicy(base=0.1))
-        result, rec = await run_recorded(orch, [make_task("work", id="A"), make_task("work", id="B")])
+        result, rec = await run_recorded(
+            orch, [make_task("work", id="A"), make_task("work", id="B")]
+        )
         assert result.status == "success"
         assert [(c.task_id, c.attempt, c.outcome) for c in api.calls] == [
             ("A", 1, "rate_limit"),

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from orchestra import Context, InputError, Orchestrator, Task
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 
 class Gate:
@@ -96,14 +99,14 @@ class TestPriorityOrder:
             Task("slow", id="s1", priority=0),
             *(Task("fast", id=f"f{i}", priority=9) for i in range(3)),
         ]
-        async with make_orchestrator(agents=[slow, fast], concurrency=2) as orch:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: orch.run(tasks=tasks))
-                await slow.started.wait()
-                while len(order) < 4:  # s0 and the three fast tasks
-                    await anyio.sleep(0)
-                assert order[1:] == ["f0", "f1", "f2"]
-                slow.release.set()
+        orch = make_orchestrator(agents=[slow, fast], concurrency=2)
+        async with orch, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: orch.run(tasks=tasks))
+            await slow.started.wait()
+            while len(order) < 4:  # s0 and the three fast tasks
+                await anyio.lowlevel.checkpoint()
+            assert order[1:] == ["f0", "f1", "f2"]
+            slow.release.set()
         assert order == ["s0", "f0", "f1", "f2", "s1"]
 
 
@@ -115,12 +118,12 @@ class TestReprioritize:
         change: Callable[[Orchestrator], None],
     ) -> list[str]:
         gate = Gate(hold=["blocker"])
-        async with make_orchestrator(agents=[gate], concurrency=1) as orch:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: orch.run(tasks=[Task("work", id="blocker"), *tasks]))
-                await gate.started.wait()
-                change(orch)
-                gate.release.set()
+        orch = make_orchestrator(agents=[gate], concurrency=1)
+        async with orch, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: orch.run(tasks=[Task("work", id="blocker"), *tasks]))
+            await gate.started.wait()
+            change(orch)
+            gate.release.set()
         return gate.order
 
     async def test_a_waiting_task_moves_ahead(
@@ -138,11 +141,13 @@ class TestReprioritize:
     async def test_a_waiting_task_moves_back(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
+        found: list[bool] = []
         order = await self._with_blocker(
             make_orchestrator,
             [Task("work", id=f"q{i}") for i in range(3)],
-            lambda orch: [orch.reprioritize("q0", 7)] and None,
+            lambda orch: found.append(orch.reprioritize("q0", 7)),
         )
+        assert found == [True]
         assert order == ["blocker", "q1", "q2", "q0"]
 
     async def test_a_pending_task_keeps_its_new_priority_when_it_becomes_ready(
@@ -165,19 +170,19 @@ class TestReprioritize:
     ) -> None:
         answers: dict[str, bool] = {}
         gate = Gate(hold=["blocker"])
-        async with make_orchestrator(agents=[gate], concurrency=2) as orch:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    lambda: orch.run(tasks=[Task("work", id="blocker"), Task("work", id="quick")])
-                )
-                await gate.started.wait()
-                while "quick" not in gate.order:
-                    await anyio.sleep(0)
-                await anyio.sleep(0)
-                answers["running"] = orch.reprioritize("blocker", -5)
-                answers["unknown"] = orch.reprioritize("nobody", -5)
-                answers["finished"] = orch.reprioritize("quick", -5)
-                gate.release.set()
+        orch = make_orchestrator(agents=[gate], concurrency=2)
+        async with orch, anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: orch.run(tasks=[Task("work", id="blocker"), Task("work", id="quick")])
+            )
+            await gate.started.wait()
+            while "quick" not in gate.order:
+                await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            answers["running"] = orch.reprioritize("blocker", -5)
+            answers["unknown"] = orch.reprioritize("nobody", -5)
+            answers["finished"] = orch.reprioritize("quick", -5)
+            gate.release.set()
         assert answers == {"running": False, "unknown": False, "finished": False}
 
     @pytest.mark.parametrize("priority", ["high", 1.5, None, True], ids=repr)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -20,6 +19,9 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import FakeClock, scripted
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class Clause(BaseModel):
@@ -78,7 +80,7 @@ class TestTaskConstruction:
 
     def test_options_are_keyword_only(self) -> None:
         with pytest.raises(TypeError):
-            Task("work", None, "an-id")  # type: ignore[misc]
+            Task("work", None, "an-id")  # type: ignore[call-arg]
 
     def test_repr_names_id_kind_and_priority(self) -> None:
         text = repr(Task("work", 1, id="t9", priority=3))
@@ -233,10 +235,10 @@ class TestTaskResult:
             return int(task.payload) * 2
 
         results: list[TaskResult] = []
-        async with Orchestrator(agents=[worker]) as orch:
-            async with orch.stream(tasks=[Task("work", 21, id="x")]) as stream:
-                async for item in stream:
-                    results.append(item)
+        orch = Orchestrator(agents=[worker])
+        async with orch, orch.stream(tasks=[Task("work", 21, id="x")]) as stream:
+            async for item in stream:
+                results.append(item)
         [res] = results
         assert res.task_id == "x"
         assert res.kind == "work"
@@ -253,12 +255,14 @@ class TestTaskResult:
     async def test_a_failed_result_lists_its_failed_attempts(self, clock: FakeClock) -> None:
         worker = scripted("w", ["work"], then="error", latency=0.1)
         results: list[TaskResult] = []
-        async with Orchestrator(
-            agents=[worker], retry=RetryPolicy(max_attempts=2, base=0.0), seed=3
-        ) as orch:
-            async with orch.stream(tasks=[Task("work", None, id="x")]) as stream:
-                async for item in stream:
-                    results.append(item)
+        async with (
+            Orchestrator(
+                agents=[worker], retry=RetryPolicy(max_attempts=2, base=0.0), seed=3
+            ) as orch,
+            orch.stream(tasks=[Task("work", None, id="x")]) as stream,
+        ):
+            async for item in stream:
+                results.append(item)
         [res] = results
         assert res.status == "failed"
         assert not res.ok

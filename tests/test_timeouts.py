@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 import pytest
 
 from orchestra import (
@@ -145,8 +146,6 @@ class TestAttemptTimeout:
 
 
 async def hang() -> None:
-    import anyio
-
     await anyio.sleep_forever()
 
 
@@ -231,7 +230,7 @@ class TestTaskTimeout:
         # "everything from ready to terminal": B's 10 s pass while A holds the only slot.
         worker = scripted("worker", ["k"], latency=100)
         orch = make_orchestrator(agents=[worker], concurrency=1)
-        result, done, _ = await run_recorded(
+        _, done, _ = await run_recorded(
             orch, [make_task("k", id="A"), make_task("k", id="B", timeout=10)]
         )
         assert done["B"].status == "failed"
@@ -268,6 +267,40 @@ class TestTaskTimeout:
         assert done["t"].finished == pytest.approx(2)
 
 
+class TestChecksUnderTheTaskTimeout:
+    """A verifier and a safety check are part of the task: its deadline bounds them too."""
+
+    async def test_a_hanging_async_verifier_is_cut_at_the_task_deadline(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        async def verifier(task: Task, output: Any) -> bool:
+            await anyio.sleep_forever()  # an LLM judge that never answers
+            return True
+
+        worker = scripted("worker", ["k"], latency=1)
+        orch = make_orchestrator(agents=[worker], verify={"k": verifier})
+        with anyio.fail_after(1000):  # fake time: turns a hang into a clean failure
+            _, done, _ = await run_recorded(orch, [make_task("k", id="t", timeout=10)])
+        assert done["t"].status == "failed"
+        assert done["t"].error_type == "TaskTimeout"
+        assert done["t"].finished == pytest.approx(10)
+
+    async def test_a_hanging_safety_check_is_cut_at_the_task_deadline(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        async def safety(task: Task) -> bool:
+            await anyio.sleep_forever()  # a moderation service that never answers
+            return True
+
+        worker = scripted("worker", ["k"])
+        orch = make_orchestrator(agents=[worker], safety=safety)
+        with anyio.fail_after(1000):
+            _, done, _ = await run_recorded(orch, [make_task("k", id="t", timeout=10)])
+        assert worker.calls == []
+        assert done["t"].status == "failed"
+        assert done["t"].finished == pytest.approx(10)
+
+
 class TestRunTimeout:
     @pytest.mark.usefixtures("no_leaks")
     async def test_the_run_ends_with_what_finished(
@@ -285,7 +318,10 @@ class TestRunTimeout:
         assert result.status == "partial"  # 8 of 10 >= 0.8, nothing critical: the usual rules
         assert result.metadata.counts["succeeded"] == 8
         assert result.metadata.counts["cancelled"] == 2
-        assert {e.task_id: e.status for e in result.errors} == {"s1": "cancelled", "s2": "cancelled"}
+        assert {e.task_id: e.status for e in result.errors} == {
+            "s1": "cancelled",
+            "s2": "cancelled",
+        }
         assert result.metadata.reason is not None
         assert "run timeout" in result.metadata.reason
         assert [c.ended is not None and c.ended - c.started for c in stuck.calls] == pytest.approx(

@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from orchestra import (
+    AttemptStarted,
     ConfigError,
     Context,
     Event,
@@ -289,11 +290,28 @@ class TestSafety:
         assert "safety" in record.remediation.lower()
         assert done["ok"].ok
 
+    async def test_a_refused_task_never_counts_as_an_attempt_on_an_agent(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        # "before dispatch": no agent was called, so none shows an attempt, a start event or a
+        # failure in its status.
+        worker = scripted("worker", ["k"])
+        orch = make_orchestrator(agents=[worker], safety=lambda task: False)
+        rec = Recorder()
+        orch.subscribe(rec, AttemptStarted)
+        async with orch:
+            result = await orch.run(tasks=[make_task("k", id="t")])
+            status = orch.agents_status()[0]
+        assert result.status == "failed"
+        assert rec.of(AttemptStarted) == []
+        assert (status["attempts"], status["failures"]) == (0, 0)
+        assert result.metadata.attempts == 0
+
     async def test_an_async_check_returning_false(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         async def safety(task: Task) -> bool:
-            return task.payload != "forbidden"
+            return bool(task.payload != "forbidden")
 
         worker = scripted("worker", ["k"])
         orch = make_orchestrator(agents=[worker], safety=safety)
