@@ -43,7 +43,13 @@ async def splitter(task: Task, ctx: Context) -> int:
     await latency(0.03)
     for i, text in enumerate(task.payload["clauses"]):
         ctx.spawn(
-            Task("research", {"text": text}, id=f"{task.id}/c{i}", tags=[task.id], priority=task.priority)
+            Task(
+                "research",
+                {"text": text},
+                id=f"{task.id}/c{i}",
+                tags=[task.id],
+                priority=task.priority,
+            )
         )
     return len(task.payload["clauses"])
 
@@ -83,8 +89,8 @@ async def summarizer(task: Task, ctx: Context) -> dict[str, Any]:
 @agent(kinds=["verify"])
 async def verifier(task: Task, ctx: Context) -> bool:
     await latency(0.05)
-    summary = ctx.deps[f"{task.payload}/summary"]
-    return summary["clauses"] > 0
+    summary: dict[str, Any] = ctx.deps[f"{task.payload}/summary"]
+    return bool(summary["clauses"] > 0)
 
 
 def check_summary(task: Task, output: Any) -> Verdict:
@@ -98,8 +104,22 @@ def decompose(contracts: list[dict[str, Any]]) -> list[Task]:
         cid = c["id"]
         tasks += [
             Task("split", c, id=cid, priority=prio),
-            Task("summarize", cid, id=f"{cid}/summary", depends_on=[cid], depends_on_tags=[cid], priority=prio),
-            Task("verify", cid, id=f"{cid}/verify", depends_on=[f"{cid}/summary"], priority=prio, critical=True),
+            Task(
+                "summarize",
+                cid,
+                id=f"{cid}/summary",
+                depends_on=[cid],
+                depends_on_tags=[cid],
+                priority=prio,
+            ),
+            Task(
+                "verify",
+                cid,
+                id=f"{cid}/verify",
+                depends_on=[f"{cid}/summary"],
+                priority=prio,
+                critical=True,
+            ),
         ]
     return tasks
 
@@ -127,10 +147,14 @@ async def analyse(concurrency: int, *, faults: bool) -> tuple[RunResult, float]:
 def show(label: str, result: RunResult, seconds: float) -> None:
     m = result.metadata
     print(f"\n== {label}: {result.status} in {seconds:.2f}s ==")
-    print(f"tasks {m.total} {m.counts}  attempts {m.attempts}  retries {m.retries}  fallbacks {m.fallbacks}")
+    print(
+        f"tasks {m.total} {m.counts}  attempts {m.attempts}  retries {m.retries}  fallbacks {m.fallbacks}"
+    )
     print(f"peak concurrency {m.peak_concurrency}  tasks per agent {m.tasks_per_agent}")
     for kind, t in m.time_per_kind.items():
-        print(f"  {kind:<10} n={t.count:<3} mean {t.mean * 1000:6.1f} ms  p95 {t.p95 * 1000:6.1f} ms")
+        print(
+            f"  {kind:<10} n={t.count:<3} mean {t.mean * 1000:6.1f} ms  p95 {t.p95 * 1000:6.1f} ms"
+        )
     for err in result.errors:
         print(f"  error {err.task_id}: {err.message} -> {err.remediation}")
 
@@ -142,8 +166,10 @@ async def main() -> None:
     show("parallel (concurrency 20, an agent rate limited, another down mid-run)", parallel, t_par)
     summary = parallel.data["contract-0/summary"]
     print(f"\ncontract-0: {summary['clauses']} clauses, high risk: {summary['high_risk']}")
-    print(f"\nspeed-up: {t_seq / t_par:.1f}x  (same {parallel.metadata.total} tasks, same answers: "
-          f"{sequential.data.keys() == parallel.data.keys()})")
+    print(
+        f"\nspeed-up: {t_seq / t_par:.1f}x  (same {parallel.metadata.total} tasks, same answers: "
+        f"{sequential.data.keys() == parallel.data.keys()})"
+    )
 
 
 if __name__ == "__main__":

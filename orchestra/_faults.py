@@ -127,7 +127,7 @@ class Fault:
         async def faulty(task: Task, ctx: Context) -> Any:
             if not self.active(anyio.current_time()):
                 return await call(task, ctx)
-            self.affected.add(task.id)  # type: ignore[arg-type]
+            self.affected.add(task.id)
             if self.mode == "slow":
                 await anyio.sleep(self.latency)
                 return await call(task, ctx)

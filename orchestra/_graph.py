@@ -52,7 +52,7 @@ class Node(TaskResult):
 
     def __init__(self, task: Task, seq: int) -> None:
         self.task = task
-        task_id: str = task.id  # type: ignore[assignment]  # assigned before the node is built
+        task_id = task.id
         self.id = self.task_id = task_id
         self.kind = task.kind
         self.priority = task.priority
@@ -158,7 +158,7 @@ class Graph:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
         kind = task.kind
-        task_id = task.id
+        task_id: str | None = task.id
         if task_id is None:  # generated: never one that is, or will be in this batch, given
             self._auto += 1
             task_id = f"{kind}#{self._auto}"
@@ -317,7 +317,7 @@ class Graph:
         members: dict[str, list[str]] = {}
         for task in batch:
             for tag in task.tags:
-                members.setdefault(tag, []).append(task.id)  # type: ignore[arg-type]
+                members.setdefault(tag, []).append(task.id)
         edges: dict[str, list[str]] = {}
         indegree = dict.fromkeys(ids, 0)
         for task in batch:
@@ -325,8 +325,8 @@ class Graph:
             for tag in task.depends_on_tags:
                 before.extend(members.get(tag, ()))
             for dep in before:
-                edges.setdefault(dep, []).append(task.id)  # type: ignore[arg-type]
-                indegree[task.id] += 1  # type: ignore[index]
+                edges.setdefault(dep, []).append(task.id)
+                indegree[task.id] += 1
         ready = [t for t, n in indegree.items() if n == 0]
         while ready:
             for nxt in edges.get(ready.pop(), ()):

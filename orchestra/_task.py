@@ -80,7 +80,8 @@ class Task:
     ) -> None:
         self.kind = kind
         self.payload = payload
-        self.id = id
+        # Typed `str`: an agent always sees an id (one is generated at admission when absent).
+        self.id: str = id  # type: ignore[assignment]
         self.priority = priority
         self.depends_on = depends_on
         self.depends_on_tags = depends_on_tags
@@ -165,7 +166,7 @@ class TaskResult:
         error_type: str | None = None,
     ) -> None:
         self.task = task
-        self.task_id: str = task.id  # type: ignore[assignment]  # assigned at admission
+        self.task_id = task.id
         self.kind = task.kind
         self.seq = seq
         self.status = status
