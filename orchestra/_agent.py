@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 import anyio
@@ -18,7 +19,7 @@ import anyio.to_thread
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable
 
     from pydantic import BaseModel
 
@@ -88,22 +89,7 @@ class Agent:
         timeout: float | None = None,
     ) -> None:
         label = name or getattr(fn, "__name__", None) or repr(fn)
-        if isinstance(kinds, str) or not kinds or not all(isinstance(k, str) and k for k in kinds):
-            raise ConfigError(
-                f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}"
-            )
-        if concurrency is not None and (
-            isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-        ):
-            raise ConfigError(
-                f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}"
-            )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise ConfigError(
-                f"agent {label!r}: timeout must be a positive number, got {timeout!r}"
-            )
+        check_options(label, kinds, concurrency, timeout)
         if executor not in (None, "thread", "process"):
             raise ConfigError(
                 f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}"
@@ -148,6 +134,24 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"Agent(name={self.name!r}, kinds={list(self.kinds)!r})"
+
+
+def check_options(label: str, kinds: Any, concurrency: Any, timeout: Any) -> None:
+    """The checks every agent's options pass, `@agent` functions and agent objects alike."""
+    if isinstance(kinds, str) or not isinstance(kinds, Sequence | set | frozenset) or not kinds:
+        raise ConfigError(
+            f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}"
+        )
+    if not all(isinstance(k, str) and k for k in kinds):
+        raise ConfigError(f"agent {label!r}: kinds must be non-empty strings, got {kinds!r}")
+    if concurrency is not None and (
+        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
+    ):
+        raise ConfigError(f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+    ):
+        raise ConfigError(f"agent {label!r}: timeout must be a positive number, got {timeout!r}")
 
 
 def _call_in_process(module: str, qualname: str, task: Task) -> Any:

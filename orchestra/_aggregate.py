@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ._exceptions import ConfigError
-from ._task import TaskResult
+
+if TYPE_CHECKING:
+    from ._task import TaskResult
 
 __all__ = (
     "Accumulator",
@@ -39,22 +41,23 @@ class Aggregator(Protocol):
 
 
 class _Ordered:
-    """Keeps (admission order, output) pairs; `ordered()` sorts them once at the end."""
+    """Keeps the results; `ordered()` gives (position, id, output) in input order, once, at the end."""
 
     __slots__ = ("items",)
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, str, Any]] = []
+        self.items: list[TaskResult] = []
 
     def add(self, result: TaskResult) -> None:
-        self.items.append((result.seq, result.task_id, result.output))
+        self.items.append(result)
 
-    def ordered(self) -> list[tuple[int, str, Any]]:
-        self.items.sort(key=_first)
-        return self.items
+    def ordered(self) -> list[tuple[tuple[int, ...], str, Any]]:
+        ordered = [(r.position, r.task_id, r.output) for r in self.items]
+        ordered.sort(key=_first)
+        return ordered
 
 
-def _first(item: tuple[int, str, Any]) -> int:
+def _first(item: tuple[tuple[int, ...], str, Any]) -> tuple[int, ...]:
     return item[0]
 
 
@@ -269,23 +272,23 @@ class _TransformAcc:
         self.inner = inner
 
     def add(self, result: TaskResult) -> None:
-        self.inner.add(
-            TaskResult(
-                result.task,
-                result.seq,
-                result.status,
-                self.fn(result.output),
-                result.agent,
-                result.attempts,
-                result.failures,
-                result.started,
-                result.finished,
-                defaulted=result.defaulted,
-            )
-        )
+        self.inner.add(_Mapped(result, self.fn(result.output)))  # type: ignore[arg-type]
 
     def finish(self) -> Any:
         return self.inner.finish()
+
+
+class _Mapped:
+    """A result seen through a transform: its own output, everything else the original's."""
+
+    __slots__ = ("_result", "output")
+
+    def __init__(self, result: TaskResult, output: Any) -> None:
+        self._result = result
+        self.output = output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
 
 
 class ByKind:

@@ -42,7 +42,7 @@ def chunked(
 
 def by_type(
     items: Iterable[Any],
-    route: Mapping[type, str] | Mapping[str, str] | Callable[[Any], str],
+    route: Mapping[Any, str] | Callable[[Any], str],
     *,
     field: str = "type",
     priority: int | Callable[[Any], int] = 0,

@@ -159,11 +159,13 @@ class _Subscription:
 class EventBus:
     """Fan-out of events to subscribers, each through a bounded buffer."""
 
-    __slots__ = ("_group", "_subs", "active", "dropped", "errors")
+    __slots__ = ("_delivering", "_drained", "_group", "_subs", "active", "dropped", "errors")
 
     def __init__(self) -> None:
         self._subs: list[_Subscription] = []
         self._group: TaskGroup | None = None
+        self._delivering = 0
+        self._drained: anyio.Event | None = None
         self.active = False
         self.dropped = 0
         self.errors = 0
@@ -212,6 +214,12 @@ class EventBus:
                 sub.send.close()
                 sub.send = None
 
+    async def drained(self) -> None:
+        """Wait until every delivery task has delivered what was buffered (after `stop`)."""
+        while self._delivering:
+            event = self._drained = anyio.Event()
+            await event.wait()
+
     def _open(self, sub: _Subscription, group: TaskGroup) -> None:
         sub.send, receive = anyio.create_memory_object_stream[Event](sub.buffer)
         group.start_soon(self._deliver, sub.fn, receive)
@@ -220,18 +228,26 @@ class EventBus:
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004
         )
-        async with receive:
-            async for event in receive:
-                try:
-                    if is_async:
-                        await fn(event)  # type: ignore[misc]
-                    else:
-                        fn(event)
-                except Exception:
-                    self.errors += 1
-                    log.warning(
-                        "subscriber raised",
-                        subscriber=repr(fn),
-                        event_type=type(event).__name__,
-                        exc_info=True,
-                    )
+        self._delivering += 1
+        try:
+            async with receive:
+                async for event in receive:
+                    try:
+                        if is_async:
+                            await fn(event)  # type: ignore[misc]
+                        else:
+                            fn(event)
+                    except Exception:
+                        self.errors += 1
+                        log.warning(
+                            "subscriber raised",
+                            subscriber=repr(fn),
+                            event_type=type(event).__name__,
+                            exc_info=True,
+                        )
+        finally:
+            # Cancelled at the orchestrator's exit (past its drain timeout): what is left is dropped.
+            self.dropped += receive.statistics().current_buffer_used
+            self._delivering -= 1
+            if not self._delivering and self._drained is not None:
+                self._drained.set()

@@ -41,6 +41,8 @@ class Node(TaskResult):
         "dependents",
         "feedback",
         "id",
+        "index",
+        "parent",
         "priority",
         "qseq",
         "slot",
@@ -50,8 +52,10 @@ class Node(TaskResult):
         "waiting",
     )
 
-    def __init__(self, task: Task, seq: int) -> None:
+    def __init__(self, task: Task, seq: int, index: int, parent: Node | None) -> None:
         self.task = task
+        self.index = index  # in the input, or among the spawner's spawns
+        self.parent = parent
         task_id = task.id
         self.id = self.task_id = task_id
         self.kind = task.kind
@@ -73,6 +77,15 @@ class Node(TaskResult):
         self.deadline: float | None = None
         self.output = None
         # agent, started, finished, error, error_type and defaulted are set when the task settles.
+
+    @property
+    def position(self) -> tuple[int, ...]:
+        path = [self.index]
+        node = self.parent
+        while node is not None:
+            path.append(node.index)
+            node = node.parent
+        return tuple(reversed(path))
 
     def __repr__(self) -> str:
         return f"Node({self.id!r}, {self.state})"
@@ -243,6 +256,7 @@ class Graph:
         forward: bool,
         closed_groups_ok: bool = True,
         first_index: int = 0,
+        parent: Node | None = None,
     ) -> tuple[list[Node], list[tuple[Node, str]]]:
         """Check and insert a batch, all or nothing.
 
@@ -289,9 +303,9 @@ class Graph:
         if forward and linked and len(batch) > 1:
             self._reject_cycles(batch, ids)
         new = []
-        for task in batch:
+        for index, task in enumerate(batch, first_index):
             self.seq += 1
-            node = Node(task, self.seq)
+            node = Node(task, self.seq, index, parent)
             nodes[node.id] = node
             new.append(node)
         skipped = []

@@ -76,6 +76,9 @@ class Orchestrator:
         on_threshold_missed: ``fn(result, failed_tasks)`` (sync or async) called when a run misses
             its success threshold; it may return a new `RunResult` (say, after re-running the
             failed tasks) that replaces the result.
+        drain_timeout: at exit, how long subscribers may take to receive the events still
+            buffered for them; what is left then is dropped (and counted), so a slow subscriber
+            never holds up the exit for long.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Orchestrator:
         seed: int | None = None,
         clock: FakeClock | None = None,
         on_threshold_missed: Callable[..., Any] | None = None,
+        drain_timeout: float = 5.0,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"concurrency must be an int >= 1, got {concurrency!r}")
@@ -107,6 +111,12 @@ class Orchestrator:
             isinstance(window, bool) or not isinstance(window, int) or window < 1
         ):
             raise ConfigError(f"window must be an int >= 1, got {window!r}")
+        if (
+            isinstance(drain_timeout, bool)
+            or not isinstance(drain_timeout, int | float)
+            or drain_timeout < 0
+        ):
+            raise ConfigError(f"drain_timeout must be a number >= 0, got {drain_timeout!r}")
         if decomposer is not None and not callable(decomposer):
             raise ConfigError(f"decomposer must be callable, got {decomposer!r}")
         self.registry = Registry(agents, breaker or BreakerPolicy(), fallbacks)
@@ -142,7 +152,9 @@ class Orchestrator:
             seed=seed,
             on_threshold_missed=on_threshold_missed,
         )
+        self._drain_timeout = drain_timeout
         self._tg: TaskGroup | None = None
+        self._idle: anyio.Event | None = None
         self._entered = 0
         self._runs: list[Run] = []
         self._recent: deque[Run] = deque(maxlen=8)
@@ -176,10 +188,23 @@ class Orchestrator:
         self._entered -= 1
         if self._entered:
             return None
-        tg, self._tg = self._tg, None
-        self._bus.stop()  # subscribers get what is buffered, then their tasks end
+        tg = self._tg
         assert tg is not None
         try:
+            if exc is None:
+                # Runs that other callers started in this lifecycle (run() without `async with`,
+                # concurrently) finish first.
+                while self._runs:
+                    idle = self._idle = anyio.Event()
+                    await idle.wait()
+            self._tg = None
+            self._bus.stop()
+            if exc is None:
+                # Subscribers get what is buffered for them, for `drain_timeout` at most.
+                with anyio.move_on_after(self._drain_timeout):
+                    await self._bus.drained()
+                tg.cancel_scope.cancel()
+                return await tg.__aexit__(None, None, None)
             if isinstance(exc, Exception):
                 # An error from the body (say, an InputError from run()) reaches the caller as it
                 # is, not wrapped in an ExceptionGroup by our background task group.
@@ -265,6 +290,8 @@ class Orchestrator:
         finally:
             self._runs.remove(run)
             self._recent.append(run)
+            if not self._runs and self._idle is not None:
+                self._idle.set()
 
     async def _threshold_hook(self, result: RunResult) -> RunResult:
         hook = self._config.on_threshold_missed

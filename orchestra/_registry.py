@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._agent import Agent, AgentLike
+from ._agent import Agent, AgentLike, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
 from ._exceptions import ConfigError
 
@@ -52,6 +52,9 @@ class AgentSlot:
     )
 
     def __init__(self, agent: AgentLike, breaker: BreakerPolicy) -> None:
+        concurrency = getattr(agent, "concurrency", None)
+        timeout = getattr(agent, "timeout", None)
+        check_options(agent.name, agent.kinds, concurrency, timeout)
         self.agent = agent
         self.name: str = agent.name
         self.kinds: tuple[str, ...] = tuple(agent.kinds)
@@ -59,12 +62,11 @@ class AgentSlot:
         self.call: Callable[[Task, Context], Awaitable[Any]] = (
             agent.direct() if isinstance(agent, Agent) else agent
         )
-        concurrency = getattr(agent, "concurrency", None)
         self.limit: int = UNLIMITED if concurrency is None else concurrency
         self.input = _model(agent, "input")
         self.output = _model(agent, "output")
         self.retry: RetryPolicy | None = getattr(agent, "retry", None)
-        self.timeout: float | None = getattr(agent, "timeout", None)
+        self.timeout: float | None = timeout
         self.breaker = Breaker(breaker)
         self.in_flight = 0
         self.attempts = 0

@@ -147,12 +147,12 @@ class Report:
             events_dropped=events_dropped,
             reason=self.reason,
         )
-        errors = [_error_record(node) for node in sorted(not_ok, key=_by_seq)]
+        errors = [_error_record(node) for node in sorted(not_ok, key=_position)]
         return RunResult(status=status, data=data, metadata=metadata, errors=errors)
 
 
-def _by_seq(node: Node) -> int:
-    return node.seq
+def _position(node: Node) -> tuple[int, ...]:
+    return node.position
 
 
 def _timing(values: list[float]) -> TimingStats:

@@ -145,6 +145,7 @@ class Run(Dispatcher):
         forward: bool,
         closed_ok: bool = True,
         first_index: int = 0,
+        parent: Node | None = None,
     ) -> None:
         # A large batch allocates a node per task, and all of them survive: left on, the cyclic
         # garbage collector would walk them again and again while they are built, which costs as
@@ -160,6 +161,7 @@ class Run(Dispatcher):
                 forward=forward,
                 closed_groups_ok=closed_ok,
                 first_index=first_index,
+                parent=parent,
             )
         finally:
             if pause:
@@ -172,7 +174,13 @@ class Run(Dispatcher):
                 self._ready(node)
 
     def _admit_spawned(self, tasks: list[Task], parent: Node) -> None:
-        self._admit(tasks, where=f"tasks spawned by {parent.id!r}", forward=False, closed_ok=False)
+        self._admit(
+            tasks,
+            where=f"tasks spawned by {parent.id!r}",
+            forward=False,
+            closed_ok=False,
+            parent=parent,
+        )
 
     async def _feed(self, source: Iterable[Task] | AsyncIterable[Task]) -> None:
         """Admit a streamed input, with backpressure (at most `window` of its tasks active).
@@ -190,7 +198,7 @@ class Run(Dispatcher):
                 iterator = iter(source)
                 while True:
                     await self._wait_for_window()
-                    chunk = list(islice(iterator, min(_CHUNK, self._window - self._active)))
+                    chunk = list(islice(iterator, max(1, min(_CHUNK, self._window - self._open))))
                     if not chunk:
                         break
                     self._admit(chunk, where="input item", forward=False, first_index=pulled)
@@ -207,7 +215,10 @@ class Run(Dispatcher):
         self._check_done()
 
     async def _wait_for_window(self) -> None:
-        while self._active >= self._window:
+        # Every unfinished task counts; but when none is ready or running (all wait for
+        # dependencies or groups that only the rest of the input can complete), more input is
+        # the only way forward, and it is let in.
+        while self._open >= self._window and self._active:
             event = self._window_free = anyio.Event()
             await event.wait()
 
@@ -348,7 +359,7 @@ class Run(Dispatcher):
             self.report.tally(node)
             self.graph.compact(node)
         self._open -= 1
-        if self._window_free is not None and self._active < self._window:
+        if self._window_free is not None and (self._open < self._window or not self._active):
             self._window_free.set()
             self._window_free = None
         if not self._open:

@@ -181,6 +181,13 @@ class TaskResult:
         self.defaulted = defaulted
 
     @property
+    def position(self) -> tuple[int, ...]:
+        """Where the task stands in the run's input order: ``(i,)`` for the i-th input task,
+        the spawner's position plus the spawn index for a spawned task. Independent of timing,
+        so aggregators sort by it."""
+        return (self.seq,)
+
+    @property
     def ok(self) -> bool:
         """True when the task succeeded (with a default value or not)."""
         return self.status == SUCCEEDED

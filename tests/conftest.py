@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from orchestra import Orchestrator, Task
 from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 
 @pytest.fixture

@@ -142,6 +142,39 @@ class TestAgentLikeObjects:
         assert translator.peak == 2  # its `concurrency` attribute is its limit
         assert result.metadata.tasks_per_agent == {"translator": 4}
 
+    @pytest.mark.parametrize(
+        "attributes",
+        [
+            {"concurrency": 0},
+            {"concurrency": -1},
+            {"concurrency": "2"},
+            {"timeout": 0},
+            {"timeout": -1.0},
+            {"kinds": "work"},
+            {"kinds": []},
+        ],
+        ids=repr,
+    )
+    def test_bad_attributes_of_an_agent_like_object_are_config_errors(
+        self, attributes: dict[str, Any]
+    ) -> None:
+        # An object is checked as strictly as `@agent(...)`: concurrency 0 would hang every run,
+        # kinds "work" would serve the kinds "w", "o", "r" and "k".
+        class Custom:
+            name = "custom"
+            kinds: Any = ("work",)
+            concurrency: Any = None
+            timeout: Any = None
+
+            async def __call__(self, task: Task, ctx: Context) -> None:
+                return None
+
+        obj = Custom()
+        for key, value in attributes.items():
+            setattr(obj, key, value)
+        with pytest.raises(ConfigError):
+            Orchestrator(agents=[obj])
+
     async def test_a_declared_output_model_validates_and_converts(self, clock: FakeClock) -> None:
         @agent(kinds=["work"], output=Answer)
         async def answer(task: Task, ctx: Context) -> Any:

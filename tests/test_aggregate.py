@@ -303,6 +303,43 @@ class TestDeterminism:
         if isinstance(datas[0], dict):
             assert list(datas[0]) == list(datas[1])
 
+    @pytest.mark.parametrize("name", ["collect", "reduce-fn"])
+    async def test_spawned_tasks_fold_in_the_same_order_whatever_the_completion_order(
+        self, name: str, clock: FakeClock
+    ) -> None:
+        # Children are admitted when their parent succeeds, so the order in which parents finish
+        # must not decide where their children's outputs land in `data`.
+        async def once(seed: int) -> Any:
+            rng = random.Random(seed)
+
+            class Parent:
+                name = "parent"
+                kinds = ("parent",)
+
+                async def __call__(self, task: Task, ctx: Context) -> str:
+                    await anyio.sleep(rng.uniform(0.0, 5.0))
+                    for i in range(3):
+                        ctx.spawn(Task("child", f"{task.id}.{i}", id=f"{task.id}/c{i}"))
+                    return str(task.id)
+
+            class Child:
+                name = "child"
+                kinds = ("child",)
+
+                async def __call__(self, task: Task, ctx: Context) -> str:
+                    await anyio.sleep(rng.uniform(0.0, 5.0))
+                    return str(task.payload)
+
+            orch = Orchestrator(agents=[Parent(), Child()], aggregate=AGGREGATORS[name]())
+            result = await orch.run(tasks=[Task("parent", None, id=f"p{i}") for i in range(4)])
+            assert result.status == "success"
+            return result.data
+
+        first, second = await once(1), await once(2)
+        assert first == second
+        if isinstance(first, dict):
+            assert list(first) == list(second)
+
 
 class TestRunResultJson:
     async def test_round_trips(self, clock: FakeClock) -> None:

@@ -19,6 +19,7 @@ from orchestra import (
     AttemptSucceeded,
     BreakerChanged,
     BreakerPolicy,
+    Context,
     Event,
     FallbackUsed,
     Orchestrator,
@@ -29,6 +30,7 @@ from orchestra import (
     Task,
     TaskFinished,
     TaskReady,
+    agent,
 )
 from orchestra.testing import FakeClock, scripted
 
@@ -129,6 +131,27 @@ class TestEventStream:
         assert (fallback.from_agent, fallback.to_agent) == ("flaky", "backup")
         breaker = [e for e in events if isinstance(e, BreakerChanged)]
         assert [(e.agent, e.previous, e.state) for e in breaker] == [("flaky", "closed", "open")]
+
+    async def test_concurrent_runs_without_async_with_each_deliver_every_event(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # The first run() to finish must not stop the delivery of the other run's events.
+        got: list[str] = []
+
+        @agent(kinds=["work"])
+        async def timed(task: Task, ctx: Context) -> None:
+            await anyio.sleep(float(task.payload))
+
+        orch = make_orchestrator(agents=[timed])
+        orch.subscribe(lambda e: got.append(e.result.task_id), TaskFinished)
+
+        async def run(prefix: str, seconds: float) -> None:
+            await orch.run(tasks=[Task("work", seconds, id=f"{prefix}{i}") for i in range(3)])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "short", 1.0)
+            tg.start_soon(run, "long", 5.0)
+        assert sorted(got) == [f"{p}{i}" for p in ("long", "short") for i in range(3)]
 
     async def test_subscribing_to_types(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]

@@ -33,6 +33,11 @@ class TestExports:
         obj = getattr(module, name)
         assert own_doc(obj), f"orchestra.{name} has no docstring"
 
+    def test_star_import_gives_exactly_all(self) -> None:
+        namespace: dict[str, object] = {}
+        exec("from orchestra import *", namespace)
+        assert set(namespace) - {"__builtins__"} == set(orchestra.__all__)
+
     @pytest.mark.parametrize(
         "name", ["Orchestrator", "Task", "TaskResult", "RunResult", "agent", "Context"]
     )

@@ -42,7 +42,6 @@ class TestTaskConstruction:
         task = Task("research")
         assert task.kind == "research"
         assert task.payload is None
-        assert task.id is None
         assert task.priority == 0
         assert tuple(task.depends_on) == ()
         assert tuple(task.depends_on_tags) == ()
@@ -51,6 +50,7 @@ class TestTaskConstruction:
         assert task.timeout is None
         assert task.critical is False
         assert task.metadata is None
+        assert task.id is None  # given at admission (typed `str`: last, as mypy knows no better)
 
     def test_every_field_is_kept(self) -> None:
         task = Task(
