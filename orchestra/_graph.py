@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from ._registry import AgentSlot
 
-__all__ = ("Graph", "Group", "Node", "Settled")
+__all__ = ("Graph", "Group", "Node")
 
 
 class Node(TaskResult):
@@ -91,18 +91,6 @@ class Node(TaskResult):
         return f"Node({self.id!r}, {self.state})"
 
 
-class Settled:
-    """What a streamed run keeps of a succeeded task once it is done: enough for a later task that
-    depends on it (its state and output) and for the duplicate-id check, in 40 bytes instead of a node.
-    Its counts went into the run's `Report` when it was compacted."""
-
-    __slots__ = ("output", "state")
-
-    def __init__(self, output: Any) -> None:
-        self.state = SUCCEEDED
-        self.output = output
-
-
 class Group:
     """The tasks carrying one tag, and the tasks waiting for all of them."""
 
@@ -136,13 +124,16 @@ def _strings(task_id: str, field: str, value: Any) -> Sequence[str]:
 class Graph:
     """Nodes by id, dependency edges and groups. Knows nothing of agents' calls or of time."""
 
-    __slots__ = ("_auto", "_inputs", "_kinds", "groups", "nodes", "seq", "source_done")
+    __slots__ = ("_auto", "_inputs", "_kinds", "groups", "nodes", "seq", "settled", "source_done")
 
     def __init__(
         self,
         kinds: Mapping[str, Sequence[AgentSlot]],
     ) -> None:
-        self.nodes: dict[str, Node | Settled] = {}
+        self.nodes: dict[str, Node] = {}
+        # A streamed run forgets a succeeded task but its output (`compact`): id -> output. A dict
+        # of ids to plain outputs is not even tracked by the garbage collector.
+        self.settled: dict[str, Any] = {}
         self.groups: dict[str, Group] = {}
         self.seq = 0
         self._auto = 0
@@ -175,7 +166,7 @@ class Graph:
         if task_id is None:  # generated: never one that is, or will be in this batch, given
             self._auto += 1
             task_id = f"{kind}#{self._auto}"
-            while task_id in self.nodes or task_id in taken:
+            while task_id in self.nodes or task_id in self.settled or task_id in taken:
                 self._auto += 1
                 task_id = f"{kind}#{self._auto}"
             task.id = task_id
@@ -281,7 +272,7 @@ class Graph:
             self.check(task, where, i, given)
             if task.depends_on or task.depends_on_tags:
                 linked = True
-            if task.id in nodes or task.id in ids:
+            if task.id in nodes or task.id in ids or task.id in self.settled:
                 raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
             if not forward and task.depends_on:
                 self._known_deps(
@@ -317,9 +308,25 @@ class Graph:
                     skipped.append((node, reason))
         return new, skipped
 
+    def admit_one(self, task: Any, index: int) -> tuple[Node, str | None]:
+        """`admit` for one item of a streamed input: the same checks, without a batch's bookkeeping.
+        Returns the node and, if it must be skipped at once, why."""
+        self.check(task, "input item", index)
+        nodes = self.nodes
+        if task.id in nodes or task.id in self.settled:
+            raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
+        if task.depends_on:
+            self._known_deps(task, {}, " (a streamed task may only depend on tasks before it)")
+        self.seq += 1
+        node = Node(task, self.seq, index, None)
+        nodes[node.id] = node
+        if task.depends_on or task.tags or task.depends_on_tags:
+            return node, self._wire(node)
+        return node, None
+
     def _known_deps(self, task: Task, ids: Mapping[str, Task], hint: str) -> None:
         for dep in task.depends_on:
-            if dep not in self.nodes and dep not in ids:
+            if dep not in self.nodes and dep not in ids and dep not in self.settled:
                 raise InputError(
                     f"task {task.id!r} depends on unknown task {dep!r}{hint}",
                     task_id=task.id,
@@ -361,14 +368,13 @@ class Graph:
         nodes = self.nodes
         skip_reason: str | None = None
         for dep_id in task.depends_on:
-            dep = nodes[dep_id]
-            if dep.state is SUCCEEDED:
+            dep = nodes.get(dep_id)
+            if dep is None or dep.state is SUCCEEDED:  # not a node: compacted, so succeeded
                 continue
             if dep.state in TERMINAL:
                 skip_reason = f"dependency {dep_id!r} {dep.state}"
                 continue
             node.waiting += 1
-            assert type(dep) is Node  # a Settled record is always succeeded
             if dep.dependents is None:
                 dep.dependents = [node]
             else:
@@ -402,8 +408,8 @@ class Graph:
             node = stack.pop()
             for dep_id in node.task.depends_on:
                 dep = self.nodes.get(dep_id)
-                if dep is None or type(dep) is Settled or id(dep) in seen:
-                    continue  # a settled task waits for nothing
+                if dep is None or id(dep) in seen:
+                    continue  # unknown or compacted: waits for nothing
                 if id(dep) in waiters:
                     raise InputError(
                         f"dependency cycle: task {member.id!r} joins group {tag!r} but depends on "
@@ -412,14 +418,13 @@ class Graph:
                         field="tags",
                     )
                 seen.add(id(dep))
-                stack.append(dep)  # type: ignore[arg-type]
+                stack.append(dep)
 
     # -- reading ---------------------------------------------------------------------------------
 
     def deps_of(self, node: Node) -> dict[str, Any]:
-        nodes = self.nodes
         task = node.task
-        deps = {d: nodes[d].output for d in task.depends_on}
+        deps = {d: self.output_of(d) for d in task.depends_on}
         for tag in task.depends_on_tags:
             group = self.groups.get(tag)
             if group is not None:
@@ -434,15 +439,28 @@ class Graph:
         owner = self.nodes.get(tag)
         return owner is None or owner.state in TERMINAL
 
+    def output_of(self, task_id: str) -> Any:
+        node = self.nodes.get(task_id)
+        return self.settled.get(task_id) if node is None else node.output
+
+    def state_of(self, task_id: str) -> str | None:
+        """The state of a task (None when unknown)."""
+        node = self.nodes.get(task_id)
+        if node is not None:
+            return node.state
+        return SUCCEEDED if task_id in self.settled else None
+
+    def known(self, task_id: str) -> bool:
+        return task_id in self.nodes or task_id in self.settled
+
     def live(self) -> Iterator[Node]:
-        """The nodes not compacted into `Settled` records."""
-        for node in self.nodes.values():
-            if type(node) is not Settled:
-                yield node  # type: ignore[misc]
+        """The nodes not compacted away."""
+        return iter(self.nodes.values())
 
     def unfinished(self) -> list[Node]:
         return [n for n in self.live() if n.state not in TERMINAL]
 
     def compact(self, node: Node) -> None:
         """Forget a succeeded node but its output (streamed runs: bounded memory)."""
-        self.nodes[node.id] = Settled(node.output)
+        del self.nodes[node.id]
+        self.settled[node.id] = node.output

@@ -25,7 +25,6 @@ from ._breaker import BreakerPolicy
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._faults import Fault, FaultMode
-from ._graph import Node
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Capacity, Run, RunConfig
@@ -340,7 +339,7 @@ class Orchestrator:
             )
         for run in self._runs:
             node = run.graph.nodes.get(task_id)
-            if not isinstance(node, Node) or node.state in TERMINAL:
+            if node is None or node.state in TERMINAL:
                 continue
             if node.state == "ready":
                 run.queue.move(node, priority)
@@ -401,19 +400,19 @@ class Orchestrator:
         failed: list[str] = []
         for fault in self._faults.values():
             for task_id in sorted(fault.affected):
-                node = self._find(task_id)
-                if node is None or node.state not in TERMINAL:
+                state = self._state_of(task_id)
+                if state is None or state not in TERMINAL:
                     pending.append(task_id)
-                elif node.state is not SUCCEEDED:
+                elif state != SUCCEEDED:
                     failed.append(task_id)
         state = "failed" if failed else "degraded" if pending else "recovered"
         return RecoveryStatus(state, agents=sorted(self._faults), pending=pending, failed=failed)
 
-    def _find(self, task_id: str) -> Any:
+    def _state_of(self, task_id: str) -> str | None:
         for run in (*self._runs, *reversed(self._recent)):
-            node = run.graph.nodes.get(task_id)
-            if node is not None:
-                return node
+            state = run.graph.state_of(task_id)
+            if state is not None:
+                return state
         return None
 
 

@@ -191,9 +191,15 @@ class Run(Dispatcher):
         try:
             if isinstance(source, AsyncIterable):
                 async for task in source:  # each item admitted as soon as it arrives
-                    await self._wait_for_window()
-                    self._admit((task,), where="input item", forward=False, first_index=pulled)
+                    if self._open >= self._window and self._active:
+                        await self._wait_for_window()
+                    node, skip = self.graph.admit_one(task, pulled)
                     pulled += 1
+                    self._open += 1
+                    if skip is not None:
+                        self._settle(node, SKIPPED, None, error=skip, error_type="DependencyFailed")
+                    elif not node.waiting:
+                        self._ready(node)
             else:  # a plain iterable never waits: admit it in chunks, as the window allows
                 iterator = iter(source)
                 while True:
@@ -232,14 +238,14 @@ class Run(Dispatcher):
         graph = self.graph
         graph.check(task, f"task spawned by {parent.id!r}")
         known = {p.id for p in pending}
-        if task.id in graph.nodes or task.id in known:
+        if graph.known(task.id) or task.id in known:
             raise InputError(
                 f"task {parent.id!r} spawns duplicate task id {task.id!r}",
                 task_id=task.id,
                 field="id",
             )
         for dep in task.depends_on:
-            if dep not in graph.nodes and dep not in known:
+            if not graph.known(dep) and dep not in known:
                 raise InputError(
                     f"task {task.id!r} (spawned by {parent.id!r}) depends on unknown task {dep!r}",
                     task_id=task.id,
