@@ -4,6 +4,7 @@
 - `ScriptedAgent` / `scripted(...)`: agents that fail the first N calls, raise 429 with Retry-After,
   hang, return garbage, fail at random with a seed, or die for good — and record every call.
 - `Probe`: counts how many calls run at once across agents, to check limits.
+- `Recorder`: subscribe it to an orchestrator; it keeps every event, in order.
 - `Orchestrator.simulate_agent_failure(...)` and `Orchestrator.recovery_status()` take a live agent
   down and report whether its tasks recovered.
 
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
 from ._clock import FakeClock
+from ._events import Event, RetryScheduled, TaskFinished
 from ._exceptions import ConfigError
 from ._faults import GARBAGE, MODES, raise_fault
 
@@ -35,9 +37,11 @@ if TYPE_CHECKING:
 
     from ._context import Context
     from ._retry import RetryPolicy
-    from ._task import Task
+    from ._task import Task, TaskResult
 
-__all__ = ("GARBAGE", "Call", "FakeClock", "Probe", "ScriptedAgent", "scripted")
+__all__ = ("GARBAGE", "Call", "FakeClock", "Probe", "Recorder", "ScriptedAgent", "scripted")
+
+E = TypeVar("E", bound=Event)
 
 OUTCOMES = ("ok", *MODES)
 
@@ -71,6 +75,32 @@ class Probe:
     def exit(self, agent: str) -> None:
         self.current -= 1
         self.by_agent[agent] -= 1
+
+
+class Recorder:
+    """Every event of the runs it is subscribed to, in order: ``orch.subscribe(recorder := Recorder())``.
+
+    Events are delivered before `run()` returns (or before `async with` ends), so a test reads them
+    right after the run.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type[E]) -> list[E]:
+        """The events of one type, in order."""
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def results(self) -> dict[str, TaskResult]:
+        """The result of every finished task, by id."""
+        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
+
+    def delays(self) -> list[float]:
+        """The backoff of every scheduled retry, in order."""
+        return [e.delay for e in self.of(RetryScheduled)]
 
 
 class ScriptedAgent:
