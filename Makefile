@@ -19,12 +19,13 @@ demo: sync
 	$(UV) run --no-sync python examples/quickstart.py
 
 test: sync
-	$(UV) run --no-sync pytest
+	$(UV) run --no-sync pytest --cov --cov-report=term
 
 lint: sync
 	$(UV) run --no-sync ruff check .
 	$(UV) run --no-sync ruff format --check .
 	$(UV) run --no-sync mypy
+	$(UV) run --no-sync codespell orchestra tests examples benchmarks README.md
 
 bench: sync
 	$(UV) run --no-sync python -m benchmarks
