@@ -192,7 +192,8 @@ class Dispatcher:
             timeout = node.task.timeout or self._task_timeout
             if timeout is not None:
                 node.deadline = self._time() + timeout
-                self._watch(node)
+        if node.deadline is not None:
+            self._watch(node)  # again after a retry: the watcher forgot it while it ran
         self.queue.push(node)
         if self.bus.active:
             self.bus.emit(TaskReady(self._time(), self.run_id, node.id, node.kind, node.priority))
