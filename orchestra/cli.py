@@ -15,9 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchestra", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="run examples/quickstart.py (no API key needed)")
-    bench = commands.add_parser("bench", help="run the benchmark suite (benchmarks/)")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to `python -m benchmarks`")
-    options = parser.parse_args(argv)
+    # Everything after `bench` (--help included) goes to `python -m benchmarks`.
+    commands.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
+    options, rest = parser.parse_known_args(argv)
+    if rest and options.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     root = _checkout()
     if root is None:
         print("orchestra: demo and bench run from a checkout of the repository", file=sys.stderr)
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "demo":
         runpy.run_path(str(root / "examples" / "quickstart.py"), run_name="__main__")
         return 0
-    sys.argv = ["benchmarks", *options.args]
+    sys.argv = ["benchmarks", *rest]
     runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
     return 0
 
