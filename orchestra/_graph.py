@@ -80,6 +80,8 @@ class Node(TaskResult):
 
     @property
     def position(self) -> tuple[int, ...]:
+        if self.parent is None:
+            return (self.index,)
         path = [self.index]
         node = self.parent
         while node is not None:

@@ -58,7 +58,6 @@ class Run(Dispatcher):
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
         self._window = config.window
-        self._open = 0  # admitted tasks not yet terminal
         self._done = anyio.Event()
         self._window_free: anyio.Event | None = None
         self._input_error: Exception | None = None
@@ -85,15 +84,15 @@ class Run(Dispatcher):
         with structlog.contextvars.bound_contextvars(run_id=self.run_id):
             log.info("run started", tasks=self._open if whole else "streamed")
             try:
-                async with anyio.create_task_group() as tg:
+                async with asyncio.TaskGroup() as pool:
+                    self._start_workers(pool)
                     if not whole:
-                        tg.start_soon(self._feed, source)
-                    self._start_workers(tg)
+                        self._spawn(self._feed(source))
                     self._check_done()
                     with anyio.move_on_after(self.config.timeouts.run) as scope:
                         await self._done.wait()
                     timed_out = scope.cancelled_caught
-                    tg.cancel_scope.cancel()  # parked workers, retry sleepers, the feeder
+                    self._cancel_all()  # parked workers, retry sleepers, the watcher, the feeder
             finally:
                 capacity.runs.remove(self)
                 if self._results is not None:
