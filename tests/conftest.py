@@ -1,17 +1,19 @@
-"""Shared fixtures: factories for tasks and orchestrators, fake time, and a leak check."""
+"""Shared fixtures: factories for tasks and orchestrators, fake time, a leak check, and structlog
+left as found. Plain helper functions are in `tests/helpers.py`."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import structlog
 
 from orchestra import Orchestrator, Task
 from orchestra.testing import FakeClock
+from tests.helpers import assert_no_leaks, live_tasks
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Iterator
 
 
 @pytest.fixture
@@ -47,14 +49,14 @@ async def clock() -> AsyncIterator[FakeClock]:
 @pytest.fixture
 async def no_leaks() -> AsyncIterator[None]:
     """Fails the test if it leaves an asyncio task of its own running."""
-    before = await live_tasks()
+    before = live_tasks()
     yield
-    for _ in range(3):  # let cancelled tasks finish unwinding
-        await asyncio.sleep(0)
-    leaked = await live_tasks() - before
-    assert not leaked, f"leaked asyncio tasks: {leaked}"
+    await assert_no_leaks(before)
 
 
-async def live_tasks() -> set[asyncio.Task[Any]]:
-    """The asyncio tasks alive now, except the current one."""
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    """Leave structlog as it was found: unconfigured defaults."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
-import structlog
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
@@ -23,8 +22,6 @@ from orchestra import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from orchestra.testing import FakeClock
 
 
@@ -38,13 +35,6 @@ async def plain(task: Task, ctx: Context) -> Any:
 
 def sync_fn(task: Task) -> Any:
     return task.payload
-
-
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    structlog.reset_defaults()
-    yield
-    structlog.reset_defaults()
 
 
 class TestDecorator:

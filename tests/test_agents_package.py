@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestra import Orchestrator, RetryPolicy, Task
+from tests.helpers import REPO, run_python
 
 if TYPE_CHECKING:
-    from orchestra.testing import FakeClock
+    from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+    from orchestra.testing import FakeClock
 
 
 def digits_sum(task: Task) -> int:
@@ -77,15 +76,7 @@ class TestNoShadowing:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(other_agents_package), str(REPO)]),
         }
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=other_agents_package,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = run_python("-c", code, cwd=other_agents_package, env=env, timeout=60)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "ok"
 

@@ -289,19 +289,19 @@ class TestDeterminism:
                 for i in range(30)
             ]
 
-        datas = []
+        data_of_runs = []
         finish_orders = []
         for seed in (1, 2):
             worker = Worker(kinds=["a", "b"], seed=seed)
             orch = Orchestrator(agents=[worker], aggregate=AGGREGATORS[name](), concurrency=30)
             result = await orch.run(tasks=tasks())
             assert result.status == "success"
-            datas.append(result.data)
+            data_of_runs.append(result.data)
             finish_orders.append(worker.finished)
         assert finish_orders[0] != finish_orders[1]  # the latencies really did differ
-        assert datas[0] == datas[1]
-        if isinstance(datas[0], dict):
-            assert list(datas[0]) == list(datas[1])
+        assert data_of_runs[0] == data_of_runs[1]
+        if isinstance(data_of_runs[0], dict):
+            assert list(data_of_runs[0]) == list(data_of_runs[1])
 
     @pytest.mark.parametrize("name", ["collect", "reduce-fn"])
     async def test_spawned_tasks_fold_in_the_same_order_whatever_the_completion_order(

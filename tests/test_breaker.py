@@ -4,7 +4,7 @@ open, tasks go straight to the next agent of their chain. The 30 s cool-downs ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -13,15 +13,12 @@ from orchestra import (
     BreakerChanged,
     BreakerPolicy,
     ConfigError,
-    Event,
     FallbackUsed,
     RetryPolicy,
     Task,
-    TaskFinished,
-    TaskResult,
 )
 from orchestra._breaker import Breaker
-from orchestra.testing import FakeClock, ScriptedAgent, scripted
+from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,22 +26,6 @@ if TYPE_CHECKING:
     from orchestra import Orchestrator, RunResult
 
 pytestmark = pytest.mark.usefixtures("clock")
-
-E = TypeVar("E", bound=Event)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[E]) -> list[E]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def results(self) -> dict[str, TaskResult]:
-        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
 
 
 def status_of(orch: Orchestrator, name: str) -> dict[str, Any]:
@@ -281,14 +262,8 @@ class TestHalfOpen:
         clock: FakeClock,
     ) -> None:
         # Run 1 ends (run timeout) while its probe hangs: no verdict. Run 2 may probe again.
-        primary = scripted("primary", ["k"], script=["error", "error", "hang"], latency=1)
-        backup = scripted("backup", ["k"], latency=1)
-        orch = make_orchestrator(
-            agents=[primary, backup],
-            fallbacks={"k": ["primary", "backup"]},
-            retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=2, cooldown=30),
-            timeouts={"run": 40},
+        orch, primary, _, _ = chain_of_two(
+            make_orchestrator, ["error", "error", "hang"], timeouts={"run": 40}
         )
         timeline = Timeline(clock, orch)
         async with orch:

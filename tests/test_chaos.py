@@ -33,7 +33,8 @@ from orchestra import (
     TaskFinished,
     TaskResult,
 )
-from orchestra.testing import GARBAGE, FakeClock, Probe, ScriptedAgent, scripted
+from orchestra.testing import FakeClock, Probe, ScriptedAgent, scripted
+from tests.helpers import not_garbage
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -80,10 +81,6 @@ class Modelled:
 
     async def __call__(self, task: Task, ctx: Context) -> Any:
         return await self.inner(task, ctx)
-
-
-def not_garbage(task: Task, output: Any) -> bool:
-    return output is not GARBAGE
 
 
 def fault_script(rng: random.Random, weights: dict[str, int], length: int) -> list[str]:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestra.cli import main
+from tests.helpers import REPO, run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class TestCommand:
@@ -37,13 +37,6 @@ class TestCommand:
         assert "checkout" in capsys.readouterr().err
 
     def test_demo_runs_the_quickstart(self) -> None:
-        done = subprocess.run(
-            [sys.executable, "-m", "orchestra.cli", "demo"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        done = run_python("-m", "orchestra.cli", "demo", cwd=REPO, timeout=120)
         assert done.returncode == 0, done.stderr
         assert "speed-up:" in done.stdout

@@ -14,6 +14,7 @@ import pytest
 
 from orchestra import Context, Orchestrator, RetryPolicy, Task, agent
 from orchestra.testing import FakeClock, Probe, scripted
+from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -23,10 +24,6 @@ if TYPE_CHECKING:
 def square_in_process(task: Task) -> list[int]:
     """Runs in a worker process: must be importable, hence at module top."""
     return [os.getpid(), int(task.payload) ** 2]
-
-
-def tasks_of(kind: str, n: int, prefix: str = "t") -> list[Task]:
-    return [Task(kind, i, id=f"{prefix}{i}") for i in range(n)]
 
 
 class TestGlobalLimit:
@@ -40,7 +37,7 @@ class TestGlobalLimit:
             for i, name in enumerate(("a", "b", "c"))
         ]
         orch = make_orchestrator(agents=agents, concurrency=limit)
-        result = await orch.run(tasks=tasks_of("work", 40))
+        result = await orch.run(tasks=tasks_of(40))
         assert result.status == "success"
         assert probe.peak == limit
         assert result.metadata.peak_concurrency == limit
@@ -59,7 +56,7 @@ class TestGlobalLimit:
             retry=RetryPolicy(max_attempts=6, base=0.1, cap=1.0),
             success_threshold=0.0,
         )
-        result = await orch.run(tasks=tasks_of("work", 60))
+        result = await orch.run(tasks=tasks_of(60))
         assert result.metadata.retries > 0
         assert probe.peak == 4
         assert probe.current == 0
@@ -73,7 +70,7 @@ class TestGlobalLimit:
         async with make_orchestrator(agents=[worker], concurrency=3) as orch:
 
             async def one(prefix: str) -> None:
-                result = await orch.run(tasks=tasks_of("work", 12, prefix))
+                result = await orch.run(tasks=tasks_of(12, prefix=prefix))
                 results.append(result.status)
 
             async with anyio.create_task_group() as tg:
@@ -93,7 +90,7 @@ class TestPerAgentLimit:
             "three", ["b"], latency=1.0, jitter=0.5, seed=2, probe=probe, concurrency=3
         )
         orch = make_orchestrator(agents=[two, three], concurrency=50)
-        result = await orch.run(tasks=[*tasks_of("a", 20, "a"), *tasks_of("b", 20, "b")])
+        result = await orch.run(tasks=[*tasks_of(20, "a", "a"), *tasks_of(20, "b", "b")])
         assert result.status == "success"
         assert two.max_in_flight == 2
         assert three.max_in_flight == 3
@@ -112,7 +109,7 @@ class TestPerAgentLimit:
             retry=RetryPolicy(max_attempts=8, base=0.05, cap=0.2),
             success_threshold=0.0,
         )
-        result = await orch.run(tasks=tasks_of("work", 30))
+        result = await orch.run(tasks=tasks_of(30))
         assert result.metadata.retries > 0
         assert flaky.max_in_flight == 2
         assert flaky.in_flight == 0
@@ -124,7 +121,7 @@ class TestPerAgentLimit:
         orch = make_orchestrator(agents=[one], concurrency=10)
 
         async def run(prefix: str) -> None:
-            await orch.run(tasks=tasks_of("work", 3, prefix))
+            await orch.run(tasks=tasks_of(3, prefix=prefix))
 
         # A deadlock shows as the virtual deadline passing, not as a hung test.
         async with orch:
@@ -142,10 +139,10 @@ class TestPerAgentLimit:
         slow = scripted("slow", ["work"], latency=10.0, probe=probe, concurrency=2)
         async with make_orchestrator(agents=[slow], concurrency=3) as orch:
             with anyio.move_on_after(5.0):
-                await orch.run(tasks=tasks_of("work", 6, "x"))
+                await orch.run(tasks=tasks_of(6, prefix="x"))
             assert probe.current == 0
             assert [s["in_flight"] for s in orch.agents_status()] == [0]
-            result = await orch.run(tasks=tasks_of("work", 6, "y"))
+            result = await orch.run(tasks=tasks_of(6, prefix="y"))
         assert result.status == "success"
         assert slow.max_in_flight == 2  # neither lost nor gained a slot to the cancelled run
         assert probe.peak == 2
@@ -223,7 +220,7 @@ class TestExecutors:
                 state["now"] -= 1
 
         result = await make_orchestrator(agents=[busy], concurrency=8).run(
-            tasks=tasks_of("blocking", 12)
+            tasks=tasks_of(12, "blocking")
         )
         assert result.status == "success"
         assert state["peak"] == 2
@@ -235,9 +232,7 @@ class TestRegistry:
     ) -> None:
         a = scripted("a", ["work"], latency=1.0, concurrency=1)
         b = scripted("b", ["work"], latency=1.0, concurrency=1)
-        result = await make_orchestrator(agents=[a, b], concurrency=10).run(
-            tasks=tasks_of("work", 10)
-        )
+        result = await make_orchestrator(agents=[a, b], concurrency=10).run(tasks=tasks_of(10))
         assert result.metadata.tasks_per_agent == {"a": 5, "b": 5}
         assert sorted(result.metadata.agents_used) == ["a", "b"]
         assert result.metadata.elapsed == pytest.approx(5.0)

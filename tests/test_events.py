@@ -33,13 +33,10 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import FakeClock, scripted
+from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping, Sequence
-
-
-def tasks_of(n: int, kind: str = "work") -> list[Task]:
-    return [Task(kind, i, id=f"t{i}") for i in range(n)]
+    from collections.abc import Callable, Mapping, Sequence
 
 
 def of_task(events: list[Event], task_id: str) -> list[str]:
@@ -49,14 +46,6 @@ def of_task(events: list[Event], task_id: str) -> list[str]:
         if tid == task_id:
             names.append(type(e).__name__)
     return names
-
-
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    """Leave structlog as it was found: unconfigured defaults."""
-    structlog.reset_defaults()
-    yield
-    structlog.reset_defaults()
 
 
 class TestEventStream:

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO, run_python
 
 
 class TestQuickstart:
     def test_runs_and_shows_a_speed_up(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("ANTHROPIC_API_KEY", None)  # it must need no key
-        done = subprocess.run(
-            [sys.executable, str(REPO / "examples" / "quickstart.py")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
+        done = run_python(str(REPO / "examples" / "quickstart.py"), cwd=REPO, env=env, timeout=90)
         assert done.returncode == 0, done.stderr[-3000:]
         match = re.search(r"speed-up:\s*([0-9]+(?:\.[0-9]+)?)x", done.stdout)
         assert match is not None, done.stdout[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -26,41 +26,15 @@ from orchestra import (
     Task,
     TaskFinished,
     TaskReady,
-    TaskResult,
 )
-from orchestra.testing import ScriptedAgent, scripted
+from orchestra.testing import Recorder, ScriptedAgent, scripted
+from tests.helpers import run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from orchestra import RunResult
 
 pytestmark = pytest.mark.usefixtures("clock")
-
-E = TypeVar("E", bound=Event)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[E]) -> list[E]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def results(self) -> dict[str, TaskResult]:
-        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
-
-
-async def run_recorded(
-    orch: Orchestrator, tasks: Sequence[Task]
-) -> tuple[RunResult, dict[str, TaskResult], Recorder]:
-    rec = Recorder()
-    orch.subscribe(rec)
-    result = await orch.run(tasks=list(tasks))
-    return result, rec.results(), rec
 
 
 def research_chain(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -12,51 +12,20 @@ from orchestra import (
     AttemptFailed,
     BreakerPolicy,
     ConfigError,
-    Event,
     RecoveryStatus,
     RetryPolicy,
     RetryScheduled,
     Task,
-    TaskFinished,
-    TaskResult,
 )
-from orchestra.testing import GARBAGE, FakeClock, Probe, scripted
+from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
+from tests.helpers import not_garbage, run_recorded
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
-    from orchestra import Orchestrator, RunResult
+    from orchestra import Orchestrator
 
 pytestmark = pytest.mark.usefixtures("clock")
-
-E = TypeVar("E", bound=Event)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[E]) -> list[E]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def results(self) -> dict[str, TaskResult]:
-        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
-
-
-async def run_recorded(
-    orch: Orchestrator, tasks: Sequence[Task]
-) -> tuple[RunResult, dict[str, TaskResult], Recorder]:
-    rec = Recorder()
-    orch.subscribe(rec)
-    result = await orch.run(tasks=list(tasks))
-    return result, rec.results(), rec
-
-
-def not_garbage(task: Task, output: Any) -> bool:
-    return output is not GARBAGE
 
 
 class TestScriptedAgent:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from orchestra.testing import FakeClock
 
 
-class Recorder:
+class RecordingAgent:
     """An agent that records its calls and what it saw in `ctx.deps`, and returns its payload.
 
     Tasks whose id is in `fail` fail permanently."""
@@ -61,7 +61,7 @@ class TestDependsOn:
     async def test_a_task_starts_only_after_its_dependencies_succeeded(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder(latency=1.0)
+        rec = RecordingAgent(latency=1.0)
         # Listed in reverse: a whole list may refer forward.
         tasks = [
             Task("work", "C", id="c", depends_on=["b"]),
@@ -76,7 +76,7 @@ class TestDependsOn:
     async def test_deps_holds_the_outputs_of_the_direct_dependencies(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         tasks = [
             Task("work", {"n": 1}, id="a"),
             Task("work", {"n": 2}, id="b", depends_on=["a"]),
@@ -95,7 +95,7 @@ class TestDependsOn:
     async def test_a_failed_dependency_skips_its_dependents_transitively(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder(fail=["a"])
+        rec = RecordingAgent(fail=["a"])
         tasks = [
             Task("work", 1, id="a"),
             Task("work", 2, id="b", depends_on=["a"]),
@@ -119,7 +119,7 @@ class TestGroups:
     async def test_a_waiter_runs_after_every_member_and_sees_their_outputs(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         tasks = [
             Task("work", "sum", id="waiter", depends_on_tags=["g"]),
             Task("work", 1, id="m1", tags=["g"]),
@@ -136,7 +136,7 @@ class TestGroups:
     async def test_members_spawned_by_the_group_owner_are_awaited(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder("rec", kinds=["research", "summarize"], latency=1.0)
+        rec = RecordingAgent("rec", kinds=["research", "summarize"], latency=1.0)
 
         async def split(task: Task, ctx: Context) -> int:
             await anyio.sleep(0.5)
@@ -160,7 +160,7 @@ class TestGroups:
     async def test_a_failed_member_skips_the_waiters(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder(fail=["m2"])
+        rec = RecordingAgent(fail=["m2"])
         tasks = [
             Task("work", 1, id="m1", tags=["g"]),
             Task("work", 2, id="m2", tags=["g"]),
@@ -183,7 +183,7 @@ class TestGroups:
     async def test_a_group_nobody_joins_does_not_block(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         result = await make_orchestrator(agents=[rec]).run(
             tasks=[Task("work", 1, id="waiter", depends_on_tags=["empty"])]
         )
@@ -193,7 +193,7 @@ class TestGroups:
     async def test_streamed_tasks_see_the_outputs_of_long_finished_dependencies(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
 
         async def source() -> AsyncIterator[Task]:
             for i in range(30):
@@ -213,7 +213,7 @@ class TestGroups:
     async def test_a_streamed_waiter_waits_until_the_input_is_exhausted(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
 
         async def source() -> AsyncIterator[Task]:
             yield Task("work", 1, id="m1", tags=["g"])
@@ -232,7 +232,7 @@ class TestGroups:
         # Each contract is a split (spawning its clauses, tagged with the contract id) and a
         # summary waiting for them. A summary's group closes only once the input is exhausted, so
         # finished contracts' summaries must not hold the window shut against the rest of the input.
-        rec = Recorder("rec", kinds=["clause", "summarize"], latency=0.1)
+        rec = RecordingAgent("rec", kinds=["clause", "summarize"], latency=0.1)
 
         async def split(task: Task, ctx: Context) -> None:
             for i in range(2):
@@ -329,7 +329,7 @@ class TestBadGraphsAreRejectedBeforeWork:
         self, case: str, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         build, task_ids, field, fragment = BAD_GRAPHS[case]
-        rec = Recorder()
+        rec = RecordingAgent()
         with pytest.raises(InputError) as info:
             await make_orchestrator(agents=[rec]).run(tasks=build())
         err = info.value
@@ -344,7 +344,7 @@ class TestBadGraphsAreRejectedBeforeWork:
     async def test_bad_priority(
         self, priority: Any, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         with pytest.raises(InputError) as info:
             await make_orchestrator(agents=[rec]).run(
                 tasks=[Task("work", id="ok"), Task("work", id="p", priority=priority)]
@@ -357,7 +357,7 @@ class TestBadGraphsAreRejectedBeforeWork:
     async def test_bad_timeout(
         self, bad: Any, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         with pytest.raises(InputError) as info:
             await make_orchestrator(agents=[rec]).run(
                 tasks=[Task("work", id="ok"), Task("work", id="t", timeout=bad)]
@@ -369,7 +369,7 @@ class TestBadGraphsAreRejectedBeforeWork:
     async def test_something_that_is_not_a_task(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         bad: Any = {"kind": "work"}
         with pytest.raises(InputError, match="dict"):
             await make_orchestrator(agents=[rec]).run(tasks=[Task("work", id="ok"), bad])
@@ -378,7 +378,7 @@ class TestBadGraphsAreRejectedBeforeWork:
     async def test_a_rejected_input_leaves_the_orchestrator_usable(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder()
+        rec = RecordingAgent()
         async with make_orchestrator(agents=[rec]) as orch:
             with pytest.raises(InputError):
                 await orch.run(tasks=_cycle())
@@ -403,7 +403,7 @@ class TestBadSpawnsFailTheSpawner:
         self, case: str, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         build, fragment = SPAWNED[case]
-        rec = Recorder()
+        rec = RecordingAgent()
 
         async def spawner(task: Task, ctx: Context) -> str:
             ctx.spawn(build())
@@ -432,7 +432,7 @@ class TestStreamedInputErrors:
     async def test_a_bad_streamed_task_raises_when_it_arrives(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        rec = Recorder(latency=100.0)
+        rec = RecordingAgent(latency=100.0)
 
         async def source() -> AsyncIterator[Task]:
             yield Task("work", 1, id="first")

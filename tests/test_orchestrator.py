@@ -34,13 +34,10 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import FakeClock, scripted
+from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
-
-
-def tasks_of(n: int, kind: str = "work", prefix: str = "t") -> list[Task]:
-    return [Task(kind, i, id=f"{prefix}{i}") for i in range(n)]
 
 
 class Hanging:

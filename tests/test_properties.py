@@ -5,7 +5,6 @@ Each example builds its own `FakeClock` (hypothesis examples cannot share functi
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from orchestra import (
     TaskFinished,
 )
 from orchestra.testing import FakeClock, Probe
+from tests.helpers import assert_no_leaks, live_tasks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -177,17 +177,6 @@ def build(scenario: Scenario, probe: Probe) -> Orchestrator:
         success_threshold=0.0,
         seed=0,
     )
-
-
-def live_tasks() -> set[asyncio.Task[Any]]:
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
-
-
-async def assert_no_leaks(before: set[asyncio.Task[Any]]) -> None:
-    for _ in range(3):
-        await asyncio.sleep(0)
-    leaked = live_tasks() - before
-    assert not leaked, f"leaked asyncio tasks: {leaked}"
 
 
 class TestInvariants:

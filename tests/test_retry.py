@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from random import Random
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx2
@@ -17,50 +17,27 @@ from orchestra import (
     AttemptStarted,
     BreakerPolicy,
     Context,
-    Event,
     InputError,
     PermanentError,
     RetryableError,
     RetryPolicy,
     RetryScheduled,
     Task,
-    TaskFinished,
-    TaskResult,
     agent,
 )
 from orchestra._retry import backoff, classify
-from orchestra.testing import FakeClock, scripted
+from orchestra.testing import FakeClock, Recorder, scripted
+from tests.helpers import run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from orchestra import Orchestrator, RunResult
+    from orchestra import Orchestrator
 
 pytestmark = pytest.mark.usefixtures("clock")
 
-E = TypeVar("E", bound=Event)
-
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-class Recorder:
-    """Collects the events of a run (subscribed before it starts, delivered before `run` returns)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[E]) -> list[E]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def results(self) -> dict[str, TaskResult]:
-        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
-
-    def delays(self) -> list[float]:
-        return [e.delay for e in self.of(RetryScheduled)]
 
 
 def _response(status: int, headers: dict[str, str] | None = None) -> httpx2.Response:
@@ -121,13 +98,6 @@ class Raiser:
         return {"by": self.name, "task": task.id}
 
 
-async def run_recorded(orch: Orchestrator, tasks: Sequence[Task]) -> tuple[RunResult, Recorder]:
-    recorder = Recorder()
-    orch.subscribe(recorder)
-    result = await orch.run(tasks=list(tasks))
-    return result, recorder
-
-
 # -- tests -----------------------------------------------------------------------------------------
 
 
@@ -137,7 +107,7 @@ class TestAttempts:
     ) -> None:
         bad = scripted("bad", ["work"], then="error", latency=1)
         orch = make_orchestrator(agents=[bad], retry=RetryPolicy(max_attempts=4, base=0.1))
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert len(bad.calls) == 4
         assert [c.attempt for c in bad.calls] == [1, 2, 3, 4]
         assert result.status == "failed"
@@ -154,7 +124,7 @@ class TestAttempts:
     ) -> None:
         bad = scripted("bad", ["work"], then="error")
         orch = make_orchestrator(agents=[bad], retry=RetryPolicy(max_attempts=1))
-        result, rec = await run_recorded(orch, [make_task("work")])
+        result, _, rec = await run_recorded(orch, [make_task("work")])
         assert len(bad.calls) == 1
         assert result.status == "failed"
         assert rec.of(RetryScheduled) == []
@@ -164,7 +134,7 @@ class TestAttempts:
     ) -> None:
         flaky = scripted("flaky", ["work"], fail_first=3)
         orch = make_orchestrator(agents=[flaky], retry=RetryPolicy(max_attempts=4, base=0.1))
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert result.status == "success"
         assert flaky.outcomes() == ["error", "error", "error", "ok"]
         done = rec.results()["t"]
@@ -178,7 +148,7 @@ class TestAttempts:
         flaky = scripted("flaky", ["work"], fail_first=2)
         policy = RetryPolicy(max_attempts=3, base=1, cap=10, jitter="none")
         orch = make_orchestrator(agents=[flaky], retry=policy)
-        _, rec = await run_recorded(orch, [make_task("work", id="t")])
+        _, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         failures = rec.results()["t"].failures
         assert failures is not None
         assert [a.retry_in for a in failures] == [1.0, 2.0]
@@ -236,7 +206,7 @@ class TestBackoffSchedule:
         orch = make_orchestrator(
             agents=[flaky], retry=policy, seed=2024, breaker=BreakerPolicy(failures=10)
         )
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert result.status == "success"
 
         rng = Random(2024)
@@ -255,7 +225,7 @@ class TestBackoffSchedule:
         policy = RetryPolicy(max_attempts=5, base=1, cap=8, jitter="full")
         flaky = scripted("flaky", ["work"], failure_rate=0.5, seed=11, latency=0.5, jitter=0.4)
         orch = make_orchestrator(agents=[flaky], retry=policy, seed=99)
-        _, rec = await run_recorded(orch, [make_task("work") for _ in range(20)])
+        _, _, rec = await run_recorded(orch, [make_task("work") for _ in range(20)])
         scheduled = rec.of(RetryScheduled)
         assert len(scheduled) >= 10
 
@@ -274,7 +244,7 @@ class TestBackoffSchedule:
             orch = make_orchestrator(
                 agents=[flaky], retry=RetryPolicy(max_attempts=5, base=1), seed=seed
             )
-            _, rec = await run_recorded(orch, [make_task("work")])
+            _, _, rec = await run_recorded(orch, [make_task("work")])
             return rec.delays()
 
         first = await schedule(7)
@@ -300,7 +270,7 @@ class TestBackoffSchedule:
         policy = RetryPolicy(max_attempts=5, base=2, cap=10, jitter="equal")
         flaky = scripted("flaky", ["work"], fail_first=4)
         orch = make_orchestrator(agents=[flaky], retry=policy, seed=5)
-        _, rec = await run_recorded(orch, [make_task("work")])
+        _, _, rec = await run_recorded(orch, [make_task("work")])
         rng = Random(5)
         assert rec.delays() == [backoff(policy, n, rng) for n in range(4)]
 
@@ -312,7 +282,7 @@ class TestRetryAfter:
         policy = RetryPolicy(max_attempts=4, base=0.5, cap=30, jitter="full")
         limited = scripted("limited", ["work"], script=["rate_limit"] * 3, retry_after=5)
         orch = make_orchestrator(agents=[limited], retry=policy, seed=17)
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert result.status == "success"
         assert rec.delays() == [5.0, 5.0, 5.0]
         failures = rec.results()["t"].failures
@@ -331,7 +301,7 @@ class TestRetryAfter:
         orch = make_orchestrator(
             agents=[limited], retry=policy, seed=4, breaker=BreakerPolicy(failures=10)
         )
-        _, rec = await run_recorded(orch, [make_task("work")])
+        _, _, rec = await run_recorded(orch, [make_task("work")])
         rng = Random(4)
         expected = [backoff(policy, n, rng, 0.6) for n in range(6)]
         assert rec.delays() == expected
@@ -347,7 +317,7 @@ class TestRetryAfter:
         policy = RetryPolicy(max_attempts=3, base=8, cap=60, jitter="none")
         limited = scripted("limited", ["work"], script=["rate_limit"] * 2, retry_after=1)
         orch = make_orchestrator(agents=[limited], retry=policy)
-        _, rec = await run_recorded(orch, [make_task("work")])
+        _, _, rec = await run_recorded(orch, [make_task("work")])
         assert rec.delays() == [8.0, 16.0]
 
     @pytest.mark.parametrize(
@@ -370,7 +340,7 @@ class TestRetryAfter:
         raiser = Raiser("api", ["work"], [api_error(429, headers)])
         policy = RetryPolicy(max_attempts=2, base=0.01, jitter="none")
         orch = make_orchestrator(agents=[raiser], retry=policy)
-        result, rec = await run_recorded(orch, [make_task("work")])
+        result, _, rec = await run_recorded(orch, [make_task("work")])
         assert result.status == "success"
         assert rec.delays() == [pytest.approx(expected)]
 
@@ -379,7 +349,7 @@ class TestRetryAfter:
     ) -> None:
         raiser = Raiser("api", ["work"], [api_error(529, {"retry-after": "3"})])
         orch = make_orchestrator(agents=[raiser], retry=RetryPolicy(base=0.01, jitter="none"))
-        result, rec = await run_recorded(orch, [make_task("work")])
+        result, _, rec = await run_recorded(orch, [make_task("work")])
         assert result.status == "success"
         assert rec.delays() == [3.0]
 
@@ -388,7 +358,7 @@ class TestRetryAfter:
     ) -> None:
         raiser = Raiser("api", ["work"], [RetryableError("busy", retry_after=4)])
         orch = make_orchestrator(agents=[raiser], retry=RetryPolicy(base=0.01, jitter="none"))
-        _, rec = await run_recorded(orch, [make_task("work")])
+        _, _, rec = await run_recorded(orch, [make_task("work")])
         assert rec.delays() == [4.0]
 
     async def test_scripted_rate_limit_is_a_real_429_with_its_header(
@@ -406,7 +376,7 @@ class TestRetryAfter:
                 raise
 
         orch = make_orchestrator(agents=[spy], retry=RetryPolicy(base=0.01, jitter="none"))
-        _, rec = await run_recorded(orch, [make_task("work")])
+        _, _, rec = await run_recorded(orch, [make_task("work")])
         (exc,) = seen
         assert isinstance(exc, anthropic.RateLimitError)
         assert exc.status_code == 429
@@ -463,7 +433,7 @@ class TestClassification:
     ) -> None:
         raiser = Raiser("api", ["work"], [error])
         orch = make_orchestrator(agents=[raiser], retry=RetryPolicy(max_attempts=2, base=0.1))
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert raiser.calls == 2
         assert result.status == "success"
         (failed,) = rec.of(AttemptFailed)
@@ -480,7 +450,7 @@ class TestClassification:
     ) -> None:
         raiser = Raiser("api", ["work"], [error])
         orch = make_orchestrator(agents=[raiser], retry=RetryPolicy(max_attempts=5, base=0.1))
-        result, rec = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert raiser.calls == 1
         assert result.status == "failed"
         assert rec.of(RetryScheduled) == []
@@ -519,7 +489,7 @@ class TestClassification:
         raiser = Raiser("api", ["work"], [KeyError("missing field")])
         policy = RetryPolicy(max_attempts=3, base=0.1, permanent=(KeyError,))
         orch = make_orchestrator(agents=[raiser], retry=policy)
-        result, _ = await run_recorded(orch, [make_task("work")])
+        result, _, _ = await run_recorded(orch, [make_task("work")])
         assert raiser.calls == 1
         assert result.status == "failed"
 
@@ -539,7 +509,7 @@ class TestPolicyPrecedence:
             retry=run_wide,
             retry_per_kind={"a": per_kind, "b": per_kind},
         )
-        _, rec = await run_recorded(
+        _, _, rec = await run_recorded(
             orch, [make_task("a", id="a"), make_task("b", id="b"), make_task("c", id="c")]
         )
         assert len(with_own.calls) == 2  # the agent's own policy beats the kind's
@@ -560,7 +530,7 @@ class TestPolicyPrecedence:
             fallbacks={"work": ["first", "second"]},
             retry=RetryPolicy(max_attempts=5, base=0.1),
         )
-        result, _ = await run_recorded(orch, [make_task("work", id="t")])
+        result, _, _ = await run_recorded(orch, [make_task("work", id="t")])
         assert (len(first.calls), len(second.calls)) == (2, 3)
         record = result.error_for("t")
         assert record is not None
@@ -576,7 +546,7 @@ class TestRetryWaitHoldsNoSlot:
             "api", ["work"], script=["rate_limit", "ok", "ok"], retry_after=10, latency=1
         )
         orch = make_orchestrator(agents=[api], concurrency=1, retry=RetryPolicy(base=0.1))
-        result, rec = await run_recorded(
+        result, _, rec = await run_recorded(
             orch, [make_task("work", id="A"), make_task("work", id="B")]
         )
         assert result.status == "success"
@@ -598,7 +568,7 @@ class TestRetryWaitHoldsNoSlot:
         api = scripted("api", ["work"], script=script, retry_after=100, latency=1)
         orch = make_orchestrator(agents=[api], concurrency=2, retry=RetryPolicy(base=0.1))
         tasks = [make_task("work", id=f"t{i}") for i in range(8)]
-        result, rec = await run_recorded(orch, tasks)
+        result, _, rec = await run_recorded(orch, tasks)
         assert result.status == "success"
         done = rec.results()
         limited = {c.task_id for c in api.calls if c.outcome == "rate_limit"}

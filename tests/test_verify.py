@@ -6,7 +6,7 @@ agent's `output=` model rejects garbage the same way; `safety=` refuses a task b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 import pytest
@@ -15,48 +15,21 @@ from orchestra import (
     AttemptStarted,
     ConfigError,
     Context,
-    Event,
     RetryPolicy,
     RetryScheduled,
     Task,
-    TaskFinished,
-    TaskResult,
     Verdict,
     agent,
 )
-from orchestra.testing import GARBAGE, scripted
+from orchestra.testing import GARBAGE, Recorder, scripted
+from tests.helpers import run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from orchestra import Agent, Orchestrator, RunResult
+    from orchestra import Agent, Orchestrator
 
 pytestmark = pytest.mark.usefixtures("clock")
-
-E = TypeVar("E", bound=Event)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[E]) -> list[E]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def results(self) -> dict[str, TaskResult]:
-        return {e.result.task_id: e.result for e in self.of(TaskFinished)}
-
-
-async def run_recorded(
-    orch: Orchestrator, tasks: Sequence[Task]
-) -> tuple[RunResult, dict[str, TaskResult], Recorder]:
-    rec = Recorder()
-    orch.subscribe(rec)
-    result = await orch.run(tasks=list(tasks))
-    return result, rec.results(), rec
 
 
 class Summary(pydantic.BaseModel):

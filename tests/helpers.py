@@ -1,0 +1,75 @@
+"""Plain helpers shared by several test files: ``from tests.helpers import ...``.
+
+Fixtures live in `conftest.py`; these are ordinary functions, for the places a fixture cannot reach
+(hypothesis examples, module-level factories) and for one-line calls inside a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestra import Task
+from orchestra.testing import GARBAGE, Recorder
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from orchestra import Orchestrator, RunResult, TaskResult
+
+REPO = Path(__file__).resolve().parent.parent
+"""The checkout's root: the folder that holds `orchestra/`, `tests/` and `examples/`."""
+
+
+def tasks_of(n: int, kind: str = "work", prefix: str = "t") -> list[Task]:
+    """`n` tasks of `kind` with payloads 0..n-1 and ids ``{prefix}0``, ``{prefix}1``, ..."""
+    return [Task(kind, i, id=f"{prefix}{i}") for i in range(n)]
+
+
+async def run_recorded(
+    orch: Orchestrator, tasks: Sequence[Task]
+) -> tuple[RunResult, dict[str, TaskResult], Recorder]:
+    """Run `tasks` with a fresh `Recorder` subscribed: the result, every task's result by id, and
+    the recorder (its events are all delivered once `run` returns)."""
+    rec = Recorder()
+    orch.subscribe(rec)
+    result = await orch.run(tasks=list(tasks))
+    return result, rec.results(), rec
+
+
+def not_garbage(task: Task, output: Any) -> bool:
+    """A verifier that rejects the `GARBAGE` a scripted agent returns."""
+    return output is not GARBAGE
+
+
+def live_tasks() -> set[asyncio.Task[Any]]:
+    """The asyncio tasks alive now, except the current one."""
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+
+
+async def assert_no_leaks(before: set[asyncio.Task[Any]]) -> None:
+    """Fails if an asyncio task not in `before` is still alive once cancelled ones have unwound."""
+    for _ in range(3):  # let cancelled tasks finish unwinding
+        await asyncio.sleep(0)
+    leaked = live_tasks() - before
+    assert not leaked, f"leaked asyncio tasks: {leaked}"
+
+
+def run_python(
+    *args: str, cwd: Path, timeout: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh interpreter (this one's executable), its output captured as text.
+
+    It does not raise on a non-zero exit: the test asserts on `returncode` and shows `stderr`."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
