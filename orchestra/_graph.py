@@ -83,7 +83,7 @@ class Node(TaskResult):
         if self.parent is None:
             return (self.index,)
         path = [self.index]
-        node = self.parent
+        node: Node | None = self.parent
         while node is not None:
             path.append(node.index)
             node = node.parent
