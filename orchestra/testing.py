@@ -104,7 +104,22 @@ class Recorder:
 
 
 class ScriptedAgent:
-    """An agent that follows a script, for tests and demos. See `scripted` for the arguments."""
+    """An agent that plays a script of outcomes, one per call, then `then` for every later call;
+    every call is recorded in `calls`. Build it with `scripted(...)` (the same thing).
+
+    Outcomes: "ok", "error" (connection error), "rate_limit" (HTTP 429 with Retry-After
+    `retry_after`), "overloaded" (529), "server_error" (500), "hang" (never returns: set a timeout),
+    "garbage" (returns `GARBAGE`), "permanent" (`PermanentError`), "slow" (`latency` more).
+
+    Args:
+        fail_first: shorthand for a script of that many "error"s.
+        failure_rate: after the script, fail this fraction of calls (seeded by `seed`) in `failure_mode`.
+        dies_after: after this many calls, every call fails in `die_mode`.
+        output: the output (or ``output(task)``); default ``{"agent": name, "task": task.id}``.
+        latency, jitter: seconds each call takes (uniform ± jitter), in the loop's time.
+        probe: a `Probe` shared with other agents, to measure concurrency.
+        concurrency, timeout, retry: the agent's own limit, attempt timeout and retry policy.
+    """
 
     def __init__(
         self,
@@ -113,9 +128,10 @@ class ScriptedAgent:
         *,
         script: Sequence[str] = (),
         then: str = "ok",
-        output: Any = None,
+        output: Any | Callable[[Task], Any] = None,
         latency: float = 0.0,
         jitter: float = 0.0,
+        fail_first: int = 0,
         failure_rate: float = 0.0,
         failure_mode: str = "error",
         dies_after: int | None = None,
@@ -138,7 +154,7 @@ class ScriptedAgent:
             )
         self.name = name
         self.kinds = tuple(kinds)
-        self.script = list(script)
+        self.script = list(script) if script else ["error"] * fail_first
         self.then = then
         self.returns = output  # not `output`: that attribute names an agent's output model
         self.latency = latency
@@ -206,58 +222,5 @@ class ScriptedAgent:
         return f"ScriptedAgent({self.name!r}, kinds={list(self.kinds)!r}, calls={len(self.calls)})"
 
 
-def scripted(
-    name: str,
-    kinds: Sequence[str],
-    *,
-    script: Sequence[str] = (),
-    then: str = "ok",
-    output: Any | Callable[[Task], Any] = None,
-    latency: float = 0.0,
-    jitter: float = 0.0,
-    fail_first: int = 0,
-    failure_rate: float = 0.0,
-    failure_mode: str = "error",
-    dies_after: int | None = None,
-    die_mode: str = "error",
-    retry_after: float | None = None,
-    seed: int | None = None,
-    probe: Probe | None = None,
-    concurrency: int | None = None,
-    timeout: float | None = None,
-    retry: RetryPolicy | None = None,
-) -> ScriptedAgent:
-    """An agent that plays a script of outcomes, one per call, then `then` for every later call.
-
-    Outcomes: "ok", "error" (connection error), "rate_limit" (HTTP 429 with Retry-After
-    `retry_after`), "overloaded" (529), "server_error" (500), "hang" (never returns: set a timeout),
-    "garbage" (returns `GARBAGE`), "permanent" (`PermanentError`), "slow" (`latency` more).
-
-    Args:
-        fail_first: shorthand for a script of that many "error"s.
-        failure_rate: after the script, fail this fraction of calls (seeded by `seed`) in `failure_mode`.
-        dies_after: after this many calls, every call fails in `die_mode`.
-        output: the output (or ``output(task)``); default ``{"agent": name, "task": task.id}``.
-        latency, jitter: seconds each call takes (uniform ± jitter), in the loop's time.
-        probe: a `Probe` shared with other agents, to measure concurrency.
-    """
-    steps = list(script) if script else ["error"] * fail_first
-    return ScriptedAgent(
-        name,
-        kinds,
-        script=steps,
-        then=then,
-        output=output,
-        latency=latency,
-        jitter=jitter,
-        failure_rate=failure_rate,
-        failure_mode=failure_mode,
-        dies_after=dies_after,
-        die_mode=die_mode,
-        retry_after=retry_after,
-        seed=seed,
-        probe=probe,
-        concurrency=concurrency,
-        timeout=timeout,
-        retry=retry,
-    )
+scripted = ScriptedAgent
+"""`scripted(name, kinds, script=[...], ...)`: build a `ScriptedAgent` (the class's docstring has it all)."""
