@@ -200,7 +200,7 @@ class Dispatcher:
         if node.deadline is not None:
             self._watch(node)  # again after a retry: the watcher forgot it while it ran
         self.queue.push(node)
-        if self.bus.active:
+        if self.bus.active and self.bus.wants(TaskReady):
             self.bus.emit(TaskReady(self._time(), self.run_id, node.id, node.kind, node.priority))
         if self._parked:
             self._wake_one()
@@ -409,7 +409,7 @@ class Dispatcher:
                 node.t_start = start
             ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
             bus = self.bus if self.bus.active else None
-            if bus is not None:
+            if bus is not None and bus.wants(AttemptStarted):
                 bus.emit(
                     AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
                 )
@@ -450,7 +450,7 @@ class Dispatcher:
                 breaker = slot.breaker
                 if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
                     self._breaker_changed(slot, breaker.state, breaker.on_success())
-                if bus is not None:
+                if bus is not None and bus.wants(AttemptSucceeded):
                     end = self._time()
                     bus.emit(
                         AttemptSucceeded(

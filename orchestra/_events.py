@@ -1,7 +1,8 @@
 """Typed events for every state change, and the bus that delivers them to subscribers.
 
-Events are built only when somebody subscribed (the dispatcher checks `bus.active`), so they cost
-nothing otherwise. Each subscriber has its own bounded buffer, drained by its own task in the
+Events are built only when somebody subscribed to their type (the dispatcher checks `bus.active`
+and `bus.wants(...)`), so they cost nothing otherwise; treat them as read-only (they are plain
+slotted dataclasses: a frozen one costs twice as much to build). Each subscriber has its own bounded buffer, drained by its own task in the
 orchestrator's task group: a slow subscriber drops events (counted in `dropped`) instead of slowing
 dispatch, and one that raises is logged and kept, never allowed to break the run.
 """
@@ -40,7 +41,7 @@ __all__ = (
 log = structlog.get_logger("orchestra.events")
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Event:
     """Base of every event. `at` is the event loop's clock (seconds), `run_id` the run it belongs to."""
 
@@ -48,12 +49,12 @@ class Event:
     run_id: str | None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RunStarted(Event):
     """A run began."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class TaskReady(Event):
     """A task's dependencies succeeded (or it had none): it waits in the ready-queue."""
 
@@ -62,7 +63,7 @@ class TaskReady(Event):
     priority: int
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class AttemptStarted(Event):
     """An agent was called on a task. `attempt` counts every attempt of the task, from 1."""
 
@@ -72,7 +73,7 @@ class AttemptStarted(Event):
     attempt: int
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class AttemptSucceeded(Event):
     """An attempt returned an output that passed verification."""
 
@@ -83,7 +84,7 @@ class AttemptSucceeded(Event):
     duration: float
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class AttemptFailed(Event):
     """An attempt raised, timed out, returned garbage or failed verification."""
 
@@ -97,7 +98,7 @@ class AttemptFailed(Event):
     duration: float
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RetryScheduled(Event):
     """The task will be tried again on the same agent after `delay` seconds (no slot held meanwhile)."""
 
@@ -108,7 +109,7 @@ class RetryScheduled(Event):
     delay: float
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class FallbackUsed(Event):
     """The task moved from one agent to the next of its chain (`to_agent` None: the chain ran out)."""
 
@@ -119,7 +120,7 @@ class FallbackUsed(Event):
     reason: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BreakerChanged(Event):
     """An agent's circuit breaker changed state: "closed", "open" or "half_open"."""
 
@@ -128,14 +129,14 @@ class BreakerChanged(Event):
     previous: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class TaskFinished(Event):
     """A task reached its terminal state; `result.status` says which."""
 
     result: TaskResult
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RunFinished(Event):
     """A run ended with `status` after `elapsed` seconds."""
 
@@ -144,6 +145,13 @@ class RunFinished(Event):
 
 
 Subscriber = Callable[[Any], Awaitable[None] | None]
+
+
+def _with_subclasses(kind: type[Event]) -> list[type[Event]]:
+    found = [kind]
+    for sub in kind.__subclasses__():
+        found.extend(_with_subclasses(sub))
+    return found
 
 
 class _Subscription:
@@ -159,13 +167,23 @@ class _Subscription:
 class EventBus:
     """Fan-out of events to subscribers, each through a bounded buffer."""
 
-    __slots__ = ("_delivering", "_drained", "_group", "_subs", "active", "dropped", "errors")
+    __slots__ = (
+        "_delivering",
+        "_drained",
+        "_group",
+        "_subs",
+        "_wanted",
+        "active",
+        "dropped",
+        "errors",
+    )
 
     def __init__(self) -> None:
         self._subs: list[_Subscription] = []
         self._group: TaskGroup | None = None
         self._delivering = 0
         self._drained: anyio.Event | None = None
+        self._wanted: frozenset[type[Event]] | None = None  # None: every type
         self.active = False
         self.dropped = 0
         self.errors = 0
@@ -175,19 +193,32 @@ class EventBus:
     ) -> Callable[[], None]:
         sub = _Subscription(fn, types, buffer)
         self._subs.append(sub)
-        self.active = True
+        self._changed()
         if self._group is not None:
             self._open(sub, self._group)
 
         def unsubscribe() -> None:
             if sub in self._subs:
                 self._subs.remove(sub)
-                self.active = bool(self._subs)
+                self._changed()
                 if sub.send is not None:
                     sub.send.close()
                     sub.send = None
 
         return unsubscribe
+
+    def wants(self, kind: type[Event]) -> bool:
+        """Whether some subscriber takes events of `kind` (check `active` first: it is cheaper)."""
+        return self._wanted is None or kind in self._wanted
+
+    def _changed(self) -> None:
+        self.active = bool(self._subs)
+        if any(not s.types or Event in s.types for s in self._subs):
+            self._wanted = None
+        else:
+            self._wanted = frozenset(
+                k for s in self._subs for t in s.types for k in _with_subclasses(t)
+            )
 
     def emit(self, event: Event) -> None:
         for sub in self._subs:

@@ -353,7 +353,7 @@ class Run(Dispatcher):
                 self._maybe_close(node.id, owned)
         if self._debug:
             log.debug("task finished", task_id=node.id, kind=node.kind, status=status, agent=agent)
-        if self.bus.active:
+        if self.bus.active and self.bus.wants(TaskFinished):
             self.bus.emit(TaskFinished(end, self.run_id, node))
         if self._results is not None:
             try:
