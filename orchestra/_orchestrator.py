@@ -67,9 +67,9 @@ class Orchestrator:
         verify: per kind, a check of each attempt's output (see `Verdict`).
         safety: a check of each task before its first attempt; a refusal fails it, unretried.
         aggregate: how outputs fold into `data` (default `Collect()`; a mapping kind → aggregator).
-        window: backpressure on a streamed input: the most of its tasks that may be ready,
-            running or waiting for a retry at once (tasks waiting for dependencies do not count:
-            they may be waiting for the end of the input).
+        window: backpressure on a streamed input: the most unfinished tasks admitted at once.
+            Only when none of them can progress (all wait for dependencies or groups that need
+            more of the input) is more input let in beyond it.
         seed: seeds the backoff jitter, for reproducible schedules.
         clock: a `FakeClock` to run in virtual time (tests).
         on_threshold_missed: ``fn(result, failed_tasks)`` (sync or async) called when a run misses

@@ -182,7 +182,8 @@ class Run(Dispatcher):
         )
 
     async def _feed(self, source: Iterable[Task] | AsyncIterable[Task]) -> None:
-        """Admit a streamed input, with backpressure (at most `window` of its tasks active).
+        """Admit a streamed input, with backpressure (at most `window` tasks unfinished, unless
+        none can progress without more input: see `_wait_for_window`).
 
         What the input raises (an `InputError` for a bad task, or the source's own error) ends the
         run and reaches the caller as it is; the source is closed however the run ends."""
