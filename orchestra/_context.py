@@ -9,8 +9,9 @@ import structlog
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from ._run import Node, Run
+    from ._run import Run
     from ._task import Task
+    from .stores._memory import Record
 
 __all__ = ("Context",)
 
@@ -30,11 +31,11 @@ class Context:
     __slots__ = ("_node", "_run", "_spawned", "agent", "attempt", "feedback", "run_id", "task")
 
     def __init__(
-        self, run: Run, node: Node, agent: str, attempt: int, feedback: Sequence[str]
+        self, run: Run, node: Record, agent: str, attempt: int, feedback: Sequence[str]
     ) -> None:
         self._run = run
         self._node = node
-        self._spawned: list[Task] | None = None
+        self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -44,7 +45,7 @@ class Context:
     @property
     def deps(self) -> Mapping[str, Any]:
         """The outputs of this task's dependencies (and of the members of the groups it waits for), by id."""
-        return self._run.deps_of(self._node)
+        return self._run.store.deps_of(self._node)
 
     def spawn(self, task: Task) -> Task:
         """Add a task to the run. It is checked now (an `InputError` names what is wrong) and admitted
@@ -52,9 +53,9 @@ class Context:
         same ids again."""
         spawned = self._spawned
         if spawned is None:
-            spawned = self._spawned = []
-        self._run.check_spawn(task, self._node, spawned)
-        spawned.append(task)
+            spawned = self._spawned = {}
+        self._run.store.check_spawn(task, self._node, spawned)
+        spawned[task.id] = task
         return task
 
     def record_usage(self, *, cost: float = 0.0, **tokens: int) -> None:

@@ -1,13 +1,17 @@
-"""The dispatcher: a pool of worker coroutines, each taking the best dispatchable task and calling
-its agent, then retrying, falling back or finishing it.
+"""The dispatcher: a pool of worker coroutines that choose a task and its agent, call the agent,
+and tell the store what came of it. It never changes a task's state itself: the store does.
 
-No asyncio task per subtask: at most `concurrency` workers (started as work appears) pull from the
-ready-queue and await the agent call themselves, so 100k pending tasks are 100k small nodes, not
-100k coroutines, and the common path is a handful of attribute updates around one `await`.
-A task waiting for its retry holds no worker and no slot: a sleeper puts it back in the queue.
-Limits: the global one is a counter shared by the orchestrator's runs, the per-agent ones are
-counters on the agents' slots; a worker takes a task only when both have room, and the `finally`
-of every attempt gives both back, so they hold under errors and cancellation alike.
+No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
+store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
+coroutines. Choosing costs the same whatever the number of kinds and agents: the store hands out
+its best ready task; the task's agent is its target, the only agent of its kind, the first open
+agent of its chain, or the next agent of its kind's rotation. When that agent has no room (its
+limit is reached, its breaker is open, or a rate limit's Retry-After holds it), the task waits in
+a small *lane* of that agent (or of its kind) that is looked at again when the agent frees a slot
+or its wait ends — never a scan of all kinds or agents.
+
+A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
+due time in the store or in a lane, and one timer per run (`loop.call_at`, no task) wakes it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+from collections import deque
 from heapq import heappop, heappush
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import structlog
 
-from ._breaker import CLOSED
+from ._breaker import CLOSED, HALF_OPEN
 from ._context import Context
 from ._events import (
     AttemptFailed,
@@ -31,23 +36,24 @@ from ._events import (
     BreakerChanged,
     FallbackUsed,
     RetryScheduled,
-    TaskReady,
 )
-from ._exceptions import AttemptTimeout, InputError, Rejected, TaskTimeout, VerificationError
+from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
+from ._failure import check_returned, describe
 from ._retry import RetryPolicy, Timeouts, backoff, classify
-from ._scheduler import ReadyQueue
-from ._task import FAILED, PENDING, READY, RETRY_WAIT, RUNNING, SUCCEEDED, Attempt
+from ._task import CANCELLED, CLAIMED, FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Mapping
 
     from ._events import EventBus
-    from ._graph import Node
     from ._registry import AgentSlot, Registry
     from ._report import Report
+    from ._run import Run
+    from ._store import RunStore
     from ._task import Task
     from ._verify import Check
+    from .stores._memory import Record
 
 __all__ = ("Capacity", "Dispatcher", "RunConfig")
 
@@ -58,7 +64,6 @@ log = structlog.get_logger("orchestra")
 # set directly (0.1 µs, against 1.5 µs for bind + reset): each worker runs in its own copy of the
 # context, so the value never leaks out of the worker.
 _TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
-_EXHAUSTED: Final = object()  # `_pick`: no agent of the chain can take the task any more
 _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
 
 
@@ -88,6 +93,7 @@ class RunConfig:
         "retry_per_kind",
         "safety",
         "seed",
+        "store",
         "success_threshold",
         "timeouts",
         "verify",
@@ -100,6 +106,7 @@ class RunConfig:
         registry: Registry,
         capacity: Capacity,
         bus: EventBus,
+        store: Any,
         retry: RetryPolicy,
         retry_per_kind: Mapping[str, RetryPolicy],
         timeouts: Timeouts,
@@ -115,6 +122,7 @@ class RunConfig:
         self.registry = registry
         self.capacity = capacity
         self.bus = bus
+        self.store = store
         self.retry = retry
         self.retry_per_kind = retry_per_kind
         self.timeouts = timeouts
@@ -128,137 +136,116 @@ class RunConfig:
         self.on_threshold_missed = on_threshold_missed
 
 
-class Dispatcher:
-    """Workers, agent choice and the attempt loop of one run. `Run` adds admission and settling."""
+class Lane:
+    """Claimed tasks waiting for room at one agent (or at any agent of one kind), best first."""
 
-    def __init__(self, config: RunConfig, run_id: str) -> None:
+    __slots__ = ("heap", "kind", "queued", "slot")
+
+    def __init__(self, slot: AgentSlot | None, kind: str | None) -> None:
+        self.slot = slot
+        self.kind = kind
+        self.heap: list[tuple[int, int, Record, int]] = []  # (priority, order, record, token)
+        self.queued = False  # in the dispatcher's `_recheck`
+
+
+class Dispatcher:
+    """Workers, agent choice and the attempt loop of one run; the run's store holds the state."""
+
+    def __init__(self, run: Run, store: RunStore) -> None:
+        config = run.config
         self.config = config
-        self.run_id = run_id
+        self.run = run
+        self.run_id = run.run_id
+        self.store = store
+        self.report: Report = run.report
         self.registry = config.registry
-        self.queue = ReadyQueue()
         self.bus = config.bus
         self.rng = Random(config.seed)
-        self.report: Report
         self._capacity = config.capacity
-        self._chains = config.registry.chains
+        self._slots = config.registry.slots
+        self._chains = {k: [s.name for s in c] for k, c in config.registry.chains.items()}
+        self._kind_slots = config.registry.by_kind
         # Kinds served by one agent and no chain: no choice to make at dispatch.
         self._only: dict[str, AgentSlot] = {
             kind: slots[0]
             for kind, slots in config.registry.by_kind.items()
             if len(slots) == 1 and kind not in config.registry.chains
         }
+        self._cursor: dict[str, int] = {}  # the rotation of each kind served by several agents
         self._verify = config.verify
         self._safety = config.safety
         self._attempt_timeout = config.timeouts.attempt
-        self._task_timeout = config.timeouts.task
-        # The run's own tasks (workers, retry sleepers, the deadline watcher, the input feeder)
-        # live in an asyncio.TaskGroup that `Run.execute` owns: starting a task there costs a
-        # third of anyio's `start_soon` (measured ~9 µs against ~28 µs here), which is what a
-        # pool of hundreds of workers pays before the first call. `_tasks` lets the run cancel
-        # what is left when it is over.
+        self._lanes: dict[Any, Lane] = {}  # by slot (an agent's lane) or by kind (any agent's)
+        self._recheck: deque[Lane] = deque()  # lanes whose agents may have room now
+        self._wakeups: list[tuple[float, int, Lane]] = []  # (loop time, order, lane)
+        self._order = 0
+        self._held = 0  # tasks waiting in lanes
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
+        # starting a task there costs a third of anyio's `start_soon` (measured ~9 µs against
+        # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
-        self._closing = False
-        self._running = 0
-        self._open = 0  # admitted tasks not yet terminal
-        self._active = 0  # tasks ready, running or waiting for a retry (the window's measure)
-        self._deadlines: list[tuple[float, int, Node]] = []  # task deadlines of queued tasks
-        self._watch_wake: anyio.Event | None = None
-        self._watching = False
+        self.closing = False
+        self.running = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = anyio.current_time
-        self.t0 = 0.0
+        self._wall_offset = 0.0  # wall time minus loop time
 
-    # Defined by `Run`: the terminal transition of a task.
-    def _settle(
-        self,
-        node: Node,
-        status: str,
-        output: Any,
-        *,
-        agent: str | None = None,
-        error: str | None = None,
-        error_type: str | None = None,
-        defaulted: bool = False,
-    ) -> None:
-        raise NotImplementedError
+    # -- time ------------------------------------------------------------------------------------
 
-    def _admit_spawned(self, tasks: list[Task], parent: Node) -> None:
-        raise NotImplementedError
+    def wall(self) -> float:
+        """Wall-clock seconds (what the store keeps), virtual under a FakeClock."""
+        return self._time() + self._wall_offset
 
     # -- workers ---------------------------------------------------------------------------------
 
-    def _ready(self, node: Node) -> None:
-        if node.state is PENDING:
-            self._active += 1
-        node.state = READY
-        if node.deadline is None:
-            timeout = node.task.timeout or self._task_timeout
-            if timeout is not None:
-                node.deadline = self._time() + timeout
-        if node.deadline is not None:
-            self._watch(node)  # again after a retry: the watcher forgot it while it ran
-        self.queue.push(node)
-        if self.bus.active and self.bus.wants(TaskReady):
-            self.bus.emit(TaskReady(self._time(), self.run_id, node.id, node.kind, node.priority))
-        if self._parked:
-            self._wake_one()
-        elif self._pool is not None and self._workers < self._capacity.limit:
+    def start(self, pool: asyncio.TaskGroup, loop: asyncio.AbstractEventLoop) -> None:
+        self._pool = pool
+        self._loop = loop
+        for _ in range(min(self._capacity.limit, self.store.unfinished) - self._workers):
             self._workers += 1
             self._spawn(self._worker())
+        self._schedule()
 
-    def _watch(self, node: Node) -> None:
-        """Fail `node` at its deadline if it is still waiting in the queue then (running attempts
-        have their own cancel scope; retries check before they wait)."""
-        deadline: float = node.deadline  # type: ignore[assignment]  # set by `_ready`
-        heappush(self._deadlines, (deadline, node.seq, node))
-        if self._watch_wake is not None:
-            self._watch_wake.set()
-        elif self._pool is not None and not self._watching:
-            self._watching = True
-            self._spawn(self._watcher())
+    def bind_clock(self, loop: asyncio.AbstractEventLoop, wall_now: float) -> None:
+        self._time = loop.time
+        self._wall_offset = wall_now - loop.time()
 
-    async def _watcher(self) -> None:
-        deadlines = self._deadlines
-        while True:
-            while deadlines and deadlines[0][2].state is not READY:
-                heappop(deadlines)  # started, retried or done: its deadline is handled elsewhere
-            if not deadlines:
-                self._watching = False
-                return
-            now = self._time()
-            deadline, _, node = deadlines[0]
-            if deadline <= now:
-                heappop(deadlines)
-                self._chain_end(
-                    node,
-                    f"the deadline passed while the task waited for attempt {node.attempts + 1}",
-                    "TaskTimeout",
-                )
-                continue
-            wake = self._watch_wake = anyio.Event()
-            with anyio.move_on_after(deadline - now):
-                await wake.wait()
-            self._watch_wake = None
+    def ready(self, record: Record) -> None:
+        """The store made a task ready: get a worker to it."""
+        if record.deadline is not None:
+            self._schedule()
+        if self._parked:
+            self._wake_one()
+        elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
+            self._workers += 1
+            self._spawn(self._worker())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._pool.create_task(coro)  # type: ignore[union-attr]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _cancel_all(self) -> None:
+    def stop(self) -> None:
+        """No new attempt starts: parked workers leave, running ones leave after their attempt."""
+        self.closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._parked:
+            self._wake_one()
+
+    def cancel_all(self) -> None:
+        self.stop()
         for task in self._tasks:
             task.cancel()
 
-    def _start_workers(self, pool: asyncio.TaskGroup) -> None:
-        self._pool = pool
-        if self._deadlines and not self._watching:
-            self._watching = True
-            self._spawn(self._watcher())
-        for _ in range(min(self._capacity.limit, len(self.queue)) - self._workers):
-            self._workers += 1
-            self._spawn(self._worker())
+    def wake_one(self) -> None:
+        self._wake_one()
 
     def _wake_one(self) -> None:
         parked = self._parked
@@ -268,154 +255,323 @@ class Dispatcher:
                 waiter.set_result(None)
                 return
 
-    def _stop_workers(self) -> None:
-        self._closing = True
-        while self._parked:
-            self._wake_one()
-
     async def _worker(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
         # allocation; `_wake_one` wakes a worker when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
         done = 0
         try:
-            while True:
-                picked = self._next()
+            while not self.closing:
+                picked = self._take()
                 if picked is None:
                     # Nothing to do. If every unfinished task is running, nothing can become
-                    # ready but through them (a retry, a spawn, a dependent), and `_ready` starts
+                    # ready but through them (a retry, a spawn, a dependent), and `ready` starts
                     # a worker then: leave now rather than be woken at the end only to leave.
-                    if self._closing or self._open <= self._running:
+                    if self.store.unfinished <= self.running or self.closing:
                         return
                     waiter = loop.create_future()
                     self._parked.append(waiter)
                     await waiter
                     continue
                 await self._attempt(*picked)
+                if me is not None and me.cancelling():
+                    return  # the run is cancelled, and the agent swallowed it: no new attempt
                 done += 1
                 if not done % _YIELD_EVERY:
                     await asyncio.sleep(0)
         finally:
             self._workers -= 1
 
-    def _next(self) -> tuple[Node, AgentSlot] | None:
-        """The best ready task with an agent free to take it, taken out of the queue (or None)."""
+    # -- choosing --------------------------------------------------------------------------------
+
+    def _take(self) -> tuple[Record, int, AgentSlot] | None:
+        """The best task an agent has room for now, with its lease token and its agent (or None)."""
         capacity = self._capacity
-        queue = self.queue
-        while queue.size:
-            if capacity.in_flight >= capacity.limit:
-                capacity.blocked = True
+        if capacity.in_flight >= capacity.limit:
+            capacity.blocked = True
+            return None
+        recheck = self._recheck
+        while recheck:
+            picked = self._from_lane(recheck[0])
+            if picked is not None:
+                return picked
+            recheck.popleft().queued = False
+        store = self.store
+        while True:
+            record = store.claim()
+            if record is None:
                 return None
-            best: Node | None = None
-            best_queue = best_slot = None
-            for kind_queue in queue.kinds.values():
-                node = kind_queue.head()
-                if node is None:
-                    continue
-                if best is not None and (
-                    node.priority > best.priority
-                    or (node.priority == best.priority and node.qseq > best.qseq)
-                ):
-                    continue
-                slot = self._pick(node)
-                if slot is not None:
-                    best, best_queue, best_slot = node, kind_queue, slot
-                    if slot is _EXHAUSTED:
-                        break
-            if best is None:
-                return None
-            node = queue.take(best_queue)  # type: ignore[arg-type]
-            if best_slot is _EXHAUSTED:
-                self._chain_end(node, "every agent of the chain has an open circuit breaker")
-                continue
-            if node.deadline is not None and self._time() >= node.deadline:
-                self._chain_end(
-                    node,
-                    f"the deadline passed before attempt {node.attempts + 1} started",
-                    "TaskTimeout",
-                )
-                continue
-            slot = best_slot
-            breaker = slot.breaker  # type: ignore[union-attr]
-            if breaker.state is not CLOSED:
-                self._breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))  # type: ignore[arg-type]
-            return node, slot  # type: ignore[return-value]
+            token = record.token
+            slot = self._route(record, token)
+            if slot is not None:
+                return record, token, slot
+
+    def _route(self, record: Record, token: int) -> AgentSlot | None:
+        """The agent for a claimed task if it has room now; else the task waits in a lane (or
+        ends: its deadline passed) and None is returned."""
+        deadline = record.deadline
+        if deadline is not None and self.wall() >= deadline:
+            self._chain_end(
+                record,
+                token,
+                f"the deadline passed before attempt {record.attempts + 1} started",
+                "TaskTimeout",
+            )
+            return None
+        target = record.target
+        if target is None:
+            slot = self._only.get(record.kind)
+            if slot is None:
+                return self._route_kind(record, token)
+        else:
+            slot = self._slots[target]
+        if slot.breaker.state is not CLOSED or slot.paused_until:
+            return self._route_unwell(record, token, slot)
+        if slot.in_flight < slot.limit:
+            lane = self._lanes.get(slot)
+            if lane is None or not lane.heap:
+                return slot
+        self._hold(record, token, self._lane(slot, None))
         return None
 
-    def _pick(self, node: Node) -> Any:
-        """The agent for `node` now: a slot, None (all busy: wait), or _EXHAUSTED."""
-        slot = node.slot
-        if slot is None:
-            slot = self._only.get(node.kind)
-            if slot is None or node.tried is not None:
-                chain = self._chains.get(node.kind)
-                if chain is None:
-                    return self._least_loaded(node)
-                slot = node.slot = chain[node.chain_pos]
-        breaker = slot.breaker
-        if breaker.state is not CLOSED and not breaker.available(self._time()):
-            return self._skip_open(node, slot)
-        return slot if slot.in_flight < slot.limit else None
-
-    def _least_loaded(self, node: Node) -> Any:
-        tried = node.tried
-        best = None
-        healthy = False
-        for slot in self.registry.by_kind[node.kind]:
-            if tried is not None and slot in tried:
+    def _route_kind(self, record: Record, token: int, join: bool = True) -> AgentSlot | None:
+        """A task that may go to any agent of its kind not used up: its chain's first, or the next
+        in the kind's rotation that has room. With `join`, it queues behind the kind's waiting
+        tasks rather than overtake them."""
+        kind = record.kind
+        chain = self._chains.get(kind)
+        if chain is not None:
+            tried = record.tried
+            for name in chain:
+                if tried is None or name not in tried:
+                    return self._route_unwell(record, token, self._slots[name])
+            self._chain_end(record, token, "every agent of the chain was used up")
+            return None
+        lane = self._lanes.get(kind)
+        if join and lane is not None and lane.heap:  # others wait already: join them (O(1))
+            self._hold(record, token, lane)
+            return None
+        slots = self._kind_slots[kind]
+        n = len(slots)
+        first = self._cursor.get(kind, 0)
+        tried = record.tried
+        now = self._time()
+        usable = False
+        for i in range(n):
+            slot = slots[(first + i) % n]
+            if tried is not None and slot.name in tried:
                 continue
-            breaker = slot.breaker
-            if breaker.state is not CLOSED and not breaker.available(self._time()):
+            if not self._usable(slot, now):
                 continue
-            healthy = True
-            if slot.in_flight < slot.limit and (best is None or slot.load < best.load):
-                best = slot
-        if best is not None:
-            return best
-        return None if healthy else _EXHAUSTED
+            usable = True
+            if slot.in_flight < slot.limit:
+                self._cursor[kind] = (first + i + 1) % n
+                return slot
+        if usable:
+            self._hold(record, token, self._lane(None, kind))
+            return None
+        return self._wait_for_recovery(record, token, [s for s in slots if not _used(record, s)])
 
-    def _skip_open(self, node: Node, slot: AgentSlot) -> Any:
-        """`node`'s agent has an open breaker: go straight to the next agent of the chain."""
-        self._mark_tried(node, slot)
-        nxt = self._next_in_chain(node)
-        self._emit_fallback(node, slot, nxt, "circuit breaker open")
-        if nxt is None:
-            return _EXHAUSTED
-        return self._pick(node)
+    def _route_unwell(self, record: Record, token: int, slot: AgentSlot) -> AgentSlot | None:
+        """`slot` may have an open breaker or a rate-limit pause: go to the next usable agent of
+        the task's chain (or kind), or wait for the first of them to recover."""
+        now = self._time()
+        if self._usable(slot, now):
+            if slot.in_flight < slot.limit:
+                return slot
+            self._hold(record, token, self._lane(slot, None))
+            return None
+        candidates = self._untried(record, slot)
+        for other in candidates:
+            if other is not slot and self._usable(other, now):
+                self._emit_fallback(record, slot, other, "circuit breaker open")
+                if other.in_flight < other.limit:
+                    return other
+                self._hold(record, token, self._lane(other, None))
+                return None
+        return self._wait_for_recovery(record, token, candidates or [slot])
+
+    def _untried(self, record: Record, slot: AgentSlot) -> list[AgentSlot]:
+        """The agents `record` may still go to, `slot` first, in chain (or registry) order."""
+        chain = self._chains.get(record.kind)
+        names = chain if chain is not None else [s.name for s in self._kind_slots[record.kind]]
+        tried = record.tried
+        out = [slot]
+        for name in names:
+            if name != slot.name and (tried is None or name not in tried):
+                out.append(self._slots[name])
+        return out
+
+    def _usable(self, slot: AgentSlot, now: float) -> bool:
+        if slot.paused_until:
+            if now < slot.paused_until:
+                return False
+            slot.paused_until = 0.0
+        return slot.breaker.state is CLOSED or slot.breaker.available(now)
+
+    def _wait_for_recovery(
+        self, record: Record, token: int, slots: list[AgentSlot]
+    ) -> AgentSlot | None:
+        """Every agent the task may go to is unwell: it waits (within its deadline) in the lane of
+        the one that recovers first, never fails for it."""
+        now = self._time()
+        best = min(slots, key=lambda s: _recovers_at(s, now))
+        lane = self._lane(best, None)
+        self._hold(record, token, lane)
+        at = _recovers_at(best, now)
+        if at < math.inf:
+            self._order += 1
+            heappush(self._wakeups, (at, self._order, lane))
+            self._schedule()
+        return None
+
+    def _lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
+        key: Any = slot if slot is not None else kind
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = Lane(slot, kind)
+        return lane
+
+    def _hold(self, record: Record, token: int, lane: Lane) -> None:
+        self._order += 1
+        heappush(lane.heap, (record.priority, self._order, record, token))
+        self._held += 1
+
+    def _from_lane(self, lane: Lane) -> tuple[Record, int, AgentSlot] | None:
+        """The best task of `lane` if its agent has room now (the task is routed again: its agent
+        may have changed while it waited)."""
+        heap = lane.heap
+        now = self._time()
+        while heap:
+            _, _, record, token = heap[0]
+            if record.token != token or record.state is not CLAIMED:
+                heappop(heap)  # it ended (deadline, cancel) while it waited
+                self._held -= 1
+                continue
+            slot = lane.slot
+            if slot is not None:
+                if not self._usable(slot, now) or slot.in_flight >= slot.limit:
+                    return None
+            elif not any(
+                s.in_flight < s.limit and self._usable(s, now) and not _used(record, s)
+                for s in self._kind_slots[lane.kind]  # type: ignore[index]
+            ):
+                return None
+            heappop(heap)
+            self._held -= 1
+            if slot is not None:
+                return record, token, slot
+            slot = self._route_kind(record, token, join=False)
+            if slot is not None:
+                return record, token, slot
+        return None
+
+    def room(self, slot: AgentSlot) -> None:
+        """`slot` may have room now (a slot freed, its breaker closed): look at its lanes again."""
+        lane = self._lanes.get(slot)
+        if lane is not None and lane.heap and not lane.queued:
+            lane.queued = True
+            self._recheck.append(lane)
+        for kind in slot.kinds:
+            lane = self._lanes.get(kind)
+            if lane is not None and lane.heap and not lane.queued:
+                lane.queued = True
+                self._recheck.append(lane)
+
+    # -- timers ----------------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        """Arm the run's one timer for its next due time (a retry, a deadline, a recovery)."""
+        if self._loop is None or self.closing:
+            return
+        at = math.inf
+        due = self.store.next_due()
+        if due is not None:
+            at = due - self._wall_offset
+        if self._wakeups and self._wakeups[0][0] < at:
+            at = self._wakeups[0][0]
+        if at >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        if at == math.inf:
+            self._timer = None
+            self._timer_at = math.inf
+            return
+        self._timer_at = at
+        self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        if self.closing:
+            return
+        now = self._time()
+        for record in self.store.due(now + self._wall_offset):
+            state = record.state
+            if state is RUNNING:
+                continue  # its attempt's own cancel scope ends it at the deadline
+            self._chain_end(
+                record,
+                record.token,
+                f"the deadline passed while the task waited for attempt {record.attempts + 1}",
+                "TaskTimeout",
+            )
+        wakeups = self._wakeups
+        while wakeups and wakeups[0][0] <= now:
+            lane = heappop(wakeups)[2]
+            if lane.heap and not lane.queued:
+                lane.queued = True
+                self._recheck.append(lane)
+        self._schedule()
+        # Wake a worker for each lane that may go on (and for retries the store made ready).
+        for _ in range(len(self._recheck) or 1):
+            if self._parked:
+                self._wake_one()
+            elif self._pool is not None and self._workers < self._capacity.limit:
+                self._workers += 1
+                self._spawn(self._worker())
 
     # -- one attempt -----------------------------------------------------------------------------
 
-    async def _attempt(self, node: Node, slot: AgentSlot) -> None:
+    async def _attempt(self, record: Record, token: int, slot: AgentSlot) -> None:
         capacity = self._capacity
         capacity.in_flight += 1
         slot.in_flight += 1
-        self._running += 1
+        self.running += 1
         report = self.report
-        if self._running > report.peak:
-            report.peak = self._running
-        node.state = RUNNING
-        node.slot = slot
-        task = node.task
-        _TASK_ID.set(node.id)
+        if self.running > report.peak:
+            report.peak = self.running
+        breaker = slot.breaker
+        probe = False
+        if breaker.state is not CLOSED:
+            probe = True
+            self._breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
+        store = self.store
+        task = record.task
+        _TASK_ID.set(record.id)
         try:
-            if self._safety is not None and not node.attempts and not await self._safe(node):
+            if self._safety is not None and not record.attempts and not await self._safe(
+                record, token
+            ):
                 return
-            node.attempts += 1
-            node.agent_tries += 1
+            if not store.start(record, token, slot.name):
+                return  # the lease went stale (the task was cancelled) before the call
             slot.attempts += 1
             report.attempts += 1
             start = self._time()
-            if node.t_start is None:
-                node.t_start = start
-            ctx = Context(self, node, slot.name, node.attempts, node.feedback or ())  # type: ignore[arg-type]
+            ctx = Context(self.run, record, slot.name, record.attempts, record.feedback or ())
             bus = self.bus if self.bus.active else None
             if bus is not None and bus.wants(AttemptStarted):
                 bus.emit(
-                    AttemptStarted(start, self.run_id, node.id, node.kind, slot.name, node.attempts)
+                    AttemptStarted(
+                        start, self.run_id, record.id, record.kind, slot.name, record.attempts
+                    )
                 )
             try:
                 if (
-                    node.deadline is None
+                    record.deadline is None
                     and slot.fault is None
                     and slot.timeout is None
                     and self._attempt_timeout is None
@@ -423,242 +579,316 @@ class Dispatcher:
                     and not self._verify
                 ):
                     output = await slot.call(task, ctx)  # the common case: nothing around the call
-                elif node.deadline is None:
-                    output = await self._call(node, slot, ctx, start)
+                    if type(output) not in _PLAIN:
+                        output = check_returned(output, slot.name)
+                elif record.deadline is None:
+                    output = await self._call(record, slot, ctx, start)
                 else:
                     # The task's deadline bounds the whole attempt: the call, the verifier, and
                     # what runs around them.
-                    with anyio.CancelScope(deadline=node.deadline) as scope:
-                        output = await self._call(node, slot, ctx, start)
+                    with anyio.CancelScope(
+                        deadline=record.deadline - self._wall_offset
+                    ) as scope:
+                        output = await self._call(record, slot, ctx, start)
                     if scope.cancelled_caught:
                         raise TaskTimeout(
-                            f"task timeout: {task.timeout or self._task_timeout}s passed"
+                            f"task timeout: {task.timeout or self.config.timeouts.task}s passed"
                         )
-                if ctx._spawned:
-                    self._admit_spawned(ctx._spawned, node)
+                spawned = ctx._spawned
+                if spawned:
+                    store.settle(
+                        record,
+                        token,
+                        SUCCEEDED,
+                        output,
+                        spawned=list(spawned.values()),
+                        agent=slot.name,
+                    )
+                    self._succeeded(record, slot, start, bus)
+                    return
             except asyncio.CancelledError as exc:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
                 # raised by itself (no cancellation pending on this task): a failed attempt.
                 current = asyncio.current_task()
                 if current is None or current.cancelling():
                     raise
-                self._failed_attempt(node, slot, exc, start)
+                probe = False
+                self._failed(record, token, slot, exc, start)
             except Exception as exc:
-                self._failed_attempt(node, slot, exc, start)
+                probe = False
+                self._failed(record, token, slot, exc, start)
             else:
-                slot.succeeded += 1
-                breaker = slot.breaker
-                if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
-                    self._breaker_changed(slot, breaker.state, breaker.on_success())
-                if bus is not None and bus.wants(AttemptSucceeded):
-                    end = self._time()
-                    bus.emit(
-                        AttemptSucceeded(
-                            end,
-                            self.run_id,
-                            node.id,
-                            node.kind,
-                            slot.name,
-                            node.attempts,
-                            end - start,
-                        )
-                    )
-                self._settle(node, SUCCEEDED, output, agent=slot.name)
+                probe = False
+                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
+                self._succeeded(record, slot, start, bus)
         finally:
             capacity.in_flight -= 1
             slot.in_flight -= 1
-            self._running -= 1
-            if node.state is RUNNING:  # cancelled mid-call: a half-open probe ends unjudged
-                slot.breaker.on_abandon()
+            self.running -= 1
+            if probe:  # cancelled (or refused before the call): the probe ends unjudged
+                breaker.on_abandon()
             if capacity.blocked or len(capacity.runs) > 1:
                 # The freed slot (global, or this agent's, which other runs share) may be what
                 # another run's parked worker waits for.
                 capacity.blocked = False
                 for run in capacity.runs:
-                    run._wake_one()
-            elif self._parked:
-                self._wake_one()
+                    run.room(slot)
+                    run.wake_one()
+            else:
+                if self._held:
+                    self.room(slot)
+                if self._parked:
+                    self._wake_one()
 
-    async def _call(self, node: Node, slot: AgentSlot, ctx: Context, start: float) -> Any:
+    def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
+        slot.succeeded += 1
+        breaker = slot.breaker
+        if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
+            previous = breaker.state
+            self._breaker_changed(slot, previous, breaker.on_success())
+            if previous is not CLOSED:
+                self._recovered(slot)
+        if bus is not None and bus.wants(AttemptSucceeded):
+            end = self._time()
+            bus.emit(
+                AttemptSucceeded(
+                    end, self.run_id, record.id, record.kind, slot.name, record.attempts,
+                    end - start,
+                )
+            )  # fmt: skip
+
+    async def _call(self, record: Record, slot: AgentSlot, ctx: Context, start: float) -> Any:
         """The agent call with its fault (simulated), its attempt timeout, its output check and
         the kind's verifier: an exception here is a failed attempt."""
         call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
         timeout = slot.timeout or self._attempt_timeout
         if timeout is None:
-            output = await call(node.task, ctx)
+            output = await call(record.task, ctx)
         else:
             with anyio.CancelScope(deadline=start + timeout) as scope:
-                output = await call(node.task, ctx)
+                output = await call(record.task, ctx)
             if scope.cancelled_caught:
                 raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
+        if type(output) not in _PLAIN:
+            output = check_returned(output, slot.name)
         if slot.output is not None:
             output = check_output(slot.output, output)
-        check = self._verify.get(node.kind) if self._verify else None
+        check = self._verify.get(record.kind) if self._verify else None
         if check is not None:
-            await verify(check, node.task, output)
+            await verify(check, record.task, output)
         return output
 
-    async def _safe(self, node: Node) -> bool:
+    async def _safe(self, record: Record, token: int) -> bool:
         """The safety check, before the task's first attempt (not counted as one). A refusal (or a
         check that raises or passes the task's deadline) fails the task, unretried."""
         check: Callable[[Task], Any] = self._safety  # type: ignore[assignment]
+        deadline = math.inf if record.deadline is None else record.deadline - self._wall_offset
         try:
-            with anyio.CancelScope(deadline=node.deadline or math.inf) as scope:
-                await check_safety(check, node.task)
+            with anyio.CancelScope(deadline=deadline) as scope:
+                await check_safety(check, record.task)
             if scope.cancelled_caught:
                 raise Rejected("the safety check did not answer before the task's deadline")
         except Rejected as exc:
-            self._settle(node, FAILED, None, error=f"Rejected: {exc}", error_type="Rejected")
+            message = describe(exc).message
+            self.store.settle(
+                record, token, FAILED, error=f"Rejected: {message}", error_type="Rejected"
+            )
             return False
         return True
 
-    def _failed_attempt(
-        self, node: Node, slot: AgentSlot, exc: BaseException, start: float
+    def _failed(
+        self, record: Record, token: int, slot: AgentSlot, exc: BaseException, start: float
     ) -> None:
         end = self._time()
-        policy = slot.retry or self.config.retry_per_kind.get(node.kind) or self.config.retry
+        policy = slot.retry or self.config.retry_per_kind.get(record.kind) or self.config.retry
         retryable, retry_after = classify(exc, policy)
-        error_type = type(exc).__name__
-        message = _message(exc)
+        failure = describe(exc)
+        error_type, message = failure.error_type, failure.message
         slot.failures += 1
         slot.last_error = f"{error_type}: {message}"
-        if not isinstance(exc, VerificationError | Rejected | InputError):
-            breaker = slot.breaker
-            self._breaker_changed(slot, breaker.state, breaker.on_failure(end))
+        breaker = slot.breaker
+        previous = breaker.state
+        if retryable and not isinstance(exc, VerificationError | TaskTimeout):
+            # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
+            self._breaker_changed(slot, previous, breaker.on_failure(end))
+            if retry_after is not None and _is_rate_limit(failure.status_code):
+                # Every task that shares this agent waits with it, not only this one.
+                slot.paused_until = max(slot.paused_until, end + retry_after)
+                lane = self._lane(slot, None)
+                self._order += 1
+                heappush(self._wakeups, (slot.paused_until, self._order, lane))
+        elif previous is not CLOSED:
+            # The agent answered (a permanent error, a rejected output): it is up. A half-open
+            # probe always reports back, whatever its outcome.
+            self._breaker_changed(slot, previous, breaker.on_success())
+            self._recovered(slot)
         attempt = Attempt(
-            number=node.attempts,
+            number=record.attempts,
             agent=slot.name,
             error_type=error_type,
             message=message,
-            started=start - self.t0,
+            started=start - self.run.t0,
             duration=end - start,
+            traceback=failure.traceback,
+            status_code=failure.status_code,
+            api_error_type=failure.api_error_type,
+            request_id=failure.request_id,
         )
-        if node.failures is None:
-            node.failures = [attempt]
-        else:
-            node.failures.append(attempt)
-        if node.feedback is None:
-            node.feedback = []
+        if record.feedback is None:
+            record.feedback = []
         if isinstance(exc, VerificationError):
-            node.feedback.append(exc.feedback)
-            node.output = exc.output  # kept as the partial output if the task fails in the end
+            record.feedback.append(exc.feedback)
+            record.output = exc.output  # kept as the partial output if the task fails in the end
         else:
-            node.feedback.append(f"{error_type}: {message}")
+            record.feedback.append(f"{error_type}: {message}")
+        if self.run.debug:
+            log.debug(
+                "attempt failed",
+                task_id=record.id,
+                agent=slot.name,
+                attempt=record.attempts,
+                error_type=error_type,
+                error=message,
+                traceback=failure.traceback,
+            )
         if self.bus.active:
             self.bus.emit(
                 AttemptFailed(
-                    end, self.run_id, node.id, node.kind, slot.name, node.attempts,
+                    end, self.run_id, record.id, record.kind, slot.name, record.attempts,
                     error_type, message, retryable, end - start,
                 )
             )  # fmt: skip
+        if record.cancelling is not None:
+            self.store.settle(
+                record, token, CANCELLED, error=record.cancelling, error_type="Cancelled",
+                attempt=attempt,
+            )  # fmt: skip
+            return
         if isinstance(exc, TaskTimeout):
-            self._chain_end(node, message, "TaskTimeout")
+            self._chain_end(record, token, message, "TaskTimeout", attempt)
             return
         if isinstance(exc, Rejected):
-            self._settle(node, FAILED, None, error=f"Rejected: {message}", error_type="Rejected")
+            self.store.settle(
+                record,
+                token,
+                FAILED,
+                error=f"Rejected: {message}",
+                error_type="Rejected",
+                attempt=attempt,
+            )
             return
         reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
-        if retryable and node.agent_tries < policy.max_attempts:
-            delay = backoff(policy, node.agent_tries - 1, self.rng, retry_after)
-            if node.deadline is not None and end + delay >= node.deadline:
+        if retryable and record.agent_tries < policy.max_attempts:
+            delay = backoff(policy, record.agent_tries - 1, self.rng, retry_after)
+            retry_at = self.wall() + delay
+            if record.deadline is not None and retry_at >= record.deadline:
                 # Waiting would pass the task's deadline: the next agent of the chain, now.
                 self._fall_back(
-                    node,
+                    record,
+                    token,
                     slot,
+                    attempt,
                     f"a retry in {delay:.3g}s would pass the task's deadline",
-                    error_type="TaskTimeout",
+                    "TaskTimeout",
                 )
                 return
             attempt.retry_in = delay
-            node.state = RETRY_WAIT
             self.report.retries += 1
             if self.bus.active:
                 self.bus.emit(
                     RetryScheduled(
-                        end, self.run_id, node.id, node.kind, slot.name, node.attempts, delay
+                        end, self.run_id, record.id, record.kind, slot.name, record.attempts,
+                        delay,
                     )
-                )
-            self._spawn(self._retry_later(node, delay))
+                )  # fmt: skip
+            self.store.fail(record, token, attempt, retry_at=retry_at)
+            self._schedule()
             return
-        self._fall_back(node, slot, reason)
+        self._fall_back(record, token, slot, attempt, reason)
 
     def _fall_back(
-        self, node: Node, slot: AgentSlot, reason: str, error_type: str | None = None
+        self,
+        record: Record,
+        token: int,
+        slot: AgentSlot,
+        attempt: Attempt,
+        reason: str,
+        error_type: str | None = None,
     ) -> None:
-        """`slot` is done with `node`: the next agent of the chain gets it, or the chain ends."""
-        self._mark_tried(node, slot)
-        nxt = self._next_in_chain(node)
-        self._emit_fallback(node, slot, nxt, reason)
-        if nxt is None:
-            self._chain_end(node, reason, error_type)
+        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
+        nxt = self._next_agent(record, slot)
+        self._emit_fallback(record, slot, nxt, reason)
+        if nxt is _NONE_LEFT:
+            self._chain_end(record, token, reason, error_type, attempt)
         else:
-            self._ready(node)
+            self.store.fail(record, token, attempt, next_agent=nxt)
 
-    async def _retry_later(self, node: Node, delay: float) -> None:
-        await anyio.sleep(delay)
-        if node.state is RETRY_WAIT:
-            self._ready(node)
-
-    # -- fallback chains and breakers ------------------------------------------------------------
-
-    def _mark_tried(self, node: Node, slot: AgentSlot) -> None:
-        if node.tried is None:
-            node.tried = [slot]
-        elif slot not in node.tried:
-            node.tried.append(slot)
-        node.agent_tries = 0
-
-    def _next_in_chain(self, node: Node) -> AgentSlot | None:
-        """Move `node` to the next agent of its chain; None when the chain has run out."""
-        chain = self._chains.get(node.kind)
+    def _next_agent(self, record: Record, slot: AgentSlot) -> Any:
+        """The name of the agent after `slot` in `record`'s chain (without an explicit chain: the
+        least loaded usable agent of the kind not used up), or `_NONE_LEFT`."""
+        tried = record.tried or ()
+        chain = self._chains.get(record.kind)
         if chain is not None:
-            node.chain_pos += 1
-            if node.chain_pos >= len(chain):
-                node.slot = None
-                return None
-            node.slot = chain[node.chain_pos]
-            return node.slot
-        # Among the agents serving the kind and not tried yet: the least loaded healthy one (or,
-        # all breakers open, the first, whose open breaker moves the task on at dispatch).
-        tried = node.tried or ()
-        untried = [s for s in self.registry.by_kind[node.kind] if s not in tried]
+            for name in chain:
+                if name != slot.name and name not in tried:
+                    return name
+            return _NONE_LEFT
+        untried = [
+            s for s in self._kind_slots[record.kind] if s is not slot and s.name not in tried
+        ]
         if not untried:
-            node.slot = None
-            return None
+            return _NONE_LEFT
         now = self._time()
-        healthy = [s for s in untried if s.breaker.available(now)]
-        node.slot = min(healthy, key=_load) if healthy else untried[0]
-        return node.slot
+        usable = [s for s in untried if self._usable(s, now)]
+        return min(usable, key=_load).name if usable else untried[0].name
 
-    def _emit_fallback(
-        self, node: Node, slot: AgentSlot, nxt: AgentSlot | None, reason: str
-    ) -> None:
-        if nxt is not None:
+    def _emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
+        if nxt is not _NONE_LEFT:
             self.report.fallbacks += 1
         if self.bus.active:
+            to = None if nxt is _NONE_LEFT else getattr(nxt, "name", nxt)
             self.bus.emit(
                 FallbackUsed(
-                    self._time(), self.run_id, node.id, node.kind, slot.name,
-                    None if nxt is None else nxt.name, reason,
+                    self._time(), self.run_id, record.id, record.kind, slot.name, to, reason
                 )
-            )  # fmt: skip
+            )
 
-    def _chain_end(self, node: Node, reason: str, error_type: str | None = None) -> None:
+    def _chain_end(
+        self,
+        record: Record,
+        token: int,
+        reason: str,
+        error_type: str | None = None,
+        attempt: Attempt | None = None,
+    ) -> None:
         """The task can go no further (every agent of its chain failed it, or its deadline
         passed): it takes its kind's default value if there is one, else it fails."""
         defaults = self.config.defaults
-        if node.kind in defaults:
-            self.report.defaulted.append(node.id)
-            self._settle(node, SUCCEEDED, defaults[node.kind], defaulted=True)
+        store = self.store
+        if record.kind in defaults:
+            if store.settle(
+                record, token, SUCCEEDED, defaults[record.kind], defaulted=True, attempt=attempt
+            ):
+                self.report.defaulted.append(record.id)
             return
-        last = node.failures[-1] if node.failures else None
+        last = attempt or (record.failures[-1] if record.failures else None)
         if error_type is not None:
             message = f"{error_type}: {reason}"
         elif last is None:
             error_type, message = "BreakerOpen", reason
         else:
             error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
-        self._settle(node, FAILED, None, error=message, error_type=error_type)
+        store.settle(
+            record, token, FAILED, error=message, error_type=error_type, attempt=attempt
+        )
+
+    # -- breakers --------------------------------------------------------------------------------
+
+    def _recovered(self, slot: AgentSlot) -> None:
+        """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
+        for run in self._capacity.runs:
+            run.room(slot)
+            run.wake_one()
 
     def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
         if state is None:
@@ -666,12 +896,35 @@ class Dispatcher:
         log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
         if self.bus.active:
             self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
+        if state is HALF_OPEN:
+            return
+
+
+_NONE_LEFT: Final[Any] = object()
+_PLAIN: Final = frozenset((str, int, float, bool, type(None)))
 
 
 def _load(slot: AgentSlot) -> float:
     return slot.load
 
 
-def _message(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 500 else text[:497] + "..."
+def _used(record: Record, slot: AgentSlot) -> bool:
+    tried = record.tried
+    return tried is not None and slot.name in tried
+
+
+def _recovers_at(slot: AgentSlot, now: float) -> float:
+    """The loop time at which `slot` may take a task again (as far as its breaker and its
+    rate-limit pause say)."""
+    at = slot.paused_until if slot.paused_until > now else now
+    breaker = slot.breaker
+    if breaker.state is CLOSED:
+        return at
+    if breaker.state is HALF_OPEN:
+        return at if not breaker.probing else math.inf  # the probe's outcome will wake it
+    return max(at, now + breaker.reopens_in(now))
+
+
+def _is_rate_limit(status: int | None) -> bool:
+    return status in (429, 529)
+

@@ -29,6 +29,7 @@ from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Capacity, Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
+from .stores import MemoryStore
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from ._agent import AgentLike
     from ._clock import FakeClock
     from ._result import RunResult
+    from ._store import Store
     from ._verify import Check
 
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
@@ -78,6 +80,7 @@ class Orchestrator:
         drain_timeout: at exit, how long subscribers may take to receive the events still
             buffered for them; what is left then is dropped (and counted), so a slow subscriber
             never holds up the exit for long.
+        store: where runs keep their tasks (default `MemoryStore()`; see `orchestra.stores`).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Orchestrator:
         clock: FakeClock | None = None,
         on_threshold_missed: Callable[..., Any] | None = None,
         drain_timeout: float = 5.0,
+        store: Store | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"concurrency must be an int >= 1, got {concurrency!r}")
@@ -139,6 +143,7 @@ class Orchestrator:
             registry=self.registry,
             capacity=self._capacity,
             bus=self._bus,
+            store=store if store is not None else MemoryStore(),
             retry=retry or RetryPolicy(),
             retry_per_kind=dict(retry_per_kind or {}),
             timeouts=Timeouts.of(timeouts),
@@ -302,7 +307,9 @@ class Orchestrator:
             return result
         run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
         failed = (
-            [n.task for n in run.graph.live() if n.state != SUCCEEDED] if run is not None else []
+            [n.task for n in run.store.results() if n.status != SUCCEEDED]
+            if run is not None
+            else []
         )
         try:
             replacement = hook(result, failed)
@@ -338,16 +345,10 @@ class Orchestrator:
                 f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
             )
         for run in self._runs:
-            node = run.graph.nodes.get(task_id)
-            if node is None or node.state in TERMINAL:
+            state = run.store.state_of(task_id)
+            if state is None or state in TERMINAL:
                 continue
-            if node.state == "ready":
-                run.queue.move(node, priority)
-                return True
-            if node.state in ("pending", "retry_wait"):
-                node.priority = priority
-                return True
-            return False
+            return bool(run.store.reprioritize(task_id, priority))
         return False
 
     def agents_status(self) -> list[dict[str, Any]]:
@@ -410,7 +411,7 @@ class Orchestrator:
 
     def _state_of(self, task_id: str) -> str | None:
         for run in (*self._runs, *reversed(self._recent)):
-            state = run.graph.state_of(task_id)
+            state = run.store.state_of(task_id)
             if state is not None:
                 return state
         return None

@@ -46,6 +46,7 @@ class AgentSlot:
         "limit",
         "name",
         "output",
+        "paused_until",
         "retry",
         "succeeded",
         "timeout",
@@ -69,6 +70,8 @@ class AgentSlot:
         self.timeout: float | None = timeout
         self.breaker = Breaker(breaker)
         self.in_flight = 0
+        # A rate limit's Retry-After: no task starts on this agent before this loop time (0: none).
+        self.paused_until = 0.0
         self.attempts = 0
         self.succeeded = 0
         self.failures = 0
@@ -160,6 +163,15 @@ class Registry:
             for slot in chain:
                 if slot not in self.by_kind[kind]:
                     self.by_kind[kind].append(slot)
+
+    def input_models(self) -> dict[str, list[type[BaseModel]]]:
+        """The input models declared by the agents of each kind (payloads are validated at admission)."""
+        models: dict[str, list[type[BaseModel]]] = {}
+        for kind, slots in self.by_kind.items():
+            found = list(dict.fromkeys(s.input for s in slots if s.input is not None))
+            if found:
+                models[kind] = found
+        return models
 
     def serves(self, kind: str) -> bool:
         return bool(self.by_kind.get(kind))

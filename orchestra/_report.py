@@ -16,7 +16,7 @@ from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ._graph import Node
+    from .stores._memory import Record as Node
 
 __all__ = ("Report", "remediation")
 
@@ -32,6 +32,7 @@ class Report:
         "cancelled",
         "cost",
         "counts",
+        "cut_short",
         "defaulted",
         "durations",
         "fallbacks",
@@ -57,6 +58,7 @@ class Report:
         self.cost = 0.0
         self.reason: str | None = None
         self.cancelled = False
+        self.cut_short = False  # the run timeout ended it: never "success"
 
     def tally(self, node: Node) -> None:
         """Count one settled task."""
@@ -112,7 +114,7 @@ class Report:
         status: RunStatus
         if self.cancelled:
             status = "cancelled"
-        elif succeeded == total:
+        elif succeeded == total and not self.cut_short:
             status = "success"
         elif rate >= threshold and not critical:
             status = "partial"

@@ -1,15 +1,18 @@
-"""One run, top to bottom: admit the input, let the dispatcher work, settle every task once, report.
+"""One run, top to bottom: admit the input into the store, let the dispatcher work, hear every task
+end, report.
 
 `Run.execute` is the whole story: check a whole input before anything starts (or stream it in with
 backpressure), start the workers, wait until every admitted task is terminal (or the run timeout
-passes), and build the `RunResult`. `_settle` is the one terminal transition: it counts the task,
-folds it into the aggregate, readies or skips its dependents and groups, and streams the result.
+passes, or the caller cancels), end what is left as cancelled, and build the `RunResult`. A run
+*holds* a store (every task's state and transitions) and a dispatcher (which task, which agent);
+it is the store's listener: `ready` hands a task to the dispatcher, `finished` folds a result into
+the aggregate, the report and the result stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import time
 from collections.abc import AsyncIterable, Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import islice
@@ -19,12 +22,12 @@ import anyio
 import anyio.lowlevel
 import structlog
 
+from ._admission import Admission
 from ._dispatch import Capacity, Dispatcher, RunConfig
-from ._events import RunFinished, RunStarted, TaskFinished
-from ._exceptions import InputError
-from ._graph import Graph, Group, Node
+from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._report import Report
-from ._task import CANCELLED, PENDING, READY, SKIPPED, SUCCEEDED, TERMINAL, Task
+from ._store import Selector
+from ._task import CANCELLED, SUCCEEDED, Task
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -34,17 +37,17 @@ if TYPE_CHECKING:
     from ._aggregate import Accumulator
     from ._result import RunResult
     from ._task import TaskResult
+    from .stores._memory import Record
 
-__all__ = ("Capacity", "Node", "Run", "RunConfig")
+__all__ = ("Capacity", "Run", "RunConfig")
 
 log = structlog.get_logger("orchestra")
 
-_GC_PAUSE_BATCH = 1_000  # admissions at least this large pause the cyclic GC (see `_admit`)
 _CHUNK = 1_024  # a plain iterable input is admitted this many tasks at a time
 
 
-class Run(Dispatcher):
-    """The state of one run: its graph, its report, and the loop of `Dispatcher`."""
+class Run:
+    """The state of one run: its store, its dispatcher, its report and its aggregate."""
 
     def __init__(
         self,
@@ -52,68 +55,146 @@ class Run(Dispatcher):
         run_id: str,
         results: MemoryObjectSendStream[TaskResult] | None = None,
     ) -> None:
-        super().__init__(config, run_id)
-        self.graph = Graph(self.registry.by_kind)
+        self.config = config
+        self.run_id = run_id
         self.report = Report()
+        self.bus = config.bus
+        self.t0 = 0.0
+        self.debug = _debug_enabled()
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
-        self._window = config.window
-        self._done = anyio.Event()
-        self._window_free: anyio.Event | None = None
-        self._input_error: Exception | None = None
-        self._debug = _debug_enabled()
-        self._cascade: list[tuple[Node, str]] = []
-        self._compact = False  # a streamed run forgets succeeded tasks as it goes
         self._agg_error: str | None = None
+        self._window = config.window
+        self._window_free: anyio.Event | None = None
+        self._done = anyio.Event()
+        self._input_done = False
+        self._input_error: Exception | None = None
+        self._streamed = False
+        self.store: Any = None
+        self.dispatcher: Dispatcher
+
+    # -- the listener of the store ---------------------------------------------------------------
+
+    def ready(self, record: Record) -> None:
+        if self.bus.active and self.bus.wants(TaskReady):
+            self.bus.emit(
+                TaskReady(self.dispatcher._time(), self.run_id, record.id, record.kind, record.priority)
+            )
+        self.dispatcher.ready(record)
+
+    def finished(self, record: Record) -> None:
+        status = record.status
+        if status is SUCCEEDED and self._agg_error is None:
+            try:
+                self._acc.add(record)
+            except Exception as exc:  # a user's reducer must not lose the run's result
+                self._aggregator_failed(exc)
+        if self._streamed:
+            self.report.tally(record)  # the store may forget it now
+        if self.debug:
+            log.debug(
+                "task finished",
+                task_id=record.id,
+                kind=record.kind,
+                status=status,
+                agent=record.agent,
+            )
+        if self.bus.active and self.bus.wants(TaskFinished):
+            self.bus.emit(TaskFinished(self.dispatcher._time(), self.run_id, record))
+        if self._results is not None:
+            try:
+                self._results.send_nowait(record)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._results = None  # the stream's reader went away; the run goes on
+        if self._window_free is not None:
+            self._window_free.set()
+            self._window_free = None
+        if not self.store.unfinished and self._input_done:
+            self._finish()
+
+    # -- the run ---------------------------------------------------------------------------------
 
     async def execute(self, source: Iterable[Task] | AsyncIterable[Task]) -> RunResult:
-        self._time = asyncio.get_running_loop().time  # virtual under a FakeClock
-        self.t0 = self._time()
+        config = self.config
+        loop = asyncio.get_running_loop()
+        self.t0 = loop.time()  # virtual under a FakeClock
         wall0 = datetime.now(UTC)
+        dispatcher = self.dispatcher = Dispatcher(self, None)  # type: ignore[arg-type]
+        dispatcher.bind_clock(loop, time.time())
         whole = isinstance(source, list | tuple)
-        self._compact = not whole
+        self._streamed = not whole
+        registry = config.registry
+        self.store = dispatcher.store = config.store.open_run(
+            self.run_id,
+            admission=Admission(
+                [k for k, v in registry.by_kind.items() if v], registry.input_models()
+            ),
+            listener=self,
+            wall=dispatcher.wall,
+            task_timeout=config.timeouts.task,
+            compact=not whole,
+        )
         dropped = self.bus.dropped
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
-            self._admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
-            self._input_done()
-        capacity = self.config.capacity
-        capacity.runs.append(self)
-        timed_out = False
+            self.store.admit(source, where="tasks", forward=True)
+            self._close_input()
+        capacity = config.capacity
+        capacity.runs.append(dispatcher)
+        timed_out = cancelled = False
         with structlog.contextvars.bound_contextvars(run_id=self.run_id):
-            log.info("run started", tasks=self._open if whole else "streamed")
+            log.info("run started", tasks=self.store.unfinished if whole else "streamed")
             try:
                 async with asyncio.TaskGroup() as pool:
-                    self._start_workers(pool)
+                    dispatcher.start(pool, loop)
                     if not whole:
-                        self._spawn(self._feed(source))
-                    self._check_done()
-                    with anyio.move_on_after(self.config.timeouts.run) as scope:
+                        pool.create_task(self._feed(source))
+                    if self._input_done and not self.store.unfinished:
+                        self._finish()
+                    with anyio.move_on_after(config.timeouts.run) as scope:
                         await self._done.wait()
                     timed_out = scope.cancelled_caught
-                    self._cancel_all()  # parked workers, retry sleepers, the watcher, the feeder
+                    dispatcher.cancel_all()  # parked and running workers, the feeder
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
             finally:
-                capacity.runs.remove(self)
+                capacity.runs.remove(dispatcher)
+                dispatcher.stop()
+                if cancelled or timed_out:
+                    self._cancel_rest(timed_out)
                 if self._results is not None:
                     self._results.close()
+                if cancelled:
+                    self._emit_finished("cancelled", loop.time() - self.t0)
             if self._input_error is not None:
                 raise self._input_error
-            if timed_out:
-                self.report.reason = f"run timeout after {self.config.timeouts.run}s"
-                for node in self.graph.unfinished():
-                    self._settle(
-                        node, CANCELLED, None, error=self.report.reason, error_type="RunTimeout"
-                    )
             result = self._result(wall0, self.bus.dropped - dropped)
             log.info(
                 "run finished", status=result.status, elapsed=round(result.metadata.elapsed, 6)
             )
-        if self.bus.active:
-            self.bus.emit(
-                RunFinished(self._time(), self.run_id, result.status, result.metadata.elapsed)
-            )
+        self._emit_finished(result.status, result.metadata.elapsed)
         return result
+
+    def _cancel_rest(self, timed_out: bool) -> None:
+        """End every unfinished task as cancelled, once (the workers are gone by now)."""
+        if timed_out:
+            reason = f"run timeout after {self.config.timeouts.run}s"
+            error_type = "RunTimeout"
+            self.report.reason = reason
+            self.report.cut_short = True
+        else:
+            reason, error_type = "the run was cancelled", "Cancelled"
+            self.report.cancelled = True
+        store = self.store
+        # Claimed or running ones come back flagged: their workers are gone, so end them here.
+        for record in store.cancel(Selector(), reason, error_type):
+            store.settle(record, record.token, CANCELLED, error=reason, error_type=error_type)
+
+    def _emit_finished(self, status: str, elapsed: float) -> None:
+        if self.bus.active:
+            self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
 
     def _result(self, wall0: datetime, dropped: int) -> RunResult:
         data = None
@@ -125,61 +206,25 @@ class Run(Dispatcher):
         if self._agg_error is not None:
             self.report.reason = self._agg_error
         return self.report.result(
-            self.graph.live(),
+            () if self._streamed else self.store.results(),
             run_id=self.run_id,
             wall0=wall0,
-            elapsed=self._time() - self.t0,
+            elapsed=self.dispatcher._time() - self.t0,
             threshold=self.config.success_threshold,
             data=data,
             events_dropped=dropped,
         )
 
-    # -- admission -------------------------------------------------------------------------------
+    def _aggregator_failed(self, exc: Exception) -> None:
+        """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
+        log.error("aggregator raised; data will be None", exc_info=True)
+        self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"
 
-    def _admit(
-        self,
-        tasks: Sequence[Any],
-        *,
-        where: str,
-        forward: bool,
-        closed_ok: bool = True,
-        first_index: int = 0,
-        parent: Node | None = None,
-    ) -> None:
-        # A large batch allocates a node per task, and all of them survive: left on, the cyclic
-        # garbage collector would walk them again and again while they are built, which costs as
-        # much as the admission itself. It is paused for this synchronous loop (only payload
-        # validation runs user code here) and restored right after.
-        pause = len(tasks) >= _GC_PAUSE_BATCH and gc.isenabled()
-        if pause:
-            gc.disable()
-        try:
-            new, skipped = self.graph.admit(
-                tasks,
-                where=where,
-                forward=forward,
-                closed_groups_ok=closed_ok,
-                first_index=first_index,
-                parent=parent,
-            )
-        finally:
-            if pause:
-                gc.enable()
-        self._open += len(new)
-        for node, reason in skipped:
-            self._settle(node, SKIPPED, None, error=reason, error_type="DependencyFailed")
-        for node in new:
-            if node.waiting == 0 and node.state is PENDING:
-                self._ready(node)
+    def _finish(self) -> None:
+        self._done.set()
+        self.dispatcher.stop()
 
-    def _admit_spawned(self, tasks: list[Task], parent: Node) -> None:
-        self._admit(
-            tasks,
-            where=f"tasks spawned by {parent.id!r}",
-            forward=False,
-            closed_ok=False,
-            parent=parent,
-        )
+    # -- streamed input --------------------------------------------------------------------------
 
     async def _feed(self, source: Iterable[Task] | AsyncIterable[Task]) -> None:
         """Admit a streamed input, with backpressure (at most `window` tasks unfinished, unless
@@ -188,26 +233,23 @@ class Run(Dispatcher):
         What the input raises (an `InputError` for a bad task, or the source's own error) ends the
         run and reaches the caller as it is; the source is closed however the run ends."""
         pulled = 0
+        store = self.store
         try:
             if isinstance(source, AsyncIterable):
                 async for task in source:  # each item admitted as soon as it arrives
-                    if self._open >= self._window and self._active:
+                    if store.unfinished >= self._window:
                         await self._wait_for_window()
-                    node, skip = self.graph.admit_one(task, pulled)
+                    store.admit_one(task, pulled)
                     pulled += 1
-                    self._open += 1
-                    if skip is not None:
-                        self._settle(node, SKIPPED, None, error=skip, error_type="DependencyFailed")
-                    elif not node.waiting:
-                        self._ready(node)
             else:  # a plain iterable never waits: admit it in chunks, as the window allows
                 iterator = iter(source)
                 while True:
                     await self._wait_for_window()
-                    chunk = list(islice(iterator, max(1, min(_CHUNK, self._window - self._open))))
+                    room = max(1, min(_CHUNK, self._window - store.unfinished))
+                    chunk = list(islice(iterator, room))
                     if not chunk:
                         break
-                    self._admit(chunk, where="input item", forward=False, first_index=pulled)
+                    store.admit(chunk, where="input item", forward=False, first_index=pulled)
                     pulled += len(chunk)
                     await anyio.lowlevel.checkpoint()  # let the workers start on it
         except Exception as exc:
@@ -217,185 +259,28 @@ class Run(Dispatcher):
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(source)
-        self._input_done()
-        self._check_done()
+        self._close_input()
+        if not store.unfinished:
+            self._finish()
 
     async def _wait_for_window(self) -> None:
         # Every unfinished task counts; but when none is ready or running (all wait for
         # dependencies or groups that only the rest of the input can complete), more input is
         # the only way forward, and it is let in.
-        while self._open >= self._window and self._active:
+        store = self.store
+        while store.unfinished >= self._window and store.unfinished > store.pending:
             event = self._window_free = anyio.Event()
             await event.wait()
 
-    def _input_done(self) -> None:
-        self.graph.source_done = True
-        for tag, group in self.graph.groups.items():
-            self._maybe_close(tag, group)
-
-    def check_spawn(self, task: Task, parent: Node, pending: list[Task]) -> None:
-        """`ctx.spawn`: check a task now; it is admitted when the spawning attempt succeeds."""
-        graph = self.graph
-        graph.check(task, f"task spawned by {parent.id!r}")
-        known = {p.id for p in pending}
-        if graph.known(task.id) or task.id in known:
-            raise InputError(
-                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
-                task_id=task.id,
-                field="id",
-            )
-        for dep in task.depends_on:
-            if not graph.known(dep) and dep not in known:
-                raise InputError(
-                    f"task {task.id!r} (spawned by {parent.id!r}) depends on unknown task {dep!r}",
-                    task_id=task.id,
-                    field="depends_on",
-                )
-        for tag in task.tags:
-            group = graph.groups.get(tag)
-            if group is not None and group.closed:
-                raise InputError(
-                    f"task {parent.id!r} spawns {task.id!r} into group {tag!r}, which is closed",
-                    task_id=task.id,
-                    field="tags",
-                )
-
-    def deps_of(self, node: Node) -> dict[str, Any]:
-        return self.graph.deps_of(node)
+    def _close_input(self) -> None:
+        self._input_done = True
+        self.store.close_input()
 
     def record_usage(self, cost: float, tokens: Mapping[str, int]) -> None:
         self.report.usage(cost, tokens)
 
-    # -- the terminal transition -----------------------------------------------------------------
-
-    def _settle(
-        self,
-        node: Node,
-        status: str,
-        output: Any,
-        *,
-        agent: str | None = None,
-        error: str | None = None,
-        error_type: str | None = None,
-        defaulted: bool = False,
-    ) -> None:
-        """Put `node` in a terminal state, once, and skip what can no longer run because of it."""
-        cascade = self._cascade  # what to skip next; empty between calls (one list per run)
-        while True:
-            if node.state not in TERMINAL:
-                self._settle_one(node, status, output, agent, error, error_type, defaulted, cascade)
-            if not cascade:
-                return
-            node, error = cascade.pop()
-            status, output, agent, error_type, defaulted = (
-                SKIPPED,
-                None,
-                None,
-                "DependencyFailed",
-                False,
-            )
-
-    def _settle_one(
-        self,
-        node: Node,
-        status: str,
-        output: Any,
-        agent: str | None,
-        error: str | None,
-        error_type: str | None,
-        defaulted: bool,
-        cascade: list[tuple[Node, str]],
-    ) -> None:
-        state = node.state
-        if state is READY:
-            self.queue.discard(node)
-        if state is not PENDING:
-            self._active -= 1
-        node.state = status
-        end = self._time()
-        t0 = self.t0
-        # The node becomes its own TaskResult.
-        node.status = status  # type: ignore[assignment]
-        if status is SUCCEEDED:
-            node.output = output
-        node.agent = agent
-        node.started = None if node.t_start is None else node.t_start - t0
-        node.finished = end - t0
-        node.error = error
-        node.error_type = error_type
-        node.defaulted = defaulted
-        dependents = node.dependents
-        if status is SUCCEEDED:
-            if self._agg_error is None:
-                try:
-                    self._acc.add(node)
-                except Exception as exc:
-                    self._aggregator_failed(exc)
-            if dependents:
-                for dep in dependents:
-                    dep.waiting -= 1
-                    if dep.waiting == 0 and dep.state is PENDING:
-                        self._ready(dep)
-        elif dependents:
-            reason = f"dependency {node.id!r} {status}"
-            cascade.extend((dep, reason) for dep in dependents)
-        node.dependents = None
-        groups = self.graph.groups
-        if groups:
-            for tag in node.task.tags:
-                group = groups[tag]
-                group.open -= 1
-                if status is not SUCCEEDED and group.failed is None:
-                    group.failed = f"group {tag!r} member {node.id!r} {status}"
-                    cascade.extend((w, group.failed) for w in group.waiters if w.state is PENDING)
-                self._maybe_close(tag, group)
-            owned = groups.get(node.id)
-            if owned is not None:
-                self._maybe_close(node.id, owned)
-        if self._debug:
-            log.debug("task finished", task_id=node.id, kind=node.kind, status=status, agent=agent)
-        if self.bus.active and self.bus.wants(TaskFinished):
-            self.bus.emit(TaskFinished(end, self.run_id, node))
-        if self._results is not None:
-            try:
-                self._results.send_nowait(node)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._results = None  # the stream's reader went away; the run goes on
-        if self._compact and status is SUCCEEDED and not node.task.tags:
-            self.report.tally(node)
-            self.graph.compact(node)
-        self._open -= 1
-        if self._window_free is not None and (self._open < self._window or not self._active):
-            self._window_free.set()
-            self._window_free = None
-        if not self._open:
-            self._check_done()
-
-    def _aggregator_failed(self, exc: Exception) -> None:
-        """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
-        log.error("aggregator raised; data will be None", exc_info=True)
-        self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"
-
-    def _maybe_close(self, tag: str, group: Group) -> None:
-        # Only a group that somebody waits for is closed (and then refuses new members); a waiter
-        # that arrives later finds a closable group satisfied (`Graph._wire`).
-        if not group.waiters or not self.graph.closable(tag, group):
-            return
-        group.closed = True
-        if group.failed is not None:
-            return  # the waiters were skipped when the group failed
-        for waiter in group.waiters:
-            waiter.waiting -= 1
-            if waiter.waiting == 0 and waiter.state is PENDING:
-                self._ready(waiter)
-
-    def _check_done(self) -> None:
-        if not self._open and self.graph.source_done:
-            self._finish()
-
-    def _finish(self) -> None:
-        self._done.set()
-        self._stop_workers()
+    def admit_tasks(self, tasks: Sequence[Task]) -> None:
+        self.store.admit(tasks, where="tasks", forward=True)
 
 
 async def _close(source: object) -> None:

@@ -1,99 +1,102 @@
-"""The priority ready-queue: smallest priority number first, FIFO within a priority.
+"""The priority ready-queue of a run: smallest priority number first, FIFO within a priority.
 
-A bucket queue: per kind, one FIFO deque per priority and a heap of the priorities present. Pushing
-is a deque append (no tuple per entry, no comparisons); the dispatcher reads each kind's head and
-picks the best (priority, then ready order) among the kinds whose agents have room, so one busy
-agent never blocks the others. Priorities are few in practice (a handful of levels), so the heap
-of priorities stays tiny.
+One bucket queue for the whole run: a FIFO deque per priority and a heap of the priorities present.
+Pushing is a deque append (no tuple per entry, no comparison); popping is a deque popleft. Priorities
+are few in practice (a handful of levels), so the heap of priorities stays tiny, and the cost of a
+push or a pop does not depend on the number of kinds or agents.
 
-A node that leaves the queue without being taken (it was cancelled or timed out) stays in its deque
-and is dropped when it reaches the front (its state is no longer ready); a reprioritized node is
-moved at once (rare, O(bucket)).
+An entry that leaves the queue for good without being popped (cancelled, timed out) is not searched
+for: `discard` marks it stale (`qseq` = -1) and it is dropped when it reaches the front. A
+reprioritized entry is moved at once (`move`: rare, linear in its bucket).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-from ._task import READY
-
-if TYPE_CHECKING:
-    from ._graph import Node
-
-__all__ = ("KindQueue", "ReadyQueue")
+__all__ = ("Queued", "ReadyQueue")
 
 
-class KindQueue:
-    """The ready nodes of one kind."""
+class Queued(Protocol):
+    """What the queue needs of an entry: its priority and a slot for its queue sequence number."""
 
-    __slots__ = ("buckets", "prios")
+    priority: int
+    qseq: int
+
+
+T = TypeVar("T", bound=Queued)
+
+
+class ReadyQueue(Generic[T]):
+    """Entries by priority, FIFO within one; `len()` counts the live ones."""
+
+    __slots__ = ("_buckets", "_prios", "_seq", "_size")
 
     def __init__(self) -> None:
-        self.buckets: dict[int, deque[Node]] = {}
-        self.prios: list[int] = []  # heap of the priorities that have a bucket
+        self._buckets: dict[int, deque[T]] = {}
+        self._prios: list[int] = []  # heap of the priorities that have a bucket
+        self._seq = 0
+        self._size = 0
 
-    def head(self) -> Node | None:
-        """The best ready node of this kind (left in place), dropping stale entries."""
-        prios = self.prios
-        buckets = self.buckets
+    def push(self, entry: T) -> None:
+        bucket = self._buckets.get(entry.priority)
+        if bucket is None:
+            bucket = self._buckets[entry.priority] = deque()
+            heappush(self._prios, entry.priority)
+        self._seq += 1
+        entry.qseq = self._seq
+        bucket.append(entry)
+        self._size += 1
+
+    def pop(self) -> T | None:
+        """The best live entry, taken out of the queue (None when empty)."""
+        if not self._size:
+            return None
+        prios = self._prios
+        buckets = self._buckets
         while prios:
             bucket = buckets[prios[0]]
             while bucket:
-                node = bucket[0]
-                if node.state is READY:
-                    return node
+                entry = bucket.popleft()
+                if entry.qseq >= 0:
+                    entry.qseq = -1
+                    self._size -= 1
+                    return entry
+            del buckets[heappop(prios)]
+        return None  # pragma: no cover - `_size` counts live entries
+
+    def best_priority(self) -> int | None:
+        """The priority of the entry `pop` would return, without taking it."""
+        if not self._size:
+            return None
+        prios = self._prios
+        buckets = self._buckets
+        while prios:
+            bucket = buckets[prios[0]]
+            while bucket:
+                entry = bucket[0]
+                if entry.qseq >= 0:
+                    return entry.priority
                 bucket.popleft()
             del buckets[heappop(prios)]
-        return None
+        return None  # pragma: no cover
 
+    def discard(self, entry: T) -> None:
+        """`entry` leaves without being popped; its stale slot is dropped when it reaches the front."""
+        if entry.qseq >= 0:
+            entry.qseq = -1
+            self._size -= 1
 
-class ReadyQueue:
-    """Ready nodes by kind; `size` counts the live ones."""
-
-    __slots__ = ("_seq", "kinds", "size")
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, KindQueue] = {}
-        self._seq = 0
-        self.size = 0
-
-    def push(self, node: Node) -> None:
-        queue = self.kinds.get(node.kind)
-        if queue is None:
-            queue = self.kinds[node.kind] = KindQueue()
-        bucket = queue.buckets.get(node.priority)
-        if bucket is None:
-            bucket = queue.buckets[node.priority] = deque()
-            heappush(queue.prios, node.priority)
-        bucket.append(node)
-        self._seq += 1
-        node.qseq = self._seq  # ready order, to compare heads of different kinds
-        self.size += 1
-
-    def take(self, queue: KindQueue) -> Node:
-        """Remove the head of `queue` (the node `queue.head()` returned)."""
-        node = queue.buckets[queue.prios[0]].popleft()
-        node.qseq = -1
-        self.size -= 1
-        return node
-
-    def discard(self, node: Node) -> None:
-        """A ready node leaves without being taken; its entry is dropped when it reaches the front."""
-        if node.qseq >= 0:
-            node.qseq = -1
-            self.size -= 1
-
-    def move(self, node: Node, priority: int) -> None:
-        """Change the priority of a ready node (it goes to the back of its new priority)."""
-        queue = self.kinds[node.kind]
-        bucket = queue.buckets.get(node.priority)
-        if bucket is not None and node in bucket:
-            bucket.remove(node)
-        self.size -= 1
-        node.priority = priority
-        self.push(node)
+    def move(self, entry: T, priority: int) -> None:
+        """Change the priority of a queued entry (it goes to the back of its new priority)."""
+        bucket = self._buckets.get(entry.priority)
+        if bucket is not None and entry in bucket:
+            bucket.remove(entry)
+            self._size -= 1
+        entry.priority = priority
+        self.push(entry)
 
     def __len__(self) -> int:
-        return self.size
+        return self._size

@@ -16,10 +16,13 @@ __all__ = ("Attempt", "Task", "TaskResult", "TaskStatus")
 
 TaskStatus = Literal["succeeded", "failed", "cancelled", "skipped"]
 
-# Task life: pending → ready → running → succeeded, with running → retry_wait → ready, and the terminal
-# states succeeded, failed, cancelled, skipped. The strings are interned, so `is` compares them.
+# Task life: pending → ready → claimed → running → succeeded, with running → retry_wait → ready, and
+# the terminal states succeeded, failed, cancelled, skipped. A claimed task is leased to a dispatcher
+# that has not started its attempt yet (it waits for room at its agent). The strings are interned,
+# so `is` compares them.
 PENDING: Final = "pending"
 READY: Final = "ready"
+CLAIMED: Final = "claimed"
 RUNNING: Final = "running"
 RETRY_WAIT: Final = "retry_wait"
 SUCCEEDED: Final = "succeeded"
@@ -98,7 +101,19 @@ class Task:
 class Attempt:
     """One failed call of one agent on one task: what the error record lists, attempt by attempt."""
 
-    __slots__ = ("agent", "duration", "error_type", "message", "number", "retry_in", "started")
+    __slots__ = (
+        "agent",
+        "api_error_type",
+        "duration",
+        "error_type",
+        "message",
+        "number",
+        "request_id",
+        "retry_in",
+        "started",
+        "status_code",
+        "traceback",
+    )
 
     def __init__(
         self,
@@ -110,6 +125,10 @@ class Attempt:
         started: float,
         duration: float,
         retry_in: float | None = None,
+        traceback: str | None = None,
+        status_code: int | None = None,
+        api_error_type: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.number = number
         self.agent = agent
@@ -118,6 +137,10 @@ class Attempt:
         self.started = started
         self.duration = duration
         self.retry_in = retry_in
+        self.traceback = traceback
+        self.status_code = status_code
+        self.api_error_type = api_error_type
+        self.request_id = request_id
 
     def __repr__(self) -> str:
         return (

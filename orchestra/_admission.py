@@ -1,0 +1,179 @@
+"""Admission checks: what every store runs on a task before it enters a run.
+
+These checks know nothing of where tasks are kept: a store calls `Admission.check` on each task of
+a batch, asks it for a cycle check over the batch, and keeps (or refuses) the batch whole. Errors
+are `InputError`s naming the task and the field, raised before any agent is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._exceptions import InputError
+from ._task import Task
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+__all__ = ("Admission", "reject_cycles")
+
+
+class Admission:
+    """The checks of one run: which kinds are served, which payload models apply, generated ids."""
+
+    __slots__ = ("_auto", "_inputs", "_kinds")
+
+    def __init__(
+        self, kinds: Sequence[str], inputs: Mapping[str, Sequence[type[BaseModel]]]
+    ) -> None:
+        self._kinds = frozenset(kinds)
+        self._inputs = {k: list(v) for k, v in inputs.items() if v}
+        self._auto = 0
+
+    def check(
+        self,
+        task: Any,
+        where: str,
+        index: int | None,
+        taken: Callable[[str], bool],
+    ) -> Task:
+        """Check one task's own fields (not its references); give it an id if it has none.
+
+        `taken(id)` says whether an id is in use (a generated id never collides with one). `where`
+        and `index` say where the task came from, for the error message only."""
+        if not isinstance(task, Task):
+            where = where if index is None else f"{where}[{index}]"
+            raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
+        kind = task.kind
+        task_id: Any = task.id
+        if task_id is None:
+            self._auto += 1
+            task_id = f"{kind}#{self._auto}"
+            while taken(task_id):
+                self._auto += 1
+                task_id = f"{kind}#{self._auto}"
+            task.id = task_id
+        elif type(task_id) is not str or not task_id:
+            where = where if index is None else f"{where}[{index}]"
+            raise InputError(
+                f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
+            )
+        if type(kind) is not str or kind not in self._kinds:
+            raise InputError(
+                f"task {task_id!r}: no agent serves kind {kind!r} "
+                f"(kinds served: {', '.join(sorted(self._kinds)) or 'none'})",
+                task_id=task_id,
+                field="kind",
+            )
+        if type(task.priority) is not int:
+            raise InputError(
+                f"task {task_id!r}: priority must be an int, got {task.priority!r}",
+                task_id=task_id,
+                field="priority",
+            )
+        timeout = task.timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < float("inf")
+        ):
+            raise InputError(
+                f"task {task_id!r}: timeout must be a positive number of seconds, got {timeout!r}",
+                task_id=task_id,
+                field="timeout",
+            )
+        if task.depends_on:
+            _strings(task_id, "depends_on", task.depends_on)
+            if task_id in task.depends_on:
+                raise InputError(
+                    f"task {task_id!r} depends on itself", task_id=task_id, field="depends_on"
+                )
+        if task.tags:
+            _strings(task_id, "tags", task.tags)
+        if task.depends_on_tags:
+            _strings(task_id, "depends_on_tags", task.depends_on_tags)
+            for tag in task.depends_on_tags:
+                if tag in task.tags:
+                    raise InputError(
+                        f"task {task_id!r} carries tag {tag!r} and waits for group {tag!r}: "
+                        "it would wait for itself",
+                        task_id=task_id,
+                        field="depends_on_tags",
+                    )
+        if task.key is not None and (type(task.key) is not str or not task.key):
+            raise InputError(
+                f"task {task_id!r}: key must be a non-empty string, got {task.key!r}",
+                task_id=task_id,
+                field="key",
+            )
+        models = self._inputs.get(kind)
+        if models is not None:
+            _validate_payload(task, models)
+        return task
+
+
+def _strings(task_id: str, field: str, value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, Sequence | set | frozenset):
+        raise InputError(
+            f"task {task_id!r}: {field} must be a list of strings, got {value!r}",
+            task_id=task_id,
+            field=field,
+        )
+    for item in value:
+        if type(item) is not str:
+            raise InputError(
+                f"task {task_id!r}: {field} must hold strings, got {item!r}",
+                task_id=task_id,
+                field=field,
+            )
+
+
+def _validate_payload(task: Task, models: list[type[BaseModel]]) -> None:
+    from pydantic import ValidationError
+
+    payload = task.payload
+    for model in models:
+        if isinstance(payload, model):
+            continue
+        try:
+            validated = model.model_validate(payload)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "payload"
+            raise InputError(
+                f"task {task.id!r}: payload fails {model.__name__} at {field!r}: {first['msg']}",
+                task_id=task.id,
+                field=f"payload.{field}" if first["loc"] else "payload",
+            ) from exc
+        if len(models) == 1:
+            task.payload = validated  # agents of this kind receive the typed model
+
+
+def reject_cycles(batch: Sequence[Task], ids: Container[str]) -> None:
+    """Kahn's algorithm over a batch's edges (dependencies and group memberships): linear in the
+    batch's tasks and edges. Raises `InputError` naming the tasks on a cycle."""
+    members: dict[str, list[str]] = {}
+    for task in batch:
+        for tag in task.tags:
+            members.setdefault(tag, []).append(task.id)
+    edges: dict[str, list[str]] = {}
+    indegree = {t.id: 0 for t in batch}
+    for task in batch:
+        before = [d for d in task.depends_on if d in ids]
+        for tag in task.depends_on_tags:
+            before.extend(members.get(tag, ()))
+        for dep in before:
+            edges.setdefault(dep, []).append(task.id)
+            indegree[task.id] += 1
+    ready = [t for t, n in indegree.items() if n == 0]
+    while ready:
+        for nxt in edges.get(ready.pop(), ()):
+            indegree[nxt] -= 1
+            if indegree[nxt] == 0:
+                ready.append(nxt)
+    stuck = sorted(t for t, n in indegree.items() if n > 0)
+    if stuck:
+        raise InputError(
+            f"dependency cycle among tasks {stuck}", task_id=stuck[0], field="depends_on"
+        )

@@ -1,0 +1,726 @@
+"""The in-memory store: a run's tasks as plain objects in one process (the default store).
+
+One `Record` per task, keyed by id, doubling as the task's `TaskResult` once it ends: one object per
+task instead of two is what keeps admission at a few hundred nanoseconds and the garbage collector
+quiet (the public face, `TaskResult`, is the same object; only the fields of a result are public).
+Every transition is a handful of attribute writes; nothing here awaits.
+
+Groups: every tag names a group. A task with `depends_on_tags=["g"]` waits until the group `g` is
+closed: every member (task carrying the tag) succeeded and no more members can appear — the input is
+exhausted and the task whose id is `g` (its usual spawner), if there is one, has ended. A member
+that fails skips the waiters at once, as a failed dependency does.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Any
+
+from .._admission import reject_cycles
+from .._exceptions import InputError
+from .._scheduler import ReadyQueue
+from .._store import KEEP, Selector
+from .._task import (
+    CANCELLED,
+    CLAIMED,
+    PENDING,
+    READY,
+    RETRY_WAIT,
+    RUNNING,
+    SKIPPED,
+    SUCCEEDED,
+    TERMINAL,
+    Task,
+    TaskResult,
+)
+
+if TYPE_CHECKING:
+    from .._admission import Admission
+    from .._store import Listener
+    from .._task import Attempt
+
+__all__ = ("MemoryStore", "Record")
+
+_GC_PAUSE_BATCH = 1_000  # admissions at least this large pause the cyclic GC (see `admit`)
+
+
+class Record(TaskResult):
+    """A task's state in a run; once the task has ended, it is its `TaskResult`.
+
+    Until then `state`, `target`, `token` and `t_start` say where it is; the `TaskResult` fields
+    (`status`, `agent`, `started`, `finished`, ...) are filled in when it ends.
+    """
+
+    __slots__ = (
+        "agent_tries",
+        "cancelling",
+        "deadline",
+        "dependents",
+        "due",
+        "feedback",
+        "id",
+        "index",
+        "parent",
+        "priority",
+        "qseq",
+        "state",
+        "t_start",
+        "target",
+        "token",
+        "tried",
+        "waiting",
+    )
+
+    def __init__(self, task: Task, index: int, parent: Record | None) -> None:
+        self.task = task
+        self.index = index  # in the input, or among the spawner's spawns
+        self.parent = parent
+        self.id = self.task_id = task.id
+        self.kind = task.kind
+        self.priority = task.priority
+        self.seq = index
+        self.qseq = -1
+        self.state: str = PENDING
+        self.status = PENDING  # type: ignore[assignment]  # the terminal status once ended
+        self.waiting = 0
+        self.dependents: list[Record] | None = None
+        self.target: str | None = None
+        self.tried: list[str] | None = None
+        self.agent_tries = 0
+        self.attempts = 0
+        self.token = 0
+        self.failures = None
+        self.feedback: list[str] | None = None
+        self.t_start: float | None = None
+        self.deadline: float | None = None
+        self.due: float | None = None
+        self.cancelling: str | None = None
+        self.output = None
+        # agent, started, finished, error, error_type and defaulted are set when the task ends.
+
+    @property
+    def position(self) -> tuple[int, ...]:
+        if self.parent is None:
+            return (self.index,)
+        path = [self.index]
+        record: Record | None = self.parent
+        while record is not None:
+            path.append(record.index)
+            record = record.parent
+        return tuple(reversed(path))
+
+    def __repr__(self) -> str:
+        return f"Record({self.id!r}, {self.state})"
+
+
+class Group:
+    """The tasks carrying one tag, and the tasks waiting for all of them."""
+
+    __slots__ = ("checked", "closed", "failed", "members", "open", "waiters")
+
+    def __init__(self) -> None:
+        self.members: list[Record] = []
+        self.open = 0  # members not yet terminal
+        self.waiters: list[Record] = []
+        self.closed = False
+        self.failed: str | None = None  # why the group can no longer succeed
+        # Records known not to lead (through their dependencies) to a waiter of this group: the
+        # cycle check of a new member visits each record once per group, not once per member.
+        self.checked: set[str] | None = None
+
+
+class MemoryStore:
+    """Keeps every run's tasks in memory: fast, and gone with the process. The default store."""
+
+    def open_run(
+        self,
+        run_id: str,
+        *,
+        admission: Admission,
+        listener: Listener,
+        wall: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> MemoryRun:
+        return MemoryRun(run_id, admission, listener, wall, task_timeout, compact)
+
+    def __repr__(self) -> str:
+        return "MemoryStore()"
+
+
+class MemoryRun:
+    """One run's tasks in memory (the `RunStore` of `MemoryStore`)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        admission: Admission,
+        listener: Listener,
+        wall: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> None:
+        self.run_id = run_id
+        self.unfinished = 0  # admitted, not terminal
+        self.pending = 0  # admitted, waiting for dependencies or groups (never ready yet)
+        self._admission = admission
+        self._listener = listener
+        self._wall = wall
+        self._t0 = wall()
+        self._task_timeout = task_timeout
+        self._records: dict[str, Record] = {}
+        # A streamed run forgets a succeeded task but its output (`_compact`): id -> output. A dict
+        # of ids to plain outputs is not even tracked by the garbage collector.
+        self._settled: dict[str, Any] = {}
+        self._keys: dict[str, str] = {}  # idempotency key -> task id
+        self._groups: dict[str, Group] = {}
+        self._queue: ReadyQueue[Record] = ReadyQueue()
+        self._timers: list[tuple[float, int, Record]] = []  # (wall time, seq, record): retries, deadlines
+        self._timer_seq = 0
+        self._compact = compact
+        self._input_done = False
+        self._cascade: list[tuple[Record, str]] = []  # what to skip next; empty between steps
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _taken(self, task_id: str) -> bool:
+        return task_id in self._records or task_id in self._settled
+
+    def admit(
+        self,
+        tasks: Sequence[Any],
+        *,
+        where: str,
+        forward: bool,
+        first_index: int = 0,
+        parent: Record | None = None,
+    ) -> int:
+        # A large batch allocates a record per task, and all of them survive: left on, the cyclic
+        # garbage collector would walk them again and again while they are built, which costs as
+        # much as the admission itself. It is paused for this synchronous loop (only payload
+        # validation runs user code here) and restored right after.
+        pause = len(tasks) >= _GC_PAUSE_BATCH and gc.isenabled()
+        if pause:
+            gc.disable()
+        try:
+            new = self._check_batch(tasks, where, forward, first_index, parent)
+            records = self._insert(new, first_index, parent)
+        finally:
+            if pause:
+                gc.enable()
+        self._wire_all(records)
+        return len(records)
+
+    def admit_one(self, task: Any, index: int) -> None:
+        """`admit` for one item of a streamed input: the same checks, without a batch's bookkeeping."""
+        admission = self._admission
+        admission.check(task, "input item", index, self._taken)
+        if self._taken(task.id):
+            if self._same(task):
+                return
+            raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
+        if task.key is not None and task.key in self._keys:
+            return
+        if task.depends_on:
+            self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
+        record = Record(task, index, None)
+        self._records[record.id] = record
+        if task.key is not None:
+            self._keys[task.key] = record.id
+        self.unfinished += 1
+        self.pending += 1
+        self._wire_all((record,))
+
+    def _same(self, task: Task) -> bool:
+        """Whether an admitted task with `task`'s id is the same task (idempotent re-admission)."""
+        record = self._records.get(task.id)
+        if record is None:
+            return False  # compacted: its task is gone; an id reused in one run is a duplicate
+        old = record.task
+        return old is task or (
+            old.kind == task.kind
+            and old.payload == task.payload
+            and list(old.depends_on) == list(task.depends_on)
+            and list(old.tags) == list(task.tags)
+            and list(old.depends_on_tags) == list(task.depends_on_tags)
+        )
+
+    def _check_batch(
+        self,
+        tasks: Sequence[Any],
+        where: str,
+        forward: bool,
+        first_index: int,
+        parent: Record | None,
+    ) -> list[Task]:
+        batch: list[Task] = []
+        ids: dict[str, Task] = {}
+        linked = False  # any dependency at all: only then can there be a cycle
+        given = (
+            {t.id for t in tasks if isinstance(t, Task) and t.id is not None}
+            if len(tasks) > 1
+            else ()
+        )
+
+        def taken(task_id: str) -> bool:
+            return self._taken(task_id) or task_id in given or task_id in ids
+
+        check = self._admission.check
+        keys = self._keys
+        for i, task in enumerate(tasks, first_index):
+            check(task, where, i, taken)
+            if task.depends_on or task.depends_on_tags:
+                linked = True
+            task_id = task.id
+            if task_id in ids:
+                raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
+            if self._taken(task_id):
+                if parent is None and self._same(task):
+                    continue  # admitted before, identical: idempotent
+                raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
+            if task.key is not None and task.key in keys:
+                continue  # the same work was submitted before under this key
+            if not forward and task.depends_on:
+                self._known_deps(
+                    task, ids, " (a streamed or spawned task may only depend on tasks before it)"
+                )
+            ids[task_id] = task
+            batch.append(task)
+        for task in batch:
+            if forward and task.depends_on:
+                self._known_deps(task, ids, "")
+            if parent is not None:
+                for tag in task.tags:
+                    group = self._groups.get(tag)
+                    if group is not None and group.closed:
+                        raise InputError(
+                            f"task {task.id!r} joins group {tag!r}, which is closed: its waiters "
+                            "have started",
+                            task_id=task.id,
+                            field="tags",
+                        )
+        if forward and linked and len(batch) > 1:
+            reject_cycles(batch, ids)
+        if not forward:
+            self._reject_group_cycles(batch)
+        return batch
+
+    def _insert(self, batch: list[Task], first_index: int, parent: Record | None) -> list[Record]:
+        records = self._records
+        keys = self._keys
+        new = []
+        for index, task in enumerate(batch, first_index):
+            record = Record(task, index, parent)
+            records[record.id] = record
+            if task.key is not None:
+                keys[task.key] = record.id
+            new.append(record)
+        self.unfinished += len(new)
+        self.pending += len(new)
+        return new
+
+    def _known_deps(self, task: Task, ids: Any, hint: str) -> None:
+        for dep in task.depends_on:
+            if not self._taken(dep) and dep not in ids:
+                raise InputError(
+                    f"task {task.id!r} depends on unknown task {dep!r}{hint}",
+                    task_id=task.id,
+                    field="depends_on",
+                )
+
+    def _reject_group_cycles(self, batch: Sequence[Task]) -> None:
+        """A streamed or spawned member of a group must not depend (transitively) on a task that
+        waits for that group. Each record is visited once per group over the whole run."""
+        for task in batch:
+            if not task.tags or not (task.depends_on or task.depends_on_tags):
+                continue
+            for tag in task.tags:
+                group = self._groups.get(tag)
+                if group is None or not group.waiters:
+                    continue
+                waiters = {w.id for w in group.waiters}
+                checked = group.checked
+                if checked is None:
+                    checked = group.checked = set()
+                stack = [d for d in task.depends_on if d in self._records]
+                while stack:
+                    dep = self._records.get(stack.pop())
+                    if dep is None or dep.id in checked:
+                        continue  # compacted (it waited for nothing open), or known clean
+                    if dep.id in waiters:
+                        raise InputError(
+                            f"dependency cycle: task {task.id!r} joins group {tag!r} but depends "
+                            f"on {dep.id!r}, which waits for that group",
+                            task_id=task.id,
+                            field="tags",
+                        )
+                    checked.add(dep.id)
+                    stack.extend(dep.task.depends_on)
+
+    def _wire_all(self, records: Sequence[Record]) -> None:
+        skipped = []
+        for record in records:
+            task = record.task
+            if task.depends_on or task.tags or task.depends_on_tags:
+                reason = self._wire(record)
+                if reason is not None:
+                    skipped.append((record, reason))
+        for record, reason in skipped:
+            self._end(record, SKIPPED, None, None, reason, "DependencyFailed", False)
+        for record in records:
+            if record.waiting == 0 and record.state is PENDING:
+                self._ready(record)
+
+    def _wire(self, record: Record) -> str | None:
+        """Count what `record` waits for and register it with what it waits on. Returns why it must
+        be skipped, if something it waits for has already failed."""
+        task = record.task
+        records = self._records
+        skip: str | None = None
+        for dep_id in task.depends_on:
+            dep = records.get(dep_id)
+            if dep is None or dep.state is SUCCEEDED:  # not a record: compacted, so succeeded
+                continue
+            if dep.state in TERMINAL:
+                skip = f"dependency {dep_id!r} {dep.state}"
+                continue
+            record.waiting += 1
+            if dep.dependents is None:
+                dep.dependents = [record]
+            else:
+                dep.dependents.append(record)
+        groups = self._groups
+        for tag in task.tags:
+            group = groups.get(tag)
+            if group is None:
+                group = groups[tag] = Group()
+            group.members.append(record)
+            group.open += 1
+        for tag in task.depends_on_tags:
+            group = groups.get(tag)
+            if group is None:
+                group = groups[tag] = Group()
+            if group.failed is not None:
+                skip = group.failed
+            elif not (group.closed or self._closable(tag, group)):
+                group.waiters.append(record)
+                record.waiting += 1
+        return skip
+
+    def close_input(self) -> None:
+        self._input_done = True
+        for tag, group in list(self._groups.items()):
+            self._maybe_close(tag, group)
+
+    def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
+        self._admission.check(
+            task,
+            f"task spawned by {parent.id!r}",
+            None,
+            lambda i: self._taken(i) or i in pending,
+        )
+        if self._taken(task.id) or task.id in pending:
+            raise InputError(
+                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
+                task_id=task.id,
+                field="id",
+            )
+        for dep in task.depends_on:
+            if not self._taken(dep) and dep not in pending:
+                raise InputError(
+                    f"task {task.id!r} (spawned by {parent.id!r}) depends on unknown task {dep!r}",
+                    task_id=task.id,
+                    field="depends_on",
+                )
+        for tag in task.tags:
+            group = self._groups.get(tag)
+            if group is not None and group.closed:
+                raise InputError(
+                    f"task {parent.id!r} spawns {task.id!r} into group {tag!r}, which is closed",
+                    task_id=task.id,
+                    field="tags",
+                )
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def _ready(self, record: Record) -> None:
+        if record.state is PENDING:
+            self.pending -= 1
+        if record.deadline is None:
+            timeout = record.task.timeout or self._task_timeout
+            if timeout is not None:
+                record.deadline = deadline = self._wall() + timeout
+                self._timer_seq += 1
+                heappush(self._timers, (deadline, self._timer_seq, record))
+        record.state = READY
+        self._queue.push(record)
+        self._listener.ready(record)
+
+    def claim(self) -> Record | None:
+        record = self._queue.pop()
+        if record is not None:
+            record.state = CLAIMED
+            record.token += 1
+        return record
+
+    def best_priority(self) -> int | None:
+        return self._queue.best_priority()
+
+    def start(self, record: Record, token: int, agent: str) -> bool:
+        if record.token != token or record.state is not CLAIMED:
+            return False
+        if record.target != agent:
+            record.target = agent
+            record.agent_tries = 0
+        record.state = RUNNING
+        record.attempts += 1
+        record.agent_tries += 1
+        if record.t_start is None:
+            record.t_start = self._wall()
+        return True
+
+    def fail(
+        self,
+        record: Record,
+        token: int,
+        attempt: Attempt,
+        *,
+        retry_at: float | None = None,
+        next_agent: str | None = KEEP,
+    ) -> bool:
+        if record.token != token or record.state in TERMINAL:
+            return False
+        failures = record.failures
+        if failures is None:
+            record.failures = [attempt]
+        else:
+            failures.append(attempt)
+        if next_agent is not KEEP:  # the failed agent is used up for this task
+            tried = record.tried
+            if tried is None:
+                record.tried = [attempt.agent]
+            elif attempt.agent not in tried:
+                tried.append(attempt.agent)
+            record.target = next_agent
+            record.agent_tries = 0
+        if retry_at is not None:
+            record.state = RETRY_WAIT
+            record.due = retry_at
+            self._timer_seq += 1
+            heappush(self._timers, (retry_at, self._timer_seq, record))
+        else:
+            self._ready(record)
+        return True
+
+    def settle(
+        self,
+        record: Record,
+        token: int,
+        status: str,
+        output: Any = None,
+        *,
+        spawned: Sequence[Task] = (),
+        agent: str | None = None,
+        error: str | None = None,
+        error_type: str | None = None,
+        defaulted: bool = False,
+        attempt: Attempt | None = None,
+    ) -> bool:
+        if record.token != token or record.state in TERMINAL:
+            return False
+        if attempt is not None:
+            if record.failures is None:
+                record.failures = [attempt]
+            else:
+                record.failures.append(attempt)
+        if spawned:
+            self.admit(
+                spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
+            )
+        self._end(record, status, output, agent, error, error_type, defaulted)
+        return True
+
+    def _end(
+        self,
+        record: Record,
+        status: str,
+        output: Any,
+        agent: str | None,
+        error: str | None,
+        error_type: str | None,
+        defaulted: bool,
+    ) -> None:
+        """Put `record` in a terminal state, then skip what can no longer run because of it."""
+        cascade = self._cascade
+        while True:
+            if record.state not in TERMINAL:
+                self._end_one(record, status, output, agent, error, error_type, defaulted, cascade)
+            if not cascade:
+                return
+            record, error = cascade.pop()
+            status, output, agent, error_type, defaulted = (
+                SKIPPED,
+                None,
+                None,
+                "DependencyFailed",
+                False,
+            )
+
+    def _end_one(
+        self,
+        record: Record,
+        status: str,
+        output: Any,
+        agent: str | None,
+        error: str | None,
+        error_type: str | None,
+        defaulted: bool,
+        cascade: list[tuple[Record, str]],
+    ) -> None:
+        if record.state is READY:
+            self._queue.discard(record)
+        elif record.state is PENDING:
+            self.pending -= 1
+        record.state = status
+        end = self._wall()
+        t0 = self._t0
+        record.status = status  # type: ignore[assignment]
+        if status is SUCCEEDED:
+            record.output = output
+        record.agent = agent
+        record.started = None if record.t_start is None else record.t_start - t0
+        record.finished = end - t0
+        record.error = error
+        record.error_type = error_type
+        record.defaulted = defaulted
+        self.unfinished -= 1
+        dependents = record.dependents
+        if status is SUCCEEDED:
+            if dependents:
+                for dep in dependents:
+                    dep.waiting -= 1
+                    if dep.waiting == 0 and dep.state is PENDING:
+                        self._ready(dep)
+        elif dependents:
+            reason = f"dependency {record.id!r} {status}"
+            cascade.extend((dep, reason) for dep in dependents)
+        record.dependents = None
+        groups = self._groups
+        if groups:
+            for tag in record.task.tags:
+                group = groups[tag]
+                group.open -= 1
+                if status is not SUCCEEDED and group.failed is None:
+                    group.failed = f"group {tag!r} member {record.id!r} {status}"
+                    cascade.extend((w, group.failed) for w in group.waiters if w.state is PENDING)
+                self._maybe_close(tag, group)
+            owned = groups.get(record.id)
+            if owned is not None:
+                self._maybe_close(record.id, owned)
+        self._listener.finished(record)
+        if self._compact and status is SUCCEEDED and not record.task.tags:
+            del self._records[record.id]
+            self._settled[record.id] = record.output
+
+    def _closable(self, tag: str, group: Group) -> bool:
+        """Whether no more members of `tag` can appear and every member is done."""
+        if group.closed or group.open or not self._input_done:
+            return False
+        owner = self._records.get(tag)
+        return owner is None or owner.state in TERMINAL
+
+    def _maybe_close(self, tag: str, group: Group) -> None:
+        # Only a group that somebody waits for is closed (and then refuses new members); a waiter
+        # that arrives later finds a closable group satisfied (`_wire`).
+        if not group.waiters or not self._closable(tag, group):
+            return
+        group.closed = True
+        group.checked = None
+        if group.failed is not None:
+            return  # the waiters were skipped when the group failed
+        for waiter in group.waiters:
+            waiter.waiting -= 1
+            if waiter.waiting == 0 and waiter.state is PENDING:
+                self._ready(waiter)
+
+    def cancel(
+        self, selector: Selector, reason: str, error_type: str = "Cancelled"
+    ) -> list[Record]:
+        running = []
+        for record in [r for r in self._records.values() if r.state not in TERMINAL]:
+            if record.state not in TERMINAL and selector.matches(record):
+                if record.state is RUNNING or record.state is CLAIMED:
+                    record.cancelling = reason
+                    running.append(record)
+                else:
+                    self._end(record, CANCELLED, None, None, reason, error_type, False)
+        return running
+
+    def due(self, now: float) -> list[Record]:
+        timers = self._timers
+        expired = []
+        while timers and timers[0][0] <= now:
+            when, _, record = heappop(timers)
+            if record.state in TERMINAL:
+                continue
+            if record.state is RETRY_WAIT and record.due == when:
+                record.due = None
+                self._ready(record)
+            elif record.deadline == when:
+                expired.append(record)
+        return expired
+
+    def next_due(self) -> float | None:
+        timers = self._timers
+        while timers:
+            when, _, record = timers[0]
+            if record.state not in TERMINAL and (record.due == when or record.deadline == when):
+                return when
+            heappop(timers)
+        return None
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def deps_of(self, record: Record) -> dict[str, Any]:
+        task = record.task
+        deps = {d: self._output_of(d) for d in task.depends_on}
+        for tag in task.depends_on_tags:
+            group = self._groups.get(tag)
+            if group is not None:
+                for member in group.members:
+                    deps[member.id] = member.output
+        return deps
+
+    def _output_of(self, task_id: str) -> Any:
+        record = self._records.get(task_id)
+        return self._settled.get(task_id) if record is None else record.output
+
+    def results(self) -> Iterator[Record]:
+        """The records not compacted away (every one of a whole-list run)."""
+        return iter(self._records.values())
+
+    def unfinished_records(self) -> list[Record]:
+        return [r for r in self._records.values() if r.state not in TERMINAL]
+
+    def state_of(self, task_id: str) -> str | None:
+        record = self._records.get(task_id)
+        if record is not None:
+            return record.state
+        return SUCCEEDED if task_id in self._settled else None
+
+    def record(self, task_id: str) -> Record | None:
+        return self._records.get(task_id)
+
+    def reprioritize(self, task_id: str, priority: int) -> bool:
+        record = self._records.get(task_id)
+        if record is None or record.state in TERMINAL:
+            return False
+        if record.state is READY:
+            self._queue.move(record, priority)
+            return True
+        if record.state is PENDING or record.state is RETRY_WAIT:
+            record.priority = priority
+            return True
+        return False
