@@ -15,7 +15,12 @@ hold_until(until)                       a 429 said Retry-After: no room for anyb
 watch(wake)                             call `wake()` once, on the next release that may make room
 ```
 
-`reserve_all` reserves over several limiters at once, all or nothing.
+`reserve_all` reserves over several limiters at once, all or nothing. `Rate.observe(remaining, reset)`
+takes a server's rate-limit headers into account (it only ever slows the meter down).
+
+Every limiter is per object: the orchestrator's `concurrency` and an agent's own limit are new objects
+made from ints, private to their owner; a limiter object handed to several agents or orchestrators (one
+API key, one budget) is shared by all of them, its holds and its 429s included.
 
 **Costs.** A cost is a number or a mapping of unit to amount. A number is the amount in whatever unit the
 limiter counts (so the default `1` is one request for a request rate). A mapping such as
@@ -309,6 +314,16 @@ class Rate:
     def hold_until(self, until: float) -> None:
         if until > self._hold:  # a nan never holds
             self._hold = until
+
+    def observe(self, remaining: float, reset: float) -> None:
+        """The server says only `remaining` units are left until loop time `reset` (rate-limit
+        response headers): admit no more than that before `reset`. Only ever slows the meter down.
+
+        With `remaining` 0, the next unit goes at `reset` (a 429 without Retry-After).
+        """
+        drained = reset - (remaining - self.burst + 1) * self.interval
+        if drained > self._tat:  # a nan never moves it
+            self._tat = drained
 
     def watch(self, wake: Callable[[], None]) -> None:
         """Room comes with time (`reserve` never says math.inf); `wake` runs on the next give-back."""

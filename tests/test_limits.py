@@ -242,6 +242,25 @@ class TestRate:
         tokens.reconcile(2, 0, 5.0)  # long after it drained: no credit beyond the burst
         assert admit_greedily(tokens, 3, start=5.0) == pytest.approx([5.0, 5.0, 5.01])
 
+    def test_server_headers_slow_it_to_what_is_left(self) -> None:
+        rate = Rate(600, per=60, burst=5)  # 10 a second: 5 at once, then one every 0.1 s
+        rate.observe(remaining=3, reset=10.0)  # the server has 3 left for the next 10 s
+        times = admit_greedily(rate, 5)
+        assert sum(1 for t in times if t < 10.0 - 1e-9) == 3
+        assert times == pytest.approx([9.7, 9.8, 9.9, 10.0, 10.1])
+
+    def test_nothing_left_means_room_at_the_reset(self) -> None:
+        rate = Rate(60, per=60)
+        rate.observe(remaining=0, reset=42.0)
+        assert rate.reserve(0.0, 1) == pytest.approx(42.0)
+
+    def test_headers_never_speed_it_up(self) -> None:
+        rate = Rate(1, per=10)
+        rate.reserve(0.0, 1)
+        rate.observe(remaining=1000, reset=1.0)
+        rate.observe(remaining=math.nan, reset=1.0)
+        assert rate.reserve(0.0, 1) == 10.0
+
     def test_release_gives_nothing_back(self) -> None:
         rate = Rate(1, per=10)
         rate.reserve(0.0, 1)
