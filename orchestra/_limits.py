@@ -1,0 +1,378 @@
+"""Limits: the global limit, per-agent limits and rate limits, as one kind of object.
+
+Every limiter answers the same five questions for the dispatcher, synchronously, with the time handed in
+by the caller (the event loop's `loop.time()`, which `FakeClock` virtualises); none reads a clock, sleeps
+or binds to an event loop, so one object can be given to several agents and several orchestrators and is
+then one budget for all of them (as one anyio `CapacityLimiter` is):
+
+```
+reserve(now, cost)  -> 0.0              took `cost`: go
+                    -> T > now          took nothing: ask again at loop time T
+                    -> math.inf         took nothing: ask again when `watch`'s callback runs
+reconcile(reserved, actual, now)        the call is over and its true cost known: give back or take more
+release(reserved, now)                  on every exit of the attempt (a concurrency slot comes back)
+hold_until(until)                       a 429 said Retry-After: no room for anybody until then
+watch(wake)                             call `wake()` once, on the next release that may make room
+```
+
+`reserve_all` reserves over several limiters at once, all or nothing. `Rate.observe(remaining, reset)`
+takes a server's rate-limit headers into account (it only ever slows the meter down).
+
+Every limiter is per object: the orchestrator's `concurrency` and an agent's own limit are new objects
+made from ints, private to their owner; a limiter object handed to several agents or orchestrators (one
+API key, one budget) is shared by all of them, its holds and its 429s included.
+
+**Costs.** A cost is a number or a mapping of unit to amount. A number is the amount in whatever unit the
+limiter counts (so the default `1` is one request for a request rate). A mapping such as
+`{"requests": 1, "input_tokens": 1200, "output_tokens": 4096}` lets each limiter read its own unit: a
+unit the mapping leaves out counts 0, except `"requests"`, which counts 1 (every attempt is a request).
+`Concurrency` counts attempts and ignores the cost.
+
+**Why GCRA by hand.** The well-kept rate limiters were checked first: `limits` (alisaifee) and
+`token-bucket` read `time.time()` / `time.monotonic()` inside their storage, `limits` runs expiry timers,
+`pyrate-limiter` keeps a log of one timestamp object per hit in integer milliseconds with a background
+leaker, `throttled-py`'s GCRA reads the monotonic clock in its store, and `aiolimiter` / `asyncio-throttle`
+`await` inside `acquire`. None takes `now` from the caller, answers "room at T" without sleeping, or gives
+units back after the call (tokens are known only afterwards). The generic cell rate algorithm (GCRA, the
+ATM traffic meter, as in brandur.org/rate-limiting) needs one float of state, so it is written here: it is
+smooth by construction (60 per minute is one request per second, never a minute's budget in one burst),
+and giving back or taking more is a shift of that one float.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
+
+from ._exceptions import ConfigError
+
+__all__ = (
+    "REQUESTS",
+    "Concurrency",
+    "Cost",
+    "Limiter",
+    "Rate",
+    "as_concurrency",
+    "reserve_all",
+)
+
+REQUESTS: Final = "requests"
+"""The unit every attempt counts 1 of unless its cost says otherwise."""
+
+Cost: TypeAlias = float | Mapping[str, float]
+"""An amount in the limiter's own unit, or a mapping of unit to amount (see the module docstring)."""
+
+_NUMBER = (int, float)
+_NO_HOLD: Final = -math.inf
+
+
+@runtime_checkable
+class Limiter(Protocol):
+    """What the dispatcher talks to. Every method is synchronous and takes the time from the caller."""
+
+    def reserve(self, now: float, cost: Cost) -> float:
+        """Take `cost` if there is room at `now` and return 0.0; else take nothing and return when to
+        ask again: a loop time T > now, or math.inf (only a release makes room: see `watch`)."""
+        ...
+
+    def peek(self, now: float, cost: Cost) -> float:
+        """What `reserve` would answer, taking nothing."""
+        ...
+
+    def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
+        """The call is over and cost `actual`: give back what `reserved` over-counted, or take the
+        shortfall (which may push the next room into the future). `actual` 0 undoes the reservation."""
+        ...
+
+    def release(self, reserved: Cost, now: float) -> None:
+        """The attempt has ended, however it ended: give back what is held only while it runs."""
+        ...
+
+    def hold_until(self, until: float) -> None:
+        """No room for anybody before loop time `until` (a 429's Retry-After). Never shortens a hold."""
+        ...
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` once, on the next release (or give-back) that may make room."""
+        ...
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Use, limit and the next room, for status reports."""
+        ...
+
+
+def reserve_all(
+    limiters: Sequence[Limiter],
+    now: float,
+    cost: Cost,
+    wake: Callable[[], None] | None = None,
+) -> float:
+    """Reserve `cost` on every limiter, or on none.
+
+    Returns 0.0 when all took it. Otherwise gives back what the earlier ones took and returns the
+    latest answer of all of them (the first time at which every one may have room; math.inf if one of
+    them needs a release). Given `wake`, it then watches every limiter that answered math.inf, so a
+    dispatcher that sleeps on math.inf is woken when any of them frees (it may be woken more than
+    once: `wake` must be idempotent).
+    """
+    taken = 0
+    for limiter in limiters:
+        room = limiter.reserve(now, cost)
+        if room:
+            break
+        taken += 1
+    else:
+        return 0.0
+    for limiter in limiters[:taken]:  # the slow path: give back, then find the latest room
+        limiter.reconcile(cost, 0, now)
+        limiter.release(cost, now)
+    blocked = [limiters[taken]] if room == math.inf else []
+    for limiter in limiters[taken + 1 :]:
+        later = limiter.peek(now, cost)
+        if later == math.inf:
+            blocked.append(limiter)
+        room = max(room, later)
+    if wake is not None and room == math.inf:
+        for limiter in blocked:
+            limiter.watch(wake)
+    return room
+
+
+class _Watchers:
+    """The callbacks waiting for room on one limiter; each is called once, in order, then forgotten."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting: dict[Callable[[], None], None] = {}
+
+    def wake_all(self) -> None:
+        waiting, self.waiting = self.waiting, {}
+        errors: list[BaseException] = []
+        for wake in waiting:  # every watcher is woken even if one raises: no lost wake-ups
+            try:
+                wake()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+class Concurrency:
+    """At most `limit` attempts at once: the global limit, an agent's limit, concurrent requests.
+
+    Counts attempts, whatever their cost. A full limiter answers math.inf (room comes with a release;
+    `watch` is told of it). Shared by everybody it is given to; not thread-safe (one event loop).
+    """
+
+    __slots__ = ("_hold", "_watchers", "in_use", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"Concurrency limit must be an int >= 1, got {limit!r}")
+        self.limit = limit
+        self.in_use = 0
+        self._hold = _NO_HOLD
+        self._watchers: _Watchers | None = None
+
+    def reserve(self, now: float, cost: Cost = 1) -> float:
+        if self.in_use < self.limit and now >= self._hold:
+            self.in_use += 1
+            return 0.0
+        return self._hold if now < self._hold else math.inf
+
+    def peek(self, now: float, cost: Cost = 1) -> float:
+        if now < self._hold:
+            return self._hold
+        return 0.0 if self.in_use < self.limit else math.inf
+
+    def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
+        """Nothing to true up: a slot is held for the whole attempt and given back by `release`."""
+
+    def release(self, reserved: Cost = 1, now: float = 0.0) -> None:
+        if self.in_use <= 0:
+            raise RuntimeError(f"{self!r}: released more slots than were reserved")
+        self.in_use -= 1
+        if self._watchers is not None and self._watchers.waiting:
+            self._watchers.wake_all()
+
+    def hold_until(self, until: float) -> None:
+        if until > self._hold:  # a nan never holds
+            self._hold = until
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        if self._watchers is None:
+            self._watchers = _Watchers()
+        self._watchers.waiting[wake] = None
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        return {
+            "type": "concurrency",
+            "limit": self.limit,
+            "in_use": self.in_use,
+            "room_at": max(now, self.peek(now)),
+            "held_until": self._hold if now < self._hold else None,
+            "watchers": len(self._watchers.waiting) if self._watchers is not None else 0,
+        }
+
+    def __repr__(self) -> str:
+        return f"Concurrency(limit={self.limit}, in_use={self.in_use})"
+
+
+class Rate:
+    """At most `limit` units per `per` seconds, spread evenly: one unit every `per / limit` seconds.
+
+    A generic cell rate algorithm (GCRA): one float, the loop time at which everything admitted so far
+    has drained. After an idle spell at most `burst` units go at once (default 1: 60 per minute is one
+    request a second, never 60 in the first second), so any window of `per` seconds sees at most
+    `limit + burst` units. A single cost larger than `burst` goes only when the meter is empty, and the
+    excess delays whoever comes next. Never answers math.inf: room comes with time.
+
+    Args:
+        limit: units per period (> 0).
+        per: the period in seconds (> 0): `Rate(60, per=60)` is 60 requests a minute.
+        unit: what it counts; read from mapping costs (`"input_tokens"`, `"output_tokens"`, ...).
+        burst: units that may go at once after an idle spell (> 0; default 1).
+    """
+
+    __slots__ = (
+        "_default",
+        "_hold",
+        "_tat",
+        "_watchers",
+        "burst",
+        "interval",
+        "limit",
+        "per",
+        "unit",
+    )
+
+    def __init__(
+        self, limit: float, per: float = 1.0, *, unit: str = REQUESTS, burst: float = 1
+    ) -> None:
+        _check_positive("Rate limit", limit)
+        _check_positive("Rate per", per)
+        _check_positive("Rate burst", burst)
+        if not isinstance(unit, str) or not unit:
+            raise ConfigError(f"Rate unit must be a non-empty str, got {unit!r}")
+        self.limit = limit
+        self.per = per
+        self.unit = unit
+        self.burst = burst
+        self.interval = per / limit  # seconds per unit
+        self._default = 1 if unit == REQUESTS else 0
+        self._tat = _NO_HOLD  # theoretical arrival time: when the meter is empty
+        self._hold = _NO_HOLD
+        self._watchers: _Watchers | None = None
+
+    def amount(self, cost: Cost) -> float:
+        """How many of this limiter's units `cost` is."""
+        if isinstance(cost, _NUMBER):
+            return cost
+        return cost.get(self.unit, self._default)
+
+    def reserve(self, now: float, cost: Cost = 1) -> float:
+        n = cost if isinstance(cost, _NUMBER) else cost.get(self.unit, self._default)
+        if now < self._hold:
+            return self._hold
+        tat = self._tat
+        slack = self.burst - n
+        room = tat - slack * self.interval if slack > 0 else tat
+        if room > now:
+            return room
+        self._tat = (tat if tat > now else now) + n * self.interval
+        return 0.0
+
+    def peek(self, now: float, cost: Cost = 1) -> float:
+        if now < self._hold:
+            return self._hold
+        n = self.amount(cost)
+        slack = self.burst - n
+        room = self._tat - slack * self.interval if slack > 0 else self._tat
+        return room if room > now else 0.0
+
+    def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
+        if actual is reserved:
+            return
+        more = self.amount(actual) - self.amount(reserved)
+        if not more:
+            return
+        tat = self._tat
+        if more > 0:  # took too little: the debt delays whoever comes next
+            self._tat = (tat if tat > now else now) + more * self.interval
+            return
+        if tat <= now:  # drained already: giving back changes nothing and wakes nobody
+            return
+        self._tat = tat + more * self.interval
+        if self._watchers is not None and self._watchers.waiting:
+            self._watchers.wake_all()
+
+    def release(self, reserved: Cost = 1, now: float = 0.0) -> None:
+        """Nothing to give back: what was sent was sent."""
+
+    def hold_until(self, until: float) -> None:
+        if until > self._hold:  # a nan never holds
+            self._hold = until
+
+    def observe(self, remaining: float, reset: float) -> None:
+        """The server says only `remaining` units are left until loop time `reset` (rate-limit
+        response headers): admit no more than that before `reset`. Only ever slows the meter down.
+
+        With `remaining` 0, the next unit goes at `reset` (a 429 without Retry-After).
+        """
+        drained = reset - (remaining - self.burst + 1) * self.interval
+        if drained > self._tat:  # a nan never moves it
+            self._tat = drained
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Room comes with time (`reserve` never says math.inf); `wake` runs on the next give-back."""
+        if self._watchers is None:
+            self._watchers = _Watchers()
+        self._watchers.waiting[wake] = None
+
+    def in_use(self, now: float) -> float:
+        """Units admitted that have not drained yet (0 when idle)."""
+        return max(0.0, self._tat - now) / self.interval
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        return {
+            "type": "rate",
+            "unit": self.unit,
+            "limit": self.limit,
+            "per": self.per,
+            "burst": self.burst,
+            "in_use": self.in_use(now),
+            "room_at": max(now, self.peek(now, 1)),
+            "held_until": self._hold if now < self._hold else None,
+        }
+
+    def __repr__(self) -> str:
+        return f"Rate({self.limit!r}, per={self.per!r}, unit={self.unit!r}, burst={self.burst!r})"
+
+
+def as_concurrency(value: int | Concurrency, field: str) -> Concurrency:
+    """`Orchestrator(concurrency=100)` or `concurrency=Concurrency(100)` (shared): always a limiter.
+
+    An int makes a new limiter of one's own; a `Concurrency` is used as it is, shared with whoever else
+    was given it. Anything else raises ConfigError naming `field`.
+    """
+    if isinstance(value, Concurrency):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{field} must be an int >= 1 or a Concurrency, got {value!r}")
+    return Concurrency(value)
+
+
+def _check_positive(field: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, _NUMBER)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{field} must be a finite number > 0, got {value!r}")
+
+
+for _public in (Concurrency, Rate, Limiter):
+    _public.__module__ = "orchestra"
