@@ -34,6 +34,7 @@ from ._events import (
     TaskReady,
 )
 from ._exceptions import AttemptTimeout, InputError, Rejected, TaskTimeout, VerificationError
+from ._failure import check_returned, describe
 from ._retry import RetryPolicy, Timeouts, backoff, classify
 from ._scheduler import ReadyQueue
 from ._task import FAILED, PENDING, READY, RETRY_WAIT, RUNNING, SUCCEEDED, Attempt
@@ -169,6 +170,7 @@ class Dispatcher:
         self._watching = False
         self._time: Callable[[], float] = anyio.current_time
         self.t0 = 0.0
+        self._debug = False  # per-task DEBUG lines wanted (set by `Run`)
 
     # Defined by `Run`: the terminal transition of a task.
     def _settle(
@@ -423,6 +425,7 @@ class Dispatcher:
                     and not self._verify
                 ):
                     output = await slot.call(task, ctx)  # the common case: nothing around the call
+                    check_returned(output, slot.name)
                 elif node.deadline is None:
                     output = await self._call(node, slot, ctx, start)
                 else:
@@ -491,8 +494,10 @@ class Dispatcher:
                 output = await call(node.task, ctx)
             if scope.cancelled_caught:
                 raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
+        check_returned(output, slot.name)  # before a verifier sees it
         if slot.output is not None:
             output = check_output(slot.output, output)
+            check_returned(output, slot.name)  # the model instance, as the result will dump it
         check = self._verify.get(node.kind) if self._verify else None
         if check is not None:
             await verify(check, node.task, output)
@@ -518,8 +523,8 @@ class Dispatcher:
         end = self._time()
         policy = slot.retry or self.config.retry_per_kind.get(node.kind) or self.config.retry
         retryable, retry_after = classify(exc, policy)
-        error_type = type(exc).__name__
-        message = _message(exc)
+        failure = describe(exc)
+        error_type, message = failure.error_type, failure.message
         slot.failures += 1
         slot.last_error = f"{error_type}: {message}"
         if not isinstance(exc, VerificationError | Rejected | InputError):
@@ -532,7 +537,23 @@ class Dispatcher:
             message=message,
             started=start - self.t0,
             duration=end - start,
+            traceback=failure.traceback,
+            status_code=failure.status_code,
+            api_error_type=failure.api_error_type,
+            request_id=failure.request_id,
         )
+        if self._debug:
+            log.debug(
+                "attempt failed",
+                task_id=node.id,
+                agent=slot.name,
+                attempt=node.attempts,
+                error_type=error_type,
+                error=message,
+                status_code=failure.status_code,
+                request_id=failure.request_id,
+                traceback=failure.traceback,
+            )
         if node.failures is None:
             node.failures = [attempt]
         else:
@@ -670,8 +691,3 @@ class Dispatcher:
 
 def _load(slot: AgentSlot) -> float:
     return slot.load
-
-
-def _message(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 500 else text[:497] + "..."

@@ -96,9 +96,25 @@ class Task:
 
 
 class Attempt:
-    """One failed call of one agent on one task: what the error record lists, attempt by attempt."""
+    """One failed call of one agent on one task: what the error record lists, attempt by attempt.
 
-    __slots__ = ("agent", "duration", "error_type", "message", "number", "retry_in", "started")
+    `traceback`, `status_code`, `api_error_type` and `request_id` are those of the attempt's
+    `orchestra._failure.Failure` (bounded, scrubbed of secrets); None when they do not apply.
+    """
+
+    __slots__ = (
+        "agent",
+        "api_error_type",
+        "duration",
+        "error_type",
+        "message",
+        "number",
+        "request_id",
+        "retry_in",
+        "started",
+        "status_code",
+        "traceback",
+    )
 
     def __init__(
         self,
@@ -110,6 +126,10 @@ class Attempt:
         started: float,
         duration: float,
         retry_in: float | None = None,
+        traceback: str | None = None,
+        status_code: int | None = None,
+        api_error_type: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.number = number
         self.agent = agent
@@ -118,6 +138,10 @@ class Attempt:
         self.started = started
         self.duration = duration
         self.retry_in = retry_in
+        self.traceback = traceback
+        self.status_code = status_code
+        self.api_error_type = api_error_type
+        self.request_id = request_id
 
     def __repr__(self) -> str:
         return (
