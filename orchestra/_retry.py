@@ -98,7 +98,7 @@ class Timeouts:
         unknown = [k for k in value if k not in ("attempt", "task", "run")]
         if unknown:
             raise ConfigError(
-                f"unknown timeout {sorted(map(str, unknown))}; use 'attempt', 'task' or 'run'"
+                f"timeouts has unknown keys {sorted(map(str, unknown))}; use 'attempt', 'task' or 'run'"
             )
         return cls(**value)
 
