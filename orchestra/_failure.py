@@ -180,10 +180,12 @@ def format_traceback(exc: BaseException) -> str | None:
                 current = current.__context__
             else:
                 current = None
-        text = "".join(reversed(parts))  # the root cause first, as Python prints it
+        # The root cause first, as Python prints it. Scrubbed before the cut: a cut that keeps the
+        # end could part a credential's name from its value.
+        text = scrub("".join(reversed(parts)))
         if len(text) > MAX_TRACEBACK:
             text = "[... traceback cut]\n" + text[-MAX_TRACEBACK + 20 :]
-        return scrub(text)
+        return text
     except Exception:  # a traceback is a help, never a reason to fail
         return None
 
