@@ -87,6 +87,9 @@ from ._exceptions import (
     InputError as InputError,
 )
 from ._exceptions import (
+    InvalidOutput as InvalidOutput,
+)
+from ._exceptions import (
     OrchestraError as OrchestraError,
 )
 from ._exceptions import (
@@ -162,6 +165,7 @@ __all__ = (
     "Event",
     "FallbackUsed",
     "InputError",
+    "InvalidOutput",
     "Merge",
     "OrchestraError",
     "Orchestrator",

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 import anyio
 import anyio.to_process
 import anyio.to_thread
+from pydantic import BaseModel
 
+from ._config import check_instance, check_int, check_names, check_number
 from ._exceptions import ConfigError
+from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
-    from pydantic import BaseModel
+    from collections.abc import Awaitable, Callable, Sequence
 
     from ._context import Context
-    from ._retry import RetryPolicy
     from ._task import Task
 
 __all__ = ("Agent", "AgentLike", "agent")
@@ -88,8 +87,12 @@ class Agent:
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
     ) -> None:
+        if not callable(fn):
+            raise ConfigError(f"@agent decorates a function, got {fn!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"agent name must be a non-empty string, got {name!r}")
         label = name or getattr(fn, "__name__", None) or repr(fn)
-        check_options(label, kinds, concurrency, timeout)
+        check_options(label, kinds, concurrency, timeout, retry=retry, input=input, output=output)
         if executor not in (None, "thread", "process"):
             raise ConfigError(
                 f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}"
@@ -136,22 +139,25 @@ class Agent:
         return f"Agent(name={self.name!r}, kinds={list(self.kinds)!r})"
 
 
-def check_options(label: str, kinds: Any, concurrency: Any, timeout: Any) -> None:
+def check_options(
+    label: str,
+    kinds: Any,
+    concurrency: Any,
+    timeout: Any,
+    *,
+    retry: Any = None,
+    input: Any = None,
+    output: Any = None,
+) -> None:
     """The checks every agent's options pass, `@agent` functions and agent objects alike."""
-    if isinstance(kinds, str) or not isinstance(kinds, Sequence | set | frozenset) or not kinds:
-        raise ConfigError(
-            f"agent {label!r}: kinds must be a non-empty list of names, got {kinds!r}"
-        )
-    if not all(isinstance(k, str) and k for k in kinds):
-        raise ConfigError(f"agent {label!r}: kinds must be non-empty strings, got {kinds!r}")
-    if concurrency is not None and (
-        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-    ):
-        raise ConfigError(f"agent {label!r}: concurrency must be an int >= 1, got {concurrency!r}")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-    ):
-        raise ConfigError(f"agent {label!r}: timeout must be a positive number, got {timeout!r}")
+    where = f"agent {label!r}: "
+    check_names(f"{where}kinds", kinds)
+    check_int(f"{where}concurrency", concurrency, optional=True)
+    check_number(f"{where}timeout", timeout, positive=True, optional=True)
+    check_instance(f"{where}retry", retry, RetryPolicy)
+    for field, model in (("input", input), ("output", output)):
+        if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise ConfigError(f"{where}{field} must be a pydantic model class, got {model!r}")
 
 
 def _call_in_process(module: str, qualname: str, task: Task) -> Any:

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from ._exceptions import ConfigError
+from ._config import check_int, check_number
 
 __all__ = ("Breaker", "BreakerPolicy", "BreakerState")
 
@@ -41,16 +41,13 @@ class BreakerPolicy:
     window: int = 20
 
     def __post_init__(self) -> None:
-        if not isinstance(self.failures, int) or self.failures < 1:
-            raise ConfigError(f"BreakerPolicy.failures must be an int >= 1, got {self.failures!r}")
-        if self.cooldown < 0:
-            raise ConfigError(f"BreakerPolicy.cooldown must be >= 0, got {self.cooldown!r}")
-        if self.failure_rate is not None and not 0 < self.failure_rate <= 1:
-            raise ConfigError(
-                f"BreakerPolicy.failure_rate must be in (0, 1], got {self.failure_rate!r}"
+        check_int("BreakerPolicy.failures", self.failures)
+        check_number("BreakerPolicy.cooldown", self.cooldown)
+        if self.failure_rate is not None:
+            check_number(
+                "BreakerPolicy.failure_rate", self.failure_rate, maximum=1.0, positive=True
             )
-        if self.window < 1:
-            raise ConfigError(f"BreakerPolicy.window must be >= 1, got {self.window!r}")
+        check_int("BreakerPolicy.window", self.window)
 
 
 class Breaker:

@@ -580,7 +580,7 @@ class Dispatcher:
                 ):
                     output = await slot.call(task, ctx)  # the common case: nothing around the call
                     if type(output) not in _PLAIN:
-                        output = check_returned(output, slot.name)
+                        check_returned(output, slot.name)
                 elif record.deadline is None:
                     output = await self._call(record, slot, ctx, start)
                 else:
@@ -670,9 +670,10 @@ class Dispatcher:
             if scope.cancelled_caught:
                 raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
         if type(output) not in _PLAIN:
-            output = check_returned(output, slot.name)
+            check_returned(output, slot.name)  # before a verifier sees it
         if slot.output is not None:
             output = check_output(slot.output, output)
+            check_returned(output, slot.name)  # the model instance, as the result will dump it
         check = self._verify.get(record.kind) if self._verify else None
         if check is not None:
             await verify(check, record.task, output)

@@ -11,7 +11,8 @@ OrchestraError
     │   └── VerificationError  a verifier rejected the output; its feedback reaches the next attempt
     └── PermanentError     do not retry on this agent; go to the next agent of the fallback chain
         ├── TaskTimeout        the task ran past its own timeout (all attempts together): no fallback
-        └── Rejected           the safety check refused the task before dispatch
+        ├── Rejected           the safety check refused the task before dispatch
+        └── InvalidOutput      the agent returned what no result can hold (a coroutine, non-JSON)
 ```
 """
 
@@ -27,6 +28,7 @@ __all__ = (
     "AttemptTimeout",
     "ConfigError",
     "InputError",
+    "InvalidOutput",
     "OrchestraError",
     "PermanentError",
     "Rejected",
@@ -104,3 +106,8 @@ class VerificationError(RetryableError):
 
 class Rejected(PermanentError):
     """The safety check refused a task before dispatch; it is not retried."""
+
+
+class InvalidOutput(PermanentError):
+    """An agent returned what no result can hold: a coroutine (a forgotten `await`) or a value that
+    does not serialise to JSON. A bug of the agent, so it is not retried on it."""

@@ -37,14 +37,17 @@ MODES: Final = (
 )
 
 
-class _Garbage:
-    """What a broken agent returns: not what anyone asked for."""
+class _Garbage(str):
+    """What a broken agent returns: valid JSON (a string), but not what anyone asked for. A
+    verifier or an output model must catch it; `is GARBAGE` tells it apart."""
+
+    __slots__ = ()
 
     def __repr__(self) -> str:
         return "<garbage>"
 
 
-GARBAGE: Final = _Garbage()
+GARBAGE: Final = _Garbage("<garbage>")
 
 
 def _http_error(status: int, message: str, retry_after: float | None) -> Exception:

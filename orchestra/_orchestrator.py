@@ -22,6 +22,16 @@ import structlog
 
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
+from ._config import (
+    check_callable,
+    check_instance,
+    check_int,
+    check_json,
+    check_mapping,
+    check_names,
+    check_number,
+    check_sequence,
+)
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._faults import Fault, FaultMode
@@ -106,22 +116,35 @@ class Orchestrator:
         drain_timeout: float = 5.0,
         store: Store | None = None,
     ) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigError(f"concurrency must be an int >= 1, got {concurrency!r}")
-        if not 0.0 <= success_threshold <= 1.0:
-            raise ConfigError(f"success_threshold must be in [0, 1], got {success_threshold!r}")
-        if window is not None and (
-            isinstance(window, bool) or not isinstance(window, int) or window < 1
-        ):
-            raise ConfigError(f"window must be an int >= 1, got {window!r}")
-        if (
-            isinstance(drain_timeout, bool)
-            or not isinstance(drain_timeout, int | float)
-            or drain_timeout < 0
-        ):
-            raise ConfigError(f"drain_timeout must be a number >= 0, got {drain_timeout!r}")
-        if decomposer is not None and not callable(decomposer):
-            raise ConfigError(f"decomposer must be callable, got {decomposer!r}")
+        # Every option is checked here, once, so a wrong type or value is a ConfigError naming it
+        # now, never a TypeError in the middle of a run.
+        check_sequence("agents", agents)
+        check_int("concurrency", concurrency)
+        check_callable("decomposer", decomposer)
+        check_instance("retry", retry, RetryPolicy)
+        check_mapping("retry_per_kind", retry_per_kind)
+        for kind, policy in (retry_per_kind or {}).items():
+            check_instance(f"retry_per_kind[{kind!r}]", policy, RetryPolicy, optional=False)
+        check_mapping("fallbacks", fallbacks)
+        for kind, names in (fallbacks or {}).items():
+            check_names(f"fallbacks[{kind!r}]", names)
+        check_mapping("defaults", defaults)
+        for kind, value in (defaults or {}).items():
+            check_json(f"defaults[{kind!r}]", value)
+        check_instance("breaker", breaker, BreakerPolicy)
+        check_number("success_threshold", success_threshold, maximum=1.0)
+        check_mapping("verify", verify)
+        for kind, check in (verify or {}).items():
+            check_callable(f"verify[{kind!r}]", check, optional=False)
+        check_callable("safety", safety)
+        check_int("window", window, optional=True)
+        check_int("seed", seed, minimum=None, optional=True)
+        if clock is not None and not callable(getattr(clock, "install", None)):
+            raise ConfigError(
+                f"clock must be an orchestra.testing.FakeClock or None, got {clock!r}"
+            )
+        check_callable("on_threshold_missed", on_threshold_missed)
+        check_number("drain_timeout", drain_timeout)
         self.registry = Registry(agents, breaker or BreakerPolicy(), fallbacks)
         kinds = set(self.registry.by_kind)
         for name, mapping in (
@@ -132,9 +155,6 @@ class Orchestrator:
             unknown = set(mapping or ()) - kinds
             if unknown:
                 raise ConfigError(f"{name} names kinds no agent serves: {sorted(unknown)}")
-        for kind, check in (verify or {}).items():
-            if not callable(check):
-                raise ConfigError(f"verify[{kind!r}] must be callable, got {check!r}")
         self.decomposer = decomposer
         self.clock = clock
         self._bus = EventBus()

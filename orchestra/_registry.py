@@ -55,7 +55,15 @@ class AgentSlot:
     def __init__(self, agent: AgentLike, breaker: BreakerPolicy) -> None:
         concurrency = getattr(agent, "concurrency", None)
         timeout = getattr(agent, "timeout", None)
-        check_options(agent.name, agent.kinds, concurrency, timeout)
+        check_options(
+            agent.name,
+            agent.kinds,
+            concurrency,
+            timeout,
+            retry=getattr(agent, "retry", None),
+            input=getattr(agent, "input", None),
+            output=getattr(agent, "output", None),
+        )
         self.agent = agent
         self.name: str = agent.name
         self.kinds: tuple[str, ...] = tuple(agent.kinds)
@@ -106,15 +114,7 @@ class AgentSlot:
 
 
 def _model(agent: AgentLike, field: str) -> type[BaseModel] | None:
-    from pydantic import BaseModel
-
-    model = getattr(agent, field, None)
-    if model is None:
-        return None
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise ConfigError(
-            f"agent {agent.name!r}: {field} must be a pydantic model class, got {model!r}"
-        )
+    model: type[BaseModel] | None = getattr(agent, field, None)  # checked by `check_options`
     return model
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from pydantic_core import to_json
+
 from ._aggregate import percentile
 from ._result import AttemptRecord, ErrorRecord, RunMetadata, RunResult, RunStatus, TimingStats
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
@@ -172,9 +174,8 @@ def _error_record(node: Node) -> ErrorRecord:
     result = node
     failures = node.failures or []
     error_type = result.error_type or (failures[-1].error_type if failures else "Error")
-    message = result.error or (
-        f"{failures[-1].error_type}: {failures[-1].message}" if failures else ""
-    )
+    last = failures[-1] if failures else None
+    message = result.error or (f"{last.error_type}: {last.message}" if last else "")
     return ErrorRecord(
         task_id=node.id,
         kind=node.kind,
@@ -190,13 +191,32 @@ def _error_record(node: Node) -> ErrorRecord:
                 started=a.started,
                 duration=a.duration,
                 retry_in=a.retry_in,
+                traceback=a.traceback,
+                status_code=a.status_code,
+                api_error_type=a.api_error_type,
+                request_id=a.request_id,
             )
             for a in failures
         ],
         remediation=remediation(result.status, error_type, message),
         critical=node.task.critical,
-        partial_output=node.output if result.status == FAILED else None,
+        partial_output=_keepable(node.output) if result.status == FAILED else None,
+        status_code=None if last is None else last.status_code,
+        api_error_type=None if last is None else last.api_error_type,
+        request_id=None if last is None else last.request_id,
     )
+
+
+def _keepable(output: Any) -> Any:
+    """`output` if the result can dump it to JSON, else None: a verifier's `VerificationError` may
+    carry anything as its output, and a result that cannot be dumped is worse than a missing one."""
+    if output is None or type(output) in (str, int, float, bool):
+        return output
+    try:
+        to_json(output)
+    except Exception:
+        return None
+    return output
 
 
 def remediation(status: str, error_type: str, message: str) -> str:
@@ -214,6 +234,8 @@ def remediation(status: str, error_type: str, message: str) -> str:
         return "The safety check refused this task: change its payload or the check."
     if error_type == "VerificationError":
         return "The output kept failing verification: improve the agent or its prompt, or relax the verifier."
+    if error_type == "InvalidOutput":
+        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`, a JSON-serialisable output)."
     if error_type == "InputError":
         return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
     if "429" in message or "rate limit" in lowered:

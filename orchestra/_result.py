@@ -17,7 +17,13 @@ RunStatus = Literal["success", "partial", "failed", "cancelled"]
 
 
 class AttemptRecord(BaseModel):
-    """One failed attempt: which agent, what went wrong, when (seconds since the run started), how long."""
+    """One failed attempt: which agent, what went wrong, when (seconds since the run started), how long.
+
+    `traceback` is the attempt's formatted traceback (its innermost frames, at most 8,000 characters);
+    for an HTTP error, `status_code`, `api_error_type` (the API's `error.type`, such as
+    ``"rate_limit_error"``) and `request_id` (to quote to the API's support). Messages and
+    tracebacks are scrubbed of API keys.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -28,10 +34,17 @@ class AttemptRecord(BaseModel):
     started: float
     duration: float
     retry_in: float | None = None
+    traceback: str | None = None
+    status_code: int | None = None
+    api_error_type: str | None = None
+    request_id: str | None = None
 
 
 class ErrorRecord(BaseModel):
-    """One task that did not succeed, with every attempt and a suggested remediation."""
+    """One task that did not succeed, with every attempt and a suggested remediation.
+
+    `status_code`, `api_error_type` and `request_id` are those of the last failed attempt.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -44,6 +57,9 @@ class ErrorRecord(BaseModel):
     remediation: str
     critical: bool = False
     partial_output: Any = None
+    status_code: int | None = None
+    api_error_type: str | None = None
+    request_id: str | None = None
 
 
 class TimingStats(BaseModel):

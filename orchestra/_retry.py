@@ -12,15 +12,18 @@ one formula, the classification is orchestra's own.
 from __future__ import annotations
 
 import email.utils
+import math
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
+from ._config import check_exception_types, check_int, check_number
 from ._exceptions import ConfigError, InputError, PermanentError, RetryableError
+from ._failure import http_status, response_header
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
     from random import Random
 
 __all__ = ("RetryPolicy", "Timeouts", "backoff", "classify")
@@ -49,18 +52,17 @@ class RetryPolicy:
     permanent: tuple[type[BaseException], ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ConfigError(
-                f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}"
-            )
-        if self.base < 0 or self.cap < 0:
-            raise ConfigError(
-                f"RetryPolicy.base and .cap must be >= 0, got base={self.base}, cap={self.cap}"
-            )
+        check_int("RetryPolicy.max_attempts", self.max_attempts)
+        check_number("RetryPolicy.base", self.base)
+        check_number("RetryPolicy.cap", self.cap)
         if self.jitter not in ("full", "equal", "none"):
             raise ConfigError(
                 f"RetryPolicy.jitter must be 'full', 'equal' or 'none', got {self.jitter!r}"
             )
+        # A frozen dataclass: the normalised tuples are set the way dataclasses itself sets fields.
+        for name in ("retryable", "permanent"):
+            types = check_exception_types(f"RetryPolicy.{name}", getattr(self, name))
+            object.__setattr__(self, name, types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +81,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in ("attempt", "task", "run"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ConfigError(
-                    f"Timeouts.{name} must be a positive number or None, got {value!r}"
-                )
+            check_number(f"Timeouts.{name}", getattr(self, name), positive=True, optional=True)
 
     @classmethod
     def of(cls, value: Timeouts | Mapping[str, float | None] | None) -> Timeouts:
@@ -94,9 +90,16 @@ class Timeouts:
             return cls()
         if isinstance(value, Timeouts):
             return value
-        unknown = set(value) - {"attempt", "task", "run"}
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"timeouts must be a Timeouts, a mapping such as {{'attempt': 60}} or None, "
+                f"got {value!r}"
+            )
+        unknown = [k for k in value if k not in ("attempt", "task", "run")]
         if unknown:
-            raise ConfigError(f"unknown timeout {sorted(unknown)}; use 'attempt', 'task' or 'run'")
+            raise ConfigError(
+                f"timeouts has unknown keys {sorted(map(str, unknown))}; use 'attempt', 'task' or 'run'"
+            )
         return cls(**value)
 
 
@@ -116,39 +119,46 @@ def backoff(
 
 _RETRYABLE_STATUS = frozenset((408, 409, 425, 429))
 
+MAX_RETRY_AFTER: Final = 3600.0
+"""The longest wait a server's `Retry-After` (or `RetryableError(retry_after=)`) may ask for, in
+seconds; a longer one is cut to it (a task whose deadline comes first moves on instead)."""
+
 
 def classify(exc: BaseException, policy: RetryPolicy) -> tuple[bool, float | None]:
     """Whether `exc` deserves another attempt, and the server's Retry-After hint in seconds.
 
-    Retryable: `RetryableError`, timeouts, connection errors, HTTP 408/409/425/429 and every 5xx
-    (529 "overloaded" included), and any exception not known to be permanent. Permanent:
-    `PermanentError`, `InputError`, pydantic validation errors and the other 4xx.
+    In this order: `RetryableError` is retried and `PermanentError`, `InputError`, `ConfigError`
+    are not; then the policy's own `retryable` / `permanent` types; then an HTTP response's
+    `x-should-retry: true|false` header, which the API sets to say it itself; then the status:
+    408/409/425/429 and every 5xx (529 "overloaded" included) are retried, other statuses are not,
+    except anthropic's `APIResponseValidationError` (a 200 whose body failed the client's
+    validation: a glitch, retried). Pydantic validation errors are permanent; any other exception
+    is retried. Never raises, whatever `exc` does when asked about itself.
     """
     if isinstance(exc, RetryableError):
-        return True, exc.retry_after
+        return True, sane_retry_after(exc.retry_after)
     if isinstance(exc, PermanentError | InputError | ConfigError):
         return False, None
     if policy.permanent and isinstance(exc, policy.permanent):
         return False, None
     if policy.retryable and isinstance(exc, policy.retryable):
         return True, None
-    status = _http_status(exc)
+    status = http_status(exc)
     if status is not None:
-        if status in _RETRYABLE_STATUS or status >= 500:
+        should_retry = (response_header(exc, "x-should-retry") or "").strip().lower()
+        if should_retry == "false":
+            return False, None
+        if (
+            should_retry == "true"
+            or status in _RETRYABLE_STATUS
+            or status >= 500
+            or _is_response_validation_error(exc)
+        ):
             return True, retry_after_from(exc)
         return False, None
     if _is_validation_error(exc):
         return False, None
     return True, None
-
-
-def _http_status(exc: BaseException) -> int | None:
-    # anthropic.APIStatusError has .status_code; httpx.HTTPStatusError has .response.status_code.
-    status = getattr(exc, "status_code", None)
-    if status is None:
-        response = getattr(exc, "response", None)
-        status = getattr(response, "status_code", None)
-    return status if isinstance(status, int) else None
 
 
 def _is_validation_error(exc: BaseException) -> bool:
@@ -157,22 +167,51 @@ def _is_validation_error(exc: BaseException) -> bool:
     return pydantic is not None and isinstance(exc, pydantic.ValidationError)
 
 
+def _is_response_validation_error(exc: BaseException) -> bool:
+    # Looked up the same way: an anthropic error can only exist once anthropic was imported.
+    anthropic = sys.modules.get("anthropic")
+    error = getattr(anthropic, "APIResponseValidationError", None)
+    return error is not None and isinstance(exc, error)
+
+
 def retry_after_from(exc: BaseException) -> float | None:
-    """The `retry-after-ms` / `retry-after` header of an HTTP error's response, in seconds."""
-    headers: Any = getattr(getattr(exc, "response", None), "headers", None)
-    if headers is None:
+    """The `retry-after-ms` / `retry-after` header of an HTTP error's response, in seconds.
+
+    Seconds (a float is accepted) or an HTTP date; garbage (``"soon"``, blank, negative, nan, inf)
+    gives None, a date in the past 0, and a wait longer than `MAX_RETRY_AFTER` is cut to it.
+    Never raises.
+    """
+    millis = _number(response_header(exc, "retry-after-ms"))
+    if millis is not None:
+        return sane_retry_after(millis / 1000)
+    value = response_header(exc, "retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is not None:
+        return sane_retry_after(seconds)
+    when = email.utils.parsedate_tz(value)  # None for anything that is not a date
+    if when is None:
         return None
     try:
-        millis = headers.get("retry-after-ms")
-        if millis is not None:
-            return max(0.0, float(millis) / 1000)
-        value = headers.get("retry-after")
-    except (AttributeError, TypeError, ValueError):
+        return sane_retry_after(max(0.0, email.utils.mktime_tz(when) - time.time()))
+    except (OverflowError, ValueError):  # a year 10000, say
         return None
+
+
+def _number(value: str | None) -> float | None:
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        return float(value)
     except ValueError:
-        when = email.utils.parsedate_to_datetime(value) if value else None
-        return None if when is None else max(0.0, when.timestamp() - time.time())
+        return None
+
+
+def sane_retry_after(value: Any) -> float | None:
+    """`value` as a wait in seconds: None unless a finite number >= 0, at most `MAX_RETRY_AFTER`."""
+    if type(value) is bool or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0:
+        return None
+    return min(float(value), MAX_RETRY_AFTER)

@@ -99,7 +99,11 @@ class Task:
 
 
 class Attempt:
-    """One failed call of one agent on one task: what the error record lists, attempt by attempt."""
+    """One failed call of one agent on one task: what the error record lists, attempt by attempt.
+
+    `traceback`, `status_code`, `api_error_type` and `request_id` are those of the attempt's
+    `orchestra._failure.Failure` (bounded, scrubbed of secrets); None when they do not apply.
+    """
 
     __slots__ = (
         "agent",

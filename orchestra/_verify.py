@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import Rejected, VerificationError
+from ._failure import describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -68,7 +69,8 @@ async def check_safety(check: Callable[[Task], Any], task: Task) -> None:
             verdict = await verdict
         passed, reason = _judge(verdict)
     except Exception as exc:
-        raise Rejected(f"the safety check raised {type(exc).__name__}: {exc}") from exc
+        failure = describe(exc)  # its str() may raise too
+        raise Rejected(f"the safety check raised {failure.error_type}: {failure.message}") from exc
     if not passed:
         raise Rejected(reason or "refused by the safety check")
 

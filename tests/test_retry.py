@@ -25,7 +25,7 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra._retry import backoff, classify
+from orchestra._retry import MAX_RETRY_AFTER, backoff, classify, retry_after_from
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import run_recorded
 
@@ -404,6 +404,13 @@ RETRYABLE: list[tuple[str, BaseException]] = [
         "HTTPStatusError",
         httpx2.HTTPStatusError("503", request=_response(503).request, response=_response(503)),
     ),
+    # A 200 whose body failed the client's validation: a glitch of the response, worth a retry.
+    (
+        "APIResponseValidationError",
+        anthropic.APIResponseValidationError(_response(200), body={"content": None}),
+    ),
+    # The API itself says so, whatever the status.
+    ("BadRequestError", api_error(400, {"x-should-retry": "true"})),
 ]
 
 PERMANENT: list[tuple[str, BaseException]] = [
@@ -419,7 +426,65 @@ PERMANENT: list[tuple[str, BaseException]] = [
         "HTTPStatusError",
         httpx2.HTTPStatusError("404", request=_response(404).request, response=_response(404)),
     ),
+    ("RateLimitError", api_error(429, {"x-should-retry": "false", "retry-after": "1"})),
+    ("InternalServerError", api_error(500, {"x-should-retry": "false"})),
 ]
+
+
+class TestMalformedRetryAfter:
+    """A server's hint is data from outside: garbage never raises, and never makes a task wait
+    forever."""
+
+    @pytest.mark.parametrize(
+        ("headers", "expected"),
+        [
+            ({"retry-after": "soon"}, None),
+            ({"retry-after": ""}, None),
+            ({"retry-after": "   "}, None),
+            ({"retry-after": "-5"}, None),
+            ({"retry-after": "nan"}, None),
+            ({"retry-after": "inf"}, None),
+            ({"retry-after": "-inf"}, None),
+            ({"retry-after": "1e400"}, None),  # inf once parsed
+            ({"retry-after": "99999999"}, MAX_RETRY_AFTER),
+            ({"retry-after": "Fri, 31 Dec 9999 23:59:59 GMT"}, MAX_RETRY_AFTER),
+            ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),  # in the past: now
+            ({"retry-after": "tomorrow at noon"}, None),
+            (
+                {"retry-after-ms": "soon", "retry-after": "4"},
+                4.0,
+            ),  # a bad precise header: the other
+            ({"retry-after-ms": "nan"}, None),
+            ({"retry-after-ms": "-100"}, None),
+            ({"retry-after": "12"}, 12.0),
+        ],
+    )
+    def test_retry_after_from_never_raises(
+        self, headers: dict[str, str], expected: float | None
+    ) -> None:
+        assert retry_after_from(api_error(429, headers)) == expected
+
+    @pytest.mark.parametrize("hint", ["soon", float("nan"), float("inf"), -1.0, True, None])
+    def test_a_retryable_errors_bad_hint_is_ignored(self, hint: Any) -> None:
+        assert classify(RetryableError("x", retry_after=hint), RetryPolicy()) == (True, None)
+
+    def test_a_retryable_errors_huge_hint_is_capped(self) -> None:
+        error = RetryableError("x", retry_after=1e12)
+        assert classify(error, RetryPolicy()) == (True, MAX_RETRY_AFTER)
+
+    @pytest.mark.parametrize("value", ["soon", "", "nan", "-3"])
+    async def test_a_429_with_a_malformed_retry_after_falls_back_to_the_backoff(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        value: str,
+    ) -> None:
+        raiser = Raiser("api", ["work"], [api_error(429, {"retry-after": value})])
+        policy = RetryPolicy(max_attempts=2, base=0.25, jitter="none")
+        orch = make_orchestrator(agents=[raiser], retry=policy)
+        result, _, rec = await run_recorded(orch, [make_task("work")])
+        assert result.status == "success"
+        assert rec.delays() == [0.25]
 
 
 class TestClassification:
@@ -476,6 +541,41 @@ class TestClassification:
     )
     def test_classify(self, error: BaseException, retryable: bool, hint: float | None) -> None:
         assert classify(error, RetryPolicy()) == (retryable, hint)
+
+    @pytest.mark.parametrize(
+        ("header", "status", "retryable"),
+        [
+            ("false", 429, False),
+            ("false", 529, False),
+            (" FALSE ", 503, False),
+            ("true", 400, True),
+            ("true", 404, True),
+            ("maybe", 429, True),  # not a verdict: the status decides
+            ("maybe", 400, False),
+        ],
+    )
+    def test_the_servers_x_should_retry_header_decides(
+        self, header: str, status: int, retryable: bool
+    ) -> None:
+        error = api_error(status, {"x-should-retry": header})
+        assert classify(error, RetryPolicy())[0] is retryable
+
+    def test_a_policys_own_types_win_over_the_header(self) -> None:
+        error = api_error(429, {"x-should-retry": "false"})
+        policy = RetryPolicy(retryable=(anthropic.RateLimitError,))
+        assert classify(error, policy) == (True, None)
+
+    def test_an_exception_whose_attributes_raise_is_classified(self) -> None:
+        class Weird(Exception):
+            @property
+            def status_code(self) -> int:
+                raise RuntimeError("no status here")
+
+            @property
+            def response(self) -> Any:
+                raise RuntimeError("no response either")
+
+        assert classify(Weird(), RetryPolicy()) == (True, None)
 
     def test_policy_can_declare_more_permanent_and_retryable_types(self) -> None:
         policy = RetryPolicy(permanent=(KeyError,), retryable=(anthropic.BadRequestError,))

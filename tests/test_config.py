@@ -1,0 +1,281 @@
+"""Configuration: every option of `Orchestrator`, `RetryPolicy`, `BreakerPolicy`, `Timeouts` and
+`@agent` given a wrong type or value raises `ConfigError` naming the option and the value, when it
+is given (never a `TypeError` later, never silence); the right ones still pass."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import pydantic
+import pytest
+
+from orchestra import (
+    Agent,
+    BreakerPolicy,
+    ConfigError,
+    Context,
+    Orchestrator,
+    RetryPolicy,
+    Task,
+    Timeouts,
+    agent,
+)
+
+NAN, INF = math.nan, math.inf
+
+
+@agent(kinds=["work"])
+async def writer(task: Task, ctx: Context) -> str:
+    return "ok"
+
+
+class Answer(pydantic.BaseModel):
+    title: str
+
+
+class Bad:
+    """A value of no use anywhere, with a recognisable repr."""
+
+    def __repr__(self) -> str:
+        return "<bad>"
+
+
+def assert_names(info: pytest.ExceptionInfo[ConfigError], name: str, shown: str) -> None:
+    message = str(info.value)
+    assert name.lower() in message.lower(), message
+    assert shown in message, message
+
+
+# (option, wrong value, what the message must show of it); the repr of the value by default.
+ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
+    ("agents", None, None),
+    ("agents", "writer", None),
+    ("agents", writer, None),
+    ("concurrency", "10", None),
+    ("concurrency", 2.5, None),
+    ("concurrency", True, None),
+    ("concurrency", 0, None),
+    ("concurrency", None, None),
+    ("decomposer", "split", None),
+    ("retry", {"max_attempts": 3}, None),
+    ("retry_per_kind", [RetryPolicy()], None),
+    ("retry_per_kind", {"work": 3}, "3"),
+    ("fallbacks", ["writer"], None),
+    ("fallbacks", {"work": "writer"}, "'writer'"),
+    ("fallbacks", {"work": []}, "[]"),
+    ("fallbacks", {"work": [1]}, "[1]"),
+    ("fallbacks", {1: ["writer"]}, "1"),
+    ("defaults", ["x"], None),
+    ("defaults", {"work": Bad()}, "<bad>"),
+    ("breaker", 5, None),
+    ("timeouts", 5, None),
+    ("timeouts", {"attempt": "5"}, "'5'"),
+    ("timeouts", {"attempt": NAN}, "nan"),
+    ("timeouts", {"task": INF}, "inf"),
+    ("timeouts", {"overall": 10}, "overall"),
+    ("success_threshold", "0.8", None),
+    ("success_threshold", NAN, None),
+    ("success_threshold", 1.5, None),
+    ("success_threshold", -0.1, None),
+    ("success_threshold", True, None),
+    ("success_threshold", None, None),
+    ("verify", {"work": "strict"}, "'strict'"),
+    ("verify", [writer], None),
+    ("safety", "yes", None),
+    ("aggregate", "collect", None),
+    ("window", 2.5, None),
+    ("window", 0, None),
+    ("window", True, None),
+    ("window", "100", None),
+    ("seed", "abc", None),
+    ("seed", 1.5, None),
+    ("clock", "fake", None),
+    ("on_threshold_missed", 3, None),
+    ("drain_timeout", NAN, None),
+    ("drain_timeout", INF, None),
+    ("drain_timeout", -1, None),
+    ("drain_timeout", "5", None),
+]
+
+RETRY: list[tuple[str, Any, str | None]] = [
+    ("max_attempts", "3", None),
+    ("max_attempts", 2.0, None),
+    ("max_attempts", True, None),
+    ("max_attempts", 0, None),
+    ("base", NAN, None),
+    ("base", INF, None),
+    ("base", "0.5", None),
+    ("base", -1, None),
+    ("base", True, None),
+    ("cap", NAN, None),
+    ("cap", INF, None),
+    ("cap", "30", None),
+    ("jitter", "random", None),
+    ("jitter", None, None),
+    ("retryable", "ValueError", None),
+    ("retryable", [1], None),
+    ("retryable", (ValueError, "x"), None),
+    ("permanent", 3, None),
+    ("permanent", [int], None),
+]
+
+BREAKER: list[tuple[str, Any, str | None]] = [
+    ("failures", "5", None),
+    ("failures", 2.5, None),
+    ("failures", True, None),
+    ("failures", 0, None),
+    ("cooldown", NAN, None),
+    ("cooldown", INF, None),
+    ("cooldown", "30", None),
+    ("cooldown", -1, None),
+    ("failure_rate", 0, None),
+    ("failure_rate", 1.5, None),
+    ("failure_rate", NAN, None),
+    ("failure_rate", "0.5", None),
+    ("failure_rate", True, None),
+    ("window", 2.5, None),
+    ("window", "20", None),
+    ("window", 0, None),
+    ("window", True, None),
+]
+
+TIMEOUTS: list[tuple[str, Any, str | None]] = [
+    (name, value, None)
+    for name in ("attempt", "task", "run")
+    for value in ("5", 0, -1, NAN, INF, True)
+]
+
+AGENT: list[tuple[str, Any, str | None]] = [
+    ("kinds", "work", None),
+    ("kinds", None, None),
+    ("kinds", [], None),
+    ("kinds", [1], None),
+    ("kinds", [""], None),
+    ("name", 3, None),
+    ("name", "", None),
+    ("concurrency", "2", None),
+    ("concurrency", 2.5, None),
+    ("concurrency", True, None),
+    ("concurrency", 0, None),
+    ("input", dict, None),
+    ("input", "Answer", None),
+    ("output", 3, None),
+    ("executor", "fork", None),
+    ("retry", {"max_attempts": 3}, None),
+    ("timeout", NAN, None),
+    ("timeout", INF, None),
+    ("timeout", "5", None),
+    ("timeout", 0, None),
+    ("timeout", True, None),
+]
+
+
+def ids(cases: list[tuple[str, Any, str | None]]) -> list[str]:
+    return [f"{name}={value!r}" for name, value, _ in cases]
+
+
+class TestOrchestrator:
+    @pytest.mark.parametrize(("name", "value", "shown"), ORCHESTRATOR, ids=ids(ORCHESTRATOR))
+    def test_a_wrong_option_is_a_config_error(
+        self, name: str, value: Any, shown: str | None
+    ) -> None:
+        options: dict[str, Any] = {"agents": [writer], name: value}
+        with pytest.raises(ConfigError) as info:
+            Orchestrator(**options)
+        assert_names(info, name, shown or repr(value))
+
+    @pytest.mark.parametrize(
+        "options",
+        [
+            {"concurrency": 1},
+            {"success_threshold": 0},
+            {"success_threshold": 1},
+            {"success_threshold": 0.5},
+            {"window": None},
+            {"seed": -5},
+            {"drain_timeout": 0},
+            {"timeouts": {"attempt": 1.5, "task": None}},
+            {"timeouts": Timeouts(run=60)},
+            {"fallbacks": {"work": ("writer",)}},
+            {"defaults": {"work": {"answer": None}}},
+            {"retry_per_kind": {"work": RetryPolicy(max_attempts=1)}},
+            {"agents": (writer,)},
+        ],
+        ids=repr,
+    )
+    def test_right_options_pass(self, options: dict[str, Any]) -> None:
+        options.setdefault("agents", [writer])
+        Orchestrator(**options)
+
+    def test_an_agent_objects_own_options_are_checked(self) -> None:
+        class Summarizer:
+            name = "summarizer"
+            kinds = ("work",)
+            retry: ClassVar = {"max_attempts": 3}
+
+            async def __call__(self, task: Task, ctx: Context) -> str:
+                return "ok"
+
+        with pytest.raises(ConfigError, match=r"agent 'summarizer': retry must be a RetryPolicy"):
+            Orchestrator(agents=[Summarizer()])
+
+
+class TestPolicies:
+    @pytest.mark.parametrize(("name", "value", "shown"), RETRY, ids=ids(RETRY))
+    def test_retry_policy(self, name: str, value: Any, shown: str | None) -> None:
+        with pytest.raises(ConfigError) as info:
+            RetryPolicy(**{name: value})
+        assert_names(info, f"RetryPolicy.{name}", shown or repr(value))
+
+    @pytest.mark.parametrize(("name", "value", "shown"), BREAKER, ids=ids(BREAKER))
+    def test_breaker_policy(self, name: str, value: Any, shown: str | None) -> None:
+        with pytest.raises(ConfigError) as info:
+            BreakerPolicy(**{name: value})
+        assert_names(info, f"BreakerPolicy.{name}", shown or repr(value))
+
+    @pytest.mark.parametrize(("name", "value", "shown"), TIMEOUTS, ids=ids(TIMEOUTS))
+    def test_timeouts(self, name: str, value: Any, shown: str | None) -> None:
+        with pytest.raises(ConfigError) as info:
+            Timeouts(**{name: value})
+        assert_names(info, f"Timeouts.{name}", shown or repr(value))
+
+    def test_exception_types_are_normalised_to_a_tuple(self) -> None:
+        # Typed as tuples; one class or a list is accepted too, and stored as a tuple.
+        one = RetryPolicy(retryable=KeyError)  # type: ignore[arg-type]
+        listed = RetryPolicy(permanent=[KeyError, ValueError])  # type: ignore[arg-type]
+        assert (one.retryable, listed.permanent) == ((KeyError,), (KeyError, ValueError))
+
+    def test_right_values_pass(self) -> None:
+        RetryPolicy(max_attempts=1, base=0, cap=0, jitter="none")
+        BreakerPolicy(failures=1, cooldown=0, failure_rate=1, window=1)
+        Timeouts(attempt=0.001, task=10, run=None)
+
+
+class TestAgent:
+    @pytest.mark.parametrize(("name", "value", "shown"), AGENT, ids=ids(AGENT))
+    def test_a_wrong_option_is_a_config_error(
+        self, name: str, value: Any, shown: str | None
+    ) -> None:
+        options: dict[str, Any] = {"kinds": ["work"], name: value}
+
+        async def fn(task: Task, ctx: Context) -> str:
+            return "ok"
+
+        with pytest.raises(ConfigError) as info:
+            agent(fn, **options)
+        assert_names(info, name, shown or repr(value))
+
+    def test_agent_decorates_a_callable(self) -> None:
+        with pytest.raises(ConfigError, match="@agent decorates a function, got 'fn'"):
+            Agent("fn", kinds=["work"])  # type: ignore[arg-type]
+
+    def test_right_options_pass(self) -> None:
+        async def fn(task: Task, ctx: Context) -> str:
+            return "ok"
+
+        built = agent(
+            fn, kinds=("work",), name="w", concurrency=2, input=Answer, output=Answer,
+            retry=RetryPolicy(), timeout=1.5,
+        )  # fmt: skip
+        assert (built.name, built.kinds, built.concurrency) == ("w", ("work",), 2)

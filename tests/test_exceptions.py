@@ -1,0 +1,64 @@
+"""The exception tree drawn in `orchestra._exceptions`'s docstring is the tree of the classes, and the
+README's account of errors names only exceptions that exist."""
+
+from __future__ import annotations
+
+import re
+
+import orchestra
+from orchestra import _exceptions
+from tests.helpers import REPO
+
+EXPORTED = {
+    name: obj
+    for name in orchestra.__all__
+    if isinstance(obj := getattr(orchestra, name), type) and issubclass(obj, BaseException)
+}
+
+
+def drawn_tree() -> dict[str, str | None]:
+    """Each class of the docstring's tree, with the class drawn as its parent."""
+    doc = _exceptions.__doc__ or ""
+    block = doc.split("```")[1]
+    parents: dict[str, str | None] = {}
+    stack: list[tuple[int, str]] = []
+    for line in block.strip().splitlines():
+        match = re.match(r"^([\s│├└─]*)(\w+)", line)
+        assert match, line
+        depth, name = len(match[1]), match[2]
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        parents[name] = stack[-1][1] if stack else None
+        stack.append((depth, name))
+    return parents
+
+
+class TestTheTree:
+    def test_every_class_drawn_exists_under_the_parent_drawn(self) -> None:
+        for name, parent in drawn_tree().items():
+            cls = EXPORTED.get(name)
+            assert cls is not None, f"{name} is drawn but not exported"
+            if parent is None:
+                assert cls.__bases__ == (Exception,)
+            else:
+                assert EXPORTED[parent] in cls.__bases__, f"{name} is drawn under {parent}"
+
+    def test_every_exported_exception_is_drawn(self) -> None:
+        assert set(EXPORTED) == set(drawn_tree())
+
+    def test_the_readme_names_only_exceptions_that_exist(self) -> None:
+        readme = (REPO / "README.md").read_text()
+        named = set(re.findall(r"`(\w+(?:Error|Timeout|Output|Rejected))`", readme))
+        assert named, "the README names no exception"
+        assert named <= set(EXPORTED) | {"APIResponseValidationError"}, named - set(EXPORTED)
+
+    def test_the_readme_names_every_exception_an_agent_can_end_with(self) -> None:
+        readme = (REPO / "README.md").read_text()
+        for name in (
+            "ConfigError",
+            "InputError",
+            "RetryableError",
+            "PermanentError",
+            "InvalidOutput",
+        ):
+            assert f"`{name}`" in readme, name

@@ -1,0 +1,364 @@
+"""Failures: `describe` takes any exception down safely (bounded, scrubbed, never raising), and
+`check_returned` refuses exactly the outputs a `RunResult` could not hold."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+import anthropic
+import httpx2
+import pydantic
+import pytest
+
+from orchestra import InvalidOutput, RunMetadata, RunResult
+from orchestra._failure import (
+    MAX_CHAIN,
+    MAX_FRAMES,
+    MAX_MESSAGE,
+    MAX_TRACEBACK,
+    check_returned,
+    describe,
+)
+
+FAKE_KEY = (
+    "sk-ant-api03-" + "Zm9vYmFyYmF6cXV4" * 4
+)  # built here so no line of this file holds it whole
+
+
+def raised(exc: BaseException) -> BaseException:
+    """`exc` after it was raised and caught, so it carries a traceback."""
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+    raise AssertionError("unreachable")
+
+
+def api_error(
+    status: int, headers: dict[str, str] | None = None, body: Any = None
+) -> anthropic.APIStatusError:
+    request = httpx2.Request("POST", "https://api.anthropic.com/v1/messages")
+    response = httpx2.Response(status, headers=headers or {}, request=request)
+    if body is None:
+        body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    cls = anthropic.RateLimitError if status == 429 else anthropic.APIStatusError
+    return cls(f"Error code: {status} - {body}", response=response, body=body)
+
+
+class StrRaises(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+class StrAndReprRaise(StrRaises):
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ is broken too")
+
+
+class StrReturnsInt(Exception):
+    def __str__(self) -> Any:
+        return 42
+
+
+def recurse(n: int) -> None:
+    if n == 0:
+        raise ValueError("the innermost frame")
+    recurse(n - 1)
+
+
+class TestMessage:
+    def test_the_type_and_message(self) -> None:
+        failure = describe(KeyError("payload.title"))
+        assert failure.error_type == "KeyError"
+        assert failure.message == "'payload.title'"
+
+    def test_an_empty_message_is_the_class_name(self) -> None:
+        assert describe(TimeoutError()).message == "TimeoutError"
+
+    @pytest.mark.parametrize(
+        ("cls", "error"), [(StrRaises, "RuntimeError"), (StrReturnsInt, "TypeError")]
+    )
+    def test_an_exception_whose_str_fails_is_described(
+        self, cls: type[Exception], error: str
+    ) -> None:
+        failure = describe(raised(cls("x")))
+        name = cls.__name__
+        assert failure.error_type == name
+        assert failure.message == f"{name} whose str() raised {error}; repr: {name}('x')"
+        assert failure.traceback is not None
+        assert failure.traceback.endswith(f"{name}: {failure.message}\n")
+
+    def test_an_exception_whose_str_and_repr_raise_is_described(self) -> None:
+        failure = describe(raised(StrAndReprRaise()))
+        assert failure.error_type == "StrAndReprRaise"
+        assert failure.message == "<StrAndReprRaise whose str() and repr() raise>"
+
+    def test_a_long_message_is_cut_with_a_marker(self) -> None:
+        failure = describe(RuntimeError("x" * 100_000))
+        assert len(failure.message) == MAX_MESSAGE
+        assert failure.message.startswith("xxx")
+        assert failure.message.endswith(f"[... {100_000 - MAX_MESSAGE} more characters cut]")
+
+
+class TestTraceback:
+    def test_none_for_an_exception_never_raised(self) -> None:
+        assert describe(ValueError("built, not raised")).traceback is None
+
+    def test_it_names_the_frame_and_line_that_raised(self) -> None:
+        tb = describe(raised(ValueError("boom"))).traceback
+        assert tb is not None
+        assert tb.startswith("Traceback (most recent call last):\n")
+        assert "in raised" in tb
+        assert "raise exc" in tb  # the source line
+        assert tb.endswith("ValueError: boom\n")
+
+    def test_a_deep_traceback_keeps_its_innermost_frames(self) -> None:
+        exc = raised_from(lambda: recurse(200))
+        tb = describe(exc).traceback
+        assert tb is not None
+        assert tb.count("in recurse") == MAX_FRAMES
+        assert "outer frames cut" in tb
+        assert 'raise ValueError("the innermost frame")' in tb
+        assert len(tb) <= MAX_TRACEBACK
+
+    def test_a_long_chain_keeps_the_end_of_the_traceback(self) -> None:
+        exc: BaseException | None = None
+        for n in range(MAX_CHAIN):
+            cause = exc
+            exc = raised(RuntimeError(f"{n}:" + "y" * 50_000))
+            exc.__cause__ = cause
+        assert exc is not None
+        tb = describe(exc).traceback
+        assert tb is not None
+        assert len(tb) <= MAX_TRACEBACK
+        assert tb.startswith("[... traceback cut]")
+        assert f"RuntimeError: {MAX_CHAIN - 1}:yyy" in tb  # the outermost exception, last
+        assert tb.endswith("more characters cut]\n")
+
+    def test_the_cause_comes_first_as_python_prints_it(self) -> None:
+        def wrap() -> None:
+            try:
+                recurse(0)
+            except ValueError as exc:
+                raise RuntimeError("the agent gave up") from exc
+
+        tb = describe(raised_from(wrap)).traceback
+        assert tb is not None
+        cause = tb.index("ValueError: the innermost frame")
+        link = tb.index("direct cause of the following exception")
+        effect = tb.index("RuntimeError: the agent gave up")
+        assert cause < link < effect
+
+    def test_a_cycle_of_contexts_ends(self) -> None:
+        first, second = raised(ValueError("a")), raised(KeyError("b"))
+        first.__context__, second.__context__ = second, first
+        tb = describe(first).traceback
+        assert tb is not None
+        assert tb.count("ValueError: a") == 1
+
+
+def raised_from(fn: Any) -> BaseException:
+    try:
+        fn()
+    except BaseException as caught:
+        return caught
+    raise AssertionError("did not raise")
+
+
+class TestSecrets:
+    def test_an_api_key_in_the_message_is_redacted(self) -> None:
+        failure = describe(RuntimeError(f"bad key {FAKE_KEY} for the workspace"))
+        assert FAKE_KEY[8:] not in failure.message
+        assert failure.message == "bad key [redacted] for the workspace"
+
+    def test_an_api_key_in_the_traceback_is_redacted(self) -> None:
+        def leak() -> None:
+            raise PermissionError("rejected")  # Anthropic(api_key="sk-ant-api03-not-a-key")
+
+        tb = describe(raised_from(leak)).traceback
+        assert tb is not None
+        assert "not-a-key" not in tb
+        assert '# Anthropic(api_key="[redacted]")' in tb
+
+    @pytest.mark.parametrize(
+        ("text", "kept"),
+        [
+            (
+                "headers: {'x-api-key': 'abc123secret', 'accept': 'json'}",
+                "'x-api-key': '[redacted]'",
+            ),
+            ("Authorization: Bearer abc.def.ghi", "Authorization: Bearer [redacted]"),
+            ('client(api_key="hunter2hunter2")', 'api_key="[redacted]"'),
+            ("auth_token=t0ps3cr3t&x=1", "auth_token=[redacted]"),
+        ],
+    )
+    def test_credential_values_are_redacted_and_their_names_kept(
+        self, text: str, kept: str
+    ) -> None:
+        message = describe(RuntimeError(text)).message
+        assert kept in message
+        assert not any(s in message for s in ("abc123secret", "abc.def", "hunter2", "t0ps3cr3t"))
+
+
+class TestHTTPErrors:
+    def test_an_anthropic_error_gives_status_type_and_request_id(self) -> None:
+        error = api_error(429, {"request-id": "req_011CKX7"})
+        failure = describe(error)
+        assert failure.error_type == "RateLimitError"
+        assert failure.status_code == 429
+        assert failure.api_error_type == "rate_limit_error"
+        assert failure.request_id == "req_011CKX7"
+        assert "slow down" in failure.message  # the API's own message, whole
+
+    def test_an_overloaded_529(self) -> None:
+        body = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+        failure = describe(api_error(529, body=body))
+        assert (failure.status_code, failure.api_error_type, failure.request_id) == (
+            529,
+            "overloaded_error",
+            None,
+        )
+
+    def test_an_httpx_status_error_gives_status_and_request_id(self) -> None:
+        request = httpx2.Request("GET", "https://example.com/")
+        response = httpx2.Response(503, headers={"request-id": "abc"}, request=request)
+        failure = describe(httpx2.HTTPStatusError("503", request=request, response=response))
+        assert (failure.status_code, failure.api_error_type, failure.request_id) == (
+            503,
+            None,
+            "abc",
+        )
+
+    def test_another_clients_error_body_gives_the_api_error_type(self) -> None:
+        class ClientError(Exception):
+            status_code = 400
+            body: ClassVar = {"error": {"type": "invalid_request_error", "message": "max"}}
+
+        assert describe(ClientError("bad")).api_error_type == "invalid_request_error"
+
+    def test_a_plain_exception_has_no_http_fields(self) -> None:
+        failure = describe(ValueError("x"))
+        assert (failure.status_code, failure.api_error_type, failure.request_id) == (None,) * 3
+
+    def test_attributes_that_raise_are_skipped(self) -> None:
+        class Weird(Exception):
+            status_code = 500
+
+            @property
+            def request_id(self) -> str:
+                raise RuntimeError("no")
+
+            @property
+            def type(self) -> str:
+                raise RuntimeError("no")
+
+        failure = describe(Weird("x"))
+        assert (failure.status_code, failure.api_error_type, failure.request_id) == (
+            500,
+            None,
+            None,
+        )
+
+
+def dumps_in_a_result(output: Any) -> bool:
+    """Whether a `RunResult` holding `output` as its data dumps to JSON."""
+    now = datetime.now(UTC)
+    metadata = RunMetadata(
+        run_id="r", started_at=now, finished_at=now, elapsed=0.0, total=1, counts={},
+        counts_by_kind={}, success_rate=1.0, success_threshold=0.8, attempts=1, retries=0,
+        fallbacks=0, agents_used=[], tasks_per_agent={}, time_per_kind={}, peak_concurrency=1,
+    )  # fmt: skip
+    try:
+        RunResult(status="success", data={"t": output}, metadata=metadata).model_dump_json()
+    except Exception:
+        return False
+    return True
+
+
+class Answer(pydantic.BaseModel):
+    title: str
+
+
+class Loose(pydantic.BaseModel):
+    anything: Any
+
+
+def circular() -> list[Any]:
+    items: list[Any] = []
+    items.append(items)
+    return items
+
+
+OUTPUTS: list[tuple[str, Any]] = [
+    ("str", "text"),
+    ("int", 3),
+    ("float", 2.5),
+    ("nan", float("nan")),
+    ("bool", True),
+    ("None", None),
+    ("dict", {"a": [1, 2, {"b": None}]}),
+    ("tuple-keys", {(1, 2): "pydantic writes the key as a string"}),
+    ("set", {1, 2}),
+    ("model", Answer(title="Q3")),
+    ("datetime", datetime(2024, 1, 1, tzinfo=UTC)),
+    ("bytes", b"utf-8 text"),
+    ("object", object()),
+    ("bad-bytes", b"\xff\xfe"),
+    ("circular", circular()),
+    ("frozenset-key", {frozenset(): 1}),
+    ("model-with-object", Loose(anything=object())),
+    ("a-class", int),
+    ("nested-object", {"ok": 1, "bad": [object()]}),
+]
+
+
+class TestCheckReturned:
+    @pytest.mark.parametrize(("name", "output"), OUTPUTS, ids=[o[0] for o in OUTPUTS])
+    def test_refuses_exactly_what_a_run_result_cannot_dump(self, name: str, output: Any) -> None:
+        if dumps_in_a_result(output):
+            check_returned(output, "writer")
+        else:
+            with pytest.raises(
+                InvalidOutput, match=r"agent 'writer' returned a .* cannot be serialised"
+            ):
+                check_returned(output, "writer")
+
+    def test_the_error_names_the_type(self) -> None:
+        class Draft:
+            pass
+
+        with pytest.raises(InvalidOutput, match=r"returned a tests\.test_failure\..*Draft"):
+            check_returned(Draft(), "writer")
+
+    def test_both_outcomes_are_covered(self) -> None:
+        verdicts = {dumps_in_a_result(output) for _, output in OUTPUTS}
+        assert verdicts == {True, False}
+
+    async def test_a_coroutine_is_refused_and_closed(self) -> None:
+        async def summarize() -> str:
+            return "done"
+
+        coro = summarize()
+        with pytest.raises(
+            InvalidOutput, match=r"agent 'writer' returned a coroutine: did you forget `await`\?"
+        ):
+            check_returned(coro, "writer")
+        assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+        del coro
+        gc.collect()  # a coroutine never awaited nor closed would warn here (warnings are errors)
+
+    async def test_an_asyncio_task_is_refused_and_cancelled(self) -> None:
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        with pytest.raises(InvalidOutput, match=r"returned an awaitable .*Task"):
+            check_returned(task, "writer")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    def test_an_invalid_output_is_permanent(self) -> None:
+        from orchestra import PermanentError
+
+        assert issubclass(InvalidOutput, PermanentError)

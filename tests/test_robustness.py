@@ -1,0 +1,229 @@
+"""Nothing an agent returns or raises can crash a run: each crash of issue 13 (point 7) as a
+regression test through the public API. The run completes, the task's record says clearly what went
+wrong (with the traceback of every failed attempt), and `result.model_dump_json()` works."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from typing import TYPE_CHECKING, Any
+
+import anthropic
+import httpx2
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from orchestra import Context, RetryPolicy, RunResult, Task, agent
+from tests.helpers import run_recorded
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from orchestra import ErrorRecord, Orchestrator
+
+pytestmark = pytest.mark.usefixtures("clock")
+
+ONCE = RetryPolicy(max_attempts=1)
+
+
+class Unprintable(Exception):
+    """An agent's own exception whose `__str__` is broken."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+def assert_dumps(result: RunResult) -> None:
+    """The result dumps to JSON and validates back to an equal result."""
+    assert RunResult.model_validate_json(result.model_dump_json()) == result
+
+
+def only_error(result: RunResult) -> ErrorRecord:
+    (error,) = result.errors
+    return error
+
+
+def rate_limited(retry_after: str) -> anthropic.RateLimitError:
+    request = httpx2.Request("POST", "https://api.anthropic.com/v1/messages")
+    response = httpx2.Response(
+        429, headers={"retry-after": retry_after, "request-id": "req_42"}, request=request
+    )
+    body = {"type": "error", "error": {"type": "rate_limit_error", "message": "Too many requests"}}
+    return anthropic.RateLimitError(f"Error code: 429 - {body}", response=response, body=body)
+
+
+class TestAnAgentsExceptions:
+    async def test_an_exception_whose_str_raises_fails_the_attempt(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def broken(task: Task, ctx: Context) -> Any:
+            raise Unprintable
+
+        orch = make_orchestrator(agents=[broken], retry=RetryPolicy(max_attempts=2, base=0.1))
+        result = await orch.run(tasks=[make_task("work", id="t")])
+        assert result.status == "failed"
+        error = only_error(result)
+        assert error.error_type == "Unprintable"
+        assert "Unprintable whose str() raised RuntimeError" in error.message
+        assert len(error.attempts) == 2  # an unknown exception: retried, then failed
+        assert_dumps(result)
+
+    async def test_every_failed_attempt_keeps_its_traceback(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def buggy(task: Task, ctx: Context) -> Any:
+            return task.payload["title"]  # the payload is None: TypeError
+
+        orch = make_orchestrator(agents=[buggy], retry=RetryPolicy(max_attempts=2, base=0.1))
+        result = await orch.run(tasks=[make_task("work", id="t")])
+        attempts = only_error(result).attempts
+        assert len(attempts) == 2
+        for attempt in attempts:
+            assert attempt.traceback is not None
+            assert "<locals>.buggy\n" in attempt.traceback  # the frame that raised
+            assert 'return task.payload["title"]' in attempt.traceback
+            assert attempt.traceback.endswith("TypeError: 'NoneType' object is not subscriptable\n")
+        assert_dumps(result)
+
+    @pytest.mark.usefixtures("restore_structlog")
+    async def test_the_traceback_is_in_the_debug_log(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def buggy(task: Task, ctx: Context) -> Any:
+            raise ValueError("the model said no")
+
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+        with capture_logs() as entries:
+            await make_orchestrator(agents=[buggy], retry=ONCE).run(
+                tasks=[make_task("work", id="t")]
+            )
+        (line,) = [e for e in entries if e["event"] == "attempt failed"]
+        assert line["log_level"] == "debug"
+        assert (line["task_id"], line["agent"], line["error_type"]) == ("t", "buggy", "ValueError")
+        assert line["traceback"].endswith("ValueError: the model said no\n")
+
+    async def test_an_http_error_keeps_status_api_type_and_request_id(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def limited(task: Task, ctx: Context) -> Any:
+            raise rate_limited("1")
+
+        result = await make_orchestrator(agents=[limited], retry=ONCE).run(
+            tasks=[make_task("work", id="t")]
+        )
+        error = only_error(result)
+        (attempt,) = error.attempts
+        fields = (attempt.status_code, attempt.api_error_type, attempt.request_id)
+        assert fields == (429, "rate_limit_error", "req_42")
+        assert (error.status_code, error.api_error_type, error.request_id) == fields
+        assert "Too many requests" in attempt.message
+        assert_dumps(result)
+
+
+class TestMalformedRetryAfter:
+    @pytest.mark.parametrize("value", ["soon", "", "-1", "nan", "inf"])
+    async def test_a_429_with_a_bad_retry_after_is_retried_after_the_backoff(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        value: str,
+    ) -> None:
+        calls = 0
+
+        @agent(kinds=["work"])
+        async def limited(task: Task, ctx: Context) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise rate_limited(value)
+            return "done"
+
+        orch = make_orchestrator(
+            agents=[limited], retry=RetryPolicy(max_attempts=2, base=0.5, jitter="none")
+        )
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
+        assert result.status == "success"
+        assert rec.delays() == [0.5]
+        assert_dumps(result)
+
+
+class TestWhatAnAgentReturns:
+    async def test_a_forgotten_await_fails_the_attempt_clearly(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        async def summarize(task: Task) -> str:
+            return "summary"
+
+        @agent(kinds=["work"])
+        async def forgetful(task: Task, ctx: Context) -> Any:
+            return summarize(task)  # no await
+
+        orch = make_orchestrator(agents=[forgetful], retry=RetryPolicy(max_attempts=3, base=0.1))
+        result = await orch.run(tasks=[make_task("work", id="t")])
+        assert result.status == "failed"
+        error = only_error(result)
+        assert error.error_type == "InvalidOutput"
+        assert "agent 'forgetful' returned a coroutine: did you forget `await`?" in error.message
+        assert len(error.attempts) == 1  # a bug of the agent: not retried
+        assert_dumps(result)
+        gc.collect()  # an unclosed coroutine would warn "never awaited" here; warnings are errors
+
+    async def test_a_forgotten_await_moves_down_the_fallback_chain(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def forgetful(task: Task, ctx: Context) -> Any:
+            return asyncio.sleep(0, "late")
+
+        @agent(kinds=["work"])
+        async def careful(task: Task, ctx: Context) -> Any:
+            return await asyncio.sleep(0, "on time")
+
+        orch = make_orchestrator(
+            agents=[forgetful, careful], fallbacks={"work": ["forgetful", "careful"]}
+        )
+        result = await orch.run(tasks=[make_task("work", id="t")])
+        assert result.status == "success"
+        assert result.data == {"t": "on time"}
+        gc.collect()
+
+    async def test_an_output_that_cannot_be_serialised_fails_the_attempt(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        @agent(kinds=["work"])
+        async def odd(task: Task, ctx: Context) -> Any:
+            return object() if task.id == "bad" else {"ok": task.id}
+
+        orch = make_orchestrator(agents=[odd], success_threshold=0.5)
+        result = await orch.run(tasks=[make_task("work", id="good"), make_task("work", id="bad")])
+        assert result.status == "partial"
+        assert result.data == {"good": {"ok": "good"}}
+        error = only_error(result)
+        assert error.task_id == "bad"
+        assert error.error_type == "InvalidOutput"
+        assert "returned a object that cannot be serialised to JSON" in error.message
+        assert error.remediation.startswith("The agent returned what a result cannot hold")
+        assert_dumps(result)
+
+    async def test_a_verifier_rejecting_an_unserialisable_output_still_dumps(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        from orchestra import VerificationError
+
+        def strict(task: Task, output: Any) -> bool:
+            raise VerificationError("no", output=object())
+
+        @agent(kinds=["work"])
+        async def fine(task: Task, ctx: Context) -> Any:
+            return "text"
+
+        orch = make_orchestrator(agents=[fine], verify={"work": strict}, retry=ONCE)
+        result = await orch.run(tasks=[make_task("work", id="t")])
+        assert only_error(result).partial_output is None
+        assert_dumps(result)
