@@ -171,7 +171,9 @@ class Dispatcher:
             for kind, slots in config.registry.by_kind.items()
             if len(slots) == 1 and kind not in config.registry.chains
         }
-        self._cursor: dict[str, int] = {}  # the rotation of each kind served by several agents
+        # The rotation of each kind served by several agents: the registry's, so that concurrent
+        # runs spread their tasks over the agents together.
+        self._cursor = config.registry.cursor
         self._verify = config.verify
         self._safety = config.safety
         self._attempt_timeout = config.timeouts.attempt
@@ -193,13 +195,13 @@ class Dispatcher:
         self.running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = anyio.current_time
-        self._wall_offset = 0.0  # wall time minus loop time
 
     # -- time ------------------------------------------------------------------------------------
 
-    def wall(self) -> float:
-        """Wall-clock seconds (what the store keeps), virtual under a FakeClock."""
-        return self._time() + self._wall_offset
+    def now(self) -> float:
+        """The run's clock: the event loop's (virtual under a FakeClock). Stores take their times
+        on it; a durable store converts them to wall time where it persists them."""
+        return self._time()
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -211,9 +213,8 @@ class Dispatcher:
             self._spawn(self._worker())
         self._schedule()
 
-    def bind_clock(self, loop: asyncio.AbstractEventLoop, wall_now: float) -> None:
+    def bind_clock(self, loop: asyncio.AbstractEventLoop) -> None:
         self._time = loop.time
-        self._wall_offset = wall_now - loop.time()
 
     def ready(self, record: Record) -> None:
         """The store made a task ready: get a worker to it."""
@@ -311,7 +312,7 @@ class Dispatcher:
         """The agent for a claimed task if it has room now; else the task waits in a lane (or
         ends: its deadline passed) and None is returned."""
         deadline = record.deadline
-        if deadline is not None and self.wall() >= deadline:
+        if deadline is not None and self._time() >= deadline:
             self._chain_end(
                 record,
                 token,
@@ -451,7 +452,10 @@ class Dispatcher:
                 continue
             slot = lane.slot
             if slot is not None:
-                if not self._usable(slot, now) or slot.in_flight >= slot.limit:
+                if not self._usable(slot, now):
+                    self._reroute(lane)  # its agent went down while they waited
+                    return None
+                if slot.in_flight >= slot.limit:
                     return None
             elif not any(
                 s.in_flight < s.limit and self._usable(s, now) and not _used(record, s)
@@ -466,6 +470,32 @@ class Dispatcher:
             if slot is not None:
                 return record, token, slot
         return None
+
+    def _pause(self, slot: AgentSlot, until: float) -> None:
+        """No task starts on `slot` before `until` (a rate limit's Retry-After)."""
+        if until <= slot.paused_until:
+            return
+        slot.paused_until = until
+        self._order += 1
+        heappush(self._wakeups, (until, self._order, self._lane(slot, None)))
+        self._schedule()
+
+    def _reroute(self, lane: Lane) -> None:
+        """Route again every task waiting in `lane` (its agent became unusable): each goes to
+        another agent's lane, or waits for the first of its agents to recover."""
+        waiting = lane.heap
+        lane.heap = []
+        self._held -= len(waiting)
+        for _, _, record, token in waiting:
+            if record.token != token or record.state is not CLAIMED:
+                continue
+            slot = self._route(record, token)
+            if slot is not None:  # room now: it waits at the head of that agent's lane
+                other = self._lane(slot, None)
+                self._hold(record, token, other)
+                if not other.queued:
+                    other.queued = True
+                    self._recheck.append(other)
 
     def room(self, slot: AgentSlot) -> None:
         """`slot` may have room now (a slot freed, its breaker closed): look at its lanes again."""
@@ -488,7 +518,7 @@ class Dispatcher:
         at = math.inf
         due = self.store.next_due()
         if due is not None:
-            at = due - self._wall_offset
+            at = due
         if self._wakeups and self._wakeups[0][0] < at:
             at = self._wakeups[0][0]
         if at >= self._timer_at:
@@ -503,12 +533,15 @@ class Dispatcher:
         self._timer = self._loop.call_at(at, self._on_timer)
 
     def _on_timer(self) -> None:
+        # asyncio runs a timer up to its clock resolution early: the time it was set for counts
+        # as reached, or a due retry would wait one more loop turn (and a seeded run would not
+        # replay exactly).
+        now = max(self._time(), self._timer_at)
         self._timer = None
         self._timer_at = math.inf
         if self.closing:
             return
-        now = self._time()
-        for record in self.store.due(now + self._wall_offset):
+        for record in self.store.due(now):
             state = record.state
             if state is RUNNING:
                 continue  # its attempt's own cancel scope ends it at the deadline
@@ -587,7 +620,7 @@ class Dispatcher:
                     # The task's deadline bounds the whole attempt: the call, the verifier, and
                     # what runs around them.
                     with anyio.CancelScope(
-                        deadline=record.deadline - self._wall_offset
+                        deadline=record.deadline
                     ) as scope:
                         output = await self._call(record, slot, ctx, start)
                     if scope.cancelled_caught:
@@ -596,6 +629,8 @@ class Dispatcher:
                         )
                 spawned = ctx._spawned
                 if spawned:
+                    # The spawns enter with the success, as one step; a spawn the store refuses
+                    # now (its group closed meanwhile) fails the attempt instead.
                     store.settle(
                         record,
                         token,
@@ -604,6 +639,7 @@ class Dispatcher:
                         spawned=list(spawned.values()),
                         agent=slot.name,
                     )
+                    probe = False
                     self._succeeded(record, slot, start, bus)
                     return
             except asyncio.CancelledError as exc:
@@ -619,8 +655,8 @@ class Dispatcher:
                 self._failed(record, token, slot, exc, start)
             else:
                 probe = False
-                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
                 self._succeeded(record, slot, start, bus)
+                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
         finally:
             capacity.in_flight -= 1
             slot.in_flight -= 1
@@ -683,7 +719,7 @@ class Dispatcher:
         """The safety check, before the task's first attempt (not counted as one). A refusal (or a
         check that raises or passes the task's deadline) fails the task, unretried."""
         check: Callable[[Task], Any] = self._safety  # type: ignore[assignment]
-        deadline = math.inf if record.deadline is None else record.deadline - self._wall_offset
+        deadline = math.inf if record.deadline is None else record.deadline
         try:
             with anyio.CancelScope(deadline=deadline) as scope:
                 await check_safety(check, record.task)
@@ -712,12 +748,9 @@ class Dispatcher:
         if retryable and not isinstance(exc, VerificationError | TaskTimeout):
             # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
             self._breaker_changed(slot, previous, breaker.on_failure(end))
-            if retry_after is not None and _is_rate_limit(failure.status_code):
-                # Every task that shares this agent waits with it, not only this one.
-                slot.paused_until = max(slot.paused_until, end + retry_after)
-                lane = self._lane(slot, None)
-                self._order += 1
-                heappush(self._wakeups, (slot.paused_until, self._order, lane))
+            if retry_after is not None and slot.limiters and _is_rate_limit(failure.status_code):
+                # Every task that shares this agent's rate limits waits with it, not only this one.
+                self._pause(slot, end + retry_after)
         elif previous is not CLOSED:
             # The agent answered (a permanent error, a rejected output): it is up. A half-open
             # probe always reports back, whatever its outcome.
@@ -781,7 +814,7 @@ class Dispatcher:
         reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
         if retryable and record.agent_tries < policy.max_attempts:
             delay = backoff(policy, record.agent_tries - 1, self.rng, retry_after)
-            retry_at = self.wall() + delay
+            retry_at = self._time() + delay
             if record.deadline is not None and retry_at >= record.deadline:
                 # Waiting would pass the task's deadline: the next agent of the chain, now.
                 self._fall_back(
@@ -821,8 +854,10 @@ class Dispatcher:
         self._emit_fallback(record, slot, nxt, reason)
         if nxt is _NONE_LEFT:
             self._chain_end(record, token, reason, error_type, attempt)
-        else:
+        elif record.kind in self._chains:
             self.store.fail(record, token, attempt, next_agent=nxt)
+        else:  # no explicit chain: whichever agent of the kind not used up has room first
+            self.store.fail(record, token, attempt, next_agent=None)
 
     def _next_agent(self, record: Record, slot: AgentSlot) -> Any:
         """The name of the agent after `slot` in `record`'s chain (without an explicit chain: the

@@ -44,6 +44,7 @@ class AgentSlot:
         "kinds",
         "last_error",
         "limit",
+        "limiters",
         "name",
         "output",
         "paused_until",
@@ -72,6 +73,7 @@ class AgentSlot:
             agent.direct() if isinstance(agent, Agent) else agent
         )
         self.limit: int = UNLIMITED if concurrency is None else concurrency
+        self.limiters: tuple[Any, ...] = ()  # rate limits, possibly shared with other agents
         self.input = _model(agent, "input")
         self.output = _model(agent, "output")
         self.retry: RetryPolicy | None = getattr(agent, "retry", None)
@@ -121,7 +123,7 @@ def _model(agent: AgentLike, field: str) -> type[BaseModel] | None:
 class Registry:
     """Agents by name and by kind, and the fallback chain of each kind."""
 
-    __slots__ = ("by_kind", "chains", "slots")
+    __slots__ = ("by_kind", "chains", "cursor", "slots")
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class Registry:
     ) -> None:
         self.slots: dict[str, AgentSlot] = {}
         self.by_kind: dict[str, list[AgentSlot]] = {}
+        self.cursor: dict[str, int] = {}  # where each kind's rotation of agents stands
         for agent in agents:
             if not isinstance(agent, AgentLike) or not isinstance(
                 getattr(agent, "name", None), str

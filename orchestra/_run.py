@@ -12,7 +12,6 @@ the aggregate, the report and the result stream.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterable, Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import islice
@@ -120,7 +119,7 @@ class Run:
         self.t0 = loop.time()  # virtual under a FakeClock
         wall0 = datetime.now(UTC)
         dispatcher = self.dispatcher = Dispatcher(self, None)  # type: ignore[arg-type]
-        dispatcher.bind_clock(loop, time.time())
+        dispatcher.bind_clock(loop)
         whole = isinstance(source, list | tuple)
         self._streamed = not whole
         registry = config.registry
@@ -130,7 +129,7 @@ class Run:
                 [k for k, v in registry.by_kind.items() if v], registry.input_models()
             ),
             listener=self,
-            wall=dispatcher.wall,
+            clock=dispatcher.now,
             task_timeout=config.timeouts.task,
             compact=not whole,
         )

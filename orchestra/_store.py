@@ -17,9 +17,13 @@ A task's life in a store::
   token and is refused (returns False) once the task was re-leased or ended, so a worker that wakes
   late never overwrites a newer attempt. The in-memory store has one owner and no expiry, so its
   leases never expire; the token check still holds.
-- **Time.** Times that a store keeps (a retry's due time, a task's deadline, a lease's expiry) are
-  wall-clock seconds (`time.time()` scale, virtual under a `FakeClock`), never event-loop times,
-  so they survive a process. The store takes them from the `wall` function it is opened with.
+- **Time.** A store reads the run's clock (`clock`, the event loop's: virtual under a
+  `FakeClock`) and takes every time (a retry's due time, a task's deadline) on it. What must
+  survive a process is never kept as a loop time: a durable store converts at its boundary
+  (`Clock.to_wall` when it writes a due time, deadline or lease, `Clock.to_loop` when it reads
+  one), and the in-memory store, which survives nothing, keeps loop times as they are. (Taking wall
+  time on the hot path instead would cost a conversion per transition and, at epoch magnitudes,
+  round away the sub-microsecond order that makes a seeded run replay exactly.)
 - **One step.** `settle` ends a task together with what its attempt spawned and the dependents and
   groups it makes ready (or skips): the store tells its `Listener` about each task that became
   ready or terminal, in order.
@@ -55,7 +59,7 @@ class StoredTask(Protocol):
     tried: list[str] | None  # agents whose attempts it used up
     attempts: int  # every attempt so far, on every agent
     agent_tries: int  # attempts on its current agent
-    deadline: float | None  # wall time
+    deadline: float | None
     feedback: list[str] | None
     failures: list[Attempt] | None
     output: Any
@@ -165,7 +169,7 @@ class RunStore(Protocol):
         retry_at: float | None = None,
         next_agent: str | None = KEEP,
     ) -> bool:
-        """Record a failed attempt and the next step: ready again at `retry_at` (wall time), on the
+        """Record a failed attempt and the next step: ready again at `retry_at`, on the
         same agent or, with `next_agent`, on that one (None: any agent of the kind not used up);
         the agent that failed is then used up for this task. Refused with a stale token."""
 
@@ -193,11 +197,11 @@ class RunStore(Protocol):
         to cancel."""
 
     def due(self, now: float) -> list[Any]:
-        """Make the retries due by `now` (wall time) ready; return the unfinished tasks whose
+        """Make the retries due by `now` ready; return the unfinished tasks whose
         deadline passed, for the dispatcher to end (a default value or a failure)."""
 
     def next_due(self) -> float | None:
-        """The wall time of the next retry or deadline, if any."""
+        """The time of the next retry or deadline, if any."""
 
     # -- reading
     def deps_of(self, record: Any) -> dict[str, Any]: ...
@@ -218,7 +222,7 @@ class Store(Protocol):
         *,
         admission: Admission,
         listener: Listener,
-        wall: Callable[[], float],
+        clock: Callable[[], float],
         task_timeout: float | None,
         compact: bool,
     ) -> RunStore: ...

@@ -19,6 +19,7 @@ from orchestra import (
 )
 from orchestra._breaker import Breaker
 from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
+from tests.helpers import not_garbage
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -144,7 +145,13 @@ class TestOpening:
             await orch.run(tasks=[make_task("a") for _ in range(3)] + [make_task("b")])
             states = {a["name"]: a["breaker"] for a in orch.agents_status()}
         assert states == {"broken": "open", "healthy": "closed"}
-        assert [e.agent for e in rec.of(BreakerChanged)] == ["broken"]
+        # "broken" opened, let its probe through after the cool-down (half open), and opened
+        # again when the probe failed; "healthy" never changed.
+        assert [(e.agent, e.state) for e in rec.of(BreakerChanged)] == [
+            ("broken", "open"),
+            ("broken", "half_open"),
+            ("broken", "open"),
+        ]
 
     async def test_opens_on_a_failure_rate_over_the_window(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
@@ -291,11 +298,14 @@ class TestAcrossRuns:
         assert "later" not in ids(primary)
         assert "later" in ids(backup)
 
-    async def test_every_breaker_open_fails_fast_without_calling_an_agent(
-        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    async def test_every_breaker_open_makes_the_task_wait_for_the_first_probe(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
     ) -> None:
-        a = scripted("a", ["k"], then="error")
-        b = scripted("b", ["k"], then="error")
+        a = scripted("a", ["k"], script=["error"], then="ok")
+        b = scripted("b", ["k"], script=["error"], then="ok")
         orch = make_orchestrator(
             agents=[a, b],
             fallbacks={"k": ["a", "b"]},
@@ -303,18 +313,44 @@ class TestAcrossRuns:
             breaker=BreakerPolicy(failures=1, cooldown=30),
         )
         async with orch:
-            await orch.run(tasks=[make_task("k")])
-            calls = len(a.calls) + len(b.calls)
-            result: RunResult = await orch.run(tasks=[make_task("k", id="doomed")])
-        assert len(a.calls) + len(b.calls) == calls
-        record = result.error_for("doomed")
-        assert record is not None
-        assert record.error_type == "BreakerOpen"
-        assert record.attempts == []
-        assert "breaker" in record.remediation
+            first = await orch.run(tasks=[make_task("k", id="first")])
+            t0 = clock.time()
+            result: RunResult = await orch.run(tasks=[make_task("k", id="waits")])
+        # Both breakers opened on the first run; the task neither failed nor called anyone
+        # until the cool-down was over, then it was the probe that closed `a` again.
+        assert first.status == "failed"
+        assert result.status == "success"
+        assert [c.task_id for c in a.calls] == ["first", "waits"]
+        assert a.calls[-1].started - t0 == pytest.approx(30)
+        assert [s["breaker"] for s in orch.agents_status()] == ["closed", "open"]
 
-    async def test_every_breaker_open_still_closes_with_the_default(
-        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    async def test_a_task_waiting_for_a_probe_still_ends_at_its_deadline(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+    ) -> None:
+        a = scripted("a", ["k"], then="error")
+        orch = make_orchestrator(
+            agents=[a],
+            retry=RetryPolicy(max_attempts=1),
+            breaker=BreakerPolicy(failures=1, cooldown=30),
+        )
+        async with orch:
+            await orch.run(tasks=[make_task("k")])
+            result: RunResult = await orch.run(tasks=[make_task("k", id="late", timeout=5)])
+        record = result.error_for("late")
+        assert record is not None
+        assert record.error_type == "TaskTimeout"
+        assert record.attempts == []
+        assert len(a.calls) == 1
+        assert result.metadata.elapsed == pytest.approx(5)
+
+    async def test_every_breaker_open_still_closes_with_the_default_after_the_probe(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
     ) -> None:
         a = scripted("a", ["k"], then="error")
         orch = make_orchestrator(
@@ -329,7 +365,43 @@ class TestAcrossRuns:
         assert result.status == "success"
         assert result.data == {"x": "cached"}
         assert result.metadata.defaulted == ["x"]
-        assert len(a.calls) == 1
+        assert len(a.calls) == 2  # the probe failed: the chain ended, the default closed it
+
+
+class TestHealth:
+    async def test_permanent_errors_never_open_the_breaker(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        a = scripted("a", ["k"], then="permanent")
+        orch = make_orchestrator(agents=[a], breaker=BreakerPolicy(failures=2))
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        async with orch:
+            result = await orch.run(tasks=[make_task("k") for _ in range(10)])
+        assert result.metadata.counts["failed"] == 10
+        assert len(a.calls) == 10  # every task had its own (unretried) attempt
+        assert rec.of(BreakerChanged) == []
+
+    async def test_a_probe_rejected_by_the_verifier_reports_back(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+    ) -> None:
+        a = scripted("a", ["k"], script=["error", "garbage"], then="ok")
+        orch = make_orchestrator(
+            agents=[a],
+            retry=RetryPolicy(max_attempts=3, base=0.1),
+            breaker=BreakerPolicy(failures=1, cooldown=10),
+            verify={"k": not_garbage},
+        )
+        async with orch:
+            result = await orch.run(tasks=[make_task("k", id="x")])
+        # error (opens) → probe after the cool-down returns garbage (rejected: the agent
+        # answered, so the breaker closes) → the retry succeeds.
+        assert result.status == "success"
+        assert [c.outcome for c in a.calls] == ["error", "garbage", "ok"]
+        assert orch.agents_status()[0]["breaker"] == "closed"
 
 
 class TestPolicy:

@@ -118,8 +118,9 @@ class TestEventStream:
         assert 0.0 <= retry.delay <= 1.0
         [fallback] = [e for e in events if isinstance(e, FallbackUsed)]
         assert (fallback.from_agent, fallback.to_agent) == ("flaky", "backup")
-        breaker = [e for e in events if isinstance(e, BreakerChanged)]
-        assert [(e.agent, e.previous, e.state) for e in breaker] == [("flaky", "closed", "open")]
+        # A permanent error says nothing about the agent's health: only the connection error
+        # counted, one short of `failures=2`, so the breaker never opened.
+        assert [e for e in events if isinstance(e, BreakerChanged)] == []
 
     async def test_concurrent_runs_without_async_with_each_deliver_every_event(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]

@@ -140,11 +140,11 @@ class MemoryStore:
         *,
         admission: Admission,
         listener: Listener,
-        wall: Callable[[], float],
+        clock: Callable[[], float],
         task_timeout: float | None,
         compact: bool,
     ) -> MemoryRun:
-        return MemoryRun(run_id, admission, listener, wall, task_timeout, compact)
+        return MemoryRun(run_id, admission, listener, clock, task_timeout, compact)
 
     def __repr__(self) -> str:
         return "MemoryStore()"
@@ -158,7 +158,7 @@ class MemoryRun:
         run_id: str,
         admission: Admission,
         listener: Listener,
-        wall: Callable[[], float],
+        clock: Callable[[], float],
         task_timeout: float | None,
         compact: bool,
     ) -> None:
@@ -167,8 +167,8 @@ class MemoryRun:
         self.pending = 0  # admitted, waiting for dependencies or groups (never ready yet)
         self._admission = admission
         self._listener = listener
-        self._wall = wall
-        self._t0 = wall()
+        self._now = clock
+        self._t0 = clock()
         self._task_timeout = task_timeout
         self._records: dict[str, Record] = {}
         # A streamed run forgets a succeeded task but its output (`_compact`): id -> output. A dict
@@ -177,7 +177,7 @@ class MemoryRun:
         self._keys: dict[str, str] = {}  # idempotency key -> task id
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
-        self._timers: list[tuple[float, int, Record]] = []  # (wall time, seq, record): retries, deadlines
+        self._timers: list[tuple[float, int, Record]] = []  # (time, seq, record): retries, deadlines
         self._timer_seq = 0
         self._compact = compact
         self._input_done = False
@@ -451,7 +451,7 @@ class MemoryRun:
         if record.deadline is None:
             timeout = record.task.timeout or self._task_timeout
             if timeout is not None:
-                record.deadline = deadline = self._wall() + timeout
+                record.deadline = deadline = self._now() + timeout
                 self._timer_seq += 1
                 heappush(self._timers, (deadline, self._timer_seq, record))
         record.state = READY
@@ -478,7 +478,7 @@ class MemoryRun:
         record.attempts += 1
         record.agent_tries += 1
         if record.t_start is None:
-            record.t_start = self._wall()
+            record.t_start = self._now()
         return True
 
     def fail(
@@ -584,7 +584,7 @@ class MemoryRun:
         elif record.state is PENDING:
             self.pending -= 1
         record.state = status
-        end = self._wall()
+        end = self._now()
         t0 = self._t0
         record.status = status  # type: ignore[assignment]
         if status is SUCCEEDED:
