@@ -8,7 +8,7 @@ Two notions of time, never mixed:
   lease — is stored as wall time; `to_wall(t)` and `to_loop(w)` convert between the two, so a store
   can persist a due time computed from a backoff on the loop clock and wait for it again later.
 
-`Clock()` is real time. `FakeClock()` (shipped in `orchestra.testing`) is virtual time for tests:
+`Clock()` is real time; `current_clock()` is the clock of the running loop. `FakeClock()` (shipped in `orchestra.testing`) is virtual time for tests:
 while installed, `loop.time()` returns virtual time, and when the loop would block waiting for its
 next timer, the clock jumps straight to that timer — as trio's `MockClock(autojump_threshold=0)`.
 Every `asyncio.sleep`, `anyio.sleep`, cancel-scope deadline, backoff and cool-down then runs in
@@ -38,18 +38,26 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from types import TracebackType
 
-__all__ = ("Clock", "FakeClock")
+__all__ = ("Clock", "FakeClock", "current_clock")
 
 
 class Clock:
-    """Real time: `now()` is the running loop's clock (for waits), `wall()` epoch seconds (for what
-    is persisted). `FakeClock` is the same service in virtual time."""
+    """Real time: `now()` is the event loop's clock (for waits), `wall()` epoch seconds (for what
+    is persisted). `FakeClock` is the same service in virtual time; `current_clock()` gives the
+    one that governs the running loop.
 
-    __slots__ = ()
+    Args:
+        loop_time: the loop's clock; asyncio's loops read `time.monotonic`, the default.
+    """
+
+    __slots__ = ("_loop_time",)
+
+    def __init__(self, loop_time: Callable[[], float] = time.monotonic) -> None:
+        self._loop_time = loop_time
 
     def now(self) -> float:
-        """The running event loop's time, in seconds: what every in-process wait is measured on."""
-        return asyncio.get_running_loop().time()
+        """The loop's time, in seconds: what every in-process wait is measured on."""
+        return self._loop_time()
 
     def wall(self) -> float:
         """Epoch seconds: the time to persist (due times, deadlines, leases)."""
@@ -57,17 +65,27 @@ class Clock:
 
     def to_wall(self, t: float) -> float:
         """The wall time at which the loop's clock reads `t`."""
-        return t + (time.time() - asyncio.get_running_loop().time())
+        return t + (time.time() - self._loop_time())
 
     def to_loop(self, w: float) -> float:
         """The loop time at which the wall clock reads `w` (a persisted due time, to wait for)."""
-        return w - (time.time() - asyncio.get_running_loop().time())
+        return w - (time.time() - self._loop_time())
 
     def install(self) -> None:
         """Nothing to install for real time (`FakeClock` patches the running loop)."""
 
     def uninstall(self) -> None:
         """Nothing to restore for real time."""
+
+
+def current_clock() -> Clock:
+    """The clock of the running loop: the `FakeClock` installed on it, else real time read from
+    the loop's own `time()`. A store or runtime takes it once (say, when a run starts), so a test's
+    `clock` fixture governs an orchestrator built without `clock=` too."""
+    loop = asyncio.get_running_loop()
+    # An installed FakeClock is the loop's `time` (its bound `now`): read our own patch back.
+    fake = getattr(vars(loop).get("time"), "__self__", None)
+    return fake if isinstance(fake, FakeClock) else Clock(loop.time)
 
 
 class FakeClock(Clock):
@@ -97,6 +115,7 @@ class FakeClock(Clock):
     )
 
     def __init__(self, *, autojump_threshold: float = 0.0) -> None:
+        super().__init__()
         self.autojump_threshold = autojump_threshold
         self._now = 0.0
         self._offset = time.time()  # wall() - now(); set again at install

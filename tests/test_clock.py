@@ -15,7 +15,7 @@ import anyio.to_thread
 import pytest
 
 from orchestra import ConfigError, Orchestrator, RetryPolicy, Task, agent
-from orchestra._clock import Clock
+from orchestra._clock import Clock, current_clock
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import run_recorded
 
@@ -272,12 +272,20 @@ class TestRealWorkOffTheLoop:
 
 class TestWallTime:
     async def test_the_real_clock_reads_the_loop_and_the_epoch(self) -> None:
-        real = Clock()
+        real = current_clock()
+        assert type(real) is Clock
         assert real.now() == pytest.approx(asyncio.get_running_loop().time(), abs=0.01)
+        assert Clock().now() == pytest.approx(time.monotonic(), abs=0.01)
         assert real.wall() == pytest.approx(time.time(), abs=0.01)
         t = real.now() + 30
         assert real.to_wall(t) == pytest.approx(time.time() + 30, abs=0.01)
         assert real.to_loop(real.to_wall(t)) == pytest.approx(t, abs=0.01)
+
+    async def test_the_current_clock_is_the_installed_fake_clock(self, clock: FakeClock) -> None:
+        assert current_clock() is clock
+        clock.uninstall()
+        assert type(current_clock()) is Clock
+        clock.install()
 
     async def test_fake_wall_time_starts_at_the_real_wall_time(self, clock: FakeClock) -> None:
         assert isinstance(clock, Clock)
