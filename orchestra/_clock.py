@@ -181,8 +181,9 @@ class FakeClock(Clock):
         self._now = loop.time()  # virtual time starts where the loop is: no timer moves
         self._offset = time.time() - self._now
         # anyio hands work to its worker threads and processes itself (not through
-        # run_in_executor); both always hold a token of a CapacityLimiter while the work runs, the
-        # default ones unless the caller passes its own. Reading the tokens is anyio's public API.
+        # run_in_executor), and holds a token of a CapacityLimiter while a caller waits on it (an
+        # abandoned thread gives its token back): the default ones unless the caller passes its
+        # own. Reading the tokens is anyio's public API; its worker registries are private.
         self._limiters = (
             anyio.to_thread.current_default_thread_limiter(),
             anyio.to_process.current_default_process_limiter(),
