@@ -1,20 +1,46 @@
-"""FakeClock: virtual time for the running loop, so sleeps, deadlines and cool-downs cost nothing."""
+"""The clock service: real `Clock` and `FakeClock` (virtual time for the running loop, so sleeps,
+deadlines and cool-downs cost nothing, while real work off the loop still takes its real time),
+and wall time for what is persisted."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.to_process
 import anyio.to_thread
 import pytest
 
-from orchestra import ConfigError, Orchestrator, Task
+from orchestra import ConfigError, Orchestrator, RetryPolicy, Task, agent
+from orchestra._clock import Clock, current_clock
 from orchestra.testing import FakeClock, scripted
+from tests.helpers import run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+REAL_WORK = 0.05  # seconds of real time each piece of off-loop work takes
+
+
+@agent(kinds=["work"], executor="thread")
+def sleeps_in_a_thread(task: Task) -> str:
+    time.sleep(REAL_WORK)
+    return "done"
+
+
+@agent(kinds=["work"], executor="process")
+def sleeps_in_a_process(task: Task) -> str:
+    """Runs in a worker process: must be importable, hence at module top."""
+    time.sleep(REAL_WORK)
+    return "done"
+
+
+def real_work() -> str:
+    time.sleep(REAL_WORK)
+    return "done"
 
 
 class TestVirtualSleep:
@@ -149,3 +175,148 @@ class TestInstallation:
                 tg.start_soon(thread)
             assert order == ["thread", "timer"]
             assert c.time() - before == pytest.approx(1000)
+
+
+class TestRealWorkOffTheLoop:
+    """Threads and worker processes take real time; the clock waits for them instead of jumping."""
+
+    @pytest.mark.parametrize(
+        "worker", [sleeps_in_a_thread, sleeps_in_a_process], ids=["thread", "process"]
+    )
+    async def test_real_work_under_a_long_attempt_timeout_succeeds(
+        self, worker: object, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(
+            agents=[worker], timeouts={"attempt": 5}, retry=RetryPolicy(max_attempts=1)
+        )
+        result = await orch.run(tasks=[Task("work", 1, id="t")])
+        assert result.status == "success", result.errors
+        assert result.data == {"t": "done"}
+        # Virtual time passed at the real pace while the loop waited for the work, not 5 s at once.
+        assert 0 < result.metadata.elapsed < 5
+
+    @pytest.mark.parametrize(
+        "worker", [sleeps_in_a_thread, sleeps_in_a_process], ids=["thread", "process"]
+    )
+    async def test_real_work_under_a_shorter_attempt_timeout_times_out(
+        self, worker: object, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(
+            agents=[worker], timeouts={"attempt": 0.01}, retry=RetryPolicy(max_attempts=1)
+        )
+        result, done, _ = await run_recorded(orch, [Task("work", 1, id="t")])
+        assert result.status != "success"
+        failures = done["t"].failures
+        assert failures is not None
+        assert [f.error_type for f in failures] == ["AttemptTimeout"]
+        assert failures[0].duration == pytest.approx(0.01)
+
+    @pytest.mark.parametrize(
+        "start",
+        [
+            lambda: anyio.to_thread.run_sync(real_work, abandon_on_cancel=True),
+            lambda: asyncio.get_running_loop().run_in_executor(None, real_work),
+            lambda: asyncio.to_thread(real_work),
+            lambda: anyio.to_process.run_sync(real_work, cancellable=True),
+        ],
+        ids=["anyio.to_thread", "run_in_executor", "asyncio.to_thread", "anyio.to_process"],
+    )
+    async def test_every_way_off_the_loop_beats_a_far_deadline(
+        self, start: Callable[[], object], clock: FakeClock
+    ) -> None:
+        before = clock.now()
+        with anyio.fail_after(5):
+            assert await start() == "done"  # type: ignore[misc]
+        assert 0 < clock.now() - before < 5  # the real time the loop waited for it
+        assert not clock.in_flight()
+
+    async def test_time_jumps_again_once_the_work_is_done(self, clock: FakeClock) -> None:
+        await anyio.to_thread.run_sync(real_work)
+        before, real_before = clock.now(), time.monotonic()
+        await anyio.sleep(30)  # a 30 s backoff
+        assert clock.now() - before == pytest.approx(30)
+        assert time.monotonic() - real_before < 5  # jumped, did not wait
+
+    async def test_a_thread_abandoned_by_its_timeout_does_not_hold_the_clock(
+        self, clock: FakeClock
+    ) -> None:
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.01):
+                await anyio.to_thread.run_sync(time.sleep, 0.2, abandon_on_cancel=True)
+        assert not clock.in_flight()  # the thread still sleeps; nobody waits for it
+
+    async def test_work_the_clock_cannot_see_is_declared_with_real_work(
+        self, clock: FakeClock
+    ) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def answer_from_a_thread_of_our_own() -> str:
+            done: asyncio.Future[str] = loop.create_future()
+
+            def work() -> None:
+                time.sleep(REAL_WORK)
+                loop.call_soon_threadsafe(done.set_result, "done")
+
+            threading.Thread(target=work).start()
+            with anyio.fail_after(5):
+                return await done
+
+        with pytest.raises(TimeoutError):  # unseen: the clock jumps 5 s at once
+            await answer_from_a_thread_of_our_own()
+        await anyio.to_thread.run_sync(time.sleep, 2 * REAL_WORK)  # let that thread end
+        with clock.real_work():
+            assert clock.in_flight()
+            assert await answer_from_a_thread_of_our_own() == "done"
+        assert not clock.in_flight()
+
+
+class TestWallTime:
+    async def test_the_real_clock_reads_the_loop_and_the_epoch(self) -> None:
+        real = current_clock()
+        assert type(real) is Clock
+        assert real.now() == pytest.approx(asyncio.get_running_loop().time(), abs=0.01)
+        assert Clock().now() == pytest.approx(time.monotonic(), abs=0.01)
+        assert real.wall() == pytest.approx(time.time(), abs=0.01)
+        t = real.now() + 30
+        assert real.to_wall(t) == pytest.approx(time.time() + 30, abs=0.01)
+        assert real.to_loop(real.to_wall(t)) == pytest.approx(t, abs=0.01)
+
+    async def test_the_current_clock_is_the_installed_fake_clock(self, clock: FakeClock) -> None:
+        assert current_clock() is clock
+        clock.uninstall()
+        assert type(current_clock()) is Clock
+        clock.install()
+
+    async def test_fake_wall_time_starts_at_the_real_wall_time(self, clock: FakeClock) -> None:
+        assert isinstance(clock, Clock)
+        assert clock.wall() == pytest.approx(time.time(), abs=1)
+        assert clock.now() == asyncio.get_running_loop().time()
+
+    async def test_fake_wall_time_advances_by_exactly_the_virtual_jump(
+        self, clock: FakeClock
+    ) -> None:
+        wall, now = clock.wall(), clock.now()
+        await anyio.sleep(3600)
+        assert clock.now() - now == pytest.approx(3600)
+        # Exact to the precision of an epoch float (2**-22 s near 2026): the same offset throughout.
+        assert clock.wall() - wall == pytest.approx(clock.now() - now, abs=1e-6)
+        assert clock.wall() == clock.to_wall(clock.now())
+
+    async def test_a_persisted_due_time_is_due_when_the_loop_reaches_it(
+        self, clock: FakeClock
+    ) -> None:
+        due = clock.now() + 30  # a backoff on the loop clock...
+        stored = clock.to_wall(due)  # ...persisted as wall time
+        await anyio.sleep(29.5)
+        assert clock.wall() < stored
+        await anyio.sleep(0.5)
+        assert clock.wall() >= stored
+        assert clock.to_loop(stored) == pytest.approx(due, abs=1e-6)
+
+    async def test_time_stands_still_outside_an_install(self) -> None:
+        fake = FakeClock()
+        async with fake:
+            await asyncio.sleep(10)
+        now, wall = fake.now(), fake.wall()
+        await asyncio.sleep(0.01)
+        assert (fake.now(), fake.wall()) == (now, wall)
