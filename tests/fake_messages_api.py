@@ -19,7 +19,7 @@ Faults (`Fault`): "rate_limit" (429 rate_limit_error with `retry-after` and, if 
 `retry-after-ms`), "overloaded" (529 overloaded_error), "server_error" (500 api_error),
 "prompt_too_long" (400 invalid_request_error), "drop" (the request is read, then the socket is
 closed without a response), "hang" (no answer until the client gives up and disconnects) and "slow"
-(a normal answer after `delay`). A rule applies by count (`times`), by a predicate on the request
+(a normal answer, late). A rule applies by count (`times`), by a predicate on the request
 body (`match`) and in a time window (`after`, `duration`); the first rule that applies answers. With
 no rule, the request succeeds after the server's `latency`. Prompts longer than `max_input_tokens`
 (estimated at 4 characters a token) get the real API's 400 "prompt is too long".
@@ -49,20 +49,20 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
     from types import TracebackType
 
-__all__ = ("FakeMessagesAPI", "Fault", "Request", "Rule", "prompt_of")
+__all__ = ("RATE_LIMIT_MESSAGE", "FakeMessagesAPI", "Fault", "Request", "Rule", "prompt_of")
 
 Fault = Literal[
     "rate_limit", "overloaded", "server_error", "prompt_too_long", "drop", "hang", "slow"
 ]
 
+RATE_LIMIT_MESSAGE: Final = (
+    "This request would exceed the rate limit for your organization of 50 requests per minute. "
+    "Please try again later."
+)
+
 # status, error type, message: the bodies the real API sends for each failure.
 _ERRORS: Final[dict[str, tuple[int, str, str]]] = {
-    "rate_limit": (
-        429,
-        "rate_limit_error",
-        "This request would exceed the rate limit for your organization of 50 requests per "
-        "minute. Please try again later.",
-    ),
+    "rate_limit": (429, "rate_limit_error", RATE_LIMIT_MESSAGE),
     "overloaded": (529, "overloaded_error", "Overloaded"),
     "server_error": (500, "api_error", "Internal server error"),
     "prompt_too_long": (400, "invalid_request_error", "prompt is too long"),
@@ -180,8 +180,9 @@ class FakeMessagesAPI:
     Use it as ``async with FakeMessagesAPI() as api:``; `api.url` is the client's `base_url`.
 
     Args:
-        latency: seconds a successful answer takes (a fault's `delay` replaces it; requests the
-            API rejects on sight, such as an over-long prompt, are answered at once).
+        latency: seconds a successful answer takes. Errors come at once (see `fail`'s `delay`),
+            as the real API rejects on sight what it will not serve (an over-long prompt, a
+            request over the rate limit), so they overtake the answers in flight.
         max_input_tokens: longer prompts get a 400 "prompt is too long", as the real API's
             context window does.
         requests_per_minute, input_tokens_per_minute, output_tokens_per_minute: the budget the
@@ -280,7 +281,9 @@ class FakeMessagesAPI:
                 seconds from now (`duration` None: from `after` on).
             retry_after: the `retry-after` header of a 429 or 529, in seconds.
             retry_after_ms: the `retry-after-ms` header, in milliseconds.
-            delay: seconds before answering (default: the server's latency; "hang" ignores it).
+            delay: seconds before answering. By default an error or a drop comes at once (the
+                API rejects a request it will not serve on sight) and "slow" takes ten times
+                the server's latency; "hang" ignores it.
         """
         if fault not in get_args(Fault):
             raise ValueError(f"unknown fault {fault!r}; known: {get_args(Fault)}")
@@ -293,7 +296,7 @@ class FakeMessagesAPI:
             end=math.inf if duration is None else now + after + duration,
             retry_after=retry_after,
             retry_after_ms=retry_after_ms,
-            delay=self.latency if delay is None else delay,
+            delay=_default_delay(fault, self.latency) if delay is None else delay,
         )
         self.rules.append(rule)
         return rule
@@ -592,6 +595,10 @@ def _is_messages_request(body: Any) -> bool:
         and isinstance(body.get("max_tokens"), int)
         and isinstance(body.get("messages"), list)
     )
+
+
+def _default_delay(fault: Fault, latency: float) -> float:
+    return 10 * latency if fault == "slow" else 0.0
 
 
 def _number(value: float) -> str:
