@@ -117,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     selected = args.scenario or list(SCENARIOS)
     scenarios = [s for s in plan(sizes) if s.name in selected]
     if args.selectors:
-        scenarios = select(scenarios, args.selectors)
-    if not scenarios:
-        print("nothing to run: no case matches --scenario/--only", file=sys.stderr)
-        return 2
+        try:
+            scenarios = select(scenarios, args.selectors)
+        except ValueError as exc:
+            print(f"python -m benchmarks: --only: {exc}", file=sys.stderr)
+            return 2
 
     started = time.perf_counter()
     records: list[dict[str, Any]] = []

@@ -282,6 +282,10 @@ class Selector:
             raise ValueError(f"unknown loop {loop!r} in {text!r}; known: {', '.join(LOOPS)}")
         return cls(scenario, variant or None, loop or None)
 
+    def __str__(self) -> str:
+        variant = f"/{self.variant}" if self.variant else ""
+        return self.scenario + variant + (f"@{self.loop}" if self.loop else "")
+
     def matches(self, spec: Spec) -> bool:
         return (
             spec.scenario == self.scenario
@@ -300,7 +304,16 @@ def parse_selectors(texts: list[str]) -> list[Selector]:
 
 
 def select(scenarios: list[Scenario], selectors: list[Selector]) -> list[Scenario]:
-    """The scenarios with only the cases some selector matches (groups keep their order)."""
+    """The scenarios with only the cases some selector matches (groups keep their order).
+
+    Raises ValueError for a selector that matches no case (a misspelt variant, say).
+    """
+    cases = [case.spec for scenario in scenarios for case in scenario.cases()]
+    idle = [s for s in selectors if not any(s.matches(spec) for spec in cases)]
+    if idle:
+        raise ValueError(
+            f"no case matches {idle[0]}; variants: {sorted({c.variant for c in cases})}"
+        )
     kept = []
     for scenario in scenarios:
         groups = [
