@@ -394,12 +394,13 @@ def _spawn(rows: list[Row], reps: int) -> list[str]:
         if r["reps"] != reps:
             what += f" ({r['reps']} reps)"
         if "wall_s" not in r:
-            body.append([what, _failed_cell(r), "", "", ""])
+            body.append([what, _failed_cell(r), "", "", "", ""])
             continue
         body.append(
             [
                 what,
                 _spread(r["wall_s"]),
+                _spread(r["cpu_s"]),
                 _spread(r["us_per_task"]),
                 _spread(r["peak_rss_mib"]),
                 _spread(r["bytes_per_task"]),
@@ -410,6 +411,7 @@ def _spawn(rows: list[Row], reps: int) -> list[str]:
             [
                 "shape",
                 "wall (s)",
+                "CPU (s)",
                 "µs per child / link / member",
                 "peak RSS (MiB)",
                 "bytes per task",

@@ -142,7 +142,7 @@ def _spawn(rows: list[Row]) -> list[Row]:
     )
     fanouts = [r for r in fanouts if "wall_s" in r]
     for row in fanouts:
-        note = f"{num(row['wall_s']['median'])} s in all"
+        note = f"{num(row['wall_s']['median'])} s in all, CPU {num(row['cpu_s']['median'])} s"
         if row is not fanouts[0]:
             base = fanouts[0]
             scaling = row["us_per_task"]["median"] / base["us_per_task"]["median"]
@@ -164,7 +164,7 @@ def _spawn(rows: list[Row]) -> list[Row]:
                 "not set",
                 chain["wall_s"]["median"],
                 None,
-                f"peak RSS {num(chain['peak_rss_mib']['max'])} MiB (max over repetitions), "
+                f"CPU {num(chain['cpu_s']['median'])} s; peak RSS {num(chain['peak_rss_mib']['max'])} MiB (max over repetitions), "
                 f"{num(chain['bytes_per_task']['median'])} B per task",
             )
         )
@@ -185,6 +185,7 @@ def _spawn(rows: list[Row]) -> list[Row]:
                 "not set",
                 group["wall_s"]["median"],
                 None,
+                f"CPU {num(group['cpu_s']['median'])} s; "
                 f"{num(group['us_per_task']['median'])} µs per member",
             )
         )
