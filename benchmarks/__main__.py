@@ -1,4 +1,4 @@
-"""Run the benchmark suite: ``python -m benchmarks [--smoke] [--scenario NAME]... [--reps N] [--out DIR]``.
+"""Run the benchmark suite: ``python -m benchmarks [--smoke] [--only ROWS] [--reps N] [--out DIR]``.
 
 Every (scenario, variant, size) runs in its own fresh ``python -m benchmarks.child`` process.
 Repetitions are the outer loop: each repetition runs every variant of a group once, in an order that
@@ -6,6 +6,8 @@ rotates from one repetition to the next, so the variants alternate. The raw reco
 and spreads, the machine and the target checks go to ``latest.json``; ``latest.md`` and the PNG
 plots are drawn from it (``python -m benchmarks.report DIR`` redraws them).
 
+``--only`` runs a subset: scenarios, ``scenario/variant`` or ``scenario/variant@loop`` selectors,
+comma-separated or repeated, or the preset ``core-v2``; the report then holds those rows alone.
 ``--smoke`` runs every variant's code path at a tiny size, once, in well under two minutes; CI runs
 it so the suite never rots. No timing is ever asserted: a run fails only when a child fails.
 """
@@ -25,11 +27,12 @@ from typing import Any
 from .child import MARKER
 from .machine import machine_info
 from .report import write_all
-from .scenarios import FULL, SCENARIOS, SMOKE, Case, plan
+from .scenarios import FULL, PRESETS, SCENARIOS, SMOKE, Case, parse_selectors, plan, select
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ROOT = PACKAGE_DIR.parent
 RESULTS_DIR = PACKAGE_DIR / "results"
+PARTIAL_DIR = RESULTS_DIR / "partial"
 
 
 def run_child(case: Case, timeout: float) -> dict[str, Any]:
@@ -70,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME",
         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="ROWS",
+        help="run only these rows: comma-separated scenario, scenario/variant or "
+        f"scenario/variant@loop selectors, or a preset ({', '.join(PRESETS)}); repeatable",
+    )
     parser.add_argument("--reps", type=int, help="repetitions (default 5, smoke 1)")
     parser.add_argument(
         "--out",
@@ -83,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 1:
         parser.error("--reps must be at least 1")
+    try:
+        args.selectors = parse_selectors(args.only or [])
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -91,14 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     reps = args.reps or sizes.reps
     timeout = args.timeout or (120.0 if args.smoke else 900.0)
+    partial = bool(args.scenario or args.selectors)
     if args.out is not None:
         out = args.out
     elif args.smoke:
         out = Path(tempfile.mkdtemp(prefix="orchestra-bench-smoke-"))
+    elif partial:
+        out = PARTIAL_DIR  # a subset never overwrites the full run's results or the README
     else:
         out = RESULTS_DIR
     selected = args.scenario or list(SCENARIOS)
     scenarios = [s for s in plan(sizes) if s.name in selected]
+    if args.selectors:
+        try:
+            scenarios = select(scenarios, args.selectors)
+        except ValueError as exc:
+            print(f"python -m benchmarks: --only: {exc}", file=sys.stderr)
+            return 2
 
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
@@ -130,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "generated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "smoke": args.smoke,
+        "only": [*(args.scenario or []), *(args.only or [])],
         "reps": reps,
         "scenarios": [{"name": s.name, "title": s.title} for s in scenarios],
         "duration_s": time.perf_counter() - started,
         "machine": machine_info(ROOT),
         "runs": records,
     }
-    readme = PACKAGE_DIR / "README.md" if out.resolve() == RESULTS_DIR and not args.smoke else None
+    full_run = out.resolve() == RESULTS_DIR and not (args.smoke or partial)
+    readme = PACKAGE_DIR / "README.md" if full_run else None
     paths = write_all(results, out, plots_wanted=not args.no_plots, readme=readme)
     print(f"\n{len(records)} runs in {results['duration_s']:.0f} s, {failures} failed")
     for path in paths:

@@ -1,15 +1,18 @@
-"""The six scenarios of the suite, in a full size and a smoke size.
+"""The eight scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
 
 A scenario is a list of groups; a group is the variants that measure the same thing at the same
 size and are run one after another in each repetition (their order rotating from one repetition to
 the next), so that a drift in the machine's speed lands on all of them alike.
+
+`select` keeps the cases that match selectors such as ``kinds``, ``dispatch/gather`` or
+``dispatch/orchestra@asyncio``; ``core-v2`` names the rows core v2's targets are read from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .spec import Spec
+from .spec import LOOPS, Spec
 
 #: Variants of scenario 2 and 3 (LangGraph is added at its own sizes).
 PEERS = ("orchestra", "gather", "taskgroup", "worker_queue", "anyio", "aiometer")
@@ -46,10 +49,19 @@ class Sizes:
     latency: float = 0.050
     memory_n: int = 100_000
     memory_sleep: float = 0.001
-    million_n: int = 1_000_000
-    million_slice: int = 100_000
+    #: The streamed run; its last quarter is "the last million" of the RSS target.
+    million_n: int = 4_000_000
+    million_slice: int = 500_000
     million_reps: int = 2
     features_n: int = 100_000
+    spread_ns: tuple[int, ...] = (20_000, 100_000)
+    #: Scenario 7: this many kinds (one agent each), or this many agents for one kind.
+    spread: int = 100
+    fanout_ns: tuple[int, ...] = (20_000, 40_000)
+    chain_n: int = 20_000
+    group_chain_n: int = 8_000
+    #: Scenario 8 runs in at most this many repetitions (a 40,000-child fan-out took 26 s).
+    spawn_reps: int = 3
     limit: int = 100
     reps: int = 5
 
@@ -66,10 +78,15 @@ SMOKE = Sizes(
     latency_n=50,
     latency=0.005,
     memory_n=500,
-    million_n=2_000,
+    million_n=4_000,
     million_slice=500,
     million_reps=1,
     features_n=300,
+    spread_ns=(300,),
+    fanout_ns=(200, 400),
+    chain_n=200,
+    group_chain_n=200,
+    spawn_reps=1,
     limit=10,
     reps=1,
 )
@@ -196,7 +213,114 @@ def plan(sizes: Sizes) -> list[Scenario]:
         ]
     )
 
-    return [speedup, dispatch, latency, memory, million, features]
+    kinds = Scenario(
+        "kinds",
+        f"7. Kinds and agents: no-op tasks over 1 kind, {sizes.spread} kinds (one agent each), "
+        f"or {sizes.spread} agents of one kind, limit {limit}",
+    )
+    for n in sizes.spread_ns:
+        kinds.groups.append(
+            [
+                Case(Spec("kinds", "orchestra", n, limit, kinds=k, agents=a))
+                for k, a in ((1, 1), (sizes.spread, 1), (1, sizes.spread))
+            ]
+        )
+
+    spawn = Scenario(
+        "spawn",
+        "8. Spawning: one attempt spawning K children, a chain of spawns, a chain inside an "
+        f"awaited group, limit {limit}",
+    )
+    reps = sizes.spawn_reps
+    spawn.groups.extend(
+        [
+            [Case(Spec("spawn", "orchestra_fanout", k, limit), reps) for k in sizes.fanout_ns],
+            [Case(Spec("spawn", "orchestra_chain", sizes.chain_n, limit), reps)],
+            [Case(Spec("spawn", "orchestra_group_chain", sizes.group_chain_n, limit), reps)],
+        ]
+    )
+
+    return [speedup, dispatch, latency, memory, million, features, kinds, spawn]
 
 
-SCENARIOS = ("speedup", "dispatch", "latency", "memory", "million", "features")
+SCENARIOS = ("speedup", "dispatch", "latency", "memory", "million", "features", "kinds", "spawn")
+
+#: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "core-v2": (
+        "dispatch/orchestra@asyncio",
+        "dispatch/gather@asyncio",
+        "dispatch/worker_queue@asyncio",
+        "latency/orchestra",
+        "latency/gather",
+        "memory/orchestra",
+        "memory/gather",
+        "million",
+        "kinds",
+        "spawn",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """``scenario[/variant][@loop]``: which cases of the plan to run."""
+
+    scenario: str
+    variant: str | None = None
+    loop: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Selector:
+        rest, _, loop = text.partition("@")
+        scenario, _, variant = rest.partition("/")
+        if scenario not in SCENARIOS:
+            raise ValueError(
+                f"unknown scenario {scenario!r} in {text!r}; known: {', '.join(SCENARIOS)}"
+            )
+        if loop and loop not in LOOPS:
+            raise ValueError(f"unknown loop {loop!r} in {text!r}; known: {', '.join(LOOPS)}")
+        return cls(scenario, variant or None, loop or None)
+
+    def __str__(self) -> str:
+        variant = f"/{self.variant}" if self.variant else ""
+        return self.scenario + variant + (f"@{self.loop}" if self.loop else "")
+
+    def matches(self, spec: Spec) -> bool:
+        return (
+            spec.scenario == self.scenario
+            and self.variant in (None, spec.variant)
+            and self.loop in (None, spec.loop)
+        )
+
+
+def parse_selectors(texts: list[str]) -> list[Selector]:
+    """Selectors from ``--only`` values: comma-separated, presets expanded. Raises ValueError."""
+    out = []
+    for text in texts:
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            out += [Selector.parse(t) for t in PRESETS.get(item, (item,))]
+    return out
+
+
+def select(scenarios: list[Scenario], selectors: list[Selector]) -> list[Scenario]:
+    """The scenarios with only the cases some selector matches (groups keep their order).
+
+    Raises ValueError for a selector that matches no case (a misspelt variant, say).
+    """
+    cases = [case.spec for scenario in scenarios for case in scenario.cases()]
+    idle = [s for s in selectors if not any(s.matches(spec) for spec in cases)]
+    if idle:
+        raise ValueError(
+            f"no case matches {idle[0]}; variants: {sorted({c.variant for c in cases})}"
+        )
+    kept = []
+    for scenario in scenarios:
+        groups = [
+            [case for case in group if any(s.matches(case.spec) for s in selectors)]
+            for group in scenario.groups
+        ]
+        groups = [group for group in groups if group]
+        if groups:
+            kept.append(Scenario(scenario.name, scenario.title, groups))
+    return kept

@@ -31,8 +31,10 @@ class Spec:
     work: str = "noop"
     latency: float = 0.0
     jitter: float = 0.0
-    #: How many task kinds (and orchestra agents, one per kind) the work is spread over.
+    #: How many task kinds the work is spread over, round-robin.
     kinds: int = 1
+    #: How many orchestra agents serve each kind (no explicit fallback chain).
+    agents: int = 1
     #: Streamed runs report throughput per slice of this many completed tasks (0: no slices).
     slice: int = 0
     seed: int = 20240601
@@ -44,12 +46,17 @@ class Spec:
     def from_json(cls, text: str) -> Spec:
         return cls(**json.loads(text))
 
-    def key(self) -> tuple[str, str, int, int, str]:
+    def key(self) -> tuple[str, str, int, int, str, int, int]:
         """What repetitions of the same measurement share."""
-        return (self.scenario, self.variant, self.n, self.limit, self.loop)
+        return (self.scenario, self.variant, self.n, self.limit, self.loop, self.kinds, self.agents)
 
     def label(self) -> str:
-        return f"{self.scenario}/{self.variant} n={self.n} limit={self.limit} loop={self.loop}"
+        spread = ""
+        if self.kinds != 1 or self.agents != 1:
+            spread = f" kinds={self.kinds} agents/kind={self.agents}"
+        return (
+            f"{self.scenario}/{self.variant} n={self.n} limit={self.limit} loop={self.loop}{spread}"
+        )
 
 
 def latencies(spec: Spec) -> list[float]:

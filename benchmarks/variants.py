@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
+from . import spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -213,12 +214,21 @@ FEATURES = ("default", "plain", "retry", "subscriber", "structlog", "verifier")
 def _orchestra_agents(
     spec: Spec, on_done: Callable[[], None] | None = None
 ) -> tuple[list[Any], list[str]]:
-    """One orchestra agent per kind, doing the spec's work on ``task.payload``."""
+    """``spec.agents`` orchestra agents per kind, doing the spec's work on ``task.payload``.
+
+    Several agents of one kind get no ``fallbacks=``: the registry picks the least loaded one and
+    the others are its fallbacks by default, as a user who just lists them gets.
+    """
     kinds = [f"k{j}" for j in range(spec.kinds)]
-    return [_orchestra_agent(spec, kind, on_done) for kind in kinds], kinds
+    agents = [
+        _orchestra_agent(spec, kind, on_done, f"{spec.work}_{kind}" + (f"_a{a}" if a else ""))
+        for kind in kinds
+        for a in range(spec.agents)
+    ]
+    return agents, kinds
 
 
-def _orchestra_agent(spec: Spec, kind: str, on_done: Callable[[], None] | None) -> Any:
+def _orchestra_agent(spec: Spec, kind: str, on_done: Callable[[], None] | None, name: str) -> Any:
     from orchestra import agent
 
     # Parameters typed ``Any``: whatever the decorator reads from the annotations must resolve
@@ -244,7 +254,7 @@ def _orchestra_agent(spec: Spec, kind: str, on_done: Callable[[], None] | None) 
             await sleep(task.payload)
 
         fn = simulated
-    return agent(kinds=[kind], name=f"{spec.work}_{kind}")(fn)
+    return agent(kinds=[kind], name=name)(fn)
 
 
 def _orchestra(spec: Spec, feature: str) -> Workload:
@@ -301,17 +311,34 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
     return run
 
 
+def current_rss_kb() -> int:
+    """The resident set size now (``/proc/self/statm``), not the peak: whether memory stays flat.
+
+    Falls back to the peak (``ru_maxrss``) where ``/proc`` is missing (macOS).
+    """
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return pages * _PAGE_KB
+
+
+_PAGE_KB = resource.getpagesize() // 1024
+
+
 def _orchestra_stream(spec: Spec) -> Workload:
     """Scenario 5: ``spec.n`` Tasks from an async generator, ``Discard()`` aggregation.
 
-    The agent notes the clock and peak RSS each time another ``spec.slice`` tasks complete,
-    so the report shows throughput per slice and whether memory keeps growing.
+    The agent notes the clock, the RSS and the peak RSS each time another ``spec.slice`` tasks
+    complete, so the report shows throughput per slice and whether memory keeps growing.
     """
     from orchestra import Discard, Orchestrator, Task
 
     slice_size = spec.slice or spec.n
     marks: list[float] = []
     rss_kb: list[int] = []
+    peak_kb: list[int] = []
     done = 0
 
     def on_done() -> None:
@@ -319,7 +346,8 @@ def _orchestra_stream(spec: Spec) -> Workload:
         done += 1
         if done % slice_size == 0:
             marks.append(time.perf_counter())
-            rss_kb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            rss_kb.append(current_rss_kb())
+            peak_kb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
     agents, kinds = _orchestra_agents(spec, on_done)
     n, n_kinds = spec.n, len(kinds)
@@ -337,7 +365,8 @@ def _orchestra_stream(spec: Spec) -> Workload:
             "completed": done,
             "slice": slice_size,
             "slice_s": [b - a for a, b in zip([start, *marks], marks, strict=False)],
-            "slice_peak_rss_kb": rss_kb,
+            "slice_rss_kb": rss_kb,
+            "slice_peak_rss_kb": peak_kb,
         }
         if result.status != "success":
             out["error"] = f"run ended {result.status!r}"
@@ -360,6 +389,7 @@ def _bare_stream(spec: Spec) -> Workload:
         it = aiter(source())
         marks: list[float] = []
         rss_kb: list[int] = []
+        peak_kb: list[int] = []
         done = 0
         start = time.perf_counter()
 
@@ -374,14 +404,16 @@ def _bare_stream(spec: Spec) -> Workload:
                 done += 1
                 if done % slice_size == 0:
                     marks.append(time.perf_counter())
-                    rss_kb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+                    rss_kb.append(current_rss_kb())
+                    peak_kb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
         await asyncio.gather(*[worker() for _ in range(limit)])
         return {
             "completed": done,
             "slice": slice_size,
             "slice_s": [b - a for a, b in zip([start, *marks], marks, strict=False)],
-            "slice_peak_rss_kb": rss_kb,
+            "slice_rss_kb": rss_kb,
+            "slice_peak_rss_kb": peak_kb,
         }
 
     return run
@@ -403,6 +435,9 @@ VARIANTS: dict[str, Builder] = {
     "orchestra_stream": _orchestra_stream,
     "worker_stream": _bare_stream,
     **{f"orchestra_{f}": _orchestra_feature(f) for f in FEATURES if f != "default"},
+    "orchestra_fanout": spawning.fanout,
+    "orchestra_chain": spawning.chain,
+    "orchestra_group_chain": spawning.group_chain,
 }
 
 
