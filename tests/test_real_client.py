@@ -48,12 +48,9 @@ MODEL = "claude-test-1"
 
 # The default policy (failures=5, cooldown=30) with its cool-down scaled to 1 s: the issue's runs
 # used the default, and once the fix makes a task wait for the half-open probe, 30 s is too long
-# for a test. Today the cool-down does not matter: a task whose breaker is open fails at once.
+# for a test: a task whose chain is all open waits for the probe.
 SCALED_BREAKER = BreakerPolicy(failures=5, cooldown=1.0)
 
-BREAKER_LOSES_WORK = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="issue 13: breaker loses work"
-)
 NEEDS_SHARED_LIMITER = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
@@ -130,7 +127,6 @@ def failed(result: RunResult) -> int:
 class TestBreakerScenarios:
     """Issue 13's three reproductions: transient trouble must not cost the batch."""
 
-    @BREAKER_LOSES_WORK
     async def test_a_wave_of_429s_loses_nothing(
         self, api: FakeMessagesAPI, client: AsyncAnthropic
     ) -> None:
@@ -162,7 +158,6 @@ class TestBreakerScenarios:
             f"the first {window_end - early[0].received:.3f} s before it ended"
         )
 
-    @BREAKER_LOSES_WORK
     async def test_over_long_prompts_fail_alone(
         self, api: FakeMessagesAPI, client: AsyncAnthropic
     ) -> None:
@@ -182,7 +177,6 @@ class TestBreakerScenarios:
         assert rec.of(BreakerChanged) == []
         assert [a["breaker"] for a in orch.agents_status()] == ["closed"]
 
-    @BREAKER_LOSES_WORK
     async def test_a_one_second_blip_loses_nothing(
         self, api: FakeMessagesAPI, client: AsyncAnthropic
     ) -> None:
