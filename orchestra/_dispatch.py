@@ -585,8 +585,10 @@ class Dispatcher:
         task = record.task
         _TASK_ID.set(record.id)
         try:
-            if self._safety is not None and not record.attempts and not await self._safe(
-                record, token
+            if (
+                self._safety is not None
+                and not record.attempts
+                and not await self._safe(record, token)
             ):
                 return
             if not store.start(record, token, slot.name):
@@ -619,9 +621,7 @@ class Dispatcher:
                 else:
                     # The task's deadline bounds the whole attempt: the call, the verifier, and
                     # what runs around them.
-                    with anyio.CancelScope(
-                        deadline=record.deadline
-                    ) as scope:
+                    with anyio.CancelScope(deadline=record.deadline) as scope:
                         output = await self._call(record, slot, ctx, start)
                     if scope.cancelled_caught:
                         raise TaskTimeout(
@@ -914,9 +914,7 @@ class Dispatcher:
             error_type, message = "BreakerOpen", reason
         else:
             error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
-        store.settle(
-            record, token, FAILED, error=message, error_type=error_type, attempt=attempt
-        )
+        store.settle(record, token, FAILED, error=message, error_type=error_type, attempt=attempt)
 
     # -- breakers --------------------------------------------------------------------------------
 
@@ -963,4 +961,3 @@ def _recovers_at(slot: AgentSlot, now: float) -> float:
 
 def _is_rate_limit(status: int | None) -> bool:
     return status in (429, 529)
-

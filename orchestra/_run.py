@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterable, Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from ._aggregate import Accumulator
     from ._result import RunResult
+    from ._store import RunStore
     from ._task import TaskResult
     from .stores._memory import Record
 
@@ -69,7 +70,7 @@ class Run:
         self._input_done = False
         self._input_error: Exception | None = None
         self._streamed = False
-        self.store: Any = None
+        self.store: RunStore
         self.dispatcher: Dispatcher
 
     # -- the listener of the store ---------------------------------------------------------------
@@ -77,7 +78,9 @@ class Run:
     def ready(self, record: Record) -> None:
         if self.bus.active and self.bus.wants(TaskReady):
             self.bus.emit(
-                TaskReady(self.dispatcher._time(), self.run_id, record.id, record.kind, record.priority)
+                TaskReady(
+                    self.dispatcher._time(), self.run_id, record.id, record.kind, record.priority
+                )
             )
         self.dispatcher.ready(record)
 
@@ -137,7 +140,7 @@ class Run:
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
-            self.store.admit(source, where="tasks", forward=True)
+            self.store.admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
             self._close_input()
         capacity = config.capacity
         capacity.runs.append(dispatcher)
@@ -205,7 +208,7 @@ class Run:
         if self._agg_error is not None:
             self.report.reason = self._agg_error
         return self.report.result(
-            () if self._streamed else self.store.results(),
+            () if self._streamed else self.store.results(),  # type: ignore[arg-type]
             run_id=self.run_id,
             wall0=wall0,
             elapsed=self.dispatcher._time() - self.t0,

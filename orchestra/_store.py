@@ -33,10 +33,11 @@ A task's life in a store::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
     from ._admission import Admission
     from ._task import Attempt, Task, TaskResult
 

@@ -14,7 +14,6 @@ that fails skips the waiters at once, as a failed dependency does.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,8 @@ from .._task import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
     from .._admission import Admission
     from .._store import Listener
     from .._task import Attempt
@@ -177,7 +178,9 @@ class MemoryRun:
         self._keys: dict[str, str] = {}  # idempotency key -> task id
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
-        self._timers: list[tuple[float, int, Record]] = []  # (time, seq, record): retries, deadlines
+        self._timers: list[
+            tuple[float, int, Record]
+        ] = []  # (time, seq, record): retries, deadlines
         self._timer_seq = 0
         self._compact = compact
         self._input_done = False
