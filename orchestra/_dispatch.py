@@ -221,7 +221,7 @@ class Dispatcher:
         if record.deadline is not None:
             self._schedule()
         if self._parked:
-            self._wake_one()
+            self.wake_one()
         elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
             self._workers += 1
             self._spawn(self._worker())
@@ -238,7 +238,7 @@ class Dispatcher:
             self._timer.cancel()
             self._timer = None
         while self._parked:
-            self._wake_one()
+            self.wake_one()
 
     def cancel_all(self) -> None:
         self.stop()
@@ -246,9 +246,7 @@ class Dispatcher:
             task.cancel()
 
     def wake_one(self) -> None:
-        self._wake_one()
-
-    def _wake_one(self) -> None:
+        """Wake one parked worker, if any."""
         parked = self._parked
         while parked:
             waiter = parked.pop()
@@ -258,7 +256,7 @@ class Dispatcher:
 
     async def _worker(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
-        # allocation; `_wake_one` wakes a worker when a task is ready or a slot frees.
+        # allocation; `wake_one` wakes a worker when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         done = 0
@@ -561,7 +559,7 @@ class Dispatcher:
         # Wake a worker for each lane that may go on (and for retries the store made ready).
         for _ in range(len(self._recheck) or 1):
             if self._parked:
-                self._wake_one()
+                self.wake_one()
             elif self._pool is not None and self._workers < self._capacity.limit:
                 self._workers += 1
                 self._spawn(self._worker())
@@ -674,7 +672,7 @@ class Dispatcher:
                 if self._held:
                     self.room(slot)
                 if self._parked:
-                    self._wake_one()
+                    self.wake_one()
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
         slot.succeeded += 1
@@ -930,8 +928,6 @@ class Dispatcher:
         log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
         if self.bus.active:
             self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
-        if state is HALF_OPEN:
-            return
 
 
 _NONE_LEFT: Final[Any] = object()

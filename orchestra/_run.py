@@ -12,7 +12,7 @@ the aggregate, the report and the result stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable
 from datetime import UTC, datetime
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -280,9 +280,6 @@ class Run:
 
     def record_usage(self, cost: float, tokens: Mapping[str, int]) -> None:
         self.report.usage(cost, tokens)
-
-    def admit_tasks(self, tasks: Sequence[Task]) -> None:
-        self.store.admit(tasks, where="tasks", forward=True)
 
 
 async def _close(source: object) -> None:

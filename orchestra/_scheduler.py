@@ -67,22 +67,6 @@ class ReadyQueue(Generic[T]):
             del buckets[heappop(prios)]
         return None  # pragma: no cover - `_size` counts live entries
 
-    def best_priority(self) -> int | None:
-        """The priority of the entry `pop` would return, without taking it."""
-        if not self._size:
-            return None
-        prios = self._prios
-        buckets = self._buckets
-        while prios:
-            bucket = buckets[prios[0]]
-            while bucket:
-                entry = bucket[0]
-                if entry.qseq >= 0:
-                    return entry.priority
-                bucket.popleft()
-            del buckets[heappop(prios)]
-        return None  # pragma: no cover
-
     def discard(self, entry: T) -> None:
         """`entry` leaves without being popped; its stale slot is dropped when it reaches the front."""
         if entry.qseq >= 0:

@@ -155,9 +155,6 @@ class RunStore(Protocol):
     def claim(self) -> Any:
         """The best ready task, leased under a fresh token (None when nothing is ready)."""
 
-    def best_priority(self) -> int | None:
-        """The priority of the task `claim` would return."""
-
     def start(self, record: Any, token: int, agent: str) -> bool:
         """The claimed task's attempt starts now on `agent` (which becomes its target): count it."""
 
@@ -211,7 +208,6 @@ class RunStore(Protocol):
 
     def state_of(self, task_id: str) -> str | None: ...
     def reprioritize(self, task_id: str, priority: int) -> bool: ...
-    def unfinished_records(self) -> list[Any]: ...
 
 
 class Store(Protocol):

@@ -468,9 +468,6 @@ class MemoryRun:
             record.token += 1
         return record
 
-    def best_priority(self) -> int | None:
-        return self._queue.best_priority()
-
     def start(self, record: Record, token: int, agent: str) -> bool:
         if record.token != token or record.state is not CLAIMED:
             return False
@@ -704,17 +701,11 @@ class MemoryRun:
         """The records not compacted away (every one of a whole-list run)."""
         return iter(self._records.values())
 
-    def unfinished_records(self) -> list[Record]:
-        return [r for r in self._records.values() if r.state not in TERMINAL]
-
     def state_of(self, task_id: str) -> str | None:
         record = self._records.get(task_id)
         if record is not None:
             return record.state
         return SUCCEEDED if task_id in self._settled else None
-
-    def record(self, task_id: str) -> Record | None:
-        return self._records.get(task_id)
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
         record = self._records.get(task_id)
