@@ -110,6 +110,9 @@ from ._exceptions import (
 from ._exceptions import (
     VerificationError as VerificationError,
 )
+from ._limits import Concurrency as Concurrency
+from ._limits import Limiter as Limiter
+from ._limits import Rate as Rate
 from ._orchestrator import (
     Orchestrator as Orchestrator,
 )
@@ -158,6 +161,7 @@ __all__ = (
     "BreakerPolicy",
     "ByKind",
     "Collect",
+    "Concurrency",
     "ConfigError",
     "Context",
     "Discard",
@@ -166,10 +170,12 @@ __all__ = (
     "FallbackUsed",
     "InputError",
     "InvalidOutput",
+    "Limiter",
     "Merge",
     "OrchestraError",
     "Orchestrator",
     "PermanentError",
+    "Rate",
     "RecoveryStatus",
     "Reduce",
     "Rejected",

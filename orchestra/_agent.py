@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 import anyio
@@ -18,10 +19,11 @@ from pydantic import BaseModel
 
 from ._config import check_instance, check_int, check_names, check_number
 from ._exceptions import ConfigError
+from ._limits import Concurrency, Limiter
 from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable
 
     from ._context import Context
     from ._task import Task
@@ -35,7 +37,8 @@ T = TypeVar("T")
 @runtime_checkable
 class AgentLike(Protocol):
     """What the registry needs of an agent. Optional attributes, read when present:
-    `concurrency` (int), `input` and `output` (pydantic models), `retry` (RetryPolicy),
+    `concurrency` (int or a shared `Concurrency`), `limits` (a list of `Rate` / `Concurrency`),
+    `input` and `output` (pydantic models), `retry` (RetryPolicy),
     `timeout` (seconds per attempt)."""
 
     @property
@@ -59,6 +62,9 @@ class Agent:
         executor: "thread" or "process" to run a CPU-bound sync function without blocking the loop.
         retry: its own `RetryPolicy`, over the run's and the kind's.
         timeout: seconds per attempt on this agent, over the run's default.
+        limits: more limits every attempt of this agent reserves first (`Rate`, a shared
+            `Concurrency`): give the same objects to every agent that uses one API key, and they
+            share its budget, its 429s included.
     """
 
     __slots__ = (
@@ -68,6 +74,7 @@ class Agent:
         "fn",
         "input",
         "kinds",
+        "limits",
         "name",
         "output",
         "retry",
@@ -80,19 +87,29 @@ class Agent:
         *,
         kinds: Sequence[str],
         name: str | None = None,
-        concurrency: int | None = None,
+        concurrency: int | Concurrency | None = None,
         input: type[BaseModel] | None = None,
         output: type[BaseModel] | None = None,
         executor: Executor | None = None,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        limits: Sequence[Limiter] = (),
     ) -> None:
         if not callable(fn):
             raise ConfigError(f"@agent decorates a function, got {fn!r}")
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"agent name must be a non-empty string, got {name!r}")
         label = name or getattr(fn, "__name__", None) or repr(fn)
-        check_options(label, kinds, concurrency, timeout, retry=retry, input=input, output=output)
+        check_options(
+            label,
+            kinds,
+            concurrency,
+            timeout,
+            retry=retry,
+            input=input,
+            output=output,
+            limits=limits,
+        )
         if executor not in (None, "thread", "process"):
             raise ConfigError(
                 f"agent {label!r}: executor must be 'thread' or 'process', got {executor!r}"
@@ -119,6 +136,7 @@ class Agent:
         self.executor = executor
         self.retry = retry
         self.timeout = timeout
+        self.limits = tuple(limits)
 
     async def __call__(self, task: Task, ctx: Context) -> Any:
         if self.executor is None:
@@ -148,11 +166,20 @@ def check_options(
     retry: Any = None,
     input: Any = None,
     output: Any = None,
+    limits: Any = (),
 ) -> None:
     """The checks every agent's options pass, `@agent` functions and agent objects alike."""
     where = f"agent {label!r}: "
     check_names(f"{where}kinds", kinds)
-    check_int(f"{where}concurrency", concurrency, optional=True)
+    if not isinstance(concurrency, Concurrency):
+        check_int(f"{where}concurrency", concurrency, optional=True)
+    if isinstance(limits, str | bytes) or not isinstance(limits, Sequence):
+        raise ConfigError(
+            f"{where}limits must be a list of limits (Rate, Concurrency), got {limits!r}"
+        )
+    for limit in limits:
+        if not isinstance(limit, Limiter):
+            raise ConfigError(f"{where}limits must hold limits (Rate, Concurrency), got {limit!r}")
     check_number(f"{where}timeout", timeout, positive=True, optional=True)
     check_instance(f"{where}retry", retry, RetryPolicy)
     for field, model in (("input", input), ("output", output)):
@@ -175,12 +202,13 @@ def agent(
     *,
     kinds: Sequence[str],
     name: str | None = ...,
-    concurrency: int | None = ...,
+    concurrency: int | Concurrency | None = ...,
     input: type[BaseModel] | None = ...,
     output: type[BaseModel] | None = ...,
     executor: Executor | None = ...,
     retry: RetryPolicy | None = ...,
     timeout: float | None = ...,
+    limits: Sequence[Limiter] = ...,
 ) -> Agent: ...
 @overload
 def agent(
@@ -188,24 +216,26 @@ def agent(
     *,
     kinds: Sequence[str],
     name: str | None = ...,
-    concurrency: int | None = ...,
+    concurrency: int | Concurrency | None = ...,
     input: type[BaseModel] | None = ...,
     output: type[BaseModel] | None = ...,
     executor: Executor | None = ...,
     retry: RetryPolicy | None = ...,
     timeout: float | None = ...,
+    limits: Sequence[Limiter] = ...,
 ) -> Callable[[Callable[..., Any]], Agent]: ...
 def agent(
     fn: Callable[..., Any] | None = None,
     *,
     kinds: Sequence[str],
     name: str | None = None,
-    concurrency: int | None = None,
+    concurrency: int | Concurrency | None = None,
     input: type[BaseModel] | None = None,
     output: type[BaseModel] | None = None,
     executor: Executor | None = None,
     retry: RetryPolicy | None = None,
     timeout: float | None = None,
+    limits: Sequence[Limiter] = (),
 ) -> Agent | Callable[[Callable[..., Any]], Agent]:
     """Register a function as an agent: ``@agent(kinds=["research"], concurrency=20)``.
 
@@ -223,6 +253,7 @@ def agent(
             executor=executor,
             retry=retry,
             timeout=timeout,
+            limits=limits,
         )
 
     return wrap if fn is None else wrap(fn)

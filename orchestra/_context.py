@@ -28,7 +28,17 @@ class Context:
             first; empty on the first attempt.
     """
 
-    __slots__ = ("_node", "_run", "_spawned", "agent", "attempt", "feedback", "run_id", "task")
+    __slots__ = (
+        "_node",
+        "_run",
+        "_spawned",
+        "_usage",
+        "agent",
+        "attempt",
+        "feedback",
+        "run_id",
+        "task",
+    )
 
     def __init__(
         self, run: Run, node: Record, agent: str, attempt: int, feedback: Sequence[str]
@@ -36,6 +46,7 @@ class Context:
         self._run = run
         self._node = node
         self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
+        self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -59,8 +70,15 @@ class Context:
         return task
 
     def record_usage(self, *, cost: float = 0.0, **tokens: int) -> None:
-        """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's metadata."""
+        """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's
+        metadata. The agent's limits (`@agent(limits=[Rate(..., unit="input_tokens")])`) are
+        trued up with them when the attempt ends."""
         self._run.record_usage(cost, tokens)
+        usage = self._usage
+        if usage is None:
+            usage = self._usage = {}
+        for unit, n in tokens.items():
+            usage[unit] = usage.get(unit, 0) + n
 
     @property
     def log(self) -> Any:

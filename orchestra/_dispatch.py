@@ -39,6 +39,7 @@ from ._events import (
 )
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
 from ._failure import check_returned, describe
+from ._limits import Concurrency, Cost, reserve_all
 from ._retry import RetryPolicy, Timeouts, backoff, classify
 from ._task import CANCELLED, CLAIMED, FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
@@ -68,13 +69,18 @@ _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run
 
 
 class Capacity:
-    """The orchestrator-wide concurrency limit, shared by its concurrent runs."""
+    """The orchestrator-wide concurrency limit, shared by its concurrent runs (and, when it was
+    given as a `Concurrency` object, by every orchestrator it was given to).
 
-    __slots__ = ("blocked", "in_flight", "limit", "runs")
+    The check on the hot path reads the limiter's counter directly (`in_use < limit`, as
+    `Concurrency.reserve` does) and gives the slot back through `release`, which wakes the
+    watchers of other orchestrators."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
+    __slots__ = ("blocked", "limit", "limiter", "runs")
+
+    def __init__(self, limiter: Concurrency) -> None:
+        self.limiter = limiter
+        self.limit = limiter.limit
         self.blocked = False  # a worker found the limit reached: wake the other runs on release
         self.runs: list[Dispatcher] = []
 
@@ -182,8 +188,11 @@ class Dispatcher:
         self._wakeups: list[tuple[float, int, Lane]] = []  # (loop time, order, lane)
         self._order = 0
         self._held = 0  # tasks waiting in lanes
+        self._wakers: dict[AgentSlot, Callable[[], None]] = {}
+        self._front = 0  # lane order of tasks put back at the head (counts down)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._reached = 0.0  # the time of the last timer that fired
         # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
         # starting a task there costs a third of anyio's `start_soon` (measured ~9 µs against
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
@@ -284,17 +293,27 @@ class Dispatcher:
 
     # -- choosing --------------------------------------------------------------------------------
 
-    def _take(self) -> tuple[Record, int, AgentSlot] | None:
-        """The best task an agent has room for now, with its lease token and its agent (or None)."""
+    def _take(self) -> tuple[Record, int, AgentSlot, Cost | None] | None:
+        """The best task an agent has room for now, with its lease token, its agent and what it
+        reserved on the agent's limits (or None: nothing can start now)."""
         capacity = self._capacity
-        if capacity.in_flight >= capacity.limit:
+        limiter = capacity.limiter
+        if limiter.in_use >= capacity.limit:
             capacity.blocked = True
+            limiter.watch(self.wake_one)  # another orchestrator sharing it may free a slot
             return None
         recheck = self._recheck
         while recheck:
             picked = self._from_lane(recheck[0])
             if picked is not None:
-                return picked
+                if self._parked:  # the lane may hold more that can go now: pass the baton on
+                    self.wake_one()
+                record, token, slot = picked
+                if not slot.limiters:
+                    return record, token, slot, None
+                cost = self._reserve(record, token, slot)
+                if cost is not None:
+                    return record, token, slot, cost
             recheck.popleft().queued = False
         store = self.store
         while True:
@@ -302,9 +321,13 @@ class Dispatcher:
             if record is None:
                 return None
             token = record.token
-            slot = self._route(record, token)
-            if slot is not None:
-                return record, token, slot
+            routed = self._route(record, token)
+            if routed is not None:
+                if not routed.limiters:
+                    return record, token, routed, None
+                cost = self._reserve(record, token, routed)
+                if cost is not None:
+                    return record, token, routed, cost
 
     def _route(self, record: Record, token: int) -> AgentSlot | None:
         """The agent for a claimed task if it has room now; else the task waits in a lane (or
@@ -325,7 +348,7 @@ class Dispatcher:
                 return self._route_kind(record, token)
         else:
             slot = self._slots[target]
-        if slot.breaker.state is not CLOSED or slot.paused_until:
+        if slot.breaker.state is not CLOSED:
             return self._route_unwell(record, token, slot)
         if slot.in_flight < slot.limit:
             lane = self._lanes.get(slot)
@@ -403,10 +426,6 @@ class Dispatcher:
         return out
 
     def _usable(self, slot: AgentSlot, now: float) -> bool:
-        if slot.paused_until:
-            if now < slot.paused_until:
-                return False
-            slot.paused_until = 0.0
         return slot.breaker.state is CLOSED or slot.breaker.available(now)
 
     def _wait_for_recovery(
@@ -469,11 +488,45 @@ class Dispatcher:
                 return record, token, slot
         return None
 
+    def _reserve(self, record: Record, token: int, slot: AgentSlot) -> Cost | None:
+        """Reserve the attempt's cost on `slot`'s limits (all or none). Without room, the task
+        waits at the head of the agent's lane until the limits say there is: at a time (a rate
+        refills, a Retry-After ends: the run's timer), or at a release (a shared `Concurrency`:
+        its watcher)."""
+        cost = _REQUEST if slot.estimate is None else _estimate(slot, record)
+        now = self._time()
+        if now < self._reached:  # the timer that woke it fired a hair early: its time has come
+            now = self._reached
+        room = reserve_all(slot.limiters, now, cost, self._waker(slot))
+        if not room:
+            return cost
+        lane = self._lane(slot, None)
+        self._front -= 1  # it was first in line: it stays ahead of its priority's others
+        heappush(lane.heap, (record.priority, self._front, record, token))
+        self._held += 1
+        if room < math.inf:
+            self._order += 1
+            heappush(self._wakeups, (room, self._order, lane))
+            self._schedule()
+        return None
+
+    def _waker(self, slot: AgentSlot) -> Callable[[], None]:
+        """What a shared limit of `slot` calls when it frees: look at the agent's lane again."""
+        waker = self._wakers.get(slot)
+        if waker is None:
+
+            def waker() -> None:
+                self.room(slot)
+                self.wake_one()
+
+            self._wakers[slot] = waker
+        return waker
+
     def _pause(self, slot: AgentSlot, until: float) -> None:
-        """No task starts on `slot` before `until` (a rate limit's Retry-After)."""
-        if until <= slot.paused_until:
-            return
-        slot.paused_until = until
+        """No task starts before `until` (a rate limit's Retry-After) on any agent that shares
+        one of `slot`'s limits: each of them finds no room until then when it reserves."""
+        for limiter in slot.limiters:
+            limiter.hold_until(until)
         self._order += 1
         heappush(self._wakeups, (until, self._order, self._lane(slot, None)))
         self._schedule()
@@ -534,7 +587,7 @@ class Dispatcher:
         # asyncio runs a timer up to its clock resolution early: the time it was set for counts
         # as reached, or a due retry would wait one more loop turn (and a seeded run would not
         # replay exactly).
-        now = max(self._time(), self._timer_at)
+        now = self._reached = max(self._time(), self._timer_at)
         self._timer = None
         self._timer_at = math.inf
         if self.closing:
@@ -566,9 +619,11 @@ class Dispatcher:
 
     # -- one attempt -----------------------------------------------------------------------------
 
-    async def _attempt(self, record: Record, token: int, slot: AgentSlot) -> None:
+    async def _attempt(
+        self, record: Record, token: int, slot: AgentSlot, cost: Cost | None
+    ) -> None:
         capacity = self._capacity
-        capacity.in_flight += 1
+        capacity.limiter.in_use += 1
         slot.in_flight += 1
         self.running += 1
         report = self.report
@@ -581,6 +636,7 @@ class Dispatcher:
             self._breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
         store = self.store
         task = record.task
+        ctx: Context | None = None
         _TASK_ID.set(record.id)
         try:
             if (
@@ -656,8 +712,14 @@ class Dispatcher:
                 self._succeeded(record, slot, start, bus)
                 store.settle(record, token, SUCCEEDED, output, agent=slot.name)
         finally:
-            capacity.in_flight -= 1
+            capacity.limiter.release()
             slot.in_flight -= 1
+            if cost is not None:  # the true cost is known now: true up, then give back
+                now = self._time()
+                actual = _actual(cost, ctx)
+                for limiter in slot.limiters:
+                    limiter.reconcile(cost, actual, now)
+                    limiter.release(cost, now)
             self.running -= 1
             if probe:  # cancelled (or refused before the call): the probe ends unjudged
                 breaker.on_abandon()
@@ -931,6 +993,30 @@ class Dispatcher:
 
 
 _NONE_LEFT: Final[Any] = object()
+_REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default
+
+
+def _actual(cost: Cost, ctx: Context | None) -> Cost:
+    """What an attempt really cost: its request, and the units the agent recorded
+    (`ctx.record_usage`); nothing when it never called the agent."""
+    if ctx is None:
+        return 0
+    usage = ctx._usage
+    if usage is None:
+        return cost
+    return {"requests": 1, **usage}
+
+
+def _estimate(slot: AgentSlot, record: Record) -> Mapping[str, float]:
+    """The agent's own estimate of an attempt's cost (tokens, say), plus its one request."""
+    try:
+        estimate = slot.estimate(record.task)  # type: ignore[misc]
+    except Exception:
+        log.warning("an agent's cost estimate raised; reserving one request", exc_info=True)
+        return _REQUEST
+    return {"requests": 1, **estimate}
+
+
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
 
 
@@ -944,9 +1030,8 @@ def _used(record: Record, slot: AgentSlot) -> bool:
 
 
 def _recovers_at(slot: AgentSlot, now: float) -> float:
-    """The loop time at which `slot` may take a task again (as far as its breaker and its
-    rate-limit pause say)."""
-    at = slot.paused_until if slot.paused_until > now else now
+    """The loop time at which `slot`'s breaker lets a task through again."""
+    at = now
     breaker = slot.breaker
     if breaker.state is CLOSED:
         return at

@@ -35,6 +35,7 @@ from ._config import (
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._faults import Fault, FaultMode
+from ._limits import Concurrency, as_concurrency
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Capacity, Run, RunConfig
@@ -65,7 +66,9 @@ class Orchestrator:
 
     Args:
         agents: the agents (see `@agent`); each serves one or more kinds.
-        concurrency: the most attempts running at once, across the orchestrator's runs.
+        concurrency: the most attempts running at once, across the orchestrator's runs: an int
+            (private to this orchestrator), or a `Concurrency` object to share one budget with
+            the other orchestrators it is given to.
         decomposer: turns `run(input)` into tasks: a function returning a list or an iterable, a
             generator, an async generator (streamed), or an async function (an LLM planner).
         retry: the default `RetryPolicy`; `retry_per_kind` overrides it per kind, an agent's own
@@ -97,7 +100,7 @@ class Orchestrator:
         self,
         *,
         agents: Sequence[AgentLike],
-        concurrency: int = 100,
+        concurrency: int | Concurrency = 100,
         decomposer: Decomposer | None = None,
         retry: RetryPolicy | None = None,
         retry_per_kind: Mapping[str, RetryPolicy] | None = None,
@@ -119,7 +122,8 @@ class Orchestrator:
         # Every option is checked here, once, so a wrong type or value is a ConfigError naming it
         # now, never a TypeError in the middle of a run.
         check_sequence("agents", agents)
-        check_int("concurrency", concurrency)
+        if not isinstance(concurrency, Concurrency):
+            check_int("concurrency", concurrency)
         check_callable("decomposer", decomposer)
         check_instance("retry", retry, RetryPolicy)
         check_mapping("retry_per_kind", retry_per_kind)
@@ -158,7 +162,7 @@ class Orchestrator:
         self.decomposer = decomposer
         self.clock = clock
         self._bus = EventBus()
-        self._capacity = Capacity(concurrency)
+        self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
         self._config = RunConfig(
             registry=self.registry,
             capacity=self._capacity,
@@ -171,7 +175,7 @@ class Orchestrator:
             verify=dict(verify or {}),
             safety=safety,
             success_threshold=success_threshold,
-            window=window or max(10_000, 10 * concurrency),
+            window=window or max(10_000, 10 * self._capacity.limit),
             aggregate=aggregator_of(aggregate),
             seed=seed,
             on_threshold_missed=on_threshold_missed,

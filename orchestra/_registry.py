@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ._agent import Agent, AgentLike, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
 from ._exceptions import ConfigError
+from ._limits import Concurrency, Limiter
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ class AgentSlot:
         "attempts",
         "breaker",
         "call",
+        "estimate",
         "failures",
         "fault",
         "in_flight",
@@ -56,6 +58,7 @@ class AgentSlot:
     def __init__(self, agent: AgentLike, breaker: BreakerPolicy) -> None:
         concurrency = getattr(agent, "concurrency", None)
         timeout = getattr(agent, "timeout", None)
+        limits = getattr(agent, "limits", None) or ()
         check_options(
             agent.name,
             agent.kinds,
@@ -64,6 +67,7 @@ class AgentSlot:
             retry=getattr(agent, "retry", None),
             input=getattr(agent, "input", None),
             output=getattr(agent, "output", None),
+            limits=limits,
         )
         self.agent = agent
         self.name: str = agent.name
@@ -72,8 +76,17 @@ class AgentSlot:
         self.call: Callable[[Task, Context], Awaitable[Any]] = (
             agent.direct() if isinstance(agent, Agent) else agent
         )
-        self.limit: int = UNLIMITED if concurrency is None else concurrency
-        self.limiters: tuple[Any, ...] = ()  # rate limits, possibly shared with other agents
+        # An agent's own int limit is a plain counter (`in_flight < limit`: the hot path); limit
+        # objects, which may be shared with other agents and orchestrators, are reserved through
+        # the `Limiter` protocol before each attempt.
+        shared = isinstance(concurrency, Concurrency)
+        self.limit: int = UNLIMITED if concurrency is None or shared else concurrency
+        self.limiters: tuple[Limiter, ...] = ((concurrency,) if shared else ()) + tuple(limits)
+        # What an attempt reserves on `limiters` before its call (its true cost is reconciled after
+        # it from `ctx.record_usage`): one request, and the agent's own estimate if it has one.
+        self.estimate: Callable[[Task], Mapping[str, float]] | None = getattr(
+            agent, "estimate", None
+        )
         self.input = _model(agent, "input")
         self.output = _model(agent, "output")
         self.retry: RetryPolicy | None = getattr(agent, "retry", None)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ._context import Context
+    from ._limits import Concurrency
     from ._retry import RetryPolicy
     from ._task import Task, TaskResult
 
@@ -139,7 +140,7 @@ class ScriptedAgent:
         retry_after: float | None = None,
         seed: int | None = None,
         probe: Probe | None = None,
-        concurrency: int | None = None,
+        concurrency: int | Concurrency | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:

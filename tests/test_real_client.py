@@ -28,7 +28,9 @@ from orchestra import (
     Agent,
     BreakerChanged,
     BreakerPolicy,
+    Concurrency,
     Context,
+    Limiter,
     Orchestrator,
     RetryPolicy,
     RetryScheduled,
@@ -51,12 +53,6 @@ MODEL = "claude-test-1"
 # for a test: a task whose chain is all open waits for the probe.
 SCALED_BREAKER = BreakerPolicy(failures=5, cooldown=1.0)
 
-NEEDS_SHARED_LIMITER = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 13: a 429's Retry-After must pause every task sharing the agent's rate limiter",
-)
-
 
 @pytest.fixture
 async def api(no_leaks: None) -> AsyncIterator[FakeMessagesAPI]:
@@ -71,11 +67,13 @@ async def client(api: FakeMessagesAPI) -> AsyncIterator[AsyncAnthropic]:
         yield anthropic
 
 
-def claude(client: AsyncAnthropic, *, timeout: float | None = None) -> Agent:
+def claude(
+    client: AsyncAnthropic, *, timeout: float | None = None, limits: Sequence[Limiter] = ()
+) -> Agent:
     """A plain agent that asks the Messages API through the official client: orchestra's retry is
-    the only retry (`max_retries=0`). `timeout` is its attempt timeout."""
+    the only retry (`max_retries=0`). `timeout` is its attempt timeout, `limits` its API key's."""
 
-    @agent(kinds=["ask"], name="claude", timeout=timeout)
+    @agent(kinds=["ask"], name="claude", timeout=timeout, limits=limits)
     async def ask(task: Task, ctx: Context) -> str:
         message = await client.messages.create(
             model=MODEL,
@@ -139,15 +137,17 @@ class TestBreakerScenarios:
         assert result.status == "success"
         assert result.metadata.retries >= 20
 
-    @NEEDS_SHARED_LIMITER
     async def test_no_request_inside_a_retry_after_window(
         self, api: FakeMessagesAPI, client: AsyncAnthropic
     ) -> None:
-        # Needs the shared limiter: a 429 with Retry-After pauses every task of the agent, so
-        # nothing reaches the server until the first 429's window has passed.
+        # The key's limit is shared by every task of the agent: a 429 with Retry-After holds it,
+        # so nothing reaches the server until the first 429's window has passed.
         api.latency = 0.05
         api.fail("rate_limit", times=20, retry_after=1)
-        orch = Orchestrator(agents=[claude(client)], concurrency=20, breaker=SCALED_BREAKER, seed=1)
+        key = [Concurrency(20)]
+        orch = Orchestrator(
+            agents=[claude(client, limits=key)], concurrency=20, breaker=SCALED_BREAKER, seed=1
+        )
         await run(api, orch, questions(100))
         window_end = min(r.answered or 0.0 for r in api.answered(429)) + 1.0
         after_wave = [r for r in api.requests if r.number > 20]

@@ -1,0 +1,210 @@
+"""Limits in dispatch: rate limits and shared limiters on agents and orchestrators, reserved before
+each attempt, trued up after it, and held by a 429's Retry-After for everyone who shares them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from orchestra import (
+    Concurrency,
+    ConfigError,
+    Context,
+    Orchestrator,
+    Rate,
+    RetryableError,
+    RetryPolicy,
+    Task,
+    agent,
+)
+from orchestra.testing import FakeClock, Probe, scripted
+from tests.helpers import tasks_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+class Timed:
+    """An agent that records the (virtual) time each call starts; tasks in `fail_once` get one
+    `RetryableError(retry_after=...)` (a 429 stand-in with the status code of one)."""
+
+    def __init__(self, name: str, *, limits: Any = (), usage: int = 0) -> None:
+        self.name = name
+        self.kinds = ("work",)
+        self.limits = limits
+        self.usage = usage
+        self.starts: list[tuple[str, float]] = []
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        self.starts.append((task.id, anyio.current_time()))
+        if self.usage:
+            ctx.record_usage(input_tokens=self.usage)
+        return task.payload
+
+
+class RateLimited(Exception):
+    """An HTTP 429 with a Retry-After, as an API client raises it."""
+
+    status_code = 429
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__("429 Too Many Requests")
+        self.response = type("R", (), {"headers": {"retry-after": str(retry_after)}})()
+
+
+class TestRate:
+    async def test_a_rate_spreads_the_calls_evenly(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        a = Timed("a", limits=[Rate(60, per=60)])
+        orch = make_orchestrator(agents=[a], concurrency=10)
+        t0 = clock.time()
+        result = await orch.run(tasks=tasks_of(5))
+        assert result.status == "success"
+        # 60 a minute is one a second, never the minute's budget at once.
+        assert [round(t - t0, 6) for _, t in a.starts] == [0, 1, 2, 3, 4]
+
+    async def test_tokens_recorded_by_the_agent_are_charged_after_the_call(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        a = Timed("a", limits=[Rate(1000, per=1, unit="input_tokens")], usage=2000)
+        orch = make_orchestrator(agents=[a], concurrency=10)
+        t0 = clock.time()
+        await orch.run(tasks=tasks_of(3))
+        # Each call reported 2,000 tokens of a 1,000-a-second budget: the next waits 2 s (less
+        # the rate's burst of one token, 1 ms).
+        assert [t - t0 for _, t in a.starts] == pytest.approx([0, 2, 4], abs=2e-3)
+
+    async def test_a_rate_shared_by_two_agents_is_one_budget(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        key = [Rate(2, per=1)]
+        a, b = Timed("a", limits=key), Timed("b", limits=key)
+        orch = make_orchestrator(agents=[a, b], concurrency=10)
+        t0 = clock.time()
+        await orch.run(tasks=tasks_of(6))
+        starts = sorted(round(t - t0, 6) for _, t in a.starts + b.starts)
+        assert starts == [0, 0.5, 1, 1.5, 2, 2.5]
+        assert a.starts
+        assert b.starts
+
+
+class TestSharedConcurrency:
+    async def test_one_concurrency_for_two_agents(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        probe = Probe()
+        key = Concurrency(3)
+        agents = [
+            scripted(name, ["work"], latency=1.0, probe=probe, concurrency=key)
+            for name in ("a", "b")
+        ]
+        orch = make_orchestrator(agents=agents, concurrency=50)
+        result = await orch.run(tasks=tasks_of(30))
+        assert result.status == "success"
+        assert probe.peak == 3
+        assert key.in_use == 0
+
+    async def test_one_concurrency_for_two_orchestrators(self, clock: FakeClock) -> None:
+        probe = Probe()
+        shared = Concurrency(4)
+        first = Orchestrator(
+            agents=[scripted("a", ["work"], latency=1.0, probe=probe)], concurrency=shared
+        )
+        second = Orchestrator(
+            agents=[scripted("b", ["work"], latency=1.0, probe=probe)], concurrency=shared
+        )
+        results = []
+
+        async def run(orch: Orchestrator) -> None:
+            results.append(await orch.run(tasks=tasks_of(20)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, first)
+            tg.start_soon(run, second)
+        assert [r.status for r in results] == ["success", "success"]
+        assert probe.peak == 4
+        assert probe.peak_by_agent["a"] >= 1
+        assert probe.peak_by_agent["b"] >= 1
+        assert shared.in_use == 0
+
+
+class TestRetryAfter:
+    async def test_a_429_holds_every_agent_that_shares_the_limit(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        key = [Concurrency(10)]
+        hit: list[float] = []
+        others: list[float] = []
+
+        @agent(kinds=["hit"], limits=key)
+        async def limited(task: Task, ctx: Context) -> str:
+            hit.append(anyio.current_time())
+            if len(hit) == 1:
+                raise RateLimited(retry_after=10)
+            return "ok"
+
+        @agent(kinds=["other"], limits=key)
+        async def other(task: Task, ctx: Context) -> str:
+            others.append(anyio.current_time())
+            await anyio.sleep(1)
+            return "ok"
+
+        orch = make_orchestrator(
+            agents=[limited, other], concurrency=10, retry=RetryPolicy(base=0.1)
+        )
+        t0 = clock.time()
+        tasks = [
+            Task("hit", 0, id="h"),
+            *[Task("other", i, id=f"o{i}", priority=1) for i in range(3)],
+        ]
+        async with orch:
+            result = await orch.run(tasks=tasks)
+        assert result.status == "success"
+        # `h` got the 429 at t=0; everyone on the key waited for its Retry-After, not only `h`.
+        assert [round(t - t0, 6) for t in hit] == [0, 10]
+        assert min(others) - t0 >= 10 - 1e-9
+
+    async def test_without_a_shared_limit_only_the_task_waits(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        calls: list[tuple[str, float]] = []
+
+        @agent(kinds=["work"])
+        async def plain(task: Task, ctx: Context) -> str:
+            calls.append((task.id, anyio.current_time()))
+            if task.id == "t0" and sum(1 for c in calls if c[0] == "t0") == 1:
+                raise RetryableError("slow down", retry_after=10)
+            return "ok"
+
+        orch = make_orchestrator(agents=[plain], concurrency=1, retry=RetryPolicy(base=0.1))
+        t0 = clock.time()
+        await orch.run(tasks=tasks_of(3))
+        assert [(i, round(t - t0, 6)) for i, t in calls] == [
+            ("t0", 0),
+            ("t1", 0),
+            ("t2", 0),
+            ("t0", 10),
+        ]
+
+
+class TestLimitOptions:
+    @pytest.mark.parametrize("limits", [["x"], "rate", [3], Rate(1)])
+    def test_limits_must_be_a_list_of_limits(self, limits: Any) -> None:
+        with pytest.raises(ConfigError, match="limits"):
+            agent(kinds=["work"], limits=limits)(_noop)
+
+    def test_an_orchestrators_concurrency_may_be_a_shared_limit(self) -> None:
+        shared = Concurrency(7)
+        assert Orchestrator(agents=[agent(kinds=["w"])(_noop)], concurrency=shared).concurrency == 7
+
+    @pytest.mark.parametrize("value", ["3", 0, 2.5, True, None])
+    def test_a_bad_concurrency_is_refused(self, value: Any) -> None:
+        with pytest.raises(ConfigError, match="concurrency"):
+            Orchestrator(agents=[agent(kinds=["w"])(_noop)], concurrency=value)
+
+
+async def _noop(task: Task, ctx: Context) -> None:
+    return None
