@@ -52,7 +52,7 @@ class _Ordered:
         self.items.append(result)
 
     def ordered(self) -> list[tuple[tuple[int, ...], str, Any]]:
-        ordered = [(r.position, r.task_id, r.output) for r in self.items]
+        ordered = [(r.order, r.task_id, r.output) for r in self.items]
         ordered.sort(key=_first)
         return ordered
 

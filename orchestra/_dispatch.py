@@ -93,6 +93,7 @@ class RunConfig:
         "bus",
         "capacity",
         "defaults",
+        "faults",
         "on_threshold_missed",
         "registry",
         "retry",
@@ -124,8 +125,10 @@ class RunConfig:
         aggregate: Any,
         seed: int | None,
         on_threshold_missed: Callable[..., Any] | None,
+        faults: Mapping[str, Any],
     ) -> None:
         self.registry = registry
+        self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
         self.capacity = capacity
         self.bus = bus
         self.store = store

@@ -101,7 +101,16 @@ class Fault:
     `affected` collects the ids of the tasks whose attempt it failed, for the recovery report.
     """
 
-    __slots__ = ("affected", "agent", "latency", "mode", "retry_after", "started", "until")
+    __slots__ = (
+        "affected",
+        "agent",
+        "ended",
+        "latency",
+        "mode",
+        "retry_after",
+        "started",
+        "until",
+    )
 
     def __init__(
         self,
@@ -122,6 +131,7 @@ class Fault:
         self.retry_after = retry_after
         self.latency = latency
         self.affected: set[str] = set()
+        self.ended: dict[str, str] = {}  # how the affected tasks ended, by id
 
     def active(self, now: float) -> bool:
         return self.until is None or now < self.until

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import uuid
-from collections import deque
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -163,6 +162,7 @@ class Orchestrator:
         self.clock = clock
         self._bus = EventBus()
         self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
+        self._faults: dict[str, Fault] = {}
         self._config = RunConfig(
             registry=self.registry,
             capacity=self._capacity,
@@ -176,6 +176,7 @@ class Orchestrator:
             safety=safety,
             success_threshold=success_threshold,
             window=window or max(10_000, 10 * self._capacity.limit),
+            faults=self._faults,
             aggregate=aggregator_of(aggregate),
             seed=seed,
             on_threshold_missed=on_threshold_missed,
@@ -185,8 +186,6 @@ class Orchestrator:
         self._idle: anyio.Event | None = None
         self._entered = 0
         self._runs: list[Run] = []
-        self._recent: deque[Run] = deque(maxlen=8)
-        self._faults: dict[str, Fault] = {}
 
     @property
     def concurrency(self) -> int:
@@ -262,8 +261,7 @@ class Orchestrator:
             async with self:
                 return await self.run(input, tasks=tasks, run_id=run_id)
         source = await self._source(input, tasks)
-        result = await self._execute(source, run_id)
-        return await self._threshold_hook(result)
+        return await self._execute(source, run_id)
 
     def stream(
         self,
@@ -310,18 +308,23 @@ class Orchestrator:
         source: Iterable[Task] | AsyncIterable[Task],
         run_id: str | None,
         results: Any = None,
+        on_run: Callable[[Run], None] | None = None,
     ) -> RunResult:
+        """Run `source` to its end; when the run misses its threshold, `on_threshold_missed` may
+        replace the result. The orchestrator keeps nothing of a finished run."""
         run = Run(self._config, run_id or uuid.uuid4().hex[:12], results)
+        if on_run is not None:
+            on_run(run)
         self._runs.append(run)
         try:
-            return await run.execute(source)
+            result = await run.execute(source)
         finally:
             self._runs.remove(run)
-            self._recent.append(run)
             if not self._runs and self._idle is not None:
                 self._idle.set()
+        return await self._threshold_hook(result, [r.task for r in run.report.not_ok])
 
-    async def _threshold_hook(self, result: RunResult) -> RunResult:
+    async def _threshold_hook(self, result: RunResult, failed: list[Task]) -> RunResult:
         hook = self._config.on_threshold_missed
         if (
             hook is None
@@ -329,12 +332,6 @@ class Orchestrator:
             or result.metadata.success_rate >= result.metadata.success_threshold
         ):
             return result
-        run = next((r for r in reversed(self._recent) if r.run_id == result.metadata.run_id), None)
-        failed = (
-            [n.task for n in run.store.results() if n.status != SUCCEEDED]
-            if run is not None
-            else []
-        )
         try:
             replacement = hook(result, failed)
             if inspect.isawaitable(replacement):
@@ -434,8 +431,12 @@ class Orchestrator:
         return RecoveryStatus(state, agents=sorted(self._faults), pending=pending, failed=failed)
 
     def _state_of(self, task_id: str) -> str | None:
-        for run in (*self._runs, *reversed(self._recent)):
+        for run in self._runs:
             state = run.store.state_of(task_id)
+            if state is not None and state not in TERMINAL:
+                return state
+        for fault in self._faults.values():
+            state = fault.ended.get(task_id)
             if state is not None:
                 return state
         return None
@@ -475,10 +476,16 @@ class ResultStream:
         self._scope = anyio.CancelScope()
         self._over = anyio.Event()
         self._error: BaseException | None = None
+        self._run: Run | None = None
         self.result: RunResult | None = None
 
+    def _attach(self, run: Run) -> None:
+        self._run = run
+
     def _start(self) -> None:
-        # Unbounded: a worker must never wait on the reader; results are small and the run is finite.
+        # Unbounded as a stream (a worker must never wait on the reader), bounded as a run: unread
+        # results count against the run's window, so a slow reader slows admission instead of
+        # the run buffering its results.
         send, self._receive = anyio.create_memory_object_stream[TaskResult](math.inf)
         tg = self._orch._tg
         if tg is None:
@@ -490,8 +497,7 @@ class ResultStream:
         try:
             with self._scope:
                 source = await self._orch._source(input, tasks)
-                result = await self._orch._execute(source, run_id, send)
-                self.result = await self._orch._threshold_hook(result)
+                self.result = await self._orch._execute(source, run_id, send, self._attach)
         except Exception as exc:
             self._error = exc
         finally:
@@ -506,7 +512,10 @@ class ResultStream:
             self._start()
         assert self._receive is not None
         try:
-            return await self._receive.receive()
+            result = await self._receive.receive()
+            if self._run is not None:
+                self._run.reader_progress()  # room in the window: the input may go on
+            return result
         except anyio.EndOfStream:
             self._receive.close()
             await self._over.wait()

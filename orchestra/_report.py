@@ -7,6 +7,7 @@ percentiles, error records with remediations, the pydantic models — happens on
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from random import Random
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
@@ -52,7 +53,7 @@ class Report:
         self.fallbacks = 0
         self.peak = 0
         self.counts: dict[str, dict[str, int]] = {}
-        self.durations: dict[str, list[float]] = {}
+        self.durations: dict[str, Durations] = {}
         self.per_agent: dict[str, int] = {}
         self.not_ok: list[Node] = []
         self.defaulted: list[str] = []
@@ -72,8 +73,8 @@ class Report:
         if node.started is not None:
             durations = self.durations.get(kind)
             if durations is None:
-                durations = self.durations[kind] = []
-            durations.append(node.finished - node.started)
+                durations = self.durations[kind] = Durations()
+            durations.add(node.finished - node.started)
         if state == SUCCEEDED:
             if node.agent is not None:
                 self.per_agent[node.agent] = self.per_agent.get(node.agent, 0) + 1
@@ -156,17 +157,47 @@ class Report:
 
 
 def _position(node: Node) -> tuple[int, ...]:
-    return node.position
+    return node.order
 
 
-def _timing(values: list[float]) -> TimingStats:
-    ordered = sorted(values)
+class Durations:
+    """Task durations of one kind in bounded memory: exact count, mean and max, and percentiles
+    from a uniform sample of at most `SAMPLE` durations (exact while there are no more than that;
+    Vitter's reservoir algorithm R, seeded, so a run's report is reproducible)."""
+
+    SAMPLE = 4096
+    __slots__ = ("count", "max", "rng", "sample", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.max = 0.0
+        self.sample: list[float] = []
+        self.rng: Random | None = None
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if value > self.max:
+            self.max = value
+        if self.count <= self.SAMPLE:
+            self.sample.append(value)
+            return
+        if self.rng is None:
+            self.rng = Random(self.SAMPLE)
+        slot = self.rng.randrange(self.count)
+        if slot < self.SAMPLE:
+            self.sample[slot] = value
+
+
+def _timing(durations: Durations) -> TimingStats:
+    ordered = sorted(durations.sample)
     return TimingStats(
-        count=len(ordered),
-        mean=sum(ordered) / len(ordered),
+        count=durations.count,
+        mean=durations.total / durations.count,
         p50=percentile(ordered, 0.5),
         p95=percentile(ordered, 0.95),
-        max=ordered[-1],
+        max=durations.max,
     )
 
 

@@ -93,6 +93,11 @@ class Run:
                 self._aggregator_failed(exc)
         if self._streamed:
             self.report.tally(record)  # the store may forget it now
+        faults = self.config.faults
+        if faults:
+            for fault in faults.values():
+                if record.id in fault.affected:
+                    fault.ended[record.id] = status
         if self.debug:
             log.debug(
                 "task finished",
@@ -199,6 +204,8 @@ class Run:
             self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
 
     def _result(self, wall0: datetime, dropped: int) -> RunResult:
+        # The store's results come in input order, and are ranked so before the aggregate sorts.
+        records = () if self._streamed else list(self.store.results())
         data = None
         if self._agg_error is None:
             try:
@@ -208,7 +215,7 @@ class Run:
         if self._agg_error is not None:
             self.report.reason = self._agg_error
         return self.report.result(
-            () if self._streamed else self.store.results(),  # type: ignore[arg-type]
+            records,  # type: ignore[arg-type]
             run_id=self.run_id,
             wall0=wall0,
             elapsed=self.dispatcher._time() - self.t0,
@@ -239,7 +246,7 @@ class Run:
         try:
             if isinstance(source, AsyncIterable):
                 async for task in source:  # each item admitted as soon as it arrives
-                    if store.unfinished >= self._window:
+                    if store.unfinished >= self._window or self._results is not None:
                         await self._wait_for_window()
                     store.admit_one(task, pulled)
                     pulled += 1
@@ -247,7 +254,7 @@ class Run:
                 iterator = iter(source)
                 while True:
                     await self._wait_for_window()
-                    room = max(1, min(_CHUNK, self._window - store.unfinished))
+                    room = max(1, min(_CHUNK, self._window - store.unfinished - self._unread()))
                     chunk = list(islice(iterator, room))
                     if not chunk:
                         break
@@ -266,13 +273,29 @@ class Run:
             self._finish()
 
     async def _wait_for_window(self) -> None:
-        # Every unfinished task counts; but when none is ready or running (all wait for
-        # dependencies or groups that only the rest of the input can complete), more input is
-        # the only way forward, and it is let in.
+        # Every unfinished task counts, and every result the stream's reader has not taken yet;
+        # but when no task is ready or running (all wait for dependencies or groups that only the
+        # rest of the input can complete) and no result waits for the reader, more input is the
+        # only way forward, and it is let in.
         store = self.store
-        while store.unfinished >= self._window and store.unfinished > store.pending:
+        while True:
+            unread = self._unread()
+            if store.unfinished + unread < self._window or not (
+                unread or store.unfinished > store.pending
+            ):
+                return
             event = self._window_free = anyio.Event()
             await event.wait()
+
+    def _unread(self) -> int:
+        results = self._results
+        return 0 if results is None else results.statistics().current_buffer_used
+
+    def reader_progress(self) -> None:
+        """The stream's reader took a result: the window may have room."""
+        if self._window_free is not None:
+            self._window_free.set()
+            self._window_free = None
 
     def _close_input(self) -> None:
         self._input_done = True

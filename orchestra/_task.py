@@ -215,6 +215,11 @@ class TaskResult:
         return (self.seq,)
 
     @property
+    def order(self) -> tuple[int, ...]:
+        """A key that sorts results in input order (`position`, or a cheaper equivalent)."""
+        return self.position
+
+    @property
     def ok(self) -> bool:
         """True when the task succeeded (with a default value or not)."""
         return self.status == SUCCEEDED

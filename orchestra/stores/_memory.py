@@ -63,9 +63,11 @@ class Record(TaskResult):
         "feedback",
         "id",
         "index",
+        "named",
         "parent",
         "priority",
         "qseq",
+        "rank",
         "state",
         "t_start",
         "target",
@@ -74,8 +76,9 @@ class Record(TaskResult):
         "waiting",
     )
 
-    def __init__(self, task: Task, index: int, parent: Record | None) -> None:
+    def __init__(self, task: Task, index: int, parent: Record | None, named: bool = True) -> None:
         self.task = task
+        self.named = named  # its id was given (not generated): later input may refer to it
         self.index = index  # in the input, or among the spawner's spawns
         self.parent = parent
         self.id = self.task_id = task.id
@@ -83,6 +86,7 @@ class Record(TaskResult):
         self.priority = task.priority
         self.seq = index
         self.qseq = -1
+        self.rank = -1  # its place in input order once `results()` has counted it (spawns only)
         self.state: str = PENDING
         self.status = PENDING  # type: ignore[assignment]  # the terminal status once ended
         self.waiting = 0
@@ -100,6 +104,10 @@ class Record(TaskResult):
         self.cancelling: str | None = None
         self.output = None
         # agent, started, finished, error, error_type and defaulted are set when the task ends.
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return (self.rank,) if self.rank >= 0 else self.position
 
     @property
     def position(self) -> tuple[int, ...]:
@@ -185,6 +193,8 @@ class MemoryRun:
         self._compact = compact
         self._input_done = False
         self._cascade: list[tuple[Record, str]] = []  # what to skip next; empty between steps
+        self._generated: set[int] = set()
+        self._spawned = False  # some task spawned others: `results()` ranks them  # tasks of the batch being admitted whose id is generated
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -219,6 +229,7 @@ class MemoryRun:
     def admit_one(self, task: Any, index: int) -> None:
         """`admit` for one item of a streamed input: the same checks, without a batch's bookkeeping."""
         admission = self._admission
+        named = getattr(task, "id", None) is not None
         admission.check(task, "input item", index, self._taken)
         if self._taken(task.id):
             if self._same(task):
@@ -228,7 +239,7 @@ class MemoryRun:
             return
         if task.depends_on:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
-        record = Record(task, index, None)
+        record = Record(task, index, None, named)
         self._records[record.id] = record
         if task.key is not None:
             self._keys[task.key] = record.id
@@ -272,7 +283,10 @@ class MemoryRun:
 
         check = self._admission.check
         keys = self._keys
+        self._generated.clear()
         for i, task in enumerate(tasks, first_index):
+            if getattr(task, "id", 0) is None:
+                self._generated.add(id(task))
             check(task, where, i, taken)
             if task.depends_on or task.depends_on_tags:
                 linked = True
@@ -314,12 +328,14 @@ class MemoryRun:
         records = self._records
         keys = self._keys
         new = []
+        generated = self._generated
         for index, task in enumerate(batch, first_index):
-            record = Record(task, index, parent)
+            record = Record(task, index, parent, not generated or id(task) not in generated)
             records[record.id] = record
             if task.key is not None:
                 keys[task.key] = record.id
             new.append(record)
+        generated.clear()
         self.unfinished += len(new)
         self.pending += len(new)
         return new
@@ -539,6 +555,7 @@ class MemoryRun:
             self.admit(
                 spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
             )
+            self._spawned = True
         self._end(record, status, output, agent, error, error_type, defaulted)
         return True
 
@@ -621,8 +638,12 @@ class MemoryRun:
                 self._maybe_close(record.id, owned)
         self._listener.finished(record)
         if self._compact and status is SUCCEEDED and not record.task.tags:
+            # A streamed run forgets a succeeded task. Later input may still name it if its id
+            # was given: its output stays (id -> output, untracked by the GC). A generated id
+            # nobody waits for is forgotten whole, so memory stays flat however long the stream.
             del self._records[record.id]
-            self._settled[record.id] = record.output
+            if record.named or dependents:
+                self._settled[record.id] = record.output
 
     def _closable(self, tag: str, group: Group) -> bool:
         """Whether no more members of `tag` can appear and every member is done."""
@@ -698,8 +719,29 @@ class MemoryRun:
         return self._settled.get(task_id) if record is None else record.output
 
     def results(self) -> Iterator[Record]:
-        """The records not compacted away (every one of a whole-list run)."""
-        return iter(self._records.values())
+        """The records not compacted away (every one of a whole-list run), in input order: a
+        spawned task right after its spawner. With spawns, each record is given its `rank` in
+        that order, so sorting by it costs nothing however deep the spawns go (a position is as
+        long as its depth)."""
+        if not self._spawned:
+            return iter(self._records.values())
+        children: dict[int, list[Record]] = {}
+        roots: list[Record] = []
+        for record in self._records.values():  # admission order: spawns in spawn order
+            if record.parent is None:
+                roots.append(record)
+            else:
+                children.setdefault(id(record.parent), []).append(record)
+        ordered: list[Record] = []
+        stack = roots[::-1]
+        while stack:
+            record = stack.pop()
+            record.rank = len(ordered)
+            ordered.append(record)
+            below = children.get(id(record))
+            if below:
+                stack.extend(reversed(below))
+        return iter(ordered)
 
     def state_of(self, task_id: str) -> str | None:
         record = self._records.get(task_id)

@@ -1,0 +1,163 @@
+"""Bounded memory: what a run keeps, and for how long (issue 13, point 8). Sizes are not timed or
+weighed here (that is the benchmarks' job): these tests check *what* is kept."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from orchestra import Context, Orchestrator, Task, agent
+from orchestra._admission import Admission
+from orchestra._report import Durations
+from orchestra._task import SUCCEEDED
+from orchestra.stores import MemoryStore
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+
+@agent(kinds=["work"])
+async def echo(task: Task, ctx: Context) -> Any:
+    return task.payload
+
+
+class _Listener:
+    def ready(self, record: Any) -> None:
+        pass
+
+    def finished(self, record: Any) -> None:
+        pass
+
+
+class Payload:
+    """A payload a weak reference can follow."""
+
+
+class TestFinishedRuns:
+    async def test_a_long_lived_orchestrator_keeps_no_finished_runs_tasks(self) -> None:
+        refs: list[weakref.ref[Payload]] = []
+
+        @agent(kinds=["work"])
+        async def remember(task: Task, ctx: Context) -> int:
+            refs.append(weakref.ref(task.payload))  # every task and its payload are the run's
+            return 1
+
+        async with Orchestrator(agents=[remember]) as orch:
+            result = await orch.run(tasks=[Task("work", Payload(), id=f"t{i}") for i in range(50)])
+            assert result.status == "success"
+            del result
+            gc.collect()
+            # The orchestrator is still open: nothing of the finished run is alive any more.
+            assert len(refs) == 50
+            assert [r for r in refs if r() is not None] == []
+
+
+class TestStreamedRuns:
+    def _store(self) -> Any:
+        return MemoryStore().open_run(
+            "r",
+            admission=Admission(["work"], {}),
+            listener=_Listener(),
+            clock=lambda: 0.0,
+            task_timeout=None,
+            compact=True,
+        )
+
+    def _succeed(self, store: Any) -> None:
+        record = store.claim()
+        assert store.start(record, record.token, "a")
+        assert store.settle(record, record.token, SUCCEEDED, record.task.payload, agent="a")
+
+    def test_a_succeeded_task_with_a_generated_id_is_forgotten_whole(self) -> None:
+        store = self._store()
+        store.admit_one(Task("work", 1), 0)
+        store.admit_one(Task("work", 2, id="named"), 1)
+        generated = next(r.id for r in store.results() if r.id != "named")
+        self._succeed(store)
+        self._succeed(store)
+        assert store.state_of(generated) is None  # nothing left of it
+        assert store.state_of("named") == SUCCEEDED  # later input may still depend on it
+        assert list(store.results()) == []
+
+    def test_a_task_someone_waits_for_keeps_its_output(self) -> None:
+        store = self._store()
+        store.admit_one(Task("work", "out"), 0)
+        first = next(iter(store.results()))
+        store.admit_one(Task("work", 2, id="after", depends_on=[first.id]), 1)
+        self._succeed(store)
+        waiting = next(r for r in store.results() if r.id == "after")
+        assert store.deps_of(waiting) == {first.id: "out"}
+
+    async def test_a_slow_reader_slows_admission(self) -> None:
+        pulled = 0
+
+        async def source() -> AsyncIterator[Task]:
+            nonlocal pulled
+            for i in range(200):
+                pulled += 1
+                yield Task("work", i)
+
+        orch = Orchestrator(agents=[echo], window=10)
+        behind: list[int] = []
+        read = 0
+        async with orch, orch.stream(tasks=source()) as results:
+            async for _ in results:
+                read += 1
+                behind.append(pulled - read)
+                await anyio.sleep(0.001)  # a slow reader
+        assert read == 200
+        # What was pulled from the input but not read yet never grows past the window.
+        assert max(behind) <= 10 + 1
+
+
+class TestSpawnOrder:
+    @pytest.mark.parametrize("depth", [1, 3, 2_000])
+    async def test_a_chain_of_spawns_comes_out_in_spawn_order(self, depth: int) -> None:
+        @agent(kinds=["chain"])
+        async def chain(task: Task, ctx: Context) -> int:
+            n = task.payload
+            if n < depth:
+                ctx.spawn(Task("chain", n + 1, id=f"c{n + 1}"))
+            return int(n)
+
+        result = await Orchestrator(agents=[chain]).run(
+            tasks=[Task("chain", 0, id="c0"), Task("chain", depth, id="last")]
+        )
+        assert list(result.data) == [f"c{i}" for i in range(depth + 1)] + ["last"]
+
+    async def test_spawns_follow_their_spawner_in_input_order(self) -> None:
+        @agent(kinds=["split"])
+        async def split(task: Task, ctx: Context) -> str:
+            if "/" not in task.id:
+                for i in range(3):
+                    ctx.spawn(Task("split", None, id=f"{task.id}/{i}"))
+            return task.id
+
+        result = await Orchestrator(agents=[split]).run(
+            tasks=[Task("split", None, id=x) for x in ("a", "b")]
+        )
+        assert list(result.data) == ["a", "a/0", "a/1", "a/2", "b", "b/0", "b/1", "b/2"]
+
+
+class TestDurations:
+    def test_exact_up_to_the_sample_then_bounded(self) -> None:
+        durations = Durations()
+        values = [float(i % 1000) for i in range(20_000)]
+        for v in values:
+            durations.add(v)
+        assert durations.count == 20_000
+        assert len(durations.sample) == Durations.SAMPLE
+        assert durations.total / durations.count == pytest.approx(sum(values) / len(values))
+        assert durations.max == 999.0
+        ordered = sorted(durations.sample)
+        assert ordered[int(0.95 * len(ordered))] == pytest.approx(950, abs=25)
+
+    def test_small_runs_keep_every_duration(self) -> None:
+        durations = Durations()
+        for v in (3.0, 1.0, 2.0):
+            durations.add(v)
+        assert sorted(durations.sample) == [1.0, 2.0, 3.0]
