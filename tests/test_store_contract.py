@@ -4,7 +4,9 @@ Every test runs once per store factory in `STORES`; a new store (SQLite, Postgre
 suite with one line there. The tests touch a store only through the `RunStore` protocol: states are
 read with `state_of`, a task's fields from the record that `claim` (or the listener) hands out, and
 outcomes from the `TaskResult`s the listener hears, so a store whose records are snapshots passes as
-well as one whose records are live objects.
+well as one whose records are live objects. One exception, because the dispatcher relies on it:
+`start` updates the record it is given (`attempts`, `agent_tries`, `target`), which the attempt's
+context then reads.
 
 Time is a manual clock (`Harness.t`, a float the test moves); the store reads it through `clock`.
 """
