@@ -284,6 +284,7 @@ class MemoryRun:
         check = self._admission.check
         keys = self._keys
         self._generated.clear()
+        batch_keys: set[str] = set()  # a key twice in one batch is one task too
         for i, task in enumerate(tasks, first_index):
             if getattr(task, "id", 0) is None:
                 self._generated.add(id(task))
@@ -297,8 +298,10 @@ class MemoryRun:
                 if parent is None and self._same(task):
                     continue  # admitted before, identical: idempotent
                 raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
-            if task.key is not None and task.key in keys:
-                continue  # the same work was submitted before under this key
+            if task.key is not None:
+                if task.key in keys or task.key in batch_keys:
+                    continue  # the same work was submitted before under this key
+                batch_keys.add(task.key)
             if not forward and task.depends_on:
                 self._known_deps(
                     task, ids, " (a streamed or spawned task may only depend on tasks before it)"
@@ -508,6 +511,9 @@ class MemoryRun:
     ) -> bool:
         if record.token != token or record.state in TERMINAL:
             return False
+        # The failed attempt's lease ends here: its worker's late or repeated writes are refused
+        # (a second `fail` would queue the task twice). The next `claim` hands out a fresh token.
+        record.token += 1
         failures = record.failures
         if failures is None:
             record.failures = [attempt]
@@ -546,16 +552,16 @@ class MemoryRun:
     ) -> bool:
         if record.token != token or record.state in TERMINAL:
             return False
+        if spawned:  # first: refused spawns (`InputError`) leave the task as it was
+            self.admit(
+                spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
+            )
+            self._spawned = True
         if attempt is not None:
             if record.failures is None:
                 record.failures = [attempt]
             else:
                 record.failures.append(attempt)
-        if spawned:
-            self.admit(
-                spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
-            )
-            self._spawned = True
         self._end(record, status, output, agent, error, error_type, defaulted)
         return True
 
@@ -613,6 +619,8 @@ class MemoryRun:
         record.error_type = error_type
         record.defaulted = defaulted
         self.unfinished -= 1
+        # Heard before what it readies or skips: a listener hears causes before effects.
+        self._listener.finished(record)
         dependents = record.dependents
         if status is SUCCEEDED:
             if dependents:
@@ -636,7 +644,6 @@ class MemoryRun:
             owned = groups.get(record.id)
             if owned is not None:
                 self._maybe_close(record.id, owned)
-        self._listener.finished(record)
         if self._compact and status is SUCCEEDED and not record.task.tags:
             # A streamed run forgets a succeeded task. Later input may still name it if its id
             # was given: its output stays (id -> output, untracked by the GC). A generated id
