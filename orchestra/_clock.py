@@ -20,12 +20,19 @@ The jump is only safe when nothing can happen in the meantime. Work handed off t
 not jump: the loop waits for real I/O up to its next timer, and virtual time advances at the real
 pace. A thread agent taking 50 ms under a 5 s timeout succeeds; under a 10 ms timeout it times out.
 It needs asyncio's default selector event loop (not uvloop).
+
+Virtual time makes ties the rule (every attempt started at one instant times out at one instant),
+so `FakeClock` also fixes their order: timers due at the same time run in the order they were set.
+asyncio's own timer heap compares due times only and leaves ties to its layout, which depends on
+the loop's whole history; a seeded run then would not replay in a process that ran anything before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +42,8 @@ import anyio.to_thread
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
+    from contextvars import Context
     from types import TracebackType
 
 __all__ = ("Clock", "FakeClock", "current_clock")
@@ -86,6 +94,29 @@ def current_clock() -> Clock:
     # An installed FakeClock is the loop's `time` (its bound `now`): read our own patch back.
     fake = getattr(vars(loop).get("time"), "__self__", None)
     return fake if isinstance(fake, FakeClock) else Clock(loop.time)
+
+
+class _Timer(asyncio.TimerHandle):
+    """A timer ordered by its due time, then by when it was set (asyncio's: by due time alone)."""
+
+    __slots__ = ("_order",)
+
+    def __init__(
+        self,
+        when: float,
+        callback: Callable[..., object],
+        args: Sequence[Any],
+        loop: asyncio.AbstractEventLoop,
+        context: Context | None,
+        order: int,
+    ) -> None:
+        super().__init__(when, callback, args, loop, context)
+        self._order = order
+
+    def __lt__(self, other: asyncio.TimerHandle) -> bool:
+        if isinstance(other, _Timer) and self.when() == other.when():
+            return self._order < other._order
+        return super().__lt__(other)
 
 
 class FakeClock(Clock):
@@ -174,7 +205,8 @@ class FakeClock(Clock):
             self._installs += 1
             return
         selector = getattr(loop, "_selector", None)
-        if selector is None or "time" in vars(loop) or "run_in_executor" in vars(loop):
+        patched = ("time", "run_in_executor", "call_at")
+        if selector is None or any(name in vars(loop) for name in patched):
             raise ConfigError(
                 "FakeClock needs asyncio's default selector event loop, with no other fake clock on it"
             )
@@ -219,10 +251,37 @@ class FakeClock(Clock):
                 self._now += timeout  # nothing can happen before the next timer: jump there
             return events
 
+        # asyncio's own `call_at`, line for line, but setting a `_Timer` (asyncio has no hook for
+        # the timer's class; every `call_later`, `asyncio.sleep`, anyio deadline and
+        # `asyncio.timeout` goes through `call_at`). With a total order, the order the heap pops
+        # its timers no longer depends on its layout, which depends on when the loop last purged
+        # its cancelled timers: a count that outlives a run decides that (a cancelled timer popped
+        # along with a due one is never uncounted), so ties broke differently after a long run.
+        base: Any = loop
+        order = itertools.count()
+
+        def call_at(
+            when: float, callback: Callable[..., object], *args: Any, context: Context | None = None
+        ) -> asyncio.TimerHandle:
+            if when is None:
+                raise TypeError("when cannot be None")
+            base._check_closed()
+            if base._debug:
+                base._check_thread()
+                base._check_callback(callback, "call_at")
+            timer = _Timer(when, callback, args, loop, context, next(order))
+            private: Any = timer  # asyncio's own call_at, from here on
+            if private._source_traceback:
+                del private._source_traceback[-1]
+            heapq.heappush(base._scheduled, timer)
+            private._scheduled = True
+            return timer
+
         self._saved = (selector, real_select)
         selector.select = select
         loop.time = self.now  # type: ignore[method-assign]
         loop.run_in_executor = run_in_executor  # type: ignore[method-assign,assignment]
+        loop.call_at = call_at  # type: ignore[method-assign,assignment]
         self._loop = loop
         self._installs = 1
 
@@ -238,6 +297,7 @@ class FakeClock(Clock):
         selector.select = real_select
         del self._loop.time  # back to the class's methods
         del self._loop.run_in_executor
+        del self._loop.call_at
         self._loop = None
         self._saved = None
         self._limiters = ()

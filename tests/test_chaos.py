@@ -238,11 +238,6 @@ class TestChaos:
         chaos = await chaos_run(seed=seed, n_tasks=400, clock=clock)
         check_invariants(chaos)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="core v2 regression, open in issue 13's note: a seeded run replays exactly in a "
-        "fresh process, but not after another long run in the same process",
-    )
     async def test_the_same_seed_replays_the_same_run(self, clock: FakeClock) -> None:
         first = await chaos_run(seed=7, n_tasks=200, clock=clock)
         second = await chaos_run(seed=7, n_tasks=200, clock=clock)

@@ -84,6 +84,44 @@ class TestVirtualSleep:
             assert c.time() == before
 
 
+class TestTies:
+    """Timers due at the same virtual time run in the order they were set, whatever the loop ran
+    before: what a seeded run needs to replay exactly in the same process."""
+
+    async def test_timers_due_at_the_same_time_run_in_the_order_they_were_set(
+        self, clock: FakeClock
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        ran: list[int] = []
+        at = clock.time() + 1
+        for i in range(8):
+            loop.call_at(at, ran.append, i)
+        await asyncio.sleep(2)
+        assert ran == list(range(8))
+
+    async def test_sleepers_due_together_wake_in_the_order_they_slept_across_a_purge(
+        self, clock: FakeClock
+    ) -> None:
+        # Enough cancelled timers that asyncio purges its timer heap while the sleepers wait:
+        # the purge rebuilds the heap, which must not reorder them.
+        loop = asyncio.get_running_loop()
+        woke: list[int] = []
+        at = clock.time() + 5
+
+        async def sleeper(i: int) -> None:
+            await anyio.sleep_until(at)
+            woke.append(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(120):
+                tg.start_soon(sleeper, i)
+            await anyio.sleep(1)
+            for _ in range(200):
+                loop.call_at(at + 1, woke.append, -1).cancel()
+            await anyio.sleep(1)  # a loop turn with the cancelled timers in the heap: it purges
+        assert woke == list(range(120))
+
+
 class TestDeadlines:
     async def test_fail_after_fires_in_fake_time(self) -> None:
         async with FakeClock() as c:
