@@ -399,8 +399,9 @@ class Dispatcher:
         return self._wait_for_recovery(record, token, [s for s in slots if not _used(record, s)])
 
     def _route_unwell(self, record: Record, token: int, slot: AgentSlot) -> AgentSlot | None:
-        """`slot` may have an open breaker or a rate-limit pause: go to the next usable agent of
-        the task's chain (or kind), or wait for the first of them to recover."""
+        """`slot` may have an open breaker: go to the next usable agent of the task's chain (in
+        the chain's order), or of its kind (whichever has room first), or wait for the first of
+        them to recover."""
         now = self._time()
         if self._usable(slot, now):
             if slot.in_flight < slot.limit:
@@ -408,13 +409,22 @@ class Dispatcher:
             self._hold(record, token, self._lane(slot, None))
             return None
         candidates = self._untried(record, slot)
+        chained = record.kind in self._chains
+        usable: AgentSlot | None = None
         for other in candidates:
             if other is not slot and self._usable(other, now):
-                self._emit_fallback(record, slot, other, "circuit breaker open")
                 if other.in_flight < other.limit:
+                    self._emit_fallback(record, slot, other, "circuit breaker open")
                     return other
-                self._hold(record, token, self._lane(other, None))
-                return None
+                if chained:  # the chain's order: wait for its next usable agent
+                    self._emit_fallback(record, slot, other, "circuit breaker open")
+                    self._hold(record, token, self._lane(other, None))
+                    return None
+                usable = usable or other
+        if usable is not None:  # no chain: whichever usable agent of the kind has room first
+            self._emit_fallback(record, slot, usable, "circuit breaker open")
+            self._hold(record, token, self._lane(None, record.kind))
+            return None
         return self._wait_for_recovery(record, token, candidates or [slot])
 
     def _untried(self, record: Record, slot: AgentSlot) -> list[AgentSlot]:

@@ -116,12 +116,6 @@ class TestSeedScenario:
         assert run.recovery.agents == ["agent-3"]
         assert run.recovery.pending == run.recovery.failed == []
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="dispatch: a task whose agent's breaker opened waits in the lane of the kind's "
-        "first usable agent (registry order), not for whichever has room first; FakeClock's "
-        "ordered ties (timers due together run in the order set) expose it here: 5.0 s for 10.0",
-    )
     async def test_parallel_takes_less_than_half_the_sequential_time(
         self,
         clock: FakeClock,
