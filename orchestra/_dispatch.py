@@ -722,7 +722,15 @@ class Dispatcher:
                 self._failed(record, token, slot, exc, start)
             else:
                 probe = False
-                self._succeeded(record, slot, start, bus)
+                if (
+                    bus is not None
+                    or breaker.consecutive
+                    or breaker.state is not CLOSED
+                    or breaker.recent is not None
+                ):
+                    self._succeeded(record, slot, start, bus)
+                else:  # nothing to tell and no breaker to close: count it
+                    slot.succeeded += 1
                 store.settle(record, token, SUCCEEDED, output, agent=slot.name)
         finally:
             capacity.limiter.release()

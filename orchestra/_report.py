@@ -7,6 +7,7 @@ percentiles, error records with remediations, the pydantic models — happens on
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+import math
 from random import Random
 from typing import TYPE_CHECKING, Any
 
@@ -162,11 +163,14 @@ def _position(node: Node) -> tuple[int, ...]:
 
 class Durations:
     """Task durations of one kind in bounded memory: exact count, mean and max, and percentiles
-    from a uniform sample of at most `SAMPLE` durations (exact while there are no more than that;
-    Vitter's reservoir algorithm R, seeded, so a run's report is reproducible)."""
+    from a uniform sample of at most `SAMPLE` durations (exact while there are no more than that).
+
+    The sample is a reservoir kept by Li's algorithm L, which draws random numbers only for the
+    values it keeps (a few thousand for a million tasks), seeded so a run's report is reproducible.
+    """
 
     SAMPLE = 4096
-    __slots__ = ("count", "max", "rng", "sample", "total")
+    __slots__ = ("count", "max", "next", "rng", "sample", "total", "weight")
 
     def __init__(self) -> None:
         self.count = 0
@@ -174,6 +178,8 @@ class Durations:
         self.max = 0.0
         self.sample: list[float] = []
         self.rng: Random | None = None
+        self.weight = 1.0
+        self.next = 0  # the count at which the next value enters the sample (once it is full)
 
     def add(self, value: float) -> None:
         self.count += 1
@@ -182,12 +188,19 @@ class Durations:
             self.max = value
         if self.count <= self.SAMPLE:
             self.sample.append(value)
+            if self.count == self.SAMPLE:
+                self.rng = Random(self.SAMPLE)
+                self._skip()
             return
-        if self.rng is None:
-            self.rng = Random(self.SAMPLE)
-        slot = self.rng.randrange(self.count)
-        if slot < self.SAMPLE:
-            self.sample[slot] = value
+        if self.count == self.next:
+            self.sample[self.rng.randrange(self.SAMPLE)] = value  # type: ignore[union-attr]
+            self._skip()
+
+    def _skip(self) -> None:
+        rng: Random = self.rng  # type: ignore[assignment]
+        self.weight *= math.exp(math.log(rng.random() or 1e-300) / self.SAMPLE)
+        gap = math.log(rng.random() or 1e-300) / math.log1p(-self.weight)
+        self.next = self.count + int(gap) + 1
 
 
 def _timing(durations: Durations) -> TimingStats:

@@ -137,7 +137,7 @@ class Run:
                 [k for k, v in registry.by_kind.items() if v], registry.input_models()
             ),
             listener=self,
-            clock=dispatcher.now,
+            clock=loop.time,
             task_timeout=config.timeouts.task,
             compact=not whole,
         )

@@ -107,7 +107,9 @@ class Record(TaskResult):
 
     @property
     def order(self) -> tuple[int, ...]:
-        return (self.rank,) if self.rank >= 0 else self.position
+        if self.rank >= 0:
+            return (self.rank,)
+        return (self.index,) if self.parent is None else self.position
 
     @property
     def position(self) -> tuple[int, ...]:
