@@ -51,18 +51,22 @@ class BreakerPolicy:
 
 
 class Breaker:
-    """The state of one agent's breaker. Every method takes the current time; none sleeps."""
+    """The state of one agent's breaker. Every method takes the current time; none sleeps.
+
+    Without a policy (`Orchestrator(breaker=None)`) it never opens: failures are not counted."""
 
     __slots__ = ("consecutive", "opened_at", "policy", "probing", "recent", "state")
 
-    def __init__(self, policy: BreakerPolicy) -> None:
+    def __init__(self, policy: BreakerPolicy | None) -> None:
         self.policy = policy
         self.state: BreakerState = CLOSED
         self.consecutive = 0
         self.opened_at = 0.0
         self.probing = False
         self.recent: deque[bool] | None = (
-            deque(maxlen=policy.window) if policy.failure_rate is not None else None
+            deque(maxlen=policy.window)
+            if policy is not None and policy.failure_rate is not None
+            else None
         )
 
     def available(self, now: float) -> bool:
@@ -70,14 +74,14 @@ class Breaker:
         if self.state is CLOSED:
             return True
         if self.state is OPEN:
-            return now - self.opened_at >= self.policy.cooldown
+            return now - self.opened_at >= self.policy.cooldown  # type: ignore[union-attr]
         return not self.probing
 
     def reopens_in(self, now: float) -> float:
         """Seconds until an open breaker lets a probe through (0 when it would now)."""
         if self.state is not OPEN:
             return 0.0
-        return max(0.0, self.opened_at + self.policy.cooldown - now)
+        return max(0.0, self.opened_at + self.policy.cooldown - now)  # type: ignore[union-attr]
 
     def on_dispatch(self, now: float) -> BreakerState | None:
         """Call when a task is sent to the agent; returns the new state if it changed."""
@@ -105,6 +109,8 @@ class Breaker:
         return CLOSED
 
     def on_failure(self, now: float) -> BreakerState | None:
+        if self.policy is None:
+            return None  # turned off
         self.consecutive += 1
         if self.state is HALF_OPEN:
             return self._open(now)

@@ -58,6 +58,7 @@ __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 log = structlog.get_logger("orchestra")
 
 Decomposer = Callable[[Any], Any]
+_DEFAULT_BREAKER = BreakerPolicy()
 
 
 class Orchestrator:
@@ -75,7 +76,8 @@ class Orchestrator:
         fallbacks: per kind, the ordered chain of agent names to try.
         defaults: per kind, a value that closes the chain: a task whose every agent failed succeeds
             with it (listed in `metadata.defaulted`).
-        breaker: the circuit breaker policy of every agent.
+        breaker: the circuit breaker policy of every agent (default `BreakerPolicy()`: five
+            health failures in a row open it for 30 s); None turns breakers off.
         timeouts: `Timeouts(attempt=, task=, run=)` or a mapping with those keys, in seconds.
         success_threshold: the success rate at or above which a run with failures is "partial".
         verify: per kind, a check of each attempt's output (see `Verdict`).
@@ -105,7 +107,7 @@ class Orchestrator:
         retry_per_kind: Mapping[str, RetryPolicy] | None = None,
         fallbacks: Mapping[str, Sequence[str]] | None = None,
         defaults: Mapping[str, Any] | None = None,
-        breaker: BreakerPolicy | None = None,
+        breaker: BreakerPolicy | None = _DEFAULT_BREAKER,
         timeouts: Timeouts | Mapping[str, float | None] | None = None,
         success_threshold: float = 0.8,
         verify: Mapping[str, Check] | None = None,
@@ -148,7 +150,7 @@ class Orchestrator:
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
-        self.registry = Registry(agents, breaker or BreakerPolicy(), fallbacks)
+        self.registry = Registry(agents, breaker, fallbacks)
         kinds = set(self.registry.by_kind)
         for name, mapping in (
             ("retry_per_kind", retry_per_kind),

@@ -55,7 +55,7 @@ class AgentSlot:
         "timeout",
     )
 
-    def __init__(self, agent: AgentLike, breaker: BreakerPolicy) -> None:
+    def __init__(self, agent: AgentLike, breaker: BreakerPolicy | None) -> None:
         concurrency = getattr(agent, "concurrency", None)
         timeout = getattr(agent, "timeout", None)
         limits = getattr(agent, "limits", None) or ()
@@ -141,7 +141,7 @@ class Registry:
     def __init__(
         self,
         agents: Sequence[AgentLike],
-        breaker: BreakerPolicy,
+        breaker: BreakerPolicy | None,
         fallbacks: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.slots: dict[str, AgentSlot] = {}

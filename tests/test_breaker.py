@@ -369,6 +369,23 @@ class TestAcrossRuns:
 
 
 class TestHealth:
+    async def test_none_turns_breakers_off(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+    ) -> None:
+        a = scripted("a", ["k"], then="error")
+        orch = make_orchestrator(agents=[a], breaker=None, retry=RetryPolicy(max_attempts=2))
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        async with orch:
+            result = await orch.run(tasks=[make_task("k") for _ in range(10)])
+        assert result.metadata.counts["failed"] == 10
+        assert len(a.calls) == 20  # every task had its two attempts: nothing was cut short
+        assert rec.of(BreakerChanged) == []
+        assert orch.agents_status()[0]["breaker"] == "closed"
+
     async def test_permanent_errors_never_open_the_breaker(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
