@@ -6,8 +6,8 @@ percentiles, error records with remediations, the pydantic models — happens on
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
 import math
+from datetime import datetime, timedelta
 from random import Random
 from typing import TYPE_CHECKING, Any
 

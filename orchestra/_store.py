@@ -155,6 +155,10 @@ class RunStore(Protocol):
     def claim(self) -> Any:
         """The best ready task, leased under a fresh token (None when nothing is ready)."""
 
+    def heartbeat(self, record: Any, token: int) -> bool:
+        """The lease holder is alive: extend its lease. False when the lease went stale (re-leased,
+        handed back, ended, or cancelled: `record.cancelling`), so the holder stops."""
+
     def start(self, record: Any, token: int, agent: str) -> bool:
         """The claimed task's attempt starts now on `agent` (which becomes its target): count it."""
 

@@ -300,6 +300,20 @@ class TestFencing:
         assert not h.run.fail(record, token, attempt(number=2))
         assert h.claim_all() == ["t1"]
 
+    def test_a_heartbeat_holds_only_while_the_lease_is_current(self, h: Harness) -> None:
+        h.admit(Task("a", id="t1"), Task("a", id="t2"))
+        claimed = h.claim()
+        assert h.run.heartbeat(claimed, claimed.token)
+        assert not h.run.heartbeat(claimed, claimed.token + 1000)
+        assert h.run.start(claimed, claimed.token, "x")
+        assert h.run.heartbeat(claimed, claimed.token)
+        token = claimed.token
+        assert h.run.fail(claimed, token, attempt())
+        assert not h.run.heartbeat(claimed, token)  # handed back: the old holder stops
+        other = h.running()
+        h.run.cancel(Selector(task_ids=[other.id]), "stop")
+        assert not h.run.heartbeat(other, other.token)  # cancelled: its holder stops
+
     def test_start_is_refused_unless_the_task_is_claimed(self, h: Harness) -> None:
         h.admit(Task("a", id="t1"))
         record = h.claim()

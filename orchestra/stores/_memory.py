@@ -489,6 +489,14 @@ class MemoryRun:
             record.token += 1
         return record
 
+    def heartbeat(self, record: Record, token: int) -> bool:
+        # One process, one owner: a lease never expires here; only its token can go stale.
+        return (
+            record.token == token
+            and (record.state is CLAIMED or record.state is RUNNING)
+            and record.cancelling is None
+        )
+
     def start(self, record: Record, token: int, agent: str) -> bool:
         if record.token != token or record.state is not CLAIMED:
             return False
