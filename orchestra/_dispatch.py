@@ -849,13 +849,11 @@ class Dispatcher:
             api_error_type=failure.api_error_type,
             request_id=failure.request_id,
         )
-        if record.feedback is None:
-            record.feedback = []
         if isinstance(exc, VerificationError):
-            record.feedback.append(exc.feedback)
-            record.output = exc.output  # kept as the partial output if the task fails in the end
+            # The rejected output is kept as the partial output if the task fails in the end.
+            self.store.note(record, token, exc.feedback, partial=exc.output)
         else:
-            record.feedback.append(f"{error_type}: {message}")
+            self.store.note(record, token, f"{error_type}: {message}")
         if self.run.debug:
             log.debug(
                 "attempt failed",

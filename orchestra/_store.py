@@ -175,6 +175,10 @@ class RunStore(Protocol):
         same agent or, with `next_agent`, on that one (None: any agent of the kind not used up);
         the agent that failed is then used up for this task. Refused with a stale token."""
 
+    def note(self, record: Any, token: int, feedback: str, *, partial: Any = KEEP) -> bool:
+        """What went wrong in the current attempt, for the next one (`ctx.feedback`); with
+        `partial`, the rejected output kept if the task fails in the end."""
+
     def settle(
         self,
         record: Any,

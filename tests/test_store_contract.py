@@ -957,6 +957,23 @@ class TestAdmission:
 # -- reprioritize ----------------------------------------------------------------------------------
 
 
+class TestFeedback:
+    def test_notes_reach_the_next_attempt_and_a_partial_output_survives_failure(
+        self, h: Harness
+    ) -> None:
+        h.admit(Task("a", id="t1"))
+        record = h.running()
+        assert h.run.note(record, record.token, "too short", partial="draft")
+        assert h.run.fail(record, record.token, attempt())
+        again = h.running()
+        assert again.feedback == ["too short"]
+        assert not h.run.note(again, again.token + 1000, "stale")  # a stale lease writes nothing
+        assert h.run.note(again, again.token, "still too short")
+        assert h.run.settle(again, again.token, FAILED, error="gave up", error_type="X")
+        assert again.feedback == ["too short", "still too short"]
+        assert h.heard.results["t1"].output == "draft"
+
+
 class TestReprioritize:
     def test_a_ready_task_moves_in_the_claim_order(self, h: Harness) -> None:
         h.admit(Task("a", id="t1", priority=1), Task("a", id="t2", priority=1))

@@ -546,6 +546,17 @@ class MemoryRun:
             self._ready(record)
         return True
 
+    def note(self, record: Record, token: int, feedback: str, *, partial: Any = KEEP) -> bool:
+        if record.token != token or record.state in TERMINAL:
+            return False
+        if record.feedback is None:
+            record.feedback = [feedback]
+        else:
+            record.feedback.append(feedback)
+        if partial is not KEEP:
+            record.output = partial
+        return True
+
     def settle(
         self,
         record: Record,
