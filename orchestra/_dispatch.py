@@ -1,14 +1,12 @@
-"""The dispatcher: a pool of worker coroutines that choose a task and its agent, call the agent,
-and tell the store what came of it. It never changes a task's state itself: the store does.
+"""The dispatcher: a pool of worker coroutines that take a task, call its agent, and tell the
+store what came of it. It never changes a task's state itself: the store does.
 
 No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
 store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
-coroutines. Choosing costs the same whatever the number of kinds and agents: the store hands out
-its best ready task; the task's agent is its target, the only agent of its kind, the first open
-agent of its chain, or the next agent of its kind's rotation. When that agent has no room (its
-limit is reached, its breaker is open, or a rate limit's Retry-After holds it), the task waits in
-a small *lane* of that agent (or of its kind) that is looked at again when the agent frees a slot
-or its wait ends — never a scan of all kinds or agents.
+coroutines. Which agent a task goes to, and where it waits when that agent has no room, is the
+router's (`_routing.py`): the same cost whatever the number of kinds and agents. After the call,
+the dispatcher decides: success, retry at a due time, the next agent of the chain, or the end of
+the chain (a default value or a failure).
 
 A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
 due time in the store or in a lane, and one timer per run (`loop.call_at`, no task) wakes it.
@@ -19,15 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
-from collections import deque
-from heapq import heappop, heappush
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import structlog
 
-from ._breaker import CLOSED, HALF_OPEN
+from ._breaker import CLOSED
 from ._context import Context
 from ._events import (
     AttemptFailed,
@@ -39,15 +35,16 @@ from ._events import (
 )
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
 from ._failure import check_returned, describe
-from ._limits import Concurrency, Cost, reserve_all
 from ._retry import RetryPolicy, Timeouts, backoff, classify
-from ._task import CANCELLED, CLAIMED, FAILED, RUNNING, SUCCEEDED, Attempt
+from ._routing import NONE_LEFT, Router
+from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Mapping
 
     from ._events import EventBus
+    from ._limits import Concurrency, Cost
     from ._registry import AgentSlot, Registry
     from ._report import Report
     from ._run import Run
@@ -145,18 +142,6 @@ class RunConfig:
         self.on_threshold_missed = on_threshold_missed
 
 
-class Lane:
-    """Claimed tasks waiting for room at one agent (or at any agent of one kind), best first."""
-
-    __slots__ = ("heap", "kind", "queued", "slot")
-
-    def __init__(self, slot: AgentSlot | None, kind: str | None) -> None:
-        self.slot = slot
-        self.kind = kind
-        self.heap: list[tuple[int, int, Record, int]] = []  # (priority, order, record, token)
-        self.queued = False  # in the dispatcher's `_recheck`
-
-
 class Dispatcher:
     """Workers, agent choice and the attempt loop of one run; the run's store holds the state."""
 
@@ -171,31 +156,12 @@ class Dispatcher:
         self.bus = config.bus
         self.rng = Random(config.seed)
         self._capacity = config.capacity
-        self._slots = config.registry.slots
-        self._chains = {k: [s.name for s in c] for k, c in config.registry.chains.items()}
-        self._kind_slots = config.registry.by_kind
-        # Kinds served by one agent and no chain: no choice to make at dispatch.
-        self._only: dict[str, AgentSlot] = {
-            kind: slots[0]
-            for kind, slots in config.registry.by_kind.items()
-            if len(slots) == 1 and kind not in config.registry.chains
-        }
-        # The rotation of each kind served by several agents: the registry's, so that concurrent
-        # runs spread their tasks over the agents together.
-        self._cursor = config.registry.cursor
         self._verify = config.verify
         self._safety = config.safety
         self._attempt_timeout = config.timeouts.attempt
-        self._lanes: dict[Any, Lane] = {}  # by slot (an agent's lane) or by kind (any agent's)
-        self._recheck: deque[Lane] = deque()  # lanes whose agents may have room now
-        self._wakeups: list[tuple[float, int, Lane]] = []  # (loop time, order, lane)
-        self._order = 0
-        self._held = 0  # tasks waiting in lanes
-        self._wakers: dict[AgentSlot, Callable[[], None]] = {}
-        self._front = 0  # lane order of tasks put back at the head (counts down)
+        self.router = Router(self, config.registry)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
-        self._reached = 0.0  # the time of the last timer that fired
         # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
         # starting a task there costs a third of anyio's `start_soon` (measured ~9 µs against
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
@@ -223,15 +189,16 @@ class Dispatcher:
         for _ in range(min(self._capacity.limit, self.store.unfinished) - self._workers):
             self._workers += 1
             self._spawn(self._worker())
-        self._schedule()
+        self.schedule()
 
     def bind_clock(self, loop: asyncio.AbstractEventLoop) -> None:
         self._time = loop.time
+        self.router.bind_clock(loop.time)
 
     def ready(self, record: Record) -> None:
         """The store made a task ready: get a worker to it."""
         if record.deadline is not None:
-            self._schedule()
+            self.schedule()
         if self._parked:
             self.wake_one()
         elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
@@ -305,277 +272,27 @@ class Dispatcher:
             capacity.blocked = True
             limiter.watch(self.wake_one)  # another orchestrator sharing it may free a slot
             return None
-        recheck = self._recheck
-        while recheck:
-            picked = self._from_lane(recheck[0])
-            if picked is not None:
-                if self._parked:  # the lane may hold more that can go now: pass the baton on
-                    self.wake_one()
-                record, token, slot = picked
-                if not slot.limiters:
-                    return record, token, slot, None
-                cost = self._reserve(record, token, slot)
-                if cost is not None:
-                    return record, token, slot, cost
-            recheck.popleft().queued = False
+        picked = self.router.take_held()
+        if picked is not None:
+            return picked
         store = self.store
+        route = self.router.route
         while True:
             record = store.claim()
             if record is None:
                 return None
             token = record.token
-            routed = self._route(record, token)
+            routed = route(record, token)
             if routed is not None:
                 if not routed.limiters:
                     return record, token, routed, None
-                cost = self._reserve(record, token, routed)
+                cost = self.router.reserve(record, token, routed)
                 if cost is not None:
                     return record, token, routed, cost
 
-    def _route(self, record: Record, token: int) -> AgentSlot | None:
-        """The agent for a claimed task if it has room now; else the task waits in a lane (or
-        ends: its deadline passed) and None is returned."""
-        deadline = record.deadline
-        if deadline is not None and self._time() >= deadline:
-            self._chain_end(
-                record,
-                token,
-                f"the deadline passed before attempt {record.attempts + 1} started",
-                "TaskTimeout",
-            )
-            return None
-        target = record.target
-        if target is None:
-            slot = self._only.get(record.kind)
-            if slot is None:
-                return self._route_kind(record, token)
-        else:
-            slot = self._slots[target]
-        if slot.breaker.state is not CLOSED:
-            return self._route_unwell(record, token, slot)
-        if slot.in_flight < slot.limit:
-            lane = self._lanes.get(slot)
-            if lane is None or not lane.heap:
-                return slot
-        self._hold(record, token, self._lane(slot, None))
-        return None
-
-    def _route_kind(self, record: Record, token: int, join: bool = True) -> AgentSlot | None:
-        """A task that may go to any agent of its kind not used up: its chain's first, or the next
-        in the kind's rotation that has room. With `join`, it queues behind the kind's waiting
-        tasks rather than overtake them."""
-        kind = record.kind
-        chain = self._chains.get(kind)
-        if chain is not None:
-            tried = record.tried
-            for name in chain:
-                if tried is None or name not in tried:
-                    return self._route_unwell(record, token, self._slots[name])
-            self._chain_end(record, token, "every agent of the chain was used up")
-            return None
-        lane = self._lanes.get(kind)
-        if join and lane is not None and lane.heap:  # others wait already: join them (O(1))
-            self._hold(record, token, lane)
-            return None
-        slots = self._kind_slots[kind]
-        n = len(slots)
-        first = self._cursor.get(kind, 0)
-        tried = record.tried
-        now = self._time()
-        usable = False
-        for i in range(n):
-            slot = slots[(first + i) % n]
-            if tried is not None and slot.name in tried:
-                continue
-            if not self._usable(slot, now):
-                continue
-            usable = True
-            if slot.in_flight < slot.limit:
-                self._cursor[kind] = (first + i + 1) % n
-                return slot
-        if usable:
-            self._hold(record, token, self._lane(None, kind))
-            return None
-        return self._wait_for_recovery(record, token, [s for s in slots if not _used(record, s)])
-
-    def _route_unwell(self, record: Record, token: int, slot: AgentSlot) -> AgentSlot | None:
-        """`slot` may have an open breaker: go to the next usable agent of the task's chain (in
-        the chain's order), or of its kind (whichever has room first), or wait for the first of
-        them to recover."""
-        now = self._time()
-        if self._usable(slot, now):
-            if slot.in_flight < slot.limit:
-                return slot
-            self._hold(record, token, self._lane(slot, None))
-            return None
-        candidates = self._untried(record, slot)
-        chained = record.kind in self._chains
-        usable: AgentSlot | None = None
-        for other in candidates:
-            if other is not slot and self._usable(other, now):
-                if other.in_flight < other.limit:
-                    self._emit_fallback(record, slot, other, "circuit breaker open")
-                    return other
-                if chained:  # the chain's order: wait for its next usable agent
-                    self._emit_fallback(record, slot, other, "circuit breaker open")
-                    self._hold(record, token, self._lane(other, None))
-                    return None
-                usable = usable or other
-        if usable is not None:  # no chain: whichever usable agent of the kind has room first
-            self._emit_fallback(record, slot, usable, "circuit breaker open")
-            self._hold(record, token, self._lane(None, record.kind))
-            return None
-        return self._wait_for_recovery(record, token, candidates or [slot])
-
-    def _untried(self, record: Record, slot: AgentSlot) -> list[AgentSlot]:
-        """The agents `record` may still go to, `slot` first, in chain (or registry) order."""
-        chain = self._chains.get(record.kind)
-        names = chain if chain is not None else [s.name for s in self._kind_slots[record.kind]]
-        tried = record.tried
-        out = [slot]
-        for name in names:
-            if name != slot.name and (tried is None or name not in tried):
-                out.append(self._slots[name])
-        return out
-
-    def _usable(self, slot: AgentSlot, now: float) -> bool:
-        return slot.breaker.state is CLOSED or slot.breaker.available(now)
-
-    def _wait_for_recovery(
-        self, record: Record, token: int, slots: list[AgentSlot]
-    ) -> AgentSlot | None:
-        """Every agent the task may go to is unwell: it waits (within its deadline) in the lane of
-        the one that recovers first, never fails for it."""
-        now = self._time()
-        best = min(slots, key=lambda s: _recovers_at(s, now))
-        lane = self._lane(best, None)
-        self._hold(record, token, lane)
-        at = _recovers_at(best, now)
-        if at < math.inf:
-            self._order += 1
-            heappush(self._wakeups, (at, self._order, lane))
-            self._schedule()
-        return None
-
-    def _lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
-        key: Any = slot if slot is not None else kind
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = Lane(slot, kind)
-        return lane
-
-    def _hold(self, record: Record, token: int, lane: Lane) -> None:
-        self._order += 1
-        heappush(lane.heap, (record.priority, self._order, record, token))
-        self._held += 1
-
-    def _from_lane(self, lane: Lane) -> tuple[Record, int, AgentSlot] | None:
-        """The best task of `lane` if its agent has room now (the task is routed again: its agent
-        may have changed while it waited)."""
-        heap = lane.heap
-        now = self._time()
-        while heap:
-            _, _, record, token = heap[0]
-            if record.token != token or record.state is not CLAIMED:
-                heappop(heap)  # it ended (deadline, cancel) while it waited
-                self._held -= 1
-                continue
-            slot = lane.slot
-            if slot is not None:
-                if not self._usable(slot, now):
-                    self._reroute(lane)  # its agent went down while they waited
-                    return None
-                if slot.in_flight >= slot.limit:
-                    return None
-            elif not any(
-                s.in_flight < s.limit and self._usable(s, now) and not _used(record, s)
-                for s in self._kind_slots[lane.kind]  # type: ignore[index]
-            ):
-                return None
-            heappop(heap)
-            self._held -= 1
-            if slot is not None:
-                return record, token, slot
-            slot = self._route_kind(record, token, join=False)
-            if slot is not None:
-                return record, token, slot
-        return None
-
-    def _reserve(self, record: Record, token: int, slot: AgentSlot) -> Cost | None:
-        """Reserve the attempt's cost on `slot`'s limits (all or none). Without room, the task
-        waits at the head of the agent's lane until the limits say there is: at a time (a rate
-        refills, a Retry-After ends: the run's timer), or at a release (a shared `Concurrency`:
-        its watcher)."""
-        cost = _REQUEST if slot.estimate is None else _estimate(slot, record)
-        now = self._time()
-        if now < self._reached:  # the timer that woke it fired a hair early: its time has come
-            now = self._reached
-        room = reserve_all(slot.limiters, now, cost, self._waker(slot))
-        if not room:
-            return cost
-        lane = self._lane(slot, None)
-        self._front -= 1  # it was first in line: it stays ahead of its priority's others
-        heappush(lane.heap, (record.priority, self._front, record, token))
-        self._held += 1
-        if room < math.inf:
-            self._order += 1
-            heappush(self._wakeups, (room, self._order, lane))
-            self._schedule()
-        return None
-
-    def _waker(self, slot: AgentSlot) -> Callable[[], None]:
-        """What a shared limit of `slot` calls when it frees: look at the agent's lane again."""
-        waker = self._wakers.get(slot)
-        if waker is None:
-
-            def waker() -> None:
-                self.room(slot)
-                self.wake_one()
-
-            self._wakers[slot] = waker
-        return waker
-
-    def _pause(self, slot: AgentSlot, until: float) -> None:
-        """No task starts before `until` (a rate limit's Retry-After) on any agent that shares
-        one of `slot`'s limits: each of them finds no room until then when it reserves."""
-        for limiter in slot.limiters:
-            limiter.hold_until(until)
-        self._order += 1
-        heappush(self._wakeups, (until, self._order, self._lane(slot, None)))
-        self._schedule()
-
-    def _reroute(self, lane: Lane) -> None:
-        """Route again every task waiting in `lane` (its agent became unusable): each goes to
-        another agent's lane, or waits for the first of its agents to recover."""
-        waiting = lane.heap
-        lane.heap = []
-        self._held -= len(waiting)
-        for _, _, record, token in waiting:
-            if record.token != token or record.state is not CLAIMED:
-                continue
-            slot = self._route(record, token)
-            if slot is not None:  # room now: it waits at the head of that agent's lane
-                other = self._lane(slot, None)
-                self._hold(record, token, other)
-                if not other.queued:
-                    other.queued = True
-                    self._recheck.append(other)
-
-    def room(self, slot: AgentSlot) -> None:
-        """`slot` may have room now (a slot freed, its breaker closed): look at its lanes again."""
-        lane = self._lanes.get(slot)
-        if lane is not None and lane.heap and not lane.queued:
-            lane.queued = True
-            self._recheck.append(lane)
-        for kind in slot.kinds:
-            lane = self._lanes.get(kind)
-            if lane is not None and lane.heap and not lane.queued:
-                lane.queued = True
-                self._recheck.append(lane)
-
     # -- timers ----------------------------------------------------------------------------------
 
-    def _schedule(self) -> None:
+    def schedule(self) -> None:
         """Arm the run's one timer for its next due time (a retry, a deadline, a recovery)."""
         if self._loop is None or self.closing:
             return
@@ -583,8 +300,9 @@ class Dispatcher:
         due = self.store.next_due()
         if due is not None:
             at = due
-        if self._wakeups and self._wakeups[0][0] < at:
-            at = self._wakeups[0][0]
+        wakeup = self.router.next_wakeup()
+        if wakeup < at:
+            at = wakeup
         if at >= self._timer_at:
             return
         if self._timer is not None:
@@ -600,7 +318,7 @@ class Dispatcher:
         # asyncio runs a timer up to its clock resolution early: the time it was set for counts
         # as reached, or a due retry would wait one more loop turn (and a seeded run would not
         # replay exactly).
-        now = self._reached = max(self._time(), self._timer_at)
+        now = self.router.reached = max(self._time(), self._timer_at)
         self._timer = None
         self._timer_at = math.inf
         if self.closing:
@@ -609,21 +327,16 @@ class Dispatcher:
             state = record.state
             if state is RUNNING:
                 continue  # its attempt's own cancel scope ends it at the deadline
-            self._chain_end(
+            self.chain_end(
                 record,
                 record.token,
                 f"the deadline passed while the task waited for attempt {record.attempts + 1}",
                 "TaskTimeout",
             )
-        wakeups = self._wakeups
-        while wakeups and wakeups[0][0] <= now:
-            lane = heappop(wakeups)[2]
-            if lane.heap and not lane.queued:
-                lane.queued = True
-                self._recheck.append(lane)
-        self._schedule()
+        waiting = self.router.due(now)
+        self.schedule()
         # Wake a worker for each lane that may go on (and for retries the store made ready).
-        for _ in range(len(self._recheck) or 1):
+        for _ in range(waiting or 1):
             if self._parked:
                 self.wake_one()
             elif self._pool is not None and self._workers < self._capacity.limit:
@@ -749,11 +462,11 @@ class Dispatcher:
                 # another run's parked worker waits for.
                 capacity.blocked = False
                 for run in capacity.runs:
-                    run.room(slot)
+                    run.router.room(slot)
                     run.wake_one()
             else:
-                if self._held:
-                    self.room(slot)
+                if self.router.held:
+                    self.router.room(slot)
                 if self._parked:
                     self.wake_one()
 
@@ -831,7 +544,7 @@ class Dispatcher:
             self._breaker_changed(slot, previous, breaker.on_failure(end))
             if retry_after is not None and slot.limiters and _is_rate_limit(failure.status_code):
                 # Every task that shares this agent's rate limits waits with it, not only this one.
-                self._pause(slot, end + retry_after)
+                self.router.pause(slot, end + retry_after)
         elif previous is not CLOSED:
             # The agent answered (a permanent error, a rejected output): it is up. A half-open
             # probe always reports back, whatever its outcome.
@@ -878,7 +591,7 @@ class Dispatcher:
             )  # fmt: skip
             return
         if isinstance(exc, TaskTimeout):
-            self._chain_end(record, token, message, "TaskTimeout", attempt)
+            self.chain_end(record, token, message, "TaskTimeout", attempt)
             return
         if isinstance(exc, Rejected):
             self.store.settle(
@@ -915,7 +628,7 @@ class Dispatcher:
                     )
                 )  # fmt: skip
             self.store.fail(record, token, attempt, retry_at=retry_at)
-            self._schedule()
+            self.schedule()
             return
         self._fall_back(record, token, slot, attempt, reason)
 
@@ -929,46 +642,28 @@ class Dispatcher:
         error_type: str | None = None,
     ) -> None:
         """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
-        nxt = self._next_agent(record, slot)
-        self._emit_fallback(record, slot, nxt, reason)
-        if nxt is _NONE_LEFT:
-            self._chain_end(record, token, reason, error_type, attempt)
-        elif record.kind in self._chains:
+        nxt = self.router.next_agent(record, slot)
+        self.emit_fallback(record, slot, nxt, reason)
+        if nxt is NONE_LEFT:
+            self.chain_end(record, token, reason, error_type, attempt)
+        elif record.kind in self.router.chains:
             self.store.fail(record, token, attempt, next_agent=nxt)
         else:  # no explicit chain: whichever agent of the kind not used up has room first
             self.store.fail(record, token, attempt, next_agent=None)
 
-    def _next_agent(self, record: Record, slot: AgentSlot) -> Any:
-        """The name of the agent after `slot` in `record`'s chain (without an explicit chain: the
-        least loaded usable agent of the kind not used up), or `_NONE_LEFT`."""
-        tried = record.tried or ()
-        chain = self._chains.get(record.kind)
-        if chain is not None:
-            for name in chain:
-                if name != slot.name and name not in tried:
-                    return name
-            return _NONE_LEFT
-        untried = [
-            s for s in self._kind_slots[record.kind] if s is not slot and s.name not in tried
-        ]
-        if not untried:
-            return _NONE_LEFT
-        now = self._time()
-        usable = [s for s in untried if self._usable(s, now)]
-        return min(usable, key=_load).name if usable else untried[0].name
-
-    def _emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
-        if nxt is not _NONE_LEFT:
+    def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
+        """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
+        if nxt is not NONE_LEFT:
             self.report.fallbacks += 1
         if self.bus.active:
-            to = None if nxt is _NONE_LEFT else getattr(nxt, "name", nxt)
+            to = None if nxt is NONE_LEFT else getattr(nxt, "name", nxt)
             self.bus.emit(
                 FallbackUsed(
                     self._time(), self.run_id, record.id, record.kind, slot.name, to, reason
                 )
             )
 
-    def _chain_end(
+    def chain_end(
         self,
         record: Record,
         token: int,
@@ -1000,7 +695,7 @@ class Dispatcher:
     def _recovered(self, slot: AgentSlot) -> None:
         """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
         for run in self._capacity.runs:
-            run.room(slot)
+            run.router.room(slot)
             run.wake_one()
 
     def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
@@ -1009,10 +704,6 @@ class Dispatcher:
         log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
         if self.bus.active:
             self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
-
-
-_NONE_LEFT: Final[Any] = object()
-_REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default
 
 
 def _actual(cost: Cost, ctx: Context | None) -> Cost:
@@ -1026,37 +717,7 @@ def _actual(cost: Cost, ctx: Context | None) -> Cost:
     return {"requests": 1, **usage}
 
 
-def _estimate(slot: AgentSlot, record: Record) -> Mapping[str, float]:
-    """The agent's own estimate of an attempt's cost (tokens, say), plus its one request."""
-    try:
-        estimate = slot.estimate(record.task)  # type: ignore[misc]
-    except Exception:
-        log.warning("an agent's cost estimate raised; reserving one request", exc_info=True)
-        return _REQUEST
-    return {"requests": 1, **estimate}
-
-
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
-
-
-def _load(slot: AgentSlot) -> float:
-    return slot.load
-
-
-def _used(record: Record, slot: AgentSlot) -> bool:
-    tried = record.tried
-    return tried is not None and slot.name in tried
-
-
-def _recovers_at(slot: AgentSlot, now: float) -> float:
-    """The loop time at which `slot`'s breaker lets a task through again."""
-    at = now
-    breaker = slot.breaker
-    if breaker.state is CLOSED:
-        return at
-    if breaker.state is HALF_OPEN:
-        return at if not breaker.probing else math.inf  # the probe's outcome will wake it
-    return max(at, now + breaker.reopens_in(now))
 
 
 def _is_rate_limit(status: int | None) -> bool:

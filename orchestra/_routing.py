@@ -1,0 +1,408 @@
+"""Routing: which agent a claimed task goes to, and where it waits when that agent has no room.
+
+The dispatcher's choosing half. A claimed task goes to its target (the agent it retries on), the
+only agent of its kind, the first usable agent of its chain, or the next agent with room in its
+kind's rotation — without a scan over kinds or agents. When that agent has no room (its limit is
+reached, its limits say "room at T", or its breaker is open with no usable agent left), the task
+waits in a *lane*: a small heap of claimed tasks per agent (or per kind), looked at again when
+the agent frees a slot, its limits free up, or it recovers. Nothing here changes a task's state:
+what cannot be routed goes back to the dispatcher (`chain_end`), which asks the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import structlog
+
+from ._breaker import CLOSED, HALF_OPEN
+from ._limits import Cost, reserve_all
+from ._task import CLAIMED
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from ._registry import AgentSlot, Registry
+    from .stores._memory import Record
+
+__all__ = ("NONE_LEFT", "Lane", "Router")
+
+log = structlog.get_logger("orchestra")
+
+NONE_LEFT: Final[Any] = object()  # `next_agent`: the chain has run out
+_REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default
+
+
+class Owner(Protocol):
+    """What the router asks of its dispatcher."""
+
+    def now(self) -> float: ...
+    def schedule(self) -> None: ...
+    def wake_one(self) -> None: ...
+    def chain_end(
+        self, record: Any, token: int, reason: str, error_type: str | None = None
+    ) -> None: ...
+    def emit_fallback(self, record: Any, slot: AgentSlot, nxt: Any, reason: str) -> None: ...
+
+
+class Lane:
+    """Claimed tasks waiting for room at one agent (or at any agent of one kind), best first."""
+
+    __slots__ = ("heap", "kind", "queued", "slot")
+
+    def __init__(self, slot: AgentSlot | None, kind: str | None) -> None:
+        self.slot = slot
+        self.kind = kind
+        self.heap: list[tuple[int, int, Record, int]] = []  # (priority, order, record, token)
+        self.queued = False  # in the dispatcher's `_recheck`
+
+
+class Router:
+    """The agent choice of one run, and the lanes of claimed tasks waiting for room."""
+
+    def __init__(self, owner: Owner, registry: Registry) -> None:
+        self._owner = owner
+        self._time: Callable[[], float] = owner.now
+        self._slots = registry.slots
+        self.chains = {k: [s.name for s in c] for k, c in registry.chains.items()}
+        self.kind_slots = registry.by_kind
+        # Kinds served by one agent and no chain: no choice to make at dispatch.
+        self._only: dict[str, AgentSlot] = {
+            kind: slots[0]
+            for kind, slots in registry.by_kind.items()
+            if len(slots) == 1 and kind not in registry.chains
+        }
+        # The rotation of each kind served by several agents: the registry's, so that concurrent
+        # runs spread their tasks over the agents together.
+        self._cursor = registry.cursor
+        self._lanes: dict[Any, Lane] = {}  # by slot (an agent's lane) or by kind (any agent's)
+        self.recheck: deque[Lane] = deque()  # lanes whose agents may have room now
+        self.wakeups: list[tuple[float, int, Lane]] = []  # (loop time, order, lane)
+        self._order = 0
+        self._front = 0  # lane order of tasks put back at the head (counts down)
+        self.held = 0  # tasks waiting in lanes
+        self.reached = 0.0  # the time of the last timer that fired (see `reserve`)
+        self._wakers: dict[AgentSlot, Callable[[], None]] = {}
+
+    def bind_clock(self, time: Callable[[], float]) -> None:
+        self._time = time
+
+    def take_held(self) -> tuple[Record, int, AgentSlot, Cost | None] | None:
+        """The best waiting task whose agent has room now (reserved on its limits), or None."""
+        recheck = self.recheck
+        while recheck:
+            picked = self.from_lane(recheck[0])
+            if picked is not None:
+                self._owner.wake_one()  # the lane may hold more that can go now: pass it on
+                record, token, slot = picked
+                if not slot.limiters:
+                    return record, token, slot, None
+                cost = self.reserve(record, token, slot)
+                if cost is not None:
+                    return record, token, slot, cost
+            recheck.popleft().queued = False
+        return None
+
+    def due(self, now: float) -> int:
+        """Lanes whose wait ended by `now` are looked at again; how many."""
+        wakeups = self.wakeups
+        while wakeups and wakeups[0][0] <= now:
+            lane = heappop(wakeups)[2]
+            if lane.heap and not lane.queued:
+                lane.queued = True
+                self.recheck.append(lane)
+        return len(self.recheck)
+
+    def next_wakeup(self) -> float:
+        return self.wakeups[0][0] if self.wakeups else math.inf
+
+    def route(self, record: Record, token: int) -> AgentSlot | None:
+        """The agent for a claimed task if it has room now; else the task waits in a lane (or
+        ends: its deadline passed) and None is returned."""
+        deadline = record.deadline
+        if deadline is not None and self._time() >= deadline:
+            self._owner.chain_end(
+                record,
+                token,
+                f"the deadline passed before attempt {record.attempts + 1} started",
+                "TaskTimeout",
+            )
+            return None
+        target = record.target
+        if target is None:
+            slot = self._only.get(record.kind)
+            if slot is None:
+                return self._route_kind(record, token)
+        else:
+            slot = self._slots[target]
+        if slot.breaker.state is not CLOSED:
+            return self._route_unwell(record, token, slot)
+        if slot.in_flight < slot.limit:
+            lane = self._lanes.get(slot)
+            if lane is None or not lane.heap:
+                return slot
+        self._hold(record, token, self.lane(slot, None))
+        return None
+
+    def _route_kind(self, record: Record, token: int, join: bool = True) -> AgentSlot | None:
+        """A task that may go to any agent of its kind not used up: its chain's first, or the next
+        in the kind's rotation that has room. With `join`, it queues behind the kind's waiting
+        tasks rather than overtake them."""
+        kind = record.kind
+        chain = self.chains.get(kind)
+        if chain is not None:
+            tried = record.tried
+            for name in chain:
+                if tried is None or name not in tried:
+                    return self._route_unwell(record, token, self._slots[name])
+            self._owner.chain_end(record, token, "every agent of the chain was used up")
+            return None
+        lane = self._lanes.get(kind)
+        if join and lane is not None and lane.heap:  # others wait already: join them (O(1))
+            self._hold(record, token, lane)
+            return None
+        slots = self.kind_slots[kind]
+        n = len(slots)
+        first = self._cursor.get(kind, 0)
+        tried = record.tried
+        now = self._time()
+        usable = False
+        for i in range(n):
+            slot = slots[(first + i) % n]
+            if tried is not None and slot.name in tried:
+                continue
+            if not self.usable(slot, now):
+                continue
+            usable = True
+            if slot.in_flight < slot.limit:
+                self._cursor[kind] = (first + i + 1) % n
+                return slot
+        if usable:
+            self._hold(record, token, self.lane(None, kind))
+            return None
+        return self.wait_for_recovery(record, token, [s for s in slots if not _used(record, s)])
+
+    def _route_unwell(self, record: Record, token: int, slot: AgentSlot) -> AgentSlot | None:
+        """`slot` may have an open breaker: go to the next usable agent of the task's chain (in
+        the chain's order), or of its kind (whichever has room first), or wait for the first of
+        them to recover."""
+        now = self._time()
+        if self.usable(slot, now):
+            if slot.in_flight < slot.limit:
+                return slot
+            self._hold(record, token, self.lane(slot, None))
+            return None
+        candidates = self._untried(record, slot)
+        chained = record.kind in self.chains
+        usable: AgentSlot | None = None
+        for other in candidates:
+            if other is not slot and self.usable(other, now):
+                if other.in_flight < other.limit:
+                    self._owner.emit_fallback(record, slot, other, "circuit breaker open")
+                    return other
+                if chained:  # the chain's order: wait for its next usable agent
+                    self._owner.emit_fallback(record, slot, other, "circuit breaker open")
+                    self._hold(record, token, self.lane(other, None))
+                    return None
+                usable = usable or other
+        if usable is not None:  # no chain: whichever usable agent of the kind has room first
+            self._owner.emit_fallback(record, slot, usable, "circuit breaker open")
+            self._hold(record, token, self.lane(None, record.kind))
+            return None
+        return self.wait_for_recovery(record, token, candidates or [slot])
+
+    def _untried(self, record: Record, slot: AgentSlot) -> list[AgentSlot]:
+        """The agents `record` may still go to, `slot` first, in chain (or registry) order."""
+        chain = self.chains.get(record.kind)
+        names = chain if chain is not None else [s.name for s in self.kind_slots[record.kind]]
+        tried = record.tried
+        out = [slot]
+        for name in names:
+            if name != slot.name and (tried is None or name not in tried):
+                out.append(self._slots[name])
+        return out
+
+    def usable(self, slot: AgentSlot, now: float) -> bool:
+        return slot.breaker.state is CLOSED or slot.breaker.available(now)
+
+    def wait_for_recovery(
+        self, record: Record, token: int, slots: list[AgentSlot]
+    ) -> AgentSlot | None:
+        """Every agent the task may go to is unwell: it waits (within its deadline) in the lane of
+        the one that recovers first, never fails for it."""
+        now = self._time()
+        best = min(slots, key=lambda s: _recovers_at(s, now))
+        lane = self.lane(best, None)
+        self._hold(record, token, lane)
+        at = _recovers_at(best, now)
+        if at < math.inf:
+            self._order += 1
+            heappush(self.wakeups, (at, self._order, lane))
+            self._owner.schedule()
+        return None
+
+    def lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
+        key: Any = slot if slot is not None else kind
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = Lane(slot, kind)
+        return lane
+
+    def _hold(self, record: Record, token: int, lane: Lane) -> None:
+        self._order += 1
+        heappush(lane.heap, (record.priority, self._order, record, token))
+        self.held += 1
+
+    def from_lane(self, lane: Lane) -> tuple[Record, int, AgentSlot] | None:
+        """The best task of `lane` if its agent has room now (the task is routed again: its agent
+        may have changed while it waited)."""
+        heap = lane.heap
+        now = self._time()
+        while heap:
+            _, _, record, token = heap[0]
+            if record.token != token or record.state is not CLAIMED:
+                heappop(heap)  # it ended (deadline, cancel) while it waited
+                self.held -= 1
+                continue
+            slot = lane.slot
+            if slot is not None:
+                if not self.usable(slot, now):
+                    self._reroute(lane)  # its agent went down while they waited
+                    return None
+                if slot.in_flight >= slot.limit:
+                    return None
+            elif not any(
+                s.in_flight < s.limit and self.usable(s, now) and not _used(record, s)
+                for s in self.kind_slots[lane.kind]  # type: ignore[index]
+            ):
+                return None
+            heappop(heap)
+            self.held -= 1
+            if slot is not None:
+                return record, token, slot
+            slot = self._route_kind(record, token, join=False)
+            if slot is not None:
+                return record, token, slot
+        return None
+
+    def reserve(self, record: Record, token: int, slot: AgentSlot) -> Cost | None:
+        """Reserve the attempt's cost on `slot`'s limits (all or none). Without room, the task
+        waits at the head of the agent's lane until the limits say there is: at a time (a rate
+        refills, a Retry-After ends: the run's timer), or at a release (a shared `Concurrency`:
+        its watcher)."""
+        cost = _REQUEST if slot.estimate is None else _estimate(slot, record)
+        now = self._time()
+        if now < self.reached:  # the timer that woke it fired a hair early: its time has come
+            now = self.reached
+        room = reserve_all(slot.limiters, now, cost, self._waker(slot))
+        if not room:
+            return cost
+        lane = self.lane(slot, None)
+        self._front -= 1  # it was first in line: it stays ahead of its priority's others
+        heappush(lane.heap, (record.priority, self._front, record, token))
+        self.held += 1
+        if room < math.inf:
+            self._order += 1
+            heappush(self.wakeups, (room, self._order, lane))
+            self._owner.schedule()
+        return None
+
+    def _waker(self, slot: AgentSlot) -> Callable[[], None]:
+        """What a shared limit of `slot` calls when it frees: look at the agent's lane again."""
+        waker = self._wakers.get(slot)
+        if waker is None:
+
+            def waker() -> None:
+                self.room(slot)
+                self._owner.wake_one()
+
+            self._wakers[slot] = waker
+        return waker
+
+    def pause(self, slot: AgentSlot, until: float) -> None:
+        """No task starts before `until` (a rate limit's Retry-After) on any agent that shares
+        one of `slot`'s limits: each of them finds no room until then when it reserves."""
+        for limiter in slot.limiters:
+            limiter.hold_until(until)
+        self._order += 1
+        heappush(self.wakeups, (until, self._order, self.lane(slot, None)))
+        self._owner.schedule()
+
+    def _reroute(self, lane: Lane) -> None:
+        """Route again every task waiting in `lane` (its agent became unusable): each goes to
+        another agent's lane, or waits for the first of its agents to recover."""
+        waiting = lane.heap
+        lane.heap = []
+        self.held -= len(waiting)
+        for _, _, record, token in waiting:
+            if record.token != token or record.state is not CLAIMED:
+                continue
+            slot = self.route(record, token)
+            if slot is not None:  # room now: it waits at the head of that agent's lane
+                other = self.lane(slot, None)
+                self._hold(record, token, other)
+                if not other.queued:
+                    other.queued = True
+                    self.recheck.append(other)
+
+    def room(self, slot: AgentSlot) -> None:
+        """`slot` may have room now (a slot freed, its breaker closed): look at its lanes again."""
+        lane = self._lanes.get(slot)
+        if lane is not None and lane.heap and not lane.queued:
+            lane.queued = True
+            self.recheck.append(lane)
+        for kind in slot.kinds:
+            lane = self._lanes.get(kind)
+            if lane is not None and lane.heap and not lane.queued:
+                lane.queued = True
+                self.recheck.append(lane)
+
+    def next_agent(self, record: Record, slot: AgentSlot) -> Any:
+        """The name of the agent after `slot` in `record`'s chain (without an explicit chain: the
+        least loaded usable agent of the kind not used up), or `NONE_LEFT`."""
+        tried = record.tried or ()
+        chain = self.chains.get(record.kind)
+        if chain is not None:
+            for name in chain:
+                if name != slot.name and name not in tried:
+                    return name
+            return NONE_LEFT
+        untried = [s for s in self.kind_slots[record.kind] if s is not slot and s.name not in tried]
+        if not untried:
+            return NONE_LEFT
+        now = self._time()
+        usable = [s for s in untried if self.usable(s, now)]
+        return min(usable, key=_load).name if usable else untried[0].name
+
+
+def _estimate(slot: AgentSlot, record: Record) -> Mapping[str, float]:
+    """The agent's own estimate of an attempt's cost (tokens, say), plus its one request."""
+    try:
+        estimate = slot.estimate(record.task)  # type: ignore[misc]
+    except Exception:
+        log.warning("an agent's cost estimate raised; reserving one request", exc_info=True)
+        return _REQUEST
+    return {"requests": 1, **estimate}
+
+
+def _load(slot: AgentSlot) -> float:
+    return slot.load
+
+
+def _used(record: Record, slot: AgentSlot) -> bool:
+    tried = record.tried
+    return tried is not None and slot.name in tried
+
+
+def _recovers_at(slot: AgentSlot, now: float) -> float:
+    """The loop time at which `slot`'s breaker lets a task through again."""
+    at = now
+    breaker = slot.breaker
+    if breaker.state is CLOSED:
+        return at
+    if breaker.state is HALF_OPEN:
+        return at if not breaker.probing else math.inf  # the probe's outcome will wake it
+    return max(at, now + breaker.reopens_in(now))
