@@ -399,6 +399,31 @@ class TestHealth:
         assert len(a.calls) == 10  # every task had its own (unretried) attempt
         assert rec.of(BreakerChanged) == []
 
+    async def test_a_probe_refused_by_the_safety_check_lets_the_next_one_through(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+    ) -> None:
+        a = scripted("a", ["k"], script=["error"], then="ok")
+        orch = make_orchestrator(
+            agents=[a],
+            retry=RetryPolicy(max_attempts=1),
+            breaker=BreakerPolicy(failures=1, cooldown=10),
+            safety=lambda task: task.payload != "refused",
+        )
+        async with orch:
+            first = await orch.run(tasks=[make_task("k", "x", id="opens")])
+            # Both wait for the probe; the first in line is refused before any call, which must
+            # not leave the breaker half open with nobody probing: the other one probes.
+            result = await orch.run(
+                tasks=[make_task("k", "refused", id="no"), make_task("k", "fine", id="yes")]
+            )
+        assert first.status == "failed"
+        assert {e.task_id: e.error_type for e in result.errors} == {"no": "Rejected"}
+        assert [c.task_id for c in a.calls] == ["opens", "yes"]
+        assert orch.agents_status()[0]["breaker"] == "closed"
+
     async def test_a_probe_rejected_by_the_verifier_reports_back(
         self,
         clock: FakeClock,
