@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._run import Run
     from ._task import Task
@@ -28,7 +29,18 @@ class Context:
             first; empty on the first attempt.
     """
 
-    __slots__ = ("_node", "_run", "_spawned", "agent", "attempt", "feedback", "run_id", "task")
+    __slots__ = (
+        "_node",
+        "_on_end",
+        "_run",
+        "_spawned",
+        "_threads",
+        "agent",
+        "attempt",
+        "feedback",
+        "run_id",
+        "task",
+    )
 
     def __init__(
         self, run: Run, node: Record, agent: str, attempt: int, feedback: Sequence[str]
@@ -36,6 +48,8 @@ class Context:
         self._run = run
         self._node = node
         self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
+        self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
+        self._on_end: Callable[[], None] | None = None
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -61,6 +75,29 @@ class Context:
     def record_usage(self, *, cost: float = 0.0, **tokens: int) -> None:
         """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's metadata."""
         self._run.record_usage(cost, tokens)
+
+    def _keep_slot(self) -> Callable[[], None]:
+        """Keep the agent's slot taken after this attempt ends, until the returned function is
+        called (from any thread): for work the loop abandoned but that still runs (a thread cannot
+        be interrupted by a timeout or a cancel), so that it keeps counting against the agent's
+        limit and the orchestrator's until it really ends."""
+        self._threads += 1
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            try:
+                loop.call_soon_threadsafe(self._released)
+            except RuntimeError:  # the loop is closed: nothing is left to free
+                pass
+
+        return release
+
+    def _released(self) -> None:
+        self._threads -= 1
+        on_end = self._on_end
+        if not self._threads and on_end is not None:
+            self._on_end = None
+            on_end()  # the dispatcher frees the slot the ended attempt kept
 
     @property
     def log(self) -> Any:

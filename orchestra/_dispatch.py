@@ -20,6 +20,7 @@ import asyncio
 import contextvars
 import math
 from collections import deque
+from functools import partial
 from heapq import heappop, heappush
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
@@ -189,6 +190,11 @@ class Dispatcher:
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Each worker's cancel scope: anyio re-delivers a cancel at every await until the worker
+        # leaves it, so an agent that swallows one `CancelledError` cannot hang the run's end (a
+        # bare `Task.cancel()` is delivered once).
+        self._scopes: set[anyio.CancelScope] = set()
+        self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
         self.closing = False
@@ -241,9 +247,15 @@ class Dispatcher:
             self.wake_one()
 
     def cancel_all(self) -> None:
+        """Cancel every worker, running or parked, until it leaves; no new attempt starts, and
+        what an attempt returns or raises from now on is dropped (the run ends its task as
+        cancelled)."""
+        self.cancelled = True
         self.stop()
+        for scope in self._scopes:
+            scope.cancel()
         for task in self._tasks:
-            task.cancel()
+            task.cancel()  # one not started yet has no scope
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
@@ -255,6 +267,15 @@ class Dispatcher:
                 return
 
     async def _worker(self) -> None:
+        scope = anyio.CancelScope()  # `cancel_all` cancels it (see `_scopes`)
+        self._scopes.add(scope)
+        try:
+            with scope:
+                await self._serve()
+        finally:
+            self._scopes.discard(scope)
+
+    async def _serve(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
         # allocation; `wake_one` wakes a worker when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
@@ -582,6 +603,7 @@ class Dispatcher:
         store = self.store
         task = record.task
         _TASK_ID.set(record.id)
+        ctx: Context | None = None
         try:
             if (
                 self._safety is not None
@@ -625,6 +647,8 @@ class Dispatcher:
                         raise TaskTimeout(
                             f"task timeout: {task.timeout or self.config.timeouts.task}s passed"
                         )
+                if self.cancelled:
+                    return  # the agent finished after the run's cancel: the run ends the task
                 spawned = ctx._spawned
                 if spawned:
                     # The spawns enter with the success, as one step; a spawn the store refuses
@@ -644,11 +668,13 @@ class Dispatcher:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
                 # raised by itself (no cancellation pending on this task): a failed attempt.
                 current = asyncio.current_task()
-                if current is None or current.cancelling():
+                if current is None or current.cancelling() or self.cancelled:
                     raise
                 probe = False
                 self._failed(record, token, slot, exc, start)
             except Exception as exc:
+                if self.cancelled:
+                    return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
                 self._failed(record, token, slot, exc, start)
             else:
@@ -656,8 +682,12 @@ class Dispatcher:
                 self._succeeded(record, slot, start, bus)
                 store.settle(record, token, SUCCEEDED, output, agent=slot.name)
         finally:
-            capacity.in_flight -= 1
-            slot.in_flight -= 1
+            if ctx is not None and ctx._threads:
+                # A thread the call abandoned still runs: the slot stays taken until it ends.
+                ctx._on_end = partial(self._thread_ended, slot)
+            else:
+                capacity.in_flight -= 1
+                slot.in_flight -= 1
             self.running -= 1
             if probe:  # cancelled (or refused before the call): the probe ends unjudged
                 breaker.on_abandon()
@@ -673,6 +703,17 @@ class Dispatcher:
                     self.room(slot)
                 if self._parked:
                     self.wake_one()
+
+    def _thread_ended(self, slot: AgentSlot) -> None:
+        """An abandoned thread of `slot` ended (see `Context._keep_slot`): its slot frees now, for
+        whichever runs wait for it (this one may be over)."""
+        capacity = self._capacity
+        capacity.in_flight -= 1
+        slot.in_flight -= 1
+        capacity.blocked = False
+        for run in capacity.runs:
+            run.room(slot)
+            run.wake_one()
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
         slot.succeeded += 1

@@ -150,14 +150,19 @@ class Run:
             try:
                 async with asyncio.TaskGroup() as pool:
                     dispatcher.start(pool, loop)
-                    if not whole:
-                        pool.create_task(self._feed(source))
+                    feeder = None if whole else pool.create_task(self._feed(source))
                     if self._input_done and not self.store.unfinished:
                         self._finish()
-                    with anyio.move_on_after(config.timeouts.run) as scope:
-                        await self._done.wait()
-                    timed_out = scope.cancelled_caught
-                    dispatcher.cancel_all()  # parked and running workers, the feeder
+                    try:
+                        with anyio.move_on_after(config.timeouts.run) as scope:
+                            await self._done.wait()
+                        timed_out = scope.cancelled_caught
+                    finally:
+                        # However it ends (done, timed out, the caller cancelled), before the
+                        # group cancels its tasks: no attempt starts or settles after this.
+                        dispatcher.cancel_all()  # parked and running workers
+                        if feeder is not None:
+                            feeder.cancel()
             except asyncio.CancelledError:
                 cancelled = True
                 raise
