@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -85,12 +86,14 @@ class Context:
         loop = asyncio.get_running_loop()
 
         def release() -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing is left to free
                 loop.call_soon_threadsafe(self._released)
-            except RuntimeError:  # the loop is closed: nothing is left to free
-                pass
 
         return release
+
+    def _on_released(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the loop once every slot kept by `_keep_slot` is released."""
+        self._on_end = fn
 
     def _released(self) -> None:
         self._threads -= 1

@@ -190,10 +190,6 @@ class Dispatcher:
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        # Each worker's cancel scope: anyio re-delivers a cancel at every await until the worker
-        # leaves it, so an agent that swallows one `CancelledError` cannot hang the run's end (a
-        # bare `Task.cancel()` is delivered once).
-        self._scopes: set[anyio.CancelScope] = set()
         self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
@@ -252,10 +248,21 @@ class Dispatcher:
         cancelled)."""
         self.cancelled = True
         self.stop()
-        for scope in self._scopes:
-            scope.cancel()
+        self._cancel_workers()
+
+    def _cancel_workers(self) -> None:
+        # Cancel every worker still alive, and again at each turn of the loop until it has ended:
+        # an agent that swallows one `CancelledError` is cancelled again at its next await, as an
+        # anyio cancel scope would do (a bare `Task.cancel()` is delivered once). Written by hand
+        # because a scope per worker costs ~8 µs at every worker's start (measured), paid by every
+        # run; this costs nothing until a run is cancelled.
+        alive = False
         for task in self._tasks:
-            task.cancel()  # one not started yet has no scope
+            if not task.done():
+                task.cancel()
+                alive = True
+        if alive and self._loop is not None:
+            self._loop.call_soon(self._cancel_workers)
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
@@ -267,15 +274,6 @@ class Dispatcher:
                 return
 
     async def _worker(self) -> None:
-        scope = anyio.CancelScope()  # `cancel_all` cancels it (see `_scopes`)
-        self._scopes.add(scope)
-        try:
-            with scope:
-                await self._serve()
-        finally:
-            self._scopes.discard(scope)
-
-    async def _serve(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
         # allocation; `wake_one` wakes a worker when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
@@ -684,7 +682,7 @@ class Dispatcher:
         finally:
             if ctx is not None and ctx._threads:
                 # A thread the call abandoned still runs: the slot stays taken until it ends.
-                ctx._on_end = partial(self._thread_ended, slot)
+                ctx._on_released(partial(self._thread_ended, slot))
             else:
                 capacity.in_flight -= 1
                 slot.in_flight -= 1

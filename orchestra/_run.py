@@ -89,7 +89,8 @@ class Run:
         if status is SUCCEEDED and self._agg_error is None:
             try:
                 self._acc.add(record)
-            except Exception as exc:  # a user's reducer must not lose the run's result
+            except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
+                # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
         if self._streamed:
             self.report.tally(record)  # the store may forget it now
@@ -208,7 +209,8 @@ class Run:
         if self._agg_error is None:
             try:
                 data = self._acc.finish()
-            except Exception as exc:  # a user's reducer must not lose the run's result
+            except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
+                # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
         if self._agg_error is not None:
             self.report.reason = self._agg_error
@@ -222,7 +224,7 @@ class Run:
             events_dropped=dropped,
         )
 
-    def _aggregator_failed(self, exc: Exception) -> None:
+    def _aggregator_failed(self, exc: BaseException) -> None:
         """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
         log.error("aggregator raised; data will be None", exc_info=True)
         self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"

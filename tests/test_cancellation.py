@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -31,7 +30,7 @@ from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Callable
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -61,7 +60,7 @@ class Stubborn:
             try:
                 await anyio.sleep_forever()
             finally:
-                raise RuntimeError("cleanup failed")  # noqa: B012
+                raise RuntimeError("cleanup failed")
         try:
             await anyio.sleep_forever()
         except asyncio.CancelledError:
@@ -70,6 +69,7 @@ class Stubborn:
             if self.mode == "swallow-and-return":
                 return "finished anyway"
         await anyio.sleep_forever()  # "swallow-once": back to waiting
+        return None
 
 
 MODES = ("plain", "swallow-once", "swallow-and-return", "raise-in-finally")
@@ -152,14 +152,6 @@ class TestCallerCancel:
             with anyio.fail_after(1000), pytest.raises(asyncio.CancelledError):
                 await runner  # a CancelledError, not an ExceptionGroup of what the agents did
         assert stubborn.started == ["running"]
-        assert_cancelled_cleanly(rec, tasks, 5.0, backup)
-
-    async def test_run_without_async_with_still_reports_its_end(self, clock: FakeClock) -> None:
-        orch, tasks, _, backup = scenario("plain")
-        rec = Recorder()
-        orch.subscribe(rec)
-        with anyio.fail_after(1000), anyio.move_on_after(5.0):
-            await orch.run(tasks=tasks)
         assert_cancelled_cleanly(rec, tasks, 5.0, backup)
 
 
@@ -475,3 +467,37 @@ class TestConcurrentRuns:
         assert shared.max_in_flight == 2
         statuses = sorted(e.status for e in rec.of(RunFinished))
         assert statuses == ["cancelled", "success"]
+
+    async def test_without_async_with_the_first_caller_may_cancel(self, clock: FakeClock) -> None:
+        # Both callers share the lifecycle the first one opened; the first one leaves early.
+        shared = scripted("shared", ["work"], latency=1.0, concurrency=2)
+        orch = Orchestrator(agents=[Stubborn("swallow-once"), shared], concurrency=3)
+        first = asyncio.ensure_future(
+            orch.run(tasks=[*tasks_of(1, "hang", "h"), *tasks_of(4, prefix="a")])
+        )
+        await anyio.sleep(0.5)
+        second = asyncio.ensure_future(orch.run(tasks=tasks_of(6, prefix="b")))
+        await anyio.sleep(1.0)
+        first.cancel()
+        with anyio.fail_after(1000):
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            result = await second
+        assert result.status == "success"
+        assert shared.max_in_flight == 2
+
+    async def test_without_async_with_the_last_caller_may_cancel(self, clock: FakeClock) -> None:
+        shared = scripted("shared", ["work"], latency=1.0, concurrency=2)
+        orch = Orchestrator(agents=[Stubborn("swallow-once"), shared], concurrency=3)
+        first = asyncio.ensure_future(orch.run(tasks=tasks_of(6, prefix="a")))
+        await anyio.sleep(0.5)
+        second = asyncio.ensure_future(
+            orch.run(tasks=[*tasks_of(1, "hang", "h"), *tasks_of(4, prefix="b")])
+        )
+        await anyio.sleep(10.0)  # the first run's tasks are done; it waits for the second's end
+        second.cancel()
+        with anyio.fail_after(1000):
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            result = await first
+        assert result.status == "success"
