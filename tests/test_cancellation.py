@@ -17,6 +17,7 @@ from orchestra import (
     AttemptStarted,
     Context,
     Orchestrator,
+    Reduce,
     RetryPolicy,
     RunFinished,
     RunResult,
@@ -333,8 +334,6 @@ class TestStrayCancelledError:
     async def test_from_an_aggregator_loses_only_the_data(self, clock: FakeClock) -> None:
         def reducer(acc: Any, result: TaskResult) -> Any:
             raise stray()
-
-        from orchestra import Reduce
 
         async with Orchestrator(
             agents=[scripted("w", ["work"])], aggregate=Reduce(reducer, initial=0)
