@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
@@ -142,7 +143,14 @@ class Agent:
         if self.executor is None:
             return await self.fn(task, ctx)
         if self.executor == "thread":
-            return await anyio.to_thread.run_sync(self.fn, task, abandon_on_cancel=True)
+            gate = _Gate()
+            try:
+                return await anyio.to_thread.run_sync(
+                    _in_thread, self.fn, task, gate, abandon_on_cancel=True
+                )
+            except BaseException:
+                gate.abandon(ctx)
+                raise
         # The function travels to the worker process by module and name: the module attribute is
         # this Agent, not the function, so pickling the function itself would fail.
         return await anyio.to_process.run_sync(
@@ -185,6 +193,53 @@ def check_options(
     for field, model in (("input", input), ("output", output)):
         if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise ConfigError(f"{where}{field} must be a pydantic model class, got {model!r}")
+
+
+class _Gate:
+    """Who ends a thread agent's call: the thread, or the loop that abandoned it on a timeout or a
+    cancel (a thread cannot be interrupted). An abandoned call that has not begun never begins; one
+    that runs keeps its attempt's slot taken (`Context._keep_slot`) until it really ends, so an
+    agent's limit bounds the threads that run, not only the attempts that wait for them."""
+
+    __slots__ = ("lock", "release", "state")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state = _WAITING
+        self.release: Callable[[], None] | None = None
+
+    def begin(self) -> bool:
+        with self.lock:
+            if self.state is _ABANDONED:
+                return False
+            self.state = _RUNNING
+            return True
+
+    def end(self) -> None:
+        with self.lock:
+            self.state = _DONE
+            release, self.release = self.release, None
+        if release is not None:
+            release()
+
+    def abandon(self, ctx: Context) -> None:
+        with self.lock:
+            if self.state is _WAITING:
+                self.state = _ABANDONED
+            elif self.state is _RUNNING and self.release is None:
+                self.release = ctx._keep_slot()
+
+
+_WAITING, _RUNNING, _DONE, _ABANDONED = "waiting", "running", "done", "abandoned"
+
+
+def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:
+    if not gate.begin():
+        return None  # the attempt was abandoned before the thread took it up
+    try:
+        return fn(task)
+    finally:
+        gate.end()
 
 
 def _call_in_process(module: str, qualname: str, task: Task) -> Any:

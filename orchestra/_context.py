@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._run import Run
     from ._task import Task
@@ -30,8 +32,10 @@ class Context:
 
     __slots__ = (
         "_node",
+        "_on_end",
         "_run",
         "_spawned",
+        "_threads",
         "_usage",
         "agent",
         "attempt",
@@ -47,6 +51,8 @@ class Context:
         self._node = node
         self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
         self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
+        self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
+        self._on_end: Callable[[], None] | None = None
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -79,6 +85,31 @@ class Context:
             usage = self._usage = {}
         for unit, n in tokens.items():
             usage[unit] = usage.get(unit, 0) + n
+
+    def _keep_slot(self) -> Callable[[], None]:
+        """Keep the agent's slot taken after this attempt ends, until the returned function is
+        called (from any thread): for work the loop abandoned but that still runs (a thread cannot
+        be interrupted by a timeout or a cancel), so that it keeps counting against the agent's
+        limit and the orchestrator's until it really ends."""
+        self._threads += 1
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing is left to free
+                loop.call_soon_threadsafe(self._released)
+
+        return release
+
+    def _on_released(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the loop once every slot kept by `_keep_slot` is released."""
+        self._on_end = fn
+
+    def _released(self) -> None:
+        self._threads -= 1
+        on_end = self._on_end
+        if not self._threads and on_end is not None:
+            self._on_end = None
+            on_end()  # the dispatcher frees the slot the ended attempt kept
 
     @property
     def log(self) -> Any:

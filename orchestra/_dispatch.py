@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+from functools import partial
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
 
@@ -167,6 +168,7 @@ class Dispatcher:
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
         self.closing = False
@@ -220,9 +222,26 @@ class Dispatcher:
             self.wake_one()
 
     def cancel_all(self) -> None:
+        """Cancel every worker, running or parked, until it leaves; no new attempt starts, and
+        what an attempt returns or raises from now on is dropped (the run ends its task as
+        cancelled)."""
+        self.cancelled = True
         self.stop()
+        self._cancel_workers()
+
+    def _cancel_workers(self) -> None:
+        # Cancel every worker still alive, and again at each turn of the loop until it has ended:
+        # an agent that swallows one `CancelledError` is cancelled again at its next await, as an
+        # anyio cancel scope would do (a bare `Task.cancel()` is delivered once). Written by hand
+        # because a scope per worker costs ~8 µs at every worker's start (measured), paid by every
+        # run; this costs nothing until a run is cancelled.
+        alive = False
         for task in self._tasks:
-            task.cancel()
+            if not task.done():
+                task.cancel()
+                alive = True
+        if alive and self._loop is not None:
+            self._loop.call_soon(self._cancel_workers)
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
@@ -407,6 +426,8 @@ class Dispatcher:
                         raise TaskTimeout(
                             f"task timeout: {task.timeout or self.config.timeouts.task}s passed"
                         )
+                if self.cancelled:
+                    return  # the agent finished after the run's cancel: the run ends the task
                 spawned = ctx._spawned
                 if spawned:
                     # The spawns enter with the success, as one step; a spawn the store refuses
@@ -426,11 +447,13 @@ class Dispatcher:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
                 # raised by itself (no cancellation pending on this task): a failed attempt.
                 current = asyncio.current_task()
-                if current is None or current.cancelling():
+                if current is None or current.cancelling() or self.cancelled:
                     raise
                 probe = False
                 self._failed(record, token, slot, exc, start)
             except Exception as exc:
+                if self.cancelled:
+                    return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
                 self._failed(record, token, slot, exc, start)
             else:
@@ -446,14 +469,12 @@ class Dispatcher:
                     slot.succeeded += 1
                 store.settle(record, token, SUCCEEDED, output, agent=slot.name)
         finally:
-            capacity.limiter.release()
-            slot.in_flight -= 1
-            if cost is not None:  # the true cost is known now: true up, then give back
-                now = self._time()
-                actual = _actual(cost, ctx)
-                for limiter in slot.limiters:
-                    limiter.reconcile(cost, actual, now)
-                    limiter.release(cost, now)
+            if ctx is not None and ctx._threads:
+                # A thread the call abandoned still runs: its slots (global, the agent's, its
+                # limits') stay taken until it ends.
+                ctx._on_released(partial(self._thread_ended, slot, cost, ctx))
+            else:
+                self._release(slot, cost, ctx)
             self.running -= 1
             if probe:  # cancelled (or refused before the call): the probe ends unjudged
                 breaker.on_abandon()
@@ -469,6 +490,28 @@ class Dispatcher:
                     self.router.room(slot)
                 if self._parked:
                     self.wake_one()
+
+    def _release(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
+        """Give back what an attempt took: the global slot, the agent's, and its limits (trued up
+        with what the attempt really cost)."""
+        self._capacity.limiter.release()
+        slot.in_flight -= 1
+        if cost is not None:
+            now = self._time()
+            actual = _actual(cost, ctx)
+            for limiter in slot.limiters:
+                limiter.reconcile(cost, actual, now)
+                limiter.release(cost, now)
+
+    def _thread_ended(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
+        """An abandoned thread of `slot` ended (see `Context._keep_slot`): its slots free now, for
+        whichever runs wait for them (this one may be over)."""
+        self._release(slot, cost, ctx)
+        capacity = self._capacity
+        capacity.blocked = False
+        for run in capacity.runs:
+            run.router.room(slot)
+            run.wake_one()
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
         slot.succeeded += 1

@@ -9,6 +9,7 @@ dispatch, and one that raises is logged and kept, never allowed to break the run
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
+
+from ._failure import cancel_pending
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -268,7 +271,10 @@ class EventBus:
                             await fn(event)  # type: ignore[misc]
                         else:
                             fn(event)
-                    except Exception:
+                    except (Exception, asyncio.CancelledError) as exc:
+                        if isinstance(exc, asyncio.CancelledError) and cancel_pending():
+                            raise  # the bus is cancelled (the orchestrator exits)
+                        # A stray CancelledError of the subscriber's own is its failure too.
                         self.errors += 1
                         log.warning(
                             "subscriber raised",

@@ -29,7 +29,16 @@ from ._exceptions import InvalidOutput
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-__all__ = ("Failure", "check_returned", "describe", "http_status")
+__all__ = ("Failure", "cancel_pending", "check_returned", "describe", "http_status")
+
+
+def cancel_pending() -> bool:
+    """Whether the current task is being cancelled. A `CancelledError` that user code (an agent, a
+    check, a subscriber, a hook) raises while none is pending is a stray one: that code's failure,
+    never the run's cancellation."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
 
 MAX_MESSAGE: Final = 2_000
 """The longest message kept, in characters; a longer one is cut with a marker saying how much."""

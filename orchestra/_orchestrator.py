@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import uuid
@@ -33,6 +34,7 @@ from ._config import (
 )
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
+from ._failure import cancel_pending
 from ._faults import Fault, FaultMode
 from ._limits import Concurrency, as_concurrency
 from ._registry import Registry
@@ -338,7 +340,9 @@ class Orchestrator:
             replacement = hook(result, failed)
             if inspect.isawaitable(replacement):
                 replacement = await replacement
-        except Exception:
+        except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and cancel_pending():
+                raise  # the caller's cancel, not the hook's failure
             log.error("on_threshold_missed raised; keeping the result", exc_info=True)
             return result
         return replacement if replacement is not None else result

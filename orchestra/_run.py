@@ -89,7 +89,8 @@ class Run:
         if status is SUCCEEDED and self._agg_error is None:
             try:
                 self._acc.add(record)
-            except Exception as exc:  # a user's reducer must not lose the run's result
+            except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
+                # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
         if self._streamed:
             self.report.tally(record)  # the store may forget it now
@@ -155,14 +156,19 @@ class Run:
             try:
                 async with asyncio.TaskGroup() as pool:
                     dispatcher.start(pool, loop)
-                    if not whole:
-                        pool.create_task(self._feed(source))
+                    feeder = None if whole else pool.create_task(self._feed(source))
                     if self._input_done and not self.store.unfinished:
                         self._finish()
-                    with anyio.move_on_after(config.timeouts.run) as scope:
-                        await self._done.wait()
-                    timed_out = scope.cancelled_caught
-                    dispatcher.cancel_all()  # parked and running workers, the feeder
+                    try:
+                        with anyio.move_on_after(config.timeouts.run) as scope:
+                            await self._done.wait()
+                        timed_out = scope.cancelled_caught
+                    finally:
+                        # However it ends (done, timed out, the caller cancelled), before the
+                        # group cancels its tasks: no attempt starts or settles after this.
+                        dispatcher.cancel_all()  # parked and running workers
+                        if feeder is not None:
+                            feeder.cancel()
             except asyncio.CancelledError:
                 cancelled = True
                 raise
@@ -210,7 +216,8 @@ class Run:
         if self._agg_error is None:
             try:
                 data = self._acc.finish()
-            except Exception as exc:  # a user's reducer must not lose the run's result
+            except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
+                # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
         if self._agg_error is not None:
             self.report.reason = self._agg_error
@@ -224,7 +231,7 @@ class Run:
             events_dropped=dropped,
         )
 
-    def _aggregator_failed(self, exc: Exception) -> None:
+    def _aggregator_failed(self, exc: BaseException) -> None:
         """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
         log.error("aggregator raised; data will be None", exc_info=True)
         self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"

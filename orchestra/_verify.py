@@ -7,13 +7,14 @@ in `ctx.feedback`. An agent's declared `output` model is checked the same way: g
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import Rejected, VerificationError
-from ._failure import describe
+from ._failure import cancel_pending, describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -68,7 +69,9 @@ async def check_safety(check: Callable[[Task], Any], task: Task) -> None:
         if inspect.isawaitable(verdict):
             verdict = await verdict
         passed, reason = _judge(verdict)
-    except Exception as exc:
+    except (Exception, asyncio.CancelledError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and cancel_pending():
+            raise  # a real cancel (the task's deadline, the run's end), not the check's failure
         failure = describe(exc)  # its str() may raise too
         raise Rejected(f"the safety check raised {failure.error_type}: {failure.message}") from exc
     if not passed:
