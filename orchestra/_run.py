@@ -127,12 +127,10 @@ class Run:
         loop = asyncio.get_running_loop()
         self.t0 = loop.time()  # virtual under a FakeClock
         wall0 = datetime.now(UTC)
-        dispatcher = self.dispatcher = Dispatcher(self, None)  # type: ignore[arg-type]
-        dispatcher.bind_clock(loop)
         whole = isinstance(source, list | tuple)
         self._streamed = not whole
         registry = config.registry
-        self.store = dispatcher.store = config.store.open_run(
+        self.store = config.store.open_run(
             self.run_id,
             admission=Admission(
                 [k for k, v in registry.by_kind.items() if v], registry.input_models()
@@ -142,6 +140,8 @@ class Run:
             task_timeout=config.timeouts.task,
             compact=not whole,
         )
+        dispatcher = self.dispatcher = Dispatcher(self, self.store)
+        dispatcher.bind_clock(loop)
         dropped = self.bus.dropped
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
