@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ._exceptions import ConfigError
@@ -41,7 +42,7 @@ class Aggregator(Protocol):
 
 
 class _Ordered:
-    """Keeps the results; `ordered()` gives (position, id, output) in input order, once, at the end."""
+    """Keeps the results; `ordered()` gives (id, output) in input order, once, at the end."""
 
     __slots__ = ("items",)
 
@@ -51,14 +52,19 @@ class _Ordered:
     def add(self, result: TaskResult) -> None:
         self.items.append(result)
 
-    def ordered(self) -> list[tuple[tuple[int, ...], str, Any]]:
-        ordered = [(r.order, r.task_id, r.output) for r in self.items]
-        ordered.sort(key=_first)
-        return ordered
+    def ordered(self) -> list[tuple[str, Any]]:
+        items = self.items
+        if items and getattr(items[0], "rank", -1) >= 0:
+            # The store ranked every result of the run in input order (a whole-list run): an int
+            # key, read in C, instead of a position tuple built per result.
+            items.sort(key=_rank)
+        else:
+            items.sort(key=_order)
+        return [(r.task_id, r.output) for r in items]
 
 
-def _first(item: tuple[tuple[int, ...], str, Any]) -> tuple[int, ...]:
-    return item[0]
+_rank = attrgetter("rank")
+_order = attrgetter("order")
 
 
 class Collect:
@@ -72,7 +78,7 @@ class _CollectAcc(_Ordered):
     __slots__ = ()
 
     def finish(self) -> dict[str, Any]:
-        return {task_id: output for _, task_id, output in self.ordered()}
+        return dict(self.ordered())
 
 
 class Discard:
@@ -128,7 +134,7 @@ class _MergeAcc(_Ordered):
 
     def finish(self) -> list[Any]:
         merged: list[Any] = []
-        for _, _, output in self.ordered():
+        for _, output in self.ordered():
             if isinstance(output, list | tuple):
                 merged.extend(output)
             elif output is not None:
@@ -248,7 +254,7 @@ class _FnReduce(_Ordered):
     def finish(self) -> Any:
         acc = self.initial
         select = self.select
-        for _, _, output in self.ordered():
+        for _, output in self.ordered():
             acc = self.fn(acc, output if select is None else select(output))
         return acc
 

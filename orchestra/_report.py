@@ -82,6 +82,37 @@ class Report:
         else:
             self.not_ok.append(node)
 
+    def tally_all(self, nodes: Iterable[Node]) -> None:
+        """`tally` for many settled tasks at once (a whole-list run, at its end): the same counts,
+        with the durations of each kind added in one go."""
+        counts = self.counts
+        per_agent = self.per_agent
+        not_ok = self.not_ok
+        spans: dict[str, list[float]] = {}
+        for node in nodes:
+            kind, state = node.kind, node.status
+            by_kind = counts.get(kind)
+            if by_kind is None:
+                by_kind = counts[kind] = {}
+            by_kind[state] = by_kind.get(state, 0) + 1
+            started = node.started
+            if started is not None:
+                values = spans.get(kind)
+                if values is None:
+                    values = spans[kind] = []
+                values.append(node.finished - started)
+            if state == SUCCEEDED:
+                agent = node.agent
+                if agent is not None:
+                    per_agent[agent] = per_agent.get(agent, 0) + 1
+            else:
+                not_ok.append(node)
+        for kind, values in spans.items():
+            durations = self.durations.get(kind)
+            if durations is None:
+                durations = self.durations[kind] = Durations()
+            durations.extend(values)
+
     def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
         self.cost += cost
         for name, n in tokens.items():
@@ -99,8 +130,7 @@ class Report:
         events_dropped: int,
     ) -> RunResult:
         """The `RunResult` of the settled `nodes` (those not tallied yet), by DESIGN.md's rules."""
-        for node in nodes:
-            self.tally(node)
+        self.tally_all(nodes)
         counts, durations, per_agent, not_ok = (
             self.counts,
             self.durations,
@@ -196,11 +226,36 @@ class Durations:
             self.sample[self.rng.randrange(self.SAMPLE)] = value  # type: ignore[union-attr]
             self._skip()
 
+    def extend(self, values: list[float]) -> None:
+        """`add` each of `values`: the exact figures in C (sum, max), the sample as `add` keeps it."""
+        if not values:
+            return
+        room = self.SAMPLE - self.count
+        head, rest = (values[:room], values[room:]) if room > 0 else ([], values)
+        for value in head:
+            self.add(value)
+        if not rest:
+            return
+        self.total += sum(rest)
+        top = max(rest)
+        if top > self.max:
+            self.max = top
+        start = self.count
+        self.count += len(rest)
+        # Algorithm L over the rest: only the values that enter the sample are looked at.
+        rng: Random = self.rng  # type: ignore[assignment]
+        while self.next <= self.count:
+            self.sample[rng.randrange(self.SAMPLE)] = rest[self.next - start - 1]
+            self._skip_from(self.next)
+
     def _skip(self) -> None:
+        self._skip_from(self.count)
+
+    def _skip_from(self, count: int) -> None:
         rng: Random = self.rng  # type: ignore[assignment]
         self.weight *= math.exp(math.log(rng.random() or 1e-300) / self.SAMPLE)
         gap = math.log(rng.random() or 1e-300) / math.log1p(-self.weight)
-        self.next = self.count + int(gap) + 1
+        self.next = count + int(gap) + 1
 
 
 def _timing(durations: Durations) -> TimingStats:

@@ -156,6 +156,18 @@ class TestDurations:
         ordered = sorted(durations.sample)
         assert ordered[int(0.95 * len(ordered))] == pytest.approx(950, abs=25)
 
+    @pytest.mark.parametrize("split", [0, 10, 4096, 5000])
+    def test_adding_many_at_once_keeps_the_same_sample(self, split: int) -> None:
+        values = [float(i) for i in range(30_000)]
+        one_by_one, at_once = Durations(), Durations()
+        for v in values:
+            one_by_one.add(v)
+        for v in values[:split]:
+            at_once.add(v)
+        at_once.extend(values[split:])
+        assert at_once.sample == one_by_one.sample
+        assert (at_once.count, at_once.total, at_once.max) == (30_000, sum(values), 29_999.0)
+
     def test_small_runs_keep_every_duration(self) -> None:
         durations = Durations()
         for v in (3.0, 1.0, 2.0):

@@ -752,7 +752,11 @@ class MemoryRun:
         that order, so sorting by it costs nothing however deep the spawns go (a position is as
         long as its depth)."""
         if not self._spawned:
-            return iter(self._records.values())
+            records = self._records
+            if not self._compact:  # a whole-list run: admission order is input order
+                for rank, record in enumerate(records.values()):
+                    record.rank = rank
+            return iter(records.values())
         children: dict[int, list[Record]] = {}
         roots: list[Record] = []
         for record in self._records.values():  # admission order: spawns in spawn order
