@@ -728,7 +728,7 @@ class Dispatcher:
         if error_type is not None:
             message = f"{error_type}: {reason}"
         elif last is None:
-            error_type, message = "BreakerOpen", reason
+            error_type, message = "NoAgentLeft", reason
         else:
             error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
         store.settle(record, token, FAILED, error=message, error_type=error_type, attempt=attempt)

@@ -341,8 +341,8 @@ def remediation(status: str, error_type: str, message: str) -> str:
         return "The agent is rate limited: lower concurrency or the agent's limit, or raise your API quota."
     if error_type in ("ValidationError", "PermanentError") or "400" in message:
         return "The request is invalid for this agent: fix the payload; retrying will not help."
-    if error_type == "BreakerOpen":
-        return "Every agent of the chain has an open circuit breaker: check the agents' health or add a fallback."
+    if error_type == "NoAgentLeft":
+        return "No agent of the chain could take the task: add an agent for this kind or a fallback."
     return (
         "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
     )

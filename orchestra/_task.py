@@ -2,7 +2,7 @@
 
 A `Task` is built for every subtask of a run, so it is a slotted class with a plain `__init__`, not a
 pydantic model (building a model costs ~2 µs; this costs a fraction of that). Its fields are validated
-once, when the run admits the task (`orchestra._graph`), and never again on the hot path.
+once, when the run admits the task (`orchestra._admission`, in the store), and never again on the hot path.
 """
 
 from __future__ import annotations
