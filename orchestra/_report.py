@@ -342,7 +342,9 @@ def remediation(status: str, error_type: str, message: str) -> str:
     if error_type in ("ValidationError", "PermanentError") or "400" in message:
         return "The request is invalid for this agent: fix the payload; retrying will not help."
     if error_type == "NoAgentLeft":
-        return "No agent of the chain could take the task: add an agent for this kind or a fallback."
+        return (
+            "No agent of the chain could take the task: add an agent for this kind or a fallback."
+        )
     return (
         "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
     )

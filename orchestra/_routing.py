@@ -183,7 +183,11 @@ class Router:
         if usable:
             self._hold(record, token, self.lane(None, kind))
             return None
-        return self.wait_for_recovery(record, token, [s for s in slots if not _used(record, s)])
+        left = [s for s in slots if not _used(record, s)]
+        if not left:
+            self._owner.chain_end(record, token, "every agent of the kind was used up")
+            return None
+        return self.wait_for_recovery(record, token, left)
 
     def _route_unwell(self, record: Record, token: int, slot: AgentSlot) -> AgentSlot | None:
         """`slot` may have an open breaker: go to the next usable agent of the task's chain (in
