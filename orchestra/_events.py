@@ -174,6 +174,7 @@ class EventBus:
         "_delivering",
         "_drained",
         "_group",
+        "_scopes",
         "_subs",
         "_wanted",
         "active",
@@ -185,6 +186,10 @@ class EventBus:
         self._subs: list[_Subscription] = []
         self._group: TaskGroup | None = None
         self._delivering = 0
+        # Each delivery runs in a shielded scope of its own: a cancellation that unwinds the
+        # orchestrator (a cancelled `run()` without `async with`) does not drop what is buffered;
+        # `cancel` ends them, after the drain timeout.
+        self._scopes: set[anyio.CancelScope] = set()
         self._drained: anyio.Event | None = None
         self._wanted: frozenset[type[Event]] | None = None  # None: every type
         self.active = False
@@ -263,28 +268,42 @@ class EventBus:
             getattr(fn, "__call__", None)  # noqa: B004
         )
         self._delivering += 1
+        scope = anyio.CancelScope(shield=True)
+        self._scopes.add(scope)
         try:
-            async with receive:
-                async for event in receive:
-                    try:
-                        if is_async:
-                            await fn(event)  # type: ignore[misc]
-                        else:
-                            fn(event)
-                    except (Exception, asyncio.CancelledError) as exc:
-                        if isinstance(exc, asyncio.CancelledError) and cancel_pending():
-                            raise  # the bus is cancelled (the orchestrator exits)
-                        # A stray CancelledError of the subscriber's own is its failure too.
-                        self.errors += 1
-                        log.warning(
-                            "subscriber raised",
-                            subscriber=repr(fn),
-                            event_type=type(event).__name__,
-                            exc_info=True,
-                        )
+            with scope:
+                await self._pump(fn, receive, is_async)
         finally:
+            self._scopes.discard(scope)
             # Cancelled at the orchestrator's exit (past its drain timeout): what is left is dropped.
             self.dropped += receive.statistics().current_buffer_used
             self._delivering -= 1
             if not self._delivering and self._drained is not None:
                 self._drained.set()
+
+    def cancel(self) -> None:
+        """End every delivery now (what is still buffered is dropped and counted)."""
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _pump(
+        self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event], is_async: bool
+    ) -> None:
+        async with receive:
+            async for event in receive:
+                try:
+                    if is_async:
+                        await fn(event)  # type: ignore[misc]
+                    else:
+                        fn(event)
+                except (Exception, asyncio.CancelledError) as exc:
+                    if isinstance(exc, asyncio.CancelledError) and cancel_pending():
+                        raise  # the bus is cancelled (the orchestrator exits)
+                    # A stray CancelledError of the subscriber's own is its failure too.
+                    self.errors += 1
+                    log.warning(
+                        "subscriber raised",
+                        subscriber=repr(fn),
+                        event_type=type(event).__name__,
+                        exc_info=True,
+                    )

@@ -234,14 +234,22 @@ class Orchestrator:
                 # Subscribers get what is buffered for them, for `drain_timeout` at most.
                 with anyio.move_on_after(self._drain_timeout):
                     await self._bus.drained()
+                self._bus.cancel()
                 tg.cancel_scope.cancel()
                 return await tg.__aexit__(None, None, None)
             if isinstance(exc, Exception):
                 # An error from the body (say, an InputError from run()) reaches the caller as it
                 # is, not wrapped in an ExceptionGroup by our background task group.
+                self._bus.cancel()
                 tg.cancel_scope.cancel()
                 await tg.__aexit__(None, None, None)
                 return None
+            # Cancelled (the caller's `run()` without `async with`, say): the subscribers still
+            # get what is buffered for them — `RunFinished` of the cancelled run included — for
+            # `drain_timeout` at most, shielded from the cancellation that is unwinding us.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
+                await self._bus.drained()
+            self._bus.cancel()
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
             if self.clock is not None:

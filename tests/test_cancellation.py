@@ -500,3 +500,18 @@ class TestConcurrentRuns:
                 await second
             result = await first
         assert result.status == "success"
+
+
+class TestPlainRunCancelled:
+    async def test_subscribers_still_hear_how_it_ended(self, clock: FakeClock) -> None:
+        # No `async with`: the cancelled call's own lifecycle ends with it, and still delivers
+        # what it buffered for subscribers, `RunFinished` included.
+        orch = Orchestrator(agents=[scripted("slow", ["work"], latency=100.0)])
+        rec = Recorder()
+        orch.subscribe(rec)
+        with anyio.move_on_after(1.0):
+            await orch.run(tasks=tasks_of(3))
+        assert [e.status for e in rec.of(RunFinished)] == ["cancelled"]
+        finished = rec.of(TaskFinished)
+        assert sorted(e.result.task_id for e in finished) == ["t0", "t1", "t2"]
+        assert {e.result.status for e in finished} == {"cancelled"}
