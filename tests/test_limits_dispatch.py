@@ -77,6 +77,21 @@ class TestRate:
         # the rate's burst of one token, 1 ms).
         assert [t - t0 for _, t in a.starts] == pytest.approx([0, 2, 4], abs=2e-3)
 
+    async def test_an_agents_estimate_is_reserved_before_the_call(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        class Estimating(Timed):
+            def estimate(self, task: Task) -> dict[str, float]:
+                return {"input_tokens": 500}
+
+        a = Estimating("a", limits=[Rate(1000, per=1, unit="input_tokens", burst=1000)])
+        orch = make_orchestrator(agents=[a], concurrency=10)
+        t0 = clock.time()
+        await orch.run(tasks=tasks_of(4))
+        # 500 estimated tokens each, 1,000 a second with a burst of 1,000: two go at once, then
+        # one every half second (the estimate stands: nothing recorded corrects it).
+        assert [round(t - t0, 3) for _, t in a.starts] == [0, 0, 0.5, 1.0]
+
     async def test_a_rate_shared_by_two_agents_is_one_budget(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
