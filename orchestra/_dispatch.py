@@ -36,25 +36,23 @@ from ._events import (
 )
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
 from ._failure import check_returned, describe
-from ._retry import RetryPolicy, Timeouts, backoff, classify
+from ._retry import backoff, classify
 from ._routing import NONE_LEFT, Router
 from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Mapping
+    from collections.abc import Callable, Coroutine
 
-    from ._events import EventBus
-    from ._limits import Concurrency, Cost
-    from ._registry import AgentSlot, Registry
+    from ._limits import Cost
+    from ._registry import AgentSlot
     from ._report import Report
     from ._run import Run
     from ._store import RunStore
     from ._task import Task
-    from ._verify import Check
     from .stores._memory import Record
 
-__all__ = ("Capacity", "Dispatcher", "RunConfig")
+__all__ = ("Dispatcher",)
 
 log = structlog.get_logger("orchestra")
 
@@ -64,83 +62,6 @@ log = structlog.get_logger("orchestra")
 # context, so the value never leaks out of the worker.
 _TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
 _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
-
-
-class Capacity:
-    """The orchestrator-wide concurrency limit, shared by its concurrent runs (and, when it was
-    given as a `Concurrency` object, by every orchestrator it was given to).
-
-    The check on the hot path reads the limiter's counter directly (`in_use < limit`, as
-    `Concurrency.reserve` does) and gives the slot back through `release`, which wakes the
-    watchers of other orchestrators."""
-
-    __slots__ = ("blocked", "limit", "limiter", "runs")
-
-    def __init__(self, limiter: Concurrency) -> None:
-        self.limiter = limiter
-        self.limit = limiter.limit
-        self.blocked = False  # a worker found the limit reached: wake the other runs on release
-        self.runs: list[Dispatcher] = []
-
-
-class RunConfig:
-    """What a run takes from its orchestrator (built once per orchestrator)."""
-
-    __slots__ = (
-        "aggregate",
-        "bus",
-        "capacity",
-        "defaults",
-        "faults",
-        "on_threshold_missed",
-        "registry",
-        "retry",
-        "retry_per_kind",
-        "safety",
-        "seed",
-        "store",
-        "success_threshold",
-        "timeouts",
-        "verify",
-        "window",
-    )
-
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        capacity: Capacity,
-        bus: EventBus,
-        store: Any,
-        retry: RetryPolicy,
-        retry_per_kind: Mapping[str, RetryPolicy],
-        timeouts: Timeouts,
-        defaults: Mapping[str, Any],
-        verify: Mapping[str, Check],
-        safety: Callable[[Task], Any] | None,
-        success_threshold: float,
-        window: int,
-        aggregate: Any,
-        seed: int | None,
-        on_threshold_missed: Callable[..., Any] | None,
-        faults: Mapping[str, Any],
-    ) -> None:
-        self.registry = registry
-        self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
-        self.capacity = capacity
-        self.bus = bus
-        self.store = store
-        self.retry = retry
-        self.retry_per_kind = retry_per_kind
-        self.timeouts = timeouts
-        self.defaults = defaults
-        self.verify = verify
-        self.safety = safety
-        self.success_threshold = success_threshold
-        self.window = window
-        self.aggregate = aggregate
-        self.seed = seed
-        self.on_threshold_missed = on_threshold_missed
 
 
 class Dispatcher:

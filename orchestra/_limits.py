@@ -49,6 +49,7 @@ from ._exceptions import ConfigError
 
 __all__ = (
     "REQUESTS",
+    "Capacity",
     "Concurrency",
     "Cost",
     "Limiter",
@@ -376,3 +377,20 @@ def _check_positive(field: str, value: Any) -> None:
 
 for _public in (Concurrency, Rate, Limiter):
     _public.__module__ = "orchestra"
+
+
+class Capacity:
+    """The orchestrator-wide concurrency limit, shared by its concurrent runs (and, when it was
+    given as a `Concurrency` object, by every orchestrator it was given to).
+
+    The check on the hot path reads the limiter's counter directly (`in_use < limit`, as
+    `Concurrency.reserve` does) and gives the slot back through `release`, which wakes the
+    watchers of other orchestrators."""
+
+    __slots__ = ("blocked", "limit", "limiter", "runs")
+
+    def __init__(self, limiter: Concurrency) -> None:
+        self.limiter = limiter
+        self.limit = limiter.limit
+        self.blocked = False  # a worker found the limit reached: wake the other runs on release
+        self.runs: list[Any] = []  # the dispatchers of its runs

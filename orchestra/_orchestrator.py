@@ -36,10 +36,10 @@ from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._failure import cancel_pending
 from ._faults import Fault, FaultMode
-from ._limits import Concurrency, as_concurrency
+from ._limits import Capacity, Concurrency, as_concurrency
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
-from ._run import Capacity, Run, RunConfig
+from ._run import Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
 from .stores import MemoryStore
 

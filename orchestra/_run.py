@@ -15,35 +15,100 @@ import asyncio
 from collections.abc import AsyncIterable, Iterable
 from datetime import UTC, datetime
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 import structlog
 
 from ._admission import Admission
-from ._dispatch import Capacity, Dispatcher, RunConfig
+from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._report import Report
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from anyio.streams.memory import MemoryObjectSendStream
 
     from ._aggregate import Accumulator
+    from ._events import EventBus
+    from ._limits import Capacity
+    from ._registry import Registry
     from ._result import RunResult
+    from ._retry import RetryPolicy, Timeouts
     from ._store import RunStore
     from ._task import TaskResult
+    from ._verify import Check
     from .stores._memory import Record
 
-__all__ = ("Capacity", "Run", "RunConfig")
+__all__ = ("Run", "RunConfig")
 
 log = structlog.get_logger("orchestra")
 
 _CHUNK = 1_024  # a plain iterable input is admitted this many tasks at a time
+
+
+class RunConfig:
+    """What a run takes from its orchestrator (built once per orchestrator)."""
+
+    __slots__ = (
+        "aggregate",
+        "bus",
+        "capacity",
+        "defaults",
+        "faults",
+        "on_threshold_missed",
+        "registry",
+        "retry",
+        "retry_per_kind",
+        "safety",
+        "seed",
+        "store",
+        "success_threshold",
+        "timeouts",
+        "verify",
+        "window",
+    )
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        capacity: Capacity,
+        bus: EventBus,
+        store: Any,
+        retry: RetryPolicy,
+        retry_per_kind: Mapping[str, RetryPolicy],
+        timeouts: Timeouts,
+        defaults: Mapping[str, Any],
+        verify: Mapping[str, Check],
+        safety: Callable[[Task], Any] | None,
+        success_threshold: float,
+        window: int,
+        aggregate: Any,
+        seed: int | None,
+        on_threshold_missed: Callable[..., Any] | None,
+        faults: Mapping[str, Any],
+    ) -> None:
+        self.registry = registry
+        self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
+        self.capacity = capacity
+        self.bus = bus
+        self.store = store
+        self.retry = retry
+        self.retry_per_kind = retry_per_kind
+        self.timeouts = timeouts
+        self.defaults = defaults
+        self.verify = verify
+        self.safety = safety
+        self.success_threshold = success_threshold
+        self.window = window
+        self.aggregate = aggregate
+        self.seed = seed
+        self.on_threshold_missed = on_threshold_missed
 
 
 class Run:
