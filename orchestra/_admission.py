@@ -22,14 +22,15 @@ __all__ = ("Admission", "reject_cycles")
 class Admission:
     """The checks of one run: which kinds are served, which payload models apply, generated ids."""
 
-    __slots__ = ("_auto", "_inputs", "_kinds")
+    __slots__ = ("_inputs", "auto", "has_models", "kinds")
 
     def __init__(
         self, kinds: Sequence[str], inputs: Mapping[str, Sequence[type[BaseModel]]]
     ) -> None:
-        self._kinds = frozenset(kinds)
+        self.kinds = frozenset(kinds)
         self._inputs = {k: list(v) for k, v in inputs.items() if v}
-        self._auto = 0
+        self.has_models = bool(self._inputs)  # some kind validates its payloads
+        self.auto = 0  # the number in the last generated id ("<kind>#<n>")
 
     def check(
         self,
@@ -48,21 +49,21 @@ class Admission:
         kind = task.kind
         task_id: Any = task.id
         if task_id is None:
-            self._auto += 1
-            task_id = f"{kind}#{self._auto}"
+            self.auto += 1
+            task_id = f"{kind}#{self.auto}"
             while taken(task_id):
-                self._auto += 1
-                task_id = f"{kind}#{self._auto}"
+                self.auto += 1
+                task_id = f"{kind}#{self.auto}"
             task.id = task_id
         elif type(task_id) is not str or not task_id:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(
                 f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
             )
-        if type(kind) is not str or kind not in self._kinds:
+        if type(kind) is not str or kind not in self.kinds:
             raise InputError(
                 f"task {task_id!r}: no agent serves kind {kind!r} "
-                f"(kinds served: {', '.join(sorted(self._kinds)) or 'none'})",
+                f"(kinds served: {', '.join(sorted(self.kinds)) or 'none'})",
                 task_id=task_id,
                 field="kind",
             )

@@ -42,7 +42,7 @@ from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Callable, Coroutine, Sequence
 
     from ._limits import Cost
     from ._registry import AgentSlot
@@ -127,6 +127,21 @@ class Dispatcher:
         elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
             self._workers += 1
             self._spawn(self._worker())
+
+    def ready_all(self, records: Sequence[Record]) -> None:
+        """`ready` for a batch: the timer armed once, as many workers woken as can take them."""
+        if records and records[0].deadline is not None:
+            self.schedule()
+        for _ in range(len(records)):
+            if self._parked:
+                self.wake_one()
+            elif (
+                self._pool is not None and self._workers < self._capacity.limit and not self.closing
+            ):
+                self._workers += 1
+                self._spawn(self._worker())
+            else:
+                return
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._pool.create_task(coro)  # type: ignore[union-attr]

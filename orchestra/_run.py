@@ -29,7 +29,7 @@ from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
     from anyio.streams.memory import MemoryObjectSendStream
 
@@ -148,6 +148,13 @@ class Run:
                 )
             )
         self.dispatcher.ready(record)
+
+    def ready_all(self, records: Sequence[Record]) -> None:
+        if self.bus.active and self.bus.wants(TaskReady):
+            for record in records:
+                self.ready(record)
+            return
+        self.dispatcher.ready_all(records)
 
     def finished(self, record: Record) -> None:
         status = record.status

@@ -50,6 +50,26 @@ class ReadyQueue(Generic[T]):
         bucket.append(entry)
         self._size += 1
 
+    def push_all(self, entries: list[T]) -> None:
+        """`push` each of `entries` in order (a batch admitted at once: most share one priority)."""
+        buckets = self._buckets
+        seq = self._seq
+        last: int | None = None
+        bucket: deque[T] | None = None
+        for entry in entries:
+            priority = entry.priority
+            if priority != last:
+                bucket = buckets.get(priority)
+                if bucket is None:
+                    bucket = buckets[priority] = deque()
+                    heappush(self._prios, priority)
+                last = priority
+            seq += 1
+            entry.qseq = seq
+            bucket.append(entry)  # type: ignore[union-attr]
+        self._seq = seq
+        self._size += len(entries)
+
     def pop(self) -> T | None:
         """The best live entry, taken out of the queue (None when empty)."""
         if not self._size:

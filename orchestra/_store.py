@@ -73,6 +73,9 @@ class Listener(Protocol):
     def ready(self, record: Any) -> None:
         """A task became ready (admitted with nothing to wait for, dependencies met, retry due)."""
 
+    def ready_all(self, records: Sequence[Any]) -> None:
+        """`ready` for a batch admitted at once (in order): one call instead of one per task."""
+
     def finished(self, record: Any) -> None:
         """A task became terminal; `record` is its `TaskResult`."""
 

@@ -29,6 +29,9 @@ class _Listener:
     def ready(self, record: Any) -> None:
         pass
 
+    def ready_all(self, records: Any) -> None:
+        pass
+
     def finished(self, record: Any) -> None:
         pass
 

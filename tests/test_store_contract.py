@@ -81,6 +81,10 @@ class Heard:
         self.records[record.id] = record
         self.tokens[record.id] = record.token
 
+    def ready_all(self, records: Any) -> None:
+        for record in records:
+            self.ready(record)
+
     def finished(self, record: Any) -> None:
         self.events.append(("finished", record.task_id))
         self.results[record.task_id] = record

@@ -220,13 +220,80 @@ class MemoryRun:
         if pause:
             gc.disable()
         try:
-            new = self._check_batch(tasks, where, forward, first_index, parent)
-            records = self._insert(new, first_index, parent)
+            plain = None if parent is not None else self._admit_plain(tasks, first_index)
+            if plain is None:
+                new = self._check_batch(tasks, where, forward, first_index, parent)
+                records = self._insert(new, first_index, parent)
         finally:
             if pause:
                 gc.enable()
+        if plain is not None:
+            self._ready_all(plain)
+            return len(plain)
         self._wire_all(records)
         return len(records)
+
+    def _admit_plain(self, tasks: Sequence[Any], first_index: int) -> list[Record] | None:
+        """The common batch in one pass: tasks with nothing but a kind, a payload and a priority
+        (no id, dependency, group, key, timeout or payload model). Such a task needs only a
+        generated id and a record, so the general checks (a call and a dozen branches per task)
+        are skipped. None, with nothing changed, when some task needs the general path."""
+        admission = self._admission
+        if admission.has_models:
+            return None
+        kinds = admission.kinds
+        auto = admission.auto
+        records = self._records
+        settled = self._settled
+        new: list[Record] = []
+        append = new.append
+        index = first_index
+        for task in tasks:
+            if (
+                type(task) is not Task
+                or task.id is not None
+                or type(task.priority) is not int
+                or task.timeout is not None
+                or task.key is not None
+                or task.depends_on
+                or task.tags
+                or task.depends_on_tags
+            ):
+                break
+            kind = task.kind
+            if type(kind) is not str or kind not in kinds:
+                break
+            auto += 1
+            task_id = f"{kind}#{auto}"
+            if task_id in records or task_id in settled:
+                break  # a given id of an earlier batch looks generated: the general path
+            task.id = task_id
+            record = records[task_id] = Record(task, index, None, False)
+            append(record)
+            index += 1
+        else:
+            admission.auto = auto
+            self.unfinished += len(new)
+            return new
+        for record in new:  # undo: the general path sees the batch as it was given
+            record.task.id = None
+            del records[record.id]
+        return None
+
+    def _ready_all(self, records: list[Record]) -> None:
+        """`_ready` for a batch of new records that wait for nothing, in one step."""
+        timeout = self._task_timeout
+        if timeout is not None:
+            deadline = self._now() + timeout
+            timers = self._timers
+            for record in records:
+                record.deadline = deadline
+                self._timer_seq += 1
+                heappush(timers, (deadline, self._timer_seq, record))
+        for record in records:
+            record.state = READY
+        self._queue.push_all(records)
+        self._listener.ready_all(records)
 
     def admit_one(self, task: Any, index: int) -> None:
         """`admit` for one item of a streamed input: the same checks, without a batch's bookkeeping."""
