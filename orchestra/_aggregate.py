@@ -52,7 +52,8 @@ class _Ordered:
     def add(self, result: TaskResult) -> None:
         self.items.append(result)
 
-    def ordered(self) -> list[tuple[str, Any]]:
+    def sort(self) -> list[TaskResult]:
+        """The results in input order (sorted in place, once, at the end)."""
         items = self.items
         if items and getattr(items[0], "rank", -1) >= 0:
             # The store ranked every result of the run in input order (a whole-list run): an int
@@ -60,10 +61,17 @@ class _Ordered:
             items.sort(key=_rank)
         else:
             items.sort(key=_order)
-        return [(r.task_id, r.output) for r in items]
+        return items
+
+    def ordered(self) -> list[tuple[str, Any]]:
+        """(id, output) of each result, in input order."""
+        items = self.sort()
+        return list(zip(map(_task_id, items), map(_output, items), strict=True))
 
 
 _rank = attrgetter("rank")
+_task_id = attrgetter("task_id")
+_output = attrgetter("output")
 _order = attrgetter("order")
 
 
@@ -78,7 +86,10 @@ class _CollectAcc(_Ordered):
     __slots__ = ()
 
     def finish(self) -> dict[str, Any]:
-        return dict(self.ordered())
+        # Built in C, without a tuple per result (`zip` reuses one): a tuple per result is an
+        # allocation the cyclic GC would track, and traverse again and again, at a million.
+        items = self.sort()
+        return dict(zip(map(_task_id, items), map(_output, items), strict=True))
 
 
 class Discard:

@@ -230,6 +230,20 @@ class Durations:
         """`add` each of `values`: the exact figures in C (sum, max), the sample as `add` keeps it."""
         if not values:
             return
+        if not self.count and len(values) > self.SAMPLE:
+            # All at once (a whole-list run's durations, at its end): a uniform sample drawn in
+            # one go, and the reservoir's state as algorithm L would have left it: the largest key
+            # of a kept value is the k-th smallest of n uniform keys, Beta(k, n - k + 1)
+            # distributed. (Walking algorithm L over the values costs ~0.3 µs each.)
+            n, k = len(values), self.SAMPLE
+            rng = self.rng = Random(k)
+            self.count = n
+            self.total = sum(values)
+            self.max = max(values)
+            self.sample = rng.sample(values, k)
+            self.weight = rng.betavariate(k, n - k + 1)
+            self.next = n + int(math.log(rng.random() or 1e-300) / math.log1p(-self.weight)) + 1
+            return
         room = self.SAMPLE - self.count
         head, rest = (values[:room], values[room:]) if room > 0 else ([], values)
         for value in head:

@@ -24,6 +24,7 @@ import structlog
 from ._admission import Admission
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
+from ._gc import paused
 from ._report import Report
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
@@ -282,6 +283,10 @@ class Run:
             self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
 
     def _result(self, wall0: datetime, dropped: int) -> RunResult:
+        with paused(self.report.attempts):  # a few objects per task, all kept: see `_gc`
+            return self._build_result(wall0, dropped)
+
+    def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
         # The store's results come in input order, and are ranked so before the aggregate sorts.
         records = () if self._streamed else list(self.store.results())
         data = None

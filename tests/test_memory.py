@@ -159,7 +159,25 @@ class TestDurations:
         ordered = sorted(durations.sample)
         assert ordered[int(0.95 * len(ordered))] == pytest.approx(950, abs=25)
 
-    @pytest.mark.parametrize("split", [0, 10, 4096, 5000])
+    def test_all_at_once_is_a_uniform_reproducible_sample(self) -> None:
+        values = [float(i) for i in range(30_000)]
+        first, second = Durations(), Durations()
+        first.extend(values)
+        second.extend(values)
+        assert first.sample == second.sample  # seeded: a run's report is reproducible
+        assert len(set(first.sample)) == Durations.SAMPLE
+        assert set(first.sample) <= set(values)
+        assert (first.count, first.total, first.max) == (30_000, sum(values), 29_999.0)
+        ordered = sorted(first.sample)
+        assert ordered[len(ordered) // 2] == pytest.approx(15_000, abs=700)
+        assert ordered[int(0.95 * len(ordered))] == pytest.approx(28_500, abs=700)
+        # What comes after keeps the sample uniform over everything seen.
+        for v in range(30_000):
+            first.add(100_000.0 + v)
+        later = sum(1 for v in first.sample if v >= 100_000) / Durations.SAMPLE
+        assert later == pytest.approx(0.5, abs=0.05)
+
+    @pytest.mark.parametrize("split", [10, 4096, 5000])
     def test_adding_many_at_once_keeps_the_same_sample(self, split: int) -> None:
         values = [float(i) for i in range(30_000)]
         one_by_one, at_once = Durations(), Durations()

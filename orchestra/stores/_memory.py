@@ -13,12 +13,12 @@ that fails skips the waiters at once, as a failed dependency does.
 
 from __future__ import annotations
 
-import gc
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Any
 
 from .._admission import reject_cycles
 from .._exceptions import InputError
+from .._gc import paused
 from .._scheduler import ReadyQueue
 from .._store import KEEP, Selector
 from .._task import (
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from .._task import Attempt
 
 __all__ = ("MemoryStore", "Record")
-
-_GC_PAUSE_BATCH = 1_000  # admissions at least this large pause the cyclic GC (see `admit`)
 
 
 class Record(TaskResult):
@@ -212,21 +210,11 @@ class MemoryRun:
         first_index: int = 0,
         parent: Record | None = None,
     ) -> int:
-        # A large batch allocates a record per task, and all of them survive: left on, the cyclic
-        # garbage collector would walk them again and again while they are built, which costs as
-        # much as the admission itself. It is paused for this synchronous loop (only payload
-        # validation runs user code here) and restored right after.
-        pause = len(tasks) >= _GC_PAUSE_BATCH and gc.isenabled()
-        if pause:
-            gc.disable()
-        try:
+        with paused(len(tasks)):  # see `orchestra._gc`
             plain = None if parent is not None else self._admit_plain(tasks, first_index)
             if plain is None:
                 new = self._check_batch(tasks, where, forward, first_index, parent)
                 records = self._insert(new, first_index, parent)
-        finally:
-            if pause:
-                gc.enable()
         if plain is not None:
             self._ready_all(plain)
             return len(plain)
@@ -638,8 +626,38 @@ class MemoryRun:
         defaulted: bool = False,
         attempt: Attempt | None = None,
     ) -> bool:
-        if record.token != token or record.state in TERMINAL:
+        state = record.state
+        if record.token != token or state in TERMINAL:
             return False
+        if (
+            status is SUCCEEDED
+            and state is RUNNING
+            and record.dependents is None
+            and not spawned
+            and not self._groups
+            and not self._compact
+        ):
+            # The common end, in one step: a success that readies nothing and is kept whole.
+            # (`_end_one` below does the same and more; a call and a dozen branches cost more
+            # here than the end itself.)
+            t0 = self._t0
+            record.state = record.status = SUCCEEDED
+            record.output = output
+            record.agent = agent
+            t_start = record.t_start
+            record.started = None if t_start is None else t_start - t0
+            record.finished = self._now() - t0
+            record.error = error
+            record.error_type = error_type
+            record.defaulted = defaulted
+            if attempt is not None:
+                if record.failures is None:
+                    record.failures = [attempt]
+                else:
+                    record.failures.append(attempt)
+            self.unfinished -= 1
+            self._listener.finished(record)
+            return True
         if spawned:  # first: refused spawns (`InputError`) leave the task as it was
             self.admit(
                 spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
