@@ -193,6 +193,15 @@ class Dispatcher:
         # allocation; `wake_one` wakes a worker when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
+        assert me is not None
+        store = self.store
+        run = self.run
+        report = self.report
+        capacity = self._capacity
+        limiter = capacity.limiter
+        time = self._time
+        # Nothing around any call: no attempt timeout, no verifier, no safety check.
+        bare = self._attempt_timeout is None and not self._verify and self._safety is None
         done = 0
         try:
             while not self.closing:
@@ -201,14 +210,72 @@ class Dispatcher:
                     # Nothing to do. If every unfinished task is running, nothing can become
                     # ready but through them (a retry, a spawn, a dependent), and `ready` starts
                     # a worker then: leave now rather than be woken at the end only to leave.
-                    if self.store.unfinished <= self.running or self.closing:
+                    if store.unfinished <= self.running or self.closing:
                         return
                     waiter = loop.create_future()
                     self._parked.append(waiter)
                     await waiter
                     continue
-                await self._attempt(*picked)
-                if me is not None and me.cancelling():
+                record, token, slot, cost = picked
+                if not (
+                    bare
+                    and cost is None
+                    and slot.bare
+                    and slot.fault is None
+                    and record.deadline is None
+                    and slot.breaker.state is CLOSED
+                    and not self.bus.active
+                ):
+                    await self._attempt(record, token, slot, cost)
+                elif store.start(record, token, slot.name):
+                    # The common attempt, inline (a coroutine per attempt and its bookkeeping
+                    # cost as much as the rest of a no-op task's dispatch): the agent's call
+                    # alone, then its success or failure. `_attempt` is the whole of it.
+                    limiter.in_use += 1
+                    slot.in_flight += 1
+                    running = self.running = self.running + 1
+                    if running > report.peak:
+                        report.peak = running
+                    slot.attempts += 1
+                    report.attempts += 1
+                    _TASK_ID.set(record.id)
+                    start = time()
+                    ctx = Context(run, record, slot.name, record.attempts, record.feedback or ())
+                    settled = False
+                    try:
+                        output = await slot.call(record.task, ctx)
+                        if type(output) not in _PLAIN:
+                            check_returned(output, slot.name)
+                        if ctx._spawned and not self.cancelled:  # refused spawns fail it
+                            self._settle(record, token, slot, output, ctx, start)
+                            settled = True
+                    except asyncio.CancelledError as exc:
+                        if me.cancelling() or self.cancelled:
+                            raise  # ours: the run is cancelled (its end ends the task)
+                        self._failed(record, token, slot, exc, start)
+                    except Exception as exc:
+                        if not self.cancelled:  # else raised over the run's cancel: cancelled
+                            self._failed(record, token, slot, exc, start)
+                    else:
+                        if not settled and not self.cancelled:
+                            breaker = slot.breaker
+                            if breaker.consecutive or breaker.recent is not None:
+                                self._settle(record, token, slot, output, ctx, start)
+                            else:  # nothing to tell and no breaker to close: count it
+                                slot.succeeded += 1
+                                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
+                    finally:
+                        if ctx._threads or capacity.blocked or len(capacity.runs) > 1:
+                            self._finished(slot, None, ctx, False)
+                        else:  # `_finished`, when only this run can use the freed slots
+                            limiter.release()
+                            slot.in_flight -= 1
+                            self.running -= 1
+                            if self.router.held:
+                                self.router.room(slot)
+                            if self._parked:
+                                self.wake_one()
+                if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
                 done += 1
                 if not done % _YIELD_EVERY:
@@ -364,20 +431,9 @@ class Dispatcher:
                         )
                 if self.cancelled:
                     return  # the agent finished after the run's cancel: the run ends the task
-                spawned = ctx._spawned
-                if spawned:
-                    # The spawns enter with the success, as one step; a spawn the store refuses
-                    # now (its group closed meanwhile) fails the attempt instead.
-                    store.settle(
-                        record,
-                        token,
-                        SUCCEEDED,
-                        output,
-                        spawned=list(spawned.values()),
-                        agent=slot.name,
-                    )
+                if ctx._spawned:  # refused spawns fail the attempt: settled inside the `try`
                     probe = False
-                    self._succeeded(record, slot, start, bus)
+                    self._settle(record, token, slot, output, ctx, start, bus)
                     return
             except asyncio.CancelledError as exc:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
@@ -394,38 +450,68 @@ class Dispatcher:
                 self._failed(record, token, slot, exc, start)
             else:
                 probe = False
-                if (
-                    bus is not None
-                    or breaker.consecutive
-                    or breaker.state is not CLOSED
-                    or breaker.recent is not None
-                ):
-                    self._succeeded(record, slot, start, bus)
-                else:  # nothing to tell and no breaker to close: count it
-                    slot.succeeded += 1
-                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
+                self._settle(record, token, slot, output, ctx, start, bus)
         finally:
-            if ctx is not None and ctx._threads:
-                # A thread the call abandoned still runs: its slots (global, the agent's, its
-                # limits') stay taken until it ends.
-                ctx._on_released(partial(self._thread_ended, slot, cost, ctx))
-            else:
-                self._release(slot, cost, ctx)
-            self.running -= 1
-            if probe:  # cancelled (or refused before the call): the probe ends unjudged
-                breaker.on_abandon()
-            if capacity.blocked or len(capacity.runs) > 1:
-                # The freed slot (global, or this agent's, which other runs share) may be what
-                # another run's parked worker waits for.
-                capacity.blocked = False
-                for run in capacity.runs:
-                    run.router.room(slot)
-                    run.wake_one()
-            else:
-                if self.router.held:
-                    self.router.room(slot)
-                if self._parked:
-                    self.wake_one()
+            self._finished(slot, cost, ctx, probe)
+
+    def _settle(
+        self,
+        record: Record,
+        token: int,
+        slot: AgentSlot,
+        output: Any,
+        ctx: Context,
+        start: float,
+        bus: Any = None,
+    ) -> None:
+        """The attempt succeeded: the task ends with `output`, and what the attempt spawned as one
+        step (a spawn the store refuses now — its group closed meanwhile — raises `InputError`,
+        which fails the attempt instead)."""
+        spawned = ctx._spawned
+        if spawned:
+            self.store.settle(
+                record, token, SUCCEEDED, output, spawned=list(spawned.values()), agent=slot.name
+            )
+            self._succeeded(record, slot, start, bus)
+            return
+        breaker = slot.breaker
+        if (
+            bus is not None
+            or breaker.consecutive
+            or breaker.state is not CLOSED
+            or breaker.recent is not None
+        ):
+            self._succeeded(record, slot, start, bus)
+        else:  # nothing to tell and no breaker to close: count it
+            slot.succeeded += 1
+        self.store.settle(record, token, SUCCEEDED, output, agent=slot.name)
+
+    def _finished(
+        self, slot: AgentSlot, cost: Cost | None, ctx: Context | None, probe: bool
+    ) -> None:
+        """An attempt is over, however it ended: give back what it took, and let a worker use it."""
+        if ctx is not None and ctx._threads:
+            # A thread the call abandoned still runs: its slots (global, the agent's, its
+            # limits') stay taken until it ends.
+            ctx._on_released(partial(self._thread_ended, slot, cost, ctx))
+        else:
+            self._release(slot, cost, ctx)
+        self.running -= 1
+        if probe:  # cancelled (or refused before the call): the probe ends unjudged
+            slot.breaker.on_abandon()
+        capacity = self._capacity
+        if capacity.blocked or len(capacity.runs) > 1:
+            # The freed slot (global, or this agent's, which other runs share) may be what
+            # another run's parked worker waits for.
+            capacity.blocked = False
+            for run in capacity.runs:
+                run.router.room(slot)
+                run.wake_one()
+        else:
+            if self.router.held:
+                self.router.room(slot)
+            if self._parked:
+                self.wake_one()
 
     def _release(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
         """Give back what an attempt took: the global slot, the agent's, and its limits (trued up

@@ -36,6 +36,7 @@ class AgentSlot:
     __slots__ = (
         "agent",
         "attempts",
+        "bare",
         "breaker",
         "call",
         "estimate",
@@ -91,6 +92,7 @@ class AgentSlot:
         self.output = _model(agent, "output")
         self.retry: RetryPolicy | None = getattr(agent, "retry", None)
         self.timeout: float | None = timeout
+        self.bare = timeout is None and self.output is None  # nothing of its own around a call
         self.breaker = Breaker(breaker)
         self.in_flight = 0
         # A rate limit's Retry-After: no task starts on this agent before this loop time (0: none).
