@@ -3,7 +3,9 @@ scripted agents of `orchestra.testing`.
 
 Each mode behaves as the real failure does on the wire, so the runtime's own classification is what
 gets tested: a rate limit is an `anthropic.RateLimitError` carrying a real HTTP 429 response with a
-`retry-after` header, an overload is a 529, a crash is a `ConnectionError`.
+`retry-after` header, an overload is a 529, a crash is a `ConnectionError`. Without the anthropic
+SDK (the `claude` extra), the HTTP errors are `SimulatedAPIError`s that carry the same status,
+headers and body.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from ._context import Context
     from ._task import Task
 
-__all__ = ("GARBAGE", "Fault", "FaultMode", "raise_fault")
+__all__ = ("GARBAGE", "Fault", "FaultMode", "SimulatedAPIError", "raise_fault")
 
 FaultMode = Literal[
     "error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow"
@@ -50,17 +52,44 @@ class _Garbage(str):
 GARBAGE: Final = _Garbage("<garbage>")
 
 
-def _http_error(status: int, message: str, retry_after: float | None) -> Exception:
-    import anthropic
+class SimulatedAPIError(Exception):
+    """An HTTP error of the Messages API, for when the anthropic SDK (the `claude` extra) is not
+    installed: it carries what the runtime reads of the SDK's `APIStatusError` (`status_code`,
+    `type`, `body`, `request_id`, `response.headers` with `retry-after`), so it is classified,
+    held and recorded exactly as the real one."""
 
+    def __init__(
+        self, message: str, *, status_code: int, headers: dict[str, str], body: dict[str, Any]
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        self.type: str | None = body["error"]["type"]
+        self.request_id: str | None = None
+        self.response = _SimulatedResponse(status_code, headers)
+
+
+class _SimulatedResponse:
+    __slots__ = ("headers", "status_code")
+
+    def __init__(self, status_code: int, headers: dict[str, str]) -> None:
+        self.status_code = status_code
+        self.headers = headers
+
+
+def _http_error(status: int, message: str, retry_after: float | None) -> Exception:
+    headers = {} if retry_after is None else {"retry-after": f"{retry_after:g}"}
+    body = {"type": "error", "error": {"type": "simulated", "message": message}}
+    try:
+        import anthropic
+    except ImportError:
+        return SimulatedAPIError(message, status_code=status, headers=headers, body=body)
     try:
         import httpx2 as httpx  # the transport of the anthropic SDK in use
     except ImportError:  # pragma: no cover - older SDKs use httpx
         import httpx  # type: ignore[no-redef]
-    headers = {} if retry_after is None else {"retry-after": f"{retry_after:g}"}
     request = httpx.Request("POST", "https://api.anthropic.com/v1/messages")
     response = httpx.Response(status, headers=headers, request=request)
-    body = {"type": "error", "error": {"type": "simulated", "message": message}}
     if status == 429:
         return anthropic.RateLimitError(message, response=response, body=body)
     return anthropic.APIStatusError(message, response=response, body=body)

@@ -30,7 +30,7 @@ import anyio
 from ._clock import FakeClock
 from ._events import Event, RetryScheduled, TaskFinished
 from ._exceptions import ConfigError
-from ._faults import GARBAGE, MODES, raise_fault
+from ._faults import GARBAGE, MODES, SimulatedAPIError, raise_fault
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -40,7 +40,16 @@ if TYPE_CHECKING:
     from ._retry import RetryPolicy
     from ._task import Task, TaskResult
 
-__all__ = ("GARBAGE", "Call", "FakeClock", "Probe", "Recorder", "ScriptedAgent", "scripted")
+__all__ = (
+    "GARBAGE",
+    "Call",
+    "FakeClock",
+    "Probe",
+    "Recorder",
+    "ScriptedAgent",
+    "SimulatedAPIError",
+    "scripted",
+)
 
 E = TypeVar("E", bound=Event)
 

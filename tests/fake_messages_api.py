@@ -18,11 +18,18 @@ async with FakeMessagesAPI() as api:
 Faults (`Fault`): "rate_limit" (429 rate_limit_error with `retry-after` and, if asked,
 `retry-after-ms`), "overloaded" (529 overloaded_error), "server_error" (500 api_error),
 "prompt_too_long" (400 invalid_request_error), "drop" (the request is read, then the socket is
-closed without a response), "hang" (no answer until the client gives up and disconnects) and "slow"
-(a normal answer, late). A rule applies by count (`times`), by a predicate on the request
+closed without a response), "hang" (no answer until the client gives up and disconnects), "slow"
+(a normal answer, late) and "stall" (a streamed answer that sends its first `events` events, then
+nothing until the client gives up). A 429 with `ratelimit_reset=` carries no `retry-after`, only
+`anthropic-ratelimit-requests-remaining: 0` and the reset time, as the real API may. A rule applies by count (`times`), by a predicate on the request
 body (`match`) and in a time window (`after`, `duration`); the first rule that applies answers. With
 no rule, the request succeeds after the server's `latency`. Prompts longer than `max_input_tokens`
 (estimated at 4 characters a token) get the real API's 400 "prompt is too long".
+
+Answers echo the prompt unless a test scripts them (`answer("...", '{"risk": "low"}')`, or a function
+of the request body); a request with `"stream": true` is answered with the API's server-sent events.
+The `anthropic-ratelimit-*-reset` times are on orchestra's clock (`current_clock().wall()`), so they
+agree with a `FakeClock` as they do with real time.
 
 Written on `asyncio.start_server` with `h11` for the HTTP/1.1 framing rather than on uvicorn or
 starlette: those are not installed (the `service` extra is not part of the test environment), while
@@ -39,11 +46,14 @@ import functools
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, Literal, Self, get_args
 
 import h11
+
+from orchestra._clock import current_clock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -52,7 +62,7 @@ if TYPE_CHECKING:
 __all__ = ("RATE_LIMIT_MESSAGE", "FakeMessagesAPI", "Fault", "Request", "Rule", "prompt_of")
 
 Fault = Literal[
-    "rate_limit", "overloaded", "server_error", "prompt_too_long", "drop", "hang", "slow"
+    "rate_limit", "overloaded", "server_error", "prompt_too_long", "drop", "hang", "slow", "stall"
 ]
 
 RATE_LIMIT_MESSAGE: Final = (
@@ -156,6 +166,8 @@ class Rule:
     retry_after: float | None
     retry_after_ms: float | None
     delay: float
+    ratelimit_reset: float | None = None
+    events: int = 0
     hits: int = 0
 
     def applies(self, body: Any, now: float) -> bool:
@@ -222,6 +234,7 @@ class FakeMessagesAPI:
         self._numbers = itertools.count(1)
         self._connection_numbers = itertools.count(1)
         self._ids = itertools.count(1)
+        self._answers: list[str | Callable[[Any], str]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -270,6 +283,8 @@ class FakeMessagesAPI:
         retry_after: float | None = None,
         retry_after_ms: float | None = None,
         delay: float | None = None,
+        ratelimit_reset: float | None = None,
+        events: int = 0,
     ) -> Rule:
         """Answer the requests this rule selects with `fault`; returns the rule (see `Rule.hits`).
 
@@ -284,6 +299,9 @@ class FakeMessagesAPI:
             delay: seconds before answering. By default an error or a drop comes at once (the
                 API rejects a request it will not serve on sight) and "slow" takes ten times
                 the server's latency; "hang" ignores it.
+            ratelimit_reset: a 429's budget resets in this many seconds: its headers say
+                `requests-remaining: 0` and that reset time.
+            events: how many events a "stall" sends before it stalls.
         """
         if fault not in get_args(Fault):
             raise ValueError(f"unknown fault {fault!r}; known: {get_args(Fault)}")
@@ -297,6 +315,8 @@ class FakeMessagesAPI:
             retry_after=retry_after,
             retry_after_ms=retry_after_ms,
             delay=_default_delay(fault, self.latency) if delay is None else delay,
+            ratelimit_reset=ratelimit_reset,
+            events=events,
         )
         self.rules.append(rule)
         return rule
@@ -318,7 +338,12 @@ class FakeMessagesAPI:
             return
         self._spawn(self._blip(after or 0.0, duration))
 
-        # -- what the test asserts on ----------------------------------------------------------------
+    def answer(self, *texts: str | Callable[[Any], str]) -> None:
+        """The texts of the next successful answers, in order (a function gets the request body);
+        after them, answers echo the prompt again."""
+        self._answers.extend(texts)
+
+    # -- what the test asserts on ----------------------------------------------------------------
 
     @property
     def api_keys(self) -> set[str]:
@@ -464,6 +489,10 @@ class FakeMessagesAPI:
             fault, delay = "ok", self.latency
         if fault == "hang":
             delay = math.inf
+        streamed = isinstance(request.body, dict) and request.body.get("stream") is True
+        if fault == "stall" and not streamed:
+            fault = "hang"
+            delay = math.inf
         if delay > 0 and await self._client_leaves_within(conn, delay):
             request.outcome, request.answered = "disconnected", self._now()
             return False
@@ -471,10 +500,16 @@ class FakeMessagesAPI:
             request.outcome, request.answered = "drop", self._now()
             return False
         status, payload, extra = self._response(request, fault, rule)
+        if status == 200 and streamed:
+            return await self._stream(conn, request, payload, fault, rule)
         headers = [
             ("content-type", "application/json"),
             ("request-id", f"req_{next(self._ids):024d}"),
-            *self._ratelimit_headers(request, payload if status == 200 else None),
+            *self._ratelimit_headers(
+                request,
+                payload if status == 200 else None,
+                None if rule is None else rule.ratelimit_reset,
+            ),
             *extra,
         ]
         await self._send(conn, status, headers, json.dumps(payload).encode())
@@ -490,7 +525,7 @@ class FakeMessagesAPI:
     def _response(
         self, request: Request, fault: str, rule: Rule | None
     ) -> tuple[int, dict[str, Any], list[tuple[str, str]]]:
-        if fault in ("ok", "slow"):
+        if fault in ("ok", "slow", "stall"):
             return 200, self._message(request), []
         status, error_type, message = _ERRORS[fault]
         if fault == "prompt_too_long":
@@ -511,20 +546,31 @@ class FakeMessagesAPI:
     def _message(self, request: Request) -> dict[str, Any]:
         prompt = request.prompt
         max_tokens = int(request.body.get("max_tokens", 1))
-        words = f"echo: {prompt}".split()[:max_tokens]
+        if self._answers:
+            answer = self._answers.pop(0)
+            text = answer(request.body) if callable(answer) else answer
+            words = text.split()
+        else:
+            words = f"echo: {prompt}".split()[:max_tokens]
+            text = " ".join(words)
         return {
             "id": f"msg_{next(self._ids):024d}",
             "type": "message",
             "role": "assistant",
             "model": request.body["model"],
-            "content": [{"type": "text", "text": " ".join(words)}],
+            "content": [{"type": "text", "text": text}],
             "stop_reason": "end_turn",
             "stop_sequence": None,
-            "usage": {"input_tokens": _tokens(prompt), "output_tokens": len(words)},
+            "usage": {
+                "input_tokens": _tokens(prompt),
+                "output_tokens": len(words),
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
         }
 
     def _ratelimit_headers(
-        self, request: Request, message: dict[str, Any] | None
+        self, request: Request, message: dict[str, Any] | None, reset_in: float | None = None
     ) -> list[tuple[str, str]]:
         now = self._now()
         if now - self._window_start >= _WINDOW:
@@ -535,17 +581,89 @@ class FakeMessagesAPI:
         if message is not None:
             used["input-tokens"] += message["usage"]["input_tokens"]
             used["output-tokens"] += message["usage"]["output_tokens"]
-        reset = datetime.now(UTC) + timedelta(seconds=self._window_start + _WINDOW - now)
-        stamp = reset.strftime("%Y-%m-%dT%H:%M:%SZ")
+        wall = datetime.fromtimestamp(current_clock().wall(), UTC)
+        reset = wall + timedelta(seconds=self._window_start + _WINDOW - now)
+        stamp = reset.isoformat().replace("+00:00", "Z")
         headers: list[tuple[str, str]] = []
         for unit, limit in self.limits.items():
             prefix = f"anthropic-ratelimit-{unit}"
+            remaining = max(0, limit - used[unit])
+            until = stamp
+            if reset_in is not None and unit == "requests":
+                remaining = 0
+                until = (wall + timedelta(seconds=reset_in)).isoformat().replace("+00:00", "Z")
             headers += [
                 (f"{prefix}-limit", str(limit)),
-                (f"{prefix}-remaining", str(max(0, limit - used[unit]))),
-                (f"{prefix}-reset", stamp),
+                (f"{prefix}-remaining", str(remaining)),
+                (f"{prefix}-reset", until),
             ]
         return headers
+
+    async def _stream(
+        self,
+        conn: _Connection,
+        request: Request,
+        message: dict[str, Any],
+        fault: str,
+        rule: Rule | None,
+    ) -> bool:
+        """Answer with server-sent events, as the API streams; a "stall" stops after
+        `rule.events` of them and waits for the client to give up."""
+        headers = [
+            ("content-type", "text/event-stream"),
+            ("request-id", f"req_{next(self._ids):024d}"),
+            *self._ratelimit_headers(request, message),
+        ]
+        response = h11.Response(status_code=200, headers=headers, reason=b"OK")
+        conn.writer.write(conn.h11.send(response) or b"")
+        request.status = 200
+        usage = message["usage"]
+        head = {
+            **message,
+            "content": [],
+            "stop_reason": None,
+            "usage": {**usage, "output_tokens": 1},
+        }
+        events: list[dict[str, Any]] = [
+            {"type": "message_start", "message": head},
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ]
+        text = message["content"][0]["text"]
+        events += [
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": piece},
+            }
+            for piece in re.findall(r"\S+\s*", text) or [text]
+        ]
+        events += [
+            {"type": "content_block_stop", "index": 0},
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": usage["output_tokens"]},
+            },
+            {"type": "message_stop"},
+        ]
+        if fault == "stall" and rule is not None:
+            events = events[: rule.events]
+        for event in events:
+            data = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            conn.writer.write(conn.h11.send(h11.Data(data=data)) or b"")
+            await conn.writer.drain()
+        if fault == "stall":
+            await self._client_leaves_within(conn, math.inf)
+            request.outcome, request.answered = "stall", self._now()
+            return False
+        conn.writer.write(conn.h11.send(h11.EndOfMessage()) or b"")
+        await conn.writer.drain()
+        request.outcome, request.answered = fault, self._now()
+        return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
 
     # -- the socket ------------------------------------------------------------------------------
 

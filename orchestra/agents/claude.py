@@ -1,0 +1,500 @@
+"""Claude agents on the official anthropic SDK (the `claude` extra: ``pip install orchestra[claude]``).
+
+```python
+from orchestra.agents.claude import ClaudeAgent
+
+research = ClaudeAgent(name="research", kinds=["research"], model="claude-sonnet-4-5",
+                       system="You assess contract clauses.", prompt="Clause: {payload[text]}",
+                       output=ClauseRisk)
+```
+
+What a call does, in order:
+
+1. Before it: the dispatcher reserves the agent's `estimate(task)` (one request, the prompt's
+   tokens estimated locally, `max_tokens` output tokens) on the `ClaudeLimits` of its key and model
+   family, shared by every Claude agent on them (`ClaudeAccount`).
+2. The request goes through a client with `max_retries=0`: orchestra's retry policy is the only
+   retry. Raw-response access gives the `anthropic-ratelimit-*` headers of every answer, successful
+   ones too, and they adapt the shared limits (`ClaudeLimits.observe_headers`).
+3. With `stream=True`, the answer streams under a time-to-first-token and an idle timeout
+   (`StreamTimeout`), so a stalled stream fails its attempt long before the whole-call timeout.
+4. The usage of every answer (failed attempts too: an output that fails validation, a stream that
+   stalls after its first event) is recorded through `ctx.record_usage` with its cost from the price
+   table (`PRICES`, overridable), which trues up the reserved estimate.
+5. With `output=` a pydantic model, the request asks for that JSON schema (the SDK's own structured
+   output: the schema `messages.parse` sends) and the answer is validated; an invalid answer fails
+   the attempt with `StructuredOutputError`, and the next attempt's conversation holds the rejected
+   answer and the validation errors.
+
+Errors are the SDK's own: the core classifies them (429 / 529 / 5xx / connection errors / timeouts
+retryable, other 4xx permanent, Retry-After honoured and shared by everyone on the key) and the
+error record keeps the status, the API's error type and message and the request id, never the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import re
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+try:
+    from anthropic import APIStatusError, AsyncAnthropic
+    from anthropic.lib._parse._transform import transform_schema
+except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
+    raise ImportError(
+        "orchestra's Claude agents need the anthropic SDK: pip install 'orchestra[claude]'"
+    ) from exc
+from pydantic import BaseModel, ValidationError
+
+from orchestra._agent import check_options
+from orchestra._clock import current_clock
+from orchestra._config import check_int, check_number
+from orchestra._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
+from orchestra._failure import bound
+
+from ._claude_limits import ClaudeLimits, model_family
+from ._claude_prices import PRICES, Price, cost_of, price_of
+
+if TYPE_CHECKING:
+    from anthropic.types import Message, MessageParam, Model
+
+    from orchestra._context import Context
+    from orchestra._limits import Concurrency, Limiter
+    from orchestra._retry import RetryPolicy
+    from orchestra._task import Task
+
+__all__ = (
+    "PRICES",
+    "ClaudeAccount",
+    "ClaudeAgent",
+    "ClaudeLimits",
+    "Price",
+    "StreamTimeout",
+    "StructuredOutputError",
+    "model_family",
+)
+
+Prompt = str | Callable[["Task", "Context"], str]
+"""A `str.format` template over ``payload``, ``deps`` and ``task``, or a function of both."""
+
+_CHARS_PER_TOKEN: Final = 3.5  # a cheap, slightly generous local estimate of a prompt's tokens
+_MAX_ANSWER: Final = 1_500  # characters of a rejected answer carried into the next conversation
+_REJECTED: Final = "Your previous answer did not match the required JSON schema: "
+_ANSWER_MARK: Final = "\n\nYour previous answer was:\n"
+# A feedback entry the runtime noted for a failed attempt reads "ErrorType: message"; those of
+# the API (a 429, a timeout) are no news to the model, only rejections (this module's and a
+# verifier's) are put into the conversation.
+_ERROR_NOTE = re.compile(r"^[A-Z]\w*(Error|Timeout|Exception|Exceeded|Refused)?: ")
+
+
+class StreamTimeout(RetryableError):
+    """A streamed answer gave no first token, or no next event, within its timeout (retryable: the
+    attempt is abandoned and the connection closed)."""
+
+
+class StructuredOutputError(VerificationError):
+    """Claude's answer did not validate against the agent's output model. Retryable, without
+    counting against the agent's breaker; the feedback (the answer and the validation errors) goes
+    into the next attempt's conversation."""
+
+
+class ClaudeAccount:
+    """One API key: its client, with `max_retries=0` so orchestra's policy is the only retry, and
+    its `ClaudeLimits` per model family, shared by every agent given this account.
+
+    `ClaudeAccount.shared(...)` is the account of a key in this process: an agent built without
+    `account=` or `client=` uses it, so every agent on one key shares one client and one budget per
+    family by default. (This is the one registry kept per process on purpose: the API's budget is
+    per key, not per orchestrator; two orchestrators on one key really do share it.)
+
+    Args:
+        api_key: the key; default: the ``ANTHROPIC_API_KEY`` environment variable.
+        client: an `AsyncAnthropic` of your own (a copy with `max_retries=0` is used if it retries).
+        base_url: the API's address (a proxy, a fake API in tests).
+        limits: `ClaudeLimits` by model family (``"sonnet-4"``: see `model_family`); families not
+            given start at the defaults and follow the server's headers.
+        prices: price rows that override or extend `PRICES`.
+    """
+
+    __slots__ = ("__weakref__", "_limits", "client", "prices")
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        client: AsyncAnthropic | None = None,
+        base_url: str | None = None,
+        limits: Mapping[str, ClaudeLimits] | None = None,
+        prices: Mapping[str, Price] | None = None,
+    ) -> None:
+        if client is None:
+            client = AsyncAnthropic(api_key=api_key, base_url=base_url, max_retries=0)
+        elif not isinstance(client, AsyncAnthropic):
+            raise ConfigError(f"ClaudeAccount: client must be an AsyncAnthropic, got {client!r}")
+        elif client.max_retries != 0:
+            client = client.with_options(max_retries=0)  # shares the connection pool
+        for family, value in (limits or {}).items():
+            if not isinstance(value, ClaudeLimits):
+                raise ConfigError(
+                    f"ClaudeAccount: limits[{family!r}] must be a ClaudeLimits, got {value!r}"
+                )
+        self.client = client
+        self._limits: dict[str, ClaudeLimits] = dict(limits or {})
+        self.prices: Mapping[str, Price] = {**PRICES, **(prices or {})}
+
+    @classmethod
+    def shared(cls, *, api_key: str | None = None, base_url: str | None = None) -> ClaudeAccount:
+        """The account of `api_key` (default: ``ANTHROPIC_API_KEY``) at `base_url` in this process,
+        made on first use. Kept while some agent holds it."""
+        key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY", "")
+        # The registry is keyed by a digest: the key itself is never kept outside the client.
+        ident = (hashlib.sha256(key.encode()).hexdigest(), base_url or "")
+        account = _ACCOUNTS.get(ident)
+        if account is None:
+            account = _ACCOUNTS[ident] = cls(api_key=api_key, base_url=base_url)
+        return account
+
+    def limits(self, model: str) -> ClaudeLimits:
+        """The limits of `model`'s family on this key (made with the defaults on first use)."""
+        family = model_family(model)
+        limits = self._limits.get(family)
+        if limits is None:
+            limits = self._limits[family] = ClaudeLimits()
+        return limits
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        await self.client.close()
+
+    def __repr__(self) -> str:
+        return f"ClaudeAccount(families={sorted(self._limits)!r})"
+
+
+_ACCOUNTS: weakref.WeakValueDictionary[tuple[str, str], ClaudeAccount] = (
+    weakref.WeakValueDictionary()
+)
+
+
+class ClaudeAgent:
+    """An agent that asks Claude through the Messages API.
+
+    Args:
+        name: the agent's name (fallback chains, limits, events and errors refer to it by it).
+        kinds: the task kinds it serves.
+        model: a model id (`anthropic.types.Model` lists the current ones).
+        system: the system prompt.
+        prompt: the user turn: a `str.format` template over ``payload`` (the task's payload),
+            ``deps`` (the outputs of its dependencies, by id) and ``task``, such as
+            ``"Clause: {payload[text]}"``; or a function ``(task, ctx) -> str``.
+        output: a pydantic model: the answer is asked for as that JSON schema and validated; the
+            agent returns the model instance. None: the answer's text.
+        max_tokens: the answer's token limit, reserved on the output-token budget before the call.
+        account: the API key's `ClaudeAccount` (default: `ClaudeAccount.shared()`, or one made
+            around `client`).
+        client: an `AsyncAnthropic` (used with `max_retries=0`) instead of `account`.
+        rate_limits: the `ClaudeLimits` to reserve on (default: the account's for the model's
+            family).
+        cache_system: mark the system prompt for prompt caching (`cache_control` ephemeral).
+        stream: stream the answer, under `first_token_timeout` and `idle_timeout`.
+        first_token_timeout: seconds from the request to the first token of a streamed answer.
+        idle_timeout: seconds between two events of a streamed answer.
+        timeout, retry, concurrency: as for any agent (seconds per attempt; its `RetryPolicy`;
+            the most attempts at once, or a shared `Concurrency`).
+        prices: price rows over the account's (`{"claude-...": Price(3, 15)}`).
+        params: more Messages API parameters for every request (``temperature``, ``metadata``).
+    """
+
+    __slots__ = (
+        "_cost_logged",
+        "_schema",
+        "account",
+        "cache_system",
+        "concurrency",
+        "first_token_timeout",
+        "idle_timeout",
+        "kinds",
+        "limits",
+        "max_tokens",
+        "model",
+        "name",
+        "output",
+        "params",
+        "price",
+        "prompt",
+        "rate_limits",
+        "retry",
+        "spent",
+        "stream",
+        "system",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        kinds: Sequence[str],
+        model: Model,
+        system: str | None = None,
+        prompt: Prompt = "{payload}",
+        output: type[BaseModel] | None = None,
+        max_tokens: int = 1024,
+        account: ClaudeAccount | None = None,
+        client: AsyncAnthropic | None = None,
+        rate_limits: ClaudeLimits | None = None,
+        cache_system: bool = False,
+        stream: bool = False,
+        first_token_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        concurrency: int | Concurrency | None = None,
+        prices: Mapping[str, Price] | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"ClaudeAgent name must be a non-empty string, got {name!r}")
+        where = f"agent {name!r}: "
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{where}model must be a model id, got {model!r}")
+        if not (isinstance(prompt, str) or callable(prompt)):
+            raise ConfigError(f"{where}prompt must be a str template or a function, got {prompt!r}")
+        if system is not None and not isinstance(system, str):
+            raise ConfigError(f"{where}system must be a str, got {system!r}")
+        check_int(f"{where}max_tokens", max_tokens)
+        check_number(
+            f"{where}first_token_timeout", first_token_timeout, positive=True, optional=True
+        )
+        check_number(f"{where}idle_timeout", idle_timeout, positive=True, optional=True)
+        if (first_token_timeout is not None or idle_timeout is not None) and not stream:
+            raise ConfigError(f"{where}first_token_timeout and idle_timeout need stream=True")
+        if account is not None and client is not None:
+            raise ConfigError(f"{where}give account= or client=, not both")
+        if account is None:
+            account = ClaudeAccount.shared() if client is None else ClaudeAccount(client=client)
+        if rate_limits is None:
+            rate_limits = account.limits(model)
+        elif not isinstance(rate_limits, ClaudeLimits):
+            raise ConfigError(f"{where}rate_limits must be a ClaudeLimits, got {rate_limits!r}")
+        limits = rate_limits.limiters
+        check_options(name, kinds, concurrency, timeout, retry=retry, output=output, limits=limits)
+        self.name = name
+        self.kinds = tuple(kinds)
+        self.model = model
+        self.system = system
+        self.prompt = prompt
+        self.output = output
+        self.max_tokens = max_tokens
+        self.account = account
+        self.rate_limits = rate_limits
+        self.limits: tuple[Limiter, ...] = limits
+        self.cache_system = cache_system
+        self.stream = stream
+        self.first_token_timeout = first_token_timeout
+        self.idle_timeout = idle_timeout
+        self.timeout = timeout
+        self.retry = retry
+        self.concurrency = concurrency
+        self.params: dict[str, Any] = dict(params or {})
+        self.price = price_of(model, {**account.prices, **(prices or {})})
+        self.spent: dict[str, float] = {}
+        """Tokens (by usage field) and ``"cost"`` (USD) of every answer this agent received."""
+        self._cost_logged = False
+        # The schema `messages.parse(output_format=...)` would send, made once.
+        self._schema = None if output is None else transform_schema(output)
+
+    # -- the agent protocol ----------------------------------------------------------------------
+
+    def estimate(self, task: Task) -> dict[str, float]:
+        """What a call reserves before it is sent: the prompt's input tokens, estimated locally
+        (its characters over 3.5, with the system prompt and the payload), and `max_tokens`."""
+        chars = len(self.system or "") + len(str(task.payload))
+        if isinstance(self.prompt, str):
+            chars += len(self.prompt)
+        return {
+            "input_tokens": math.ceil(chars / _CHARS_PER_TOKEN) + 8,
+            "output_tokens": self.max_tokens,
+        }
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        message = await self.send(self.request(self.conversation(task, ctx)), ctx)
+        return self.read(message)
+
+    # -- the parts, for agents built on this one (a planner, a verifier, batches) ----------------
+
+    def conversation(self, task: Task, ctx: Context) -> list[MessageParam]:
+        """The messages of this attempt: the prompt, then, after a rejected answer, that answer
+        and what was wrong with it (the feedback of earlier attempts)."""
+        messages: list[MessageParam] = [{"role": "user", "content": self.render(task, ctx)}]
+        for note in ctx.feedback:
+            if _ERROR_NOTE.match(note):
+                continue
+            if note.startswith(_REJECTED) and _ANSWER_MARK in note:
+                errors, answer = note[len(_REJECTED) :].split(_ANSWER_MARK, 1)
+                messages.append({"role": "assistant", "content": answer or "(empty)"})
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": f"{_REJECTED}{errors}\nAnswer again, with JSON that matches it.",
+                    }
+                )
+            else:
+                messages.append({"role": "user", "content": f"Feedback on your answer: {note}"})
+            if messages[-2]["role"] == "user":  # two user turns in a row: keep them one turn
+                last = messages.pop()
+                messages[-1] = {
+                    "role": "user",
+                    "content": f"{messages[-1]['content']}\n\n{last['content']}",
+                }
+        return messages
+
+    def render(self, task: Task, ctx: Context) -> str:
+        """The user prompt of `task`. A template that names what the task does not have fails
+        the attempt permanently, naming the task."""
+        prompt = self.prompt
+        try:
+            if isinstance(prompt, str):
+                return prompt.format(payload=task.payload, deps=ctx.deps, task=task)
+            text = prompt(task, ctx)
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise PermanentError(
+                f"agent {self.name!r}: the prompt of task {task.id!r} cannot be built: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(text, str):
+            raise PermanentError(
+                f"agent {self.name!r}: the prompt function returned {type(text).__name__}, not str"
+            )
+        return text
+
+    def request(self, messages: Sequence[MessageParam]) -> dict[str, Any]:
+        """The Messages API parameters of a call with `messages`."""
+        params: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "messages": list(messages),
+            **self.params,
+        }
+        if self.system is not None:
+            params["system"] = (
+                [{"type": "text", "text": self.system, "cache_control": {"type": "ephemeral"}}]
+                if self.cache_system
+                else self.system
+            )
+        if self._schema is not None:
+            params["output_config"] = {"format": {"type": "json_schema", "schema": self._schema}}
+        return params
+
+    async def send(self, params: dict[str, Any], ctx: Context) -> Message:
+        """One call: the answer, its rate-limit headers observed and its usage recorded. API errors
+        are the SDK's own, raised after their headers were observed."""
+        try:
+            if self.stream:
+                return await self._stream(params, ctx)
+            raw = await self.account.client.messages.with_raw_response.create(**params)
+            self._observe(raw.headers)
+            message: Message = await raw.parse()
+        except APIStatusError as exc:
+            self._observe(exc.response.headers)
+            # An error answer costs no tokens: the reserved estimate is given back.
+            ctx.record_usage(input_tokens=0, output_tokens=0)
+            raise
+        self._record(message.usage, ctx)
+        return message
+
+    def read(self, message: Message) -> Any:
+        """The answer: the output model's instance, or the text. A refusal is permanent; an
+        answer that fails the output model raises `StructuredOutputError`."""
+        if message.stop_reason == "refusal":
+            raise PermanentError(f"agent {self.name!r}: Claude declined to answer (refusal)")
+        text = "".join(block.text for block in message.content if block.type == "text")
+        if self.output is None:
+            return text
+        try:
+            return self.output.model_validate_json(text)
+        except ValidationError as exc:
+            errors = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
+                for e in exc.errors(include_url=False)
+            )
+            if message.stop_reason == "max_tokens":
+                errors += f" (the answer was cut at max_tokens={self.max_tokens})"
+            feedback = f"{_REJECTED}{bound(errors, 500)}{_ANSWER_MARK}{bound(text, _MAX_ANSWER)}"
+            raise StructuredOutputError(feedback, output=text) from None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    async def _stream(self, params: dict[str, Any], ctx: Context) -> Message:
+        first, idle = self.first_token_timeout, self.idle_timeout
+        started = anyio.current_time()
+        async with self.account.client.messages.stream(**params) as stream:
+            self._observe(stream.response.headers)
+            events = stream.__aiter__()
+            got_token = False
+            try:
+                while True:
+                    if got_token:
+                        wait = math.inf if idle is None else idle
+                    else:
+                        wait = math.inf if first is None else started + first - anyio.current_time()
+                        if idle is not None:
+                            wait = min(wait, idle)
+                    with anyio.move_on_after(wait) as scope:
+                        event = await anext(events, None)
+                    if scope.cancelled_caught:
+                        what = "next event" if got_token else "first token"
+                        raise StreamTimeout(
+                            f"agent {self.name!r}: the stream gave no {what} in {wait:.3g}s"
+                        )
+                    if event is None:
+                        break
+                    if event.type == "content_block_delta":
+                        got_token = True
+            except BaseException:
+                # A stream cut short: what the API reported so far (the input tokens of its
+                # first event) was spent all the same.
+                with contextlib.suppress(Exception):  # no first event: nothing reported
+                    self._record(stream.current_message_snapshot.usage, ctx)
+                raise
+            message: Message = await stream.get_final_message()
+        self._record(message.usage, ctx)
+        return message
+
+    def _observe(self, headers: Any) -> None:
+        try:
+            self.rate_limits.observe_headers(headers, current_clock())
+        except Exception:  # the headers are a help, never a reason to fail the call
+            return
+
+    def _record(self, usage: Any, ctx: Context) -> None:
+        tokens = {
+            "input_tokens": usage.input_tokens or 0,
+            "output_tokens": usage.output_tokens or 0,
+            "cache_creation_input_tokens": usage.cache_creation_input_tokens or 0,
+            "cache_read_input_tokens": usage.cache_read_input_tokens or 0,
+        }
+        cost = 0.0
+        if self.price is not None:
+            cost = cost_of(self.price, usage)
+        elif not self._cost_logged:
+            self._cost_logged = True
+            ctx.log.warning("no price for the model: its cost counts 0", model=self.model)
+        spent = self.spent
+        for unit, n in tokens.items():
+            spent[unit] = spent.get(unit, 0) + n
+        spent["cost"] = spent.get("cost", 0.0) + cost
+        ctx.record_usage(cost=cost, **tokens)
+
+    def __repr__(self) -> str:
+        return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
+
+
+for _public in (ClaudeAccount, ClaudeAgent, StreamTimeout, StructuredOutputError):
+    _public.__module__ = "orchestra.agents"

@@ -1,0 +1,498 @@
+"""Claude agents (orchestra.agents.claude) against the fake Messages API over a real local socket,
+through the official client, in fake time: the server's clock and the client's are the loop's, so
+a 60-second budget or a 2-second Retry-After take milliseconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import pytest
+from anthropic import AsyncAnthropic
+from anthropic.types import Model
+from pydantic import BaseModel
+from structlog.testing import capture_logs
+
+from orchestra import Orchestrator, RetryPolicy, Task
+from orchestra._retry import classify
+from orchestra.agents._claude_prices import cost_of as cost_of_usage
+from orchestra.agents.claude import (
+    PRICES,
+    ClaudeAccount,
+    ClaudeAgent,
+    ClaudeLimits,
+    Price,
+    StreamTimeout,
+    StructuredOutputError,
+    model_family,
+)
+from orchestra.testing import FakeClock
+from tests.fake_messages_api import FakeMessagesAPI
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+    from orchestra import RunResult
+
+API_KEY = "sk-ant-test-0123456789abcdefSECRET"
+_IDS = get_args(get_args(Model)[0])
+SONNET = next(m for m in _IDS if m.startswith("claude-sonnet-"))
+HAIKU = next(m for m in _IDS if m.startswith("claude-haiku-"))
+
+
+class ClauseRisk(BaseModel):
+    risk: Literal["low", "medium", "high"]
+    reason: str
+
+
+@pytest.fixture
+async def api(clock: FakeClock, no_leaks: None) -> AsyncIterator[FakeMessagesAPI]:
+    async with FakeMessagesAPI() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(api: FakeMessagesAPI) -> AsyncIterator[AsyncAnthropic]:
+    async with AsyncAnthropic(api_key=API_KEY, base_url=api.url, max_retries=0) as anthropic:
+        yield anthropic
+
+
+@pytest.fixture
+def account(client: AsyncAnthropic) -> ClaudeAccount:
+    return ClaudeAccount(client=client)
+
+
+def research(account: ClaudeAccount, **options: Any) -> ClaudeAgent:
+    options.setdefault("name", "research")
+    options.setdefault("kinds", ["research"])
+    options.setdefault("model", SONNET)
+    return ClaudeAgent(account=account, **options)
+
+
+async def run(
+    api: FakeMessagesAPI, agents: Sequence[ClaudeAgent], tasks: Sequence[Task], **options: Any
+) -> RunResult:
+    """Run `tasks`; the API key never appears in the result (when a request was sent)."""
+    options.setdefault("retry", RetryPolicy(max_attempts=3, base=0.1))
+    options.setdefault("seed", 7)
+    async with Orchestrator(agents=list(agents), **options) as orch:
+        result = await orch.run(tasks=list(tasks))
+    if api.requests:
+        api.assert_no_key_in(result.model_dump_json())
+    return result
+
+
+def clause(i: int = 0, text: str = "The supplier's liability is unlimited.") -> Task:
+    return Task("research", {"text": text}, id=f"c{i}")
+
+
+GOOD = '{"risk": "high", "reason": "uncapped liability"}'
+
+
+class TestStructuredOutput:
+    async def test_an_answer_is_validated_into_the_output_model(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer(GOOD)
+        agent = research(
+            account, system="You assess contract clauses.", prompt="Clause: {payload[text]}",
+            output=ClauseRisk,
+        )  # fmt: skip
+        result = await run(api, [agent], [clause()])
+        assert result.status == "success"
+        assert result.data["c0"] == ClauseRisk(risk="high", reason="uncapped liability")
+        (request,) = api.requests
+        body = request.body
+        assert body["model"] == SONNET
+        assert body["system"] == "You assess contract clauses."
+        assert body["messages"] == [
+            {"role": "user", "content": "Clause: The supplier's liability is unlimited."}
+        ]
+        schema = body["output_config"]["format"]
+        assert schema["type"] == "json_schema"
+        assert set(schema["schema"]["properties"]) == {"risk", "reason"}
+        assert schema["schema"]["additionalProperties"] is False  # the SDK's strict transform
+
+    async def test_an_invalid_answer_is_retried_with_the_errors_in_the_conversation(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer('{"risk": "extreme"}', GOOD)
+        agent = research(account, prompt="Clause: {payload[text]}", output=ClauseRisk)
+        result = await run(api, [agent], [clause()])
+        assert result.status == "success"
+        assert result.data["c0"].risk == "high"
+        first, second = api.requests
+        messages = second.body["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[0] == first.body["messages"][0]
+        assert messages[1]["content"] == '{"risk": "extreme"}'
+        assert "risk" in messages[2]["content"]
+        assert "reason" in messages[2]["content"]
+        assert "JSON schema" in messages[2]["content"]
+        # Both answers' tokens were spent, and both are counted.
+        spent = sum(r.body and _input_tokens(r) for r in api.requests)
+        assert result.metadata.tokens["input_tokens"] == spent
+        assert result.metadata.tokens["output_tokens"] == 2 + 5  # the two answers' words
+
+    async def test_an_answer_that_stays_invalid_fails_with_the_answer_kept(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer("not json", "still not json", "nope")
+        result = await run(api, [research(account, output=ClauseRisk)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert [a.error_type for a in error.attempts] == ["StructuredOutputError"] * 3
+        assert error.partial_output == "nope"
+        assert len(api.requests) == 3
+
+    async def test_without_an_output_model_the_answer_is_text(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer("A plain answer.")
+        result = await run(api, [research(account)], [clause()])
+        assert result.data["c0"] == "A plain answer."
+        assert "output_config" not in api.requests[0].body
+
+    async def test_the_prompt_sees_the_outputs_of_dependencies(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer("first", "second")
+        summarize = research(
+            account, name="summarize", kinds=["summarize"], prompt="{payload} after {deps[a]}"
+        )
+        tasks = [
+            Task("research", "one", id="a"),
+            Task("summarize", "two", id="b", depends_on=["a"]),
+        ]
+        result = await run(api, [research(account), summarize], tasks)
+        assert result.data == {"a": "first", "b": "second"}
+        assert api.requests[1].body["messages"][0]["content"] == "two after first"
+
+    async def test_a_prompt_that_names_a_missing_field_fails_the_task_naming_it(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        agent = research(account, prompt="{payload[title]}")
+        result = await run(api, [agent], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert error.error_type == "PermanentError"
+        assert "'c0'" in error.message
+        assert "title" in error.message
+        assert api.requests == []
+
+    async def test_the_system_prompt_can_be_cached(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        await run(api, [research(account, system="Long rules.", cache_system=True)], [clause()])
+        assert api.requests[0].body["system"] == [
+            {"type": "text", "text": "Long rules.", "cache_control": {"type": "ephemeral"}}
+        ]
+
+
+def _input_tokens(request: Any) -> int:
+    from tests.fake_messages_api import _tokens
+
+    return _tokens(request.prompt)
+
+
+class TestErrors:
+    async def test_a_400_is_permanent_and_its_record_says_what_the_api_said(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("prompt_too_long", times=1)
+        with capture_logs() as logs:
+            result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert len(api.requests) == 1  # not retried
+        (attempt,) = error.attempts
+        assert attempt.status_code == 400
+        assert attempt.api_error_type == "invalid_request_error"
+        assert "prompt is too long" in attempt.message
+        assert attempt.request_id is not None
+        assert attempt.request_id.startswith("req_")
+        assert error.status_code == 400
+        api.assert_no_key_in(json.dumps(logs, default=str))
+
+    @pytest.mark.parametrize("fault", ["server_error", "overloaded"])
+    async def test_5xx_and_529_are_retried(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, fault: Literal["server_error"]
+    ) -> None:
+        api.fail(fault, times=2)
+        result = await run(api, [research(account)], [clause()])
+        assert result.status == "success"
+        assert [r.status for r in api.requests] == [
+            api.requests[0].status,
+            api.requests[0].status,
+            200,
+        ]
+        assert api.requests[0].status in (500, 529)
+        assert result.metadata.retries == 2
+
+    async def test_a_429_retry_after_holds_every_agent_on_the_key(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("rate_limit", times=1, retry_after=2)
+        first = research(account, name="a", kinds=["a"])
+        second = research(account, name="b", kinds=["b"])
+        assert first.rate_limits is second.rate_limits  # one key, one family: one budget
+        tasks = [Task("a", "x", id="x")] + [Task("b", f"y{i}", id=f"y{i}") for i in range(3)]
+        result = await run(api, [first, second], tasks)
+        assert result.status == "success"
+        limited = api.answered(429)[0]
+        after = [r for r in api.requests if r.received > limited.received]
+        assert after, "nothing was sent after the 429"
+        assert all(r.received >= limited.received + 2 for r in after)
+
+    async def test_a_429_with_only_the_reset_headers_waits_for_the_reset(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("rate_limit", times=1, ratelimit_reset=5)
+        tasks = [clause(i) for i in range(3)]
+        result = await run(api, [research(account)], tasks)
+        assert result.status == "success"
+        limited = api.answered(429)[0]
+        assert "retry-after" not in limited.headers
+        after = [r for r in api.requests if r.received > limited.received]
+        assert len(after) == 3
+        assert min(r.received for r in after) >= limited.received + 4.99
+
+    async def test_an_error_answer_gives_its_tokens_back(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("overloaded", times=1)
+        result = await run(api, [research(account)], [clause()])
+        # Only the successful answer's tokens are counted; the 529 recorded zero.
+        assert result.metadata.tokens["input_tokens"] == _input_tokens(api.requests[1])
+
+
+class TestAccounting:
+    async def test_usage_and_cost_of_every_attempt_are_recorded(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer("bad", GOOD)
+        agent = research(account, output=ClauseRisk, prices={SONNET: Price(3, 15)})
+        result = await run(api, [agent], [clause()])
+        tokens = result.metadata.tokens
+        assert tokens["input_tokens"] == sum(_input_tokens(r) for r in api.requests)
+        assert tokens["output_tokens"] == 1 + 5
+        assert tokens["cache_read_input_tokens"] == 0
+        expected = (tokens["input_tokens"] * 3 + tokens["output_tokens"] * 15) / 1e6
+        assert result.metadata.cost == pytest.approx(expected)
+        assert agent.spent["cost"] == pytest.approx(expected)
+
+    def test_prices_come_from_the_longest_matching_row(self) -> None:
+        from orchestra.agents._claude_prices import price_of
+
+        assert price_of("claude-sonnet-4-5-20250929") == PRICES["claude-sonnet-4"]
+        assert price_of("claude-opus-4-5") == Price(5, 25)
+        assert price_of("claude-opus-4-1") == Price(15, 75)
+        assert price_of("not-a-claude") is None
+
+    def test_cache_tokens_are_priced_as_writes_and_reads(self) -> None:
+        class Usage:
+            input_tokens = 1_000_000
+            output_tokens = 0
+            cache_creation_input_tokens = 1_000_000
+            cache_read_input_tokens = 1_000_000
+            cache_creation = None
+
+        assert cost_of_usage(Price(3, 15), Usage()) == pytest.approx(3 + 3.75 + 0.30)
+
+    async def test_every_current_model_id_of_the_sdk_has_a_price(self) -> None:
+        from orchestra.agents._claude_prices import price_of
+
+        unpriced = [m for m in _IDS if price_of(m) is None and "preview" not in m]
+        assert unpriced == []
+
+
+class TestRateLimits:
+    async def test_a_burst_of_1000_tasks_keeps_within_rpm_and_tpm(
+        self, clock: FakeClock, account: ClaudeAccount
+    ) -> None:
+        rpm, itpm, otpm = 1_200, 60_000, 60_000
+        async with FakeMessagesAPI(
+            requests_per_minute=rpm, input_tokens_per_minute=itpm, output_tokens_per_minute=otpm
+        ) as api:
+            fresh = ClaudeAccount(client=account.client.with_options(base_url=api.url))
+            limits = ClaudeLimits(
+                requests_per_minute=rpm,
+                input_tokens_per_minute=itpm,
+                output_tokens_per_minute=otpm,
+            )
+            agent = research(fresh, rate_limits=limits, max_tokens=16)
+            # 100 tokens a prompt: 100,000 input tokens at 60,000 a minute bind (100 s), before
+            # the requests (1,000 at 1,200 a minute: 50 s) and the output tokens (16,000 reserved).
+            tasks = [Task("research", f"{i:04d}" * 100, id=f"c{i}") for i in range(1000)]
+            result = await run(api, [agent], tasks, concurrency=200)
+            requests = api.requests
+        assert result.status == "success"
+        assert len(requests) == 1000
+        times = sorted(r.received for r in requests)
+        # Never a minute's budget at once: at most a second's worth (+1) in any second.
+        assert _most_in_window(times, 1.0) <= rpm / 60 + 1
+        assert _most_in_window(times, 60.0) <= rpm + 1
+        tokens = sorted((r.received, _input_tokens(r)) for r in requests)
+        assert _most_tokens_in_window(tokens, 60.0) <= itpm + itpm / 60
+        # The input tokens bind: the run goes at (nearly) their pace, and never faster.
+        spent = sum(n for _, n in tokens)
+        ideal = (spent - itpm / 60) / itpm * 60
+        assert ideal * 0.99 <= times[-1] - times[0] <= ideal / 0.95
+
+    def test_headers_retune_a_default_budget_and_lower_a_configured_one(self) -> None:
+        clock = FakeClock()
+        default, configured = ClaudeLimits(), ClaudeLimits(requests_per_minute=100)
+        headers = {
+            "anthropic-ratelimit-requests-limit": "4000",
+            "anthropic-ratelimit-input-tokens-limit": "50",
+        }
+        for limits in (default, configured):
+            limits.observe_headers(headers, clock)
+        assert default.requests.limit == 4000
+        assert configured.requests.limit == 100  # a ceiling the user chose
+        assert configured.input_tokens.limit == 50  # the server's is lower: it wins
+
+    def test_remaining_zero_holds_until_the_reset(self) -> None:
+        clock = FakeClock()
+        limits = ClaudeLimits(requests_per_minute=600)
+        reset = clock.wall() + 7
+        stamp = _rfc3339(reset)
+        limits.observe_headers(
+            {
+                "anthropic-ratelimit-requests-remaining": "0",
+                "anthropic-ratelimit-requests-reset": stamp,
+            },
+            clock,
+        )
+        now = clock.now()
+        assert limits.requests.reserve(now, 1) == pytest.approx(clock.to_loop(reset), abs=1e-3)
+
+    def test_garbage_headers_change_nothing(self) -> None:
+        limits = ClaudeLimits(requests_per_minute=60)
+        limits.observe_headers(
+            {
+                "anthropic-ratelimit-requests-limit": "lots",
+                "anthropic-ratelimit-requests-remaining": "-1",
+                "anthropic-ratelimit-requests-reset": "soon",
+            },
+            FakeClock(),
+        )
+        assert limits.requests.limit == 60
+        assert limits.requests.reserve(0.0, 1) == 0.0
+
+    def test_models_of_one_family_share_a_budget(self) -> None:
+        assert model_family("claude-sonnet-4-5-20250929") == "sonnet-4"
+        assert model_family("claude-sonnet-4-6") == "sonnet-4"
+        assert model_family("claude-3-5-haiku-20241022") == "haiku-3"
+        assert model_family("custom") == "custom"
+        account = ClaudeAccount(client=AsyncAnthropic(api_key="k", max_retries=5))
+        assert account.client.max_retries == 0  # orchestra's retry is the only retry
+        assert account.limits("claude-sonnet-4-5") is account.limits("claude-sonnet-4-6")
+        assert account.limits("claude-sonnet-4-5") is not account.limits(HAIKU)
+
+
+class TestStreaming:
+    async def test_a_streamed_answer_is_read_whole(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.answer(GOOD)
+        agent = research(account, output=ClauseRisk, stream=True, idle_timeout=1)
+        result = await run(api, [agent], [clause()])
+        assert result.data["c0"].reason == "uncapped liability"
+        assert result.metadata.tokens["output_tokens"] == 5
+
+    async def test_a_stalled_stream_fails_on_the_idle_timeout(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("stall", times=1, events=3)  # message_start, block start, one token: then nothing
+        agent = research(
+            account, stream=True, first_token_timeout=5, idle_timeout=0.5, timeout=60,
+            max_tokens=64,
+        )  # fmt: skip
+        result = await run(api, [agent], [clause()])
+        assert result.status == "success"
+        stalled, retried = api.requests
+        assert stalled.outcome == "stall"
+        # The attempt ended on the idle timeout, far before the 60-second attempt timeout.
+        assert retried.received - stalled.received < 1.0
+        # What the stalled stream reported (its input tokens) was spent and counted.
+        assert result.metadata.tokens["input_tokens"] == 2 * _input_tokens(stalled)
+        assert result.metadata.retries == 1
+
+    async def test_a_stream_without_a_first_token_fails_on_that_timeout(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("stall", events=1)  # every stream: message_start only
+        agent = research(account, stream=True, first_token_timeout=2, timeout=60)
+        result = await run(api, [agent], [clause()], retry=RetryPolicy(max_attempts=2, base=0.1))
+        error = result.error_for("c0")
+        assert error is not None
+        assert [a.error_type for a in error.attempts] == ["StreamTimeout", "StreamTimeout"]
+        assert "first token" in error.attempts[0].message
+        assert error.attempts[0].duration == pytest.approx(2, abs=0.05)
+
+    def test_stream_timeouts_need_streaming(self, account: ClaudeAccount) -> None:
+        from orchestra import ConfigError
+
+        with pytest.raises(ConfigError, match="stream=True"):
+            research(account, idle_timeout=1)
+
+
+class TestPackaging:
+    def test_the_core_and_orchestra_agents_do_not_import_the_sdk(self) -> None:
+        code = (
+            "import sys, orchestra, orchestra.agents, orchestra.testing\n"
+            "assert 'anthropic' not in sys.modules, 'anthropic was imported'\n"
+            "orchestra.agents.ClaudeAgent\n"
+            "assert 'anthropic' in sys.modules\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+
+    async def test_the_fault_kit_raises_equivalent_errors_without_the_sdk(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from orchestra._failure import describe
+        from orchestra._faults import SimulatedAPIError, raise_fault
+
+        monkeypatch.setitem(sys.modules, "anthropic", None)  # import anthropic raises ImportError
+        with pytest.raises(SimulatedAPIError) as caught:
+            await raise_fault("rate_limit", "agent 'x'", retry_after=3)
+        assert classify(caught.value, RetryPolicy()) == (True, 3.0)
+        assert describe(caught.value).status_code == 429
+        with pytest.raises(SimulatedAPIError) as overloaded:
+            await raise_fault("overloaded", "agent 'x'")
+        assert classify(overloaded.value, RetryPolicy()) == (True, None)
+
+    def test_errors_are_the_core_ones(self) -> None:
+        from orchestra import RetryableError, VerificationError
+
+        assert issubclass(StreamTimeout, RetryableError)
+        assert issubclass(StructuredOutputError, VerificationError)
+
+
+def _most_in_window(times: Sequence[float], width: float) -> int:
+    best, start = 0, 0
+    for end, t in enumerate(times):
+        while times[start] <= t - width:
+            start += 1
+        best = max(best, end - start + 1)
+    return best
+
+
+def _most_tokens_in_window(points: Sequence[tuple[float, int]], width: float) -> int:
+    best, start, total = 0, 0, 0
+    for t, n in points:
+        total += n
+        while points[start][0] <= t - width:
+            total -= points[start][1]
+            start += 1
+        best = max(best, total)
+    return best
+
+
+def _rfc3339(wall: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall, UTC).isoformat().replace("+00:00", "Z")
