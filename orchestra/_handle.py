@@ -325,10 +325,16 @@ class _Results:
     def __aiter__(self) -> _Results:
         return self
 
+    def __del__(self) -> None:
+        # A reader that goes away unfinished closes its end: the run then drops its results
+        # instead of buffering them for nobody.
+        self._receive.close()
+
     async def __anext__(self) -> TaskResult:
         try:
             result = await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._receive.close()
             raise StopAsyncIteration from None
         run = self._handle._run
         if run is not None:

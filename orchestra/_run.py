@@ -327,6 +327,7 @@ class Run:
             return
         self._stop_reason = reason
         self._done.set()
+        self.dispatcher.stop()  # no attempt starts from now on, not even before the run wakes
 
     def cancel(self, selector: Selector, reason: str, described: dict[str, Any]) -> CancelRecord:
         """Cancel the unfinished tasks `selector` matches, as one step: waiting ones end at once,
@@ -353,7 +354,8 @@ class Run:
             cancelled=cancelled,
             skipped=skipped,
         )
-        self.report.cancellations.append(record)
+        if cancelled or skipped:
+            self.report.cancellations.append(record)
         return record
 
     def attach_results(self, send: MemoryObjectSendStream[TaskResult]) -> None:
