@@ -110,6 +110,8 @@ from ._exceptions import (
 from ._exceptions import (
     VerificationError as VerificationError,
 )
+from ._handle import Cancellation as Cancellation
+from ._handle import RunHandle as RunHandle
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
@@ -126,6 +128,9 @@ from ._result import (
     AttemptRecord as AttemptRecord,
 )
 from ._result import (
+    CancelRecord as CancelRecord,
+)
+from ._result import (
     ErrorRecord as ErrorRecord,
 )
 from ._result import (
@@ -139,6 +144,7 @@ from ._result import (
 )
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import Timeouts as Timeouts
+from ._signals import run_main as run_main
 from ._task import Attempt as Attempt
 from ._task import Task as Task
 from ._task import TaskResult as TaskResult
@@ -160,6 +166,8 @@ __all__ = (
     "BreakerChanged",
     "BreakerPolicy",
     "ByKind",
+    "CancelRecord",
+    "Cancellation",
     "Collect",
     "Concurrency",
     "ConfigError",
@@ -185,6 +193,7 @@ __all__ = (
     "RetryableError",
     "RunError",
     "RunFinished",
+    "RunHandle",
     "RunMetadata",
     "RunResult",
     "RunStarted",
@@ -202,4 +211,5 @@ __all__ = (
     "by_priority",
     "by_type",
     "chunked",
+    "run_main",
 )

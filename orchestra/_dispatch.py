@@ -93,6 +93,8 @@ class Dispatcher:
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
         self.closing = False
+        self.paused = False  # `pause()`: workers take nothing new (see `_take`)
+        self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
         self.running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = anyio.current_time
@@ -178,6 +180,41 @@ class Dispatcher:
                 alive = True
         if alive and self._loop is not None:
             self._loop.call_soon(self._cancel_workers)
+
+    # -- control (a run handle's) ------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """No new attempt starts; running ones finish. Costs one flag check per take."""
+        self.paused = True
+        if not self.running and self.on_drained is not None:
+            self.on_drained()
+
+    def resume(self) -> None:
+        """Attempts start again: the parked workers wake, and the pool is topped up."""
+        if not self.paused:
+            return
+        self.paused = False
+        while self._parked:
+            self.wake_one()
+        if self._pool is not None and self._loop is not None and not self.closing:
+            self.start(self._pool, self._loop)
+
+    def cancel_attempts(self, records: list[Record]) -> None:
+        """Cancel the running attempts of `records` (the caller has ended the tasks in the store),
+        each through its worker; the worker takes the next task (see `_attempt`)."""
+        # Which worker runs which record is read off the suspended `_attempt` coroutine each
+        # worker awaits, only here: keeping a record -> worker map instead would cost every
+        # attempt a dict write and delete, for a call that is rare.
+        wanted = set(records)
+        for task in self._tasks:
+            inner = task.get_coro().cr_await  # type: ignore[union-attr]
+            frame = getattr(inner, "cr_frame", None)
+            if (
+                frame is not None
+                and inner.cr_code is _ATTEMPT_CODE
+                and frame.f_locals.get("record") in wanted
+            ):
+                task.cancel()
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
@@ -288,6 +325,10 @@ class Dispatcher:
     def _take(self) -> tuple[Record, int, AgentSlot, Cost | None] | None:
         """The best task an agent has room for now, with its lease token, its agent and what it
         reserved on the agent's limits (or None: nothing can start now)."""
+        if self.paused:
+            if not self.running and self.on_drained is not None:
+                self.on_drained()
+            return None
         capacity = self._capacity
         limiter = capacity.limiter
         if limiter.in_use >= capacity.limit:
@@ -440,7 +481,17 @@ class Dispatcher:
                 # raised by itself (no cancellation pending on this task): a failed attempt.
                 current = asyncio.current_task()
                 if current is None or current.cancelling() or self.cancelled:
-                    raise
+                    if (
+                        record.cancelling is None
+                        or self.cancelled
+                        or current is None
+                        or current.cancelling() != 1
+                    ):
+                        raise
+                    # `cancel_attempts` cancelled this attempt alone (its task is already
+                    # ended): the worker goes on.
+                    current.uncancel()
+                    return
                 probe = False
                 self._failed(record, token, slot, exc, start)
             except Exception as exc:
@@ -781,6 +832,8 @@ def _actual(cost: Cost, ctx: Context | None) -> Cost:
         return cost
     return {"requests": 1, **usage}
 
+
+_ATTEMPT_CODE: Final = Dispatcher._attempt.__code__
 
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
 

@@ -36,6 +36,7 @@ from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._failure import cancel_pending
 from ._faults import Fault, FaultMode
+from ._handle import RunHandle
 from ._limits import Capacity, Concurrency, as_concurrency
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
@@ -190,6 +191,7 @@ class Orchestrator:
         self._idle: anyio.Event | None = None
         self._entered = 0
         self._runs: list[Run] = []
+        self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
 
     @property
     def concurrency(self) -> int:
@@ -225,7 +227,7 @@ class Orchestrator:
             if exc is None:
                 # Runs that other callers started in this lifecycle (run() without `async with`,
                 # concurrently) finish first.
-                while self._runs:
+                while self._runs or self._starting:
                     idle = self._idle = anyio.Event()
                     await idle.wait()
             self._tg = None
@@ -292,6 +294,48 @@ class Orchestrator:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
         return ResultStream(self, input, tasks, run_id)
 
+    def start(
+        self,
+        input: Any = None,
+        *,
+        tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+        run_id: str | None = None,
+    ) -> RunHandle:
+        """Start a run like `run` does, in the background, and return its `RunHandle` at once:
+        pause, resume, cancel some tasks, reprioritize, read results as they come, stop it
+        gracefully, or ``await handle`` for the `RunResult`.
+
+        Needs ``async with Orchestrator(...)``; leaving that block waits for the run to end.
+        `run_id` names the run (by default a fresh one): with a durable store, starting the same
+        run id again is how a stopped or crashed run will resume from its checkpoint.
+        """
+        tg = self._tg
+        if tg is None:
+            raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
+        if run_id is not None and not isinstance(run_id, str):
+            raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
+        handle = RunHandle(run_id or uuid.uuid4().hex[:12])
+        self._starting += 1
+        registered = False
+
+        def on_run(run: Run) -> None:
+            nonlocal registered
+            registered = True
+            self._starting -= 1
+            handle._attach(run)
+
+        async def body() -> RunResult:
+            try:
+                source = await self._source(input, tasks)
+                return await self._execute(source, handle.run_id, None, on_run)
+            finally:
+                if not registered:
+                    self._starting -= 1
+                    self._maybe_idle()
+
+        tg.start_soon(handle._drive, body)
+        return handle
+
     async def _source(self, input: Any, tasks: Any) -> Iterable[Task] | AsyncIterable[Task]:
         if tasks is not None:
             if input is not None:
@@ -332,9 +376,12 @@ class Orchestrator:
             result = await run.execute(source)
         finally:
             self._runs.remove(run)
-            if not self._runs and self._idle is not None:
-                self._idle.set()
+            self._maybe_idle()
         return await self._threshold_hook(result, [r.task for r in run.report.not_ok])
+
+    def _maybe_idle(self) -> None:
+        if not self._runs and not self._starting and self._idle is not None:
+            self._idle.set()
 
     async def _threshold_hook(self, result: RunResult, failed: list[Task]) -> RunResult:
         hook = self._config.on_threshold_missed

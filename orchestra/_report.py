@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import to_json
 
 from ._aggregate import percentile
-from ._result import AttemptRecord, ErrorRecord, RunMetadata, RunResult, RunStatus, TimingStats
+from ._result import (
+    AttemptRecord,
+    CancelRecord,
+    ErrorRecord,
+    RunMetadata,
+    RunResult,
+    RunStatus,
+    TimingStats,
+)
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
@@ -33,6 +41,7 @@ class Report:
 
     __slots__ = (
         "attempts",
+        "cancellations",
         "cancelled",
         "cost",
         "counts",
@@ -62,6 +71,7 @@ class Report:
         self.cost = 0.0
         self.reason: str | None = None
         self.cancelled = False
+        self.cancellations: list[CancelRecord] = []  # the run handle's cancels, as they happen
         self.cut_short = False  # the run timeout ended it: never "success"
 
     def tally(self, node: Node) -> None:
@@ -182,6 +192,7 @@ class Report:
             cost=self.cost,
             events_dropped=events_dropped,
             reason=self.reason,
+            cancellations=self.cancellations,
         )
         errors = [_error_record(node) for node in sorted(not_ok, key=_position)]
         return RunResult(status=status, data=data, metadata=metadata, errors=errors)
@@ -337,7 +348,13 @@ def remediation(status: str, error_type: str, message: str) -> str:
     if status == SKIPPED:
         return f"Fix what failed first ({message}); this task runs once its dependencies succeed."
     if status == CANCELLED:
-        return "The run ended before this task finished: raise the run timeout, or run it again."
+        if error_type == "RunTimeout":
+            return (
+                "The run ended before this task finished: raise the run timeout, or run it again."
+            )
+        if error_type == "Stopped":
+            return "The run was stopped before this task finished: run it again to finish it."
+        return "It was cancelled (see metadata.reason and metadata.cancellations): run it again if it is still wanted."
     lowered = message.lower()
     if error_type == "TaskTimeout":
         return "Raise the task's timeout, lower its attempts or backoff, or speed up its agents."

@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ("AttemptRecord", "ErrorRecord", "RunMetadata", "RunResult", "RunStatus", "TimingStats")
+__all__ = (
+    "AttemptRecord",
+    "CancelRecord",
+    "ErrorRecord",
+    "RunMetadata",
+    "RunResult",
+    "RunStatus",
+    "TimingStats",
+)
 
 RunStatus = Literal["success", "partial", "failed", "cancelled"]
 
@@ -62,6 +70,19 @@ class ErrorRecord(BaseModel):
     request_id: str | None = None
 
 
+class CancelRecord(BaseModel):
+    """One `RunHandle.cancel(...)` of a run: when (seconds since the run started), why, what it
+    selected, the tasks it cancelled (running or waiting) and the dependents it skipped."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: float
+    reason: str
+    selector: dict[str, Any]
+    cancelled: list[str] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list)
+
+
 class TimingStats(BaseModel):
     """Seconds per task of one kind, from its first attempt's start to its end."""
 
@@ -75,7 +96,11 @@ class TimingStats(BaseModel):
 
 
 class RunMetadata(BaseModel):
-    """The statistics of a run."""
+    """The statistics of a run.
+
+    `reason` says why a run did not succeed (or why it was stopped); `cancellations` lists each
+    `RunHandle.cancel(...)` made during the run.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -100,6 +125,7 @@ class RunMetadata(BaseModel):
     cost: float = 0.0
     events_dropped: int = 0
     reason: str | None = None
+    cancellations: list[CancelRecord] = Field(default_factory=list)
 
 
 class RunResult(BaseModel):

@@ -26,6 +26,7 @@ from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
 from ._report import Report
+from ._result import CancelRecord
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
 
@@ -136,6 +137,9 @@ class Run:
         self._input_done = False
         self._input_error: Exception | None = None
         self._streamed = False
+        self._stop_reason: str | None = None
+        self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call
+        self.on_open: Callable[[], None] | None = None  # a run handle's: the run has its store
         self.store: RunStore
         self.dispatcher: Dispatcher
 
@@ -182,6 +186,8 @@ class Run:
             )
         if self.bus.active and self.bus.wants(TaskFinished):
             self.bus.emit(TaskFinished(self.dispatcher._time(), self.run_id, record))
+        if self._ended is not None:
+            self._ended.append(record)
         if self._results is not None:
             try:
                 self._results.send_nowait(record)
@@ -221,6 +227,8 @@ class Run:
         if whole:  # a whole input is checked before anything runs
             self.store.admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
             self._close_input()
+        if self.on_open is not None:
+            self.on_open()  # before any worker: a handle's pause or cancel holds from the start
         capacity = config.capacity
         capacity.runs.append(dispatcher)
         timed_out = cancelled = False
@@ -235,7 +243,7 @@ class Run:
                     try:
                         with anyio.move_on_after(config.timeouts.run) as scope:
                             await self._done.wait()
-                        timed_out = scope.cancelled_caught
+                        timed_out = scope.cancelled_caught and self._stop_reason is None
                     finally:
                         # However it ends (done, timed out, the caller cancelled), before the
                         # group cancels its tasks: no attempt starts or settles after this.
@@ -248,7 +256,7 @@ class Run:
             finally:
                 capacity.runs.remove(dispatcher)
                 dispatcher.stop()
-                if cancelled or timed_out:
+                if cancelled or timed_out or self._stop_reason is not None:
                     self._cancel_rest(timed_out)
                 if self._results is not None:
                     self._results.close()
@@ -270,6 +278,10 @@ class Run:
             error_type = "RunTimeout"
             self.report.reason = reason
             self.report.cut_short = True
+        elif self._stop_reason is not None:
+            reason, error_type = self._stop_reason, "Stopped"
+            self.report.reason = reason
+            self.report.cancelled = True
         else:
             reason, error_type = "the run was cancelled", "Cancelled"
             self.report.cancelled = True
@@ -316,6 +328,52 @@ class Run:
     def _finish(self) -> None:
         self._done.set()
         self.dispatcher.stop()
+
+    # -- control (a run handle's) ----------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """End the run now: what runs is cancelled, what waits ends as cancelled ("Stopped"), and
+        the run returns its `RunResult` with status "cancelled" and `reason`. Once; a run that
+        already ended is left as it is."""
+        if self._done.is_set():
+            return
+        self._stop_reason = reason
+        self._done.set()
+        self.dispatcher.stop()  # no attempt starts from now on, not even before the run wakes
+
+    def cancel(self, selector: Selector, reason: str, described: dict[str, Any]) -> CancelRecord:
+        """Cancel the unfinished tasks `selector` matches, as one step: waiting ones end at once,
+        running ones end now too and their attempts are cancelled through their workers; their
+        dependents are skipped. Returns (and records in the report) what ended."""
+        store = self.store
+        ended = self._ended = []
+        try:
+            flagged = store.cancel(selector, reason, "Cancelled")
+            for record in flagged:
+                # Ended here, not by its worker: the cancel is done when this call returns, and
+                # what the attempt still does (returns, raises) is refused by the store.
+                store.settle(record, record.token, CANCELLED, error=reason, error_type="Cancelled")
+        finally:
+            self._ended = None
+        if flagged:
+            self.dispatcher.cancel_attempts(flagged)
+        cancelled = [r.id for r in ended if r.status == CANCELLED]
+        skipped = [r.id for r in ended if r.status != CANCELLED]
+        record = CancelRecord(
+            at=self.dispatcher.now() - self.t0,
+            reason=reason,
+            selector=described,
+            cancelled=cancelled,
+            skipped=skipped,
+        )
+        if cancelled or skipped:
+            self.report.cancellations.append(record)
+        return record
+
+    def attach_results(self, send: MemoryObjectSendStream[TaskResult]) -> None:
+        """Send every `TaskResult` from now on to `send` (a run handle's reader); closed at the end."""
+        if self._results is None:
+            self._results = send
 
     # -- streamed input --------------------------------------------------------------------------
 

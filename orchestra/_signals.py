@@ -1,0 +1,120 @@
+"""`run_main`: a script's entry point that turns Ctrl-C and SIGTERM into a graceful stop.
+
+The first SIGINT or SIGTERM stops the run gracefully (`RunHandle.stop(grace)`): no new attempt
+starts, the running ones get `grace` seconds, the rest is cancelled, and the partial `RunResult`
+is returned as usual. A second signal cancels what still runs at once; the result of the cancelled
+run is still returned, never a `KeyboardInterrupt` traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from ._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+
+    from anyio.abc import TaskGroup
+
+    from ._handle import RunHandle
+    from ._orchestrator import Orchestrator
+    from ._result import RunResult
+    from ._task import Task
+
+__all__ = ("run_main",)
+
+log = structlog.get_logger("orchestra")
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_main(
+    orch: Orchestrator,
+    input: Any = None,
+    *,
+    tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+    run_id: str | None = None,
+    grace: float | None = 10.0,
+) -> RunResult:
+    """Run `orch` on `input` (or `tasks`) from synchronous code and return the `RunResult`;
+    SIGINT / SIGTERM stop the run gracefully (see the module's docstring).
+
+    ``result = orchestra.run_main(orch, contracts)`` at the bottom of a script is the whole of
+    it: an event loop is started for the run (so call it where none runs) and the orchestrator is
+    entered and left. `grace` is how long running attempts may take to finish after the first
+    signal (None: as long as they take; 0: cancel them at once).
+    """
+    if grace is not None and (
+        isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0
+    ):
+        raise ConfigError(f"grace must be a number >= 0 or None, got {grace!r}")
+    return anyio.run(_main, orch, input, tasks, run_id, grace)
+
+
+async def _main(
+    orch: Orchestrator,
+    input: Any,
+    tasks: Iterable[Task] | AsyncIterable[Task] | None,
+    run_id: str | None,
+    grace: float | None,
+) -> RunResult:
+    # The receiver is open before the run starts: a signal at any moment is ours, never a
+    # KeyboardInterrupt from the middle of the loop.
+    with _signal_receiver() as signals:
+        async with orch:
+            handle = orch.start(input, tasks=tasks, run_id=run_id)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_on_signals, signals, handle, grace, tg)
+                try:
+                    result = await handle
+                finally:
+                    tg.cancel_scope.cancel()
+    return result
+
+
+async def _on_signals(
+    signals: AsyncIterator[int], handle: RunHandle, grace: float | None, tg: TaskGroup
+) -> None:
+    received = 0
+    async for signum in signals:
+        received += 1
+        name = signal.Signals(signum).name
+        if received == 1:
+            log.warning(
+                "stopping the run gracefully; signal again to cancel at once",
+                run_id=handle.run_id,
+                signal=name,
+                grace=grace,
+            )
+            tg.start_soon(_stop, handle, grace, f"stopped by {name}")
+        else:
+            log.warning("cancelling the run now", run_id=handle.run_id, signal=name)
+            tg.start_soon(_stop, handle, 0, f"stopped by {name}")
+
+
+async def _stop(handle: RunHandle, grace: float | None, reason: str) -> None:
+    await handle.stop(grace, reason=reason)
+
+
+@contextmanager
+def _signal_receiver() -> Iterator[AsyncIterator[int]]:
+    """`anyio.open_signal_receiver` for SIGINT and SIGTERM; where the event loop cannot catch
+    signals (asyncio on Windows), none is caught and Ctrl-C stays a `KeyboardInterrupt`."""
+    if sys.platform == "win32":
+        yield _never()
+        return
+    with anyio.open_signal_receiver(*_SIGNALS) as signals:
+        yield signals
+
+
+async def _never() -> AsyncIterator[int]:
+    await anyio.sleep(math.inf)
+    yield 0  # pragma: no cover

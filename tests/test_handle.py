@@ -1,0 +1,638 @@
+"""A run handle steers a run while it goes on: `start` returns at once; pause stops new attempts
+and resume lets them go; cancel by selector ends running and waiting tasks and skips their
+dependents; reprioritize reorders waiting tasks; results stream out to a handle that asked; stop
+drains within its grace and returns a "cancelled" result that says why. Every control call is safe
+before the run has its tasks, while paused, while stopping and after the end, and repeating it
+changes nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestra import (
+    Cancellation,
+    ConfigError,
+    Context,
+    InputError,
+    Orchestrator,
+    RetryableError,
+    RetryPolicy,
+    RunHandle,
+    Task,
+    agent,
+)
+from orchestra.testing import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+class Sleeper:
+    """Sleeps `task.payload` seconds (virtual under a FakeClock) and returns the payload; records
+    when each attempt starts and ends, how many run at once, and which were cancelled."""
+
+    def __init__(self, name: str = "sleeper", kinds: tuple[str, ...] = ("work",)) -> None:
+        self.name = name
+        self.kinds = kinds
+        self.concurrency = 100
+        self.started: list[tuple[str, float]] = []
+        self.ended: list[str] = []
+        self.cancelled: list[str] = []
+        self.now = 0
+        self.peak = 0
+
+    async def __call__(self, task: Task, ctx: Context) -> Any:
+        self.started.append((task.id, anyio.current_time()))
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await anyio.sleep(task.payload)
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(task.id)
+            raise
+        finally:
+            self.now -= 1
+        self.ended.append(task.id)
+        return task.payload
+
+    def ids(self) -> list[str]:
+        return [i for i, _ in self.started]
+
+
+def work(n: int, seconds: float = 1.0, kind: str = "work", **fields: Any) -> list[Task]:
+    return [Task(kind, seconds, id=f"{kind[0]}{i}", **fields) for i in range(n)]
+
+
+@pytest.fixture
+def sleeper() -> Sleeper:
+    return Sleeper()
+
+
+@pytest.fixture
+def make(
+    clock: FakeClock, sleeper: Sleeper, make_orchestrator: Callable[..., Orchestrator]
+) -> Callable[..., Orchestrator]:
+    def build(**options: Any) -> Orchestrator:
+        options.setdefault("agents", [sleeper])
+        options.setdefault("concurrency", 2)
+        return make_orchestrator(**options)
+
+    return build
+
+
+class TestStart:
+    async def test_needs_the_orchestrators_async_with(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        with pytest.raises(ConfigError, match="async with"):
+            make().start(tasks=work(1))
+
+    async def test_returns_at_once_and_awaiting_gives_the_run_result(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(3), run_id="job-1")
+            assert isinstance(handle, RunHandle)
+            assert (handle.done, handle.result, sleeper.started) == (False, None, [])
+            result = await handle
+        assert handle.done
+        assert handle.result is result
+        assert result.status == "success"
+        assert result.metadata.run_id == handle.run_id == "job-1"
+        assert result.data == {"w0": 1.0, "w1": 1.0, "w2": 1.0}
+
+    async def test_a_bad_input_is_raised_by_await(self, make: Callable[..., Orchestrator]) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=[Task("work", 1, id="a", depends_on=["nope"])])
+            with pytest.raises(InputError, match="nope"):
+                await handle
+        assert handle.done
+        assert handle.result is None
+
+    async def test_leaving_async_with_waits_for_the_started_run(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(4))
+        assert handle.done
+        assert handle.result is not None
+        assert handle.result.status == "success"
+        assert len(sleeper.ended) == 4
+
+    async def test_run_and_stream_still_work_beside_it(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(2))
+            ran = await orch.run(tasks=work(2, kind="work", tags=()))
+            streamed = [r.task_id async for r in orch.stream(tasks=work(1))]
+            assert (await handle).status == ran.status == "success"
+            assert streamed == ["w0"]
+
+
+class TestPause:
+    async def test_no_attempt_starts_while_paused_and_resume_goes_on(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(4))
+            handle.pause()  # before the run has its tasks: nothing starts at all
+            await anyio.sleep(10)
+            assert sleeper.started == []
+            assert handle.paused
+            handle.resume()
+            result = await handle
+        assert result.status == "success"
+        assert min(t for _, t in sleeper.started) - t0 == pytest.approx(10)
+
+    async def test_running_attempts_finish_and_no_new_one_starts(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(6, seconds=2))
+            await anyio.sleep(1)
+            handle.pause()
+            await anyio.sleep(10)
+            assert sorted(sleeper.ended) == ["w0", "w1"]  # the two running ones finished
+            assert len(sleeper.started) == 2
+            handle.resume()
+            await handle
+        assert [t - t0 for i, t in sleeper.started if i in ("w2", "w3")] == [pytest.approx(11)] * 2
+
+    async def test_pause_and_resume_are_idempotent(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(4))
+            await anyio.sleep(0.5)
+            handle.pause()
+            handle.pause()
+            await anyio.sleep(5)
+            handle.resume()
+            handle.resume()
+            result = await handle
+            handle.pause()  # after the end: nothing happens
+            handle.resume()
+        assert result.status == "success"
+        assert sleeper.peak == 2
+        assert len(sleeper.started) == 4
+
+    async def test_a_retry_that_comes_due_while_paused_waits_for_resume(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        calls: list[float] = []
+
+        @agent(kinds=["work"], retry=RetryPolicy(max_attempts=2, base=1.0, jitter="none"))
+        async def flaky(task: Task, ctx: Context) -> str:
+            calls.append(anyio.current_time())
+            if ctx.attempt == 1:
+                raise RetryableError("again", retry_after=1.0)
+            return "ok"
+
+        async with make(agents=[flaky]) as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=[Task("work", None, id="a")])
+            await anyio.sleep(0.5)
+            handle.pause()
+            await anyio.sleep(5)
+            assert len(calls) == 1  # the retry was due at 1.0; it waits
+            handle.resume()
+            result = await handle
+        assert result.status == "success"
+        assert calls[1] - t0 == pytest.approx(5.5)
+
+
+class TestCancel:
+    async def test_a_running_attempt_is_cancelled_and_its_worker_goes_on(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=[Task("work", 10, id="long"), Task("work", 1, id="next")])
+            await anyio.sleep(1)
+            cancellation = handle.cancel(task_id="long", reason="not needed")
+            assert cancellation == Cancellation("not needed", ("long",), ())
+            result = await handle
+        assert sleeper.cancelled == ["long"]
+        assert sleeper.ended == ["next"]
+        assert result.metadata.elapsed == pytest.approx(2)
+        error = result.error_for("long")
+        assert error is not None
+        assert (error.status, error.error_type, error.message) == (
+            "cancelled",
+            "Cancelled",
+            "not needed",
+        )
+        assert result.status == "failed"  # a cancelled task is not a success; the run went on
+
+    async def test_waiting_tasks_are_removed_and_dependents_skipped_with_the_reason(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        tasks = [
+            Task("work", 1, id="a"),
+            Task("work", 1, id="b"),
+            Task("work", 1, id="c", depends_on=["b"]),
+            Task("work", 1, id="d", depends_on=["c"]),
+        ]
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=tasks)
+            await anyio.sleep(0.5)
+            cancellation = handle.cancel(task_id=["b"])
+            result = await handle
+        assert cancellation.cancelled == ("b",)
+        assert set(cancellation.skipped) == {"c", "d"}
+        assert sleeper.ids() == ["a"]
+        skipped = result.error_for("c")
+        assert skipped is not None
+        assert skipped.status == "skipped"
+        assert "dependency 'b' cancelled" in skipped.message
+        (record,) = result.metadata.cancellations
+        assert record.selector == {"task_id": ["b"]}
+        assert record.cancelled == ["b"]
+        assert record.at == pytest.approx(0.5)
+
+    @pytest.mark.parametrize(
+        ("selector", "expected"),
+        [
+            ({"kind": "other"}, {"o0", "o1"}),
+            ({"tag": "red"}, {"w1", "o1"}),
+            ({"priority": (5, 9)}, {"w2", "o0"}),
+            ({"kind": "work", "tag": "red"}, {"w1"}),
+        ],
+    )
+    async def test_selectors(
+        self,
+        make: Callable[..., Orchestrator],
+        selector: dict[str, Any],
+        expected: set[str],
+    ) -> None:
+        tasks = [
+            Task("work", 1, id="w0"),
+            Task("work", 1, id="w1", tags=["red"]),
+            Task("work", 1, id="w2", priority=7),
+            Task("other", 1, id="o0", priority=5),
+            Task("other", 1, id="o1", tags=["red"]),
+        ]
+        agents = [Sleeper("first", ("work",)), Sleeper("second", ("other",))]
+        async with make(agents=agents, concurrency=1) as orch:
+            handle = orch.start(tasks=tasks)
+            handle.pause()
+            await anyio.lowlevel.checkpoint()
+            assert set(handle.cancel(**selector).cancelled) == expected
+            handle.resume()
+            result = await handle
+        assert {e.task_id for e in result.errors} == expected
+
+    async def test_by_agent_it_cancels_what_runs_on_or_is_bound_to_that_agent(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        first, second = Sleeper("first", ("work",)), Sleeper("second", ("work",))
+        first.concurrency = second.concurrency = 1
+        async with make(agents=[first, second], concurrency=2) as orch:
+            handle = orch.start(tasks=work(4, seconds=2))
+            await anyio.sleep(1)
+            (running,) = second.ids()
+            cancellation = handle.cancel(agent="second")
+            result = await handle
+        assert cancellation.cancelled == (running,)
+        assert second.cancelled == [running]
+        assert result.metadata.counts["succeeded"] == 3
+
+    async def test_cancel_is_idempotent(self, make: Callable[..., Orchestrator]) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(3))
+            await anyio.sleep(0.5)
+            first = handle.cancel(kind="work")
+            second = handle.cancel(kind="work")
+            result = await handle
+            after = handle.cancel(kind="work")
+        assert set(first.cancelled) == {"w0", "w1", "w2"}
+        assert first
+        assert second.cancelled == second.skipped == ()
+        assert not second
+        assert not after
+        assert len(result.metadata.cancellations) == 1
+
+    async def test_before_the_run_has_its_tasks_the_cancel_is_kept_for_them(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(3))
+            cancellation = handle.cancel(task_id="w1")
+            result = await handle
+        assert cancellation.deferred
+        assert cancellation
+        assert "w1" not in sleeper.ids()
+        assert [c.cancelled for c in result.metadata.cancellations] == [["w1"]]
+
+    @pytest.mark.parametrize(
+        ("selector", "match"),
+        [
+            ({}, "at least one"),
+            ({"priority": (3, 1)}, "low <= high"),
+            ({"priority": (1,)}, "priority"),
+            ({"kind": 3}, "kind must be a str"),
+            ({"task_id": [1]}, "task ids must be str"),
+            ({"task_id": 5}, "task_id"),
+        ],
+    )
+    async def test_a_bad_selector_is_an_input_error(
+        self, make: Callable[..., Orchestrator], selector: dict[str, Any], match: str
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(1))
+            with pytest.raises(InputError, match=match):
+                handle.cancel(**selector)
+            await handle
+
+
+class TestReprioritize:
+    async def test_a_waiting_task_moves_ahead(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=work(4))
+            await anyio.sleep(0.5)
+            assert handle.reprioritize("w3", -1)
+            result = await handle
+        assert sleeper.ids() == ["w0", "w3", "w1", "w2"]
+        assert result.status == "success"
+
+    async def test_false_for_a_task_that_does_not_wait_and_after_the_end(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=work(2))
+            await anyio.sleep(0.5)
+            assert not handle.reprioritize("w0", 0)  # running
+            assert not handle.reprioritize("missing", 0)
+            await handle
+            assert not handle.reprioritize("w1", 0)
+            with pytest.raises(InputError, match="priority must be an int"):
+                handle.reprioritize("w1", 1.5)  # type: ignore[arg-type]
+
+    async def test_before_the_run_has_its_tasks_the_change_is_kept(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=work(3))
+            assert handle.reprioritize("w2", -5)
+            await handle
+        assert sleeper.ids() == ["w2", "w0", "w1"]
+
+
+class TestResults:
+    async def test_results_stream_out_as_they_finish(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        tasks = [Task("work", s, id=f"s{s}") for s in (3, 1, 2)]
+        async with make(concurrency=3) as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=tasks)
+            seen = [(r.task_id, anyio.current_time() - t0) async for r in handle.results()]
+            assert handle.results() is handle.results()
+            await handle
+        assert seen == [("s1", 1.0), ("s2", 2.0), ("s3", 3.0)]
+
+    async def test_asked_for_mid_run_it_gives_what_finishes_from_then_on(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        tasks = [Task("work", s, id=f"s{s}") for s in (1, 2, 3)]
+        async with make(concurrency=3) as orch:
+            handle = orch.start(tasks=tasks)
+            await anyio.sleep(1.5)
+            late = [r.task_id async for r in handle.results()]
+        assert late == ["s2", "s3"]
+
+    async def test_after_the_end_there_is_nothing_to_read(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(2))
+            await handle
+            assert [r async for r in handle.results()] == []
+
+    async def test_a_reader_of_a_stopped_run_sees_its_cancelled_tasks_end(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=work(3))
+            results = handle.results()
+            await anyio.sleep(0.5)
+            await handle.stop(grace=0)
+            statuses = {r.task_id: r.status async for r in results}
+        assert statuses == {"w0": "cancelled", "w1": "cancelled", "w2": "cancelled"}
+
+
+class TestStop:
+    async def test_running_attempts_finish_within_the_grace_and_the_rest_is_cancelled(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(5, seconds=2))
+            await anyio.sleep(1)
+            result = await handle.stop(grace=5)
+        assert anyio.current_time() - t0 == pytest.approx(2)  # the drain took 1 s, not the grace
+        assert result.status == "cancelled"
+        assert result.metadata.reason == "stopped (grace 5s)"
+        assert result.metadata.counts["succeeded"] == 2
+        assert sorted(sleeper.ended) == ["w0", "w1"]
+        assert {e.task_id: e.error_type for e in result.errors} == {
+            "w2": "Stopped",
+            "w3": "Stopped",
+            "w4": "Stopped",
+        }
+        assert sleeper.ids() == ["w0", "w1"]
+
+    async def test_attempts_past_the_grace_are_cancelled(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(3, seconds=10))
+            await anyio.sleep(1)
+            result = await handle.stop(grace=2, reason="maintenance")
+        assert anyio.current_time() - t0 == pytest.approx(3)
+        assert sorted(sleeper.cancelled) == ["w0", "w1"]
+        assert result.status == "cancelled"
+        assert result.metadata.reason == "maintenance"
+        assert result.metadata.counts["cancelled"] == 3
+
+    async def test_grace_zero_cancels_at_once(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(3, seconds=10))
+            await anyio.sleep(1)
+            result = await handle.stop(grace=0)
+        assert anyio.current_time() - t0 == pytest.approx(1)
+        assert result.status == "cancelled"
+
+    async def test_stop_is_idempotent_and_a_shorter_grace_wins(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch, anyio.create_task_group() as tg:
+            t0 = anyio.current_time()
+            handle = orch.start(tasks=work(3, seconds=10))
+            await anyio.sleep(1)
+            tg.start_soon(handle.stop, None)
+            await anyio.sleep(1)
+            result = await handle.stop(grace=0)
+            assert await handle.stop(grace=3) is result
+        assert anyio.current_time() - t0 == pytest.approx(2)
+        assert result.metadata.reason == "stopped"  # the first stop's reason
+
+    async def test_stop_while_paused_and_before_the_run_has_its_tasks(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            t0 = anyio.current_time()
+            paused = orch.start(tasks=work(2))
+            paused.pause()
+            await anyio.sleep(1)
+            first = await paused.stop(grace=5)
+            early = orch.start(tasks=work(2))
+            second = await early.stop()
+        assert sleeper.started == []
+        assert first.status == second.status == "cancelled"
+        assert first.metadata.counts["cancelled"] == second.metadata.counts["cancelled"] == 2
+        assert anyio.current_time() - t0 == pytest.approx(1)
+
+    async def test_a_stop_during_a_slow_decomposer_ends_with_nothing_run(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async def slow(_: Any) -> list[Task]:
+            await anyio.sleep(100)
+            return work(2)
+
+        async with make(decomposer=slow) as orch:
+            t0 = anyio.current_time()
+            handle = orch.start("input")
+            result = await handle.stop(grace=1)
+        assert result.status == "cancelled"
+        assert result.metadata.total == 0
+        assert anyio.current_time() - t0 == pytest.approx(1)
+
+    async def test_a_bad_grace_is_an_input_error(self, make: Callable[..., Orchestrator]) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(1))
+            for grace in (-1, float("nan"), "5", True):
+                with pytest.raises(InputError, match="grace"):
+                    await handle.stop(grace)  # type: ignore[arg-type]
+            assert (await handle).status == "success"
+
+    async def test_after_the_end_stop_returns_the_result_as_it_is(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(2))
+            result = await handle
+            assert await handle.stop(grace=0) is result
+            assert result.status == "success"
+
+
+# -- random interleavings of control calls -----------------------------------------------------
+
+Op = tuple[str, Any]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("sleep"), st.sampled_from([0, 0.3, 1.0, 2.5])),
+        st.tuples(st.just("pause"), st.none()),
+        st.tuples(st.just("resume"), st.none()),
+        st.tuples(st.just("cancel_id"), st.integers(0, 11)),
+        st.tuples(st.just("cancel_kind"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("cancel_priority"), st.integers(0, 3)),
+        st.tuples(st.just("reprioritize"), st.tuples(st.integers(0, 11), st.integers(-2, 5))),
+        st.tuples(st.just("stop"), st.sampled_from([None, 0, 0.5, 3])),
+    ),
+    max_size=12,
+)
+
+
+async def _interleave(script: list[Op], concurrency: int) -> None:
+    async with FakeClock():
+        agents = [Sleeper("alpha", ("a",)), Sleeper("beta", ("b",))]
+        agents[0].concurrency = 2
+        tasks = [
+            Task(
+                "a" if i % 2 else "b",
+                0.5 + (i % 3),
+                id=f"t{i}",
+                priority=i % 4,
+                depends_on=[f"t{i - 3}"] if i >= 3 and i % 4 == 0 else [],
+            )
+            for i in range(12)
+        ]
+        cancelled: set[str] = set()
+        stopped = False
+        finished: list[str] = []
+        async with Orchestrator(agents=agents, concurrency=concurrency, seed=1) as orch:
+            handle = orch.start(tasks=tasks)
+            results = handle.results()
+            for op, arg in script:
+                if op == "sleep":
+                    await anyio.sleep(arg)
+                elif op == "pause":
+                    handle.pause()
+                elif op == "resume":
+                    handle.resume()
+                elif op == "cancel_id":
+                    cancelled.update(handle.cancel(task_id=f"t{arg}").cancelled)
+                elif op == "cancel_kind":
+                    cancelled.update(handle.cancel(kind=arg).cancelled)
+                elif op == "cancel_priority":
+                    cancelled.update(handle.cancel(priority=(arg, arg)).cancelled)
+                elif op == "reprioritize":
+                    handle.reprioritize(f"t{arg[0]}", arg[1])
+                else:
+                    await handle.stop(arg)
+                    stopped = True
+            handle.resume()  # a paused run would never end
+            async for r in results:
+                finished.append(r.task_id)
+            result = await handle
+        # Every task ended exactly once, seen once by the reader.
+        assert sorted(finished) == sorted(t.id for t in tasks)
+        assert result.metadata.total == 12
+        by_id = {e.task_id: e for e in result.errors}
+        # What a cancel reported it cancelled ended cancelled, never ran again, with its reason.
+        for task_id in cancelled:
+            assert by_id[task_id].status == "cancelled"
+            assert by_id[task_id].error_type == "Cancelled"
+        # (A cancel made before the run had its tasks reports only in the metadata.)
+        recorded = {i for c in result.metadata.cancellations for i in c.cancelled}
+        assert cancelled <= recorded
+        for task_id in recorded:
+            assert by_id[task_id].status == "cancelled"
+        # The limits held: the run's, and each agent's.
+        assert result.metadata.peak_concurrency <= concurrency
+        assert agents[0].peak <= 2
+        if result.status == "cancelled":  # only a stop cancels the run itself
+            assert stopped
+            assert result.metadata.reason is not None
+            assert result.metadata.reason.startswith("stopped")
+        else:
+            assert result.metadata.reason is None or not result.metadata.reason.startswith("stop")
+        ran = agents[0].ids() + agents[1].ids()
+        assert len(ran) == len(set(ran))  # no task started twice (none of them retries)
+
+
+class TestInterleavings:
+    @settings(max_examples=60, deadline=None)
+    @given(script=ops, concurrency=st.integers(1, 4))
+    async def test_every_task_ends_once_and_the_limits_hold(
+        self, script: list[Op], concurrency: int
+    ) -> None:
+        await _interleave(script, concurrency)
