@@ -92,6 +92,9 @@ class Dispatcher:
         self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
+        # What each worker runs: a one-item list per worker, set around each attempt (a list
+        # item store, ~15 ns), read only by `cancel_attempts`.
+        self._running: dict[asyncio.Task[None], list[Record | None]] = {}
         self.closing = False
         self.paused = False  # `pause()`: workers take nothing new (see `_take`)
         self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
@@ -202,18 +205,9 @@ class Dispatcher:
     def cancel_attempts(self, records: list[Record]) -> None:
         """Cancel the running attempts of `records` (the caller has ended the tasks in the store),
         each through its worker; the worker takes the next task (see `_attempt`)."""
-        # Which worker runs which record is read off the suspended `_attempt` coroutine each
-        # worker awaits, only here: keeping a record -> worker map instead would cost every
-        # attempt a dict write and delete, for a call that is rare.
         wanted = set(records)
-        for task in self._tasks:
-            inner = task.get_coro().cr_await  # type: ignore[union-attr]
-            frame = getattr(inner, "cr_frame", None)
-            if (
-                frame is not None
-                and inner.cr_code is _ATTEMPT_CODE
-                and frame.f_locals.get("record") in wanted
-            ):
+        for task, current in self._running.items():
+            if current[0] in wanted:
                 task.cancel()
 
     def wake_one(self) -> None:
@@ -239,6 +233,8 @@ class Dispatcher:
         time = self._time
         # Nothing around any call: no attempt timeout, no verifier, no safety check.
         bare = self._attempt_timeout is None and not self._verify and self._safety is None
+        current: list[Record | None] = [None]
+        self._running[me] = current
         done = 0
         try:
             while not self.closing:
@@ -254,6 +250,7 @@ class Dispatcher:
                     await waiter
                     continue
                 record, token, slot, cost = picked
+                current[0] = record
                 if not (
                     bare
                     and cost is None
@@ -287,9 +284,12 @@ class Dispatcher:
                             self._settle(record, token, slot, output, ctx, start)
                             settled = True
                     except asyncio.CancelledError as exc:
-                        if me.cancelling() or self.cancelled:
+                        if not (me.cancelling() or self.cancelled):
+                            self._failed(record, token, slot, exc, start)  # the agent's own
+                        elif record.cancelling is None or self.cancelled or me.cancelling() != 1:
                             raise  # ours: the run is cancelled (its end ends the task)
-                        self._failed(record, token, slot, exc, start)
+                        else:  # `cancel_attempts` cancelled this attempt alone (its task is
+                            me.uncancel()  # ended already): the worker goes on
                     except Exception as exc:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self._failed(record, token, slot, exc, start)
@@ -312,6 +312,7 @@ class Dispatcher:
                                 self.router.room(slot)
                             if self._parked:
                                 self.wake_one()
+                current[0] = None
                 if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
                 done += 1
@@ -319,6 +320,7 @@ class Dispatcher:
                     await asyncio.sleep(0)
         finally:
             self._workers -= 1
+            del self._running[me]
 
     # -- choosing --------------------------------------------------------------------------------
 
@@ -832,8 +834,6 @@ def _actual(cost: Cost, ctx: Context | None) -> Cost:
         return cost
     return {"requests": 1, **usage}
 
-
-_ATTEMPT_CODE: Final = Dispatcher._attempt.__code__
 
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
 
