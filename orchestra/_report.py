@@ -247,13 +247,13 @@ class Durations:
             # of a kept value is the k-th smallest of n uniform keys, Beta(k, n - k + 1)
             # distributed. (Walking algorithm L over the values costs ~0.3 µs each.)
             n, k = len(values), self.SAMPLE
-            rng = self.rng = Random(k)
+            first = self.rng = Random(k)
             self.count = n
             self.total = sum(values)
             self.max = max(values)
-            self.sample = rng.sample(values, k)
-            self.weight = rng.betavariate(k, n - k + 1)
-            self.next = n + int(math.log(rng.random() or 1e-300) / math.log1p(-self.weight)) + 1
+            self.sample = first.sample(values, k)
+            self.weight = first.betavariate(k, n - k + 1)
+            self.next = n + int(math.log(first.random() or 1e-300) / math.log1p(-self.weight)) + 1
             return
         room = self.SAMPLE - self.count
         head, rest = (values[:room], values[room:]) if room > 0 else ([], values)

@@ -237,18 +237,20 @@ class MemoryRun:
         append = new.append
         index = first_index
         for task in tasks:
+            if type(task) is not Task:
+                break
+            given: Any = task  # its fields are not checked yet: any values
             if (
-                type(task) is not Task
-                or task.id is not None
-                or type(task.priority) is not int
-                or task.timeout is not None
-                or task.key is not None
-                or task.depends_on
-                or task.tags
-                or task.depends_on_tags
+                given.id is not None
+                or type(given.priority) is not int
+                or given.timeout is not None
+                or given.key is not None
+                or given.depends_on
+                or given.tags
+                or given.depends_on_tags
             ):
                 break
-            kind = task.kind
+            kind = given.kind
             if type(kind) is not str or kind not in kinds:
                 break
             auto += 1
@@ -264,7 +266,7 @@ class MemoryRun:
             self.unfinished += len(new)
             return new
         for record in new:  # undo: the general path sees the batch as it was given
-            record.task.id = None
+            record.task.id = None  # type: ignore[assignment]
             del records[record.id]
         return None
 
