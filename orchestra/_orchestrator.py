@@ -287,8 +287,9 @@ class Orchestrator:
         """Run like `run`, yielding each `TaskResult` as it finishes: ``async for r in orch.stream(x)``.
 
         Needs ``async with Orchestrator(...)``. After the loop, `.result` holds the `RunResult`.
-        Leaving the loop early cancels the run (``async with orch.stream(x) as results:`` makes that
-        immediate; otherwise it happens when the stream is closed or the orchestrator exits).
+        Leaving the loop early stops the run (``async with orch.stream(x) as results:`` makes that
+        immediate; otherwise it happens when the stream is closed or the orchestrator exits), and
+        `.result` is then its `RunResult`, status "cancelled", with what finished before.
         """
         if self._tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
@@ -585,10 +586,14 @@ class ResultStream:
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
-        """Cancel the run if it is still going, and wait for it to end."""
+        """Stop the run if it is still going (what runs is cancelled, what waits ends cancelled),
+        and wait for it to end: `result` is then its `RunResult`, status "cancelled"."""
         if self._receive is None:
             return
-        self._scope.cancel()
+        if self._run is not None:
+            self._run.stop("the stream was closed before its end")
+        else:  # the decomposer still runs: there is no run to stop yet
+            self._scope.cancel()
         await self._over.wait()
         self._receive.close()
 

@@ -362,6 +362,19 @@ class TestStream:
             assert hang.cancelled == 1
         assert got == ["t0"]
 
+    async def test_a_stream_left_early_still_has_its_result(self, clock: FakeClock) -> None:
+        quick = scripted("quick", ["work"], latency=1.0)
+        orch = Orchestrator(agents=[quick], concurrency=1)
+        async with orch, orch.stream(tasks=tasks_of(3)) as results:
+            async for _ in results:
+                break
+        result = results.result
+        assert result is not None
+        assert result.status == "cancelled"
+        assert result.metadata.counts["succeeded"] >= 1
+        assert result.metadata.total == 3
+        assert result.metadata.reason == "the stream was closed before its end"
+
     async def test_bad_input_raises_from_the_stream(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
