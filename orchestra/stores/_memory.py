@@ -631,35 +631,6 @@ class MemoryRun:
         state = record.state
         if record.token != token or state in TERMINAL:
             return False
-        if (
-            status is SUCCEEDED
-            and state is RUNNING
-            and record.dependents is None
-            and not spawned
-            and not self._groups
-            and not self._compact
-        ):
-            # The common end, in one step: a success that readies nothing and is kept whole.
-            # (`_end_one` below does the same and more; a call and a dozen branches cost more
-            # here than the end itself.)
-            t0 = self._t0
-            record.state = record.status = SUCCEEDED
-            record.output = output
-            record.agent = agent
-            t_start = record.t_start
-            record.started = None if t_start is None else t_start - t0
-            record.finished = self._now() - t0
-            record.error = error
-            record.error_type = error_type
-            record.defaulted = defaulted
-            if attempt is not None:
-                if record.failures is None:
-                    record.failures = [attempt]
-                else:
-                    record.failures.append(attempt)
-            self.unfinished -= 1
-            self._listener.finished(record)
-            return True
         if spawned:  # first: refused spawns (`InputError`) leave the task as it was
             self.admit(
                 spawned, where=f"tasks spawned by {record.id!r}", forward=False, parent=record
@@ -670,6 +641,30 @@ class MemoryRun:
                 record.failures = [attempt]
             else:
                 record.failures.append(attempt)
+        if (
+            status is SUCCEEDED
+            and state is RUNNING
+            and record.dependents is None
+            and not spawned
+            and not self._groups
+            and not self._compact
+        ):
+            # The common end, in one step: a success that readies nothing and is kept whole.
+            # (`_end_one` does the same and more; a call and a dozen branches cost more here than
+            # the end itself.)
+            t0 = self._t0
+            record.state = record.status = SUCCEEDED
+            record.output = output
+            record.agent = agent
+            t_start = record.t_start
+            record.started = None if t_start is None else t_start - t0
+            record.finished = self._now() - t0
+            record.error = error
+            record.error_type = error_type
+            record.defaulted = defaulted
+            self.unfinished -= 1
+            self._listener.finished(record)
+            return True
         self._end(record, status, output, agent, error, error_type, defaulted)
         return True
 
