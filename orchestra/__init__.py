@@ -110,6 +110,9 @@ from ._exceptions import (
 from ._exceptions import (
     VerificationError as VerificationError,
 )
+from ._instruments import AttemptInfo as AttemptInfo
+from ._instruments import Instrument as Instrument
+from ._instruments import RunInfo as RunInfo
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
@@ -153,6 +156,7 @@ __all__ = (
     "Aggregator",
     "Attempt",
     "AttemptFailed",
+    "AttemptInfo",
     "AttemptRecord",
     "AttemptStarted",
     "AttemptSucceeded",
@@ -169,6 +173,7 @@ __all__ = (
     "Event",
     "FallbackUsed",
     "InputError",
+    "Instrument",
     "InvalidOutput",
     "Limiter",
     "Merge",
@@ -185,6 +190,7 @@ __all__ = (
     "RetryableError",
     "RunError",
     "RunFinished",
+    "RunInfo",
     "RunMetadata",
     "RunResult",
     "RunStarted",

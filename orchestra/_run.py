@@ -24,6 +24,7 @@ import structlog
 from ._admission import Admission
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
+from ._instruments import RunInfo
 from ._report import Report
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
     from ._aggregate import Accumulator
     from ._events import EventBus
+    from ._instruments import Instruments
     from ._limits import Capacity
     from ._registry import Registry
     from ._result import RunResult
@@ -60,6 +62,7 @@ class RunConfig:
         "capacity",
         "defaults",
         "faults",
+        "instruments",
         "on_threshold_missed",
         "registry",
         "retry",
@@ -92,8 +95,10 @@ class RunConfig:
         seed: int | None,
         on_threshold_missed: Callable[..., Any] | None,
         faults: Mapping[str, Any],
+        instruments: Instruments | None = None,
     ) -> None:
         self.registry = registry
+        self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
         self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
         self.capacity = capacity
         self.bus = bus
@@ -135,6 +140,8 @@ class Run:
         self._input_done = False
         self._input_error: Exception | None = None
         self._streamed = False
+        self.instruments = config.instruments
+        self.info: RunInfo  # what the instruments see of this run (set when it has some)
         self.store: RunStore
         self.dispatcher: Dispatcher
 
@@ -174,6 +181,8 @@ class Run:
             )
         if self.bus.active and self.bus.wants(TaskFinished):
             self.bus.emit(TaskFinished(self.dispatcher._time(), self.run_id, record))
+        if self.instruments is not None:
+            self.instruments.task_ended(self.info, record)
         if self._results is not None:
             try:
                 self._results.send_nowait(record)
@@ -207,12 +216,16 @@ class Run:
         )
         dispatcher = self.dispatcher = Dispatcher(self, self.store)
         dispatcher.bind_clock(loop)
+        if self.instruments is not None:
+            self.info = RunInfo(self)
         dropped = self.bus.dropped
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
             self.store.admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
             self._close_input()
+        if self.instruments is not None:
+            self.instruments.run_started(self.info)
         capacity = config.capacity
         capacity.runs.append(dispatcher)
         timed_out = cancelled = False
@@ -247,6 +260,8 @@ class Run:
                 if cancelled:
                     self._emit_finished("cancelled", loop.time() - self.t0)
             if self._input_error is not None:
+                if self.instruments is not None:
+                    self.instruments.run_ended(self.info, "failed", loop.time() - self.t0)
                 raise self._input_error
             result = self._result(wall0, self.bus.dropped - dropped)
             log.info(
@@ -271,6 +286,8 @@ class Run:
             store.settle(record, record.token, CANCELLED, error=reason, error_type=error_type)
 
     def _emit_finished(self, status: str, elapsed: float) -> None:
+        if self.instruments is not None:
+            self.instruments.run_ended(self.info, status, elapsed)
         if self.bus.active:
             self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
 
