@@ -351,6 +351,14 @@ def _overridden(instrument: object, name: str) -> Callable[..., None] | None:
     return hook  # type: ignore[no-any-return]
 
 
+def last_agent(result: TaskResult) -> str:
+    """The agent a task ended on: the one that succeeded, else the last one tried ("" if none)."""
+    if result.agent is not None:
+        return result.agent
+    failures = result.failures
+    return failures[-1].agent if failures else ""
+
+
 def has_hooks(instrument: object) -> bool:
     """Whether `instrument` overrides at least one hook (what `instruments=` checks)."""
     return any(_overridden(instrument, name) for name in (*_HOOKS, "on_attach"))

@@ -25,7 +25,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from ._exceptions import ConfigError
-from ._instruments import Instrument
+from ._instruments import Instrument, last_agent
 
 try:
     from prometheus_client import REGISTRY, Counter, Histogram, generate_latest, start_http_server
@@ -109,7 +109,7 @@ class PrometheusMetrics(Instrument):
             ["kind", "from_agent", "to_agent"], namespace=ns, registry=None,
         )  # fmt: skip
         self.tasks = Counter(
-            "tasks", "Tasks ended, by kind, final agent (empty if none ran) and status.",
+            "tasks", "Tasks ended, by kind, last agent tried (empty if none ran) and status.",
             ["kind", "agent", "status"], namespace=ns, registry=None,
         )  # fmt: skip
         self.task_duration = Histogram(
@@ -212,7 +212,7 @@ class PrometheusMetrics(Instrument):
 
     def on_task_end(self, run: RunInfo, result: TaskResult) -> None:
         status = str(result.status)
-        self.tasks.labels(result.kind, result.agent or "", status).inc()
+        self.tasks.labels(result.kind, last_agent(result), status).inc()
         if result.started is not None:
             self.task_duration.labels(result.kind, status).observe(
                 max(0.0, result.finished - result.started)

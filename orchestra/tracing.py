@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._exceptions import ConfigError
 from ._failure import describe
-from ._instruments import CANCELLED, FAILED, Instrument
+from ._instruments import CANCELLED, FAILED, Instrument, last_agent
 
 try:
     from opentelemetry import context as otel_context
@@ -221,8 +221,9 @@ class OpenTelemetryTracing(Instrument):
         status = str(result.status)
         span.set_attribute("orchestra.task.status", status)
         span.set_attribute("orchestra.task.attempts", result.attempts)
-        if result.agent is not None:
-            span.set_attribute("orchestra.agent.name", result.agent)
+        agent = last_agent(result)
+        if agent:
+            span.set_attribute("orchestra.agent.name", agent)
         if result.defaulted:
             span.set_attribute("orchestra.task.defaulted", True)
         if status == FAILED:
