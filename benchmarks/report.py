@@ -275,7 +275,10 @@ def markdown(
             "it. retry: `RetryPolicy(max_attempts=3)` (orchestra's default, used in every other "
             "scenario), no failures; subscriber: one callback counting "
             "events; structlog: `make_filtering_bound_logger(INFO)` so per-task DEBUG lines are "
-            "dropped; verifier: one accepting verifier per kind.",
+            "dropped; verifier: one accepting verifier per kind; prometheus: "
+            "`instruments=[PrometheusMetrics(registry=CollectorRegistry())]`; otel: "
+            "`instruments=[OpenTelemetryTracing(tracer_provider=TracerProvider())]` (the SDK's, "
+            "no exporter: three spans per task built and ended).",
             "",
         ]
 

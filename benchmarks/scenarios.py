@@ -209,6 +209,8 @@ def plan(sizes: Sizes) -> list[Scenario]:
                 "orchestra_subscriber",
                 "orchestra_structlog",
                 "orchestra_verifier",
+                "orchestra_prometheus",
+                "orchestra_otel",
             )
         ]
     )

@@ -208,7 +208,9 @@ def langgraph_send(spec: Spec) -> Workload:
 # --------------------------------------------------------------------------- orchestra
 
 #: Scenario 6's features, each added alone to the plain orchestra run.
-FEATURES = ("default", "plain", "retry", "subscriber", "structlog", "verifier")
+FEATURES = (
+    "default", "plain", "retry", "subscriber", "structlog", "verifier", "prometheus", "otel",
+)  # fmt: skip
 
 
 def _orchestra_agents(
@@ -289,6 +291,19 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
         import structlog
 
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    elif feature == "prometheus":
+        from prometheus_client import CollectorRegistry
+
+        from orchestra.metrics import PrometheusMetrics
+
+        options["instruments"] = [PrometheusMetrics(registry=CollectorRegistry())]
+    elif feature == "otel":
+        # The SDK's provider with no exporter: what building and ending the spans costs.
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from orchestra.tracing import OpenTelemetryTracing
+
+        options["instruments"] = [OpenTelemetryTracing(tracer_provider=TracerProvider())]
     n_kinds = len(kinds)
 
     async def run() -> dict[str, Any]:

@@ -112,6 +112,9 @@ from ._exceptions import (
 )
 from ._handle import Cancellation as Cancellation
 from ._handle import RunHandle as RunHandle
+from ._instruments import AttemptInfo as AttemptInfo
+from ._instruments import Instrument as Instrument
+from ._instruments import RunInfo as RunInfo
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
@@ -159,6 +162,7 @@ __all__ = (
     "Aggregator",
     "Attempt",
     "AttemptFailed",
+    "AttemptInfo",
     "AttemptRecord",
     "AttemptStarted",
     "AttemptSucceeded",
@@ -177,6 +181,7 @@ __all__ = (
     "Event",
     "FallbackUsed",
     "InputError",
+    "Instrument",
     "InvalidOutput",
     "Limiter",
     "Merge",
@@ -194,6 +199,7 @@ __all__ = (
     "RunError",
     "RunFinished",
     "RunHandle",
+    "RunInfo",
     "RunMetadata",
     "RunResult",
     "RunStarted",

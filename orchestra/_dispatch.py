@@ -36,6 +36,7 @@ from ._events import (
 )
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
 from ._failure import check_returned, describe
+from ._instruments import AttemptInfo
 from ._retry import backoff, classify
 from ._routing import NONE_LEFT, Router
 from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
@@ -81,6 +82,7 @@ class Dispatcher:
         self._verify = config.verify
         self._safety = config.safety
         self._attempt_timeout = config.timeouts.attempt
+        self.instruments = config.instruments  # metrics and tracing hooks (None: none)
         self.router = Router(self, config.registry)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -231,8 +233,13 @@ class Dispatcher:
         capacity = self._capacity
         limiter = capacity.limiter
         time = self._time
-        # Nothing around any call: no attempt timeout, no verifier, no safety check.
-        bare = self._attempt_timeout is None and not self._verify and self._safety is None
+        # Nothing around any call: no attempt timeout, no verifier, no safety check, no instrument.
+        bare = (
+            self._attempt_timeout is None
+            and not self._verify
+            and self._safety is None
+            and self.instruments is None
+        )
         current: list[Record | None] = [None]
         self._running[me] = current
         done = 0
@@ -450,7 +457,13 @@ class Dispatcher:
                     )
                 )
             try:
-                if (
+                instruments = self.instruments
+                if instruments is not None:  # metrics, tracing: around the whole attempt
+                    output = await instruments.attempt(
+                        self._bounded_call(record, slot, ctx, start),
+                        AttemptInfo(self.run.info, task, slot.name, record.attempts, start, ctx),
+                    )
+                elif (
                     record.deadline is None
                     and slot.fault is None
                     and slot.timeout is None
@@ -461,17 +474,8 @@ class Dispatcher:
                     output = await slot.call(task, ctx)  # the common case: nothing around the call
                     if type(output) not in _PLAIN:
                         check_returned(output, slot.name)
-                elif record.deadline is None:
-                    output = await self._call(record, slot, ctx, start)
                 else:
-                    # The task's deadline bounds the whole attempt: the call, the verifier, and
-                    # what runs around them.
-                    with anyio.CancelScope(deadline=record.deadline) as scope:
-                        output = await self._call(record, slot, ctx, start)
-                    if scope.cancelled_caught:
-                        raise TaskTimeout(
-                            f"task timeout: {task.timeout or self.config.timeouts.task}s passed"
-                        )
+                    output = await self._bounded_call(record, slot, ctx, start)
                 if self.cancelled:
                     return  # the agent finished after the run's cancel: the run ends the task
                 if ctx._spawned:  # refused spawns fail the attempt: settled inside the `try`
@@ -604,6 +608,21 @@ class Dispatcher:
                     end - start,
                 )
             )  # fmt: skip
+
+    async def _bounded_call(
+        self, record: Record, slot: AgentSlot, ctx: Context, start: float
+    ) -> Any:
+        """`_call` within the task's deadline, which bounds the whole attempt: the call, the
+        verifier, and what runs around them."""
+        if record.deadline is None:
+            return await self._call(record, slot, ctx, start)
+        with anyio.CancelScope(deadline=record.deadline) as scope:
+            output = await self._call(record, slot, ctx, start)
+        if scope.cancelled_caught:
+            raise TaskTimeout(
+                f"task timeout: {record.task.timeout or self.config.timeouts.task}s passed"
+            )
+        return output
 
     async def _call(self, record: Record, slot: AgentSlot, ctx: Context, start: float) -> Any:
         """The agent call with its fault (simulated), its attempt timeout, its output check and
@@ -738,6 +757,10 @@ class Dispatcher:
                 return
             attempt.retry_in = delay
             self.report.retries += 1
+            if self.instruments is not None:
+                self.instruments.retried(
+                    self.run.info, record.task, slot.name, record.attempts, delay
+                )
             if self.bus.active:
                 self.bus.emit(
                     RetryScheduled(
@@ -773,6 +796,14 @@ class Dispatcher:
         """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
         if nxt is not NONE_LEFT:
             self.report.fallbacks += 1
+        if self.instruments is not None:
+            self.instruments.fell_back(
+                self.run.info,
+                record.task,
+                slot.name,
+                None if nxt is NONE_LEFT else getattr(nxt, "name", nxt),
+                reason,
+            )
         if self.bus.active:
             to = None if nxt is NONE_LEFT else getattr(nxt, "name", nxt)
             self.bus.emit(

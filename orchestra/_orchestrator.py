@@ -37,6 +37,7 @@ from ._exceptions import ConfigError, InputError
 from ._failure import cancel_pending
 from ._faults import Fault, FaultMode
 from ._handle import RunHandle
+from ._instruments import Instrument, Instruments, has_hooks
 from ._limits import Capacity, Concurrency, as_concurrency
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
@@ -98,6 +99,9 @@ class Orchestrator:
             buffered for them; what is left then is dropped (and counted), so a slow subscriber
             never holds up the exit for long.
         store: where runs keep their tasks (default `MemoryStore()`; see `orchestra.stores`).
+        instruments: metrics and tracing hooks called in line by every run (see `Instrument`,
+            `orchestra.metrics.PrometheusMetrics`, `orchestra.tracing.OpenTelemetryTracing`);
+            none by default, and then they cost nothing.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Orchestrator:
         on_threshold_missed: Callable[..., Any] | None = None,
         drain_timeout: float = 5.0,
         store: Store | None = None,
+        instruments: Sequence[Instrument] | None = None,
     ) -> None:
         # Every option is checked here, once, so a wrong type or value is a ConfigError naming it
         # now, never a TypeError in the middle of a run.
@@ -153,6 +158,14 @@ class Orchestrator:
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
+        if instruments is not None:
+            check_sequence("instruments", instruments)
+            for i, instrument in enumerate(instruments):
+                if not has_hooks(instrument):
+                    raise ConfigError(
+                        f"instruments[{i}] must be an orchestra.Instrument (an object with "
+                        f"on_attempt_end, on_task_end, ... hooks), got {instrument!r}"
+                    )
         self.registry = Registry(agents, breaker, fallbacks)
         kinds = set(self.registry.by_kind)
         for name, mapping in (
@@ -185,7 +198,10 @@ class Orchestrator:
             aggregate=aggregator_of(aggregate),
             seed=seed,
             on_threshold_missed=on_threshold_missed,
+            instruments=Instruments.of(instruments),
         )
+        if self._config.instruments is not None:
+            self._config.instruments.attach(self)
         self._drain_timeout = drain_timeout
         self._tg: TaskGroup | None = None
         self._idle: anyio.Event | None = None

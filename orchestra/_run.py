@@ -25,6 +25,7 @@ from ._admission import Admission
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
+from ._instruments import RunInfo
 from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
     from ._aggregate import Accumulator
     from ._events import EventBus
+    from ._instruments import Instruments
     from ._limits import Capacity
     from ._registry import Registry
     from ._result import RunResult
@@ -62,6 +64,7 @@ class RunConfig:
         "capacity",
         "defaults",
         "faults",
+        "instruments",
         "on_threshold_missed",
         "registry",
         "retry",
@@ -94,8 +97,10 @@ class RunConfig:
         seed: int | None,
         on_threshold_missed: Callable[..., Any] | None,
         faults: Mapping[str, Any],
+        instruments: Instruments | None = None,
     ) -> None:
         self.registry = registry
+        self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
         self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
         self.capacity = capacity
         self.bus = bus
@@ -140,6 +145,8 @@ class Run:
         self._stop_reason: str | None = None
         self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call
         self.on_open: Callable[[], None] | None = None  # a run handle's: the run has its store
+        self.instruments = config.instruments
+        self.info: RunInfo  # what the instruments see of this run (set when it has some)
         self.store: RunStore
         self.dispatcher: Dispatcher
 
@@ -188,6 +195,8 @@ class Run:
             self.bus.emit(TaskFinished(self.dispatcher._time(), self.run_id, record))
         if self._ended is not None:
             self._ended.append(record)
+        if self.instruments is not None:
+            self.instruments.task_ended(self.info, record)
         if self._results is not None:
             try:
                 self._results.send_nowait(record)
@@ -221,6 +230,8 @@ class Run:
         )
         dispatcher = self.dispatcher = Dispatcher(self, self.store)
         dispatcher.bind_clock(loop)
+        if self.instruments is not None:
+            self.info = RunInfo(self)
         dropped = self.bus.dropped
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
@@ -229,6 +240,8 @@ class Run:
             self._close_input()
         if self.on_open is not None:
             self.on_open()  # before any worker: a handle's pause or cancel holds from the start
+        if self.instruments is not None:
+            self.instruments.run_started(self.info)
         capacity = config.capacity
         capacity.runs.append(dispatcher)
         timed_out = cancelled = False
@@ -263,6 +276,8 @@ class Run:
                 if cancelled:
                     self._emit_finished("cancelled", loop.time() - self.t0)
             if self._input_error is not None:
+                if self.instruments is not None:
+                    self.instruments.run_ended(self.info, "failed", loop.time() - self.t0)
                 raise self._input_error
             result = self._result(wall0, self.bus.dropped - dropped)
             log.info(
@@ -291,6 +306,8 @@ class Run:
             store.settle(record, record.token, CANCELLED, error=reason, error_type=error_type)
 
     def _emit_finished(self, status: str, elapsed: float) -> None:
+        if self.instruments is not None:
+            self.instruments.run_ended(self.info, status, elapsed)
         if self.bus.active:
             self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
 
