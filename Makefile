@@ -10,7 +10,7 @@ $(UV):
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
 .venv/.synced: pyproject.toml uv.lock | $(UV)
-	$(UV) sync --locked --extra bench --extra claude --quiet
+	$(UV) sync --locked --extra bench --extra claude --extra cli --quiet
 	@touch $@
 
 sync: .venv/.synced

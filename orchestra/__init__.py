@@ -127,6 +127,9 @@ from ._orchestrator import (
 from ._orchestrator import (
     ResultStream as ResultStream,
 )
+from ._progress import progress as progress
+from ._progress import render_status as render_status
+from ._progress import status_line as status_line
 from ._result import (
     AttemptRecord as AttemptRecord,
 )
@@ -148,6 +151,11 @@ from ._result import (
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import Timeouts as Timeouts
 from ._signals import run_main as run_main
+from ._status import AgentStatus as AgentStatus
+from ._status import Bottleneck as Bottleneck
+from ._status import ErrorSample as ErrorSample
+from ._status import KindStatus as KindStatus
+from ._status import RunStatus as RunStatus
 from ._task import Attempt as Attempt
 from ._task import Task as Task
 from ._task import TaskResult as TaskResult
@@ -159,6 +167,7 @@ __all__ = (
     "Agent",
     "AgentError",
     "AgentLike",
+    "AgentStatus",
     "Aggregator",
     "Attempt",
     "AttemptFailed",
@@ -167,6 +176,7 @@ __all__ = (
     "AttemptStarted",
     "AttemptSucceeded",
     "AttemptTimeout",
+    "Bottleneck",
     "BreakerChanged",
     "BreakerPolicy",
     "ByKind",
@@ -178,11 +188,13 @@ __all__ = (
     "Context",
     "Discard",
     "ErrorRecord",
+    "ErrorSample",
     "Event",
     "FallbackUsed",
     "InputError",
     "Instrument",
     "InvalidOutput",
+    "KindStatus",
     "Limiter",
     "Merge",
     "OrchestraError",
@@ -203,6 +215,7 @@ __all__ = (
     "RunMetadata",
     "RunResult",
     "RunStarted",
+    "RunStatus",
     "Task",
     "TaskFinished",
     "TaskReady",
@@ -217,5 +230,8 @@ __all__ = (
     "by_priority",
     "by_type",
     "chunked",
+    "progress",
+    "render_status",
     "run_main",
+    "status_line",
 )

@@ -23,6 +23,7 @@ import anyio
 
 from ._exceptions import InputError, RunError
 from ._report import Report
+from ._status import snapshot, starting
 from ._store import Selector
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from ._result import RunResult
     from ._run import Run
+    from ._status import RunStatus
     from ._task import TaskResult
 
 __all__ = ("Cancellation", "RunHandle")
@@ -76,8 +78,10 @@ class RunHandle:
     the in-memory store forgets a run when it ends, so there a new start runs it all again.
     """
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, concurrency: int = 0) -> None:
         self.run_id = run_id
+        self._concurrency = concurrency
+        self._last: RunStatus | None = None  # the run's last status, once it is over
         self._run: Run | None = None
         self._open = False  # the run has its store and its admitted input
         self._paused = False
@@ -117,6 +121,8 @@ class RunHandle:
         finally:
             if self._send is not None:
                 self._send.close()
+            if self._run is not None:
+                self._last = snapshot(self._run)
             self._run = None
             self._over.set()
             self._signal()
@@ -158,6 +164,16 @@ class RunHandle:
     def paused(self) -> bool:
         """Whether the run is paused (`pause()` without a `resume()` since)."""
         return self._paused
+
+    def status(self) -> RunStatus:
+        """The run's `RunStatus` now: counts, progress, throughput, ETA, agents, queue,
+        bottleneck (see "Watching a run"). Cheap enough to poll often; its last one once over."""
+        run = self._run
+        if run is not None:
+            return snapshot(run)
+        if self._last is not None:
+            return self._last
+        return starting(self.run_id, self._concurrency)
 
     def __await__(self) -> Generator[Any, None, RunResult]:
         return self._wait().__await__()

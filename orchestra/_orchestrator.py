@@ -331,7 +331,7 @@ class Orchestrator:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
         if run_id is not None and not isinstance(run_id, str):
             raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
-        handle = RunHandle(run_id or uuid.uuid4().hex[:12])
+        handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)
         self._starting += 1
         registered = False
 

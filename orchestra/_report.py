@@ -18,9 +18,9 @@ from ._result import (
     AttemptRecord,
     CancelRecord,
     ErrorRecord,
+    Outcome,
     RunMetadata,
     RunResult,
-    RunStatus,
     TimingStats,
 )
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
@@ -155,7 +155,7 @@ class Report:
         succeeded = by_status[SUCCEEDED]
         rate = succeeded / total if total else 1.0
         critical = [n.id for n in not_ok if n.task.critical]
-        status: RunStatus
+        status: Outcome
         if self.cancelled:
             status = "cancelled"
         elif succeeded == total and not self.cut_short:

@@ -15,13 +15,13 @@ __all__ = (
     "AttemptRecord",
     "CancelRecord",
     "ErrorRecord",
+    "Outcome",
     "RunMetadata",
     "RunResult",
-    "RunStatus",
     "TimingStats",
 )
 
-RunStatus = Literal["success", "partial", "failed", "cancelled"]
+Outcome = Literal["success", "partial", "failed", "cancelled"]
 
 
 class AttemptRecord(BaseModel):
@@ -137,7 +137,7 @@ class RunResult(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    status: RunStatus
+    status: Outcome
     data: Any
     metadata: RunMetadata
     errors: list[ErrorRecord] = Field(default_factory=list)

@@ -248,6 +248,13 @@ class Router:
             self._owner.schedule()
         return None
 
+    def waiting(self) -> list[tuple[AgentSlot | None, str | None, int]]:
+        """The non-empty lanes as (agent or None, kind or None, tasks held): for the run's status.
+        O(lanes); a task that ended while it waited is counted until its lane is looked at."""
+        return [
+            (lane.slot, lane.kind, len(lane.heap)) for lane in self._lanes.values() if lane.heap
+        ]
+
     def lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
         key: Any = slot if slot is not None else kind
         lane = self._lanes.get(key)

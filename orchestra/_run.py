@@ -28,6 +28,7 @@ from ._gc import paused
 from ._instruments import RunInfo
 from ._report import Report
 from ._result import CancelRecord
+from ._status import Meter
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
 
@@ -130,8 +131,10 @@ class Run:
         self.config = config
         self.run_id = run_id
         self.report = Report()
+        self.meter = Meter()  # what `orchestra._status.snapshot` reads
         self.bus = config.bus
         self.t0 = 0.0
+        self.t_end: float | None = None  # loop time when the run ended (for its status)
         self.debug = _debug_enabled()
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
@@ -159,6 +162,8 @@ class Run:
                     self.dispatcher._time(), self.run_id, record.id, record.kind, record.priority
                 )
             )
+        if record.parent is not None:
+            self.meter.ready(record)
         self.dispatcher.ready(record)
 
     def ready_all(self, records: Sequence[Record]) -> None:
@@ -170,6 +175,7 @@ class Run:
 
     def finished(self, record: Record) -> None:
         status = record.status
+        self.meter.finished(record)
         if status is SUCCEEDED and self._agg_error is None:
             try:
                 self._acc.add(record)
@@ -237,6 +243,7 @@ class Run:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
             self.store.admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
+            self.meter.admitted(source)  # type: ignore[arg-type]
             self._close_input()
         if self.on_open is not None:
             self.on_open()  # before any worker: a handle's pause or cancel holds from the start
@@ -267,6 +274,7 @@ class Run:
                 cancelled = True
                 raise
             finally:
+                self.t_end = loop.time()
                 capacity.runs.remove(dispatcher)
                 dispatcher.stop()
                 if cancelled or timed_out or self._stop_reason is not None:
@@ -408,6 +416,7 @@ class Run:
                     if store.unfinished >= self._window or self._results is not None:
                         await self._wait_for_window()
                     store.admit_one(task, pulled)
+                    self.meter.admitted_one(task.kind)
                     pulled += 1
             else:  # a plain iterable never waits: admit it in chunks, as the window allows
                 iterator = iter(source)
@@ -418,6 +427,7 @@ class Run:
                     if not chunk:
                         break
                     store.admit(chunk, where="input item", forward=False, first_index=pulled)
+                    self.meter.admitted(chunk)
                     pulled += len(chunk)
                     await anyio.lowlevel.checkpoint()  # let the workers start on it
         except Exception as exc:
@@ -455,6 +465,17 @@ class Run:
         if self._window_free is not None:
             self._window_free.set()
             self._window_free = None
+
+    @property
+    def input_complete(self) -> bool:
+        """Every task of the input has been admitted (a streamed input may still be arriving)."""
+        return self._input_done
+
+    @property
+    def ended(self) -> bool:
+        """The run is over: every task ended, or it was timed out or cancelled."""
+        dispatcher = getattr(self, "dispatcher", None)
+        return self._done.is_set() or (dispatcher is not None and dispatcher.cancelled)
 
     def _close_input(self) -> None:
         self._input_done = True

@@ -102,5 +102,10 @@ class ReadyQueue(Generic[T]):
         entry.priority = priority
         self.push(entry)
 
+    def depths(self) -> dict[int, int]:
+        """Entries by priority, for status reports: O(priority levels). A discarded entry counts
+        until it reaches the front (rare: a task cancelled or timed out while ready)."""
+        return {prio: len(self._buckets[prio]) for prio in sorted(self._prios)}
+
     def __len__(self) -> int:
         return self._size

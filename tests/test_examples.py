@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
 from tests.helpers import REPO, run_python
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class TestQuickstart:
@@ -18,3 +22,25 @@ class TestQuickstart:
         assert match is not None, done.stdout[-3000:]
         assert float(match.group(1)) >= 2.0
         assert "Traceback" not in done.stderr
+
+
+class TestLiveView:
+    def test_runs_with_plain_lines_and_saves_the_screenshot(self, tmp_path: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        svg = tmp_path / "view.svg"
+        done = run_python(
+            str(REPO / "examples" / "live_view.py"),
+            "--svg",
+            str(svg),
+            cwd=REPO,
+            env=env,
+            timeout=90,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "status: partial" in done.stdout
+        lines = [line for line in done.stderr.splitlines() if line.startswith("run ")]
+        assert lines
+        assert "100.0% 300/300" in lines[-1]
+        text = svg.read_text()
+        assert text.startswith("<svg")
+        assert "agents" in text

@@ -27,7 +27,7 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra.testing import FakeClock
+from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -636,3 +636,23 @@ class TestInterleavings:
         self, script: list[Op], concurrency: int
     ) -> None:
         await _interleave(script, concurrency)
+
+
+class TestStatus:
+    async def test_starting_running_and_finished(self, clock: FakeClock) -> None:
+        async def slow_plan(count: int) -> list[Task]:
+            await anyio.sleep(1)
+            return [Task("work", i) for i in range(count)]
+
+        work = scripted("w", ["work"], latency=1.0)
+        async with Orchestrator(agents=[work], concurrency=2, decomposer=slow_plan) as orch:
+            handle = orch.start(6)
+            first = handle.status()
+            assert (first.state, first.total, first.concurrency) == ("starting", 0, 2)
+            await anyio.sleep(2.5)  # planned at 1 s; 2 done at 2 s, 2 running
+            mid = handle.status()
+            assert (mid.state, mid.total, mid.completed, mid.active) == ("running", 6, 2, 2)
+            result = await handle
+        last = handle.status()
+        assert (last.state, last.completed, last.progress) == ("finished", 6, 100.0)
+        assert result.metadata.total == 6

@@ -863,6 +863,10 @@ class MemoryRun:
             return record.state
         return SUCCEEDED if task_id in self._settled else None
 
+    def queue_depths(self) -> dict[int, int]:
+        """Ready tasks by priority (for the run's status): O(priority levels)."""
+        return self._queue.depths()
+
     def reprioritize(self, task_id: str, priority: int) -> bool:
         record = self._records.get(task_id)
         if record is None or record.state in TERMINAL:

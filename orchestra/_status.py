@@ -1,0 +1,638 @@
+"""The status of a live run: what it has done, what it is doing, what it waits on, when it ends.
+
+Two halves. A `Meter` belongs to each run and counts as tasks end (the run's store listener calls
+it: a few dict and int updates per task, no clock read — the store already stamped the record).
+`snapshot(run)` reads the meter, the store's counters, the registry's agents and the router's lanes
+and returns a frozen `RunStatus`. The snapshot's cost is O(kinds + agents + priority levels + lanes),
+never O(tasks), so a live view may poll it ten times a second on a run of a million tasks.
+
+Definitions (the README's "Watching a run" says the same for users):
+
+- **counts** by state: `pending` (waiting for dependencies or a group), `queued` (ready, waiting for
+  a worker), `waiting` (claimed, waiting for room at an agent: its limit, a rate limit, an open
+  breaker), `running`, `retrying` (between attempts, until a retry's due time), and the terminal
+  `succeeded`, `failed`, `skipped`, `cancelled`.
+- **throughput**: tasks ended per second over the last `WINDOW` seconds (a ring of one-second
+  buckets), **recent error rate** the share of them that failed.
+- **ETA**: for each kind, the remaining tasks times the mean duration of its ended tasks (the mean of
+  all kinds for a kind with none ended yet), spread over the parallelism the kind has — the global
+  limit, the limits of its agents whose breaker is not open, and no more than its remaining tasks;
+  the run's ETA is the longest of those, or the whole remaining work over the global limit when
+  the kinds together need more than it. A task's duration runs from its first attempt's start to
+  its end (retries included), so the estimate learns the real cost of flaky agents.
+- **bottleneck**: where the most tasks wait now. The agent (or kind) whose lane holds the most claimed
+  tasks, with why (its limit, a rate limit, its breaker); else the global limit, when ready tasks
+  queue while every slot is taken; else the kind with the longest ETA (the one the end of the run
+  waits for). None when nothing is left.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Literal
+
+from ._aggregate import percentile
+from ._breaker import OPEN
+from ._report import Durations
+from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from ._registry import AgentSlot
+    from ._run import Run
+    from ._task import Task
+    from .stores._memory import Record
+
+__all__ = (
+    "AgentStatus",
+    "Bottleneck",
+    "ErrorSample",
+    "KindStatus",
+    "Meter",
+    "RunStatus",
+    "snapshot",
+)
+
+WINDOW = 10  # seconds of history behind `throughput` and `recent_error_rate`
+_RING = 16  # one-second buckets kept (a power of two above WINDOW: the index is a mask)
+RECENT_ERRORS = 20  # failed tasks kept for `RunStatus.errors`
+_MESSAGE = 300  # characters of an error message kept
+_UNLIMITED = sys.maxsize
+
+_STATES = (
+    "pending",
+    "queued",
+    "waiting",
+    "running",
+    "retrying",
+    SUCCEEDED,
+    FAILED,
+    SKIPPED,
+    CANCELLED,
+)
+
+AgentState = Literal["idle", "busy", "failing", "open"]
+RunState = Literal["starting", "running", "finished"]
+
+
+# -- what a run counts -------------------------------------------------------------------------
+
+
+class KindMeter:
+    """The counters of one kind in one run."""
+
+    __slots__ = (
+        "admitted",
+        "busy",
+        "cancelled",
+        "failed",
+        "p95",
+        "sample",
+        "skipped",
+        "succeeded",
+        "timed",
+    )
+
+    def __init__(self) -> None:
+        self.admitted = 0
+        self.succeeded = 0
+        self.failed = 0
+        self.skipped = 0
+        self.cancelled = 0
+        self.timed = 0  # ended tasks that had started (their durations are in `busy`)
+        self.busy = 0.0  # the sum of their durations: the mean is exact
+        # The report's bounded reservoir, fed one duration in `_EVERY` past the first `_EXACT`:
+        # the p95 of a live view needs a fair sample, not every value, and this halves the cost.
+        self.sample = Durations()
+        self.p95: tuple[int, float] = (0, 0.0)  # (sample.count when computed, value)
+
+    @property
+    def ended(self) -> int:
+        return self.succeeded + self.failed + self.skipped + self.cancelled
+
+
+_EXACT = 1_024
+_EVERY = 8  # a power of two (a mask)
+
+
+class Meter:
+    """What a run counts for its status, as its tasks are admitted and end.
+
+    Per kind: admitted and ended counts, durations; for the run: ended and failed tasks per second
+    (a ring of one-second buckets), and the last failed tasks. Times are the store's
+    (`record.finished`, seconds since the run started), so nothing here reads a clock. Ending a
+    task costs a dict lookup and a few int and float updates (~0.2 µs).
+
+    Tasks admitted by the run (its input) are counted when admitted; spawned ones when they first
+    become ready or are skipped (one that waits for its siblings is counted once it can run).
+    `snapshot` reconciles the kinds' remaining work with the store's exact `unfinished`.
+    """
+
+    __slots__ = (
+        "ended",
+        "errors",
+        "failed",
+        "kinds",
+        "ring_ended",
+        "ring_failed",
+        "ring_second",
+        "second",
+        "second_end",
+    )
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, KindMeter] = {}
+        # The current second's counts are plain attributes; `_turn` files them in the ring.
+        self.second = 0
+        self.second_end = 1.0
+        self.ended = 0
+        self.failed = 0
+        self.ring_second = [-1] * _RING  # which second each bucket holds
+        self.ring_ended = [0] * _RING
+        self.ring_failed = [0] * _RING
+        self.errors: deque[ErrorSample] = deque(maxlen=RECENT_ERRORS)
+
+    def _kind(self, kind: str) -> KindMeter:
+        meter = self.kinds.get(kind)
+        if meter is None:
+            meter = self.kinds[kind] = KindMeter()
+        return meter
+
+    def admitted(self, tasks: Iterable[Task]) -> None:
+        """Count a batch of admitted tasks (one pass in C over their kinds)."""
+        for kind, n in Counter(map(attrgetter("kind"), tasks)).items():
+            self._kind(kind).admitted += n
+
+    def admitted_one(self, kind: str) -> None:
+        self._kind(kind).admitted += 1
+
+    def ready(self, record: Record) -> None:
+        """A spawned task became ready: the first time counts it as admitted."""
+        if record.attempts == 0:
+            self._kind(record.kind).admitted += 1
+
+    def finished(self, record: Record) -> None:
+        """Count one ended task (the store has stamped its times and status)."""
+        kind = self.kinds.get(record.kind)
+        if kind is None:
+            kind = self._kind(record.kind)
+        end = record.finished
+        if end >= self.second_end:
+            self._turn(end)
+        self.ended += 1
+        if record.status is SUCCEEDED:
+            kind.succeeded += 1
+        else:
+            self._not_ok(kind, record)
+        started = record.started
+        if started is not None:
+            kind.busy += end - started
+            kind.timed = timed = kind.timed + 1
+            if timed <= _EXACT or not timed & (_EVERY - 1):
+                kind.sample.add(end - started)
+
+    def _turn(self, end: float) -> None:
+        """File the current second's counts in the ring and start the second `end` falls in."""
+        i = self.second & (_RING - 1)
+        self.ring_second[i] = self.second
+        self.ring_ended[i] = self.ended
+        self.ring_failed[i] = self.failed
+        self.second = int(end)
+        self.second_end = self.second + 1.0
+        self.ended = self.failed = 0
+
+    def window(self, now: float) -> tuple[int, int, float]:
+        """Tasks ended and failed in the last WINDOW seconds before `now`, and the span covered."""
+        current = int(now)
+        first = current - WINDOW + 1
+        ended = failed = 0
+        if first <= self.second <= current:
+            ended, failed = self.ended, self.failed
+        for i, second in enumerate(self.ring_second):
+            if first <= second <= current and second != self.second:
+                ended += self.ring_ended[i]
+                failed += self.ring_failed[i]
+        return ended, failed, min(now, now - first)
+
+    def _not_ok(self, kind: KindMeter, record: Record) -> None:
+        status = record.status
+        if status is FAILED:
+            kind.failed += 1
+            self.failed += 1
+            failures = record.failures
+            last = failures[-1] if failures else None
+            self.errors.append(
+                ErrorSample(
+                    task_id=record.id,
+                    kind=record.kind,
+                    agent=record.agent or (last.agent if last is not None else None),
+                    error_type=record.error_type or (last.error_type if last else "Error"),
+                    message=(record.error or (last.message if last else ""))[:_MESSAGE],
+                    at=record.finished,
+                )
+            )
+        elif status is SKIPPED:
+            kind.skipped += 1
+            if record.parent is not None:  # a skipped task was never ready: count it here
+                kind.admitted += 1
+        else:
+            kind.cancelled += 1
+
+
+# -- what a snapshot shows ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorSample:
+    """A task that failed, as the live view lists it."""
+
+    task_id: str
+    kind: str
+    agent: str | None
+    error_type: str
+    message: str
+    at: float  # seconds since the run started
+
+
+@dataclass(frozen=True, slots=True)
+class KindStatus:
+    """One kind of task in a run: how much is done and left, how long its tasks take, its ETA."""
+
+    kind: str
+    total: int  # admitted so far (spawned tasks once they can run)
+    remaining: int
+    succeeded: int
+    failed: int
+    skipped: int
+    cancelled: int
+    mean: float | None  # seconds per task, first attempt's start to end; None before one ended
+    p95: float | None
+    parallelism: int  # how many of its tasks can run at once (see the module's docstring)
+    eta: float | None  # seconds until its remaining tasks are done at that parallelism
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """One agent now. Its counters and load are the orchestrator's (every run on it), except
+    `waiting`, the tasks of this run waiting for room at it."""
+
+    name: str
+    kinds: tuple[str, ...]
+    state: AgentState  # idle / busy / failing (recent health failures) / open (breaker open)
+    breaker: str
+    in_flight: int
+    limit: int | None
+    utilisation: float  # in_flight over its limit (or the global limit when it has none)
+    waiting: int
+    attempts: int
+    succeeded: int
+    failures: int
+    last_error: str | None
+    paused_for: float  # seconds left of a Retry-After that pauses it (0: none)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Bottleneck:
+    """Where the run waits most now (see `orchestra._status` for the rule)."""
+
+    reason: Literal[
+        "agent limit", "rate limit", "breaker open", "kind", "concurrency", "slowest kind"
+    ]
+    agent: str | None = None
+    kind: str | None = None
+    waiting: int = 0  # tasks waiting there (0 for "slowest kind")
+
+    def describe(self) -> str:
+        where = self.agent or self.kind or "the global concurrency limit"
+        if self.reason == "slowest kind":
+            return f"kind {self.kind!r} (most work left)"
+        if self.reason == "concurrency":
+            return f"the global concurrency limit ({self.waiting} queued)"
+        if self.agent is not None:
+            return f"agent {where!r}: {self.reason} ({self.waiting} waiting)"
+        return f"agents of kind {where!r} are full ({self.waiting} waiting)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RunStatus:
+    """A run at one moment: counts, progress, pace, ETA, agents, queue, bottleneck, errors, spend.
+
+    ``{"progress": ..., "active": ..., "completed": ...}`` (the seed's `get_status()`) is a subset of
+    `to_dict()`. Times are seconds; `eta` is None until some task has ended (nothing to learn
+    from yet). While a streamed input is still arriving (`input_complete` False), `total`,
+    `progress` and `eta` cover the tasks admitted so far.
+    """
+
+    run_id: str
+    state: RunState
+    elapsed: float
+    total: int
+    completed: int  # ended, in any terminal state
+    active: int  # attempts running now
+    progress: float  # percent of `total` completed
+    counts: Mapping[str, int]
+    input_complete: bool
+    throughput: float  # tasks ended per second over the last `window` seconds
+    window: float
+    eta: float | None
+    error_rate: float  # failed / (succeeded + failed) over the run
+    recent_error_rate: float  # the same over the last `window` seconds
+    attempts: int
+    retries: int
+    fallbacks: int
+    concurrency: int  # the global limit
+    utilisation: float  # this run's running attempts over the global limit
+    queue_by_priority: Mapping[int, int]
+    kinds: tuple[KindStatus, ...]
+    agents: tuple[AgentStatus, ...]
+    bottleneck: Bottleneck | None
+    errors: tuple[ErrorSample, ...]  # the last failed tasks, oldest first
+    cost: float  # from `ctx.record_usage`
+    tokens: Mapping[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (priorities become string keys, as JSON objects need)."""
+        data = asdict(self)
+        data["counts"] = dict(self.counts)
+        data["tokens"] = dict(self.tokens)
+        data["queue_by_priority"] = {str(k): v for k, v in self.queue_by_priority.items()}
+        data["kinds"] = [k.to_dict() for k in self.kinds]
+        data["agents"] = [a.to_dict() for a in self.agents]
+        data["agents"] = [{**a, "kinds": list(a["kinds"])} for a in data["agents"]]
+        data["errors"] = [asdict(e) for e in self.errors]
+        return data
+
+
+# -- the snapshot ------------------------------------------------------------------------------
+
+
+def snapshot(run: Run) -> RunStatus:
+    """The status of `run` now. O(kinds + agents + priority levels + lanes), never O(tasks); call
+    it on the run's event loop (it reads plain counters, without locks)."""
+    meter = run.meter
+    report = run.report
+    config = run.config
+    limit = config.capacity.limit
+    dispatcher = getattr(run, "dispatcher", None)
+    store = getattr(run, "store", None)
+    if dispatcher is None or store is None:  # not started yet
+        return starting(run.run_id, limit)
+    ended = run.ended
+    now = (run.t_end if run.t_end is not None else dispatcher.now()) - run.t0
+    unfinished: int = store.unfinished
+    pending: int = store.pending
+    running: int = dispatcher.running
+    depths = _queue_depths(store)
+    queued = sum(depths.values())
+    lanes = dispatcher.router.waiting()
+    held = sum(n for _, _, n in lanes)
+
+    succeeded = failed = skipped = cancelled = 0
+    for k in meter.kinds.values():
+        succeeded += k.succeeded
+        failed += k.failed
+        skipped += k.skipped
+        cancelled += k.cancelled
+    completed = succeeded + failed + skipped + cancelled
+    total = completed + unfinished
+    counts = {
+        "pending": pending,
+        "queued": queued,
+        "waiting": held,
+        "running": running,
+        "retrying": max(0, unfinished - pending - queued - held - running),
+        "succeeded": succeeded,
+        "failed": failed,
+        "skipped": skipped,
+        "cancelled": cancelled,
+    }
+
+    ended_w, failed_w, span = meter.window(now)
+    slots = config.registry.slots
+    kinds = _kinds(meter, unfinished, limit, config.registry.by_kind)
+    eta = _eta(kinds, limit, unfinished)
+    agents = _agents(slots.values(), lanes, limit, dispatcher.now())
+    return RunStatus(
+        run_id=run.run_id,
+        state="finished" if ended else "running",
+        elapsed=now,
+        total=total,
+        completed=completed,
+        active=running,
+        progress=100.0 * completed / total if total else 0.0,
+        counts=counts,
+        input_complete=run.input_complete,
+        throughput=ended_w / span if span > 0 else 0.0,
+        window=span,
+        eta=eta,
+        error_rate=failed / (succeeded + failed) if succeeded + failed else 0.0,
+        recent_error_rate=failed_w / ended_w if ended_w else 0.0,
+        attempts=report.attempts,
+        retries=report.retries,
+        fallbacks=report.fallbacks,
+        concurrency=limit,
+        utilisation=running / limit,
+        queue_by_priority=depths,
+        kinds=kinds,
+        agents=agents,
+        bottleneck=_bottleneck(lanes, kinds, queued, running, limit, dispatcher.now()),
+        errors=tuple(meter.errors),
+        cost=report.cost,
+        tokens=dict(report.tokens),
+    )
+
+
+def starting(run_id: str, limit: int) -> RunStatus:
+    """The status of a run that has no tasks yet (its decomposer is at work)."""
+    return RunStatus(
+        run_id=run_id,
+        state="starting",
+        elapsed=0.0,
+        total=0,
+        completed=0,
+        active=0,
+        progress=0.0,
+        counts=dict.fromkeys(_STATES, 0),
+        input_complete=False,
+        throughput=0.0,
+        window=0.0,
+        eta=None,
+        error_rate=0.0,
+        recent_error_rate=0.0,
+        attempts=0,
+        retries=0,
+        fallbacks=0,
+        concurrency=limit,
+        utilisation=0.0,
+        queue_by_priority={},
+        kinds=(),
+        agents=(),
+        bottleneck=None,
+        errors=(),
+        cost=0.0,
+        tokens={},
+    )
+
+
+def _queue_depths(store: Any) -> dict[int, int]:
+    depths = getattr(store, "queue_depths", None)  # a store without a local queue has none
+    return {} if depths is None else {p: n for p, n in depths().items() if n}
+
+
+def _kinds(
+    meter: Meter, unfinished: int, limit: int, by_kind: Mapping[str, list[AgentSlot]]
+) -> tuple[KindStatus, ...]:
+    # The kinds' own counts of what is left may drift from the store's exact `unfinished`
+    # (idempotent re-admissions, spawned tasks not yet ready): the store's total wins, shared out
+    # in proportion to the kinds' counts.
+    left = {name: max(0, k.admitted - k.ended) for name, k in meter.kinds.items()}
+    counted = sum(left.values())
+    scale = unfinished / counted if counted else 0.0
+    all_count = sum(k.timed for k in meter.kinds.values())
+    all_mean = sum(k.busy for k in meter.kinds.values()) / all_count if all_count else None
+    out = []
+    for name in sorted(meter.kinds):
+        k = meter.kinds[name]
+        remaining = round(left[name] * scale)
+        mean = k.busy / k.timed if k.timed else None
+        guess = mean if mean is not None else all_mean
+        parallelism = _parallelism(by_kind.get(name, ()), limit)
+        eta: float | None
+        if not remaining:
+            eta = 0.0
+        elif guess is None:
+            eta = None
+        else:
+            eta = remaining * guess / max(1, min(parallelism, remaining))
+        out.append(
+            KindStatus(
+                kind=name,
+                total=k.ended + remaining,
+                remaining=remaining,
+                succeeded=k.succeeded,
+                failed=k.failed,
+                skipped=k.skipped,
+                cancelled=k.cancelled,
+                mean=mean,
+                p95=_p95(k) if k.timed else None,
+                parallelism=parallelism,
+                eta=eta,
+            )
+        )
+    return tuple(out)
+
+
+def _p95(k: KindMeter) -> float:
+    # Sorting the reservoir (up to 4096 values) costs ~0.3 ms: recomputed only when the kind's
+    # count moved by more than 1/64 since, so a 10 Hz poll of a busy run stays cheap.
+    sample = k.sample
+    seen, value = k.p95
+    if sample.count != seen and sample.count - seen >= max(1, seen >> 6):
+        value = percentile(sorted(sample.sample), 0.95)
+        k.p95 = (sample.count, value)
+    return value
+
+
+def _parallelism(slots: Iterable[AgentSlot], limit: int) -> int:
+    """How many tasks of a kind can run at once: its agents' limits (those whose breaker is open
+    left out, unless all are), within the global limit."""
+    slots = list(slots)
+    usable = [s for s in slots if s.breaker.state is not OPEN] or slots
+    room = 0
+    for slot in usable:
+        if slot.limit == _UNLIMITED:
+            return limit
+        room += slot.limit
+    return max(1, min(limit, room)) if usable else limit
+
+
+def _eta(kinds: tuple[KindStatus, ...], limit: int, unfinished: int) -> float | None:
+    if not unfinished:
+        return 0.0
+    if any(k.eta is None for k in kinds if k.remaining) or not any(k.remaining for k in kinds):
+        return None
+    longest = max((k.eta or 0.0) for k in kinds)
+    work = sum(k.remaining * (k.mean if k.mean is not None else (k.eta or 0.0)) for k in kinds)
+    # The kinds share the global limit: together they cannot finish sooner than all their work
+    # spread over it. (A kind without its own mean contributes its ETA's work estimate.)
+    return max(longest, work / limit)
+
+
+def _agents(
+    slots: Iterable[AgentSlot],
+    lanes: list[tuple[AgentSlot | None, str | None, int]],
+    limit: int,
+    now: float,
+) -> tuple[AgentStatus, ...]:
+    waiting: dict[str, int] = {}
+    for slot, _, n in lanes:
+        if slot is not None:
+            waiting[slot.name] = waiting.get(slot.name, 0) + n
+    out = []
+    for slot in slots:
+        own = None if slot.limit == _UNLIMITED else slot.limit
+        room = min(limit, own) if own is not None else limit
+        out.append(
+            AgentStatus(
+                name=slot.name,
+                kinds=slot.kinds,
+                state=slot.status(),
+                breaker=slot.breaker.state,
+                in_flight=slot.in_flight,
+                limit=own,
+                utilisation=slot.in_flight / room,
+                waiting=waiting.get(slot.name, 0),
+                attempts=slot.attempts,
+                succeeded=slot.succeeded,
+                failures=slot.failures,
+                last_error=slot.last_error,
+                paused_for=max(0.0, slot.paused_until - now),
+            )
+        )
+    return tuple(out)
+
+
+def _bottleneck(
+    lanes: list[tuple[AgentSlot | None, str | None, int]],
+    kinds: tuple[KindStatus, ...],
+    queued: int,
+    running: int,
+    limit: int,
+    now: float,
+) -> Bottleneck | None:
+    if lanes:
+        slot, kind, n = max(lanes, key=lambda lane: lane[2])
+        if slot is None:
+            return Bottleneck("kind", kind=kind, waiting=n)
+        if slot.breaker.state is OPEN:
+            reason: Any = "breaker open"
+        elif slot.paused_until > now or (slot.limiters and slot.in_flight < slot.limit):
+            reason = "rate limit"  # a Retry-After, or its limiters have no room before later
+        else:
+            reason = "agent limit"
+        return Bottleneck(reason, agent=slot.name, kind=kind, waiting=n)
+    if queued and running >= limit:
+        return Bottleneck("concurrency", waiting=queued)
+    left = [k for k in kinds if k.remaining]
+    if not left:
+        return None
+    slowest = max(left, key=lambda k: math.inf if k.eta is None else k.eta)
+    return Bottleneck("slowest kind", kind=slowest.kind)
+
+
+for _public in (AgentStatus, Bottleneck, ErrorSample, KindStatus, RunStatus):
+    _public.__module__ = "orchestra"
