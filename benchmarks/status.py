@@ -17,20 +17,22 @@ import time
 import timeit
 
 from orchestra import Context, Orchestrator, Task, agent
-from orchestra._status import Meter, snapshot
+from orchestra._report import Report
+from orchestra._status import snapshot
 from orchestra._task import SUCCEEDED
 from orchestra.stores._memory import Record
 
 
 def meter_cost(n: int = 200_000) -> float:
-    """ns per `Meter.finished` (a succeeded task with a duration), against an empty call."""
+    """ns per `Report.finished` (a succeeded task with a duration), against an empty call."""
     records = []
     for i in range(n):
         record = Record(Task("work", i), i, None)
         record.status = SUCCEEDED
+        record.agent = "w"
         record.started, record.finished = i * 1e-3, i * 1e-3 + 5e-4
         records.append(record)
-    meter = Meter()
+    meter = Report()
 
     def noop(record: Record) -> None:
         return None
@@ -78,7 +80,7 @@ def main() -> None:
     print(
         f"| snapshot of a run with {total:,} admitted tasks | {median:.0f} µs median, {worst:.0f} µs max (200 polls) |"
     )
-    print(f"| Meter.finished per ended task | {meter_cost():.0f} ns over an empty call |")
+    print(f"| Report.finished per ended task | {meter_cost():.0f} ns over an empty call |")
 
 
 if __name__ == "__main__":

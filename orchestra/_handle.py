@@ -417,7 +417,6 @@ def _nothing_ran(run_id: str, wall0: datetime, reason: str | None) -> RunResult:
     report.reason = reason or "stopped"
     elapsed = (datetime.now(UTC) - wall0).total_seconds()
     return report.result(
-        (),
         run_id=run_id,
         wall0=wall0,
         elapsed=elapsed,

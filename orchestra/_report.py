@@ -7,7 +7,10 @@ percentiles, error records with remediations, the pydantic models — happens on
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from operator import attrgetter
 from random import Random
 from typing import TYPE_CHECKING, Any
 
@@ -28,32 +31,120 @@ from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ._task import Task
     from .stores._memory import Record as Node
 
-__all__ = ("Report", "remediation")
+__all__ = ("ErrorSample", "KindTally", "Report", "remediation")
+
+
+class KindTally:
+    """The counts of one kind in one run, as its tasks are admitted and end."""
+
+    __slots__ = (
+        "admitted",
+        "busy",
+        "cancelled",
+        "failed",
+        "longest",
+        "p95",
+        "sample",
+        "skipped",
+        "succeeded",
+        "timed",
+    )
+
+    def __init__(self) -> None:
+        self.admitted = 0
+        self.succeeded = 0
+        self.failed = 0
+        self.skipped = 0
+        self.cancelled = 0
+        self.timed = 0  # ended tasks that had started (their durations are in `busy`)
+        self.busy = 0.0  # the sum of their durations: the mean is exact
+        self.longest = 0.0
+        # A bounded reservoir fed every duration up to `_EXACT`, then one in `_EVERY`: the
+        # percentiles of a run need a fair sample, not every value, and this halves the cost.
+        self.sample = Durations()
+        self.p95: tuple[int, float] = (0, 0.0)  # (sample.count when computed, value): `_status`
+
+    @property
+    def ended(self) -> int:
+        return self.succeeded + self.failed + self.skipped + self.cancelled
+
+    def counts(self) -> dict[str, int]:
+        """The terminal states that occurred, by name (sorted), with their counts."""
+        pairs = (
+            (CANCELLED, self.cancelled),
+            (FAILED, self.failed),
+            (SKIPPED, self.skipped),
+            (SUCCEEDED, self.succeeded),
+        )
+        return {state: n for state, n in pairs if n}
+
+    def timing(self) -> TimingStats:
+        ordered = sorted(self.sample.sample)
+        return TimingStats(
+            count=self.timed,
+            mean=self.busy / self.timed,
+            p50=percentile(ordered, 0.5),
+            p95=percentile(ordered, 0.95),
+            max=self.longest,
+        )
+
+
+_kind_of = attrgetter("kind")
+_EXACT = 1_024
+_EVERY = 8  # a power of two (a mask)
+_RING = 16  # one-second buckets of ended tasks kept (a power of two above the status's window)
+RECENT_ERRORS = 20  # failed tasks kept for the live status
+_MESSAGE = 300  # characters of an error message kept there
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorSample:
+    """A task that failed, as the live view lists it."""
+
+    task_id: str
+    kind: str
+    agent: str | None
+    error_type: str
+    message: str
+    at: float  # seconds since the run started
 
 
 class Report:
-    """What a run counts: live counters, and the tallies of settled tasks.
+    """What a run counts, as it goes: the live status reads it (`orchestra._status`), and the
+    `RunResult` is built from it at the end.
 
-    A whole-list run tallies its nodes once, at the end (nothing per task on the hot path); a
-    streamed run tallies a succeeded task when it compacts it away (`Graph.compact`)."""
+    Ending a task costs a dict lookup and a few int and float updates, and no clock read (the store
+    stamped the record's times): counts per kind and state, durations (exact count, mean and max; a
+    sample for percentiles), successes per agent, the tasks that did not succeed (for the error
+    records), tasks ended and failed per second (a ring of one-second buckets), the last failures.
+    Tasks of the input are counted as admitted when the run admits them; spawned ones when they
+    first become ready (or are skipped)."""
 
     __slots__ = (
         "attempts",
         "cancellations",
         "cancelled",
         "cost",
-        "counts",
         "cut_short",
         "defaulted",
-        "durations",
+        "ended",
+        "errors",
+        "failed",
         "fallbacks",
+        "kinds",
         "not_ok",
         "peak",
         "per_agent",
         "reason",
         "retries",
+        "ring_ended",
+        "ring_failed",
+        "ring_second",
+        "second",
+        "second_end",
         "tokens",
     )
 
@@ -62,8 +153,7 @@ class Report:
         self.retries = 0
         self.fallbacks = 0
         self.peak = 0
-        self.counts: dict[str, dict[str, int]] = {}
-        self.durations: dict[str, Durations] = {}
+        self.kinds: dict[str, KindTally] = {}
         self.per_agent: dict[str, int] = {}
         self.not_ok: list[Node] = []
         self.defaulted: list[str] = []
@@ -73,55 +163,113 @@ class Report:
         self.cancelled = False
         self.cancellations: list[CancelRecord] = []  # the run handle's cancels, as they happen
         self.cut_short = False  # the run timeout ended it: never "success"
+        # The current second's ended and failed tasks are plain attributes; `_turn` files them in
+        # the ring when a task ends in a later second.
+        self.second = 0
+        self.second_end = 1.0
+        self.ended = 0
+        self.failed = 0
+        self.ring_second = [-1] * _RING  # which second each bucket holds
+        self.ring_ended = [0] * _RING
+        self.ring_failed = [0] * _RING
+        self.errors: deque[ErrorSample] = deque(maxlen=RECENT_ERRORS)
 
-    def tally(self, node: Node) -> None:
-        """Count one settled task."""
-        kind, state = node.kind, node.status
-        by_kind = self.counts.get(kind)
-        if by_kind is None:
-            by_kind = self.counts[kind] = {}
-        by_kind[state] = by_kind.get(state, 0) + 1
-        if node.started is not None:
-            durations = self.durations.get(kind)
-            if durations is None:
-                durations = self.durations[kind] = Durations()
-            durations.add(node.finished - node.started)
-        if state == SUCCEEDED:
-            if node.agent is not None:
-                self.per_agent[node.agent] = self.per_agent.get(node.agent, 0) + 1
+    # -- as tasks come and go ---------------------------------------------------------------------
+
+    def _kind(self, kind: str) -> KindTally:
+        tally = self.kinds.get(kind)
+        if tally is None:
+            tally = self.kinds[kind] = KindTally()
+        return tally
+
+    def admitted(self, tasks: Iterable[Task]) -> None:
+        """Count a batch of admitted tasks (one pass in C over their kinds)."""
+        for kind, n in Counter(map(_kind_of, tasks)).items():
+            self._kind(kind).admitted += n
+
+    def admitted_one(self, kind: str) -> None:
+        self._kind(kind).admitted += 1
+
+    def ready(self, record: Node) -> None:
+        """A spawned task became ready: the first time counts it as admitted."""
+        if record.attempts == 0:
+            self._kind(record.kind).admitted += 1
+
+    def finished(self, record: Node) -> None:
+        """Count one ended task (the store has stamped its times and status)."""
+        kind = self.kinds.get(record.kind)
+        if kind is None:
+            kind = self._kind(record.kind)
+        end = record.finished
+        if end >= self.second_end:
+            self._turn(end)
+        self.ended += 1
+        if record.status is SUCCEEDED:
+            kind.succeeded += 1
+            agent = record.agent
+            if agent is not None:
+                per_agent = self.per_agent
+                per_agent[agent] = per_agent.get(agent, 0) + 1
         else:
-            self.not_ok.append(node)
+            self._not_ok(kind, record)
+        started = record.started
+        if started is not None:
+            took = end - started
+            kind.busy += took
+            if took > kind.longest:
+                kind.longest = took
+            kind.timed = timed = kind.timed + 1
+            if timed <= _EXACT or not timed & (_EVERY - 1):
+                kind.sample.add(took)
 
-    def tally_all(self, nodes: Iterable[Node]) -> None:
-        """`tally` for many settled tasks at once (a whole-list run, at its end): the same counts,
-        with the durations of each kind added in one go."""
-        counts = self.counts
-        per_agent = self.per_agent
-        not_ok = self.not_ok
-        spans: dict[str, list[float]] = {}
-        for node in nodes:
-            kind, state = node.kind, node.status
-            by_kind = counts.get(kind)
-            if by_kind is None:
-                by_kind = counts[kind] = {}
-            by_kind[state] = by_kind.get(state, 0) + 1
-            started = node.started
-            if started is not None:
-                values = spans.get(kind)
-                if values is None:
-                    values = spans[kind] = []
-                values.append(node.finished - started)
-            if state == SUCCEEDED:
-                agent = node.agent
-                if agent is not None:
-                    per_agent[agent] = per_agent.get(agent, 0) + 1
-            else:
-                not_ok.append(node)
-        for kind, values in spans.items():
-            durations = self.durations.get(kind)
-            if durations is None:
-                durations = self.durations[kind] = Durations()
-            durations.extend(values)
+    def _turn(self, end: float) -> None:
+        """File the current second's counts in the ring and start the second `end` falls in."""
+        i = self.second & (_RING - 1)
+        self.ring_second[i] = self.second
+        self.ring_ended[i] = self.ended
+        self.ring_failed[i] = self.failed
+        self.second = int(end)
+        self.second_end = self.second + 1.0
+        self.ended = self.failed = 0
+
+    def window(self, now: float, seconds: int) -> tuple[int, int, float]:
+        """Tasks ended and failed in the last `seconds` (at most the ring's) before `now`, and the
+        span covered."""
+        current = int(now)
+        first = current - seconds + 1
+        ended = failed = 0
+        if first <= self.second <= current:
+            ended, failed = self.ended, self.failed
+        for i, second in enumerate(self.ring_second):
+            if first <= second <= current and second != self.second:
+                ended += self.ring_ended[i]
+                failed += self.ring_failed[i]
+        return ended, failed, min(now, now - first)
+
+    def _not_ok(self, kind: KindTally, record: Node) -> None:
+        self.not_ok.append(record)
+        status = record.status
+        if status is FAILED:
+            kind.failed += 1
+            self.failed += 1
+            failures = record.failures
+            last = failures[-1] if failures else None
+            self.errors.append(
+                ErrorSample(
+                    task_id=record.id,
+                    kind=record.kind,
+                    agent=record.agent or (last.agent if last is not None else None),
+                    error_type=record.error_type or (last.error_type if last else "Error"),
+                    message=(record.error or (last.message if last else ""))[:_MESSAGE],
+                    at=record.finished,
+                )
+            )
+        elif status is SKIPPED:
+            kind.skipped += 1
+            if record.parent is not None:  # a skipped task was never ready: count it here
+                kind.admitted += 1
+        else:
+            kind.cancelled += 1
 
     def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
         self.cost += cost
@@ -130,7 +278,6 @@ class Report:
 
     def result(
         self,
-        nodes: Iterable[Node],
         *,
         run_id: str,
         wall0: datetime,
@@ -139,14 +286,10 @@ class Report:
         data: Any,
         events_dropped: int,
     ) -> RunResult:
-        """The `RunResult` of the settled `nodes` (those not tallied yet), by DESIGN.md's rules."""
-        self.tally_all(nodes)
-        counts, durations, per_agent, not_ok = (
-            self.counts,
-            self.durations,
-            self.per_agent,
-            self.not_ok,
-        )
+        """The `RunResult` of what was counted, by DESIGN.md's rules."""
+        kinds, per_agent, not_ok = self.kinds, self.per_agent, self.not_ok
+        counts = {name: kind.counts() for name, kind in sorted(kinds.items())}
+        counts = {name: by_state for name, by_state in counts.items() if by_state}
         by_status: dict[str, int] = dict.fromkeys((SUCCEEDED, FAILED, SKIPPED, CANCELLED), 0)
         for by_kind in counts.values():
             for name, n in by_kind.items():
@@ -177,7 +320,7 @@ class Report:
             elapsed=elapsed,
             total=total,
             counts=by_status,
-            counts_by_kind={k: dict(sorted(v.items())) for k, v in sorted(counts.items())},
+            counts_by_kind=counts,
             success_rate=rate,
             success_threshold=threshold,
             attempts=self.attempts,
@@ -185,7 +328,9 @@ class Report:
             fallbacks=self.fallbacks,
             agents_used=sorted(per_agent),
             tasks_per_agent=dict(sorted(per_agent.items())),
-            time_per_kind={k: _timing(v) for k, v in sorted(durations.items())},
+            time_per_kind={
+                name: kind.timing() for name, kind in sorted(kinds.items()) if kind.timed
+            },
             peak_concurrency=self.peak,
             defaulted=self.defaulted,
             tokens=dict(sorted(self.tokens.items())),
@@ -281,17 +426,6 @@ class Durations:
         self.weight *= math.exp(math.log(rng.random() or 1e-300) / self.SAMPLE)
         gap = math.log(rng.random() or 1e-300) / math.log1p(-self.weight)
         self.next = count + int(gap) + 1
-
-
-def _timing(durations: Durations) -> TimingStats:
-    ordered = sorted(durations.sample)
-    return TimingStats(
-        count=durations.count,
-        mean=durations.total / durations.count,
-        p50=percentile(ordered, 0.5),
-        p95=percentile(ordered, 0.95),
-        max=durations.max,
-    )
 
 
 def _error_record(node: Node) -> ErrorRecord:

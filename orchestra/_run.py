@@ -28,7 +28,6 @@ from ._gc import paused
 from ._instruments import RunInfo
 from ._report import Report
 from ._result import CancelRecord
-from ._status import Meter
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
 
@@ -131,7 +130,6 @@ class Run:
         self.config = config
         self.run_id = run_id
         self.report = Report()
-        self.meter = Meter()  # what `orchestra._status.snapshot` reads
         self.bus = config.bus
         self.t0 = 0.0
         self.t_end: float | None = None  # loop time when the run ended (for its status)
@@ -163,7 +161,7 @@ class Run:
                 )
             )
         if record.parent is not None:
-            self.meter.ready(record)
+            self.report.ready(record)
         self.dispatcher.ready(record)
 
     def ready_all(self, records: Sequence[Record]) -> None:
@@ -175,15 +173,13 @@ class Run:
 
     def finished(self, record: Record) -> None:
         status = record.status
-        self.meter.finished(record)
+        self.report.finished(record)
         if status is SUCCEEDED and self._agg_error is None:
             try:
                 self._acc.add(record)
             except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
                 # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
-        if self._streamed:
-            self.report.tally(record)  # the store may forget it now
         faults = self.config.faults
         if faults:
             for fault in faults.values():
@@ -243,7 +239,7 @@ class Run:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
             self.store.admit(source, where="tasks", forward=True)  # type: ignore[arg-type]
-            self.meter.admitted(source)  # type: ignore[arg-type]
+            self.report.admitted(source)  # type: ignore[arg-type]
             self._close_input()
         if self.on_open is not None:
             self.on_open()  # before any worker: a handle's pause or cancel holds from the start
@@ -324,8 +320,8 @@ class Run:
             return self._build_result(wall0, dropped)
 
     def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
-        # The store's results come in input order, and are ranked so before the aggregate sorts.
-        records = () if self._streamed else list(self.store.results())
+        if not self._streamed:  # the store ranks its results in input order: the aggregate sorts
+            self.store.results()  # by that rank
         data = None
         if self._agg_error is None:
             try:
@@ -336,7 +332,6 @@ class Run:
         if self._agg_error is not None:
             self.report.reason = self._agg_error
         return self.report.result(
-            records,  # type: ignore[arg-type]
             run_id=self.run_id,
             wall0=wall0,
             elapsed=self.dispatcher._time() - self.t0,
@@ -416,7 +411,7 @@ class Run:
                     if store.unfinished >= self._window or self._results is not None:
                         await self._wait_for_window()
                     store.admit_one(task, pulled)
-                    self.meter.admitted_one(task.kind)
+                    self.report.admitted_one(task.kind)
                     pulled += 1
             else:  # a plain iterable never waits: admit it in chunks, as the window allows
                 iterator = iter(source)
@@ -427,7 +422,7 @@ class Run:
                     if not chunk:
                         break
                     store.admit(chunk, where="input item", forward=False, first_index=pulled)
-                    self.meter.admitted(chunk)
+                    self.report.admitted(chunk)
                     pulled += len(chunk)
                     await anyio.lowlevel.checkpoint()  # let the workers start on it
         except Exception as exc:

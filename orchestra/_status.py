@@ -1,9 +1,8 @@
 """The status of a live run: what it has done, what it is doing, what it waits on, when it ends.
 
-Two halves. A `Meter` belongs to each run and counts as tasks end (the run's store listener calls
-it: a few dict and int updates per task, no clock read — the store already stamped the record).
-`snapshot(run)` reads the meter, the store's counters, the registry's agents and the router's lanes
-and returns a frozen `RunStatus`. The snapshot's cost is O(kinds + agents + priority levels + lanes),
+The run's `Report` counts as tasks end (`orchestra._report`: a few dict and int updates per task, no
+clock read — the store already stamped the record). `snapshot(run)` reads the report, the store's
+counters, the registry's agents and the router's lanes and returns a frozen `RunStatus`. The snapshot's cost is O(kinds + agents + priority levels + lanes),
 never O(tasks), so a live view may poll it ten times a second on a run of a million tasks.
 
 Definitions (the README's "Watching a run" says the same for users):
@@ -30,14 +29,12 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import Counter, deque
 from dataclasses import asdict, dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._aggregate import percentile
 from ._breaker import OPEN
-from ._report import Durations
+from ._report import ErrorSample, KindTally, Report
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
@@ -45,23 +42,17 @@ if TYPE_CHECKING:
 
     from ._registry import AgentSlot
     from ._run import Run
-    from ._task import Task
-    from .stores._memory import Record
 
 __all__ = (
     "AgentStatus",
     "Bottleneck",
     "ErrorSample",
     "KindStatus",
-    "Meter",
     "RunStatus",
     "snapshot",
 )
 
 WINDOW = 10  # seconds of history behind `throughput` and `recent_error_rate`
-_RING = 16  # one-second buckets kept (a power of two above WINDOW: the index is a mask)
-RECENT_ERRORS = 20  # failed tasks kept for `RunStatus.errors`
-_MESSAGE = 300  # characters of an error message kept
 _UNLIMITED = sys.maxsize
 
 _STATES = (
@@ -80,183 +71,7 @@ AgentState = Literal["idle", "busy", "failing", "open"]
 RunState = Literal["starting", "running", "finished"]
 
 
-# -- what a run counts -------------------------------------------------------------------------
-
-
-class KindMeter:
-    """The counters of one kind in one run."""
-
-    __slots__ = (
-        "admitted",
-        "busy",
-        "cancelled",
-        "failed",
-        "p95",
-        "sample",
-        "skipped",
-        "succeeded",
-        "timed",
-    )
-
-    def __init__(self) -> None:
-        self.admitted = 0
-        self.succeeded = 0
-        self.failed = 0
-        self.skipped = 0
-        self.cancelled = 0
-        self.timed = 0  # ended tasks that had started (their durations are in `busy`)
-        self.busy = 0.0  # the sum of their durations: the mean is exact
-        # The report's bounded reservoir, fed one duration in `_EVERY` past the first `_EXACT`:
-        # the p95 of a live view needs a fair sample, not every value, and this halves the cost.
-        self.sample = Durations()
-        self.p95: tuple[int, float] = (0, 0.0)  # (sample.count when computed, value)
-
-    @property
-    def ended(self) -> int:
-        return self.succeeded + self.failed + self.skipped + self.cancelled
-
-
-_EXACT = 1_024
-_EVERY = 8  # a power of two (a mask)
-
-
-class Meter:
-    """What a run counts for its status, as its tasks are admitted and end.
-
-    Per kind: admitted and ended counts, durations; for the run: ended and failed tasks per second
-    (a ring of one-second buckets), and the last failed tasks. Times are the store's
-    (`record.finished`, seconds since the run started), so nothing here reads a clock. Ending a
-    task costs a dict lookup and a few int and float updates (~0.2 µs).
-
-    Tasks admitted by the run (its input) are counted when admitted; spawned ones when they first
-    become ready or are skipped (one that waits for its siblings is counted once it can run).
-    `snapshot` reconciles the kinds' remaining work with the store's exact `unfinished`.
-    """
-
-    __slots__ = (
-        "ended",
-        "errors",
-        "failed",
-        "kinds",
-        "ring_ended",
-        "ring_failed",
-        "ring_second",
-        "second",
-        "second_end",
-    )
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, KindMeter] = {}
-        # The current second's counts are plain attributes; `_turn` files them in the ring.
-        self.second = 0
-        self.second_end = 1.0
-        self.ended = 0
-        self.failed = 0
-        self.ring_second = [-1] * _RING  # which second each bucket holds
-        self.ring_ended = [0] * _RING
-        self.ring_failed = [0] * _RING
-        self.errors: deque[ErrorSample] = deque(maxlen=RECENT_ERRORS)
-
-    def _kind(self, kind: str) -> KindMeter:
-        meter = self.kinds.get(kind)
-        if meter is None:
-            meter = self.kinds[kind] = KindMeter()
-        return meter
-
-    def admitted(self, tasks: Iterable[Task]) -> None:
-        """Count a batch of admitted tasks (one pass in C over their kinds)."""
-        for kind, n in Counter(map(attrgetter("kind"), tasks)).items():
-            self._kind(kind).admitted += n
-
-    def admitted_one(self, kind: str) -> None:
-        self._kind(kind).admitted += 1
-
-    def ready(self, record: Record) -> None:
-        """A spawned task became ready: the first time counts it as admitted."""
-        if record.attempts == 0:
-            self._kind(record.kind).admitted += 1
-
-    def finished(self, record: Record) -> None:
-        """Count one ended task (the store has stamped its times and status)."""
-        kind = self.kinds.get(record.kind)
-        if kind is None:
-            kind = self._kind(record.kind)
-        end = record.finished
-        if end >= self.second_end:
-            self._turn(end)
-        self.ended += 1
-        if record.status is SUCCEEDED:
-            kind.succeeded += 1
-        else:
-            self._not_ok(kind, record)
-        started = record.started
-        if started is not None:
-            kind.busy += end - started
-            kind.timed = timed = kind.timed + 1
-            if timed <= _EXACT or not timed & (_EVERY - 1):
-                kind.sample.add(end - started)
-
-    def _turn(self, end: float) -> None:
-        """File the current second's counts in the ring and start the second `end` falls in."""
-        i = self.second & (_RING - 1)
-        self.ring_second[i] = self.second
-        self.ring_ended[i] = self.ended
-        self.ring_failed[i] = self.failed
-        self.second = int(end)
-        self.second_end = self.second + 1.0
-        self.ended = self.failed = 0
-
-    def window(self, now: float) -> tuple[int, int, float]:
-        """Tasks ended and failed in the last WINDOW seconds before `now`, and the span covered."""
-        current = int(now)
-        first = current - WINDOW + 1
-        ended = failed = 0
-        if first <= self.second <= current:
-            ended, failed = self.ended, self.failed
-        for i, second in enumerate(self.ring_second):
-            if first <= second <= current and second != self.second:
-                ended += self.ring_ended[i]
-                failed += self.ring_failed[i]
-        return ended, failed, min(now, now - first)
-
-    def _not_ok(self, kind: KindMeter, record: Record) -> None:
-        status = record.status
-        if status is FAILED:
-            kind.failed += 1
-            self.failed += 1
-            failures = record.failures
-            last = failures[-1] if failures else None
-            self.errors.append(
-                ErrorSample(
-                    task_id=record.id,
-                    kind=record.kind,
-                    agent=record.agent or (last.agent if last is not None else None),
-                    error_type=record.error_type or (last.error_type if last else "Error"),
-                    message=(record.error or (last.message if last else ""))[:_MESSAGE],
-                    at=record.finished,
-                )
-            )
-        elif status is SKIPPED:
-            kind.skipped += 1
-            if record.parent is not None:  # a skipped task was never ready: count it here
-                kind.admitted += 1
-        else:
-            kind.cancelled += 1
-
-
 # -- what a snapshot shows ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorSample:
-    """A task that failed, as the live view lists it."""
-
-    task_id: str
-    kind: str
-    agent: str | None
-    error_type: str
-    message: str
-    at: float  # seconds since the run started
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +198,6 @@ class RunStatus:
 def snapshot(run: Run) -> RunStatus:
     """The status of `run` now. O(kinds + agents + priority levels + lanes), never O(tasks); call
     it on the run's event loop (it reads plain counters, without locks)."""
-    meter = run.meter
     report = run.report
     config = run.config
     limit = config.capacity.limit
@@ -402,7 +216,7 @@ def snapshot(run: Run) -> RunStatus:
     held = sum(n for _, _, n in lanes)
 
     succeeded = failed = skipped = cancelled = 0
-    for k in meter.kinds.values():
+    for k in report.kinds.values():
         succeeded += k.succeeded
         failed += k.failed
         skipped += k.skipped
@@ -421,9 +235,9 @@ def snapshot(run: Run) -> RunStatus:
         "cancelled": cancelled,
     }
 
-    ended_w, failed_w, span = meter.window(now)
+    ended_w, failed_w, span = report.window(now, WINDOW)
     slots = config.registry.slots
-    kinds = _kinds(meter, unfinished, limit, config.registry.by_kind)
+    kinds = _kinds(report, unfinished, limit, config.registry.by_kind)
     eta = _eta(kinds, limit, unfinished)
     agents = _agents(slots.values(), lanes, limit, dispatcher.now())
     return RunStatus(
@@ -450,7 +264,7 @@ def snapshot(run: Run) -> RunStatus:
         kinds=kinds,
         agents=agents,
         bottleneck=_bottleneck(lanes, kinds, queued, running, limit, dispatcher.now()),
-        errors=tuple(meter.errors),
+        errors=tuple(report.errors),
         cost=report.cost,
         tokens=dict(report.tokens),
     )
@@ -494,19 +308,19 @@ def _queue_depths(store: Any) -> dict[int, int]:
 
 
 def _kinds(
-    meter: Meter, unfinished: int, limit: int, by_kind: Mapping[str, list[AgentSlot]]
+    report: Report, unfinished: int, limit: int, by_kind: Mapping[str, list[AgentSlot]]
 ) -> tuple[KindStatus, ...]:
     # The kinds' own counts of what is left may drift from the store's exact `unfinished`
     # (idempotent re-admissions, spawned tasks not yet ready): the store's total wins, shared out
     # in proportion to the kinds' counts.
-    left = {name: max(0, k.admitted - k.ended) for name, k in meter.kinds.items()}
+    left = {name: max(0, k.admitted - k.ended) for name, k in report.kinds.items()}
     counted = sum(left.values())
     scale = unfinished / counted if counted else 0.0
-    all_count = sum(k.timed for k in meter.kinds.values())
-    all_mean = sum(k.busy for k in meter.kinds.values()) / all_count if all_count else None
+    all_count = sum(k.timed for k in report.kinds.values())
+    all_mean = sum(k.busy for k in report.kinds.values()) / all_count if all_count else None
     out = []
-    for name in sorted(meter.kinds):
-        k = meter.kinds[name]
+    for name in sorted(report.kinds):
+        k = report.kinds[name]
         remaining = round(left[name] * scale)
         mean = k.busy / k.timed if k.timed else None
         guess = mean if mean is not None else all_mean
@@ -536,7 +350,7 @@ def _kinds(
     return tuple(out)
 
 
-def _p95(k: KindMeter) -> float:
+def _p95(k: KindTally) -> float:
     # Sorting the reservoir (up to 4096 values) costs ~0.3 ms: recomputed only when the kind's
     # count moved by more than 1/64 since, so a 10 Hz poll of a busy run stays cheap.
     sample = k.sample
