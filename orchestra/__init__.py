@@ -113,6 +113,7 @@ from ._exceptions import (
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
+from ._log import configure_logging as configure_logging
 from ._orchestrator import (
     Orchestrator as Orchestrator,
 )
@@ -202,4 +203,13 @@ __all__ = (
     "by_priority",
     "by_type",
     "chunked",
+    "configure_logging",
 )
+
+# Public names report the package as their module, as anyio's do: reprs, tracebacks, docs and
+# pickles say `orchestra.Task`, not `orchestra._task.Task` (pickle finds them there, re-exported).
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("orchestra."):
+        _obj.__module__ = __name__
+del _name, _obj
