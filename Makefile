@@ -10,13 +10,14 @@ $(UV):
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
 .venv/.synced: pyproject.toml uv.lock | $(UV)
-	$(UV) sync --locked --extra bench --quiet
+	$(UV) sync --locked --extra bench --extra cli --quiet
 	@touch $@
 
 sync: .venv/.synced
 
-demo: sync
-	$(UV) run --no-sync python examples/quickstart.py
+# The demo needs the package and its `cli` extra only: no test tools, no benchmark peers.
+demo: | $(UV)
+	$(UV) run --locked --no-dev --extra cli python -m orchestra demo
 
 test: sync
 	$(UV) run --no-sync pytest --cov --cov-report=term
