@@ -104,6 +104,8 @@ def load_orchestrator(target: str) -> Orchestrator:
             )
         obj = obj()
     if inspect.isawaitable(obj):
+        if inspect.iscoroutine(obj):
+            obj.close()  # never awaited: no "coroutine was never awaited" warning
         raise ConfigError(f"{target} must return an Orchestrator, not a coroutine (make it a def)")
     if not isinstance(obj, Orchestrator):
         raise ConfigError(f"{target} returned a {type(obj).__name__}, not an Orchestrator")
@@ -115,14 +117,15 @@ def _importable(folder: Path) -> None:
         sys.path.insert(0, str(folder))
 
 
-def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[Any]:
-    """The JSON value of every non-blank line of `stream`; `InputError` names a bad line."""
+def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[tuple[int, Any]]:
+    """The line number and JSON value of every non-blank line of `stream`; `InputError` names a
+    bad line."""
     items = []
     for number, line in enumerate(stream, 1):
         if not line.strip():
             continue
         try:
-            items.append(json.loads(line))
+            items.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise InputError(
                 f"{source}, line {number}: not JSON: {exc.msg}", field=f"line {number}"
@@ -133,14 +136,14 @@ def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[Any]:
 _SPECS: Final = pydantic.TypeAdapter(list[TaskSpec])
 
 
-def tasks_of(items: Sequence[Any], *, source: str = "input") -> list[Task]:
-    """Every item as a `Task`; `InputError` names the first bad line and field."""
+def tasks_of(lines: Sequence[tuple[int, Any]], *, source: str = "input") -> list[Task]:
+    """Every line's value as a `Task`; `InputError` names the first bad line and field."""
     try:
-        specs = _SPECS.validate_python(items)
+        specs = _SPECS.validate_python([value for _, value in lines])
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
         where = error["loc"]
-        line = int(where[0]) + 1 if where and isinstance(where[0], int) else None
+        line = lines[where[0]][0] if where and isinstance(where[0], int) else None
         field = ".".join(str(part) for part in where[1:]) or None
         if field is None:
             problem = "not a task: a task is a JSON object with a 'kind' (and 'payload', 'id', ...)"
@@ -173,11 +176,15 @@ def result_line(result: TaskResult) -> str:
 class Batch:
     """One orchestrator over one JSONL input: `run` writes results to `out` and returns the result."""
 
-    def __init__(self, orch: Orchestrator, items: list[Any], *, source: str = "input") -> None:
+    def __init__(
+        self, orch: Orchestrator, lines: Sequence[tuple[int, Any]], *, source: str = "input"
+    ) -> None:
         self.orch = orch
         self.decomposed = orch.decomposer is not None
         # Checked before anything runs: a bad line costs no agent call.
-        self.input: Any = items if self.decomposed else tasks_of(items, source=source)
+        self.input: list[Any] = (
+            [value for _, value in lines] if self.decomposed else tasks_of(lines, source=source)
+        )
         self.written = 0
 
     def __len__(self) -> int:

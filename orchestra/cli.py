@@ -151,8 +151,8 @@ def run(
         orch = load_orchestrator(target)
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
-            items = read_jsonl(stream, source=source)
-        batch = Batch(orch, items, source=source)
+            lines = read_jsonl(stream, source=source)
+        batch = Batch(orch, lines, source=source)
     except (ConfigError, InputError) as exc:
         raise _fail(str(exc)) from None
     except OSError as exc:
