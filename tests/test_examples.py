@@ -8,6 +8,11 @@ import re
 from tests.helpers import REPO, run_python
 
 
+def after_docstring(path: str) -> str:
+    text = (REPO / path).read_text()
+    return text[text.index('\n"""\n') :]
+
+
 class TestQuickstart:
     def test_runs_and_shows_a_speed_up(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -18,3 +23,7 @@ class TestQuickstart:
         assert match is not None, done.stdout[-3000:]
         assert float(match.group(1)) >= 2.0
         assert "Traceback" not in done.stderr
+
+    def test_the_package_bundles_the_same_code(self) -> None:
+        """`orchestra demo` runs orchestra/_demo.py: the quickstart below its docstring."""
+        assert after_docstring("orchestra/_demo.py") == after_docstring("examples/quickstart.py")
