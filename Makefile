@@ -15,8 +15,9 @@ $(UV):
 
 sync: .venv/.synced
 
-demo: sync
-	$(UV) run --no-sync python examples/quickstart.py
+# The demo needs the package and its `cli` extra only: no test tools, no benchmark peers.
+demo: | $(UV)
+	$(UV) run --locked --no-dev --extra cli python -m orchestra demo
 
 test: sync
 	$(UV) run --no-sync pytest --cov --cov-report=term

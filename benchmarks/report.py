@@ -274,7 +274,7 @@ def markdown(
             "plain: retries off (`RetryPolicy(max_attempts=1)`); each other row adds one feature to "
             "it. retry: `RetryPolicy(max_attempts=3)` (orchestra's default, used in every other "
             "scenario), no failures; subscriber: one callback counting "
-            "events; structlog: `make_filtering_bound_logger(INFO)` so per-task DEBUG lines are "
+            "events; structlog: the `orchestra` logger at INFO, so per-task DEBUG lines are "
             "dropped; verifier: one accepting verifier per kind; prometheus: "
             "`instruments=[PrometheusMetrics(registry=CollectorRegistry())]`; otel: "
             "`instruments=[OpenTelemetryTracing(tracer_provider=TracerProvider())]` (the SDK's, "

@@ -288,9 +288,8 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
 
         options["verify"] = dict.fromkeys(kinds, accept)
     elif feature == "structlog":
-        import structlog
-
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        # orchestra logs through `logging`: an application that shows its INFO lines.
+        logging.getLogger("orchestra").setLevel(logging.INFO)
     elif feature == "prometheus":
         from prometheus_client import CollectorRegistry
 

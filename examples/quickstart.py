@@ -5,23 +5,25 @@ clauses (spawning one `research` task per clause), `research` assesses a clause,
 every clause of its contract, `verify` checks the summary. One research agent is rate limited at
 first and another goes down mid-run: retries and the fallback chain carry its tasks.
 
-    make demo          # or: uv run python examples/quickstart.py
+    make demo          # or: python examples/quickstart.py, or: orchestra demo
+
+`orchestra demo` runs the same code from the installed package (`orchestra/_demo.py`, a copy that
+tests/test_examples.py keeps identical below this docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-import structlog
 
 from orchestra import Context, Orchestrator, RetryPolicy, RunResult, Task, Verdict, agent
 
-# One line per run, not per task: per-task lines are DEBUG.
-structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+Runner = Callable[[Orchestrator, Any], Awaitable[RunResult]]
+"""How `main` runs one orchestrator over its input: `Orchestrator.run` by default; the `orchestra`
+command passes its own (a live view, keys to pause and cancel)."""
 
 RNG = random.Random(7)
 CONTRACTS = [
@@ -124,13 +126,15 @@ def decompose(contracts: list[dict[str, Any]]) -> list[Task]:
     return tasks
 
 
-async def analyse(concurrency: int, *, faults: bool) -> tuple[RunResult, float]:
+def build(concurrency: int, *, faults: bool) -> Orchestrator:
+    """The contract pipeline with `concurrency` slots; with `faults`, one research agent is rate
+    limited at first and another goes down after its fourth call."""
     research = [
         Researcher("research-a", rate_limited=2 if faults else 0),
         Researcher("research-b", down_after=4 if faults else None),
         Researcher("research-c"),
     ]
-    orch = Orchestrator(
+    return Orchestrator(
         agents=[splitter, *research, summarizer, verifier],
         concurrency=concurrency,
         decomposer=decompose,
@@ -139,8 +143,11 @@ async def analyse(concurrency: int, *, faults: bool) -> tuple[RunResult, float]:
         success_threshold=0.9,
         seed=1,
     )
+
+
+async def analyse(orch: Orchestrator, run: Runner) -> tuple[RunResult, float]:
     start = time.perf_counter()
-    result = await orch.run(CONTRACTS)
+    result = await run(orch, CONTRACTS)
     return result, time.perf_counter() - start
 
 
@@ -159,10 +166,16 @@ def show(label: str, result: RunResult, seconds: float) -> None:
         print(f"  error {err.task_id}: {err.message} -> {err.remediation}")
 
 
-async def main() -> None:
-    sequential, t_seq = await analyse(1, faults=False)
+async def default_run(orch: Orchestrator, contracts: Any) -> RunResult:
+    return await orch.run(contracts)
+
+
+async def main(run: Runner = default_run) -> RunResult:
+    """Analyse the contracts sequentially, then in parallel with faults, print both and the speed-up;
+    return the parallel run's result."""
+    sequential, t_seq = await analyse(build(1, faults=False), run)
     show("sequential (concurrency 1)", sequential, t_seq)
-    parallel, t_par = await analyse(20, faults=True)
+    parallel, t_par = await analyse(build(20, faults=True), run)
     show("parallel (concurrency 20, an agent rate limited, another down mid-run)", parallel, t_par)
     summary = parallel.data["contract-0/summary"]
     print(f"\ncontract-0: {summary['clauses']} clauses, high risk: {summary['high_risk']}")
@@ -170,6 +183,7 @@ async def main() -> None:
         f"\nspeed-up: {t_seq / t_par:.1f}x  (same {parallel.metadata.total} tasks, same answers: "
         f"{sequential.data.keys() == parallel.data.keys()})"
     )
+    return parallel
 
 
 if __name__ == "__main__":

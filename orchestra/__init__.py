@@ -118,6 +118,7 @@ from ._instruments import RunInfo as RunInfo
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
+from ._log import configure_logging as configure_logging
 from ._orchestrator import (
     Orchestrator as Orchestrator,
 )
@@ -230,8 +231,17 @@ __all__ = (
     "by_priority",
     "by_type",
     "chunked",
+    "configure_logging",
     "progress",
     "render_status",
     "run_main",
     "status_line",
 )
+
+# Public names report the package as their module, as anyio's do: reprs, tracebacks, docs and
+# pickles say `orchestra.Task`, not `orchestra._task.Task` (pickle finds them there, re-exported).
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("orchestra."):
+        _obj.__module__ = __name__
+del _name, _obj

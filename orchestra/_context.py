@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-import structlog
+from ._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -114,7 +114,7 @@ class Context:
     @property
     def log(self) -> Any:
         """A structlog logger bound to the run, task, kind, agent and attempt."""
-        return structlog.get_logger("orchestra.agent").bind(
+        return get_logger("orchestra.agent").bind(
             run_id=self.run_id,
             task_id=self.task.id,
             kind=self.task.kind,

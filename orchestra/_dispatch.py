@@ -22,7 +22,6 @@ from random import Random
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
-import structlog
 
 from ._breaker import CLOSED
 from ._context import Context
@@ -37,6 +36,7 @@ from ._events import (
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
 from ._failure import check_returned, describe
 from ._instruments import AttemptInfo
+from ._log import get_logger
 from ._retry import backoff, classify
 from ._routing import NONE_LEFT, Router
 from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Dispatcher",)
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 # The task id in structlog's context, for every log line of the agent call. Named as
 # `structlog.contextvars.bind_contextvars` names its variables, so `merge_contextvars` picks it up;

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import structlog
 
 from ._failure import cancel_pending
+from ._log import get_logger
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -41,7 +41,7 @@ __all__ = (
     "TaskReady",
 )
 
-log = structlog.get_logger("orchestra.events")
+log = get_logger("orchestra.events")
 
 
 @dataclass(slots=True)

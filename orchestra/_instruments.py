@@ -27,10 +27,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-import structlog
-
 from ._clock import current_clock
 from ._failure import cancel_pending
+from ._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ("AttemptInfo", "Instrument", "Instruments", "RunInfo")
 
-log = structlog.get_logger("orchestra.instruments")
+log = get_logger("orchestra.instruments")
 
 T = TypeVar("T")
 

@@ -18,7 +18,6 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import structlog
 
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
@@ -39,6 +38,7 @@ from ._faults import Fault, FaultMode
 from ._handle import RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._limits import Capacity, Concurrency, as_concurrency
+from ._log import get_logger
 from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Run, RunConfig
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 Decomposer = Callable[[Any], Any]
 _DEFAULT_BREAKER = BreakerPolicy()

@@ -16,10 +16,9 @@ from collections import deque
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-import structlog
-
 from ._breaker import CLOSED, HALF_OPEN
 from ._limits import Cost, reserve_all
+from ._log import get_logger
 from ._task import CLAIMED
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ("NONE_LEFT", "Lane", "Router")
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 NONE_LEFT: Final[Any] = object()  # `next_agent`: the chain has run out
 _REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default

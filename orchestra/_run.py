@@ -12,6 +12,7 @@ the aggregate, the report and the result stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterable, Iterable
 from datetime import UTC, datetime
 from itertools import islice
@@ -26,6 +27,7 @@ from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
 from ._instruments import RunInfo
+from ._log import get_logger
 from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Run", "RunConfig")
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 _CHUNK = 1_024  # a plain iterable input is admitted this many tasks at a time
 
@@ -491,10 +493,5 @@ async def _close(source: object) -> None:
 
 
 def _debug_enabled() -> bool:
-    """Whether per-task DEBUG lines are wanted: only when the application configured structlog
-    (its unconfigured default prints every level, which would be a line per task) and at DEBUG."""
-    if not structlog.is_configured():
-        return False
-    logger = structlog.get_logger("orchestra").bind()
-    probe = getattr(logger, "is_enabled_for", None)
-    return bool(probe(10)) if probe is not None else True
+    """Whether per-task DEBUG lines are wanted: asked once per run, so a run at INFO builds none."""
+    return logging.getLogger("orchestra").isEnabledFor(logging.DEBUG)

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import structlog
 
 from ._exceptions import ConfigError
+from ._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ("run_main",)
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -1,44 +1,280 @@
-"""The `orchestra` command: `orchestra demo` and `orchestra bench` (from a checkout)."""
+"""The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `bench`, `--version`.
+
+Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that does not load, an input
+line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
+
+Each command builds what it runs and hands it to one function that runs it and reports
+(`run_demo`, `run_job`): that is where a live view and pause / cancel keys plug in. Ctrl-C is
+handled the simplest honest way: asyncio cancels the run, the results written so far stay written,
+the command says so and exits 130.
+"""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import re
 import runpy
 import sys
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
-__all__ = ("main",)
+import typer
+from rich.console import Console
+
+from . import __version__
+from ._batch import EXIT_CODES, Batch, load_orchestrator, read_jsonl, summary
+from ._exceptions import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ._orchestrator import Orchestrator
+    from ._result import RunResult
+
+__all__ = ("app", "main", "run_demo", "run_job")
+
+DISTRIBUTION: Final = "orchestra-runtime"
+INTERRUPTED: Final = 130
+USAGE: Final = 2
+
+app = typer.Typer(
+    name="orchestra",
+    help="Run many agent calls in parallel, safely.",
+    no_args_is_help=True,
+    add_completion=False,
+    # A traceback of the user's factory or agents must not print their locals (API keys).
+    pretty_exceptions_show_locals=False,
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `orchestra` command."""
-    parser = argparse.ArgumentParser(prog="orchestra", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="run examples/quickstart.py (no API key needed)")
-    # Everything after `bench` (--help included) goes to `python -m benchmarks`.
-    commands.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
-    options, rest = parser.parse_known_args(argv)
-    if rest and options.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int = USAGE) -> typer.Exit:
+    _stderr().print(f"[bold red]orchestra:[/] {message}", markup=True)
+    return typer.Exit(code)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"orchestra {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Show the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Run many agent calls in parallel, safely: priorities, limits, retries, fallbacks, circuit
+    breakers and one structured result.
+
+    Exit codes: 0 success, 1 failed, 2 usage error, 3 partial, 130 interrupted.
+    """
+
+
+# -- demo -----------------------------------------------------------------------------------------
+
+
+@app.command()
+def demo() -> None:
+    """Run the bundled quickstart: simulated agents, no API key needed.
+
+    Contracts are split into clauses, researched, summarised and verified, first one at a time,
+    then 20 at once with one research agent rate limited and another going down mid-run. About
+    five seconds.
+    """
+    try:
+        asyncio.run(run_demo())
+    except KeyboardInterrupt:
+        raise _fail("interrupted", INTERRUPTED) from None
+
+
+async def run_demo() -> RunResult:
+    """The demo, each of its runs through `_run_plain` (the live view's place)."""
+    from . import _demo
+
+    return await _demo.main(run=_run_plain)
+
+
+async def _run_plain(orch: Orchestrator, input: Any) -> RunResult:
+    return await orch.run(input)
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODULE:FACTORY",
+            help="An Orchestrator, or a function returning one: package.module:name or "
+            "path/to/file.py:name (the current directory is importable).",
+            show_default=False,
+        ),
+    ],
+    input: Annotated[
+        Path,
+        typer.Argument(
+            metavar="INPUT.jsonl",
+            help='One JSON value a line, \'-\' for stdin: tasks ({"kind": ..., "payload": ...}) '
+            "or, when the orchestrator has a decomposer, its input items.",
+            allow_dash=True,
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="RESULTS.jsonl",
+            help="Where the task results go, one JSON line each as they finish (stdout by default).",
+            allow_dash=True,
+        ),
+    ] = None,
+) -> None:
+    """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
+
+    Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
+    """
+    try:
+        orch = load_orchestrator(target)
+        source = "stdin" if str(input) == "-" else str(input)
+        with _reading(input) as stream:
+            lines = read_jsonl(stream, source=source)
+        batch = Batch(orch, lines, source=source)
+    except (ConfigError, InputError) as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"cannot read {input}: {exc.strerror or exc}") from None
+    try:
+        with _writing(output) as out:
+            result = run_job(batch, out)
+    except OSError as exc:
+        raise _fail(f"cannot write {output}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:
+        where = "stdout" if output is None or str(output) == "-" else str(output)
+        raise _fail(
+            f"interrupted: {batch.written} task results written to {where}", INTERRUPTED
+        ) from None
+    except InputError as exc:  # a streamed input's bad task, or the decomposer's
+        raise _fail(str(exc)) from None
+    console = _stderr()
+    for line in summary(result):
+        console.print(line, markup=False)
+    raise typer.Exit(EXIT_CODES[result.status])
+
+
+def run_job(batch: Batch, out: IO[str]) -> RunResult:
+    """Run `batch`, its results to `out`: the one place the live view and control keys wrap."""
+    return asyncio.run(batch.run(out))
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[IO[str]]:
+    if str(path) == "-":
+        yield sys.stdin
+        return
+    with path.open(encoding="utf-8") as stream:
+        yield stream
+
+
+@contextlib.contextmanager
+def _writing(path: Path | None) -> Iterator[IO[str]]:
+    if path is None or str(path) == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    with path.open("w", encoding="utf-8") as stream:
+        yield stream
+
+
+# -- bench ----------------------------------------------------------------------------------------
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench(ctx: typer.Context) -> None:
+    """Run the benchmarks of a source checkout (needs the bench extra).
+
+    Every argument, --help included, goes to `python -m benchmarks`.
+    """
     root = _checkout()
-    if root is None:
-        print("orchestra: demo and bench run from a checkout of the repository", file=sys.stderr)
-        return 2
+    missing = _missing_bench_extra()
+    if root is None or missing:
+        asked_help = any(a in ("--help", "-h") for a in ctx.args)
+        if asked_help:
+            print(ctx.get_help())
+        _stderr().print(_how_to_bench(root, missing), markup=False)
+        raise typer.Exit(0 if asked_help else USAGE)
     sys.path.insert(0, str(root))
-    if options.command == "demo":
-        runpy.run_path(str(root / "examples" / "quickstart.py"), run_name="__main__")
-        return 0
-    sys.argv = ["benchmarks", *rest]
-    runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
-    return 0
+    sys.argv = ["orchestra bench", *ctx.args]
+    try:
+        runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        raise _fail("interrupted", INTERRUPTED) from None
 
 
 def _checkout() -> Path | None:
+    """The source checkout with the benchmarks: the current directory or the package's parent."""
     for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (candidate / "benchmarks").is_dir() and (candidate / "examples").is_dir():
+        if (candidate / "benchmarks" / "__main__.py").is_file():
             return candidate
     return None
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _missing_bench_extra() -> list[str]:
+    """The distributions of the `bench` extra that are not installed, read from our own metadata
+    (so the list follows pyproject.toml); empty when orchestra is not installed as a distribution."""
+    try:
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requires:
+        if not re.search(r"""extra\s*==\s*['"]bench['"]""", requirement):
+            continue
+        name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0]
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def _how_to_bench(root: Path | None, missing: list[str]) -> str:
+    lines = ["orchestra bench runs the benchmark suite (benchmarks/) of a source checkout."]
+    if root is None:
+        lines += [
+            f"No checkout here: looked for benchmarks/ in {Path.cwd()} and "
+            f"{Path(__file__).resolve().parent.parent}.",
+            "Get one, then run it from its root:",
+            "  git clone <the orchestra repository> orchestra && cd orchestra",
+            "  make bench            # installs the bench extra with uv, then runs the suite",
+            "  # or: uv sync --extra bench --extra cli && uv run orchestra bench",
+        ]
+    if missing:
+        where = f" in {root}" if root is not None else ""
+        lines += [
+            f"The bench extra is not installed (missing: {', '.join(missing)}). Install it{where}:",
+            "  uv sync --extra bench --extra cli",
+            f"  # or: pip install -e '.[bench,cli]'   (an installed copy: pip install '{DISTRIBUTION}[bench]')",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Entry point of the `orchestra` command."""
+    app(prog_name="orchestra")

@@ -1,8 +1,10 @@
-"""Shared fixtures: factories for tasks and orchestrators, fake time, a leak check, and structlog
-left as found. Plain helper functions are in `tests/helpers.py`."""
+"""Shared fixtures: factories for tasks and orchestrators, fake time, a leak check, orchestra's log
+lines captured, and structlog and `logging` left as found. Plain helper functions are in
+`tests/helpers.py`."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -10,7 +12,7 @@ import structlog
 
 from orchestra import Orchestrator, Task
 from orchestra.testing import FakeClock
-from tests.helpers import assert_no_leaks, live_tasks
+from tests.helpers import LogLines, assert_no_leaks, live_tasks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -60,3 +62,19 @@ def restore_structlog() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> LogLines:
+    """orchestra's log lines as event dicts, captured through `logging` (DEBUG and up)."""
+    caplog.set_level(logging.DEBUG, logger="orchestra")
+    return LogLines(caplog)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Leave the ``"orchestra"`` logger as it was found (`configure_logging` changes it)."""
+    root = logging.getLogger("orchestra")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield
+    root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]

@@ -7,6 +7,7 @@ Fixtures live in `conftest.py`; these are ordinary functions, for the places a f
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from orchestra.testing import GARBAGE, Recorder
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+
+    import pytest
 
     from orchestra import Orchestrator, RunResult, TaskResult
 
@@ -73,3 +76,30 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+class LogLines:
+    """orchestra's log records captured by pytest's `caplog`, read back as structlog event dicts
+    (a record's `msg` is its event dict) with ``log_level`` and ``logger`` added."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.caplog = caplog
+
+    def level(self, level: int) -> None:
+        """Capture from `level` up (the ``"orchestra"`` logger's level, as an application sets it)."""
+        self.caplog.set_level(level, logger="orchestra")
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        return [
+            {**record.msg, "log_level": record.levelname.lower(), "logger": record.name}
+            for record in self.caplog.records
+            if record.name.split(".")[0] == "orchestra" and isinstance(record.msg, dict)
+        ]
+
+    def text(self) -> str:
+        """Every captured line as a plain `logging` formatter prints it."""
+        return "\n".join(
+            logging.Formatter("%(levelname)s %(name)s %(message)s").format(record)
+            for record in self.caplog.records
+        )

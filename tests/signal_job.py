@@ -9,9 +9,8 @@ from __future__ import annotations
 import sys
 
 import anyio
-import structlog
 
-from orchestra import Context, Orchestrator, Task, agent, run_main
+from orchestra import Context, Orchestrator, Task, agent, configure_logging, run_main
 
 
 @agent(kinds=["work"])
@@ -22,7 +21,7 @@ async def work(task: Task, ctx: Context) -> float:
 
 
 def main() -> None:
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    configure_logging(stream=sys.stderr)
     seconds, grace = float(sys.argv[1]), float(sys.argv[2])
     orch = Orchestrator(agents=[work], concurrency=2)
     tasks = [Task("work", seconds, id=f"t{i}") for i in range(6)]

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 from pydantic import BaseModel
-from structlog.testing import capture_logs
 
 from orchestra import (
     Agent,
@@ -23,6 +22,7 @@ from orchestra import (
 
 if TYPE_CHECKING:
     from orchestra.testing import FakeClock
+    from tests.helpers import LogLines
 
 
 class Answer(BaseModel):
@@ -212,15 +212,14 @@ class TestContext:
         assert result.metadata.tokens == {"input_tokens": 300, "output_tokens": 6}
         assert result.metadata.cost == pytest.approx(0.75)
 
-    @pytest.mark.usefixtures("restore_structlog")
-    async def test_the_log_is_bound_to_the_attempt(self) -> None:
+    async def test_the_log_is_bound_to_the_attempt(self, logs: LogLines) -> None:
         @agent(kinds=["work"], name="talker")
         async def talker(task: Task, ctx: Context) -> None:
             ctx.log.info("thinking", step=1)
 
-        with capture_logs() as entries:
-            result = await Orchestrator(agents=[talker]).run(tasks=[Task("work", None, id="x")])
-        [line] = [e for e in entries if e["event"] == "thinking"]
+        result = await Orchestrator(agents=[talker]).run(tasks=[Task("work", None, id="x")])
+        [line] = [e for e in logs.entries if e["event"] == "thinking"]
+        assert line["logger"] == "orchestra.agent"
         assert line["run_id"] == result.metadata.run_id
         assert (line["task_id"], line["kind"], line["agent"], line["attempt"]) == (
             "x",

@@ -13,7 +13,6 @@ import pytest
 from anthropic import AsyncAnthropic
 from anthropic.types import Model
 from pydantic import BaseModel
-from structlog.testing import capture_logs
 
 from orchestra import Orchestrator, RetryPolicy, Task
 from orchestra._retry import classify
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
     from orchestra import RunResult
+    from tests.helpers import LogLines
 
 API_KEY = "sk-ant-test-0123456789abcdefSECRET"
 _IDS = get_args(get_args(Model)[0])
@@ -199,11 +199,10 @@ def _input_tokens(request: Any) -> int:
 
 class TestErrors:
     async def test_a_400_is_permanent_and_its_record_says_what_the_api_said(
-        self, api: FakeMessagesAPI, account: ClaudeAccount
+        self, api: FakeMessagesAPI, account: ClaudeAccount, logs: LogLines
     ) -> None:
         api.fail("prompt_too_long", times=1)
-        with capture_logs() as logs:
-            result = await run(api, [research(account)], [clause()])
+        result = await run(api, [research(account)], [clause()])
         error = result.error_for("c0")
         assert error is not None
         assert len(api.requests) == 1  # not retried
@@ -214,7 +213,9 @@ class TestErrors:
         assert attempt.request_id is not None
         assert attempt.request_id.startswith("req_")
         assert error.status_code == 400
-        api.assert_no_key_in(json.dumps(logs, default=str))
+        assert any(e["event"] == "attempt failed" for e in logs.entries)  # DEBUG lines, read
+        api.assert_no_key_in(logs.text())
+        api.assert_no_key_in(json.dumps(logs.entries, default=str))
 
     @pytest.mark.parametrize("fault", ["server_error", "overloaded"])
     async def test_5xx_and_529_are_retried(

@@ -1,42 +1,324 @@
-"""The `orchestra` command."""
+"""The `orchestra` command, through typer's runner and as a real process."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from typing import TYPE_CHECKING
 
 import pytest
+from typer.testing import CliRunner
 
-from orchestra.cli import main
+import orchestra
+from orchestra.cli import _how_to_bench, _missing_bench_extra, app
 from tests.helpers import REPO, run_python
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
+    from typer.testing import Result
 
-class TestCommand:
-    def test_needs_a_command(self, capsys: pytest.CaptureFixture[str]) -> None:
-        with pytest.raises(SystemExit) as exit_:
-            main([])
-        assert exit_.value.code == 2
-        assert "demo" in capsys.readouterr().err
+JOB = """
+import asyncio
+from orchestra import Orchestrator, RetryPolicy, Task, Context, Timeouts, agent
 
-    def test_bench_passes_its_arguments_to_the_suite(
-        self, capsys: pytest.CaptureFixture[str]
+@agent(kinds=["double"])
+async def double(task: Task, ctx: Context) -> int:
+    if task.payload < 0:
+        raise ValueError(f"negative: {task.payload}")
+    await asyncio.sleep(task.payload / 1000)
+    return task.payload * 2
+
+def build(**options) -> Orchestrator:
+    return Orchestrator(agents=[double], retry=RetryPolicy(max_attempts=1), **options)
+
+def partial() -> Orchestrator:
+    return build(success_threshold=0.5)
+
+def hurried() -> Orchestrator:
+    return build(timeouts=Timeouts(run=0.2))
+
+def split(numbers):
+    for n in numbers:
+        yield Task("double", n, id=f"n{n}")
+
+def decomposed() -> Orchestrator:
+    return build(decomposer=split)
+
+instance = build()
+not_one = 42
+
+def a_string() -> str:
+    return "nope"
+
+async def a_coroutine() -> Orchestrator:
+    return build()
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The name of a fresh job module in the current directory (a new name for each test)."""
+    name = f"job_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(JOB)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_orchestrator adds the directory
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Callable[..., Path]:
+    def write(*lines: object, name: str = "input.jsonl") -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return path
+
+    return write
+
+
+def invoke(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(app, list(args), input=input, prog_name="orchestra")
+
+
+def lines_of(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+class TestVersionAndHelp:
+    def test_version(self) -> None:
+        result = invoke("--version")
+        assert result.exit_code == 0
+        assert result.stdout == f"orchestra {orchestra.__version__}\n"
+
+    def test_the_version_is_the_packages(self) -> None:
+        from importlib.metadata import version
+
+        assert version("orchestra-runtime") == orchestra.__version__
+
+    @pytest.mark.parametrize("command", [[], ["demo"], ["run"]])
+    def test_help_everywhere(self, command: list[str]) -> None:
+        result = invoke(*command, "--help")
+        assert result.exit_code == 0, result.output
+        assert "Usage: orchestra" in result.stdout
+
+    def test_no_command_is_a_usage_error_that_lists_the_commands(self) -> None:
+        result = invoke()
+        assert result.exit_code == 2
+        assert all(name in result.output for name in ("demo", "run", "bench"))
+
+    def test_an_unknown_command_is_a_usage_error(self) -> None:
+        assert invoke("frobnicate").exit_code == 2
+
+    def test_python_dash_m_orchestra(self) -> None:
+        done = run_python("-m", "orchestra", "--version", cwd=REPO, timeout=60)
+        assert (done.returncode, done.stdout) == (0, f"orchestra {orchestra.__version__}\n")
+
+    def test_without_the_cli_extra_it_says_which_to_install(self) -> None:
+        code = (
+            "import sys; sys.modules['typer'] = None; from orchestra.__main__ import main; main()"
+        )
+        done = run_python("-c", code, cwd=REPO, timeout=60)
+        assert done.returncode == 2
+        assert "pip install 'orchestra-runtime[cli]'" in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+class TestRun:
+    def test_success_writes_every_result_and_exits_0(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
     ) -> None:
-        with pytest.raises(SystemExit) as exit_:
-            main(["bench", "--help"])
-        assert exit_.value.code == 0
-        assert "--smoke" in capsys.readouterr().out
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "a"}, {"kind": "double", "payload": 2}
+        )
+        out = tmp_path / "results.jsonl"
+        result = invoke("run", f"{job}:build", str(source), "-o", str(out))
+        assert result.exit_code == 0, result.output
+        records = sorted(lines_of(out.read_text()), key=lambda r: str(r["task_id"]))
+        assert [(r["task_id"], r["status"], r["output"]) for r in records] == [
+            ("a", "succeeded", 2),
+            ("double#1", "succeeded", 4),
+        ]
+        assert result.stdout == ""
+        assert result.stderr.startswith("success: 2 tasks (2 succeeded)")
 
-    def test_outside_a_checkout_it_says_so(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    def test_results_go_to_stdout_without_o_and_the_summary_to_stderr(
+        self, job: str, jsonl: Callable[..., Path]
+    ) -> None:
+        source = jsonl({"kind": "double", "payload": 3, "id": "x"})
+        result = invoke("run", f"{job}:build", str(source))
+        assert result.exit_code == 0
+        [record] = lines_of(result.stdout)
+        assert (record["task_id"], record["output"], record["agent"]) == ("x", 6, "double")
+        assert "success" in result.stderr
+
+    def test_stdin_as_input(self, job: str) -> None:
+        result = invoke("run", f"{job}:instance", "-", input='{"kind": "double", "payload": 5}\n')
+        assert result.exit_code == 0, result.output
+        assert lines_of(result.stdout)[0]["output"] == 10
+
+    def test_partial_exits_3_and_names_the_failed_task(
+        self, job: str, jsonl: Callable[..., Path]
+    ) -> None:
+        source = jsonl(*({"kind": "double", "payload": n, "id": f"t{n}"} for n in (1, 2, -3)))
+        result = invoke("run", f"{job}:partial", str(source))
+        assert result.exit_code == 3, result.output
+        failed = [r for r in lines_of(result.stdout) if r["status"] == "failed"]
+        assert [(r["task_id"], r["error_type"]) for r in failed] == [("t-3", "ValueError")]
+        assert "t-3 (double): ValueError: negative: -3" in result.stderr
+
+    def test_failed_exits_1(self, job: str, jsonl: Callable[..., Path]) -> None:
+        result = invoke("run", f"{job}:build", str(jsonl({"kind": "double", "payload": -1})))
+        assert result.exit_code == 1
+        assert result.stderr.startswith("failed:")
+
+    def test_a_run_timeout_keeps_what_finished(self, job: str, jsonl: Callable[..., Path]) -> None:
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "quick"},
+            {"kind": "double", "payload": 60_000, "id": "slow"},
+        )
+        result = invoke("run", f"{job}:hurried", str(source))
+        assert result.exit_code == 1, result.output
+        statuses = {r["task_id"]: r["status"] for r in lines_of(result.stdout)}
+        assert statuses == {"quick": "succeeded", "slow": "cancelled"}
+        assert "slow (double): run timeout after 0.2s" in result.stderr
+
+    def test_with_a_decomposer_the_lines_are_its_input(
+        self, job: str, jsonl: Callable[..., Path]
+    ) -> None:
+        result = invoke("run", f"{job}:decomposed", str(jsonl(4, 7)))
+        assert result.exit_code == 0, result.output
+        outputs = {r["task_id"]: r["output"] for r in lines_of(result.stdout)}
+        assert outputs == {"n4": 8, "n7": 14}
+
+    def test_a_script_path_as_the_module(self, job: str, jsonl: Callable[..., Path]) -> None:
+        result = invoke("run", f"{job}.py:build", str(jsonl({"kind": "double", "payload": 1})))
+        assert result.exit_code == 0, result.output
+
+
+class TestRunUsageErrors:
+    @pytest.mark.parametrize(
+        ("target", "message"),
+        [
+            ("{job}", "expected module:factory"),
+            ("no_such_module_here:build", "cannot import 'no_such_module_here'"),
+            ("{job}:nothing", "has no attribute 'nothing'"),
+            ("{job}:not_one", "is a int, not an Orchestrator"),
+            ("{job}:a_string", "returned a str, not an Orchestrator"),
+            ("{job}:a_coroutine", "not a coroutine"),
+            ("missing.py:build", "no such file: missing.py"),
+        ],
+    )
+    def test_a_factory_that_does_not_load(
+        self, job: str, jsonl: Callable[..., Path], target: str, message: str
+    ) -> None:
+        result = invoke("run", target.format(job=job), str(jsonl({"kind": "double"})))
+        assert result.exit_code == 2
+        assert message in result.stderr
+        assert "Traceback" not in result.output
+
+    @pytest.mark.parametrize(
+        ("lines", "message"),
+        [
+            ('{"kind": "double"}\n{"kind": "double", "prio": 1}\n', "line 2: prio: Extra inputs"),
+            ('{"kind": "double"}\n\n[1, 2]\n', "line 3: not a task"),
+            ('{"kind": "double", "priority": "high"}\n', "line 1: priority: Input should be"),
+            ('{"kind": "double"\n', "line 1: not JSON"),
+            ('{"kind": "triple"}\n', "no agent serves kind 'triple'"),
+            ('{"kind": "double", "id": "a"}\n{"kind": "double", "id": "a"}\n', "'a'"),
+        ],
+    )
+    def test_a_bad_input_line_is_named_and_nothing_runs(
+        self, job: str, lines: str, message: str
+    ) -> None:
+        result = invoke("run", f"{job}:build", "-", input=lines)
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr
+        assert result.stdout == ""  # no task ran
+
+    def test_a_missing_input_file(self, job: str) -> None:
+        result = invoke("run", f"{job}:build", "nowhere.jsonl")
+        assert result.exit_code == 2
+        assert "cannot read nowhere.jsonl" in result.stderr
+
+    def test_a_missing_argument(self) -> None:
+        result = invoke("run", "x:y")
+        assert result.exit_code == 2
+        assert "Missing argument" in result.output
+
+
+class TestInterrupt:
+    def test_ctrl_c_keeps_the_results_written_and_exits_130(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "quick"},
+            {"kind": "double", "payload": 60_000, "id": "slow"},
+        )
+        out = tmp_path / "out.jsonl"
+        command = [
+            sys.executable,
+            "-m",
+            "orchestra",
+            "run",
+            f"{job}:build",
+            str(source),
+            "-o",
+            str(out),
+        ]
+        process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not (out.exists() and out.stat().st_size == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the output file is open: the run has started
+        time.sleep(0.5)  # "quick" finished, "slow" is running
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 130, stderr
+        assert "interrupted: 1 task results written to" in stderr
+        assert "Traceback" not in stderr
+        [record] = lines_of(out.read_text())
+        assert (record["task_id"], record["status"]) == ("quick", "succeeded")
+
+
+class TestDemo:
+    def test_demo_runs_the_bundled_quickstart(self, tmp_path: Path) -> None:
+        done = run_python("-m", "orchestra", "demo", cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "speed-up:" in done.stdout
+        assert done.stderr == ""
+
+
+class TestBench:
+    def test_in_a_checkout_the_arguments_go_to_the_suite(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.chdir(REPO)
+        monkeypatch.setattr(sys, "argv", list(sys.argv))
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        result = invoke("bench", "--help")
+        assert result.exit_code == 0, result.output
+        assert "--smoke" in result.stdout
+
+    def test_outside_a_checkout_it_says_how_to_get_one(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr("orchestra.cli.__file__", str(tmp_path / "orchestra" / "cli.py"))
-        assert main(["demo"]) == 2
-        assert "checkout" in capsys.readouterr().err
+        result = invoke("bench", "--smoke")
+        assert result.exit_code == 2
+        assert "No checkout here" in result.stderr
+        assert "make bench" in result.stderr
+        help_ = invoke("bench", "--help")
+        assert help_.exit_code == 0
+        assert "Usage: orchestra bench" in help_.stdout
 
-    def test_demo_runs_the_quickstart(self) -> None:
-        done = run_python("-m", "orchestra.cli", "demo", cwd=REPO, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert "speed-up:" in done.stdout
+    def test_the_bench_extra_is_read_from_the_package_metadata(self) -> None:
+        assert _missing_bench_extra() == []  # the test environment has it
+        text = _how_to_bench(REPO, ["aiometer", "langgraph"])
+        assert "missing: aiometer, langgraph" in text
+        assert "uv sync --extra bench" in text

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
+def after_docstring(path: str) -> str:
+    text = (REPO / path).read_text()
+    return text[text.index('\n"""\n') :]
+
+
 class TestQuickstart:
     def test_runs_and_shows_a_speed_up(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -44,3 +49,7 @@ class TestLiveView:
         text = svg.read_text()
         assert text.startswith("<svg")
         assert "agents" in text
+
+    def test_the_package_bundles_the_same_code(self) -> None:
+        """`orchestra demo` runs orchestra/_demo.py: the quickstart below its docstring."""
+        assert after_docstring("orchestra/_demo.py") == after_docstring("examples/quickstart.py")

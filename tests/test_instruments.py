@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
-import structlog
 
 from orchestra import (
     AttemptInfo,
@@ -27,6 +26,8 @@ from orchestra.testing import scripted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from tests.helpers import LogLines
 
 pytestmark = pytest.mark.usefixtures("clock")
 
@@ -230,7 +231,7 @@ class TestCancellation:
 
 class TestRaisingInstrument:
     async def test_never_breaks_a_run_and_is_logged_once_per_hook(
-        self, make_orchestrator: Callable[..., Orchestrator]
+        self, make_orchestrator: Callable[..., Orchestrator], logs: LogLines
     ) -> None:
         class Broken(Log):
             def __getattribute__(self, name: str) -> Any:
@@ -246,11 +247,10 @@ class TestRaisingInstrument:
                 return hook
 
         broken, log = Broken(), Log()
-        with structlog.testing.capture_logs() as logs:
-            result = await scenario(make_orchestrator, broken, log).run(tasks=scenario_tasks())
+        result = await scenario(make_orchestrator, broken, log).run(tasks=scenario_tasks())
         assert result.status == "partial"
         assert broken.calls == log.calls  # every hook was still called, each time
-        warned = [e["hook"] for e in logs if e["event"].startswith("instrument raised")]
+        warned = [e["hook"] for e in logs.entries if e["event"].startswith("instrument raised")]
         assert sorted(warned) == sorted(
             [
                 "on_run_start",

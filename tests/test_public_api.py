@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,3 +68,72 @@ class TestExports:
     def test_a_version(self) -> None:
         assert isinstance(orchestra.__version__, str)
         assert orchestra.__version__
+
+
+def pickled(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj))
+
+
+class TestPublicNamesLookPublic:
+    @pytest.mark.parametrize("name", PUBLIC)
+    def test_the_module_is_the_package(self, name: str) -> None:
+        obj = getattr(orchestra, name)
+        assert obj.__module__ == "orchestra", f"orchestra.{name} reports {obj.__module__}"
+
+    def test_reprs_name_the_package(self) -> None:
+        assert repr(orchestra.Task) == "<class 'orchestra.Task'>"
+        assert repr(orchestra.InputError("x")).startswith("InputError(")
+        assert orchestra.Orchestrator.__qualname__ == "Orchestrator"
+
+    def test_the_private_modules_still_hold_the_same_objects(self) -> None:
+        from orchestra import _task
+
+        assert _task.Task is orchestra.Task  # one class, renamed in place, not a copy
+
+
+class TestPickling:
+    @pytest.mark.parametrize(
+        "exc",
+        [
+            orchestra.OrchestraError("boom"),
+            orchestra.ConfigError("concurrency must be at least 1"),
+            orchestra.InputError(
+                "task 'a' depends on unknown task 'b'", task_id="a", field="depends_on"
+            ),
+            orchestra.RunError("store lost"),
+            orchestra.RetryableError("429", retry_after=2.5),
+            orchestra.PermanentError("400"),
+            orchestra.AttemptTimeout("slow"),
+            orchestra.TaskTimeout("slower"),
+            orchestra.VerificationError("cover every clause", output={"clauses": 0}),
+            orchestra.Rejected("unsafe"),
+            orchestra.InvalidOutput("a coroutine"),
+        ],
+        ids=lambda exc: type(exc).__name__,
+    )
+    def test_public_exceptions_round_trip(self, exc: BaseException) -> None:
+        back = pickled(exc)
+        assert type(back) is type(exc)
+        assert back.args == exc.args
+        assert vars(back) == vars(exc)  # task_id, field, retry_after, feedback, output
+
+    async def test_a_run_result_and_its_task_results_round_trip(self) -> None:
+        @orchestra.agent(kinds=["work"])
+        async def half(task: orchestra.Task, ctx: orchestra.Context) -> int:
+            if task.payload % 2:
+                raise orchestra.PermanentError(f"odd: {task.payload}")
+            return int(task.payload) // 2
+
+        tasks = [orchestra.Task("work", n, id=f"t{n}") for n in range(4)]
+        async with orchestra.Orchestrator(agents=[half], success_threshold=0.5) as orch:
+            streamed = [r async for r in orch.stream(tasks=tasks)]
+            result = await orch.run(tasks=[orchestra.Task("work", n, id=f"t{n}") for n in range(4)])
+        back = pickled(result)
+        assert type(back) is orchestra.RunResult
+        assert back == result
+        assert [e.task_id for e in back.errors] == ["t1", "t3"]
+        for r in streamed:
+            copy = pickled(r)
+            assert isinstance(copy, orchestra.TaskResult)  # the store's record is one
+            assert (copy.task_id, copy.status, copy.output) == (r.task_id, r.status, r.output)
+            assert type(copy.task) is orchestra.Task

@@ -1,24 +1,62 @@
-"""The README's fault-kit example is a test: it runs here exactly as printed."""
+"""The README's examples are tests: they run here exactly as printed."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tests.helpers import run_python
+
+if TYPE_CHECKING:
+    import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def fault_kit_example() -> str:
+def section(title: str) -> str:
     text = README.read_text()
-    section = text[text.index("## Testing with the fault kit") :]
-    return section.split("```python", 1)[1].split("```", 1)[0]
+    return text[text.index(f"## {title}") :].split("\n## ", 1)[0]
+
+
+def block(text: str, language: str) -> str:
+    return text.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
 class TestReadme:
     def test_the_fault_kit_example_passes(self) -> None:
         namespace: dict[str, Any] = {}
-        exec(compile(fault_kit_example(), str(README), "exec"), namespace)
+        code = block(section("Testing with the fault kit"), "python")
+        exec(compile(code, str(README), "exec"), namespace)
         tests = [v for k, v in namespace.items() if k.startswith("test_") and callable(v)]
         assert len(tests) == 1
         asyncio.run(tests[0]())
+
+    def test_the_fault_kit_example_passes_under_pytest_as_configured_there(
+        self, tmp_path: Path
+    ) -> None:
+        """With only the configuration the README gives (pytest-asyncio, auto mode)."""
+        text = section("Testing with the fault kit")
+        assert "pytest-asyncio" in text
+        (tmp_path / "pyproject.toml").write_text(block(text, "toml"))
+        (tmp_path / "test_example.py").write_text(block(text, "python"))
+        done = run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stdout[-3000:]
+        assert "1 passed" in done.stdout
+
+    def test_the_logging_examples_run(self, capsys: pytest.CaptureFixture[str]) -> None:
+        import logging
+
+        import orchestra
+
+        root = logging.getLogger("orchestra")
+        saved = (list(root.handlers), root.level, root.propagate)
+        agent_logger = logging.getLogger("orchestra.agent")
+        try:
+            for code in section("Logging").split("```python\n")[1:]:
+                code = code.split("```", 1)[0].replace("logging.basicConfig(", "dict(")
+                exec(compile(code, str(README), "exec"), {"orchestra": orchestra})
+        finally:
+            root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]
+            agent_logger.disabled = False
+        assert capsys.readouterr().out == ""

@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
-import structlog
 from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic, RateLimitError
 from anthropic.types import TextBlock
-from structlog.testing import capture_logs
 
 from orchestra import (
     Agent,
@@ -44,6 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
     from orchestra import RunResult
+    from tests.helpers import LogLines
 
 API_KEY = "sk-ant-test-0123456789abcdefSECRET"
 MODEL = "claude-test-1"
@@ -268,22 +267,25 @@ class TestClassification:
         assert api.requests[1].connection != hung.connection
 
 
-@pytest.mark.usefixtures("restore_structlog")
 class TestSecrets:
     async def test_the_api_key_never_reaches_results_events_or_logs(
-        self, api: FakeMessagesAPI, client: AsyncAnthropic, caplog: pytest.LogCaptureFixture
+        self,
+        api: FakeMessagesAPI,
+        client: AsyncAnthropic,
+        caplog: pytest.LogCaptureFixture,
+        logs: LogLines,
     ) -> None:
         api.max_input_tokens = 1_000
         api.fail("rate_limit", times=2, retry_after_ms=50)
         api.fail("server_error", times=1)
         api.fail("drop", times=1)
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
         caplog.set_level(logging.DEBUG)
         orch = Orchestrator(
             agents=[claude(client)], retry=RetryPolicy(max_attempts=4, base=0.01), seed=1
         )
-        with capture_logs() as entries:
-            result, rec = await run(api, orch, questions(10, long=[4], long_chars=8_000))
+        result, rec = await run(api, orch, questions(10, long=[4], long_chars=8_000))
+        entries = logs.entries
+        assert any(e["event"] == "attempt failed" for e in entries)  # the DEBUG lines were on
         assert failed(result) == 1  # the over-long prompt; the rest recovered
         assert {r.status for r in api.requests} >= {429, 500, 400, 200}
         assert api.api_keys == {API_KEY}

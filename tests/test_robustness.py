@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx2
 import pytest
-import structlog
-from structlog.testing import capture_logs
 
 from orchestra import Context, RetryPolicy, RunResult, Task, agent
 from tests.helpers import run_recorded
@@ -22,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from orchestra import ErrorRecord, Orchestrator
+    from tests.helpers import LogLines
 
 pytestmark = pytest.mark.usefixtures("clock")
 
@@ -89,20 +87,18 @@ class TestAnAgentsExceptions:
             assert attempt.traceback.endswith("TypeError: 'NoneType' object is not subscriptable\n")
         assert_dumps(result)
 
-    @pytest.mark.usefixtures("restore_structlog")
     async def test_the_traceback_is_in_the_debug_log(
-        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        logs: LogLines,
     ) -> None:
         @agent(kinds=["work"])
         async def buggy(task: Task, ctx: Context) -> Any:
             raise ValueError("the model said no")
 
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-        with capture_logs() as entries:
-            await make_orchestrator(agents=[buggy], retry=ONCE).run(
-                tasks=[make_task("work", id="t")]
-            )
-        (line,) = [e for e in entries if e["event"] == "attempt failed"]
+        await make_orchestrator(agents=[buggy], retry=ONCE).run(tasks=[make_task("work", id="t")])
+        (line,) = [e for e in logs.entries if e["event"] == "attempt failed"]
         assert line["log_level"] == "debug"
         assert (line["task_id"], line["agent"], line["error_type"]) == ("t", "buggy", "ValueError")
         assert line["traceback"].endswith("ValueError: the model said no\n")

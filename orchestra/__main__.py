@@ -1,0 +1,33 @@
+"""``python -m orchestra`` and the ``orchestra`` command.
+
+The command's script is installed with the package whatever its extras; without the `cli` extra
+(typer, rich) it says which one to install instead of failing on an import.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ("main",)
+
+_CLI_PACKAGES = frozenset({"typer", "rich", "click"})
+
+
+def main() -> None:
+    """Run the `orchestra` command (`orchestra.cli`)."""
+    try:
+        from orchestra.cli import main as cli
+    except ModuleNotFoundError as exc:
+        if exc.name not in _CLI_PACKAGES:
+            raise
+        print(
+            f"orchestra: the command needs the cli extra ({exc.name} is not installed):\n"
+            "  pip install 'orchestra-runtime[cli]'    # or: uv add 'orchestra-runtime[cli]'",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    cli()
+
+
+if __name__ == "__main__":
+    main()

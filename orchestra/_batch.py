@@ -1,0 +1,219 @@
+"""Batch jobs: one orchestrator over a JSONL input, its task results out as JSONL.
+
+The engine of ``orchestra run``, without the command line: `load_orchestrator` imports the user's
+``module:factory``, `read_jsonl` reads the input (one JSON value per line), `run_batch` runs it and
+writes each `TaskResult` as a JSON line as it finishes, and `summary` says how it went.
+`Batch.run` is the one seam a caller (the CLI's live view, its pause and cancel keys) wraps.
+
+Without a decomposer every input line is a task (``{"kind": "research", "payload": ..., "id": ...}``,
+the fields of `Task`); with one, the lines are the decomposer's input, handed over as one list.
+Lines are checked once, here at the boundary, with pydantic; a bad line raises `InputError`
+naming its line number and field before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pkgutil
+import sys
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Final
+
+import pydantic
+from pydantic_core import to_json
+
+from ._exceptions import ConfigError, InputError
+from ._orchestrator import Orchestrator
+from ._task import Task, TaskResult
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from ._result import RunResult
+
+__all__ = (
+    "EXIT_CODES",
+    "Batch",
+    "TaskSpec",
+    "load_orchestrator",
+    "read_jsonl",
+    "result_line",
+    "summary",
+)
+
+EXIT_CODES: Final[Mapping[str, int]] = {"success": 0, "failed": 1, "partial": 3, "cancelled": 130}
+"""The exit code of ``orchestra run`` for each run status (2 is a usage error, 130 an interrupt)."""
+
+
+class TaskSpec(pydantic.BaseModel):
+    """One task as a JSONL line gives it: the keyword arguments of `Task`."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+    kind: str
+    payload: Any = None
+    id: str | None = None
+    priority: int = 0
+    depends_on: list[str] = []
+    depends_on_tags: list[str] = []
+    tags: list[str] = []
+    key: str | None = None
+    timeout: float | None = pydantic.Field(default=None, gt=0)
+    critical: bool = False
+    metadata: dict[str, Any] | None = None
+
+    def task(self) -> Task:
+        fields = self.model_dump(exclude={"kind", "payload"})
+        return Task(self.kind, self.payload, **fields)
+
+
+def load_orchestrator(target: str) -> Orchestrator:
+    """The orchestrator `target` names: ``package.module:factory`` or ``path/to/file.py:factory``,
+    where `factory` is an `Orchestrator` or a function returning one (called with no arguments).
+
+    The current directory is importable, as with ``python -m``. Raises `ConfigError` saying what is
+    wrong (no colon, no such module or attribute, not an orchestrator).
+    """
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(
+            f"expected module:factory (for example jobs.contracts:build), got {target!r}"
+        )
+    if module.endswith(".py"):  # a script: import it by its name, from its folder
+        path = Path(module).resolve()
+        if not path.is_file():
+            raise ConfigError(f"no such file: {module}")
+        _importable(path.parent)
+        module = path.stem
+    else:
+        _importable(Path.cwd())
+    try:
+        # pkgutil.resolve_name is the standard library's "module:attr.path" resolver.
+        obj = pkgutil.resolve_name(f"{module}:{attr}")
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            raise ConfigError(f"cannot import {module!r}: no module named {exc.name!r}") from exc
+        raise  # the user's module failed on an import of its own: show its traceback
+    except AttributeError as exc:
+        raise ConfigError(f"module {module!r} has no attribute {attr!r}") from exc
+    if not isinstance(obj, Orchestrator):
+        if not callable(obj):
+            raise ConfigError(
+                f"{target} is a {type(obj).__name__}, not an Orchestrator or a factory"
+            )
+        obj = obj()
+    if inspect.isawaitable(obj):
+        if inspect.iscoroutine(obj):
+            obj.close()  # never awaited: no "coroutine was never awaited" warning
+        raise ConfigError(f"{target} must return an Orchestrator, not a coroutine (make it a def)")
+    if not isinstance(obj, Orchestrator):
+        raise ConfigError(f"{target} returned a {type(obj).__name__}, not an Orchestrator")
+    return obj
+
+
+def _importable(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[tuple[int, Any]]:
+    """The line number and JSON value of every non-blank line of `stream`; `InputError` names a
+    bad line."""
+    items = []
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            items.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"{source}, line {number}: not JSON: {exc.msg}", field=f"line {number}"
+            ) from exc
+    return items
+
+
+_SPECS: Final = pydantic.TypeAdapter(list[TaskSpec])
+
+
+def tasks_of(lines: Sequence[tuple[int, Any]], *, source: str = "input") -> list[Task]:
+    """Every line's value as a `Task`; `InputError` names the first bad line and field."""
+    try:
+        specs = _SPECS.validate_python([value for _, value in lines])
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        where = error["loc"]
+        line = lines[where[0]][0] if where and isinstance(where[0], int) else None
+        field = ".".join(str(part) for part in where[1:]) or None
+        if field is None:
+            problem = "not a task: a task is a JSON object with a 'kind' (and 'payload', 'id', ...)"
+        else:
+            problem = f"{field}: {error['msg']}"
+        raise InputError(f"{source}, line {line}: {problem}", field=field) from None
+    return [spec.task() for spec in specs]
+
+
+def result_line(result: TaskResult) -> str:
+    """One task's result as a JSON line (no newline): id, kind, status, output, agent, attempts,
+    timings, and the error of a task that did not succeed."""
+    record: dict[str, Any] = {
+        "task_id": result.task_id,
+        "kind": result.kind,
+        "status": result.status,
+        "output": result.output,
+        "agent": result.agent,
+        "attempts": result.attempts,
+        "started": result.started,
+        "finished": result.finished,
+    }
+    if result.error is not None:
+        record["error_type"] = result.error_type
+        record["error"] = result.error
+    # An output the runtime kept always serialises (check_returned); `fallback` is a last resort.
+    return to_json(record, fallback=repr).decode()
+
+
+class Batch:
+    """One orchestrator over one JSONL input: `run` writes results to `out` and returns the result."""
+
+    def __init__(
+        self, orch: Orchestrator, lines: Sequence[tuple[int, Any]], *, source: str = "input"
+    ) -> None:
+        self.orch = orch
+        self.decomposed = orch.decomposer is not None
+        # Checked before anything runs: a bad line costs no agent call.
+        self.input: list[Any] = (
+            [value for _, value in lines] if self.decomposed else tasks_of(lines, source=source)
+        )
+        self.written = 0
+
+    def __len__(self) -> int:
+        return len(self.input)
+
+    async def run(self, out: IO[str]) -> RunResult:
+        """Run the input, writing each `TaskResult` to `out` as a JSON line as it finishes."""
+        orch = self.orch
+        args: dict[str, Any] = {"input": self.input} if self.decomposed else {"tasks": self.input}
+        async with orch:
+            results = orch.stream(**args)
+            async with results:
+                async for result in results:
+                    out.write(result_line(result) + "\n")
+                    self.written += 1
+            assert results.result is not None  # the loop ended: the run is over
+            return results.result
+
+
+def summary(result: RunResult) -> list[str]:
+    """A few lines saying how the run went, for people (the CLI prints them on stderr)."""
+    m = result.metadata
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(m.counts.items()) if n)
+    lines = [
+        f"{result.status}: {m.total} tasks ({counts or 'none'}) in {m.elapsed:.2f}s; "
+        f"{m.attempts} attempts, {m.retries} retries, {m.fallbacks} fallbacks"
+    ]
+    shown = result.errors[:10]
+    lines += [f"  {e.task_id} ({e.kind}): {e.message}" for e in shown]
+    if len(result.errors) > len(shown):
+        lines.append(f"  ... and {len(result.errors) - len(shown)} more errors")
+    return lines

@@ -1,0 +1,234 @@
+"""Logging as a library does it: orchestra's structlog lines go through the standard `logging` module.
+
+Every logger of the runtime comes from `get_logger(name)`: a `structlog.stdlib.BoundLogger` over
+``logging.getLogger(name)`` (``"orchestra"``, ``"orchestra.agent"``, ``"orchestra.events"``) with a
+fixed processor chain of our own. We never call `structlog.configure()`: that is global and would
+replace the application's own structlog set-up. The ``"orchestra"`` logger has a `NullHandler`, so
+an application that configures nothing sees nothing (not even logging's last-resort WARNING lines
+on stderr), and the application's `logging` configuration (levels, handlers, filters) decides the
+rest. Why `logging` and not stderr: only `logging` lets the application silence, raise, filter,
+redirect or ship our lines with the rest of its own, with the tools it already uses.
+
+A line is one `logging.LogRecord` whose `msg` is the event dict, in a `dict` subclass that prints as
+``run started run_id=1a2b tasks=10``. So a plain `logging.Formatter` (``logging.basicConfig()``)
+shows the event and its fields, and structlog's `ProcessorFormatter` (the application's, or the one
+`configure_logging` installs) sees the record exactly as `ProcessorFormatter.wrap_for_formatter`
+makes it and renders every field as structured data (JSON, console).
+
+Secrets never reach a record: string values are scrubbed of API keys and credential values (the
+scrubber `_failure.scrub` applies to failure texts), values of fields named like credentials
+(``authorization``, ``x-api-key``, ``api_key``, ...) are replaced whole, and a traceback is
+formatted and scrubbed here (`_failure.format_traceback`) rather than left to the handler.
+`configure_logging(redact=...)` redacts more fields by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Final, Literal
+
+import structlog
+from structlog.stdlib import BoundLogger, ProcessorFormatter
+
+from ._exceptions import ConfigError
+from ._failure import format_traceback, scrub
+
+if TYPE_CHECKING:
+    from structlog.typing import EventDict, Processor
+
+__all__ = ("configure_logging", "get_logger")
+
+ROOT: Final = "orchestra"
+REDACTED: Final = "[redacted]"
+
+# Field names whose whole value is a credential, compared lower-cased with `-` read as `_`.
+SECRET_FIELDS: Final = frozenset(
+    {
+        "authorization",
+        "proxy_authorization",
+        "x_api_key",
+        "api_key",
+        "apikey",
+        "auth_token",
+        "password",
+        "secret",
+    }
+)
+_MAX_DEPTH: Final = 4  # nested mappings and lists scrubbed this deep (headers, request options)
+
+logging.getLogger(ROOT).addHandler(logging.NullHandler())
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
+def _clean(value: Any, secret: frozenset[str], depth: int) -> Any:
+    """`value` with secrets scrubbed out of strings and credential fields replaced, recursively."""
+    if isinstance(value, str):
+        return scrub(value)
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if _normal(str(k)) in secret else _clean(v, secret, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(_clean(v, secret, depth + 1) for v in value)
+    return value
+
+
+def _redact(event_dict: EventDict, secret: frozenset[str]) -> EventDict:
+    for key, value in event_dict.items():
+        if key.startswith("_"):  # ProcessorFormatter's own `_record`, `_from_structlog`
+            continue
+        if _normal(key) in secret:
+            event_dict[key] = REDACTED
+        else:
+            event_dict[key] = _clean(value, secret, 0)
+    return event_dict
+
+
+def redact_secrets(logger: Any, method: str, event_dict: EventDict) -> EventDict:
+    """A structlog processor: scrubs API keys and credential values out of every field."""
+    return _redact(event_dict, SECRET_FIELDS)
+
+
+class _EventMessage(dict[str, Any]):
+    """A record's `msg`: the event dict, printed as ``event key=value ...`` by plain formatters.
+
+    `ProcessorFormatter` reads it as a dict (its `.copy()` is a plain dict), `LogRecord.getMessage`
+    calls `str()` on it. Written by hand because structlog's `render_to_log_kwargs` turns fields
+    into `extra` record attributes, which a plain formatter does not show and which raise on a field
+    named like a `LogRecord` attribute (``name``, ``args``, ``message``).
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        fields = " ".join(
+            f"{k}={_text(v)}" for k, v in self.items() if k not in ("event", "exception")
+        )
+        text = str(self.get("event", ""))
+        if fields:
+            text = f"{text} {fields}"
+        exception = self.get("exception")
+        if exception:
+            text = f"{text}\n{str(exception).rstrip()}"
+        return text
+
+
+def _text(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    if not text or any(c in text for c in ' ="\n'):
+        return repr(text)
+    return text
+
+
+def _exception(exc_info: Any) -> BaseException | None:
+    if isinstance(exc_info, BaseException):
+        return exc_info
+    if isinstance(exc_info, tuple):
+        return exc_info[1]  # type: ignore[no-any-return]
+    return sys.exc_info()[1]  # exc_info=True: the exception being handled
+
+
+def _to_record(logger: Any, method: str, event_dict: EventDict) -> Any:
+    """The last processor: the arguments of the `logging.Logger` call (see `_EventMessage`)."""
+    exc_info = event_dict.pop("exc_info", None)
+    if exc_info:
+        exc = _exception(exc_info)
+        if exc is not None:
+            # Formatted here, bounded and scrubbed, rather than by the handler, which would not.
+            event_dict["exception"] = format_traceback(exc) or f"{type(exc).__name__}: {exc}"
+    return (_EventMessage(event_dict),), {"extra": {"_logger": logger, "_name": method}}
+
+
+_PROCESSORS: Final[list[Processor]] = [
+    structlog.stdlib.filter_by_level,  # first: a dropped level costs nothing more
+    structlog.contextvars.merge_contextvars,  # run_id (bound by the run), task_id (the worker's)
+    redact_secrets,
+    _to_record,
+]
+
+
+def get_logger(name: str = ROOT) -> BoundLogger:
+    """A structlog logger over ``logging.getLogger(name)``, independent of structlog's global
+    configuration. `name` should be ``"orchestra"`` or below it."""
+    return BoundLogger(logging.getLogger(name), _PROCESSORS, {})
+
+
+# -- output for people who want it --------------------------------------------------------------
+
+
+class _OrchestraHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler `configure_logging` installs; a second call replaces it."""
+
+
+def configure_logging(
+    format: Literal["console", "json"] = "console",
+    level: int | str = "INFO",
+    *,
+    stream: IO[str] | None = None,
+    redact: Iterable[str] = (),
+) -> logging.Handler:
+    """Show orchestra's log lines on `stream` (standard error by default), as console lines or JSON.
+
+    Gives the ``"orchestra"`` logger a handler of its own at `level` and stops its lines from
+    propagating to the root logger (so they are not printed twice); calling it again replaces
+    that handler. Every line carries the run id, and lines of an attempt its task id, kind and
+    agent. Values of the fields named in `redact` become ``"[redacted]"``, as do API keys and
+    credential headers always. Returns the handler (remove it with
+    ``logging.getLogger("orchestra").removeHandler(handler)``).
+
+    Leave it uncalled to keep orchestra silent, or to route its lines through your own `logging`
+    configuration (the ``"orchestra"`` logger and its children).
+    """
+    if format not in ("console", "json"):
+        raise ConfigError(f"configure_logging: format must be 'console' or 'json', got {format!r}")
+    if isinstance(level, str):
+        number = logging.getLevelNamesMapping().get(level.upper())
+        if number is None:
+            raise ConfigError(f"configure_logging: unknown level {level!r}")
+        level = number
+    out = sys.stderr if stream is None else stream
+    secret = SECRET_FIELDS | {_normal(name) for name in redact}
+
+    def redact_named(logger: Any, method: str, event_dict: EventDict) -> EventDict:
+        return _redact(event_dict, secret)
+
+    renderer: Processor
+    if format == "json":
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=_is_terminal(out))
+    formatter = ProcessorFormatter(
+        processors=[
+            ProcessorFormatter.remove_processors_meta,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,  # a foreign record's exc_info
+            redact_named,
+            renderer,
+        ],
+    )
+    handler = _OrchestraHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger(ROOT)
+    for old in [h for h in root.handlers if isinstance(h, _OrchestraHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+    return handler
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or bare stream
+        return False

@@ -1,0 +1,238 @@
+"""Logging: silent on stdout by default, governed by the standard `logging` module, redacted."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import structlog
+
+import orchestra
+from orchestra import (
+    ConfigError,
+    Context,
+    Orchestrator,
+    RetryPolicy,
+    Task,
+    agent,
+    configure_logging,
+)
+from orchestra._log import get_logger
+from tests.helpers import run_python
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tests.helpers import LogLines
+
+KEY = "sk-ant-api03-SECRETSECRETSECRET"
+
+
+@agent(kinds=["work"], name="talker")
+async def talker(task: Task, ctx: Context) -> int:
+    ctx.log.info("calling the api", headers={"x-api-key": KEY, "accept": "json"}, user="ann")
+    if task.payload == "fail":
+        raise ConnectionError(f"refused with api_key={KEY}")
+    return 1
+
+
+async def run_talker(*payloads: Any) -> orchestra.RunResult:
+    tasks = [Task("work", p, id=f"t{i}") for i, p in enumerate(payloads)]
+    return await Orchestrator(agents=[talker], retry=RetryPolicy(max_attempts=1)).run(tasks=tasks)
+
+
+JOB = textwrap.dedent(
+    """
+    import asyncio, json
+    from orchestra import Orchestrator, Task, Context, agent
+
+    @agent(kinds=["work"])
+    async def work(task: Task, ctx: Context) -> int:
+        ctx.log.warning("careful", n=task.payload)
+        if task.payload == 2:
+            raise ValueError("two")
+        return task.payload
+
+    async def main() -> None:
+        result = await Orchestrator(agents=[work]).run(tasks=[Task("work", i) for i in range(4)])
+        print(result.model_dump_json())
+
+    asyncio.run(main())
+    """
+)
+
+
+class TestSilentByDefault:
+    def test_a_job_redirected_to_a_file_writes_only_its_own_json(self, tmp_path: Path) -> None:
+        (tmp_path / "job.py").write_text(JOB)
+        done = run_python("job.py", cwd=tmp_path, timeout=60)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)  # nothing else on stdout
+        assert result["status"] == "failed"  # one of four failed: below the default threshold
+        assert done.stdout.count("\n") == 1
+        assert done.stderr == ""  # not even logging's last resort: the "orchestra" NullHandler
+
+    def test_warnings_reach_stderr_once_the_application_configures_logging(
+        self, tmp_path: Path
+    ) -> None:
+        (tmp_path / "job.py").write_text("import logging\nlogging.basicConfig()\n" + JOB)
+        done = run_python("job.py", cwd=tmp_path, timeout=60)
+        assert done.returncode == 0, done.stderr
+        json.loads(done.stdout)
+        assert "WARNING:orchestra.agent:careful" in done.stderr
+        assert "run started" not in done.stderr  # INFO, below basicConfig's WARNING
+
+    def test_the_orchestra_logger_has_a_null_handler(self) -> None:
+        handlers = logging.getLogger("orchestra").handlers
+        assert any(isinstance(h, logging.NullHandler) for h in handlers)
+
+    def test_structlog_global_configuration_is_left_alone(self) -> None:
+        before = structlog.get_config()
+        get_logger("orchestra").info("hello")
+        assert structlog.get_config() == before
+        assert not structlog.is_configured()
+
+
+class TestStandardLoggingGoverns:
+    async def test_levels_come_from_logging(self, logs: LogLines) -> None:
+        logs.level(logging.WARNING)
+        await run_talker("ok")
+        assert logs.entries == []  # "calling the api" and "run started" are INFO
+        logs.level(logging.INFO)
+        result = await run_talker("ok")
+        events = [e["event"] for e in logs.entries]
+        assert events == ["run started", "calling the api", "run finished"]
+        assert {e["run_id"] for e in logs.entries} == {result.metadata.run_id}
+
+    async def test_a_handler_of_the_application_receives_the_lines(self) -> None:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+        logger = logging.getLogger("orchestra")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            result = await run_talker("ok")
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(logging.NOTSET)
+        lines = stream.getvalue().splitlines()
+        run_id = result.metadata.run_id
+        assert lines[0] == f"INFO orchestra run started tasks=1 run_id={run_id}"
+        assert lines[1].startswith("INFO orchestra.agent calling the api run_id=")
+        assert "task_id=t0 kind=work agent=talker attempt=1" in lines[1]
+
+    async def test_a_filter_of_the_application_applies(self, logs: LogLines) -> None:
+        logs.level(logging.INFO)
+        agent_logger = logging.getLogger("orchestra.agent")
+        agent_logger.disabled = True
+        try:
+            await run_talker("ok")
+        finally:
+            agent_logger.disabled = False
+        assert [e["event"] for e in logs.entries] == ["run started", "run finished"]
+
+    async def test_per_task_debug_lines_only_when_logging_asks_for_debug(
+        self, logs: LogLines
+    ) -> None:
+        logs.level(logging.DEBUG)
+        await run_talker("ok", "fail")
+        failed = [e for e in logs.entries if e["event"] == "attempt failed"]
+        assert [(e["task_id"], e["log_level"]) for e in failed] == [("t1", "debug")]
+
+
+class TestRedaction:
+    async def test_keys_and_credential_fields_never_reach_a_record(self, logs: LogLines) -> None:
+        await run_talker("ok", "fail")
+        text = logs.text()
+        assert "calling the api" in text
+        assert KEY not in text
+        assert KEY not in repr([r.__dict__ for r in logs.caplog.records])
+        [line] = [e for e in logs.entries if e["event"] == "attempt failed"]
+        assert "api_key=[redacted]" in line["error"]
+        (call, _) = [e for e in logs.entries if e["event"] == "calling the api"]
+        assert call["headers"] == {"x-api-key": "[redacted]", "accept": "json"}
+
+    def test_an_exception_traceback_is_scrubbed(self, logs: LogLines) -> None:
+        try:
+            raise PermissionError(f"Authorization: Bearer {KEY}")
+        except PermissionError:
+            get_logger("orchestra").error("request failed", exc_info=True)
+        [entry] = logs.entries
+        assert entry["exception"].startswith("Traceback (most recent call last):")
+        assert "Authorization: Bearer [redacted]" in entry["exception"]
+        assert KEY not in logs.text()
+        assert logs.caplog.records[0].exc_info is None  # formatted, scrubbed, kept in the message
+
+    @pytest.mark.usefixtures("restore_logging")
+    async def test_fields_the_user_names_are_redacted(self) -> None:
+        stream = io.StringIO()
+        configure_logging("json", stream=stream, redact=["user", "Accept"])
+        await run_talker("ok")
+        [call] = [json.loads(line) for line in stream.getvalue().splitlines() if "calling" in line]
+        assert call["user"] == "[redacted]"
+        assert call["headers"] == {"x-api-key": "[redacted]", "accept": "[redacted]"}
+
+
+@pytest.mark.usefixtures("restore_logging")
+class TestConfigureLogging:
+    async def test_json_lines_carry_level_logger_time_and_ids(self) -> None:
+        stream = io.StringIO()
+        configure_logging("json", level="INFO", stream=stream)
+        result = await run_talker("ok")
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert [line["event"] for line in lines] == [
+            "run started",
+            "calling the api",
+            "run finished",
+        ]
+        call = lines[1]
+        assert (call["level"], call["logger"]) == ("info", "orchestra.agent")
+        assert (call["run_id"], call["task_id"], call["kind"], call["agent"]) == (
+            result.metadata.run_id,
+            "t0",
+            "work",
+            "talker",
+        )
+        assert call["timestamp"].endswith("Z")
+
+    async def test_console_lines_for_people(self) -> None:
+        stream = io.StringIO()
+        configure_logging("console", level="DEBUG", stream=stream)
+        await run_talker("fail")
+        text = stream.getvalue()
+        assert "\x1b[" not in text  # no colours when the stream is not a terminal
+        started = next(line for line in text.splitlines() if "run started" in line)
+        assert "[info" in started
+        assert "[orchestra]" in started
+        assert "task_id=t0" in text
+        assert "[debug" in text  # the per-task lines at DEBUG
+
+    async def test_it_does_not_print_twice_through_the_root_logger(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        stream = io.StringIO()
+        configure_logging("json", stream=stream)
+        configure_logging("json", stream=stream)  # a second call replaces the first handler
+        await run_talker("ok")
+        assert len(stream.getvalue().splitlines()) == 3
+        assert not [r for r in caplog.records if r.name.startswith("orchestra")]
+
+    def test_the_level_is_the_orchestra_loggers(self) -> None:
+        configure_logging("json", level="warning", stream=io.StringIO())
+        assert logging.getLogger("orchestra").level == logging.WARNING
+        configure_logging("json", level=logging.DEBUG, stream=io.StringIO())
+        assert logging.getLogger("orchestra").level == logging.DEBUG
+
+    @pytest.mark.parametrize(
+        ("options", "named"),
+        [({"format": "xml"}, "format"), ({"level": "LOUD"}, "level")],
+    )
+    def test_bad_options_are_config_errors(self, options: dict[str, Any], named: str) -> None:
+        with pytest.raises(ConfigError, match=named):
+            configure_logging(**options)
+        assert not logging.getLogger("orchestra").handlers[1:]  # nothing installed

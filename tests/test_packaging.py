@@ -1,0 +1,68 @@
+"""The built wheel, installed into a fresh virtual environment, works from outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import orchestra
+from tests.helpers import REPO
+
+
+def uv() -> str:
+    found = shutil.which("uv") or str(REPO / ".tools" / "bin" / "uv")
+    if not Path(found).is_file():
+        pytest.skip("uv is not installed (make sync installs it into .tools/)")
+    return found
+
+
+def run(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+@pytest.mark.slow
+class TestInstalledWheel:
+    def test_version_demo_and_bench_from_outside_the_checkout(self, tmp_path: Path) -> None:
+        built = run(
+            uv(), "build", "--wheel", "--out-dir", str(tmp_path / "dist"), str(REPO), cwd=REPO
+        )
+        assert built.returncode == 0, built.stderr
+        [wheel] = (tmp_path / "dist").glob("orchestra_runtime-*.whl")
+        venv = tmp_path / "venv"
+        made = run(uv(), "venv", "--python", sys.executable, str(venv), cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        python = venv / "bin" / "python"
+        installed = run(
+            uv(), "pip", "install", "--python", str(python), f"{wheel}[cli]", cwd=tmp_path
+        )
+        assert installed.returncode == 0, installed.stderr
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        away = tmp_path / "elsewhere"
+        away.mkdir()
+        command = str(venv / "bin" / "orchestra")
+
+        version = run(command, "--version", cwd=away, env=env)
+        assert (version.returncode, version.stdout) == (0, f"orchestra {orchestra.__version__}\n")
+
+        where = run(
+            str(python), "-c", "import orchestra; print(orchestra.__file__)", cwd=away, env=env
+        )
+        assert where.stdout.startswith(str(venv))  # the installed copy, not the checkout
+
+        demo = run(command, "demo", cwd=away, env=env)
+        assert demo.returncode == 0, demo.stderr
+        assert "speed-up:" in demo.stdout
+
+        bench = run(command, "bench", cwd=away, env=env)
+        assert bench.returncode == 2
+        assert "No checkout here" in bench.stderr
+        assert "Traceback" not in bench.stderr
