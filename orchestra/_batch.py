@@ -23,12 +23,15 @@ from typing import IO, TYPE_CHECKING, Any, Final
 import pydantic
 from pydantic_core import to_json
 
+from ._console import watch
 from ._exceptions import ConfigError, InputError
 from ._orchestrator import Orchestrator
 from ._task import Task, TaskResult
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
+
+    from rich.console import Console
 
     from ._result import RunResult
 
@@ -190,18 +193,24 @@ class Batch:
     def __len__(self) -> int:
         return len(self.input)
 
-    async def run(self, out: IO[str]) -> RunResult:
-        """Run the input, writing each `TaskResult` to `out` as a JSON line as it finishes."""
-        orch = self.orch
+    async def run(
+        self,
+        out: IO[str],
+        *,
+        console: Console | None = None,
+        keys: IO[str] | None = None,
+        grace: float | None = 10.0,
+    ) -> RunResult:
+        """Run the input, writing each `TaskResult` to `out` as a JSON line as it finishes, with
+        the live view on `console` and control keys from `keys` (see `orchestra._console`)."""
+
+        def write(result: TaskResult) -> None:
+            out.write(result_line(result) + "\n")
+            out.flush()  # each result is there as soon as it is known (`tail -f`, a crash)
+            self.written += 1
+
         args: dict[str, Any] = {"input": self.input} if self.decomposed else {"tasks": self.input}
-        async with orch:
-            results = orch.stream(**args)
-            async with results:
-                async for result in results:
-                    out.write(result_line(result) + "\n")
-                    self.written += 1
-            assert results.result is not None  # the loop ended: the run is over
-            return results.result
+        return await watch(self.orch, write=write, console=console, keys=keys, grace=grace, **args)
 
 
 def summary(result: RunResult) -> list[str]:

@@ -268,11 +268,19 @@ async def progress(
                     status = status_of()
                     live.update(render_status(status, errors=errors), refresh=True)
         else:
-            console.print(status_line(status), markup=False, highlight=False, soft_wrap=True)
-            while not over(status):
-                await _pause(every, waiter)
-                status = status_of()
+            if status.state != "starting":  # a run with no tasks yet has nothing to say
                 console.print(status_line(status), markup=False, highlight=False, soft_wrap=True)
+            # Looked at every `refresh` seconds (the end is seen at once), printed every `every`.
+            printed = anyio.current_time()
+            while not over(status):
+                await _pause(min(refresh, every), waiter)
+                status = status_of()
+                now = anyio.current_time()
+                if now - printed >= every or over(status):
+                    printed = now
+                    console.print(
+                        status_line(status), markup=False, highlight=False, soft_wrap=True
+                    )
     finally:
         if waiter is not None and not waiter.done():
             waiter.cancel()

@@ -68,11 +68,11 @@ async def _main(
 ) -> RunResult:
     # The receiver is open before the run starts: a signal at any moment is ours, never a
     # KeyboardInterrupt from the middle of the loop.
-    with _signal_receiver() as signals:
+    with signal_receiver() as signals:
         async with orch:
             handle = orch.start(input, tasks=tasks, run_id=run_id)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_on_signals, signals, handle, grace, tg)
+                tg.start_soon(on_signals, signals, handle, grace, tg)
                 try:
                     result = await handle
                 finally:
@@ -80,9 +80,10 @@ async def _main(
     return result
 
 
-async def _on_signals(
+async def on_signals(
     signals: AsyncIterator[int], handle: RunHandle, grace: float | None, tg: TaskGroup
 ) -> None:
+    """The first signal stops `handle`'s run gracefully (`grace`), the next cancels it at once."""
     received = 0
     async for signum in signals:
         received += 1
@@ -105,7 +106,7 @@ async def _stop(handle: RunHandle, grace: float | None, reason: str) -> None:
 
 
 @contextmanager
-def _signal_receiver() -> Iterator[AsyncIterator[int]]:
+def signal_receiver() -> Iterator[AsyncIterator[int]]:
     """`anyio.open_signal_receiver` for SIGINT and SIGTERM; where the event loop cannot catch
     signals (asyncio on Windows), none is caught and Ctrl-C stays a `KeyboardInterrupt`."""
     if sys.platform == "win32":

@@ -4,9 +4,9 @@ Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that do
 line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
 
 Each command builds what it runs and hands it to one function that runs it and reports
-(`run_demo`, `run_job`): that is where a live view and pause / cancel keys plug in. Ctrl-C is
-handled the simplest honest way: asyncio cancels the run, the results written so far stay written,
-the command says so and exits 130.
+(`run_demo`, `run_job`), through `orchestra._console.watch`: the live view on stderr, SIGINT /
+SIGTERM as a graceful stop (a second one cancels at once; the results written so far stay written
+and the command exits 130), and, when stdin is a terminal, keys: p pause, r resume, s stop, c cancel.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rich.console import Console
 
 from . import __version__
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_jsonl, summary
+from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -98,14 +99,14 @@ def demo() -> None:
 
 
 async def run_demo() -> RunResult:
-    """The demo, each of its runs through `_run_plain` (the live view's place)."""
+    """The demo, each of its runs with the live view on stderr (and signals as a graceful stop)."""
     from . import _demo
 
-    return await _demo.main(run=_run_plain)
+    return await _demo.main(run=_watched)
 
 
-async def _run_plain(orch: Orchestrator, input: Any) -> RunResult:
-    return await orch.run(input)
+async def _watched(orch: Orchestrator, input: Any) -> RunResult:
+    return await watch(orch, input)
 
 
 # -- run ------------------------------------------------------------------------------------------
@@ -142,6 +143,16 @@ def run(
             allow_dash=True,
         ),
     ] = None,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="On Ctrl-C (or SIGTERM, or the s key): how long running attempts may take to "
+            "finish before they are cancelled. A second Ctrl-C cancels at once.",
+            min=0,
+        ),
+    ] = 10.0,
 ) -> None:
     """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
 
@@ -157,12 +168,13 @@ def run(
         raise _fail(str(exc)) from None
     except OSError as exc:
         raise _fail(f"cannot read {input}: {exc.strerror or exc}") from None
+    keys = _keys() if str(input) != "-" else None  # stdin is the input: no keys
     try:
         with _writing(output) as out:
-            result = run_job(batch, out)
+            result = run_job(batch, out, keys=keys, grace=grace)
     except OSError as exc:
         raise _fail(f"cannot write {output}: {exc.strerror or exc}") from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # where signals cannot be caught (Windows)
         where = "stdout" if output is None or str(output) == "-" else str(output)
         raise _fail(
             f"interrupted: {batch.written} task results written to {where}", INTERRUPTED
@@ -172,12 +184,28 @@ def run(
     console = _stderr()
     for line in summary(result):
         console.print(line, markup=False)
+    if result.status == "cancelled":
+        where = "stdout" if output is None or str(output) == "-" else str(output)
+        console.print(f"{batch.written} task results written to {where}", markup=False)
     raise typer.Exit(EXIT_CODES[result.status])
 
 
-def run_job(batch: Batch, out: IO[str]) -> RunResult:
-    """Run `batch`, its results to `out`: the one place the live view and control keys wrap."""
-    return asyncio.run(batch.run(out))
+def run_job(
+    batch: Batch, out: IO[str], *, keys: IO[str] | None = None, grace: float | None = 10.0
+) -> RunResult:
+    """Run `batch`, its results to `out`, with the live view on stderr, SIGINT / SIGTERM as a
+    graceful stop (a second one cancels at once) and control keys from `keys`."""
+    if keys is not None:
+        _stderr().print(f"keys: {KEYS}", markup=False)
+    return asyncio.run(batch.run(out, keys=keys, grace=grace))
+
+
+def _keys() -> IO[str] | None:
+    """stdin when it is a terminal (keys steer the run), else None."""
+    try:
+        return sys.stdin if sys.stdin.isatty() else None
+    except (AttributeError, ValueError):  # no stdin at all, or a closed one
+        return None
 
 
 @contextlib.contextmanager
