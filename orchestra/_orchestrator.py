@@ -22,6 +22,7 @@ import structlog
 
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
+from ._budget import Budget
 from ._config import (
     check_callable,
     check_instance,
@@ -98,6 +99,9 @@ class Orchestrator:
             buffered for them; what is left then is dropped (and counted), so a slow subscriber
             never holds up the exit for long.
         store: where runs keep their tasks (default `MemoryStore()`; see `orchestra.stores`).
+        max_cost, max_tokens: each run's budget, in USD and in tokens of every kind, of what
+            agents report (`ctx.record_usage`): once spent, no new attempt starts and the run
+            ends "partial" or "failed" with the reason (see `metadata.reason`).
     """
 
     def __init__(
@@ -122,6 +126,8 @@ class Orchestrator:
         on_threshold_missed: Callable[..., Any] | None = None,
         drain_timeout: float = 5.0,
         store: Store | None = None,
+        max_cost: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         # Every option is checked here, once, so a wrong type or value is a ConfigError naming it
         # now, never a TypeError in the middle of a run.
@@ -185,6 +191,7 @@ class Orchestrator:
             aggregate=aggregator_of(aggregate),
             seed=seed,
             on_threshold_missed=on_threshold_missed,
+            budget=Budget.of(max_cost=max_cost, max_tokens=max_tokens),
         )
         self._drain_timeout = drain_timeout
         self._tg: TaskGroup | None = None

@@ -404,7 +404,7 @@ class ClaudeAgent:
         except APIStatusError as exc:
             self._observe(exc.response.headers)
             # An error answer costs no tokens: the reserved estimate is given back.
-            ctx.record_usage(input_tokens=0, output_tokens=0)
+            ctx.record_usage(model=self.model, input_tokens=0, output_tokens=0)
             raise
         self._record(message.usage, ctx)
         return message
@@ -490,7 +490,7 @@ class ClaudeAgent:
         for unit, n in tokens.items():
             spent[unit] = spent.get(unit, 0) + n
         spent["cost"] = spent.get("cost", 0.0) + cost
-        ctx.record_usage(cost=cost, **tokens)
+        ctx.record_usage(cost=cost, model=self.model, **tokens)
 
     def __repr__(self) -> str:
         return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
