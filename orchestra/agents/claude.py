@@ -75,6 +75,8 @@ __all__ = (
     "ClaudeAccount",
     "ClaudeAgent",
     "ClaudeLimits",
+    "ClaudePlanner",
+    "ClaudeVerifier",
     "Price",
     "StreamTimeout",
     "StructuredOutputError",
@@ -498,3 +500,8 @@ class ClaudeAgent:
 
 for _public in (ClaudeAccount, ClaudeAgent, StreamTimeout, StructuredOutputError):
     _public.__module__ = "orchestra.agents"
+
+
+# Built on `ClaudeAgent`, so imported after it.
+from ._claude_planner import ClaudePlanner  # noqa: E402
+from ._claude_verifier import ClaudeVerifier  # noqa: E402
