@@ -16,6 +16,7 @@ from .simulated import simulated as simulated
 if TYPE_CHECKING:
     from .claude import ClaudeAccount as ClaudeAccount
     from .claude import ClaudeAgent as ClaudeAgent
+    from .claude import ClaudeBatchAgent as ClaudeBatchAgent
     from .claude import ClaudeLimits as ClaudeLimits
     from .claude import ClaudePlanner as ClaudePlanner
     from .claude import ClaudeVerifier as ClaudeVerifier
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = (
     "ClaudeAccount",
     "ClaudeAgent",
+    "ClaudeBatchAgent",
     "ClaudeLimits",
     "ClaudePlanner",
     "ClaudeVerifier",
@@ -31,7 +33,14 @@ __all__ = (
 )
 
 _CLAUDE = frozenset(
-    ("ClaudeAccount", "ClaudeAgent", "ClaudeLimits", "ClaudePlanner", "ClaudeVerifier")
+    (
+        "ClaudeAccount",
+        "ClaudeAgent",
+        "ClaudeBatchAgent",
+        "ClaudeLimits",
+        "ClaudePlanner",
+        "ClaudeVerifier",
+    )
 )
 
 

@@ -72,8 +72,10 @@ if TYPE_CHECKING:
 
 __all__ = (
     "PRICES",
+    "BatchRequestFailed",
     "ClaudeAccount",
     "ClaudeAgent",
+    "ClaudeBatchAgent",
     "ClaudeLimits",
     "ClaudePlanner",
     "ClaudeVerifier",
@@ -503,5 +505,6 @@ for _public in (ClaudeAccount, ClaudeAgent, StreamTimeout, StructuredOutputError
 
 
 # Built on `ClaudeAgent`, so imported after it.
+from ._claude_batch import BatchRequestFailed, ClaudeBatchAgent  # noqa: E402
 from ._claude_planner import ClaudePlanner  # noqa: E402
 from ._claude_verifier import ClaudeVerifier  # noqa: E402
