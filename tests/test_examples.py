@@ -18,3 +18,21 @@ class TestQuickstart:
         assert match is not None, done.stdout[-3000:]
         assert float(match.group(1)) >= 2.0
         assert "Traceback" not in done.stderr
+
+
+class TestContracts:
+    def test_runs_without_a_key_against_the_fake_api(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("ANTHROPIC_API_KEY", None)
+        done = run_python(str(REPO / "examples" / "contracts.py"), cwd=REPO, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "ANTHROPIC_API_KEY is not set" in done.stderr
+        assert "Traceback" not in done.stderr
+        out = done.stdout
+        assert "status: success" in out, out[-3000:]
+        # The reviewer sent the first drafts back; the final summaries cite every high clause.
+        retries = re.search(r"retries: (\d+)", out)
+        assert retries is not None
+        assert int(retries.group(1)) >= 2
+        assert "lease-0, lease-1" in out
+        assert re.search(r"total: \$0\.\d{4}", out)

@@ -21,7 +21,7 @@ from orchestra._verify import Verdict
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from anthropic import AsyncAnthropic
     from anthropic.types import Model
@@ -65,6 +65,8 @@ class ClaudeVerifier:
         model: a model id (a small fast one serves well: `"claude-haiku-4-5"`).
         criteria: what a good output does, in plain words.
         name: the name its usage is recorded under.
+        evidence: ``fn(task, ctx) -> str``: what the reviewer needs besides the task and the
+            output to judge it (the outputs of the task's dependencies, say: ``ctx.deps``).
         system: replaces the reviewer's system prompt.
         max_tokens, account, client, rate_limits, prices: as for `ClaudeAgent`.
         retry: how its own calls are retried (default: 4 attempts, backoff from 1 s).
@@ -73,7 +75,7 @@ class ClaudeVerifier:
     takes_context = True
     """`verify` passes the attempt's `Context` as a third argument (for the run's accounting)."""
 
-    __slots__ = ("_agent", "criteria", "name", "retry")
+    __slots__ = ("_agent", "criteria", "evidence", "name", "retry")
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class ClaudeVerifier:
         model: Model,
         criteria: str,
         name: str = "claude-verifier",
+        evidence: Callable[[Task, Context | None], str] | None = None,
         system: str | None = None,
         max_tokens: int = 1024,
         account: ClaudeAccount | None = None,
@@ -96,6 +99,9 @@ class ClaudeVerifier:
         self.name = name
         self.criteria = criteria
         self.retry = retry
+        if evidence is not None and not callable(evidence):
+            raise ConfigError(f"ClaudeVerifier: evidence must be a function, got {evidence!r}")
+        self.evidence = evidence
         self._agent = ClaudeAgent(
             name=name,
             kinds=["verify"],
@@ -114,19 +120,22 @@ class ClaudeVerifier:
         """Tokens (by usage field) and ``"cost"`` of every answer this verifier received."""
         return self._agent.spent
 
-    def prompt(self, task: Task, output: Any) -> str:
+    def prompt(self, task: Task, output: Any, ctx: Context | None = None) -> str:
         """What Claude is asked about `output`."""
+        evidence = ""
+        if self.evidence is not None:
+            evidence = f"<evidence>\n{self.evidence(task, ctx)}\n</evidence>\n\n"
         return (
             f"<criteria>\n{self.criteria}\n</criteria>\n\n"
             f"<task kind={json.dumps(task.kind)} id={json.dumps(task.id)}>\n"
-            f"{_text(task.payload)}\n</task>\n\n"
+            f"{_text(task.payload)}\n</task>\n\n{evidence}"
             f"<output>\n{_text(output)[:_MAX_OUTPUT_CHARS]}\n</output>\n\n"
             "Does the output meet every criterion?"
         )
 
     async def __call__(self, task: Task, output: Any, ctx: Context | None = None) -> Verdict:
         tab = Tab(self.name, ctx)
-        messages = [{"role": "user", "content": self.prompt(task, output)}]
+        messages = [{"role": "user", "content": self.prompt(task, output, ctx)}]
         message = await ask(self._agent, messages, tab, retry=self.retry)  # type: ignore[arg-type]
         judgement: Judgement = self._agent.read(message)
         if judgement.passed:
