@@ -220,6 +220,9 @@ class FakeMessagesAPI:
         requests_per_minute, input_tokens_per_minute, output_tokens_per_minute: the budget the
             `anthropic-ratelimit-*` headers describe. Reported only, never enforced: a test
             scripts its 429s with `fail("rate_limit", ...)`, so they come exactly when it says.
+        enforce_limits: enforce the per-minute budgets as the API does, with a token bucket per
+            budget (full at the start, refilled continuously at the limit per minute): a request
+            with no room gets a 429 with `retry-after`. For benchmarks; tests script their 429s.
         batch_latency: seconds a Message Batch takes to end (`/v1/messages/batches`: create,
             retrieve, results as JSONL, cancel; `batch_outcome` scripts errored / expired
             requests).
@@ -234,6 +237,7 @@ class FakeMessagesAPI:
         input_tokens_per_minute: int = 400_000,
         output_tokens_per_minute: int = 80_000,
         batch_latency: float = 60.0,
+        enforce_limits: bool = False,
     ) -> None:
         self.latency = latency
         self.max_input_tokens = max_input_tokens
@@ -260,6 +264,9 @@ class FakeMessagesAPI:
         self._ids = itertools.count(1)
         self._answers: list[str | Callable[[Any], str]] = []
         self.batch_latency = batch_latency
+        self.enforce_limits = enforce_limits
+        self._buckets = {unit: float(limit) for unit, limit in self.limits.items()}
+        self._filled = 0.0
         self.batches: dict[str, _Batch] = {}
         """Every batch created, by id."""
         self._batch_rules: list[tuple[str, Callable[[Any], bool] | None]] = []
@@ -514,6 +521,9 @@ class FakeMessagesAPI:
         elif rule is not None:
             rule.hits += 1
             fault, delay = rule.fault, rule.delay
+        elif self.enforce_limits and (wait := self._take(request, now)) > 0:
+            rule = Rule("rate_limit", None, None, now, now, math.ceil(wait), None, 0.0)
+            fault, delay = "rate_limit", 0.0
         elif _tokens(request.prompt) > self.max_input_tokens:
             fault, delay = "prompt_too_long", 0.0  # checked before inference: answered at once
         else:
@@ -634,6 +644,25 @@ class FakeMessagesAPI:
             results.append({"custom_id": custom_id, "result": result})
         return results
 
+    def _take(self, request: Request, now: float) -> float:
+        """Take one request and its input tokens from the buckets; 0, or the seconds until
+        there is room (nothing taken). Output tokens are taken when the answer is made."""
+        buckets = self._buckets
+        for unit, limit in self.limits.items():
+            buckets[unit] = min(limit, buckets[unit] + (now - self._filled) * limit / _WINDOW)
+        self._filled = now
+        need = {"requests": 1, "input-tokens": _tokens(request.prompt), "output-tokens": 0}
+        wait = 0.0
+        for unit, n in need.items():
+            short = n - buckets[unit]
+            if short > 0 or buckets[unit] < 0:
+                wait = max(wait, max(short, -buckets[unit]) * _WINDOW / self.limits[unit])
+        if wait > 0:
+            return wait
+        for unit, n in need.items():
+            buckets[unit] -= n
+        return 0.0
+
     def _rule_for(self, request: Request, now: float) -> Rule | None:
         for rule in self.rules:
             if rule.applies(request.body, now):
@@ -699,6 +728,8 @@ class FakeMessagesAPI:
         if message is not None:
             used["input-tokens"] += message["usage"]["input_tokens"]
             used["output-tokens"] += message["usage"]["output_tokens"]
+            if self.enforce_limits:
+                self._buckets["output-tokens"] -= message["usage"]["output_tokens"]
         wall = datetime.fromtimestamp(current_clock().wall(), UTC)
         reset = wall + timedelta(seconds=self._window_start + _WINDOW - now)
         stamp = reset.isoformat().replace("+00:00", "Z")
@@ -707,6 +738,11 @@ class FakeMessagesAPI:
             prefix = f"anthropic-ratelimit-{unit}"
             remaining = max(0, limit - used[unit])
             until = stamp
+            if self.enforce_limits:  # the bucket's level, full again at `until`
+                level = self._buckets[unit]
+                remaining = max(0, math.floor(level))
+                full_in = (limit - level) * _WINDOW / limit
+                until = (wall + timedelta(seconds=full_in)).isoformat().replace("+00:00", "Z")
             if reset_in is not None and unit == "requests":
                 remaining = 0
                 until = (wall + timedelta(seconds=reset_in)).isoformat().replace("+00:00", "Z")

@@ -4,6 +4,7 @@ a 60-second budget or a 2-second Retry-After take milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -555,3 +556,21 @@ class TestSecrets:
         api.assert_no_key_in(*texts)
         assert not any(API_KEY in text for text in texts)
         assert API_KEY not in repr(account) + repr(agent)
+
+
+class TestEnforcedLimits:
+    async def test_the_fake_api_answers_a_burst_over_its_budget_with_429s(
+        self, clock: FakeClock
+    ) -> None:
+        # What the benchmark's "429s provoked" counts: a client that does not pace itself.
+        async with (
+            FakeMessagesAPI(requests_per_minute=3, enforce_limits=True) as api,
+            AsyncAnthropic(api_key=API_KEY, base_url=api.url, max_retries=0) as client,
+        ):
+            for _ in range(5):
+                with contextlib.suppress(Exception):
+                    await client.messages.create(
+                        model=SONNET, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+                    )
+            assert [r.status for r in api.requests] == [200, 200, 200, 429, 429]
+            assert api.requests[3].outcome == "rate_limit"
