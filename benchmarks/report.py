@@ -286,6 +286,34 @@ def markdown(
     if rows:
         lines += [f"{h2} {_title(results, 'kinds')}", "", *_kinds(rows), ""]
 
+    rows = _rows(summary, "claude")
+    if rows:
+        lines += [f"{h2} {_title(results, 'claude')}", ""]
+        body = []
+        for r in rows:
+            if "throughput_ratio" not in r:
+                body.append([r["variant"], _failed_cell(r), "", "", ""])
+                continue
+            body.append(
+                [
+                    f"{r['variant']} n={r['n']}",
+                    _spread(r["virtual_s"]),
+                    _spread(r["smooth_ideal_s"]),
+                    _spread(r["throughput_ratio"]),
+                    _spread(r["rate_limited"]),
+                ]
+            )
+        lines += _table(
+            ["variant", "virtual s", "limit's best (s)", "throughput / limit", "429s"], body
+        )
+        lines += [
+            "",
+            "Throughput / limit = the limit's theoretical best (the binding budget's rate, "
+            "requests paced evenly, plus one answer's latency) over the run's time, in virtual "
+            "time; target >= 0.95 and no 429.",
+            "",
+        ]
+
     rows = _rows(summary, "spawn")
     if rows:
         lines += [f"{h2} {_title(results, 'spawn')}", "", *_spawn(rows, results["reps"]), ""]

@@ -1,4 +1,4 @@
-"""The eight scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
+"""The nine scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
 
 A scenario is a list of groups; a group is the variants that measure the same thing at the same
 size and are run one after another in each repetition (their order rotating from one repetition to
@@ -62,6 +62,8 @@ class Sizes:
     group_chain_n: int = 8_000
     #: Scenario 8 runs in at most this many repetitions (a 40,000-child fan-out took 26 s).
     spawn_reps: int = 3
+    #: Scenario 9: Claude calls against the fake Messages API under a tight budget.
+    claude_n: int = 1_000
     limit: int = 100
     reps: int = 5
 
@@ -87,6 +89,7 @@ SMOKE = Sizes(
     chain_n=200,
     group_chain_n=200,
     spawn_reps=1,
+    claude_n=100,
     limit=10,
     reps=1,
 )
@@ -242,10 +245,27 @@ def plan(sizes: Sizes) -> list[Scenario]:
         ]
     )
 
-    return [speedup, dispatch, latency, memory, million, features, kinds, spawn]
+    claude = Scenario(
+        "claude",
+        f"9. Claude: {sizes.claude_n:,} calls against the local fake Messages API "
+        "(1 s answers, a 600 RPM / 60,000 input TPM budget enforced), in virtual time",
+    )
+    claude.groups.append([Case(Spec("claude", "orchestra_claude", sizes.claude_n, 100), 1)])
+
+    return [speedup, dispatch, latency, memory, million, features, kinds, spawn, claude]
 
 
-SCENARIOS = ("speedup", "dispatch", "latency", "memory", "million", "features", "kinds", "spawn")
+SCENARIOS = (
+    "speedup",
+    "dispatch",
+    "latency",
+    "memory",
+    "million",
+    "features",
+    "kinds",
+    "spawn",
+    "claude",
+)
 
 #: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio.
 PRESETS: dict[str, tuple[str, ...]] = {

@@ -77,6 +77,9 @@ def summarize(runs: list[Row]) -> list[Row]:
 
 def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
     extras = [r["extra"] for r in ok]
+    if "throughput_ratio" in extras[0]:  # scenario 9: Claude calls under a budget
+        for name in ("throughput_ratio", "rate_limited", "virtual_s", "smooth_ideal_s"):
+            row[name] = stats(float(e[name]) for e in extras)
     if "events" in extras[0]:
         row["events"] = stats(float(e["events"]) for e in extras)
     if "slice_s" in extras[0]:

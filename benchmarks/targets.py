@@ -36,7 +36,22 @@ def targets(rows: list[Row]) -> list[Row]:
         *_speedup(rows),
         *_memory(rows),
         *_stream(rows),
+        *_claude(rows),
     ]
+
+
+def _claude(rows: list[Row]) -> list[Row]:
+    """Issue 15: throughput ≥ 0.95 of the budget's best, and no 429 provoked."""
+    out: list[Row] = []
+    for row in (r for r in rows if r["scenario"] == "claude" and "throughput_ratio" in r):
+        ratio = row["throughput_ratio"]["median"]
+        limited = row["rate_limited"]["max"]
+        n = row["n"]
+        out.append(
+            _target(f"Claude calls: throughput / limit (N={n:,})", "0.95", ratio, ratio >= 0.95)
+        )
+        out.append(_target(f"Claude calls: 429s provoked (N={n:,})", "0", limited, limited == 0))
+    return out
 
 
 def _peers(rows: list[Row]) -> list[Row]:

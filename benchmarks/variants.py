@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
-from . import spawning
+from . import claude, spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -449,6 +449,7 @@ VARIANTS: dict[str, Builder] = {
     "orchestra_stream": _orchestra_stream,
     "worker_stream": _bare_stream,
     **{f"orchestra_{f}": _orchestra_feature(f) for f in FEATURES if f != "default"},
+    "orchestra_claude": claude.claude_calls,
     "orchestra_fanout": spawning.fanout,
     "orchestra_chain": spawning.chain,
     "orchestra_group_chain": spawning.group_chain,

@@ -75,11 +75,12 @@ class Context:
         spawned[task.id] = task
         return task
 
-    def record_usage(self, *, cost: float = 0.0, **tokens: int) -> None:
+    def record_usage(self, *, cost: float = 0.0, model: str | None = None, **tokens: int) -> None:
         """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's
-        metadata. The agent's limits (`@agent(limits=[Rate(..., unit="input_tokens")])`) are
-        trued up with them when the attempt ends."""
-        self._run.record_usage(cost, tokens)
+        metadata, in total, per agent and, given `model`, per model. The agent's limits
+        (`@agent(limits=[Rate(..., unit="input_tokens")])`) are trued up with them when the
+        attempt ends; a run budget (`max_cost=`, `max_tokens=`) is checked against them."""
+        self._run.record_usage(cost, tokens, self.agent, model)
         usage = self._usage
         if usage is None:
             usage = self._usage = {}

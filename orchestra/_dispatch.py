@@ -643,7 +643,7 @@ class Dispatcher:
             check_returned(output, slot.name)  # the model instance, as the result will dump it
         check = self._verify.get(record.kind) if self._verify else None
         if check is not None:
-            await verify(check, record.task, output)
+            await verify(check, record.task, output, ctx)
         return output
 
     async def _safe(self, record: Record, token: int) -> bool:

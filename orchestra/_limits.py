@@ -326,6 +326,19 @@ class Rate:
         if drained > self._tat:  # a nan never moves it
             self._tat = drained
 
+    def retune(self, limit: float, now: float) -> None:
+        """Change the limit in place (its users hold this object). Units admitted and not yet
+        drained stay admitted and drain at the new pace from `now`."""
+        _check_positive("Rate limit", limit)
+        if limit == self.limit:
+            return
+        interval = self.per / limit
+        tat = self._tat
+        if tat > now:
+            self._tat = now + (tat - now) * interval / self.interval
+        self.limit = limit
+        self.interval = interval
+
     def watch(self, wake: Callable[[], None]) -> None:
         """Room comes with time (`reserve` never says math.inf); `wake` runs on the next give-back."""
         if self._watchers is None:

@@ -21,6 +21,7 @@ import anyio
 
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
+from ._budget import Budget
 from ._config import (
     check_callable,
     check_instance,
@@ -102,6 +103,9 @@ class Orchestrator:
         instruments: metrics and tracing hooks called in line by every run (see `Instrument`,
             `orchestra.metrics.PrometheusMetrics`, `orchestra.tracing.OpenTelemetryTracing`);
             none by default, and then they cost nothing.
+        max_cost, max_tokens: each run's budget, in USD and in tokens of every kind, of what
+            agents report (`ctx.record_usage`): once spent, no new attempt starts and the run
+            ends "partial" or "failed" with the reason (see `metadata.reason`).
     """
 
     def __init__(
@@ -127,6 +131,8 @@ class Orchestrator:
         drain_timeout: float = 5.0,
         store: Store | None = None,
         instruments: Sequence[Instrument] | None = None,
+        max_cost: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         # Every option is checked here, once, so a wrong type or value is a ConfigError naming it
         # now, never a TypeError in the middle of a run.
@@ -199,6 +205,7 @@ class Orchestrator:
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),
+            budget=Budget.of(max_cost=max_cost, max_tokens=max_tokens),
         )
         if self._config.instruments is not None:
             self._config.instruments.attach(self)

@@ -146,6 +146,8 @@ class Report:
         "second",
         "second_end",
         "tokens",
+        "usage_per_agent",
+        "usage_per_model",
     )
 
     def __init__(self) -> None:
@@ -159,6 +161,8 @@ class Report:
         self.defaulted: list[str] = []
         self.tokens: dict[str, int] = {}
         self.cost = 0.0
+        self.usage_per_agent: dict[str, dict[str, float]] = {}
+        self.usage_per_model: dict[str, dict[str, float]] = {}
         self.reason: str | None = None
         self.cancelled = False
         self.cancellations: list[CancelRecord] = []  # the run handle's cancels, as they happen
@@ -271,10 +275,20 @@ class Report:
         else:
             kind.cancelled += 1
 
-    def usage(self, cost: float, tokens: dict[str, int] | Any) -> None:
+    def usage(
+        self,
+        cost: float,
+        tokens: dict[str, int] | Any,
+        agent: str | None = None,
+        model: str | None = None,
+    ) -> None:
         self.cost += cost
         for name, n in tokens.items():
             self.tokens[name] = self.tokens.get(name, 0) + n
+        if agent is not None:
+            _add(self.usage_per_agent, agent, cost, tokens)
+        if model is not None:
+            _add(self.usage_per_model, model, cost, tokens)
 
     def result(
         self,
@@ -335,6 +349,8 @@ class Report:
             defaulted=self.defaulted,
             tokens=dict(sorted(self.tokens.items())),
             cost=self.cost,
+            usage_per_agent=_sorted_usage(self.usage_per_agent),
+            usage_per_model=_sorted_usage(self.usage_per_model),
             events_dropped=events_dropped,
             reason=self.reason,
             cancellations=self.cancellations,
@@ -465,6 +481,19 @@ def _error_record(node: Node) -> ErrorRecord:
     )
 
 
+def _add(table: dict[str, dict[str, float]], key: str, cost: float, tokens: Any) -> None:
+    row = table.get(key)
+    if row is None:
+        row = table[key] = {"cost": 0.0}
+    row["cost"] += cost
+    for name, n in tokens.items():
+        row[name] = row.get(name, 0) + n
+
+
+def _sorted_usage(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {key: dict(sorted(row.items())) for key, row in sorted(table.items())}
+
+
 def _keepable(output: Any) -> Any:
     """`output` if the result can dump it to JSON, else None: a verifier's `VerificationError` may
     carry anything as its output, and a result that cannot be dumped is worse than a missing one."""
@@ -486,6 +515,8 @@ def remediation(status: str, error_type: str, message: str) -> str:
             return (
                 "The run ended before this task finished: raise the run timeout, or run it again."
             )
+        if error_type == "BudgetExceeded":
+            return "The run's budget (max_cost / max_tokens) was spent before this task finished: raise it, or run the rest again."
         if error_type == "Stopped":
             return "The run was stopped before this task finished: run it again to finish it."
         return "It was cancelled (see metadata.reason and metadata.cancellations): run it again if it is still wanted."

@@ -100,6 +100,11 @@ class RunMetadata(BaseModel):
 
     `reason` says why a run did not succeed (or why it was stopped); `cancellations` lists each
     `RunHandle.cancel(...)` made during the run.
+
+    `tokens` and `cost` are what agents reported (`ctx.record_usage`; a Claude agent reports
+    every answer's input, output, cache-write and cache-read tokens and its USD cost, failed
+    attempts included); `usage_per_agent` and `usage_per_model` split them by agent name and by
+    model id, each row holding the token counts and ``"cost"``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -123,6 +128,8 @@ class RunMetadata(BaseModel):
     defaulted: list[str] = Field(default_factory=list)
     tokens: dict[str, int] = Field(default_factory=dict)
     cost: float = 0.0
+    usage_per_agent: dict[str, dict[str, float]] = Field(default_factory=dict)
+    usage_per_model: dict[str, dict[str, float]] = Field(default_factory=dict)
     events_dropped: int = 0
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)

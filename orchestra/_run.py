@@ -23,6 +23,7 @@ import anyio.lowlevel
 import structlog
 
 from ._admission import Admission
+from ._budget import BUDGET_EXCEEDED
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
     from ._aggregate import Accumulator
+    from ._budget import Budget
     from ._events import EventBus
     from ._instruments import Instruments
     from ._limits import Capacity
@@ -62,6 +64,7 @@ class RunConfig:
 
     __slots__ = (
         "aggregate",
+        "budget",
         "bus",
         "capacity",
         "defaults",
@@ -100,9 +103,11 @@ class RunConfig:
         on_threshold_missed: Callable[..., Any] | None,
         faults: Mapping[str, Any],
         instruments: Instruments | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.registry = registry
         self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
+        self.budget = budget
         self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
         self.capacity = capacity
         self.bus = bus
@@ -146,6 +151,8 @@ class Run:
         self._input_error: Exception | None = None
         self._streamed = False
         self._stop_reason: str | None = None
+        self._budget = config.budget
+        self._spent: str | None = None  # why the budget ended the run
         self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call
         self.on_open: Callable[[], None] | None = None  # a run handle's: the run has its store
         self.instruments = config.instruments
@@ -275,7 +282,12 @@ class Run:
                 self.t_end = loop.time()
                 capacity.runs.remove(dispatcher)
                 dispatcher.stop()
-                if cancelled or timed_out or self._stop_reason is not None:
+                if (
+                    cancelled
+                    or timed_out
+                    or self._stop_reason is not None
+                    or self._spent is not None
+                ):
                     self._cancel_rest(timed_out)
                 if self._results is not None:
                     self._results.close()
@@ -297,6 +309,10 @@ class Run:
         if timed_out:
             reason = f"run timeout after {self.config.timeouts.run}s"
             error_type = "RunTimeout"
+            self.report.reason = reason
+            self.report.cut_short = True
+        elif self._spent is not None:
+            reason, error_type = self._spent, BUDGET_EXCEEDED
             self.report.reason = reason
             self.report.cut_short = True
         elif self._stop_reason is not None:
@@ -478,8 +494,23 @@ class Run:
         self._input_done = True
         self.store.close_input()
 
-    def record_usage(self, cost: float, tokens: Mapping[str, int]) -> None:
-        self.report.usage(cost, tokens)
+    def record_usage(
+        self,
+        cost: float,
+        tokens: Mapping[str, int],
+        agent: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        report = self.report
+        report.usage(cost, tokens, agent, model)
+        budget = self._budget
+        if budget is not None and self._spent is None and not self._done.is_set():
+            reason = budget.reached(report.cost, report.tokens)
+            if reason is not None:  # no new attempt starts: the run ends (see `_budget`)
+                log.warning("run budget spent; ending the run", reason=reason)
+                self._spent = reason
+                self._done.set()
+                self.dispatcher.stop()
 
 
 async def _close(source: object) -> None:

@@ -52,9 +52,13 @@ def _judge(verdict: Any) -> tuple[bool, str | None]:
     raise TypeError(f"a verifier or safety check returned {verdict!r}: return a bool or a Verdict")
 
 
-async def verify(check: Check, task: Task, output: Any) -> None:
-    """Raise `VerificationError` when `check` rejects `output`."""
-    verdict = check(task, output)
+async def verify(check: Check, task: Task, output: Any, ctx: Any = None) -> None:
+    """Raise `VerificationError` when `check` rejects `output`. A check whose `takes_context` is
+    true (a `ClaudeVerifier`) is also given the attempt's `Context` (to count its own spend)."""
+    if ctx is not None and getattr(check, "takes_context", False):
+        verdict = check(task, output, ctx)  # type: ignore[call-arg]
+    else:
+        verdict = check(task, output)
     if inspect.isawaitable(verdict):
         verdict = await verdict
     passed, feedback = _judge(verdict)

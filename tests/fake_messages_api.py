@@ -59,7 +59,15 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
     from types import TracebackType
 
-__all__ = ("RATE_LIMIT_MESSAGE", "FakeMessagesAPI", "Fault", "Request", "Rule", "prompt_of")
+__all__ = (
+    "RATE_LIMIT_MESSAGE",
+    "BatchOutcome",
+    "FakeMessagesAPI",
+    "Fault",
+    "Request",
+    "Rule",
+    "prompt_of",
+)
 
 Fault = Literal[
     "rate_limit", "overloaded", "server_error", "prompt_too_long", "drop", "hang", "slow", "stall"
@@ -178,6 +186,18 @@ class Rule:
         return self.match is None or bool(self.match(body))
 
 
+BatchOutcome = Literal["errored", "expired", "canceled"]
+
+
+@dataclass(slots=True)
+class _Batch:
+    id: str
+    created: float
+    ends: float
+    entries: list[tuple[str, Any, str]]  # custom_id, params, outcome
+    canceled: bool = False
+
+
 @dataclass(slots=True)
 class _Connection:
     number: int
@@ -200,6 +220,12 @@ class FakeMessagesAPI:
         requests_per_minute, input_tokens_per_minute, output_tokens_per_minute: the budget the
             `anthropic-ratelimit-*` headers describe. Reported only, never enforced: a test
             scripts its 429s with `fail("rate_limit", ...)`, so they come exactly when it says.
+        enforce_limits: enforce the per-minute budgets as the API does, with a token bucket per
+            budget (full at the start, refilled continuously at the limit per minute): a request
+            with no room gets a 429 with `retry-after`. For benchmarks; tests script their 429s.
+        batch_latency: seconds a Message Batch takes to end (`/v1/messages/batches`: create,
+            retrieve, results as JSONL, cancel; `batch_outcome` scripts errored / expired
+            requests).
     """
 
     def __init__(
@@ -210,6 +236,8 @@ class FakeMessagesAPI:
         requests_per_minute: int = 4_000,
         input_tokens_per_minute: int = 400_000,
         output_tokens_per_minute: int = 80_000,
+        batch_latency: float = 60.0,
+        enforce_limits: bool = False,
     ) -> None:
         self.latency = latency
         self.max_input_tokens = max_input_tokens
@@ -235,6 +263,13 @@ class FakeMessagesAPI:
         self._connection_numbers = itertools.count(1)
         self._ids = itertools.count(1)
         self._answers: list[str | Callable[[Any], str]] = []
+        self.batch_latency = batch_latency
+        self.enforce_limits = enforce_limits
+        self._buckets = {unit: float(limit) for unit, limit in self.limits.items()}
+        self._filled = 0.0
+        self.batches: dict[str, _Batch] = {}
+        """Every batch created, by id."""
+        self._batch_rules: list[tuple[str, Callable[[Any], bool] | None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -472,9 +507,12 @@ class FakeMessagesAPI:
         return await self._answer(conn, request, now)
 
     async def _answer(self, conn: _Connection, request: Request, now: float) -> bool:
+        path = request.path.split("?")[0]
+        if path.startswith("/v1/messages/batches") and request.api_key is not None:
+            return await self._batches(conn, request, path, now)
         rule = self._rule_for(request, now)
         fault: str
-        if request.path.split("?")[0] != "/v1/messages" or request.method != "POST":
+        if path != "/v1/messages" or request.method != "POST":
             fault, delay = "not_found", 0.0
         elif request.api_key is None:
             fault, delay = "authentication", 0.0
@@ -483,6 +521,9 @@ class FakeMessagesAPI:
         elif rule is not None:
             rule.hits += 1
             fault, delay = rule.fault, rule.delay
+        elif self.enforce_limits and (wait := self._take(request, now)) > 0:
+            rule = Rule("rate_limit", None, None, now, now, math.ceil(wait), None, 0.0)
+            fault, delay = "rate_limit", 0.0
         elif _tokens(request.prompt) > self.max_input_tokens:
             fault, delay = "prompt_too_long", 0.0  # checked before inference: answered at once
         else:
@@ -515,6 +556,112 @@ class FakeMessagesAPI:
         await self._send(conn, status, headers, json.dumps(payload).encode())
         request.status, request.outcome, request.answered = status, fault, self._now()
         return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
+
+    # -- the Message Batches API ---------------------------------------------------------------
+
+    def batch_outcome(
+        self, outcome: BatchOutcome, *, match: Callable[[Any], bool] | None = None
+    ) -> None:
+        """Requests of later batches whose params `match` accepts (None: all) end with `outcome`
+        ("errored": an overloaded_error, "expired", "canceled") instead of succeeding."""
+        self._batch_rules.append((outcome, match))
+
+    async def _batches(self, conn: _Connection, request: Request, path: str, now: float) -> bool:
+        parts = path.removeprefix("/v1/messages/batches").strip("/").split("/")
+        status, lines = 200, None
+        payload: Any
+        if request.method == "POST" and parts == [""]:
+            payload = self._create_batch(request, now)
+        elif parts[0] in self.batches and request.method == "GET" and len(parts) == 1:
+            payload = self._batch_json(parts[0], now)
+        elif parts[0] in self.batches and request.method == "POST" and parts[1:] == ["cancel"]:
+            self.batches[parts[0]].canceled = True
+            payload = self._batch_json(parts[0], now)
+        elif parts[0] in self.batches and request.method == "GET" and parts[1:] == ["results"]:
+            lines = "".join(json.dumps(r) + "\n" for r in self._batch_results(parts[0]))
+            payload = None
+        else:
+            status, error_type, message = _ERRORS["not_found"]
+            payload = {"type": "error", "error": {"type": error_type, "message": message}}
+            status = 404
+        body = lines.encode() if lines is not None else json.dumps(payload).encode()
+        kind = "application/binary" if lines is not None else "application/json"
+        headers = [("content-type", kind), ("request-id", f"req_{next(self._ids):024d}")]
+        await self._send(conn, status, headers, body)
+        request.status, request.outcome, request.answered = status, "batch", self._now()
+        return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
+
+    def _create_batch(self, request: Request, now: float) -> dict[str, Any]:
+        batch_id = f"msgbatch_{next(self._ids):024d}"
+        entries: list[tuple[str, Any, str]] = []
+        for item in (request.body or {}).get("requests", []):
+            params = item["params"]
+            outcome = "succeeded"
+            for rule_outcome, match in self._batch_rules:
+                if match is None or match(params):
+                    outcome = rule_outcome
+                    break
+            entries.append((item["custom_id"], params, outcome))
+        self.batches[batch_id] = _Batch(batch_id, now, now + self.batch_latency, entries)
+        return self._batch_json(batch_id, now)
+
+    def _batch_json(self, batch_id: str, now: float) -> dict[str, Any]:
+        batch = self.batches[batch_id]
+        ended = batch.canceled or now >= batch.ends
+        counts = dict.fromkeys(("processing", "succeeded", "errored", "canceled", "expired"), 0)
+        for _, _, outcome in batch.entries:
+            counts["canceled" if batch.canceled else outcome if ended else "processing"] += 1
+        wall = current_clock().wall()
+        stamp = datetime.fromtimestamp(wall - (now - batch.created), UTC).isoformat()
+        return {
+            "id": batch_id,
+            "type": "message_batch",
+            "processing_status": "ended" if ended else "in_progress",
+            "request_counts": counts,
+            "created_at": stamp,
+            "expires_at": stamp,
+            "ended_at": stamp if ended else None,
+            "archived_at": None,
+            "cancel_initiated_at": stamp if batch.canceled else None,
+            "results_url": f"{self.url}/v1/messages/batches/{batch_id}/results" if ended else None,
+        }
+
+    def _batch_results(self, batch_id: str) -> list[dict[str, Any]]:
+        batch = self.batches[batch_id]
+        results: list[dict[str, Any]] = []
+        for custom_id, params, outcome in reversed(batch.entries):  # any order, says the API
+            result: dict[str, Any]
+            if batch.canceled:
+                result = {"type": "canceled"}
+            elif outcome == "succeeded":
+                fake = Request(0, 0, 0.0, "POST", "/v1/messages", {}, params)
+                result = {"type": "succeeded", "message": self._message(fake)}
+            elif outcome == "errored":
+                error = {"type": "overloaded_error", "message": "Overloaded"}
+                result = {"type": "errored", "error": {"type": "error", "error": error}}
+            else:
+                result = {"type": outcome}
+            results.append({"custom_id": custom_id, "result": result})
+        return results
+
+    def _take(self, request: Request, now: float) -> float:
+        """Take one request and its input tokens from the buckets; 0, or the seconds until
+        there is room (nothing taken). Output tokens are taken when the answer is made."""
+        buckets = self._buckets
+        for unit, limit in self.limits.items():
+            buckets[unit] = min(limit, buckets[unit] + (now - self._filled) * limit / _WINDOW)
+        self._filled = now
+        need = {"requests": 1, "input-tokens": _tokens(request.prompt), "output-tokens": 0}
+        wait = 0.0
+        for unit, n in need.items():
+            short = n - buckets[unit]
+            if short > 0 or buckets[unit] < 0:
+                wait = max(wait, max(short, -buckets[unit]) * _WINDOW / self.limits[unit])
+        if wait > 0:
+            return wait
+        for unit, n in need.items():
+            buckets[unit] -= n
+        return 0.0
 
     def _rule_for(self, request: Request, now: float) -> Rule | None:
         for rule in self.rules:
@@ -581,6 +728,8 @@ class FakeMessagesAPI:
         if message is not None:
             used["input-tokens"] += message["usage"]["input_tokens"]
             used["output-tokens"] += message["usage"]["output_tokens"]
+            if self.enforce_limits:
+                self._buckets["output-tokens"] -= message["usage"]["output_tokens"]
         wall = datetime.fromtimestamp(current_clock().wall(), UTC)
         reset = wall + timedelta(seconds=self._window_start + _WINDOW - now)
         stamp = reset.isoformat().replace("+00:00", "Z")
@@ -589,6 +738,11 @@ class FakeMessagesAPI:
             prefix = f"anthropic-ratelimit-{unit}"
             remaining = max(0, limit - used[unit])
             until = stamp
+            if self.enforce_limits:  # the bucket's level, full again at `until`
+                level = self._buckets[unit]
+                remaining = max(0, math.floor(level))
+                full_in = (limit - level) * _WINDOW / limit
+                until = (wall + timedelta(seconds=full_in)).isoformat().replace("+00:00", "Z")
             if reset_in is not None and unit == "requests":
                 remaining = 0
                 until = (wall + timedelta(seconds=reset_in)).isoformat().replace("+00:00", "Z")

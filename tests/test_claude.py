@@ -4,6 +4,7 @@ a 60-second budget or a 2-second Retry-After take milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -497,3 +498,80 @@ def _rfc3339(wall: float) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(wall, UTC).isoformat().replace("+00:00", "Z")
+
+
+class TestFallback:
+    async def test_repeated_529s_move_the_task_to_the_fallback_model(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("overloaded", match=lambda body: body["model"] == SONNET)
+        api.answer(GOOD)
+        main = research(account, output=ClauseRisk)
+        cheap = research(account, name="research-fast", model=HAIKU, output=ClauseRisk)
+        result = await run(
+            api,
+            [main, cheap],
+            [clause()],
+            fallbacks={"research": ["research", "research-fast"]},
+            retry=RetryPolicy(max_attempts=3, base=0.1),
+        )
+        assert result.status == "success"
+        assert result.data["c0"] == ClauseRisk(risk="high", reason="uncapped liability")
+        assert [(r.body["model"], r.status) for r in api.requests] == [
+            (SONNET, 529),
+            (SONNET, 529),
+            (SONNET, 529),
+            (HAIKU, 200),
+        ]
+        assert result.metadata.fallbacks == 1
+        assert result.metadata.tasks_per_agent == {"research-fast": 1}
+        assert set(result.metadata.usage_per_model) == {SONNET, HAIKU}
+        assert result.metadata.usage_per_model[SONNET]["input_tokens"] == 0  # errors cost 0
+
+
+class TestSecrets:
+    async def test_the_key_is_in_no_log_event_error_or_result(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, logs: LogLines
+    ) -> None:
+        # Every path that carries an error's text: a 400 (permanent), a 429 and 529s (retried),
+        # a dropped connection; the logs at debug level, every event, the result and its errors.
+        api.fail("prompt_too_long", match=lambda body: "c1" in json.dumps(body))
+        api.fail("rate_limit", times=1, retry_after=1)
+        api.fail("overloaded", times=2)
+        api.fail("drop", times=1)
+        events: list[str] = []
+        agent = research(account, prompt="{task.id}: {payload[text]}")
+        async with Orchestrator(
+            agents=[agent],
+            retry=RetryPolicy(max_attempts=6, base=0.1),
+            seed=1,
+            success_threshold=0.5,
+        ) as orch:
+            orch.subscribe(lambda event: events.append(repr(event)))
+            result = await orch.run(tasks=[clause(0), clause(1), clause(2)])
+        assert result.status == "partial"
+        assert result.errors[0].status_code == 400
+        assert len(events) > 10
+        assert len(logs.entries) > 5  # DEBUG lines: every failed attempt
+        texts = [result.model_dump_json(), *events, *map(repr, logs.entries), logs.text()]
+        api.assert_no_key_in(*texts)
+        assert not any(API_KEY in text for text in texts)
+        assert API_KEY not in repr(account) + repr(agent)
+
+
+class TestEnforcedLimits:
+    async def test_the_fake_api_answers_a_burst_over_its_budget_with_429s(
+        self, clock: FakeClock
+    ) -> None:
+        # What the benchmark's "429s provoked" counts: a client that does not pace itself.
+        async with (
+            FakeMessagesAPI(requests_per_minute=3, enforce_limits=True) as api,
+            AsyncAnthropic(api_key=API_KEY, base_url=api.url, max_retries=0) as client,
+        ):
+            for _ in range(5):
+                with contextlib.suppress(Exception):
+                    await client.messages.create(
+                        model=SONNET, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+                    )
+            assert [r.status for r in api.requests] == [200, 200, 200, 429, 429]
+            assert api.requests[3].outcome == "rate_limit"

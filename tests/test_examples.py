@@ -28,6 +28,10 @@ class TestQuickstart:
         assert float(match.group(1)) >= 2.0
         assert "Traceback" not in done.stderr
 
+    def test_the_package_bundles_the_same_code(self) -> None:
+        """`orchestra demo` runs orchestra/_demo.py: the quickstart below its docstring."""
+        assert after_docstring("orchestra/_demo.py") == after_docstring("examples/quickstart.py")
+
 
 class TestLiveView:
     def test_runs_with_plain_lines_and_saves_the_screenshot(self, tmp_path: Path) -> None:
@@ -50,6 +54,20 @@ class TestLiveView:
         assert text.startswith("<svg")
         assert "agents" in text
 
-    def test_the_package_bundles_the_same_code(self) -> None:
-        """`orchestra demo` runs orchestra/_demo.py: the quickstart below its docstring."""
-        assert after_docstring("orchestra/_demo.py") == after_docstring("examples/quickstart.py")
+
+class TestContracts:
+    def test_runs_without_a_key_against_the_fake_api(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("ANTHROPIC_API_KEY", None)
+        done = run_python(str(REPO / "examples" / "contracts.py"), cwd=REPO, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "ANTHROPIC_API_KEY is not set" in done.stderr
+        assert "Traceback" not in done.stderr
+        out = done.stdout
+        assert "status: success" in out, out[-3000:]
+        # The reviewer sent the first drafts back; the final summaries cite every high clause.
+        retries = re.search(r"retries: (\d+)", out)
+        assert retries is not None
+        assert int(retries.group(1)) >= 2
+        assert "lease-0, lease-1" in out
+        assert re.search(r"total: \$0\.\d{4}", out)

@@ -273,6 +273,33 @@ class TestRate:
         assert math.isfinite(rate.reserve(0.0, 1))
 
 
+class TestRetune:
+    def test_a_higher_limit_drains_what_was_admitted_faster(self) -> None:
+        rate = Rate(1, per=1.0)
+        assert rate.reserve(0.0, 1) == 0.0  # the next room is at 1.0 on the old pace
+        assert rate.peek(0.0, 1) == pytest.approx(1.0)
+        rate.retune(10, now=0.0)
+        assert rate.limit == 10
+        assert rate.interval == pytest.approx(0.1)
+        assert rate.peek(0.0, 1) == pytest.approx(0.1)
+
+    def test_a_lower_limit_slows_the_meter_from_now(self) -> None:
+        rate = Rate(10, per=1.0)
+        assert rate.reserve(0.0, 1) == 0.0
+        rate.retune(1, now=0.05)
+        # 0.05 s of the 0.1 s reservation was left: it now takes ten times as long
+        assert rate.peek(0.05, 1) == pytest.approx(0.55)
+
+    def test_an_idle_meter_keeps_no_debt(self) -> None:
+        rate = Rate(10, per=1.0)
+        rate.retune(2, now=5.0)
+        assert rate.reserve(5.0, 1) == 0.0
+
+    def test_a_bad_limit_is_a_config_error(self) -> None:
+        with pytest.raises(ConfigError):
+            Rate(1).retune(0, now=0.0)
+
+
 class TestReserveAll:
     def test_takes_from_every_limiter(self) -> None:
         outer, inner = Concurrency(2), Concurrency(1)

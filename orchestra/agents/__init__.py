@@ -16,11 +16,32 @@ from .simulated import simulated as simulated
 if TYPE_CHECKING:
     from .claude import ClaudeAccount as ClaudeAccount
     from .claude import ClaudeAgent as ClaudeAgent
+    from .claude import ClaudeBatchAgent as ClaudeBatchAgent
     from .claude import ClaudeLimits as ClaudeLimits
+    from .claude import ClaudePlanner as ClaudePlanner
+    from .claude import ClaudeVerifier as ClaudeVerifier
 
-__all__ = ("ClaudeAccount", "ClaudeAgent", "ClaudeLimits", "cpu_agent", "simulated")
+__all__ = (
+    "ClaudeAccount",
+    "ClaudeAgent",
+    "ClaudeBatchAgent",
+    "ClaudeLimits",
+    "ClaudePlanner",
+    "ClaudeVerifier",
+    "cpu_agent",
+    "simulated",
+)
 
-_CLAUDE = frozenset(("ClaudeAccount", "ClaudeAgent", "ClaudeLimits"))
+_CLAUDE = frozenset(
+    (
+        "ClaudeAccount",
+        "ClaudeAgent",
+        "ClaudeBatchAgent",
+        "ClaudeLimits",
+        "ClaudePlanner",
+        "ClaudeVerifier",
+    )
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -158,19 +158,14 @@ def _token_rate(unit: str, per_minute: float | None) -> Rate:
 
 
 def _retune(rate: Rate, limit: float, now: float) -> None:
-    """Set `rate`'s limit in place (its users hold the object). The units admitted and not yet
-    drained stay admitted and now drain at the new pace: a default budget that turns out ten times
-    too small does not keep the first requests' reservations ten times too long."""
+    """Set `rate`'s limit in place: a default budget that turns out ten times too small does not
+    keep the first requests' reservations ten times too long (see `Rate.retune`). A token budget's
+    burst stays one second's worth."""
     if limit == rate.limit:
         return
-    interval = rate.per / limit
-    tat = rate._tat  # the one float of GCRA state (see orchestra._limits.Rate)
-    if tat > now:
-        rate._tat = now + (tat - now) * interval / rate.interval
+    rate.retune(limit, now)
     if rate.unit != "requests":
         rate.burst = limit / _MINUTE
-    rate.limit = limit
-    rate.interval = interval
 
 
 def _number(value: str | None) -> float | None:

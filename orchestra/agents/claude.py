@@ -72,9 +72,13 @@ if TYPE_CHECKING:
 
 __all__ = (
     "PRICES",
+    "BatchRequestFailed",
     "ClaudeAccount",
     "ClaudeAgent",
+    "ClaudeBatchAgent",
     "ClaudeLimits",
+    "ClaudePlanner",
+    "ClaudeVerifier",
     "Price",
     "StreamTimeout",
     "StructuredOutputError",
@@ -404,7 +408,7 @@ class ClaudeAgent:
         except APIStatusError as exc:
             self._observe(exc.response.headers)
             # An error answer costs no tokens: the reserved estimate is given back.
-            ctx.record_usage(input_tokens=0, output_tokens=0)
+            ctx.record_usage(model=self.model, input_tokens=0, output_tokens=0)
             raise
         self._record(message.usage, ctx)
         return message
@@ -490,7 +494,7 @@ class ClaudeAgent:
         for unit, n in tokens.items():
             spent[unit] = spent.get(unit, 0) + n
         spent["cost"] = spent.get("cost", 0.0) + cost
-        ctx.record_usage(cost=cost, **tokens)
+        ctx.record_usage(cost=cost, model=self.model, **tokens)
 
     def __repr__(self) -> str:
         return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
@@ -498,3 +502,9 @@ class ClaudeAgent:
 
 for _public in (ClaudeAccount, ClaudeAgent, StreamTimeout, StructuredOutputError):
     _public.__module__ = "orchestra.agents"
+
+
+# Built on `ClaudeAgent`, so imported after it.
+from ._claude_batch import BatchRequestFailed, ClaudeBatchAgent  # noqa: E402
+from ._claude_planner import ClaudePlanner  # noqa: E402
+from ._claude_verifier import ClaudeVerifier  # noqa: E402
