@@ -380,9 +380,14 @@ def _eta(kinds: tuple[KindStatus, ...], limit: int, unfinished: int) -> float | 
     if any(k.eta is None for k in kinds if k.remaining) or not any(k.remaining for k in kinds):
         return None
     longest = max((k.eta or 0.0) for k in kinds)
-    work = sum(k.remaining * (k.mean if k.mean is not None else (k.eta or 0.0)) for k in kinds)
     # The kinds share the global limit: together they cannot finish sooner than all their work
-    # spread over it. (A kind without its own mean contributes its ETA's work estimate.)
+    # spread over it. (A kind without its own mean contributes the work its ETA was made of.)
+    work = sum(
+        k.remaining * k.mean
+        if k.mean is not None
+        else (k.eta or 0.0) * max(1, min(k.parallelism, k.remaining))
+        for k in kinds
+    )
     return max(longest, work / limit)
 
 

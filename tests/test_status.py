@@ -251,6 +251,24 @@ class TestEta:
         assert seen[1].bottleneck is not None
         assert seen[1].bottleneck.agent == "slow"
 
+    async def test_a_kind_with_nothing_ended_counts_its_work_once(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # "a" (8 x 1 s) runs first, 2 at a time; "b" (4 x 1 s) waits behind it: done at 6 s. At
+        # 2.5 s, "b" has no mean of its own (the run's, 1 s, stands in): 4 s of work left for
+        # each kind over a limit of 2 is 4 s (3.5 s really: two attempts are half done).
+        orch = make_orchestrator(
+            agents=[sleeper("a", ["a"], concurrency=2), sleeper("b", ["b"], concurrency=2)],
+            concurrency=2,
+        )
+        tasks = [Task("a", 1.0) for _ in range(8)] + [Task("b", 1.0, priority=1) for _ in range(4)]
+        result, (status,), _ = await watch(orch, tasks, at=[2.5])
+        assert result.metadata.elapsed == pytest.approx(6.0)
+        kinds = {k.kind: k for k in status.kinds}
+        assert kinds["b"].mean is None
+        assert kinds["b"].eta == pytest.approx(2.0)
+        assert status.eta == pytest.approx(4.0)
+
     async def test_no_eta_before_any_task_ended(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
