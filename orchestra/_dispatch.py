@@ -4,9 +4,9 @@ store what came of it. It never changes a task's state itself: the store does.
 No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
 store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
 coroutines. Which agent a task goes to, and where it waits when that agent has no room, is the
-router's (`_routing.py`): the same cost whatever the number of kinds and agents. After the call,
-the dispatcher decides: success, retry at a due time, the next agent of the chain, or the end of
-the chain (a default value or a failure).
+router's (`_routing.py`): the same cost whatever the number of kinds and agents. After a failed
+call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
+(a default value or a failure) — is the recovery's (`_recovery.py`).
 
 A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
 due time in the store or in a lane, and one timer per run (`loop.call_at`, no task) wakes it.
@@ -26,20 +26,16 @@ import anyio
 from ._breaker import CLOSED
 from ._context import Context
 from ._events import (
-    AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
-    BreakerChanged,
-    FallbackUsed,
-    RetryScheduled,
 )
-from ._exceptions import AttemptTimeout, Rejected, TaskTimeout, VerificationError
+from ._exceptions import AttemptTimeout, Rejected, TaskTimeout
 from ._failure import check_returned, describe
 from ._instruments import AttemptInfo
 from ._log import get_logger
-from ._retry import backoff, classify
-from ._routing import NONE_LEFT, Router
-from ._task import CANCELLED, FAILED, RUNNING, SUCCEEDED, Attempt
+from ._recovery import Recovery
+from ._routing import Router
+from ._task import FAILED, RUNNING, SUCCEEDED, Attempt
 from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
@@ -84,6 +80,7 @@ class Dispatcher:
         self._attempt_timeout = config.timeouts.attempt
         self.instruments = config.instruments  # metrics and tracing hooks (None: none)
         self.router = Router(self, config.registry)
+        self.recovery = Recovery(self)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
@@ -292,14 +289,14 @@ class Dispatcher:
                             settled = True
                     except asyncio.CancelledError as exc:
                         if not (me.cancelling() or self.cancelled):
-                            self._failed(record, token, slot, exc, start)  # the agent's own
+                            self.recovery.failed(record, token, slot, exc, start)  # the agent's own
                         elif record.cancelling is None or self.cancelled or me.cancelling() != 1:
                             raise  # ours: the run is cancelled (its end ends the task)
                         else:  # `cancel_attempts` cancelled this attempt alone (its task is
                             me.uncancel()  # ended already): the worker goes on
                     except Exception as exc:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
-                            self._failed(record, token, slot, exc, start)
+                            self.recovery.failed(record, token, slot, exc, start)
                     else:
                         if not settled and not self.cancelled:
                             breaker = slot.breaker
@@ -431,7 +428,7 @@ class Dispatcher:
         probe = False
         if breaker.state is not CLOSED:
             probe = True
-            self._breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
+            self.recovery.breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
         store = self.store
         task = record.task
         ctx: Context | None = None
@@ -499,12 +496,12 @@ class Dispatcher:
                     current.uncancel()
                     return
                 probe = False
-                self._failed(record, token, slot, exc, start)
+                self.recovery.failed(record, token, slot, exc, start)
             except Exception as exc:
                 if self.cancelled:
                     return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
-                self._failed(record, token, slot, exc, start)
+                self.recovery.failed(record, token, slot, exc, start)
             else:
                 probe = False
                 self._settle(record, token, slot, output, ctx, start, bus)
@@ -597,9 +594,9 @@ class Dispatcher:
         breaker = slot.breaker
         if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
             previous = breaker.state
-            self._breaker_changed(slot, previous, breaker.on_success())
+            self.recovery.breaker_changed(slot, previous, breaker.on_success())
             if previous is not CLOSED:
-                self._recovered(slot)
+                self.recovery.recovered(slot)
         if bus is not None and bus.wants(AttemptSucceeded):
             end = self._time()
             bus.emit(
@@ -664,153 +661,7 @@ class Dispatcher:
             return False
         return True
 
-    def _failed(
-        self, record: Record, token: int, slot: AgentSlot, exc: BaseException, start: float
-    ) -> None:
-        end = self._time()
-        policy = slot.retry or self.config.retry_per_kind.get(record.kind) or self.config.retry
-        retryable, retry_after = classify(exc, policy)
-        failure = describe(exc)
-        error_type, message = failure.error_type, failure.message
-        slot.failures += 1
-        slot.last_error = f"{error_type}: {message}"
-        breaker = slot.breaker
-        previous = breaker.state
-        if retryable and not isinstance(exc, VerificationError | TaskTimeout):
-            # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
-            self._breaker_changed(slot, previous, breaker.on_failure(end))
-            if retry_after is not None and slot.limiters and _is_rate_limit(failure.status_code):
-                # Every task that shares this agent's rate limits waits with it, not only this one.
-                self.router.pause(slot, end + retry_after)
-        elif previous is not CLOSED:
-            # The agent answered (a permanent error, a rejected output): it is up. A half-open
-            # probe always reports back, whatever its outcome.
-            self._breaker_changed(slot, previous, breaker.on_success())
-            self._recovered(slot)
-        attempt = Attempt(
-            number=record.attempts,
-            agent=slot.name,
-            error_type=error_type,
-            message=message,
-            started=start - self.run.t0,
-            duration=end - start,
-            traceback=failure.traceback,
-            status_code=failure.status_code,
-            api_error_type=failure.api_error_type,
-            request_id=failure.request_id,
-        )
-        if isinstance(exc, VerificationError):
-            # The rejected output is kept as the partial output if the task fails in the end.
-            self.store.note(record, token, exc.feedback, partial=exc.output)
-        else:
-            self.store.note(record, token, f"{error_type}: {message}")
-        if self.run.debug:
-            log.debug(
-                "attempt failed",
-                task_id=record.id,
-                agent=slot.name,
-                attempt=record.attempts,
-                error_type=error_type,
-                error=message,
-                traceback=failure.traceback,
-            )
-        if self.bus.active:
-            self.bus.emit(
-                AttemptFailed(
-                    end, self.run_id, record.id, record.kind, slot.name, record.attempts,
-                    error_type, message, retryable, end - start,
-                )
-            )  # fmt: skip
-        if record.cancelling is not None:
-            self.store.settle(
-                record, token, CANCELLED, error=record.cancelling, error_type="Cancelled",
-                attempt=attempt,
-            )  # fmt: skip
-            return
-        if isinstance(exc, TaskTimeout):
-            self.chain_end(record, token, message, "TaskTimeout", attempt)
-            return
-        if isinstance(exc, Rejected):
-            self.store.settle(
-                record,
-                token,
-                FAILED,
-                error=f"Rejected: {message}",
-                error_type="Rejected",
-                attempt=attempt,
-            )
-            return
-        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
-        if retryable and record.agent_tries < policy.max_attempts:
-            delay = backoff(policy, record.agent_tries - 1, self.rng, retry_after)
-            retry_at = self._time() + delay
-            if record.deadline is not None and retry_at >= record.deadline:
-                # Waiting would pass the task's deadline: the next agent of the chain, now.
-                self._fall_back(
-                    record,
-                    token,
-                    slot,
-                    attempt,
-                    f"a retry in {delay:.3g}s would pass the task's deadline",
-                    "TaskTimeout",
-                )
-                return
-            attempt.retry_in = delay
-            self.report.retries += 1
-            if self.instruments is not None:
-                self.instruments.retried(
-                    self.run.info, record.task, slot.name, record.attempts, delay
-                )
-            if self.bus.active:
-                self.bus.emit(
-                    RetryScheduled(
-                        end, self.run_id, record.id, record.kind, slot.name, record.attempts,
-                        delay,
-                    )
-                )  # fmt: skip
-            self.store.fail(record, token, attempt, retry_at=retry_at)
-            self.schedule()
-            return
-        self._fall_back(record, token, slot, attempt, reason)
-
-    def _fall_back(
-        self,
-        record: Record,
-        token: int,
-        slot: AgentSlot,
-        attempt: Attempt,
-        reason: str,
-        error_type: str | None = None,
-    ) -> None:
-        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
-        nxt = self.router.next_agent(record, slot)
-        self.emit_fallback(record, slot, nxt, reason)
-        if nxt is NONE_LEFT:
-            self.chain_end(record, token, reason, error_type, attempt)
-        elif record.kind in self.router.chains:
-            self.store.fail(record, token, attempt, next_agent=nxt)
-        else:  # no explicit chain: whichever agent of the kind not used up has room first
-            self.store.fail(record, token, attempt, next_agent=None)
-
-    def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
-        """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
-        if nxt is not NONE_LEFT:
-            self.report.fallbacks += 1
-        if self.instruments is not None:
-            self.instruments.fell_back(
-                self.run.info,
-                record.task,
-                slot.name,
-                None if nxt is NONE_LEFT else getattr(nxt, "name", nxt),
-                reason,
-            )
-        if self.bus.active:
-            to = None if nxt is NONE_LEFT else getattr(nxt, "name", nxt)
-            self.bus.emit(
-                FallbackUsed(
-                    self._time(), self.run_id, record.id, record.kind, slot.name, to, reason
-                )
-            )
+    # -- what a failure leads to (orchestra._recovery) --------------------------------------------
 
     def chain_end(
         self,
@@ -820,39 +671,10 @@ class Dispatcher:
         error_type: str | None = None,
         attempt: Attempt | None = None,
     ) -> None:
-        """The task can go no further (every agent of its chain failed it, or its deadline
-        passed): it takes its kind's default value if there is one, else it fails."""
-        defaults = self.config.defaults
-        store = self.store
-        if record.kind in defaults:
-            if store.settle(
-                record, token, SUCCEEDED, defaults[record.kind], defaulted=True, attempt=attempt
-            ):
-                self.report.defaulted.append(record.id)
-            return
-        last = attempt or (record.failures[-1] if record.failures else None)
-        if error_type is not None:
-            message = f"{error_type}: {reason}"
-        elif last is None:
-            error_type, message = "NoAgentLeft", reason
-        else:
-            error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
-        store.settle(record, token, FAILED, error=message, error_type=error_type, attempt=attempt)
+        self.recovery.chain_end(record, token, reason, error_type, attempt)
 
-    # -- breakers --------------------------------------------------------------------------------
-
-    def _recovered(self, slot: AgentSlot) -> None:
-        """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
-        for run in self._capacity.runs:
-            run.router.room(slot)
-            run.wake_one()
-
-    def _breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
-        if state is None:
-            return
-        log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
-        if self.bus.active:
-            self.bus.emit(BreakerChanged(self._time(), self.run_id, slot.name, state, previous))
+    def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
+        self.recovery.emit_fallback(record, slot, nxt, reason)
 
 
 def _actual(cost: Cost, ctx: Context | None) -> Cost:
@@ -867,7 +689,3 @@ def _actual(cost: Cost, ctx: Context | None) -> Cost:
 
 
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
-
-
-def _is_rate_limit(status: int | None) -> bool:
-    return status in (429, 529)

@@ -1,0 +1,235 @@
+"""What a failed attempt leads to: its record, the agent's breaker, then a retry at a due time, the
+next agent of the task's chain, or the chain's end (the kind's default value, or a failure).
+
+The dispatcher runs attempts; this decides, from the attempt's error and the policies, what comes
+next, and tells the store (`fail` with the next step, or `settle`). It composes the dispatcher (for
+the run's store, router, report, events and clock) rather than being part of it: the run path of an
+attempt reads top to bottom in `orchestra._dispatch`, and what failure means reads here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._breaker import CLOSED
+from ._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
+from ._exceptions import Rejected, TaskTimeout, VerificationError
+from ._failure import describe
+from ._log import get_logger
+from ._retry import backoff, classify
+from ._routing import NONE_LEFT
+from ._task import CANCELLED, FAILED, SUCCEEDED, Attempt
+
+if TYPE_CHECKING:
+    from ._dispatch import Dispatcher
+    from ._registry import AgentSlot
+    from .stores._memory import Record
+
+__all__ = ("Recovery",)
+
+log = get_logger("orchestra")
+
+
+class Recovery:
+    """The failure half of one run's dispatcher."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._d = dispatcher
+
+    def failed(
+        self, record: Record, token: int, slot: AgentSlot, exc: BaseException, start: float
+    ) -> None:
+        end = self._d.now()
+        policy = (
+            slot.retry or self._d.config.retry_per_kind.get(record.kind) or self._d.config.retry
+        )
+        retryable, retry_after = classify(exc, policy)
+        failure = describe(exc)
+        error_type, message = failure.error_type, failure.message
+        slot.failures += 1
+        slot.last_error = f"{error_type}: {message}"
+        breaker = slot.breaker
+        previous = breaker.state
+        if retryable and not isinstance(exc, VerificationError | TaskTimeout):
+            # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
+            self.breaker_changed(slot, previous, breaker.on_failure(end))
+            if retry_after is not None and slot.limiters and _is_rate_limit(failure.status_code):
+                # Every task that shares this agent's rate limits waits with it, not only this one.
+                self._d.router.pause(slot, end + retry_after)
+        elif previous is not CLOSED:
+            # The agent answered (a permanent error, a rejected output): it is up. A half-open
+            # probe always reports back, whatever its outcome.
+            self.breaker_changed(slot, previous, breaker.on_success())
+            self.recovered(slot)
+        attempt = Attempt(
+            number=record.attempts,
+            agent=slot.name,
+            error_type=error_type,
+            message=message,
+            started=start - self._d.run.t0,
+            duration=end - start,
+            traceback=failure.traceback,
+            status_code=failure.status_code,
+            api_error_type=failure.api_error_type,
+            request_id=failure.request_id,
+        )
+        if isinstance(exc, VerificationError):
+            # The rejected output is kept as the partial output if the task fails in the end.
+            self._d.store.note(record, token, exc.feedback, partial=exc.output)
+        else:
+            self._d.store.note(record, token, f"{error_type}: {message}")
+        if self._d.run.debug:
+            log.debug(
+                "attempt failed",
+                task_id=record.id,
+                agent=slot.name,
+                attempt=record.attempts,
+                error_type=error_type,
+                error=message,
+                traceback=failure.traceback,
+            )
+        if self._d.bus.active:
+            self._d.bus.emit(
+                AttemptFailed(
+                    end, self._d.run_id, record.id, record.kind, slot.name, record.attempts,
+                    error_type, message, retryable, end - start,
+                )
+            )  # fmt: skip
+        if record.cancelling is not None:
+            self._d.store.settle(
+                record, token, CANCELLED, error=record.cancelling, error_type="Cancelled",
+                attempt=attempt,
+            )  # fmt: skip
+            return
+        if isinstance(exc, TaskTimeout):
+            self.chain_end(record, token, message, "TaskTimeout", attempt)
+            return
+        if isinstance(exc, Rejected):
+            self._d.store.settle(
+                record,
+                token,
+                FAILED,
+                error=f"Rejected: {message}",
+                error_type="Rejected",
+                attempt=attempt,
+            )
+            return
+        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
+        if retryable and record.agent_tries < policy.max_attempts:
+            delay = backoff(policy, record.agent_tries - 1, self._d.rng, retry_after)
+            retry_at = self._d.now() + delay
+            if record.deadline is not None and retry_at >= record.deadline:
+                # Waiting would pass the task's deadline: the next agent of the chain, now.
+                self.fall_back(
+                    record,
+                    token,
+                    slot,
+                    attempt,
+                    f"a retry in {delay:.3g}s would pass the task's deadline",
+                    "TaskTimeout",
+                )
+                return
+            attempt.retry_in = delay
+            self._d.report.retries += 1
+            if self._d.instruments is not None:
+                self._d.instruments.retried(
+                    self._d.run.info, record.task, slot.name, record.attempts, delay
+                )
+            if self._d.bus.active:
+                self._d.bus.emit(
+                    RetryScheduled(
+                        end, self._d.run_id, record.id, record.kind, slot.name, record.attempts,
+                        delay,
+                    )
+                )  # fmt: skip
+            self._d.store.fail(record, token, attempt, retry_at=retry_at)
+            self._d.schedule()
+            return
+        self.fall_back(record, token, slot, attempt, reason)
+
+    def fall_back(
+        self,
+        record: Record,
+        token: int,
+        slot: AgentSlot,
+        attempt: Attempt,
+        reason: str,
+        error_type: str | None = None,
+    ) -> None:
+        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
+        nxt = self._d.router.next_agent(record, slot)
+        self.emit_fallback(record, slot, nxt, reason)
+        if nxt is NONE_LEFT:
+            self.chain_end(record, token, reason, error_type, attempt)
+        elif record.kind in self._d.router.chains:
+            self._d.store.fail(record, token, attempt, next_agent=nxt)
+        else:  # no explicit chain: whichever agent of the kind not used up has room first
+            self._d.store.fail(record, token, attempt, next_agent=None)
+
+    def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
+        """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
+        if nxt is not NONE_LEFT:
+            self._d.report.fallbacks += 1
+        if self._d.instruments is not None:
+            self._d.instruments.fell_back(
+                self._d.run.info,
+                record.task,
+                slot.name,
+                None if nxt is NONE_LEFT else getattr(nxt, "name", nxt),
+                reason,
+            )
+        if self._d.bus.active:
+            to = None if nxt is NONE_LEFT else getattr(nxt, "name", nxt)
+            self._d.bus.emit(
+                FallbackUsed(
+                    self._d.now(), self._d.run_id, record.id, record.kind, slot.name, to, reason
+                )
+            )
+
+    def chain_end(
+        self,
+        record: Record,
+        token: int,
+        reason: str,
+        error_type: str | None = None,
+        attempt: Attempt | None = None,
+    ) -> None:
+        """The task can go no further (every agent of its chain failed it, or its deadline
+        passed): it takes its kind's default value if there is one, else it fails."""
+        defaults = self._d.config.defaults
+        store = self._d.store
+        if record.kind in defaults:
+            if store.settle(
+                record, token, SUCCEEDED, defaults[record.kind], defaulted=True, attempt=attempt
+            ):
+                self._d.report.defaulted.append(record.id)
+            return
+        last = attempt or (record.failures[-1] if record.failures else None)
+        if error_type is not None:
+            message = f"{error_type}: {reason}"
+        elif last is None:
+            error_type, message = "NoAgentLeft", reason
+        else:
+            error_type, message = last.error_type, f"{last.error_type}: {last.message} ({reason})"
+        store.settle(record, token, FAILED, error=message, error_type=error_type, attempt=attempt)
+
+    def recovered(self, slot: AgentSlot) -> None:
+        """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
+        for run in self._d._capacity.runs:
+            run.router.room(slot)
+            run.wake_one()
+
+    def breaker_changed(self, slot: AgentSlot, previous: str, state: str | None) -> None:
+        if state is None:
+            return
+        log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
+        if self._d.bus.active:
+            self._d.bus.emit(
+                BreakerChanged(self._d.now(), self._d.run_id, slot.name, state, previous)
+            )
+
+
+def _is_rate_limit(status: int | None) -> bool:
+    return status in (429, 529)
