@@ -105,6 +105,9 @@ from ._exceptions import (
     RunError as RunError,
 )
 from ._exceptions import (
+    StoreError as StoreError,
+)
+from ._exceptions import (
     TaskTimeout as TaskTimeout,
 )
 from ._exceptions import (
@@ -197,6 +200,7 @@ __all__ = (
     "RunMetadata",
     "RunResult",
     "RunStarted",
+    "StoreError",
     "Task",
     "TaskFinished",
     "TaskReady",

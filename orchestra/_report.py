@@ -138,6 +138,7 @@ class Report:
         threshold: float,
         data: Any,
         events_dropped: int,
+        resumed: int = 0,
     ) -> RunResult:
         """The `RunResult` of the settled `nodes` (those not tallied yet), by DESIGN.md's rules."""
         self.tally_all(nodes)
@@ -191,6 +192,7 @@ class Report:
             tokens=dict(sorted(self.tokens.items())),
             cost=self.cost,
             events_dropped=events_dropped,
+            resumed=resumed,
             reason=self.reason,
             cancellations=self.cancellations,
         )

@@ -99,7 +99,8 @@ class RunMetadata(BaseModel):
     """The statistics of a run.
 
     `reason` says why a run did not succeed (or why it was stopped); `cancellations` lists each
-    `RunHandle.cancel(...)` made during the run.
+    `RunHandle.cancel(...)` made during the run; `resumed` counts the tasks whose results a durable
+    store kept from an earlier process running the same run id (0 for a fresh run).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -124,6 +125,7 @@ class RunMetadata(BaseModel):
     tokens: dict[str, int] = Field(default_factory=dict)
     cost: float = 0.0
     events_dropped: int = 0
+    resumed: int = 0
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)
 

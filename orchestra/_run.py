@@ -256,12 +256,17 @@ class Run:
             finally:
                 capacity.runs.remove(dispatcher)
                 dispatcher.stop()
-                if cancelled or timed_out or self._stop_reason is not None:
-                    self._cancel_rest(timed_out)
-                if self._results is not None:
-                    self._results.close()
-                if cancelled:
-                    self._emit_finished("cancelled", loop.time() - self.t0)
+                try:
+                    # Durable before anything leaves the run; what `_cancel_rest` ends next is not
+                    # written down: the run id resumes a stopped or cancelled run from here.
+                    self.store.close()
+                finally:
+                    if cancelled or timed_out or self._stop_reason is not None:
+                        self._cancel_rest(timed_out)
+                    if self._results is not None:
+                        self._results.close()
+                    if cancelled:
+                        self._emit_finished("cancelled", loop.time() - self.t0)
             if self._input_error is not None:
                 raise self._input_error
             result = self._result(wall0, self.bus.dropped - dropped)
@@ -318,6 +323,7 @@ class Run:
             threshold=self.config.success_threshold,
             data=data,
             events_dropped=dropped,
+            resumed=self.store.resumed,
         )
 
     def _aggregator_failed(self, exc: BaseException) -> None:
