@@ -45,9 +45,8 @@ async def measure(store_name: str, n: int, directory: str) -> float:
 
 
 def child(store_name: str, n: int) -> None:
-    import structlog
-
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    # structlog left unconfigured (its run lines go to stdout, before ours): configured, it would
+    # turn on the per-task DEBUG lines and time those instead.
     with tempfile.TemporaryDirectory() as directory:
         elapsed = asyncio.run(measure(store_name, n, directory))
     print(json.dumps({"store": store_name, "n": n, "seconds": elapsed}))

@@ -71,7 +71,6 @@ _V1 = (
         defaulted INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (run_id, id)
     )""",
-    "CREATE INDEX tasks_by_seq ON tasks (run_id, seq)",
     # What a worker process will claim from: the ready tasks of its kinds, best first.
     "CREATE INDEX tasks_ready ON tasks (run_id, state, kind, priority, seq)",
     # Idempotency across runs: the stored result of a key.
