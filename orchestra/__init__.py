@@ -105,6 +105,9 @@ from ._exceptions import (
     RunError as RunError,
 )
 from ._exceptions import (
+    StoreError as StoreError,
+)
+from ._exceptions import (
     TaskTimeout as TaskTimeout,
 )
 from ._exceptions import (
@@ -217,6 +220,7 @@ __all__ = (
     "RunResult",
     "RunStarted",
     "RunStatus",
+    "StoreError",
     "Task",
     "TaskFinished",
     "TaskReady",

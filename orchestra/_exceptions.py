@@ -5,6 +5,7 @@ OrchestraError
 ├── ConfigError            bad limits, unknown agent in a fallback chain, a clock that cannot be installed
 ├── InputError             cycle, duplicate id, unknown kind, payload fails validation (raised before work)
 ├── RunError               the run could not finish; carries the partial RunResult as `.result`
+├── StoreError             a durable store cannot keep the run (corrupt, locked, full, read-only file)
 └── AgentError             raised by agents (and by the runtime on their behalf) to steer the retry loop
     ├── RetryableError     retry, optionally after `retry_after` seconds
     │   ├── AttemptTimeout     the attempt ran past its timeout and was cancelled
@@ -34,6 +35,7 @@ __all__ = (
     "Rejected",
     "RetryableError",
     "RunError",
+    "StoreError",
     "TaskTimeout",
     "VerificationError",
 )
@@ -65,6 +67,11 @@ class RunError(OrchestraError):
     def __init__(self, message: str, *, result: RunResult | None = None):
         super().__init__(message)
         self.result = result
+
+
+class StoreError(OrchestraError):
+    """A durable store cannot read or write its database: the message says which file and what is
+    wrong (corrupt, locked, full, read-only, a schema newer than this orchestra)."""
 
 
 class AgentError(OrchestraError):

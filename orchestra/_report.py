@@ -299,6 +299,7 @@ class Report:
         threshold: float,
         data: Any,
         events_dropped: int,
+        resumed: int = 0,
     ) -> RunResult:
         """The `RunResult` of what was counted, by DESIGN.md's rules."""
         kinds, per_agent, not_ok = self.kinds, self.per_agent, self.not_ok
@@ -352,6 +353,7 @@ class Report:
             usage_per_agent=_sorted_usage(self.usage_per_agent),
             usage_per_model=_sorted_usage(self.usage_per_model),
             events_dropped=events_dropped,
+            resumed=resumed,
             reason=self.reason,
             cancellations=self.cancellations,
         )

@@ -99,7 +99,8 @@ class RunMetadata(BaseModel):
     """The statistics of a run.
 
     `reason` says why a run did not succeed (or why it was stopped); `cancellations` lists each
-    `RunHandle.cancel(...)` made during the run.
+    `RunHandle.cancel(...)` made during the run; `resumed` counts the tasks whose results a durable
+    store kept from an earlier process running the same run id (0 for a fresh run).
 
     `tokens` and `cost` are what agents reported (`ctx.record_usage`; a Claude agent reports
     every answer's input, output, cache-write and cache-read tokens and its USD cost, failed
@@ -131,6 +132,7 @@ class RunMetadata(BaseModel):
     usage_per_agent: dict[str, dict[str, float]] = Field(default_factory=dict)
     usage_per_model: dict[str, dict[str, float]] = Field(default_factory=dict)
     events_dropped: int = 0
+    resumed: int = 0
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)
 

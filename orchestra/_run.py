@@ -282,17 +282,22 @@ class Run:
                 self.t_end = loop.time()
                 capacity.runs.remove(dispatcher)
                 dispatcher.stop()
-                if (
-                    cancelled
-                    or timed_out
-                    or self._stop_reason is not None
-                    or self._spent is not None
-                ):
-                    self._cancel_rest(timed_out)
-                if self._results is not None:
-                    self._results.close()
-                if cancelled:
-                    self._emit_finished("cancelled", loop.time() - self.t0)
+                try:
+                    # Durable before anything leaves the run; what `_cancel_rest` ends next is not
+                    # written down: the run id resumes a stopped or cancelled run from here.
+                    self.store.close()
+                finally:
+                    if (
+                        cancelled
+                        or timed_out
+                        or self._stop_reason is not None
+                        or self._spent is not None
+                    ):
+                        self._cancel_rest(timed_out)
+                    if self._results is not None:
+                        self._results.close()
+                    if cancelled:
+                        self._emit_finished("cancelled", loop.time() - self.t0)
             if self._input_error is not None:
                 if self.instruments is not None:
                     self.instruments.run_ended(self.info, "failed", loop.time() - self.t0)
@@ -356,6 +361,7 @@ class Run:
             threshold=self.config.success_threshold,
             data=data,
             events_dropped=dropped,
+            resumed=self.store.resumed,
         )
 
     def _aggregator_failed(self, exc: BaseException) -> None:

@@ -128,8 +128,18 @@ class RunStore(Protocol):
     """The tasks of one run and every transition of their state."""
 
     run_id: str
-    unfinished: int  # admitted tasks not yet terminal
-    pending: int  # admitted tasks waiting for dependencies or groups (never ready yet)
+
+    @property
+    def unfinished(self) -> int:
+        """Admitted tasks not yet terminal."""
+
+    @property
+    def pending(self) -> int:
+        """Admitted tasks waiting for dependencies or groups (never ready yet)."""
+
+    @property
+    def resumed(self) -> int:
+        """Tasks that had ended in an earlier process (a durable store's resumed run)."""
 
     # -- admission
     def admit_one(self, task: Any, index: int) -> None:
@@ -219,6 +229,11 @@ class RunStore(Protocol):
 
     def state_of(self, task_id: str) -> str | None: ...
     def reprioritize(self, task_id: str, priority: int) -> bool: ...
+
+    # -- the end
+    def close(self) -> None:
+        """The run is over (however it ended): a durable store writes down what it still holds and
+        returns once it is durable; raises `StoreError` if it cannot."""
 
 
 class Store(Protocol):

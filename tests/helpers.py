@@ -7,13 +7,18 @@ Fixtures live in `conftest.py`; these are ordinary functions, for the places a f
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestra import Task
+from orchestra.stores import SQLiteStore
 from orchestra.testing import GARBAGE, Recorder
 
 if TYPE_CHECKING:
@@ -103,3 +108,15 @@ class LogLines:
             logging.Formatter("%(levelname)s %(name)s %(message)s").format(record)
             for record in self.caplog.records
         )
+
+
+_DB_DIR: list[str] = []  # one temporary directory for the stores the contract suite builds
+
+
+def sqlite_store() -> SQLiteStore:
+    """A `SQLiteStore` on a fresh file (the contract suite's factory takes no arguments, so not
+    pytest's `tmp_path`: one directory per session, removed at exit)."""
+    if not _DB_DIR:
+        _DB_DIR.append(tempfile.mkdtemp(prefix="orchestra-stores-"))
+        atexit.register(shutil.rmtree, _DB_DIR[0], True)
+    return SQLiteStore(Path(_DB_DIR[0]) / f"{uuid.uuid4().hex}.db")

@@ -47,6 +47,7 @@ from orchestra._task import (
     Attempt,
 )
 from orchestra.stores import MemoryStore
+from tests.helpers import sqlite_store
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 
 # The stores under contract: one factory per store (a durable one builds its store on a fresh file
 # or schema). Adding a store to the suite is adding it here.
-STORES: list[Callable[[], Store]] = [MemoryStore]
+STORES: list[Callable[[], Store]] = [MemoryStore, sqlite_store]
 
 KINDS = ("a", "b")
 

@@ -1,5 +1,7 @@
-"""Stores: where a run's tasks live. `MemoryStore` is the default; durable stores come as extras."""
+"""Stores: where a run's tasks live. `MemoryStore` is the default; `SQLiteStore` keeps runs in a
+database file, so that a run resumes by its id after a crash."""
 
 from ._memory import MemoryStore as MemoryStore
+from ._sqlite import SQLiteStore as SQLiteStore
 
-__all__ = ("MemoryStore",)
+__all__ = ("MemoryStore", "SQLiteStore")

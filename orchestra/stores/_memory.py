@@ -162,6 +162,8 @@ class MemoryStore:
 class MemoryRun:
     """One run's tasks in memory (the `RunStore` of `MemoryStore`)."""
 
+    resumed = 0  # nothing survives a process here: no task ever comes back from an earlier one
+
     def __init__(
         self,
         run_id: str,
@@ -878,3 +880,41 @@ class MemoryRun:
             record.priority = priority
             return True
         return False
+
+    def close(self) -> None:
+        """The run is over: nothing to write down in memory."""
+
+    # -- for a durable store that keeps its state here (orchestra.stores.SQLiteStore) ------------
+
+    def record_of(self, task_id: str) -> Record | None:
+        """The record of `task_id`, if the run holds it (not compacted away)."""
+        return self._records.get(task_id)
+
+    def restore(self, records: Sequence[Record]) -> None:
+        """Take back the records a durable store kept, in admission order (a spawner before its
+        spawns): ended ones as they ended, the others waiting again (a claimed or running one lost
+        its worker and runs again, its attempts counted) and ready at once when what they wait for
+        is done. The listener hears the ones made ready, not the ended ones."""
+        groups = self._groups
+        live = []
+        for record in records:
+            self._records[record.id] = record
+            task = record.task
+            if task.key is not None:
+                self._keys[task.key] = record.id
+            if record.parent is not None:
+                self._spawned = True
+            if record.state in TERMINAL:
+                for tag in task.tags:
+                    group = groups.get(tag)
+                    if group is None:
+                        group = groups[tag] = Group()
+                    group.members.append(record)
+                    if record.state is not SUCCEEDED and group.failed is None:
+                        group.failed = f"group {tag!r} member {record.id!r} {record.state}"
+            else:
+                record.state = PENDING
+                live.append(record)
+        self.unfinished += len(live)
+        self.pending += len(live)
+        self._wire_all(live)

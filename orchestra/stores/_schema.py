@@ -1,0 +1,138 @@
+"""The SQLite store's schema and its migrations (`PRAGMA user_version` counts the ones applied).
+
+A migration is a tuple of statements, applied in one `BEGIN IMMEDIATE` transaction together with
+the version bump, after re-reading the version inside the transaction: two processes opening a new
+file at once apply each migration once. Migrations are only ever appended; a file whose version is
+newer than `MIGRATIONS` was written by a newer orchestra and is refused.
+
+Times are wall-clock seconds (`time.time()`), never loop times: they must mean the same in the next
+process. JSON columns hold `pydantic_core.to_json` text.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._exceptions import StoreError
+
+if TYPE_CHECKING:
+    import sqlite3
+
+__all__ = ("MIGRATIONS", "migrate")
+
+_V1 = (
+    # One row per run. `owner` and `heartbeat` are for the next round: a coordinator process holds
+    # its run under a lease, so that a second coordinator of the same run id is refused.
+    """CREATE TABLE runs (
+        id TEXT PRIMARY KEY,
+        created REAL NOT NULL,
+        updated REAL NOT NULL,
+        state TEXT NOT NULL DEFAULT 'open',          -- open | closed
+        opened INTEGER NOT NULL DEFAULT 1,           -- how many processes have run it
+        owner TEXT,
+        heartbeat REAL
+    )""",
+    # One row per task. Static columns are written once, at admission; the others follow every
+    # transition (batched). `seq` is the admission order within the run, `parent` the spawner.
+    """CREATE TABLE tasks (
+        run_id TEXT NOT NULL,
+        id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        parent TEXT,
+        idx INTEGER NOT NULL,
+        named INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        payload TEXT NOT NULL,
+        depends_on TEXT,
+        depends_on_tags TEXT,
+        tags TEXT,
+        key TEXT,
+        timeout REAL,
+        critical INTEGER NOT NULL DEFAULT 0,
+        metadata TEXT,
+        priority INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        agent_tries INTEGER NOT NULL DEFAULT 0,
+        target TEXT,
+        tried TEXT,
+        feedback TEXT,
+        token INTEGER NOT NULL DEFAULT 0,
+        lease_owner TEXT,
+        lease_expires REAL,
+        due REAL,
+        deadline REAL,
+        started REAL,
+        finished REAL,
+        output TEXT,
+        agent TEXT,
+        error TEXT,
+        error_type TEXT,
+        defaulted INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (run_id, id)
+    )""",
+    # What a worker process will claim from: the ready tasks of its kinds, best first.
+    "CREATE INDEX tasks_ready ON tasks (run_id, state, kind, priority, seq)",
+    # Idempotency across runs: the stored result of a key.
+    "CREATE INDEX tasks_by_key ON tasks (key, state) WHERE key IS NOT NULL",
+    # Every failed attempt, with its traceback (times: wall time the attempt started).
+    """CREATE TABLE attempts (
+        run_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        number INTEGER NOT NULL,
+        agent TEXT NOT NULL,
+        error_type TEXT NOT NULL,
+        message TEXT NOT NULL,
+        started REAL,
+        duration REAL,
+        retry_in REAL,
+        traceback TEXT,
+        status_code INTEGER,
+        api_error_type TEXT,
+        request_id TEXT
+    )""",
+    "CREATE INDEX attempts_by_task ON attempts (run_id, task_id)",
+    # The journal: append-only, one row per transition, in order.
+    """CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id TEXT NOT NULL,
+        task_id TEXT,
+        at REAL NOT NULL,
+        event TEXT NOT NULL,
+        agent TEXT,
+        attempt INTEGER,
+        detail TEXT
+    )""",
+    "CREATE INDEX events_by_task ON events (run_id, task_id)",
+    # Dead letters: the tasks that failed for good (their attempts are in `attempts`).
+    """CREATE VIEW dead_letters AS
+        SELECT run_id, id AS task_id, kind, payload, attempts, agent, error_type, error, finished
+        FROM tasks WHERE state = 'failed'""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+"""Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
+
+
+def migrate(conn: sqlite3.Connection, where: str) -> None:
+    """Bring the database to the newest schema (a new file gets all of it)."""
+    newest = len(MIGRATIONS)
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > newest:
+        raise StoreError(
+            f"{where} has schema version {version}, newer than this orchestra knows ({newest}): "
+            "upgrade orchestra to open it"
+        )
+    while version < newest:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process's?
+            if version < newest:
+                for statement in MIGRATIONS[version]:
+                    conn.execute(statement)
+                version += 1
+                conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise

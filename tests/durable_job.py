@@ -1,0 +1,103 @@
+"""A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
+
+Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``.
+Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
+test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
+
+The run: 24 tasks ``w0`` … ``w23`` (a few ms each, two at a time), a task ``split`` that spawns
+``s0`` … ``s2``, and ``total``, which depends on ``w0`` … ``w3``. Kill points (SPEC):
+
+- ``calls:N``: SIGKILL inside the N-th agent call of this process (mid-run);
+- ``input:K``: SIGKILL after the streamed input yielded K tasks (mid-admission; with --stream);
+- ``after:ID``: task ID returns normally (after the window has committed its start), and the next
+  agent call SIGKILLs at once: ID's success is in no commit yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from orchestra import Context, Orchestrator, Task, agent
+from orchestra.stores import SQLiteStore
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+ARGS = argparse.Namespace()
+CALLS = [0]
+DONE: list[str] = []
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def record_call(task_id: str) -> None:
+    with open(ARGS.calls, "a") as calls:
+        calls.write(f"{task_id}\n")
+    CALLS[0] += 1
+    kill = ARGS.kill or ""
+    if kill.startswith("calls:") and CALLS[0] == int(kill[6:]):
+        die()
+    if kill.startswith("after:") and DONE:
+        die()
+
+
+@agent(kinds=["work"])
+async def work(task: Task, ctx: Context) -> dict[str, Any]:
+    record_call(task.id)
+    if task.id == "split":
+        for i in range(3):
+            ctx.spawn(Task("work", 100 + i, id=f"s{i}"))
+    if task.id == "total":
+        return {"id": task.id, "value": sum(d["value"] for d in ctx.deps.values())}
+    await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else 0.004)
+    if ARGS.kill == f"after:{task.id}":
+        DONE.append(task.id)
+    return {"id": task.id, "value": task.payload * 2}
+
+
+def tasks() -> list[Task]:
+    work = [Task("work", i, id=f"w{i}") for i in range(24)]
+    return [
+        *work,
+        Task("work", 0, id="split"),
+        Task("work", 0, id="total", depends_on=[f"w{i}" for i in range(4)]),
+    ]
+
+
+async def streamed() -> AsyncIterator[Task]:
+    for n, task in enumerate(tasks(), 1):
+        yield task
+        await anyio.sleep(0.01)
+        if ARGS.kill == f"input:{n}":
+            die()
+
+
+async def main() -> None:
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("db")
+    parser.add_argument("run_id")
+    parser.add_argument("calls")
+    parser.add_argument("--kill")
+    parser.add_argument("--window", type=float, default=0.05)
+    parser.add_argument("--stream", action="store_true")
+    parser.parse_args(namespace=ARGS)
+    store = SQLiteStore(ARGS.db, window=ARGS.window)
+    orch = Orchestrator(agents=[work], store=store, concurrency=2, seed=1)
+    source: Any = streamed() if ARGS.stream else tasks()
+    result = await orch.run(source, run_id=ARGS.run_id)
+    store.close()
+    sys.stdout.write(result.model_dump_json())
+
+
+if __name__ == "__main__":
+    anyio.run(main)

@@ -1,0 +1,294 @@
+"""SQLiteStore: durable runs on a real file, resumed after a real SIGKILL of a real process.
+
+The store contract suite runs on SQLiteStore too (tests/test_store_contract.py); this file tests
+what only a durable store does: resume, the journal, dead letters, keys across runs, the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from orchestra import (
+    Context,
+    InputError,
+    Orchestrator,
+    PermanentError,
+    RunResult,
+    StoreError,
+    Task,
+    agent,
+)
+from orchestra.stores import SQLiteStore
+from orchestra.stores._schema import MIGRATIONS
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "tests" / "durable_job.py"
+
+
+def job(db: Path, calls: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """Run tests/durable_job.py (run id "r") to its end or to its kill."""
+    return subprocess.run(
+        [sys.executable, str(JOB), str(db), "r", str(calls), *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+        check=False,
+    )
+
+
+def committed(db: Path) -> dict[str, tuple[str, int]]:
+    """Each stored task's state and attempts, read from the file as another process sees it."""
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT id, state, attempts FROM tasks WHERE run_id = 'r'").fetchall()
+    return {task_id: (state, attempts) for task_id, state, attempts in rows}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    path = tmp_path_factory.mktemp("whole")
+    done = job(path / "runs.db", path / "calls.txt")
+    assert done.returncode == 0, done.stderr
+    return RunResult.model_validate_json(done.stdout)
+
+
+class TestResumeAfterKill:
+    @pytest.mark.parametrize(
+        "options",
+        [
+            ("--kill", "calls:3", "--window", "0.01"),
+            ("--kill", "calls:14", "--window", "0.01"),
+            ("--kill", "calls:25", "--window", "0.01"),
+            ("--kill", "input:4", "--stream", "--window", "0.01"),
+            ("--kill", "input:20", "--stream", "--window", "0.01"),
+            ("--kill", "calls:12", "--stream", "--window", "0.01"),
+        ],
+        ids=lambda o: " ".join(o),
+    )
+    def test_no_committed_success_runs_again_and_the_result_is_the_uninterrupted_one(
+        self, tmp_path: Path, uninterrupted: RunResult, options: tuple[str, ...]
+    ) -> None:
+        db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
+        killed = job(db, calls, *options)
+        assert killed.returncode == -9, killed.stderr
+        before = committed(db)
+        done_before = {i for i, (state, _) in before.items() if state == "succeeded"}
+        calls.write_text("")
+        resumed = job(db, calls, *options[2:])  # the same run, not killed
+        assert resumed.returncode == 0, resumed.stderr
+        result = RunResult.model_validate_json(resumed.stdout)
+        ran_again = set(calls.read_text().split())
+        assert not done_before & ran_again
+        assert result.status == uninterrupted.status == "success"
+        assert result.data == uninterrupted.data
+        assert result.metadata.counts == uninterrupted.metadata.counts
+        assert result.metadata.total == uninterrupted.metadata.total == 29
+        assert result.metadata.resumed == len(done_before)
+        # Every task exactly once in the file: no spawn or input task twice.
+        after = committed(db)
+        assert sorted(after) == sorted(
+            {*(f"w{i}" for i in range(24)), "split", "total"} | {f"s{i}" for i in range(3)}
+        )
+        # A task that was running when the process died ran again, its attempt counted.
+        for task_id, (state, attempts) in before.items():
+            if state == "running":
+                assert after[task_id] == ("succeeded", attempts + 1)
+
+    def test_a_success_inside_the_window_runs_again_with_its_attempt_counted(
+        self, tmp_path: Path, uninterrupted: RunResult
+    ) -> None:
+        db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
+        # w0 sleeps past one commit (its start is written), returns, and the process dies before
+        # the next commit (window 0.3 s).
+        killed = job(db, calls, "--kill", "after:w0", "--window", "0.3")
+        assert killed.returncode == -9, killed.stderr
+        assert committed(db)["w0"] == ("running", 1)
+        resumed = job(db, calls, "--window", "0.3")
+        assert resumed.returncode == 0, resumed.stderr
+        assert calls.read_text().split().count("w0") == 2
+        assert committed(db)["w0"] == ("succeeded", 2)
+        result = RunResult.model_validate_json(resumed.stdout)
+        assert result.data == uninterrupted.data
+
+    def test_a_finished_run_run_again_executes_nothing(
+        self, tmp_path: Path, uninterrupted: RunResult
+    ) -> None:
+        db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
+        assert job(db, calls).returncode == 0
+        calls.write_text("")
+        again = job(db, calls)
+        assert again.returncode == 0, again.stderr
+        assert calls.read_text() == ""
+        result = RunResult.model_validate_json(again.stdout)
+        assert result.data == uninterrupted.data
+        assert result.metadata.resumed == 29
+
+
+# -- in process --------------------------------------------------------------------------------
+
+
+def orchestrator(store: SQLiteStore, seen: list[str]) -> Orchestrator:
+    @agent(kinds=["work"])
+    async def work(task: Task, ctx: Context) -> Any:
+        seen.append(task.id)
+        if task.payload == "bad":
+            raise PermanentError("refused")
+        if task.payload == "unstorable":
+            return object()
+        return {"double": task.payload * 2}
+
+    return Orchestrator(agents=[work], store=store, seed=1)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SQLiteStore:
+    return SQLiteStore(tmp_path / "runs.db", window=0.01)
+
+
+@pytest.fixture
+def seen() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def orch(store: SQLiteStore, seen: list[str]) -> Orchestrator:
+    return orchestrator(store, seen)
+
+
+class TestChangedInput:
+    async def test_a_task_that_changed_under_its_id_is_refused_naming_it(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        await orch.run([Task("work", 1, id="a"), Task("work", 2, id="b")], run_id="x")
+        with pytest.raises(InputError, match=r"task 'b'.*changed since the run started") as err:
+            await orch.run([Task("work", 1, id="a"), Task("work", 3, id="b")], run_id="x")
+        assert err.value.task_id == "b"
+        assert seen == ["a", "b"]
+
+    async def test_generated_ids_are_generated_again_in_the_same_order(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        first = await orch.run([Task("work", n) for n in range(5)], run_id="g")
+        again = await orch.run([Task("work", n) for n in range(5)], run_id="g")
+        assert len(seen) == 5
+        assert again.data == first.data
+        with pytest.raises(InputError, match="changed since the run started"):
+            await orch.run([Task("work", n) for n in (0, 1, 9)], run_id="g")
+
+    async def test_more_input_on_resume_runs_only_the_new_tasks(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        await orch.run([Task("work", 1, id="a")], run_id="m")
+        result = await orch.run([Task("work", 1, id="a"), Task("work", 2, id="b")], run_id="m")
+        assert seen == ["a", "b"]
+        assert result.data == {"a": {"double": 2}, "b": {"double": 4}}
+
+
+class TestBadValues:
+    async def test_a_payload_that_cannot_be_stored_is_refused_before_any_work(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        with pytest.raises(InputError, match=r"'p2'.*cannot be stored as JSON") as err:
+            await orch.run([Task("work", 1, id="p1"), Task("work", object(), id="p2")])
+        assert (err.value.task_id, err.value.field) == ("p2", "payload")
+        assert seen == []
+
+    async def test_an_output_that_cannot_be_stored_fails_its_task(self, orch: Orchestrator) -> None:
+        result = await orch.run([Task("work", "unstorable", id="u")])
+        error = result.error_for("u")
+        assert error is not None
+        assert error.error_type == "InvalidOutput"
+        assert "JSON" in error.message  # the dispatcher's check, or the store's behind it
+
+
+class TestKeys:
+    async def test_a_key_that_succeeded_in_another_run_returns_its_result_without_executing(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        await orch.run([Task("work", 21, id="first", key="k")], run_id="one")
+        result = await orch.run([Task("work", 21, id="second", key="k")], run_id="two")
+        assert seen == ["first"]
+        assert result.status == "success"
+        assert result.data == {"second": {"double": 42}}
+
+    async def test_the_key_holds_in_a_new_store_on_the_same_file(
+        self, store: SQLiteStore, tmp_path: Path
+    ) -> None:
+        seen: list[str] = []
+        await orchestrator(store, seen).run([Task("work", 1, key="k")], run_id="one")
+        other = SQLiteStore(tmp_path / "runs.db")
+        result = await orchestrator(other, seen).run([Task("work", 1, key="k")], run_id="two")
+        assert seen == ["work#1"]
+        assert result.data == {"work#1": {"double": 2}}
+
+
+class TestJournal:
+    async def test_the_journal_traces_a_task_from_ready_to_done(
+        self, orch: Orchestrator, store: SQLiteStore
+    ) -> None:
+        await orch.run([Task("work", 1, id="a")], run_id="j")
+        events = store.events("j", "a")
+        assert [e["event"] for e in events] == ["ready", "started", "succeeded"]
+        assert events[1]["agent"] == "work"
+        assert events[0]["at"] <= events[1]["at"] <= events[2]["at"]
+
+    async def test_a_failed_task_is_a_dead_letter_with_its_attempts(
+        self, orch: Orchestrator, store: SQLiteStore
+    ) -> None:
+        await orch.run([Task("work", "bad", id="d"), Task("work", 1, id="ok")], run_id="dl")
+        dead = store.dead_letters("dl")
+        assert [d["task_id"] for d in dead] == ["d"]
+        assert dead[0]["error_type"] == "PermanentError"
+        attempts = dead[0]["attempts_list"]
+        assert [a["message"] for a in attempts] == ["refused"]
+        assert "PermanentError" in (attempts[0]["traceback"] or "")
+        assert [r["id"] for r in store.runs()] == ["dl"]
+
+
+class TestSchema:
+    def test_a_new_file_gets_the_newest_schema_in_wal_mode(self, tmp_path: Path) -> None:
+        store = SQLiteStore(tmp_path / "new.db")
+        assert store.runs() == []
+        with sqlite3.connect(tmp_path / "new.db") as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+    @pytest.mark.parametrize(
+        ("prepare", "says"),
+        [
+            (lambda p: p.write_bytes(b"not a database at all" * 100), "not a SQLite database"),
+            (
+                lambda p: sqlite3.connect(p).execute("PRAGMA user_version = 99").connection.close(),
+                "newer than this orchestra",
+            ),
+        ],
+        ids=["corrupt", "newer"],
+    )
+    def test_a_file_it_cannot_use_is_a_store_error_that_says_why(
+        self, tmp_path: Path, prepare: Callable[[Path], Any], says: str
+    ) -> None:
+        path = tmp_path / "bad.db"
+        prepare(path)
+        with pytest.raises(StoreError, match=says) as err:
+            SQLiteStore(path).runs()
+        assert "bad.db" in str(err.value)
+
+
+def test_the_job_script_output_is_json(tmp_path: Path) -> None:
+    """The subprocess tests read stdout as the RunResult: nothing else may reach it."""
+    done = job(tmp_path / "runs.db", tmp_path / "calls.txt")
+    assert json.loads(done.stdout)["status"] == "success"
