@@ -64,8 +64,9 @@ def _duration(seconds: float | None) -> str:
 def status_line(status: RunStatus) -> str:
     """One plain line: what a non-terminal gets every few seconds."""
     counts = status.counts
+    paused = " (paused)" if status.state == "paused" else ""
     line = (
-        f"run {status.run_id}: {status.progress:5.1f}% {status.completed}/{status.total} "
+        f"run {status.run_id}{paused}: {status.progress:5.1f}% {status.completed}/{status.total} "
         f"| running {status.active} queued {counts['queued'] + counts['waiting']} "
         f"| ok {counts['succeeded']} failed {counts['failed']}"
     )

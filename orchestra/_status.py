@@ -68,7 +68,7 @@ _STATES = (
 )
 
 AgentState = Literal["idle", "busy", "failing", "open"]
-RunState = Literal["starting", "running", "finished"]
+RunState = Literal["starting", "running", "paused", "finished"]
 
 
 # -- what a snapshot shows ---------------------------------------------------------------------
@@ -242,7 +242,7 @@ def snapshot(run: Run) -> RunStatus:
     agents = _agents(slots.values(), lanes, limit, dispatcher.now())
     return RunStatus(
         run_id=run.run_id,
-        state="finished" if ended else "running",
+        state="finished" if ended else "paused" if dispatcher.paused else "running",
         elapsed=now,
         total=total,
         completed=completed,

@@ -26,6 +26,7 @@ from orchestra import (
     RunHandle,
     Task,
     agent,
+    status_line,
 )
 from orchestra.testing import FakeClock, scripted
 
@@ -656,3 +657,15 @@ class TestStatus:
         last = handle.status()
         assert (last.state, last.completed, last.progress) == ("finished", 6, 100.0)
         assert result.metadata.total == 6
+
+    async def test_a_paused_run_says_so(self, clock: FakeClock) -> None:
+        work = scripted("w", ["work"], latency=1.0)
+        async with Orchestrator(agents=[work], concurrency=2) as orch:
+            handle = orch.start(tasks=[Task("work", i) for i in range(4)])
+            await anyio.sleep(0.5)
+            handle.pause()
+            assert handle.status().state == "paused"
+            assert "(paused)" in status_line(handle.status())
+            handle.resume()
+            assert handle.status().state == "running"
+            await handle
