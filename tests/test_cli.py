@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -286,6 +287,41 @@ class TestInterrupt:
         assert process.returncode == 130, stderr
         assert "2 task results written to" in stderr
         assert "Traceback" not in stderr
+        records = {r["task_id"]: r["status"] for r in lines_of(out.read_text())}
+        assert records == {"quick": "succeeded", "slow": "cancelled"}
+
+
+class TestKeys:
+    @pytest.mark.skipif(sys.platform == "win32", reason="a pseudo-terminal")
+    def test_in_a_terminal_p_pauses_and_c_cancels(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        import pty
+
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "quick"},
+            {"kind": "double", "payload": 60_000, "id": "slow"},
+        )
+        out = tmp_path / "out.jsonl"
+        command = [sys.executable, "-m", "orchestra", "run", f"{job}:build", str(source), "-o"]
+        master, terminal = pty.openpty()  # stdin is a terminal: keys steer the run
+        process = subprocess.Popen(
+            [*command, str(out)], cwd=tmp_path, stdin=terminal, stderr=subprocess.PIPE, text=True
+        )
+        os.close(terminal)
+        try:
+            deadline = time.monotonic() + 30
+            while not (out.exists() and out.stat().st_size > 0) and time.monotonic() < deadline:
+                time.sleep(0.05)  # "quick" is written: "slow" is running
+            os.write(master, b"p")
+            time.sleep(0.3)
+            os.write(master, b"c")  # cancel now (no grace)
+            _, stderr = process.communicate(timeout=20)
+        finally:
+            os.close(master)
+        assert process.returncode == 130, stderr
+        assert "keys: p pause" in stderr
+        assert "cancelled" in stderr
         records = {r["task_id"]: r["status"] for r in lines_of(out.read_text())}
         assert records == {"quick": "succeeded", "slow": "cancelled"}
 
