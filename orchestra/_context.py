@@ -6,11 +6,14 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from ._exceptions import InputError
+from ._limits import REQUESTS, Rate
 from ._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from ._limits import Cost, Limiter
     from ._run import Run
     from ._task import Task
     from .stores._memory import Record
@@ -33,6 +36,7 @@ class Context:
     __slots__ = (
         "_node",
         "_on_end",
+        "_reserved",
         "_run",
         "_spawned",
         "_threads",
@@ -53,6 +57,9 @@ class Context:
         self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
         self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
         self._on_end: Callable[[], None] | None = None
+        # What the attempt reserved before its call, and on which limiters (set by the
+        # dispatcher when it reserved anything): `reserve` trues it up.
+        self._reserved: tuple[Cost, tuple[Limiter, ...]] | None = None
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -86,6 +93,47 @@ class Context:
             usage = self._usage = {}
         for unit, n in tokens.items():
             usage[unit] = usage.get(unit, 0) + n
+
+    async def reserve(self, **units: float) -> None:
+        """Reserve `units` more (``input_tokens=800``; negative: give back) of this attempt on its
+        agent's limits, now, before the call they are for: for an agent that learns what the call
+        will cost during the attempt (the Claude agent's ``count_tokens=True``).
+
+        Waits until every rate of the agent has room for the increase (a rate is never overrun
+        by a correction; a Retry-After hold is waited out too), then takes it; a decrease is
+        given back at once. The attempt's reservation is trued up in place, so its end reconciles
+        against what was really held, and the run's budget counts the new amount. Nothing to do
+        when the attempt reserved nothing (an agent without limits, in a run without a budget).
+        """
+        reserved = self._reserved
+        if reserved is None:
+            return
+        cost, limiters = reserved
+        if not isinstance(cost, dict):
+            raise InputError(
+                f"agent {self.agent!r}: ctx.reserve needs an agent with an estimate(task) of "
+                "the units it reserves"
+            )
+        new = dict(cost)
+        more: dict[str, float] = {REQUESTS: 0}
+        for unit, n in units.items():
+            new[unit] = new.get(unit, 0) + n
+            if n > 0 and unit != REQUESTS:
+                more[unit] = n
+        rates = [limiter for limiter in limiters if isinstance(limiter, Rate)]
+        # Written by hand on the limiters' own `peek` (they never sleep: see `_limits`): the
+        # attempt holds its other slots meanwhile, which is what it would hold on a slow call.
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            room = max((rate.peek(now, more) for rate in rates), default=0.0)
+            if room <= now:
+                break
+            await asyncio.sleep(room - now)
+        for limiter in limiters:  # no await since the peek: nobody took the room meanwhile
+            limiter.reconcile(cost, new, now)
+        cost.clear()
+        cost.update(new)
 
     def _keep_slot(self) -> Callable[[], None]:
         """Keep the agent's slot taken after this attempt ends, until the returned function is

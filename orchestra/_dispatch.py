@@ -353,11 +353,13 @@ class Dispatcher:
             token = record.token
             routed = route(record, token)
             if routed is not None:
-                if not routed.limiters:
+                if not routed.limiters and self.router.gate is None:
                     return record, token, routed, None
                 cost = self.router.reserve(record, token, routed)
                 if cost is not None:
                     return record, token, routed, cost
+                if self.closing:  # the reservation ended the run (its budget): claim no more
+                    return None
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -446,6 +448,8 @@ class Dispatcher:
             report.attempts += 1
             start = self._time()
             ctx = Context(self.run, record, slot.name, record.attempts, record.feedback or ())
+            if cost is not None:  # what `ctx.reserve` trues up
+                ctx._reserved = (cost, self.router.limiters(slot))
             bus = self.bus if self.bus.active else None
             if bus is not None and bus.wants(AttemptStarted):
                 bus.emit(
@@ -575,7 +579,7 @@ class Dispatcher:
         if cost is not None:
             now = self._time()
             actual = _actual(cost, ctx)
-            for limiter in slot.limiters:
+            for limiter in self.router.limiters(slot):
                 limiter.reconcile(cost, actual, now)
                 limiter.release(cost, now)
 
