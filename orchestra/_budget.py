@@ -22,6 +22,7 @@ nothing is reserved, checked or counted for it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -61,14 +62,14 @@ class Budget:
             return None
         return cls(max_cost=max_cost, max_tokens=max_tokens)
 
-    def refuses(self, cost: float, tokens: float, more_cost: float, more_tokens: float) -> str | None:
+    def refuses(
+        self, cost: float, tokens: float, more_cost: float, more_tokens: float
+    ) -> str | None:
         """Why an attempt that may cost `more_cost` USD and `more_tokens` tokens may not start
         when `cost` and `tokens` are spent or reserved already, or None: it fits. A spent budget
         refuses every attempt, even one that claims to cost nothing."""
         limit = self.max_cost
-        if limit is not None and (
-            cost >= limit or cost + more_cost > limit * (1 + _SLACK)
-        ):
+        if limit is not None and (cost >= limit or cost + more_cost > limit * (1 + _SLACK)):
             return (
                 f"the budget of max_cost={limit:g} USD would be exceeded "
                 f"(${cost:.4f} spent or reserved, the next attempt may cost ${more_cost:.4f})"
@@ -100,6 +101,7 @@ class BudgetGate:
         "report",
         "reserved_cost",
         "reserved_tokens",
+        "waiting",
         "watchers",
     )
 
@@ -110,6 +112,7 @@ class BudgetGate:
         self.in_flight = 0
         self.reserved_cost = 0.0
         self.reserved_tokens = 0.0
+        self.waiting = 0  # attempts in flight waiting in `BudgetDoor.grow`
         self.watchers: dict[Callable[[], None], None] = {}  # refused attempts' lanes
         self._doors: dict[AgentSlot, tuple[Limiter, ...]] = {}
 
@@ -118,12 +121,12 @@ class BudgetGate:
         (last: it is never taken and given back because a rate had no room)."""
         limiters = self._doors.get(slot)
         if limiters is None:
-            door = _Door(self, getattr(slot.agent, "cost_of", None))
+            door = BudgetDoor(self, getattr(slot.agent, "cost_of", None))
             limiters = self._doors[slot] = (*slot.limiters, door)
         return limiters
 
 
-class _Door:
+class BudgetDoor:
     """The budget as one agent's limiter: it prices a reservation with the agent's `cost_of`.
 
     Reservations are kept by identity (an attempt's cost is its own mapping, trued up in place by
@@ -132,7 +135,9 @@ class _Door:
 
     __slots__ = ("gate", "held", "price")
 
-    def __init__(self, gate: BudgetGate, price: Callable[[Mapping[str, float]], float] | None) -> None:
+    def __init__(
+        self, gate: BudgetGate, price: Callable[[Mapping[str, float]], float] | None
+    ) -> None:
         self.gate = gate
         self.price = price
         self.held: dict[int, list[Any]] = {}  # id(cost) -> [count, usd, tokens]
@@ -143,6 +148,44 @@ class _Door:
         tokens = sum(n for unit, n in cost.items() if unit != REQUESTS)
         price = self.price
         return (0.0 if price is None else float(price(cost))), float(tokens)
+
+    def fits(self, reserved: Cost, new: Cost) -> str | None:
+        """Why the reservation `reserved` of an attempt in flight may not grow to `new`, or None."""
+        gate = self.gate
+        entry = self.held.get(id(reserved))
+        had_usd, had_tokens = (0.0, 0.0) if entry is None else (entry[1], entry[2])
+        usd, tokens = self._amounts(new)
+        report = gate.report
+        return gate.budget.refuses(
+            report.cost + gate.reserved_cost - had_usd,
+            sum(report.tokens.values()) + gate.reserved_tokens - had_tokens,
+            usd,
+            tokens,
+        )
+
+    async def grow(self, reserved: Cost, new: Cost) -> None:
+        """Wait until the reservation of an attempt in flight may grow to `new` before its call
+        (`Context.reserve`): while it does not fit, the attempts in flight may make room as they
+        end; when every other one waits too, none can, and the run ends (it cancels this
+        attempt: its task ends cancelled with ``BudgetExceeded``, its call never sent)."""
+        gate = self.gate
+        while (reason := self.fits(reserved, new)) is not None:
+            if gate.in_flight - gate.waiting <= 1:
+                gate.on_spent(reason)
+            loop = asyncio.get_running_loop()
+            woken: asyncio.Future[None] = loop.create_future()
+
+            def wake(woken: asyncio.Future[None] = woken) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            gate.watchers[wake] = None
+            gate.waiting += 1
+            try:
+                await woken  # the run's end cancels it when on_spent was called
+            finally:
+                gate.waiting -= 1
+                gate.watchers.pop(wake, None)
 
     def reserve(self, now: float, cost: Cost) -> float:
         gate = self.gate

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from ._budget import BudgetDoor
 from ._exceptions import InputError
 from ._limits import REQUESTS, Rate
 from ._log import get_logger
@@ -94,6 +95,15 @@ class Context:
         for unit, n in tokens.items():
             usage[unit] = usage.get(unit, 0) + n
 
+    @property
+    def reserved(self) -> Mapping[str, float]:
+        """What this attempt holds on its agent's limits (``{"requests": 1, "input_tokens": ...}``:
+        its estimate, as `reserve` trued it up); empty when it reserved nothing."""
+        reserved = self._reserved
+        if reserved is None or not isinstance(reserved[0], dict):
+            return {}
+        return dict(reserved[0])
+
     async def reserve(self, **units: float) -> None:
         """Reserve `units` more (``input_tokens=800``; negative: give back) of this attempt on its
         agent's limits, now, before the call they are for: for an agent that learns what the call
@@ -121,15 +131,22 @@ class Context:
             if n > 0 and unit != REQUESTS:
                 more[unit] = n
         rates = [limiter for limiter in limiters if isinstance(limiter, Rate)]
+        door = limiters[-1] if limiters and isinstance(limiters[-1], BudgetDoor) else None
+        if len(more) == 1:
+            door = None  # nothing grows: the budget has nothing to say
         # Written by hand on the limiters' own `peek` (they never sleep: see `_limits`): the
         # attempt holds its other slots meanwhile, which is what it would hold on a slow call.
         loop = asyncio.get_running_loop()
         while True:
+            if door is not None:  # the run's budget first: it may end the run instead
+                await door.grow(cost, new)
             now = loop.time()
             room = max((rate.peek(now, more) for rate in rates), default=0.0)
-            if room <= now:
+            if room > now:
+                await asyncio.sleep(room - now)
+                continue
+            if door is None or door.fits(cost, new) is None:
                 break
-            await asyncio.sleep(room - now)
         for limiter in limiters:  # no await since the peek: nobody took the room meanwhile
             limiter.reconcile(cost, new, now)
         cost.clear()

@@ -97,7 +97,10 @@ class Estimating(Spender):
         self.wait = wait
 
     def estimate(self, task: Task) -> dict[str, float]:
-        return {"input_tokens": self.reserve // 2, "output_tokens": self.reserve - self.reserve // 2}
+        return {
+            "input_tokens": self.reserve // 2,
+            "output_tokens": self.reserve - self.reserve // 2,
+        }
 
     def cost_of(self, units: Mapping[str, float]) -> float:
         return sum(n for unit, n in units.items() if unit != "requests") * self.usd_per_token
@@ -179,7 +182,7 @@ class TestPredictiveBudget:
         orch = Orchestrator(agents=[spend], concurrency=8, max_cost=2.5, success_threshold=0.1)
         result = await orch.run(tasks=work(10))
         assert len(spend.calls) == 4
-        assert result.metadata.cost == pytest.approx(2.0) and result.metadata.cost <= 2.5
+        assert result.metadata.cost == pytest.approx(2.0)
         assert result.metadata.counts["succeeded"] == 4
         assert result.metadata.counts["cancelled"] == 6
         assert result.status == "partial"
@@ -217,7 +220,6 @@ class TestPredictiveBudget:
         result = await Orchestrator(agents=[spend], concurrency=4).run(tasks=work(8))
         assert result.status == "success"
         assert len(spend.calls) == 8
-
 
     async def test_each_run_has_its_own_budget(self, clock: FakeClock) -> None:
         spend = Spender("spend", cost=1.0, tokens=1)
