@@ -212,7 +212,12 @@ class BudgetDoor:
         return 0.0
 
     def peek(self, now: float, cost: Cost) -> float:
+        """Room now, or math.inf while attempts are in flight (their end may make some). With
+        none in flight the answer is "now": the reservation itself then finds the budget spent
+        and ends the run (a math.inf with nobody to wake it would wait forever)."""
         gate = self.gate
+        if not gate.in_flight:
+            return 0.0
         usd, tokens = self._amounts(cost)
         report = gate.report
         refused = gate.budget.refuses(
@@ -224,14 +229,16 @@ class BudgetDoor:
         return 0.0 if refused is None else math.inf
 
     def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
-        """A reservation trued up during its attempt (`Context.reserve`): hold the new amount.
-        At the attempt's end the real spend is counted by the report; `release` gives back."""
+        """Nothing: the real spend of an attempt is counted by the run's report as it is
+        recorded, and `release` gives its reservation back."""
+
+    def retake(self, reserved: Cost, new: Cost) -> None:
+        """Hold `new` instead of `reserved` for an attempt in flight (`Context.reserve`, after
+        `grow` said it fits)."""
         entry = self.held.get(id(reserved))
-        if entry is None or actual is reserved or not isinstance(actual, dict):
-            return
-        if entry[0] != 1:
-            return  # a shared constant: never trued up
-        usd, tokens = self._amounts(actual)
+        if entry is None or entry[0] != 1:
+            return  # not held here, or a shared constant: never trued up
+        usd, tokens = self._amounts(new)
         gate = self.gate
         gate.reserved_cost += usd - entry[1]
         gate.reserved_tokens += tokens - entry[2]

@@ -132,23 +132,24 @@ class Context:
                 more[unit] = n
         rates = [limiter for limiter in limiters if isinstance(limiter, Rate)]
         door = limiters[-1] if limiters and isinstance(limiters[-1], BudgetDoor) else None
-        if len(more) == 1:
-            door = None  # nothing grows: the budget has nothing to say
+        grower = door if len(more) > 1 else None  # the budget has a say only on growth
         # Written by hand on the limiters' own `peek` (they never sleep: see `_limits`): the
         # attempt holds its other slots meanwhile, which is what it would hold on a slow call.
         loop = asyncio.get_running_loop()
         while True:
-            if door is not None:  # the run's budget first: it may end the run instead
-                await door.grow(cost, new)
+            if grower is not None:  # the run's budget first: it may end the run instead
+                await grower.grow(cost, new)
             now = loop.time()
             room = max((rate.peek(now, more) for rate in rates), default=0.0)
             if room > now:
                 await asyncio.sleep(room - now)
                 continue
-            if door is None or door.fits(cost, new) is None:
+            if grower is None or grower.fits(cost, new) is None:
                 break
         for limiter in limiters:  # no await since the peek: nobody took the room meanwhile
             limiter.reconcile(cost, new, now)
+        if door is not None:
+            door.retake(cost, new)
         cost.clear()
         cost.update(new)
 

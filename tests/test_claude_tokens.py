@@ -11,12 +11,12 @@ import anyio
 import pytest
 
 from orchestra import ConfigError, Orchestrator, Rate, RetryPolicy, Task
-from orchestra.agents.claude import ClaudeAccount, ClaudeAgent, ClaudeLimits
+from orchestra.agents.claude import ClaudeAccount, ClaudeAgent, ClaudeLimits, Price
 from tests.claude_fixtures import SONNET, account, api, client
 from tests.fake_messages_api import FakeMessagesAPI, _tokens
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from orchestra import RunResult
 
@@ -46,9 +46,14 @@ async def run(
     return result
 
 
-def long_prompt(task: Task, ctx: Any) -> str:
-    """10,000 tokens the local estimate cannot see (it reads templates, not functions)."""
-    return "word " * 8_000
+def long_prompt(tokens: int) -> Callable[[Task, Any], str]:
+    """A prompt of `tokens` tokens (by the fake API's count) that the local estimate cannot see:
+    it reads templates, not functions."""
+
+    def prompt(task: Task, ctx: Any) -> str:
+        return "wor " * tokens
+
+    return prompt
 
 
 def messages_calls(api: FakeMessagesAPI) -> list[float]:
@@ -75,7 +80,11 @@ class TestCountTokens:
             output_tokens_per_minute=6_000_000,
         )
         agent = claude(
-            account, prompt=long_prompt, rate_limits=limits, count_tokens=count, max_tokens=16
+            account,
+            prompt=long_prompt(10_000),
+            rate_limits=limits,
+            count_tokens=count,
+            max_tokens=16,
         )
         api.latency = 5.0  # the first call is still out when the second is taken
         tasks = [Task("research", i, id=f"c{i}") for i in range(2)]
@@ -119,7 +128,7 @@ class TestCountTokens:
         # Counted, each call may take 10,000 + 16 tokens: a budget of 15,000 tokens lets one
         # call go at a time, and ends the run after the first (10,000 + a few real tokens
         # spent leave no room for another).
-        agent = claude(account, prompt=long_prompt, count_tokens=True, max_tokens=16)
+        agent = claude(account, prompt=long_prompt(10_000), count_tokens=True, max_tokens=16)
         tasks = [Task("research", i, id=f"c{i}") for i in range(3)]
         result = await run(api, [agent], tasks, max_tokens=15_000, success_threshold=0.1)
         assert len(messages_calls(api)) == 1
@@ -160,3 +169,51 @@ class TestCacheTokensOnTheInputBudget:
         fresh = second.metadata.tokens["input_tokens"]
         more = taken(meter) - start - used
         assert more == pytest.approx(fresh + (read if reads_count else 0), abs=1)
+
+
+class TestBudget:
+    @pytest.mark.parametrize("option", ["max_cost", "max_tokens"])
+    async def test_a_budget_of_exactly_three_calls_allows_three(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, option: str
+    ) -> None:
+        # Counted, each call holds 2,000 input tokens and its max_tokens=10 output tokens, and
+        # uses exactly those (the answers are 10 words): the budget of three such calls lets
+        # three go, one after the other, and the fourth never starts.
+        price = Price(3, 15)
+        agent = claude(
+            account,
+            prompt=long_prompt(2_000),
+            count_tokens=True,
+            max_tokens=10,
+            prices={SONNET: price},
+        )
+        api.answer(*["ten words " * 5] * 5)
+        call_tokens = 2_000 + 10
+        call_cost = (2_000 * 3 + 10 * 15) / 1e6
+        budget = {"max_cost": 3 * call_cost, "max_tokens": 3 * call_tokens}[option]
+        tasks = [Task("research", i, id=f"c{i}") for i in range(5)]
+        result = await run(
+            api, [agent], tasks, concurrency=1, success_threshold=0.5, **{option: budget}
+        )
+        assert len(messages_calls(api)) == 3
+        assert result.metadata.counts == {**result.metadata.counts, "succeeded": 3, "cancelled": 2}
+        assert sum(result.metadata.tokens.values()) == 3 * call_tokens
+        assert result.metadata.cost == pytest.approx(3 * call_cost)
+        assert result.status == "partial"
+        assert {e.error_type for e in result.errors} == {"BudgetExceeded"}
+        assert result.metadata.reason is not None
+        assert option in result.metadata.reason
+
+    async def test_waiting_attempts_that_cannot_grow_end_the_run_uncalled(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        # All five start on their small local estimates; counted (2,010 tokens a call), no
+        # two fit a budget of 3,000 beside the others' estimates: one is called at most, and
+        # no call ever goes over the budget.
+        agent = claude(account, prompt=long_prompt(2_000), count_tokens=True, max_tokens=10)
+        tasks = [Task("research", i, id=f"c{i}") for i in range(5)]
+        result = await run(api, [agent], tasks, max_tokens=3_000, success_threshold=0.0)
+        assert len(messages_calls(api)) <= 1
+        assert sum(result.metadata.tokens.values()) <= 3_000
+        assert result.metadata.counts["cancelled"] >= 4
+        assert result.metadata.reason is not None
