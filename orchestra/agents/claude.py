@@ -12,7 +12,9 @@ What a call does, in order:
 
 1. Before it: the dispatcher reserves the agent's `estimate(task)` (one request, the prompt's
    tokens estimated locally, `max_tokens` output tokens) on the `ClaudeLimits` of its key and model
-   family, shared by every Claude agent on them (`ClaudeAccount`).
+   family, shared by every Claude agent on them (`ClaudeAccount`). With ``count_tokens=True`` the
+   attempt first asks the API's `count_tokens` and trues that reservation up to the count before
+   the call is sent (`Context.reserve`: it waits for room rather than overrun the budget).
 2. The request goes through a client with `max_retries=0`: orchestra's retry policy is the only
    retry. Raw-response access gives the `anthropic-ratelimit-*` headers of every answer, successful
    ones too, and they adapt the shared limits (`ClaudeLimits.observe_headers`).
@@ -20,7 +22,8 @@ What a call does, in order:
    (`StreamTimeout`), so a stalled stream fails its attempt long before the whole-call timeout.
 4. The usage of every answer (failed attempts too: an output that fails validation, a stream that
    stalls after its first event) is recorded through `ctx.record_usage` with its cost from the price
-   table (`PRICES`, overridable), which trues up the reserved estimate.
+   table (`PRICES`, overridable), which trues up the reserved estimate; cache writes (and cache
+   reads on 3.x models) are taken from the input-token budget too, as the API counts them.
 5. With `output=` a pydantic model, the request asks for that JSON schema (the SDK's own structured
    output: the schema `messages.parse` sends) and the answer is validated; an invalid answer fails
    the attempt with `StructuredOutputError`, and the next attempt's conversation holds the rejected
