@@ -10,6 +10,7 @@ from ._budget import BudgetDoor
 from ._exceptions import InputError
 from ._limits import REQUESTS, Rate
 from ._log import get_logger
+from ._routing import DEFAULT_COST
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -100,7 +101,7 @@ class Context:
         """What this attempt holds on its agent's limits (``{"requests": 1, "input_tokens": ...}``:
         its estimate, as `reserve` trued it up); empty when it reserved nothing."""
         reserved = self._reserved
-        if reserved is None or not isinstance(reserved[0], dict):
+        if reserved is None or isinstance(reserved[0], int | float):
             return {}
         return dict(reserved[0])
 
@@ -119,7 +120,7 @@ class Context:
         if reserved is None:
             return
         cost, limiters = reserved
-        if not isinstance(cost, dict):
+        if not isinstance(cost, dict) or cost is DEFAULT_COST:  # the shared default: read-only
             raise InputError(
                 f"agent {self.agent!r}: ctx.reserve needs an agent with an estimate(task) of "
                 "the units it reserves"

@@ -346,7 +346,7 @@ class Dispatcher:
             return picked
         store = self.store
         route = self.router.route
-        while True:
+        while not self.closing:  # a reservation may end the run (its budget): then claim no more
             record = store.claim()
             if record is None:
                 return None
@@ -358,8 +358,7 @@ class Dispatcher:
                 cost = self.router.reserve(record, token, routed)
                 if cost is not None:
                     return record, token, routed, cost
-                if self.closing:  # the reservation ended the run (its budget): claim no more
-                    return None
+        return None
 
     # -- timers ----------------------------------------------------------------------------------
 

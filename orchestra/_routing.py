@@ -34,7 +34,10 @@ __all__ = ("NONE_LEFT", "Lane", "Router")
 log = get_logger("orchestra")
 
 NONE_LEFT: Final[Any] = object()  # `next_agent`: the chain has run out
-_REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default
+# What an attempt costs by default: one object, shared by every such attempt (never trued up in
+# place: see `Context.reserve`).
+DEFAULT_COST: Final[Mapping[str, float]] = {"requests": 1}
+_REQUEST: Final = DEFAULT_COST
 
 
 class Owner(Protocol):
