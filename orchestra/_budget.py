@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._config import check_int, check_number
 from ._limits import REQUESTS
+from ._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -40,6 +41,8 @@ __all__ = ("BUDGET_EXCEEDED", "Budget", "BudgetGate")
 
 BUDGET_EXCEEDED = "BudgetExceeded"
 """The `error_type` of the tasks a spent budget ended."""
+
+log = get_logger("orchestra")
 
 _SLACK = 1e-9  # relative: N calls of c USD fit a budget of N * c USD despite float rounding
 
@@ -147,7 +150,14 @@ class BudgetDoor:
             return 0.0, 0.0
         tokens = sum(n for unit, n in cost.items() if unit != REQUESTS)
         price = self.price
-        return (0.0 if price is None else float(price(cost))), float(tokens)
+        if price is None:
+            return 0.0, float(tokens)
+        try:
+            usd = float(price(cost))
+        except Exception:  # an agent's price is a help: a broken one prices the attempt at 0
+            log.warning("an agent's cost_of raised; pricing the attempt at 0", exc_info=True)
+            usd = 0.0
+        return usd, float(tokens)
 
     def fits(self, reserved: Cost, new: Cost) -> str | None:
         """Why the reservation `reserved` of an attempt in flight may not grow to `new`, or None."""

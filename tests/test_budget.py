@@ -235,3 +235,16 @@ class TestPredictiveBudget:
     def test_a_bad_budget_is_a_config_error(self, option: str, value: Any) -> None:
         with pytest.raises(ConfigError, match=option):
             Orchestrator(agents=[Spender("s", cost=0, tokens=0)], **{option: value})
+
+
+class TestBrokenPrice:
+    async def test_a_cost_of_that_raises_prices_the_attempt_at_0(self, clock: FakeClock) -> None:
+        class Broken(Estimating):
+            def cost_of(self, units: Mapping[str, float]) -> float:
+                raise ValueError("no price table")
+
+        spend = Broken("spend", reserve=10, tokens=10, usd_per_token=0.1)
+        result = await Orchestrator(agents=[spend], concurrency=1, max_cost=2.5).run(tasks=work(5))
+        # Priced at 0 before, 1 USD after each call: the spend so far stops the run at 3 USD.
+        assert len(spend.calls) == 3
+        assert result.metadata.cost == pytest.approx(3.0)
