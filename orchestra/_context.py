@@ -6,11 +6,16 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from ._budget import BudgetDoor
+from ._exceptions import InputError
+from ._limits import REQUESTS, Rate
 from ._log import get_logger
+from ._routing import DEFAULT_COST
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from ._limits import Cost, Limiter
     from ._run import Run
     from ._task import Task
     from .stores._memory import Record
@@ -33,6 +38,7 @@ class Context:
     __slots__ = (
         "_node",
         "_on_end",
+        "_reserved",
         "_run",
         "_spawned",
         "_threads",
@@ -53,6 +59,9 @@ class Context:
         self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
         self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
         self._on_end: Callable[[], None] | None = None
+        # What the attempt reserved before its call, and on which limiters (set by the
+        # dispatcher when it reserved anything): `reserve` trues it up.
+        self._reserved: tuple[Cost, tuple[Limiter, ...]] | None = None
         self.run_id = run.run_id
         self.task: Task = node.task
         self.agent = agent
@@ -86,6 +95,64 @@ class Context:
             usage = self._usage = {}
         for unit, n in tokens.items():
             usage[unit] = usage.get(unit, 0) + n
+
+    @property
+    def reserved(self) -> Mapping[str, float]:
+        """What this attempt holds on its agent's limits (``{"requests": 1, "input_tokens": ...}``:
+        its estimate, as `reserve` trued it up); empty when it reserved nothing."""
+        reserved = self._reserved
+        if reserved is None or isinstance(reserved[0], int | float):
+            return {}
+        return dict(reserved[0])
+
+    async def reserve(self, **units: float) -> None:
+        """Reserve `units` more (``input_tokens=800``; negative: give back) of this attempt on its
+        agent's limits, now, before the call they are for: for an agent that learns what the call
+        will cost during the attempt (the Claude agent's ``count_tokens=True``).
+
+        Waits until every rate of the agent has room for the increase (a rate is never overrun
+        by a correction; a Retry-After hold is waited out too), then takes it; a decrease is
+        given back at once. The attempt's reservation is trued up in place, so its end reconciles
+        against what was really held, and the run's budget counts the new amount. Nothing to do
+        when the attempt reserved nothing (an agent without limits, in a run without a budget).
+        """
+        reserved = self._reserved
+        if reserved is None:
+            return
+        cost, limiters = reserved
+        if not isinstance(cost, dict) or cost is DEFAULT_COST:  # the shared default: read-only
+            raise InputError(
+                f"agent {self.agent!r}: ctx.reserve needs an agent with an estimate(task) of "
+                "the units it reserves"
+            )
+        new = dict(cost)
+        more: dict[str, float] = {REQUESTS: 0}
+        for unit, n in units.items():
+            new[unit] = new.get(unit, 0) + n
+            if n > 0 and unit != REQUESTS:
+                more[unit] = n
+        rates = [limiter for limiter in limiters if isinstance(limiter, Rate)]
+        door = limiters[-1] if limiters and isinstance(limiters[-1], BudgetDoor) else None
+        grower = door if len(more) > 1 else None  # the budget has a say only on growth
+        # Written by hand on the limiters' own `peek` (they never sleep: see `_limits`): the
+        # attempt holds its other slots meanwhile, which is what it would hold on a slow call.
+        loop = asyncio.get_running_loop()
+        while True:
+            if grower is not None:  # the run's budget first: it may end the run instead
+                await grower.grow(cost, new)
+            now = loop.time()
+            room = max((rate.peek(now, more) for rate in rates), default=0.0)
+            if room > now:
+                await asyncio.sleep(room - now)
+                continue
+            if grower is None or grower.fits(cost, new) is None:
+                break
+        for limiter in limiters:  # no await since the peek: nobody took the room meanwhile
+            limiter.reconcile(cost, new, now)
+        if door is not None:
+            door.retake(cost, new)
+        cost.clear()
+        cost.update(new)
 
     def _keep_slot(self) -> Callable[[], None]:
         """Keep the agent's slot taken after this attempt ends, until the returned function is

@@ -346,18 +346,19 @@ class Dispatcher:
             return picked
         store = self.store
         route = self.router.route
-        while True:
+        while not self.closing:  # a reservation may end the run (its budget): then claim no more
             record = store.claim()
             if record is None:
                 return None
             token = record.token
             routed = route(record, token)
             if routed is not None:
-                if not routed.limiters:
+                if not routed.limiters and self.router.gate is None:
                     return record, token, routed, None
                 cost = self.router.reserve(record, token, routed)
                 if cost is not None:
                     return record, token, routed, cost
+        return None
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -446,6 +447,8 @@ class Dispatcher:
             report.attempts += 1
             start = self._time()
             ctx = Context(self.run, record, slot.name, record.attempts, record.feedback or ())
+            if cost is not None:  # what `ctx.reserve` trues up
+                ctx._reserved = (cost, self.router.limiters(slot))
             bus = self.bus if self.bus.active else None
             if bus is not None and bus.wants(AttemptStarted):
                 bus.emit(
@@ -575,7 +578,7 @@ class Dispatcher:
         if cost is not None:
             now = self._time()
             actual = _actual(cost, ctx)
-            for limiter in slot.limiters:
+            for limiter in self.router.limiters(slot):
                 limiter.reconcile(cost, actual, now)
                 limiter.release(cost, now)
 

@@ -104,8 +104,9 @@ class Orchestrator:
             `orchestra.metrics.PrometheusMetrics`, `orchestra.tracing.OpenTelemetryTracing`);
             none by default, and then they cost nothing.
         max_cost, max_tokens: each run's budget, in USD and in tokens of every kind, of what
-            agents report (`ctx.record_usage`): once spent, no new attempt starts and the run
-            ends "partial" or "failed" with the reason (see `metadata.reason`).
+            agents report (`ctx.record_usage`): an attempt starts only if the spend, the
+            reservations in flight and its own fit (see `orchestra._budget`); when none can, the
+            run ends "partial" or "failed" with the reason (see `metadata.reason`).
     """
 
     def __init__(

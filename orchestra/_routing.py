@@ -24,6 +24,8 @@ from ._task import CLAIMED
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from ._budget import BudgetGate
+    from ._limits import Limiter
     from ._registry import AgentSlot, Registry
     from .stores._memory import Record
 
@@ -32,7 +34,10 @@ __all__ = ("NONE_LEFT", "Lane", "Router")
 log = get_logger("orchestra")
 
 NONE_LEFT: Final[Any] = object()  # `next_agent`: the chain has run out
-_REQUEST: Final[Mapping[str, float]] = {"requests": 1}  # what an attempt costs by default
+# What an attempt costs by default: one object, shared by every such attempt (never trued up in
+# place: see `Context.reserve`).
+DEFAULT_COST: Final[Mapping[str, float]] = {"requests": 1}
+_REQUEST: Final = DEFAULT_COST
 
 
 class Owner(Protocol):
@@ -85,6 +90,12 @@ class Router:
         self.held = 0  # tasks waiting in lanes
         self.reached = 0.0  # the time of the last timer that fired (see `reserve`)
         self._wakers: dict[AgentSlot, Callable[[], None]] = {}
+        self.gate: BudgetGate | None = None  # the run's budget, a limiter on every agent
+
+    def limiters(self, slot: AgentSlot) -> tuple[Limiter, ...]:
+        """What an attempt of `slot` reserves in this run: its limits (and the run's budget)."""
+        gate = self.gate
+        return slot.limiters if gate is None else gate.limiters(slot)
 
     def bind_clock(self, time: Callable[[], float]) -> None:
         self._time = time
@@ -97,7 +108,7 @@ class Router:
             if picked is not None:
                 self._owner.wake_one()  # the lane may hold more that can go now: pass it on
                 record, token, slot = picked
-                if not slot.limiters:
+                if not slot.limiters and self.gate is None:
                     return record, token, slot, None
                 cost = self.reserve(record, token, slot)
                 if cost is not None:
@@ -307,7 +318,7 @@ class Router:
         now = self._time()
         if now < self.reached:  # the timer that woke it fired a hair early: its time has come
             now = self.reached
-        room = reserve_all(slot.limiters, now, cost, self._waker(slot))
+        room = reserve_all(self.limiters(slot), now, cost, self._waker(slot))
         if not room:
             return cost
         lane = self.lane(slot, None)

@@ -23,7 +23,7 @@ import anyio.lowlevel
 import structlog
 
 from ._admission import Admission
-from ._budget import BUDGET_EXCEEDED
+from ._budget import BUDGET_EXCEEDED, BudgetGate
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
@@ -241,6 +241,8 @@ class Run:
         )
         dispatcher = self.dispatcher = Dispatcher(self, self.store)
         dispatcher.bind_clock(loop)
+        if self._budget is not None:  # checked before each attempt (see `_budget`)
+            dispatcher.router.gate = BudgetGate(self._budget, self.report, self._budget_spent)
         if self.instruments is not None:
             self.info = RunInfo(self)
         dropped = self.bus.dropped
@@ -507,16 +509,15 @@ class Run:
         agent: str | None = None,
         model: str | None = None,
     ) -> None:
-        report = self.report
-        report.usage(cost, tokens, agent, model)
-        budget = self._budget
-        if budget is not None and self._spent is None and not self._done.is_set():
-            reason = budget.reached(report.cost, report.tokens)
-            if reason is not None:  # no new attempt starts: the run ends (see `_budget`)
-                log.warning("run budget spent; ending the run", reason=reason)
-                self._spent = reason
-                self._done.set()
-                self.dispatcher.stop()
+        self.report.usage(cost, tokens, agent, model)
+
+    def _budget_spent(self, reason: str) -> None:
+        """The budget refused an attempt and none is in flight: no attempt will start again, so
+        the run ends (see `_budget`)."""
+        if self._spent is None and not self._done.is_set():
+            log.warning("run budget reached; ending the run", reason=reason)
+            self._spent = reason
+            self._finish()
 
 
 async def _close(source: object) -> None:

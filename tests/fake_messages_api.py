@@ -98,6 +98,7 @@ _REASONS: Final = {
     529: b"Overloaded",
 }
 _CHUNK: Final = 65536
+_COUNT_TOKENS: Final = "/v1/messages/count_tokens"
 _WINDOW: Final = 60.0  # the rate-limit headers describe a one-minute budget
 
 
@@ -109,6 +110,10 @@ def prompt_of(body: Any) -> str:
     system = body.get("system")
     if isinstance(system, str):
         parts.append(system)
+    elif isinstance(system, list):
+        parts.extend(
+            b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str)
+        )
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -177,6 +182,7 @@ class Rule:
     ratelimit_reset: float | None = None
     events: int = 0
     hits: int = 0
+    path: str = "/v1/messages"
 
     def applies(self, body: Any, now: float) -> bool:
         if not self.start <= now < self.end:
@@ -270,6 +276,8 @@ class FakeMessagesAPI:
         self.batches: dict[str, _Batch] = {}
         """Every batch created, by id."""
         self._batch_rules: list[tuple[str, Callable[[Any], bool] | None]] = []
+        self.cached: set[tuple[Any, str]] = set()
+        """The cached prompt prefixes (model, text): see `_cache`."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -320,6 +328,7 @@ class FakeMessagesAPI:
         delay: float | None = None,
         ratelimit_reset: float | None = None,
         events: int = 0,
+        path: str = "/v1/messages",
     ) -> Rule:
         """Answer the requests this rule selects with `fault`; returns the rule (see `Rule.hits`).
 
@@ -337,6 +346,8 @@ class FakeMessagesAPI:
             ratelimit_reset: a 429's budget resets in this many seconds: its headers say
                 `requests-remaining: 0` and that reset time.
             events: how many events a "stall" sends before it stalls.
+            path: the endpoint it applies to: the Messages API, or
+                ``"/v1/messages/count_tokens"`` (its calls are answered by their own rules).
         """
         if fault not in get_args(Fault):
             raise ValueError(f"unknown fault {fault!r}; known: {get_args(Fault)}")
@@ -352,6 +363,7 @@ class FakeMessagesAPI:
             delay=_default_delay(fault, self.latency) if delay is None else delay,
             ratelimit_reset=ratelimit_reset,
             events=events,
+            path=path,
         )
         self.rules.append(rule)
         return rule
@@ -512,6 +524,8 @@ class FakeMessagesAPI:
             return await self._batches(conn, request, path, now)
         rule = self._rule_for(request, now)
         fault: str
+        if path == _COUNT_TOKENS and request.method == "POST" and request.api_key is not None:
+            return await self._count_tokens(conn, request, rule)
         if path != "/v1/messages" or request.method != "POST":
             fault, delay = "not_found", 0.0
         elif request.api_key is None:
@@ -663,9 +677,29 @@ class FakeMessagesAPI:
             buckets[unit] -= n
         return 0.0
 
+    async def _count_tokens(self, conn: _Connection, request: Request, rule: Rule | None) -> bool:
+        """`/v1/messages/count_tokens`: the prompt's input tokens, as a Messages call of it would
+        use them (cached or not), or the error its rule scripts. It has no rate-limit headers of
+        the Messages budget: the API limits these calls separately."""
+        if rule is not None:
+            rule.hits += 1
+            status, payload, extra = self._response(request, rule.fault, rule)
+        else:
+            status, payload, extra = 200, {"input_tokens": _tokens(request.prompt)}, []
+        headers = [("content-type", "application/json"), *extra]
+        await self._send(conn, status, headers, json.dumps(payload).encode())
+        request.status, request.answered = status, self._now()
+        request.outcome = "ok" if rule is None else rule.fault
+        return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
+
+    def counted(self) -> list[Request]:
+        """The `count_tokens` requests, in arrival order."""
+        return [r for r in self.requests if r.path.split("?")[0] == _COUNT_TOKENS]
+
     def _rule_for(self, request: Request, now: float) -> Rule | None:
+        path = request.path.split("?")[0]
         for rule in self.rules:
-            if rule.applies(request.body, now):
+            if rule.path == path and rule.applies(request.body, now):
                 return rule
         return None
 
@@ -700,6 +734,7 @@ class FakeMessagesAPI:
         else:
             words = f"echo: {prompt}".split()[:max_tokens]
             text = " ".join(words)
+        written, read = self._cache(request.body)
         return {
             "id": f"msg_{next(self._ids):024d}",
             "type": "message",
@@ -709,12 +744,28 @@ class FakeMessagesAPI:
             "stop_reason": "end_turn",
             "stop_sequence": None,
             "usage": {
-                "input_tokens": _tokens(prompt),
+                "input_tokens": max(1, _tokens(prompt) - written - read),
                 "output_tokens": len(words),
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": written,
+                "cache_read_input_tokens": read,
             },
         }
+
+    def _cache(self, body: Any) -> tuple[int, int]:
+        """Prompt caching of the system prompt: the tokens of its blocks up to the last one
+        marked ``cache_control``, written on first sight, read after; (written, read)."""
+        system = body.get("system")
+        if not isinstance(system, list):
+            return 0, 0
+        marked = [i for i, block in enumerate(system) if block.get("cache_control")]
+        if not marked:
+            return 0, 0
+        prefix = "\n".join(block.get("text", "") for block in system[: marked[-1] + 1])
+        key = (body.get("model"), prefix)
+        if key in self.cached:
+            return 0, _tokens(prefix)
+        self.cached.add(key)
+        return _tokens(prefix), 0
 
     def _ratelimit_headers(
         self, request: Request, message: dict[str, Any] | None, reset_in: float | None = None

@@ -10,6 +10,8 @@ import pytest
 from orchestra import ConfigError, Orchestrator, RunResult, Task, agent
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from orchestra import Context
     from orchestra.testing import FakeClock
 
@@ -82,22 +84,44 @@ class TestUsagePerAgentAndModel:
         assert result.metadata.usage_per_model == {}
 
 
+class Estimating(Spender):
+    """A `Spender` that says before each call what it may cost: `reserve` tokens (`estimate`),
+    at `usd_per_token` (`cost_of`); it reports `tokens` and their price after the call."""
+
+    def __init__(
+        self, name: str, *, reserve: int, tokens: int, usd_per_token: float = 0.0, wait: float = 1
+    ) -> None:
+        super().__init__(name, cost=tokens * usd_per_token, tokens=tokens - 1)
+        self.reserve = reserve
+        self.usd_per_token = usd_per_token
+        self.wait = wait
+
+    def estimate(self, task: Task) -> dict[str, float]:
+        return {
+            "input_tokens": self.reserve // 2,
+            "output_tokens": self.reserve - self.reserve // 2,
+        }
+
+    def cost_of(self, units: Mapping[str, float]) -> float:
+        return sum(n for unit, n in units.items() if unit != "requests") * self.usd_per_token
+
+
 class TestBudget:
     async def test_no_attempt_starts_once_the_cost_budget_is_spent(self, clock: FakeClock) -> None:
         spend = Spender("spend", cost=1.0, tokens=10)
         # Two at a time, 1 USD each, ending at 1 s, 1 s, 2 s, 2 s: at 3 USD (t2's end) t4 may
-        # still start; t3's end makes 4 USD, over 3.5: t4 is cancelled and nothing else starts.
+        # still start, and finishes (4 and then 5 USD); nothing else starts.
         orch = Orchestrator(agents=[spend], concurrency=2, max_cost=3.5, success_threshold=0.2)
         result = await orch.run(tasks=work(10))
         assert spend.calls == ["t0", "t1", "t2", "t3", "t4"]
         assert result.status == "partial"
-        assert result.metadata.counts["succeeded"] == 4
-        assert result.metadata.counts["cancelled"] == 6
+        assert result.metadata.counts["succeeded"] == 5
+        assert result.metadata.counts["cancelled"] == 5
         assert result.metadata.reason is not None
         assert "max_cost=3.5" in result.metadata.reason
         assert {e.error_type for e in result.errors} == {"BudgetExceeded"}
         assert "budget" in result.errors[0].remediation
-        assert result.metadata.cost == pytest.approx(4.0)
+        assert result.metadata.cost == pytest.approx(5.0)
 
     async def test_a_token_budget_fails_a_run_below_its_threshold(self, clock: FakeClock) -> None:
         spend = Spender("spend", cost=0.0, tokens=100)
@@ -115,7 +139,7 @@ class TestBudget:
         assert result.metadata.reason is None
         assert len(spend.calls) == 20
 
-    async def test_attempts_in_flight_are_cancelled_when_the_budget_is_spent(
+    async def test_attempts_in_flight_finish_when_the_budget_is_spent(
         self, clock: FakeClock
     ) -> None:
         @agent(kinds=["work"], name="mixed")
@@ -125,11 +149,77 @@ class TestBudget:
             return task.id
 
         orch = Orchestrator(agents=[mixed], max_cost=5.0, success_threshold=0.0)
-        result = await orch.run(tasks=work(3))
-        assert result.metadata.elapsed == pytest.approx(1.0)
-        assert result.metadata.counts["succeeded"] == 1
-        assert result.metadata.counts["cancelled"] == 2
+        result = await orch.run(tasks=[*work(3), Task("work", 9, id="late", depends_on=["t0"])])
+        # t1 and t2 started with t0 and run to their end (their spend counted); "late", ready
+        # at 1 s when 5 USD were spent, never starts.
+        assert result.metadata.elapsed == pytest.approx(100.0)
+        assert result.metadata.counts["succeeded"] == 3
+        assert result.metadata.counts["cancelled"] == 1
+        assert result.metadata.cost == pytest.approx(15.0)
         assert result.status == "partial"
+
+
+class TestPredictiveBudget:
+    @pytest.mark.parametrize("concurrency", [1, 4])
+    async def test_a_cost_budget_of_exactly_n_calls_allows_n_calls(
+        self, clock: FakeClock, concurrency: int
+    ) -> None:
+        # Each call may cost 100 tokens at 0.01 USD (1 USD); it really costs 0.5 USD. A budget of
+        # 3 USD admits 3 calls at once, whatever they will really cost: never a 4th in flight.
+        spend = Estimating("spend", reserve=100, tokens=50, usd_per_token=0.01)
+        orch = Orchestrator(agents=[spend], concurrency=concurrency, max_cost=3.0)
+        result = await orch.run(tasks=work(3))
+        assert result.status == "success"
+        assert len(spend.calls) == 3
+        assert result.metadata.cost == pytest.approx(1.5)
+
+    async def test_the_call_that_would_exceed_the_cost_budget_never_starts(
+        self, clock: FakeClock
+    ) -> None:
+        # 1 USD may be spent by each call, 0.5 USD is: 2.5 USD admit 2 calls at once, then a
+        # third once one has ended (1 + 0.5 + 1 = 2.5), ... 4 calls in all (2 + 4 * 0.5 > 2.5).
+        spend = Estimating("spend", reserve=100, tokens=50, usd_per_token=0.01)
+        orch = Orchestrator(agents=[spend], concurrency=8, max_cost=2.5, success_threshold=0.1)
+        result = await orch.run(tasks=work(10))
+        assert len(spend.calls) == 4
+        assert result.metadata.cost == pytest.approx(2.0)
+        assert result.metadata.counts["succeeded"] == 4
+        assert result.metadata.counts["cancelled"] == 6
+        assert result.status == "partial"
+        assert result.metadata.reason is not None
+        assert "would be exceeded" in result.metadata.reason
+        assert {e.error_type for e in result.errors} == {"BudgetExceeded"}
+
+    async def test_a_token_budget_of_exactly_n_calls_allows_n_calls(self, clock: FakeClock) -> None:
+        # Each call reserves 100 tokens and uses all of them: 300 tokens are 3 calls, no 4th.
+        spend = Estimating("spend", reserve=100, tokens=100)
+        orch = Orchestrator(agents=[spend], concurrency=4, max_tokens=300, success_threshold=0.1)
+        result = await orch.run(tasks=work(5))
+        assert len(spend.calls) == 3
+        assert result.metadata.counts["succeeded"] == 3
+        assert result.metadata.counts["cancelled"] == 2
+        assert sum(result.metadata.tokens.values()) == 300
+        assert result.metadata.reason is not None
+        assert "max_tokens=300" in result.metadata.reason
+
+    async def test_a_waiting_attempt_starts_when_one_in_flight_costs_less_than_it_reserved(
+        self, clock: FakeClock
+    ) -> None:
+        # 250 tokens admit 2 reservations of 100 at once (t0, t1). When t0 ends having used 50,
+        # t2 fits (50 + 100 + 100); when t1 ends, t3 does not (100 + 100 + 100) and waits for
+        # t2; then 150 + 100 fits; then 200 + 100 does not and nothing is in flight: the end.
+        spend = Estimating("spend", reserve=100, tokens=50)
+        orch = Orchestrator(agents=[spend], concurrency=10, max_tokens=250, success_threshold=0.1)
+        result = await orch.run(tasks=work(10))
+        assert spend.calls == ["t0", "t1", "t2", "t3"]
+        assert result.metadata.elapsed == pytest.approx(3.0)
+        assert sum(result.metadata.tokens.values()) == 200
+
+    async def test_without_a_budget_nothing_is_reserved(self, clock: FakeClock) -> None:
+        spend = Estimating("spend", reserve=10**9, tokens=10**9, usd_per_token=1.0)
+        result = await Orchestrator(agents=[spend], concurrency=4).run(tasks=work(8))
+        assert result.status == "success"
+        assert len(spend.calls) == 8
 
     async def test_each_run_has_its_own_budget(self, clock: FakeClock) -> None:
         spend = Spender("spend", cost=1.0, tokens=1)
@@ -145,3 +235,16 @@ class TestBudget:
     def test_a_bad_budget_is_a_config_error(self, option: str, value: Any) -> None:
         with pytest.raises(ConfigError, match=option):
             Orchestrator(agents=[Spender("s", cost=0, tokens=0)], **{option: value})
+
+
+class TestBrokenPrice:
+    async def test_a_cost_of_that_raises_prices_the_attempt_at_0(self, clock: FakeClock) -> None:
+        class Broken(Estimating):
+            def cost_of(self, units: Mapping[str, float]) -> float:
+                raise ValueError("no price table")
+
+        spend = Broken("spend", reserve=10, tokens=10, usd_per_token=0.1)
+        result = await Orchestrator(agents=[spend], concurrency=1, max_cost=2.5).run(tasks=work(5))
+        # Priced at 0 before, 1 USD after each call: the spend so far stops the run at 3 USD.
+        assert len(spend.calls) == 3
+        assert result.metadata.cost == pytest.approx(3.0)

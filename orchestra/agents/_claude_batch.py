@@ -27,6 +27,8 @@ from ._claude_prices import cost_of
 from .claude import ClaudeAgent
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from anthropic.types import Message
 
     from orchestra._context import Context
@@ -111,8 +113,12 @@ class ClaudeBatchAgent(ClaudeAgent):
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task[None]] = set()
 
-    def estimate(self, task: Task) -> dict[str, float]:
-        return {}
+    # `estimate` is the Messages agent's: it reserves nothing here (no limits), and a run's
+    # budget prices it at the batch price (`cost_of`) before the attempt starts.
+
+    def cost_of(self, units: Mapping[str, float]) -> float:
+        """USD of these token counts at the batch price (half the agent's)."""
+        return super().cost_of(units) * BATCH_DISCOUNT
 
     async def __call__(self, task: Task, ctx: Context) -> Any:
         params = self.request(self.conversation(task, ctx))

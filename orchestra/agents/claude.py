@@ -12,7 +12,9 @@ What a call does, in order:
 
 1. Before it: the dispatcher reserves the agent's `estimate(task)` (one request, the prompt's
    tokens estimated locally, `max_tokens` output tokens) on the `ClaudeLimits` of its key and model
-   family, shared by every Claude agent on them (`ClaudeAccount`).
+   family, shared by every Claude agent on them (`ClaudeAccount`). With ``count_tokens=True`` the
+   attempt first asks the API's `count_tokens` and trues that reservation up to the count before
+   the call is sent (`Context.reserve`: it waits for room rather than overrun the budget).
 2. The request goes through a client with `max_retries=0`: orchestra's retry policy is the only
    retry. Raw-response access gives the `anthropic-ratelimit-*` headers of every answer, successful
    ones too, and they adapt the shared limits (`ClaudeLimits.observe_headers`).
@@ -20,7 +22,8 @@ What a call does, in order:
    (`StreamTimeout`), so a stalled stream fails its attempt long before the whole-call timeout.
 4. The usage of every answer (failed attempts too: an output that fails validation, a stream that
    stalls after its first event) is recorded through `ctx.record_usage` with its cost from the price
-   table (`PRICES`, overridable), which trues up the reserved estimate.
+   table (`PRICES`, overridable), which trues up the reserved estimate; cache writes (and cache
+   reads on 3.x models) are taken from the input-token budget too, as the API counts them.
 5. With `output=` a pydantic model, the request asks for that JSON schema (the SDK's own structured
    output: the schema `messages.parse` sends) and the answer is validated; an invalid answer fails
    the attempt with `StructuredOutputError`, and the next attempt's conversation holds the rejected
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 try:
-    from anthropic import APIStatusError, AsyncAnthropic
+    from anthropic import APIError, APIStatusError, AsyncAnthropic
     from anthropic.lib._parse._transform import transform_schema
 except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError(
@@ -95,6 +98,10 @@ _ANSWER_MARK: Final = "\n\nYour previous answer was:\n"
 # A feedback entry the runtime noted for a failed attempt reads "ErrorType: message"; those of
 # the API (a 429, a timeout) are no news to the model, only rejections (this module's and a
 # verifier's) are put into the conversation.
+# What `messages.count_tokens` accepts of a Messages request.
+_COUNTED: Final = frozenset(
+    ("model", "messages", "system", "output_config", "tools", "tool_choice", "thinking")
+)
 _ERROR_NOTE = re.compile(r"^[A-Z]\w*(Error|Timeout|Exception|Exceeded|Refused)?: ")
 
 
@@ -212,15 +219,20 @@ class ClaudeAgent:
         timeout, retry, concurrency: as for any agent (seconds per attempt; its `RetryPolicy`;
             the most attempts at once, or a shared `Concurrency`).
         prices: price rows over the account's (`{"claude-...": Price(3, 15)}`).
+        count_tokens: before each call, ask the API's `count_tokens` for the prompt's input
+            tokens and true the attempt's reservation up to them (waiting for room on the
+            input-token budget if they are more than the local estimate) before the call is sent.
         params: more Messages API parameters for every request (``temperature``, ``metadata``).
     """
 
     __slots__ = (
         "_cost_logged",
+        "_reads_count",
         "_schema",
         "account",
         "cache_system",
         "concurrency",
+        "count_tokens",
         "first_token_timeout",
         "idle_timeout",
         "kinds",
@@ -261,6 +273,7 @@ class ClaudeAgent:
         retry: RetryPolicy | None = None,
         concurrency: int | Concurrency | None = None,
         prices: Mapping[str, Price] | None = None,
+        count_tokens: bool = False,
         params: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
@@ -307,10 +320,16 @@ class ClaudeAgent:
         self.retry = retry
         self.concurrency = concurrency
         self.params: dict[str, Any] = dict(params or {})
+        if not isinstance(count_tokens, bool):
+            raise ConfigError(f"{where}count_tokens must be a bool, got {count_tokens!r}")
+        self.count_tokens = count_tokens
         self.price = price_of(model, {**account.prices, **(prices or {})})
         self.spent: dict[str, float] = {}
         """Tokens (by usage field) and ``"cost"`` (USD) of every answer this agent received."""
         self._cost_logged = False
+        # Models before the 4 generation (marked with a dagger on the rate-limits page) count
+        # cache reads against the input-token budget too; later ones count only cache writes.
+        self._reads_count = model_family(model).endswith("-3")
         # The schema `messages.parse(output_format=...)` would send, made once.
         self._schema = None if output is None else transform_schema(output)
 
@@ -326,6 +345,13 @@ class ClaudeAgent:
             "input_tokens": math.ceil(chars / _CHARS_PER_TOKEN) + 8,
             "output_tokens": self.max_tokens,
         }
+
+    def cost_of(self, units: Mapping[str, float]) -> float:
+        """USD of these token counts at this agent's price (0 without one): what the run's budget
+        prices an attempt's reservation with before it starts."""
+        if self.price is None:
+            return 0.0
+        return cost_of(self.price, _Usage(units))
 
     async def __call__(self, task: Task, ctx: Context) -> Any:
         message = await self.send(self.request(self.conversation(task, ctx)), ctx)
@@ -399,6 +425,8 @@ class ClaudeAgent:
     async def send(self, params: dict[str, Any], ctx: Context) -> Message:
         """One call: the answer, its rate-limit headers observed and its usage recorded. API errors
         are the SDK's own, raised after their headers were observed."""
+        if self.count_tokens:
+            await self._count(params, ctx)
         try:
             if self.stream:
                 return await self._stream(params, ctx)
@@ -471,6 +499,30 @@ class ClaudeAgent:
         self._record(message.usage, ctx)
         return message
 
+    async def _count(self, params: dict[str, Any], ctx: Context) -> None:
+        """True the attempt's input-token reservation up to what `count_tokens` says the request
+        holds, before it is sent: a prompt much longer than the local estimate waits for room on
+        the input-token budget instead of overrunning it (`Context.reserve`).
+
+        Token counting has its own requests-per-minute limit at the API, apart from the Messages
+        budget, and it is free: its calls are not metered here, and their failures (a 429 of
+        that separate limit included) are no reason to fail or delay the attempt: the local
+        estimate stays, and the call goes on. Its headers describe that other budget and are not
+        observed."""
+        held = ctx.reserved.get("input_tokens")
+        if held is None:
+            return  # nothing reserved (a limiter-free setup): nothing to true up
+        try:
+            counted = await self.account.client.messages.count_tokens(
+                **{key: value for key, value in params.items() if key in _COUNTED}
+            )
+        except APIError as exc:
+            ctx.log.info(
+                "count_tokens failed; keeping the local estimate", error=type(exc).__name__
+            )
+            return
+        await ctx.reserve(input_tokens=counted.input_tokens - held)
+
     def _observe(self, headers: Any) -> None:
         try:
             self.rate_limits.observe_headers(headers, current_clock())
@@ -490,6 +542,14 @@ class ClaudeAgent:
         elif not self._cost_logged:
             self._cost_logged = True
             ctx.log.warning("no price for the model: its cost counts 0", model=self.model)
+        # The input-token budget counts cache writes, and on older models cache reads, with the
+        # uncached input (the rate-limits page): the dispatcher trues the meter up to
+        # `input_tokens` only, so the rest is taken here.
+        cached = tokens["cache_creation_input_tokens"]
+        if self._reads_count:
+            cached += tokens["cache_read_input_tokens"]
+        if cached:
+            self.rate_limits.input_tokens.reconcile(0, cached, anyio.current_time())
         spent = self.spent
         for unit, n in tokens.items():
             spent[unit] = spent.get(unit, 0) + n
@@ -498,6 +558,25 @@ class ClaudeAgent:
 
     def __repr__(self) -> str:
         return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
+
+
+class _Usage:
+    """Token counts by name, read as the SDK's `Usage` (what `cost_of` prices)."""
+
+    __slots__ = (
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "input_tokens",
+        "output_tokens",
+    )
+
+    cache_creation = None
+
+    def __init__(self, units: Mapping[str, float]) -> None:
+        self.input_tokens = units.get("input_tokens", 0)
+        self.output_tokens = units.get("output_tokens", 0)
+        self.cache_creation_input_tokens = units.get("cache_creation_input_tokens", 0)
+        self.cache_read_input_tokens = units.get("cache_read_input_tokens", 0)
 
 
 for _public in (ClaudeAccount, ClaudeAgent, StreamTimeout, StructuredOutputError):
