@@ -298,8 +298,8 @@ class Orchestrator:
         if not self._entered:
             async with self:
                 return await self.run(input, tasks=tasks, run_id=run_id)
-        source = await self._source(input, tasks)
-        return await self._execute(source, run_id)
+        source, planned = await self._source(input, tasks)
+        return await self._execute(source, run_id, planned=planned)
 
     def stream(
         self,
@@ -351,8 +351,8 @@ class Orchestrator:
 
         async def body() -> RunResult:
             try:
-                source = await self._source(input, tasks)
-                return await self._execute(source, handle.run_id, None, on_run)
+                source, planned = await self._source(input, tasks)
+                return await self._execute(source, handle.run_id, None, on_run, planned)
             finally:
                 if not registered:
                     self._starting -= 1
@@ -361,15 +361,26 @@ class Orchestrator:
         tg.start_soon(handle._drive, body)
         return handle
 
-    async def _source(self, input: Any, tasks: Any) -> Iterable[Task] | AsyncIterable[Task]:
+    async def _source(
+        self, input: Any, tasks: Any
+    ) -> tuple[Iterable[Task] | AsyncIterable[Task], dict[str, float] | None]:
+        """The run's tasks, and what the decomposer spent making them (a planner that reports
+        its spend, as `ClaudePlanner.spent` does: the run's metadata and budget count it)."""
+        planned: dict[str, float] | None = None
         if tasks is not None:
             if input is not None:
                 raise ConfigError("give run() an input or tasks=, not both")
             source = tasks
         elif self.decomposer is not None:
+            before = _spent(self.decomposer)
             source = self.decomposer(input)
             if inspect.isawaitable(source):
                 source = await source
+            after = _spent(self.decomposer)
+            if before is not None and after is not None:
+                planned = {
+                    k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)
+                }
         elif input is not None:
             source = input  # an iterable of tasks, without a decomposer
         else:
@@ -382,7 +393,7 @@ class Orchestrator:
             raise InputError(
                 f"the decomposer must return tasks (a list, an iterable or an async iterable), got {type(source).__name__}"
             )
-        return source
+        return source, planned
 
     async def _execute(
         self,
@@ -390,10 +401,18 @@ class Orchestrator:
         run_id: str | None,
         results: Any = None,
         on_run: Callable[[Run], None] | None = None,
+        planned: dict[str, float] | None = None,
     ) -> RunResult:
         """Run `source` to its end; when the run misses its threshold, `on_threshold_missed` may
         replace the result. The orchestrator keeps nothing of a finished run."""
         run = Run(self._config, run_id or uuid.uuid4().hex[:12], results)
+        if planned:  # what the decomposer spent is the run's (its metadata, its budget)
+            cost = planned.pop("cost", 0.0)
+            tokens = {unit: int(n) for unit, n in planned.items()}
+            name = getattr(self.decomposer, "name", None)
+            model = getattr(self.decomposer, "model", None)
+            run.report.usage(cost, tokens, name if isinstance(name, str) else None,
+                             model if isinstance(model, str) else None)  # fmt: skip
         if on_run is not None:
             on_run(run)
         self._runs.append(run)
@@ -528,6 +547,14 @@ class Orchestrator:
         return None
 
 
+def _spent(decomposer: Any) -> dict[str, float] | None:
+    """What a decomposer reports it spent so far (`spent`: tokens by field and ``"cost"``)."""
+    spent = getattr(decomposer, "spent", None)
+    if not isinstance(spent, Mapping):
+        return None
+    return {k: v for k, v in spent.items() if isinstance(v, int | float)}
+
+
 class RecoveryStatus(str):
     """A str ("recovered", "degraded" or "failed") with the details of what is not recovered."""
 
@@ -582,8 +609,8 @@ class ResultStream:
         input, tasks, run_id = self._args
         try:
             with self._scope:
-                source = await self._orch._source(input, tasks)
-                self.result = await self._orch._execute(source, run_id, send, self._attach)
+                source, planned = await self._orch._source(input, tasks)
+                self.result = await self._orch._execute(source, run_id, send, self._attach, planned)
         except Exception as exc:
             self._error = exc
         finally:

@@ -59,6 +59,12 @@ class TestPlanning:
         assert "- research: assess one clause" in body["system"]
         assert prompt_of(body).endswith("a contract")
         assert planner.spent["input_tokens"] > 0
+        # The plan's spend is the run's: in its totals, under the planner's name and model.
+        usage = result.metadata.usage_per_agent["claude-planner"]
+        assert usage["input_tokens"] == planner.spent["input_tokens"]
+        assert usage["cost"] == pytest.approx(planner.spent["cost"]) != 0
+        assert result.metadata.usage_per_model[SONNET]["input_tokens"] >= usage["input_tokens"]
+        assert result.metadata.cost >= planner.spent["cost"]
 
     async def test_an_invalid_plan_is_planned_again_with_the_error(
         self, api: FakeMessagesAPI, account: ClaudeAccount

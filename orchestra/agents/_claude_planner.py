@@ -133,9 +133,16 @@ class ClaudePlanner:
 
     @property
     def spent(self) -> dict[str, float]:
-        """Tokens (by usage field) and ``"cost"`` of every plan asked for (a plan is made before
-        the run starts, so its spend is not in any run's metadata)."""
+        """Tokens (by usage field) and ``"cost"`` of every plan asked for. A run counts what its
+        plan spent (its `metadata.cost`, `tokens`, `usage_per_agent` under this planner's name,
+        `usage_per_model`, and its budget); plans made at once for two runs share these totals,
+        so each run may count the other's."""
         return self._agent.spent
+
+    @property
+    def model(self) -> str:
+        """The model id the plans are asked of."""
+        return str(self._agent.model)
 
     async def __call__(self, input: Any) -> list[Task]:
         text = (
