@@ -735,13 +735,31 @@ class FakeMessagesAPI:
             words = f"echo: {prompt}".split()[:max_tokens]
             text = " ".join(words)
         written, read = self._cache(request.body)
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        stop_reason = "end_turn"
+        choice = request.body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "tool":
+            # A forced tool call: the scripted answer (JSON) is the tool's input, an object.
+            try:
+                given = json.loads(text)
+            except ValueError:
+                given = {"text": text}
+            content = [
+                {
+                    "type": "tool_use",
+                    "id": f"toolu_{next(self._ids):024d}",
+                    "name": choice["name"],
+                    "input": given if isinstance(given, dict) else {"value": given},
+                }
+            ]
+            stop_reason = "tool_use"
         return {
             "id": f"msg_{next(self._ids):024d}",
             "type": "message",
             "role": "assistant",
             "model": request.body["model"],
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": "end_turn",
+            "content": content,
+            "stop_reason": stop_reason,
             "stop_sequence": None,
             "usage": {
                 "input_tokens": max(1, _tokens(prompt) - written - read),

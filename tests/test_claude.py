@@ -116,6 +116,31 @@ class TestStructuredOutput:
         assert set(schema["schema"]["properties"]) == {"risk", "reason"}
         assert schema["schema"]["additionalProperties"] is False  # the SDK's strict transform
 
+    @pytest.mark.parametrize(
+        ("model", "structured"), [(SONNET, "tool"), ("claude-3-haiku-20240307", "auto")]
+    )
+    async def test_without_structured_outputs_the_answer_is_a_forced_tool_call(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, model: str, structured: Any
+    ) -> None:
+        api.answer('{"risk": "extreme"}', GOOD)
+        agent = research(
+            account, model=model, prompt="Clause: {payload[text]}", output=ClauseRisk,
+            structured=structured,
+        )  # fmt: skip
+        result = await run(api, [agent], [clause()])
+        assert result.status == "success"
+        assert result.data["c0"] == ClauseRisk(risk="high", reason="uncapped liability")
+        first, second = api.requests
+        body = first.body
+        assert "output_config" not in body
+        (tool,) = body["tools"]
+        assert body["tool_choice"] == {"type": "tool", "name": tool["name"]}
+        assert set(tool["input_schema"]["properties"]) == {"risk", "reason"}
+        # The invalid first answer went back, with the errors, as for structured outputs.
+        messages = second.body["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert "JSON schema" in messages[2]["content"]
+
     async def test_an_invalid_answer_is_retried_with_the_errors_in_the_conversation(
         self, api: FakeMessagesAPI, account: ClaudeAccount
     ) -> None:

@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 
@@ -91,6 +92,7 @@ __all__ = (
 Prompt = str | Callable[["Task", "Context"], str]
 """A `str.format` template over ``payload``, ``deps`` and ``task``, or a function of both."""
 
+_TOOL: Final = "answer"  # the one tool a model without structured outputs answers through
 _CHARS_PER_TOKEN: Final = 3.5  # a cheap, slightly generous local estimate of a prompt's tokens
 _MAX_ANSWER: Final = 1_500  # characters of a rejected answer carried into the next conversation
 _REJECTED: Final = "Your previous answer did not match the required JSON schema: "
@@ -222,6 +224,10 @@ class ClaudeAgent:
         count_tokens: before each call, ask the API's `count_tokens` for the prompt's input
             tokens and true the attempt's reservation up to them (waiting for room on the
             input-token budget if they are more than the local estimate) before the call is sent.
+        structured: how `output` is asked for: "json_schema" (the API's structured outputs, the
+            schema `messages.parse(output_format=...)` sends), "tool" (one tool whose input is the
+            schema, forced with `tool_choice`: for models without structured outputs), or "auto"
+            (the default: "tool" for the 3.x models, "json_schema" for the others).
         params: more Messages API parameters for every request (``temperature``, ``metadata``).
     """
 
@@ -229,6 +235,7 @@ class ClaudeAgent:
         "_cost_logged",
         "_reads_count",
         "_schema",
+        "_tool",
         "account",
         "cache_system",
         "concurrency",
@@ -274,6 +281,7 @@ class ClaudeAgent:
         concurrency: int | Concurrency | None = None,
         prices: Mapping[str, Price] | None = None,
         count_tokens: bool = False,
+        structured: Literal["auto", "json_schema", "tool"] = "auto",
         params: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
@@ -330,8 +338,22 @@ class ClaudeAgent:
         # Models before the 4 generation (marked with a dagger on the rate-limits page) count
         # cache reads against the input-token budget too; later ones count only cache writes.
         self._reads_count = model_family(model).endswith("-3")
-        # The schema `messages.parse(output_format=...)` would send, made once.
+        if structured not in ("auto", "json_schema", "tool"):
+            raise ConfigError(
+                f"{where}structured must be 'auto', 'json_schema' or 'tool', got {structured!r}"
+            )
+        if structured == "auto":  # structured outputs came with the 4 generation
+            structured = "tool" if model_family(model).endswith("-3") else "json_schema"
+        # The schema `messages.parse(output_format=...)` would send, made once; or, for a model
+        # without structured outputs, the one tool the answer must call, its input the schema.
         self._schema = None if output is None else transform_schema(output)
+        self._tool: dict[str, Any] | None = None
+        if output is not None and structured == "tool":
+            self._tool = {
+                "name": _TOOL,
+                "description": f"Give the answer as {output.__name__}.",
+                "input_schema": output.model_json_schema(),
+            }
 
     # -- the agent protocol ----------------------------------------------------------------------
 
@@ -418,7 +440,10 @@ class ClaudeAgent:
                 if self.cache_system
                 else self.system
             )
-        if self._schema is not None:
+        if self._tool is not None:
+            params["tools"] = [self._tool]
+            params["tool_choice"] = {"type": "tool", "name": _TOOL}
+        elif self._schema is not None:
             params["output_config"] = {"format": {"type": "json_schema", "schema": self._schema}}
         return params
 
@@ -449,6 +474,9 @@ class ClaudeAgent:
         text = "".join(block.text for block in message.content if block.type == "text")
         if self.output is None:
             return text
+        if self._tool is not None:  # the answer is the forced tool call's input
+            calls = [b for b in message.content if b.type == "tool_use" and b.name == _TOOL]
+            text = json.dumps(calls[0].input) if calls else text
         try:
             return self.output.model_validate_json(text)
         except ValidationError as exc:
