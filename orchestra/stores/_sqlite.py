@@ -9,7 +9,8 @@ seconds (50 ms by default) the dirty records are written as rows in one transact
 tasks, the failed attempts and the journal's events. Writing a task's *state* rather than each
 transition coalesces the several transitions of a task inside one window into one row update.
 
-**Writer.** One connection, owned by one thread fed by a queue (`_Writer`), stdlib
+**Writer.** One connection, owned by one thread fed by a queue (`Writer` in
+`_sqlite_io.py`, with the SQL it runs), stdlib
 `sqlite3` in WAL mode with ``synchronous=NORMAL`` (a commit survives the process being killed; a
 power cut may lose the last commits). The loop thread builds the rows (plain tuples) and hands them
 over; the thread runs ``executemany`` and commits, with the GIL released inside SQLite. aiosqlite
@@ -64,13 +65,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sqlite3
-import threading
 import time
 import weakref
-from concurrent.futures import Future
 from pathlib import Path
-from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
@@ -91,12 +88,13 @@ from .._task import (
     Attempt,
     Task,
 )
+from . import _sqlite_io as io
 from ._memory import MemoryRun, Record
-from ._schema import migrate
 
 if TYPE_CHECKING:
     import os
     from collections.abc import Callable, Iterable, Sequence
+    from concurrent.futures import Future
 
     from .._admission import Admission
     from .._store import Listener, Selector
@@ -107,71 +105,6 @@ _STATES = {
     s: s
     for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
 }
-
-
-class _Writer:
-    """The store's one connection and the one thread that uses it, fed through a queue.
-
-    Written by hand rather than with a `ThreadPoolExecutor`: the store closes its connection from a
-    `weakref.finalize` (a store nobody closed), which may run inside any allocation, even while the
-    executor's own locks are held; `queue.SimpleQueue.put` is safe there (it is made for it), an
-    executor's `submit` is not. A daemon thread: a store left open never keeps the interpreter
-    from exiting (a transaction it was in is rolled back by SQLite; commits stay)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.jobs: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = (
-            SimpleQueue()
-        )
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
-        future: Future[Any] = Future()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._work, name=f"orchestra-sqlite:{self.path.name}", daemon=True
-            )
-            self._thread.start()
-        self.jobs.put((job, args, future))
-        return future
-
-    def _work(self) -> None:
-        conn: sqlite3.Connection | None = None
-        try:
-            while (item := self.jobs.get()) is not None:
-                job, args, future = item
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    if conn is None:
-                        conn = self._connect()
-                    result = job(conn, *args)
-                except sqlite3.Error as exc:
-                    error = StoreError(_explain(exc, self.path))
-                    error.__cause__ = exc
-                    future.set_exception(error)
-                except BaseException as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-        finally:
-            if conn is not None:
-                conn.close()
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            migrate(conn, str(self.path))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-
-def _stop(jobs: SimpleQueue[Any]) -> None:
-    jobs.put(None)  # the thread closes the connection after the jobs already queued
 
 
 class SQLiteStore:
@@ -190,8 +123,8 @@ class SQLiteStore:
             raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
         self.path = Path(path)
         self.window = float(window)
-        self._writer = _Writer(self.path)
-        self._closer = weakref.finalize(self, _stop, self._writer.jobs)
+        self._writer = io.Writer(self.path)
+        self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
         self.unwritten_keys: dict[str, tuple[str, str | None]] = {}
@@ -231,15 +164,15 @@ class SQLiteStore:
 
     def runs(self) -> list[dict[str, Any]]:
         """Every run in the file, oldest first, with its task counts by state."""
-        return self.call(_runs)  # type: ignore[no-any-return]
+        return self.call(io.runs)  # type: ignore[no-any-return]
 
     def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order."""
-        return self.call(_events, run_id, task_id)  # type: ignore[no-any-return]
+        return self.call(io.events, run_id, task_id)  # type: ignore[no-any-return]
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every attempt (`attempts_list`)."""
-        return self.call(_dead, run_id)  # type: ignore[no-any-return]
+        return self.call(io.dead, run_id)  # type: ignore[no-any-return]
 
 
 class SQLiteRun:
@@ -284,7 +217,7 @@ class SQLiteRun:
             self._loop = None
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False
-        rows, attempts, seq = store.call(_open, run_id, self._wall0)
+        rows, attempts, seq = store.call(io.open_run, run_id, self._wall0)
         self._seq = seq
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
@@ -423,7 +356,7 @@ class SQLiteRun:
         found = {r.task.key: unwritten[r.task.key] for r in records if r.task.key in unwritten}
         missing = [r.task.key for r in records if r.task.key not in found]
         if missing:
-            found.update(store.call(_keyed, missing))
+            found.update(store.call(io.keyed, missing))
         for record in records:
             hit = found.get(record.task.key)  # type: ignore[arg-type]
             if hit is None or record.state in TERMINAL:
@@ -757,7 +690,7 @@ class SQLiteRun:
         self._dirty = {}
         self._attempts = []
         self._events = []
-        write = self._store.submit(_write, run_id, new, dirty, attempts, events)
+        write = self._store.submit(io.write, run_id, new, dirty, attempts, events)
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
@@ -786,7 +719,9 @@ class SQLiteRun:
         self._writes = []
         if self._error is None:
             try:
-                self._store.call(_close, self.run_id, time.time(), not self._memory.unfinished)
+                self._store.call(
+                    io.close_run, self.run_id, time.time(), not self._memory.unfinished
+                )
             except StoreError as exc:
                 self._error = exc
         if self._error is not None:
@@ -948,210 +883,3 @@ def _same_json(stored: str, payload: Any) -> bool:
     except PydanticSerializationError:
         return False
     return text == stored or json.loads(text) == json.loads(stored)
-
-
-def _explain(exc: sqlite3.Error, path: Path) -> str:
-    message = str(exc)
-    lowered = message.lower()
-    if "locked" in lowered or "busy" in lowered:
-        hint = "another process holds it locked"
-    elif "readonly" in lowered or "read-only" in lowered:
-        hint = "it is read-only"
-    elif "full" in lowered:
-        hint = "the disk is full"
-    elif "not a database" in lowered or "malformed" in lowered or "corrupt" in lowered:
-        hint = "it is not a SQLite database, or it is corrupt"
-    elif "unable to open" in lowered:
-        hint = "it cannot be opened (does its directory exist?)"
-    else:
-        hint = "SQLite refused it"
-    return f"database {str(path)!r}: {hint} ({type(exc).__name__}: {message})"
-
-
-# -- jobs of the writer thread (each gets the connection first) -----------------------------------
-
-_STATE = (
-    "priority = ?, state = ?, attempts = ?, agent_tries = ?, target = ?, tried = ?, feedback = ?, "
-    "token = ?, due = ?, deadline = ?, started = ?, finished = ?, output = ?, agent = ?, "
-    "error = ?, error_type = ?, defaulted = ?"
-)
-_STATE_LEAN = (
-    "priority = ?, state = ?, attempts = ?, agent_tries = ?, target = ?, tried = NULL, "
-    "feedback = NULL, token = ?, due = NULL, deadline = NULL, started = ?, finished = ?, "
-    "output = ?, agent = ?, error = NULL, error_type = NULL, defaulted = 0"
-)
-_HEAD = "run_id, id, seq, idx, named, kind, payload, admitted"
-_STATIC = "parent, depends_on, depends_on_tags, tags, key, timeout, critical, metadata"
-_STATE_COLUMNS = (
-    "priority, state, attempts, agent_tries, target, tried, feedback, token, due, deadline, "
-    "started, finished, output, agent, error, error_type, defaulted"
-)
-_STATE_COLUMNS_LEAN = (
-    "priority, state, attempts, agent_tries, target, token, started, finished, output, agent"
-)
-_INSERT = (
-    f"INSERT INTO tasks ({_HEAD}, {_STATIC}, {_STATE_COLUMNS}) VALUES ({', '.join('?' * 33)}) "
-    "ON CONFLICT (run_id, id) DO NOTHING"
-)
-_INSERT_LEAN = (
-    f"INSERT INTO tasks ({_HEAD}, {_STATE_COLUMNS_LEAN}) VALUES ({', '.join('?' * 18)}) "
-    "ON CONFLICT (run_id, id) DO NOTHING"
-)
-_UPDATE = f"UPDATE tasks SET {_STATE} WHERE run_id = ? AND id = ?"
-_UPDATE_LEAN = f"UPDATE tasks SET {_STATE_LEAN} WHERE run_id = ? AND id = ?"
-_LOAD = (
-    "SELECT id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key, "
-    "timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried, "
-    "feedback, token, started, finished, output, agent, error, error_type, defaulted "
-    "FROM tasks WHERE run_id = ? ORDER BY seq"
-)
-
-
-def _open(conn: sqlite3.Connection, run_id: str, now: float) -> tuple[list[Any], list[Any], int]:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        known = conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone()
-        if known is None:
-            conn.execute(
-                "INSERT INTO runs (id, created, updated) VALUES (?, ?, ?)", (run_id, now, now)
-            )
-            rows: list[Any] = []
-            attempts: list[Any] = []
-            seq = 0
-        else:
-            conn.execute(
-                "UPDATE runs SET opened = opened + 1, updated = ?, state = 'open' WHERE id = ?",
-                (now, run_id),
-            )
-            rows = conn.execute(_LOAD, (run_id,)).fetchall()
-            attempts = conn.execute(
-                "SELECT task_id, number, agent, error_type, message, started, duration, "
-                "retry_in, traceback, status_code, api_error_type, request_id FROM attempts "
-                "WHERE run_id = ? ORDER BY rowid",
-                (run_id,),
-            ).fetchall()
-            seq = conn.execute(
-                "SELECT coalesce(max(seq), 0) FROM tasks WHERE run_id = ?", (run_id,)
-            ).fetchone()[0]
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return rows, attempts, seq
-
-
-def _write(
-    conn: sqlite3.Connection,
-    run_id: str,
-    new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]],
-    dirty: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]],
-    attempts: list[tuple[Any, ...]],
-    events: list[tuple[Any, ...]],
-) -> None:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        full, lean = new
-        if full:
-            conn.executemany(_INSERT, full)
-        if lean:
-            conn.executemany(_INSERT_LEAN, lean)
-        full, lean = dirty
-        if full:
-            conn.executemany(_UPDATE, full)
-        if lean:
-            conn.executemany(_UPDATE_LEAN, lean)
-        if attempts:
-            conn.executemany(
-                "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", attempts
-            )
-        if events:
-            conn.executemany(
-                "INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                events,
-            )
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
-def _close(conn: sqlite3.Connection, run_id: str, now: float, done: bool) -> None:
-    conn.execute(
-        "UPDATE runs SET updated = ?, state = ? WHERE id = ?",
-        (now, "closed" if done else "open", run_id),
-    )
-
-
-def _keyed(conn: sqlite3.Connection, keys: list[str]) -> dict[str, tuple[str, str | None]]:
-    found: dict[str, tuple[str, str | None]] = {}
-    for key in keys:
-        row = conn.execute(
-            "SELECT output, agent FROM tasks WHERE key = ? AND state = 'succeeded' LIMIT 1",
-            (key,),
-        ).fetchone()
-        if row is not None:
-            found[key] = (row[0] if row[0] is not None else "null", row[1])
-    return found
-
-
-def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-
-def _runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    runs = _rows(conn.execute("SELECT * FROM runs ORDER BY created"))
-    for run in runs:
-        run["counts"] = dict(
-            conn.execute(
-                "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (run["id"],)
-            ).fetchall()
-        )
-    return runs
-
-
-# The journal as its readers see it: the `events` rows, and the events a task's row says (its
-# admission, its last start, its end), which are not written as rows (see `SQLiteRun.flush`). A
-# file written before schema v2 has them as rows: they are not added twice.
-_JOURNAL = """
-    SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM (
-        SELECT NULL AS seq, run_id, id AS task_id, admitted AS at, 'admitted' AS event,
-               NULL AS agent, NULL AS attempt, NULL AS detail, 0 AS rank
-        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task) AND admitted IS NOT NULL
-        UNION ALL
-        SELECT seq, run_id, task_id, at, event, agent, attempt, detail,
-               CASE event WHEN 'ready' THEN 1 WHEN 'started' THEN 2 ELSE 3 END
-        FROM events WHERE run_id = :run AND (:task IS NULL OR task_id = :task)
-        UNION ALL
-        SELECT NULL, run_id, id, started, 'started', agent, attempts, NULL, 2
-        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND started IS NOT NULL AND finished IS NOT NULL AND NOT EXISTS (
-                SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
-                AND e.event = 'started' AND e.attempt = t.attempts)
-        UNION ALL
-        SELECT NULL, run_id, id, finished, state, agent, attempts, error, 4
-        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND finished IS NOT NULL AND NOT EXISTS (
-                SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
-                AND e.event = t.state AND e.attempt = t.attempts)
-    ) ORDER BY at, rank, seq
-"""
-
-
-def _events(conn: sqlite3.Connection, run_id: str, task_id: str | None) -> list[dict[str, Any]]:
-    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id}))
-
-
-def _dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
-    dead = _rows(
-        conn.execute("SELECT * FROM dead_letters WHERE run_id = ? ORDER BY finished", (run_id,))
-    )
-    for letter in dead:
-        letter["attempts_list"] = _rows(
-            conn.execute(
-                "SELECT * FROM attempts WHERE run_id = ? AND task_id = ? ORDER BY rowid",
-                (run_id, letter["task_id"]),
-            )
-        )
-    return dead
