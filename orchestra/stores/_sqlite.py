@@ -167,12 +167,37 @@ class SQLiteStore:
         return self.call(io.runs)  # type: ignore[no-any-return]
 
     def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
-        """The journal of a run (of one task, with `task_id`), in order."""
+        """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
+        an event read from the task's row), `run_id`, `task_id`, `at` (wall time), `event`
+        (``admitted``, ``ready``, ``started``, ``attempt_failed``, ``retried``, or the end:
+        ``succeeded``, ``failed``, ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`.
+
+        Raises:
+            InputError: the file has no such run, or the run no such task.
+        """
         return self.call(io.events, run_id, task_id)  # type: ignore[no-any-return]
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
-        """The tasks of a run that failed for good, each with every attempt (`attempts_list`)."""
+        """The tasks of a run that failed for good, each with every attempt (`attempts_list`, with
+        its traceback); `InputError` if the file has no such run."""
         return self.call(io.dead, run_id)  # type: ignore[no-any-return]
+
+    def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:
+        """Make the failed tasks of a run (or those of `task_ids`) runnable again: the next
+        ``orch.run(..., run_id=run_id)`` on this file runs them, their attempts kept (the count,
+        and every failed one among the dead letters' history), the chain of agents from its
+        start. The run's skipped tasks are reopened too (skipped again if what they wait for still
+        failed). Returns the ids of the failed tasks reopened.
+
+        Raises:
+            InputError: no such run, or a task of `task_ids` that is not a failed task of it.
+        """
+        if isinstance(task_ids, str):
+            raise InputError(
+                "task_ids must be a collection of ids, not one string", field="task_ids"
+            )
+        ids = None if task_ids is None else [str(i) for i in task_ids]
+        return self.call(io.retry, run_id, ids, time.time())  # type: ignore[no-any-return]
 
 
 class SQLiteRun:

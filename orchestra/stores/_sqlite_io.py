@@ -8,13 +8,14 @@ that says what is wrong with the file (`explain`).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import StoreError
+from .._exceptions import InputError, StoreError
 from ._schema import migrate
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = (
     "explain",
     "keyed",
     "open_run",
+    "retry",
     "runs",
     "stop",
     "write",
@@ -290,11 +292,106 @@ _JOURNAL = """
 """
 
 
+def _known(conn: sqlite3.Connection, run_id: str, task_id: str | None = None) -> None:
+    """Refuse a run id (or a task id in it) the file does not know, naming what it knows."""
+    if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+        known = [row[0] for row in conn.execute("SELECT id FROM runs ORDER BY created LIMIT 6")]
+        raise InputError(
+            f"no run {run_id!r} in this file (its runs: "
+            f"{', '.join(map(repr, known[:5])) or 'none'}{', ...' if len(known) > 5 else ''})",
+            field="run_id",
+        )
+    if task_id is not None and (
+        conn.execute(
+            "SELECT 1 FROM tasks WHERE run_id = ? AND id = ?", (run_id, task_id)
+        ).fetchone()
+        is None
+    ):
+        raise InputError(f"run {run_id!r} has no task {task_id!r}", task_id=task_id)
+
+
 def events(conn: sqlite3.Connection, run_id: str, task_id: str | None) -> list[dict[str, Any]]:
+    _known(conn, run_id, task_id)
     return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id}))
 
 
+# What `retry` writes into the journal before it reopens a task: the events its row said (its last
+# start, its end), which the reopened row no longer says.
+_KEEP_STARTED = """
+    INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail)
+    SELECT run_id, id, started, 'started', agent, attempts, NULL FROM tasks t
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids)) AND started IS NOT NULL
+        AND finished IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+            AND e.event = 'started' AND e.attempt = t.attempts)
+"""
+_KEEP_ENDED = """
+    INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail)
+    SELECT run_id, id, finished, state, agent, attempts, error FROM tasks t
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids)) AND finished IS NOT NULL
+        AND NOT EXISTS (
+            SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+            AND e.event = t.state AND e.attempt = t.attempts)
+"""
+_REOPEN = """
+    UPDATE tasks SET state = 'pending', agent_tries = 0, target = NULL, tried = NULL,
+        feedback = NULL, due = NULL, deadline = NULL, started = NULL, finished = NULL,
+        output = NULL, agent = NULL, error = NULL, error_type = NULL, defaulted = 0
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids))
+"""
+
+
+def retry(
+    conn: sqlite3.Connection, run_id: str, task_ids: list[str] | None, now: float
+) -> list[str]:
+    """Reopen the failed tasks of a run (those of `task_ids`), and its skipped ones (a skipped
+    task whose dependency still failed is skipped again when the run resumes). Attempts are kept:
+    the count, and every failed one in `attempts`; the chain of agents starts again."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _known(conn, run_id)
+        states = dict(
+            conn.execute(
+                "SELECT id, state FROM tasks WHERE run_id = ? AND state IN ('failed', 'skipped')",
+                (run_id,),
+            ).fetchall()
+        )
+        if task_ids is None:
+            failed = [i for i, state in states.items() if state == "failed"]
+        else:
+            failed = list(dict.fromkeys(task_ids))
+            for task_id in failed:
+                if states.get(task_id) != "failed":
+                    row = conn.execute(
+                        "SELECT state FROM tasks WHERE run_id = ? AND id = ?", (run_id, task_id)
+                    ).fetchone()
+                    raise InputError(
+                        f"run {run_id!r} has no task {task_id!r}"
+                        if row is None
+                        else f"task {task_id!r} of run {run_id!r} is {row[0]}, not failed: "
+                        "only failed tasks are retried",
+                        task_id=task_id,
+                    )
+        reopened = [*failed, *(i for i, state in states.items() if state == "skipped")]
+        if reopened:
+            ids = {"run": run_id, "ids": json.dumps(reopened)}
+            conn.execute(_KEEP_STARTED, ids)
+            conn.execute(_KEEP_ENDED, ids)
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event) VALUES (?, ?, ?, 'retried')",
+                [(run_id, task_id, now) for task_id in reopened],
+            )
+            conn.execute(_REOPEN, ids)
+            conn.execute("UPDATE runs SET state = 'open', updated = ? WHERE id = ?", (now, run_id))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return failed
+
+
 def dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
+    _known(conn, run_id)
     dead = _rows(
         conn.execute("SELECT * FROM dead_letters WHERE run_id = ? ORDER BY finished", (run_id,))
     )
