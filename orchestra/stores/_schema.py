@@ -138,17 +138,19 @@ _V2 = (
     # Idempotency keys across store objects and processes: a key's row is claimed by the first
     # submitter (its `owner`, one per store object), which writes the result there; the others
     # wait for it. `heartbeat` (wall time) is refreshed by the owner at each commit: a claim whose
-    # owner stopped beating (a killed process) is taken over.
+    # owner stopped beating (a killed process) is taken over, and so is a key whose task failed.
     """CREATE TABLE keys (
         key TEXT PRIMARY KEY,
         owner TEXT NOT NULL,
         run_id TEXT NOT NULL,
         task_id TEXT NOT NULL,
-        state TEXT NOT NULL,                         -- claimed | succeeded
+        state TEXT NOT NULL,                         -- claimed | succeeded | failed
         heartbeat REAL NOT NULL,
         output TEXT,
-        agent TEXT
+        agent TEXT,
+        error TEXT                                   -- why it failed (state 'failed')
     )""",
+    "CREATE INDEX keys_claimed ON keys (owner) WHERE state = 'claimed'",
     # A key that succeeded before v2 is a succeeded key row.
     """INSERT INTO keys (key, owner, run_id, task_id, state, heartbeat, output, agent)
         SELECT key, '', run_id, id, 'succeeded', coalesce(finished, 0), output, agent

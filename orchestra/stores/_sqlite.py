@@ -18,7 +18,7 @@ would be the same design (a thread per connection) with a future per call; the s
 dependency and lets a window's batch be one call.
 
 **Cost.** Measured (`python -m benchmarks.sqlite`, 20,000 no-op tasks, the 2-core machine): 19 µs
-per task against 6.6 µs in memory (2.9x; it was 54 µs). What made it so, each measured: a task's
+per task against 6.6 µs in memory (2.9x to 3.1x over runs; it was 54 µs). What made it so, each measured: a task's
 row is written once it has ended when it ends inside its window (one insert, no update); a row with
 the usual NULLs goes through statements that bind 18 parameters instead of 33 (`_INSERT_LEAN`,
 `_UPDATE_LEAN`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
@@ -44,6 +44,14 @@ so the aggregate and the report are those of an uninterrupted run. Re-admitted i
 id (generated ids are generated again in the same order): the same task takes its place (the
 agent gets the caller's payload object again), a different one is refused with `InputError`.
 
+**Idempotency keys.** A key is a row of the `keys` table, claimed by the first submitter in one
+``BEGIN IMMEDIATE`` transaction (`_sqlite_io.claim_keys`: an insert that does nothing when the key
+is there, then a read of who holds it): the claimer runs the task and writes the result into the
+row with the task's end; a submitter that finds it claimed by a live task waits (the task stays
+claimed by `claim`, never started; `_poll` asks the file every window) and ends with that result.
+A claim is kept live by the owner's commits (a heartbeat each window while it holds one); a failed
+task releases its key to the next submitter, a dead owner's claim is taken over after `key_lease`.
+
 **Several processes (next round).** A worker process will claim with one statement in a
 ``BEGIN IMMEDIATE`` transaction (SQLite's single writer lock makes it atomic)::
 
@@ -66,6 +74,7 @@ import asyncio
 import json
 import math
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,15 +123,27 @@ class SQLiteStore:
         path: the database file (created, with its schema, when missing).
         window: seconds between commits; a killed process loses at most this window's results
             (their tasks run again on resume).
+        key_lease: seconds after which an idempotency key claimed by a store that stopped
+            committing (a killed process) is taken over by another submitter of the key.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, window: float = 0.05) -> None:
-        if isinstance(window, bool) or not isinstance(window, int | float):
-            raise ConfigError(f"window must be a number of seconds, got {window!r}")
-        if not 0 < window < math.inf:
-            raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
+    def __init__(
+        self, path: str | os.PathLike[str], *, window: float = 0.05, key_lease: float = 30.0
+    ) -> None:
+        for name, value in (("window", window), ("key_lease", key_lease)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+            if not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if key_lease <= window:
+            raise ConfigError(
+                f"key_lease ({key_lease}) must be longer than window ({window}): a live claim "
+                "is refreshed once a window"
+            )
         self.path = Path(path)
         self.window = float(window)
+        self.key_lease = float(key_lease)
+        self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
         self._writer = io.Writer(self.path)
         self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
@@ -242,6 +263,13 @@ class SQLiteRun:
             self._loop = None
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False
+        # Idempotency keys: claimed in the file by this run (key -> its task, until the task's
+        # end is committed), held by another task (key -> the task waiting for its result), and
+        # tasks whose wait ended in a claim, for `claim` to hand out.
+        self._claims: dict[str, Record] = {}
+        self._waiting: dict[str, Record] = {}
+        self._runnable: list[Record] = []
+        self._poller: asyncio.Task[None] | None = None
         rows, attempts, seq = store.call(io.open_run, run_id, self._wall0)
         self._seq = seq
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
@@ -374,21 +402,89 @@ class SQLiteRun:
             self._reuse(keyed)
 
     def _reuse(self, records: list[Record]) -> None:
-        """A new task whose key succeeded before in this store (in any run) ends now with the
-        stored result, without executing."""
+        """New tasks with keys: a key that succeeded before in this file (any run, any store
+        object, any process) ends its task now with the stored result, without executing; a key
+        nobody holds is claimed in the file, and its task runs; a key another live task holds
+        makes this one wait for that task's result (`_poll`)."""
         store = self._store
         unwritten = store.unwritten_keys
-        found = {r.task.key: unwritten[r.task.key] for r in records if r.task.key in unwritten}
-        missing = [r.task.key for r in records if r.task.key not in found]
-        if missing:
-            found.update(store.call(io.keyed, missing))
+        rest: list[Record] = []
         for record in records:
-            hit = found.get(record.task.key)  # type: ignore[arg-type]
-            if hit is None or record.state in TERMINAL:
-                continue
-            text, agent = hit
-            self._outputs[record.id] = text
-            self._memory.settle(record, record.token, SUCCEEDED, json.loads(text), agent=agent)
+            hit = unwritten.get(record.task.key)  # type: ignore[arg-type]
+            if hit is not None:
+                self._reused(record, *hit)
+            elif record.state not in TERMINAL:
+                rest.append(record)
+        if rest:
+            wanted = [(r.task.key, r.id) for r in rest]
+            answers = store.call(
+                io.claim_keys, store.owner, self.run_id, wanted, time.time(), store.key_lease
+            )
+            self._answered(rest, answers)
+
+    def _answered(self, records: list[Record], answers: list[tuple[str, Any, Any]]) -> None:
+        for record, (verdict, text, agent) in zip(records, answers, strict=True):
+            key: str = record.task.key  # type: ignore[assignment]
+            if verdict == "done":
+                self._reused(record, text, agent)
+            elif verdict == "mine" or self._loop is None:  # driven directly: nothing can wait
+                self._claims[key] = record
+                if record.state is CLAIMED:  # held by `claim` while it waited: run it now
+                    self._runnable.append(record)
+                    self._listener.ready(record)
+            else:
+                self._waiting[key] = record
+        if self._claims:
+            self._arm()  # a claim is kept live by a commit each window
+        if self._waiting and self._poller is None and self._loop is not None:
+            self._poller = self._loop.create_task(self._poll())
+
+    def _reused(self, record: Record, text: str, agent: str | None) -> None:
+        if record.state in TERMINAL:
+            return
+        self._outputs[record.id] = text
+        self._memory.settle(record, record.token, SUCCEEDED, json.loads(text), agent=agent)
+
+    async def _poll(self) -> None:
+        """Wait for the keys other tasks hold: every window, a task whose key's result is stored
+        ends with it; one whose key was released (its task failed) or abandoned (its owner
+        stopped committing for `key_lease`) claims it and runs."""
+        store = self._store
+        waiting = self._waiting
+        try:
+            while waiting and not self._closed:
+                await asyncio.sleep(store.window)
+                unwritten = store.unwritten_keys
+                for key in [k for k in waiting if k in unwritten]:  # this store's own runs
+                    self._reused(waiting.pop(key), *unwritten[key])
+                records = [r for r in waiting.values() if r.state not in TERMINAL]
+                waiting.clear()
+                if not records:
+                    continue
+                wanted = [(r.task.key, r.id) for r in records]
+                answers = await asyncio.wrap_future(
+                    store.submit(
+                        io.claim_keys,
+                        store.owner,
+                        self.run_id,
+                        wanted,
+                        time.time(),
+                        store.key_lease,
+                    )
+                )
+                self._answered(records, answers)
+        except Exception as exc:  # the file failed: the waiting tasks fail, the run goes on
+            for record in list(waiting.values()):
+                self._memory.settle(
+                    record,
+                    record.token,
+                    FAILED,
+                    error=f"waiting for the result of key {record.task.key!r}: {exc}",
+                    error_type=type(exc).__name__,
+                )
+            waiting.clear()
+        finally:
+            self._poller = None
 
     # -- resume ----------------------------------------------------------------------------------
 
@@ -525,7 +621,15 @@ class SQLiteRun:
 
     def claim(self) -> Record | None:
         # Not written down: in one process a claimed task is a ready one once the process is gone.
-        return self._memory.claim()
+        if self._runnable:
+            return self._runnable.pop()
+        record = self._memory.claim()
+        if self._waiting:
+            # A task waiting for its key's result stays claimed, held here, never started:
+            # `_poll` ends it with the result, or hands it back through `_runnable`.
+            while record is not None and self._waiting.get(record.task.key) is record:  # type: ignore[arg-type]
+                record = self._memory.claim()
+        return record
 
     def heartbeat(self, record: Record, token: int) -> bool:
         return self._memory.heartbeat(record, token)
@@ -681,7 +785,7 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not (self._new or self._dirty or self._events or self._attempts):
+        if not (self._new or self._dirty or self._events or self._attempts or self._claims):
             return None
         # Rows with the usual NULLs go through a statement that binds fewer parameters (`_LEAN`):
         # binding dominates an insert's cost (measured: 18 parameters 3.6 µs, 33 parameters 9.6).
@@ -711,15 +815,44 @@ class SQLiteRun:
             or ended.attempts != number
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
+        claimed = self._key_rows(keys)
         self._new = []
         self._dirty = {}
         self._attempts = []
         self._events = []
-        write = self._store.submit(io.write, run_id, new, dirty, attempts, events)
+        write = self._store.submit(io.write, run_id, new, dirty, attempts, events, claimed)
+        if self._claims:
+            self._arm()  # the next heartbeat
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
         return write
+
+    def _key_rows(
+        self, keys: list[str]
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None]:
+        """What this window writes of the keys this run claimed: the results of the ones whose
+        task ended (a success for the waiters, a failure for the next submitter to take over),
+        and a heartbeat for the ones still running."""
+        claims = self._claims
+        if not claims:
+            return [], [], None
+        owner = self._store.owner
+        now = time.time()
+        succeeded: list[tuple[Any, ...]] = []
+        failed: list[tuple[Any, ...]] = []
+        unwritten = self._store.unwritten_keys
+        for key in keys:
+            record = claims.get(key)
+            if record is None or record.state not in TERMINAL:
+                continue
+            del claims[key]
+            hit = unwritten.get(key) if record.state is SUCCEEDED else None
+            if hit is not None:
+                succeeded.append((hit[0], hit[1], key, owner))
+            else:
+                failed.append((f"{record.state}: {record.error}", now, key, owner))
+        return succeeded, failed, (now, owner) if claims else None
 
     def _written(self, write: Future[Any], keys: list[str]) -> None:
         error = write.exception()
@@ -734,6 +867,8 @@ class SQLiteRun:
         """Write down everything and wait until it is durable; raises `StoreError` if it is not."""
         if self._timer is not None:
             self._timer.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
         self.flush()
         self._closed = True
         for write in self._writes:

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 __all__ = (
     "LOAD",
     "Writer",
+    "claim_keys",
     "close_run",
     "dead",
     "events",
     "explain",
-    "keyed",
     "open_run",
     "retry",
     "runs",
@@ -200,9 +200,31 @@ def write(
     dirty: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]],
     attempts: list[tuple[Any, ...]],
     events: list[tuple[Any, ...]],
+    keys: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None] = (
+        [],
+        [],
+        None,
+    ),
 ) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
+        succeeded, failed, beat = keys
+        if succeeded:  # (output, agent, key, owner): the result waiters take
+            conn.executemany(
+                "UPDATE keys SET state = 'succeeded', output = ?, agent = ? "
+                "WHERE key = ? AND owner = ?",
+                succeeded,
+            )
+        if failed:  # (error, now, key, owner): the next submitter of the key takes it over
+            conn.executemany(
+                "UPDATE keys SET state = 'failed', error = ?, heartbeat = ? "
+                "WHERE key = ? AND owner = ? AND state = 'claimed'",
+                failed,
+            )
+        if beat is not None:  # (now, owner): this store's claims are live
+            conn.execute(
+                "UPDATE keys SET heartbeat = ? WHERE owner = ? AND state = 'claimed'", beat
+            )
         full, lean = new
         if full:
             conn.executemany(_INSERT, full)
@@ -229,23 +251,65 @@ def write(
         raise
 
 
+def claim_keys(
+    conn: sqlite3.Connection,
+    owner: str,
+    run_id: str,
+    wanted: list[tuple[str, str]],
+    now: float,
+    lease: float,
+) -> list[tuple[str, str | None, str | None]]:
+    """Claim each key of `wanted` ((key, task id) pairs) for `owner`, in one transaction: SQLite's
+    single writer lock (``BEGIN IMMEDIATE``) and the key's primary key make a claim atomic across
+    store objects and processes. Each answer is ``("mine", None, None)`` (execute it),
+    ``("done", output JSON, agent)`` (it succeeded: its stored result) or ``("wait", run id, task
+    id)`` (another task holds it and is live). A key is taken over when its claim is this very
+    task's (a resumed run), when its task failed, or when its owner stopped beating for `lease`
+    seconds (a killed process)."""
+    answers: list[tuple[str, str | None, str | None]] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for key, task_id in wanted:
+            claimed = conn.execute(
+                "INSERT INTO keys (key, owner, run_id, task_id, state, heartbeat) "
+                "VALUES (?, ?, ?, ?, 'claimed', ?) ON CONFLICT (key) DO NOTHING",
+                (key, owner, run_id, task_id, now),
+            )
+            if claimed.rowcount == 1:
+                answers.append(("mine", None, None))
+                continue
+            row = conn.execute(
+                "SELECT run_id, task_id, state, heartbeat, output, agent FROM keys WHERE key = ?",
+                (key,),
+            ).fetchone()
+            held_run, held_task, state, heartbeat, output, agent = row
+            if state == "succeeded":
+                answers.append(("done", "null" if output is None else output, agent))
+            elif (
+                state == "failed"
+                or (held_run, held_task) == (run_id, task_id)
+                or now - heartbeat > lease
+            ):
+                conn.execute(
+                    "UPDATE keys SET owner = ?, run_id = ?, task_id = ?, state = 'claimed', "
+                    "heartbeat = ?, error = NULL WHERE key = ?",
+                    (owner, run_id, task_id, now, key),
+                )
+                answers.append(("mine", None, None))
+            else:
+                answers.append(("wait", held_run, held_task))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return answers
+
+
 def close_run(conn: sqlite3.Connection, run_id: str, now: float, done: bool) -> None:
     conn.execute(
         "UPDATE runs SET updated = ?, state = ? WHERE id = ?",
         (now, "closed" if done else "open", run_id),
     )
-
-
-def keyed(conn: sqlite3.Connection, keys: list[str]) -> dict[str, tuple[str, str | None]]:
-    found: dict[str, tuple[str, str | None]] = {}
-    for key in keys:
-        row = conn.execute(
-            "SELECT output, agent FROM tasks WHERE key = ? AND state = 'succeeded' LIMIT 1",
-            (key,),
-        ).fetchone()
-        if row is not None:
-            found[key] = (row[0] if row[0] is not None else "null", row[1])
-    return found
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
