@@ -17,11 +17,12 @@ over; the thread runs ``executemany`` and commits, with the GIL released inside 
 would be the same design (a thread per connection) with a future per call; the stdlib needs no
 dependency and lets a window's batch be one call.
 
-**Cost.** Measured (`python -m benchmarks.sqlite`, 20,000 no-op tasks, the 2-core machine): 19 µs
-per task against 6.6 µs in memory (2.9x to 3.1x over runs; it was 54 µs). What made it so, each measured: a task's
-row is written once it has ended when it ends inside its window (one insert, no update); a row with
-the usual NULLs goes through statements that bind 18 parameters instead of 33 (`_INSERT_LEAN`,
-`_UPDATE_LEAN`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
+**Cost.** Measured (`python -m benchmarks.sqlite`, 20,000 no-op tasks, the 2-core machine): 19 to
+20 µs per task against 6.6 µs in memory (2.9x to 3.1x over runs; it was 54 µs). What made it so,
+each measured: a task's row is written once it has ended when it ends inside its window (one
+insert, no update); a row with the usual NULLs goes through statements that bind 18 parameters
+instead of 33 (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_io.py`, the rows built in
+`_sqlite_rows.py`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
 tasks only (a row written ended enters no index but the key); and the journal holds only what a
 task's row cannot say: its admission (`admitted`), its last start and its end are read from the row
 by the journal's readers (`_JOURNAL`), so a task that succeeds at once is no journal row at all
@@ -84,14 +85,8 @@ from pydantic_core import PydanticSerializationError, to_json
 from .._exceptions import ConfigError, InputError, StoreError
 from .._store import KEEP
 from .._task import (
-    CANCELLED,
     CLAIMED,
     FAILED,
-    PENDING,
-    READY,
-    RETRY_WAIT,
-    RUNNING,
-    SKIPPED,
     SUCCEEDED,
     TERMINAL,
     Attempt,
@@ -99,6 +94,7 @@ from .._task import (
 )
 from . import _sqlite_io as io
 from ._memory import MemoryRun, Record
+from ._sqlite_rows import Rows
 
 if TYPE_CHECKING:
     import os
@@ -109,11 +105,6 @@ if TYPE_CHECKING:
     from .._store import Listener, Selector
 
 __all__ = ("SQLiteRun", "SQLiteStore")
-
-_STATES = {
-    s: s
-    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
-}
 
 
 class SQLiteStore:
@@ -253,7 +244,6 @@ class SQLiteRun:
         self._outputs: dict[str, str] = {}  # id -> its output's JSON (encoded when it settled)
         self._attempts: list[tuple[Any, ...]] = []
         self._events: list[tuple[Any, ...]] = []  # (task id, loop time, event, agent, n, detail)
-        self._seq = 0
         self._writes: list[Future[Any]] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -271,7 +261,7 @@ class SQLiteRun:
         self._runnable: list[Record] = []
         self._poller: asyncio.Task[None] | None = None
         rows, attempts, seq = store.call(io.open_run, run_id, self._wall0)
-        self._seq = seq
+        self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
 
@@ -497,76 +487,19 @@ class SQLiteRun:
             return
         rows, attempt_rows = self._loaded
         self._loaded = None
-        failures: dict[str, list[Attempt]] = {}
-        for a in attempt_rows:
-            failures.setdefault(a[0], []).append(
-                Attempt(
-                    number=a[1],
-                    agent=a[2],
-                    error_type=a[3],
-                    message=a[4],
-                    started=(a[5] or self._wall0) - self._wall0,
-                    duration=a[6] or 0.0,
-                    retry_in=a[7],
-                    traceback=a[8],
-                    status_code=a[9],
-                    api_error_type=a[10],
-                    request_id=a[11],
-                )
-            )
+        failures = self._rows.failures(attempt_rows)
         stored: dict[str, tuple[Record, str]] = {}
-        records = [self._record(row, stored, failures) for row in rows]
+        records = [self._rows.record(row, stored, failures) for row in rows]
         self._stored = stored
+        admission = self._admission
+        for record in records:
+            if record.state not in TERMINAL and record.kind in admission.kinds:
+                admission.check(record.task, "stored task", None, lambda _: False)  # its model
         self._memory.restore(records)
         ended = [r for r in records if r.state in TERMINAL]
         self.resumed = len(ended)
         for record in ended:
             self._listener.finished(record)
-
-    def _record(
-        self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]
-    ) -> Record:
-        (task_id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
-         timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried,
-         feedback, token, started, finished, output, agent, error, error_type, defaulted) = row  # fmt: skip
-        task = Task(
-            kind,
-            json.loads(payload),
-            id=task_id,
-            priority=priority,
-            depends_on=_list(depends_on),
-            depends_on_tags=_list(depends_on_tags),
-            tags=_list(tags),
-            key=key,
-            timeout=timeout,
-            critical=bool(critical),
-            metadata=None if metadata is None else json.loads(metadata),
-        )
-        record = Record(task, idx, None if parent is None else stored[parent][0], bool(named))
-        record.state = state = _STATES[state]  # the interned constant: states compare by `is`
-        record.attempts = attempts
-        record.agent_tries = agent_tries
-        record.target = target
-        record.tried = None if tried is None else json.loads(tried)
-        record.feedback = None if feedback is None else json.loads(feedback)
-        record.token = token
-        record.failures = failures.get(task_id)
-        if started is not None:
-            record.t_start = started - self._offset
-        if output is not None:
-            record.output = json.loads(output)
-        if state in TERMINAL:
-            record.status = state  # type: ignore[assignment]
-            record.agent = agent
-            record.started = None if started is None else started - self._wall0
-            record.finished = finished - self._wall0
-            record.error = error
-            record.error_type = error_type
-            record.defaulted = bool(defaulted)
-        elif kind in self._admission.kinds:
-            self._admission.check(task, "stored task", None, lambda _: False)  # its payload model
-        stored[task_id] = (record, payload)
-        return record
 
     def _match(self, tasks: Sequence[Any], first: int) -> None:
         """Input admitted again on resume: the stored task with its id (generated ids are
@@ -791,16 +724,16 @@ class SQLiteRun:
         # binding dominates an insert's cost (measured: 18 parameters 3.6 µs, 33 parameters 9.6).
         new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
         for record, payload, admitted in self._new:
-            lean, row = self._new_row(record, payload, admitted)
+            lean, row = self._rows.new_row(record, payload, admitted)
             new[lean].append(row)
         dirty: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
         if self._dirty:
             fresh = {record.id for record, _, _ in self._new}  # their rows hold their state
             for task_id, record in self._dirty.items():
                 if task_id not in fresh:
-                    lean, row = self._state_row(record)
+                    lean, row = self._rows.state_row(record)
                     dirty[lean].append(row)
-        attempts = [self._attempt_row(task_id, a) for task_id, a in self._attempts]
+        attempts = [self._rows.attempt_row(task_id, a) for task_id, a in self._attempts]
         offset = self._offset
         run_id = self.run_id
         # A task's last start is not a journal row once the task has ended: its row says it
@@ -890,151 +823,8 @@ class SQLiteRun:
                 raise error
             raise StoreError(f"{self._store!r} could not write run {self.run_id!r}: {error}")
 
-    def _new_row(
-        self, record: Record, payload: str, admitted: float
-    ) -> tuple[bool, tuple[Any, ...]]:
-        """The row inserting a new task, and whether it is one for `_INSERT_LEAN`."""
-        task = record.task
-        self._seq += 1
-        parent = record.parent
-        lean, state = self._state_row(record)
-        head = (
-            self.run_id,
-            record.id,
-            self._seq,
-            record.index,
-            int(record.named),
-            task.kind,
-            payload,
-            admitted + self._offset,
-        )
-        state = state[:-2]  # without the WHERE of an update
-        if (
-            lean
-            and parent is None
-            and not task.depends_on
-            and not task.depends_on_tags
-            and not task.tags
-            and task.key is None
-            and task.timeout is None
-            and not task.critical
-            and task.metadata is None
-        ):
-            return True, head + state
-        if lean:  # the full row's state: the lean one with its NULLs put back
-            p, st, at, tries, target, token, started, finished, output, agent = state
-            state = (p, st, at, tries, target, None, None, token, None, None, started, finished,
-                     output, agent, None, None, 0)  # fmt: skip
-        return False, (
-            *head,
-            None if parent is None else parent.id,
-            _json_list(task.depends_on),
-            _json_list(task.depends_on_tags),
-            _json_list(task.tags),
-            task.key,
-            task.timeout,
-            int(bool(task.critical)),
-            None if task.metadata is None else to_json(task.metadata, fallback=repr).decode(),
-            *state,
-        )
-
-    def _state_row(self, record: Record) -> tuple[bool, tuple[Any, ...]]:
-        """The row updating a task's state, and whether it is one for `_UPDATE_LEAN` (no retry,
-        deadline, feedback or error to write)."""
-        offset = self._offset
-        state = record.state
-        t_start = record.t_start
-        if state in TERMINAL:
-            finished = self._wall0 + record.finished
-            output = self._outputs.pop(record.id, None)
-            agent, error, error_type, defaulted = (
-                record.agent,
-                record.error,
-                record.error_type,
-                int(record.defaulted),
-            )
-        else:
-            finished = None
-            agent = error = error_type = output = None
-            defaulted = 0
-        if output is None and record.output is not None:  # a partial output kept on failure
-            output = to_json(record.output, fallback=repr).decode()
-        due = record.due
-        deadline = record.deadline
-        tried = record.tried
-        feedback = record.feedback
-        if (
-            due is None
-            and deadline is None
-            and tried is None
-            and feedback is None
-            and error is None
-            and error_type is None
-            and not defaulted
-        ):
-            return True, (
-                record.priority,
-                state,
-                record.attempts,
-                record.agent_tries,
-                record.target,
-                record.token,
-                None if t_start is None else t_start + offset,
-                finished,
-                output,
-                agent,
-                self.run_id,
-                record.id,
-            )
-        return False, (
-            record.priority,
-            state,
-            record.attempts,
-            record.agent_tries,
-            record.target,
-            None if tried is None else json.dumps(tried),
-            None if feedback is None else json.dumps(feedback),
-            record.token,
-            None if due is None else due + offset,
-            None if deadline is None else deadline + offset,
-            None if t_start is None else t_start + offset,
-            finished,
-            output,
-            agent,
-            error,
-            error_type,
-            defaulted,
-            self.run_id,
-            record.id,
-        )
-
-    def _attempt_row(self, task_id: str, a: Attempt) -> tuple[Any, ...]:
-        return (
-            self.run_id,
-            task_id,
-            a.number,
-            a.agent,
-            a.error_type,
-            a.message,
-            self._wall0 + a.started,
-            a.duration,
-            a.retry_in,
-            a.traceback,
-            a.status_code,
-            a.api_error_type,
-            a.request_id,
-        )
-
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _list(text: str | None) -> list[str]:
-    return [] if text is None else json.loads(text)
-
-
-def _json_list(value: Any) -> str | None:
-    return json.dumps(list(value)) if value else None
 
 
 def _same_json(stored: str, payload: Any) -> bool:
