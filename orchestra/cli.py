@@ -1,4 +1,5 @@
-"""The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `bench`, `--version`.
+"""The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `bench`, `runs`,
+`--version`.
 
 Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that does not load, an input
 line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
@@ -27,6 +28,7 @@ from . import __version__
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_jsonl, summary
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError
+from ._runs_cli import runs_app
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -301,6 +303,9 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
             f"  # or: pip install -e '.[bench,cli]'   (an installed copy: pip install '{DISTRIBUTION}[bench]')",
         ]
     return "\n".join(lines)
+
+
+app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (orchestra/_runs_cli.py)
 
 
 def main() -> None:

@@ -242,9 +242,29 @@ class TestJournal:
     ) -> None:
         await orch.run([Task("work", 1, id="a")], run_id="j")
         events = store.events("j", "a")
-        assert [e["event"] for e in events] == ["ready", "started", "succeeded"]
+        assert [e["event"] for e in events] == ["admitted", "started", "succeeded"]
         assert events[1]["agent"] == "work"
         assert events[0]["at"] <= events[1]["at"] <= events[2]["at"]
+
+    async def test_a_task_that_waited_and_failed_is_traced_in_order(
+        self, orch: Orchestrator, store: SQLiteStore
+    ) -> None:
+        await orch.run(
+            [Task("work", 1, id="ok"), Task("work", "bad", id="d", depends_on=["ok"])], run_id="w"
+        )
+        events = store.events("w", "d")
+        assert [e["event"] for e in events] == [
+            "admitted",
+            "ready",
+            "started",
+            "attempt_failed",
+            "failed",
+        ]
+        assert "refused" in events[-1]["detail"]
+        assert [e["at"] for e in events] == sorted(e["at"] for e in events)
+        whole = store.events("w")
+        assert [e["event"] for e in whole if e["task_id"] == "d"] == [e["event"] for e in events]
+        assert {e["task_id"] for e in whole} == {"ok", "d"}
 
     async def test_a_failed_task_is_a_dead_letter_with_its_attempts(
         self, orch: Orchestrator, store: SQLiteStore
@@ -266,6 +286,34 @@ class TestSchema:
         with sqlite3.connect(tmp_path / "new.db") as conn:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+    def test_a_version_1_file_is_migrated_with_its_journal_and_keys(self, tmp_path: Path) -> None:
+        path = tmp_path / "v1.db"
+        with sqlite3.connect(path) as conn:
+            for statement in MIGRATIONS[0]:
+                conn.execute(statement)
+            conn.execute("PRAGMA user_version = 1")
+            conn.execute("INSERT INTO runs (id, created, updated) VALUES ('old', 1, 1)")
+            conn.execute(
+                "INSERT INTO tasks (run_id, id, seq, idx, named, kind, payload, key, priority, "
+                "state, attempts, started, finished, output, agent) "
+                "VALUES ('old', 'a', 1, 0, 1, 'work', '1', 'k', 0, 'succeeded', 1, 2, 3, "
+                "'{\"double\": 2}', 'work')"
+            )
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event, agent, attempt) "
+                "VALUES ('old', 'a', ?, ?, ?, ?)",
+                [(1, "ready", None, None), (2, "started", "work", 1), (3, "succeeded", "work", 1)],
+            )
+        conn.close()
+        store = SQLiteStore(path)
+        assert [e["event"] for e in store.events("old", "a")] == ["ready", "started", "succeeded"]
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("SELECT task_id, state FROM keys").fetchall() == [
+                ("a", "succeeded")
+            ]
+        conn.close()
+        store.close()
 
     @pytest.mark.parametrize(
         ("prepare", "says"),

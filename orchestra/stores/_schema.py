@@ -110,7 +110,55 @@ _V1 = (
         FROM tasks WHERE state = 'failed'""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+_V2 = (
+    # Written for speed (issue 16, round two; `python -m benchmarks.sqlite`): the index a worker
+    # will claim from holds the ready tasks only (in one process a row is mostly written once the
+    # task has ended, and then enters no index at all), ...
+    "DROP INDEX tasks_ready",
+    "CREATE INDEX tasks_ready ON tasks (run_id, kind, priority, seq) WHERE state = 'ready'",
+    # ... a task's admission is its row (`admitted`, wall time), not a journal row: the journal's
+    # readers add an `admitted` event from it (see `SQLiteStore.events`), ...
+    "ALTER TABLE tasks ADD COLUMN admitted REAL",
+    # ... and the journal is numbered by its rowid (append-only: never reused), not AUTOINCREMENT
+    # (which writes `sqlite_sequence` on every insert).
+    """CREATE TABLE events_v2 (
+        seq INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        task_id TEXT,
+        at REAL NOT NULL,
+        event TEXT NOT NULL,
+        agent TEXT,
+        attempt INTEGER,
+        detail TEXT
+    )""",
+    "INSERT INTO events_v2 SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM events",
+    "DROP TABLE events",
+    "ALTER TABLE events_v2 RENAME TO events",
+    "CREATE INDEX events_by_task ON events (run_id, task_id)",
+    # Idempotency keys across store objects and processes: a key's row is claimed by the first
+    # submitter (its `owner`, one per store object), which writes the result there; the others
+    # wait for it. `heartbeat` (wall time) is refreshed by the owner at each commit: a claim whose
+    # owner stopped beating (a killed process) is taken over, and so is a key whose task failed.
+    """CREATE TABLE keys (
+        key TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        run_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        state TEXT NOT NULL,                         -- claimed | succeeded | failed
+        heartbeat REAL NOT NULL,
+        output TEXT,
+        agent TEXT,
+        error TEXT                                   -- why it failed (state 'failed')
+    )""",
+    "CREATE INDEX keys_claimed ON keys (owner) WHERE state = 'claimed'",
+    # A key that succeeded before v2 is a succeeded key row.
+    """INSERT INTO keys (key, owner, run_id, task_id, state, heartbeat, output, agent)
+        SELECT key, '', run_id, id, 'succeeded', coalesce(finished, 0), output, agent
+        FROM tasks WHERE key IS NOT NULL AND state = 'succeeded'
+        ON CONFLICT (key) DO NOTHING""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

@@ -1,0 +1,195 @@
+"""`orchestra runs`: the durable runs of a SQLite file (`SQLiteStore`), read and retried.
+
+``list``, ``show RUN_ID [--events] [--task ID] [--jsonl]``, ``dead RUN_ID [--jsonl]``, ``retry RUN_ID
+[--task ID ...]``, each with ``--db FILE``. Each command is a thin shell over the store's Python API
+(`SQLiteStore.runs`, `.events`, `.dead_letters`, `.retry`): tables on stdout through rich, JSON lines
+with ``--jsonl`` (one object a line, for `jq` and friends). Exit codes as the rest of the CLI: 0, and
+2 for a usage error (a missing file, an unknown run or task id, a file that is not a SQLite store).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Final
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ._exceptions import InputError, StoreError
+from .stores import SQLiteStore
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ("runs_app",)
+
+USAGE: Final = 2
+
+runs_app = typer.Typer(
+    name="runs",
+    help="Inspect and retry the durable runs of a SQLite file (SQLiteStore).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+Db = Annotated[
+    Path, typer.Option("--db", help="The SQLite file the runs are kept in (SQLiteStore).")
+]
+RunId = Annotated[str, typer.Argument(help="The run id (`orch.run(..., run_id=...)`).")]
+Jsonl = Annotated[
+    bool, typer.Option("--jsonl", help="JSON lines on stdout, one object a line, not a table.")
+]
+
+
+def _stdout() -> Console:
+    # Piped (not a terminal), a table is not cut to rich's default of 80 columns: lines stay whole
+    # for grep.
+    width = None if sys.stdout.isatty() else 200
+    return Console(highlight=False, soft_wrap=True, width=width)
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[bold red]orchestra:[/] {message}", markup=True
+    )
+    return typer.Exit(USAGE)
+
+
+def _read(db: Path, read: Callable[[SQLiteStore], Any]) -> Any:
+    """`read(store)` on the file, its refusals (no such file, run or task; not a store) as usage
+    errors: a message on stderr and exit code 2, never a traceback."""
+    if not db.is_file():
+        raise _fail(f"{str(db)!r}: no such file (give the SQLite file of a SQLiteStore with --db)")
+    store = SQLiteStore(db)
+    try:
+        return read(store)
+    except (InputError, StoreError) as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        store.close()
+
+
+def _when(at: float | None) -> str:
+    return (
+        "" if at is None else datetime.fromtimestamp(at).isoformat(sep=" ", timespec="milliseconds")
+    )
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> None:
+    out = sys.stdout
+    for row in rows:
+        out.write(json.dumps(row, default=str) + "\n")
+    out.flush()
+
+
+@runs_app.command("list")
+def list_runs(db: Db, jsonl: Jsonl = False) -> None:
+    """Every run in the file, oldest first, with its tasks counted by state."""
+    runs: list[dict[str, Any]] = _read(db, SQLiteStore.runs)
+    if jsonl:
+        _jsonl(runs)
+        return
+    table = Table("run id", "state", "created", "updated", "opened", "tasks")
+    for run in runs:
+        counts = run["counts"]
+        table.add_row(
+            run["id"],
+            run["state"],
+            _when(run["created"]),
+            _when(run["updated"]),
+            str(run["opened"]),
+            ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none",
+        )
+    _stdout().print(table)
+
+
+@runs_app.command()
+def show(
+    run_id: RunId,
+    db: Db,
+    events: Annotated[bool, typer.Option("--events", help="The run's journal, in order.")] = False,
+    task: Annotated[
+        str | None, typer.Option("--task", help="One task's journal, from admitted to its end.")
+    ] = None,
+    jsonl: Jsonl = False,
+) -> None:
+    """A run: its tasks counted by state; with --events its journal, with --task one task's."""
+    if events or task is not None or jsonl:
+        journal: list[dict[str, Any]] = _read(db, lambda store: store.events(run_id, task))
+        if jsonl:
+            _jsonl(journal)
+            return
+        table = Table("at", "task", "event", "agent", "attempt", "detail")
+        for event in journal:
+            table.add_row(
+                _when(event["at"]),
+                event["task_id"] or "",
+                event["event"],
+                event["agent"] or "",
+                "" if event["attempt"] is None else str(event["attempt"]),
+                event["detail"] or "",
+            )
+        _stdout().print(table)
+        return
+    runs: list[dict[str, Any]] = _read(db, SQLiteStore.runs)
+    run = next((r for r in runs if r["id"] == run_id), None)
+    if run is None:
+        _read(db, lambda store: store.events(run_id))  # the store's refusal, naming the runs
+        return
+    console = _stdout()
+    console.print(f"run {run['id']}: {run['state']}, opened {run['opened']} time(s)")
+    console.print(f"created {_when(run['created'])}, updated {_when(run['updated'])}")
+    table = Table("state", "tasks")
+    for state, n in sorted(run["counts"].items()):
+        table.add_row(state, str(n))
+    console.print(table)
+
+
+@runs_app.command()
+def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
+    """The dead letters of a run: the tasks that failed for good, each with every attempt."""
+    letters: list[dict[str, Any]] = _read(db, lambda store: store.dead_letters(run_id))
+    if jsonl:
+        _jsonl(letters)
+        return
+    console = _stdout()
+    if not letters:
+        console.print(f"run {run_id}: no dead letters")
+    for letter in letters:
+        console.print(
+            f"[bold]{letter['task_id']}[/] ({letter['kind']}): {letter['error_type']}: "
+            f"{letter['error']} after {letter['attempts']} attempt(s)",
+            markup=True,
+        )
+        for attempt in letter["attempts_list"]:
+            console.print(
+                f"  attempt {attempt['number']} on {attempt['agent']} at "
+                f"{_when(attempt['started'])}: {attempt['error_type']}: {attempt['message']}"
+            )
+            if attempt["traceback"]:
+                console.print("    " + attempt["traceback"].rstrip().replace("\n", "\n    "))
+
+
+@runs_app.command()
+def retry(
+    run_id: RunId,
+    db: Db,
+    task: Annotated[
+        list[str] | None,
+        typer.Option("--task", help="A failed task to retry (repeat it); all of them without."),
+    ] = None,
+) -> None:
+    """Make failed tasks runnable again: the next run of this run id on this file runs them."""
+    reopened: list[str] = _read(db, lambda store: store.retry(run_id, task or None))
+    console = _stdout()
+    if not reopened:
+        console.print(f"run {run_id}: no failed task to retry")
+        return
+    console.print(
+        f"run {run_id}: {len(reopened)} failed task(s) runnable again ({', '.join(reopened)}); "
+        f"run it again (orch.run(..., run_id={run_id!r}) on this file) to run them"
+    )

@@ -1,0 +1,469 @@
+"""The SQLite store's I/O: its one connection, the one thread that uses it, and the SQL it runs.
+
+Everything here runs in the writer thread and sees only plain values (tuples of rows, ids, times):
+`SQLiteRun` (orchestra/stores/_sqlite.py) builds the rows on the loop and hands them over. Each job
+is a function of the connection first; a `sqlite3` error in it reaches its caller as a `StoreError`
+that says what is wrong with the file (`explain`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from concurrent.futures import Future
+from queue import SimpleQueue
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import InputError, StoreError
+from ._schema import migrate
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+__all__ = (
+    "LOAD",
+    "Writer",
+    "claim_keys",
+    "close_run",
+    "dead",
+    "events",
+    "explain",
+    "open_run",
+    "retry",
+    "runs",
+    "stop",
+    "write",
+)
+
+
+class Writer:
+    """The store's one connection and the one thread that uses it, fed through a queue.
+
+    Written by hand rather than with a `ThreadPoolExecutor`: the store closes its connection from a
+    `weakref.finalize` (a store nobody closed), which may run inside any allocation, even while the
+    executor's own locks are held; `queue.SimpleQueue.put` is safe there (it is made for it), an
+    executor's `submit` is not. A daemon thread: a store left open never keeps the interpreter
+    from exiting (a transaction it was in is rolled back by SQLite; commits stay)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.jobs: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = (
+            SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
+        future: Future[Any] = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name=f"orchestra-sqlite:{self.path.name}", daemon=True
+            )
+            self._thread.start()
+        self.jobs.put((job, args, future))
+        return future
+
+    def _work(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            while (item := self.jobs.get()) is not None:
+                job, args, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if conn is None:
+                        conn = self._connect()
+                    result = job(conn, *args)
+                except sqlite3.Error as exc:
+                    error = StoreError(explain(exc, self.path))
+                    error.__cause__ = exc
+                    future.set_exception(error)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            migrate(conn, str(self.path))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+def stop(jobs: SimpleQueue[Any]) -> None:
+    jobs.put(None)  # the thread closes the connection after the jobs already queued
+
+
+def explain(exc: sqlite3.Error, path: Path) -> str:
+    message = str(exc)
+    lowered = message.lower()
+    if "locked" in lowered or "busy" in lowered:
+        hint = "another process holds it locked"
+    elif "readonly" in lowered or "read-only" in lowered:
+        hint = "it is read-only"
+    elif "full" in lowered:
+        hint = "the disk is full"
+    elif "not a database" in lowered or "malformed" in lowered or "corrupt" in lowered:
+        hint = "it is not a SQLite database, or it is corrupt"
+    elif "unable to open" in lowered:
+        hint = "it cannot be opened (does its directory exist?)"
+    else:
+        hint = "SQLite refused it"
+    return f"database {str(path)!r}: {hint} ({type(exc).__name__}: {message})"
+
+
+# -- jobs of the writer thread (each gets the connection first) -----------------------------------
+
+_STATE = (
+    "priority = ?, state = ?, attempts = ?, agent_tries = ?, target = ?, tried = ?, feedback = ?, "
+    "token = ?, due = ?, deadline = ?, started = ?, finished = ?, output = ?, agent = ?, "
+    "error = ?, error_type = ?, defaulted = ?"
+)
+_STATE_LEAN = (
+    "priority = ?, state = ?, attempts = ?, agent_tries = ?, target = ?, tried = NULL, "
+    "feedback = NULL, token = ?, due = NULL, deadline = NULL, started = ?, finished = ?, "
+    "output = ?, agent = ?, error = NULL, error_type = NULL, defaulted = 0"
+)
+_HEAD = "run_id, id, seq, idx, named, kind, payload, admitted"
+_STATIC = "parent, depends_on, depends_on_tags, tags, key, timeout, critical, metadata"
+_STATE_COLUMNS = (
+    "priority, state, attempts, agent_tries, target, tried, feedback, token, due, deadline, "
+    "started, finished, output, agent, error, error_type, defaulted"
+)
+_STATE_COLUMNS_LEAN = (
+    "priority, state, attempts, agent_tries, target, token, started, finished, output, agent"
+)
+_INSERT = (
+    f"INSERT INTO tasks ({_HEAD}, {_STATIC}, {_STATE_COLUMNS}) VALUES ({', '.join('?' * 33)}) "
+    "ON CONFLICT (run_id, id) DO NOTHING"
+)
+_INSERT_LEAN = (
+    f"INSERT INTO tasks ({_HEAD}, {_STATE_COLUMNS_LEAN}) VALUES ({', '.join('?' * 18)}) "
+    "ON CONFLICT (run_id, id) DO NOTHING"
+)
+_UPDATE = f"UPDATE tasks SET {_STATE} WHERE run_id = ? AND id = ?"
+_UPDATE_LEAN = f"UPDATE tasks SET {_STATE_LEAN} WHERE run_id = ? AND id = ?"
+LOAD = (
+    "SELECT id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key, "
+    "timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried, "
+    "feedback, token, started, finished, output, agent, error, error_type, defaulted "
+    "FROM tasks WHERE run_id = ? ORDER BY seq"
+)
+
+
+def open_run(conn: sqlite3.Connection, run_id: str, now: float) -> tuple[list[Any], list[Any], int]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        known = conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if known is None:
+            conn.execute(
+                "INSERT INTO runs (id, created, updated) VALUES (?, ?, ?)", (run_id, now, now)
+            )
+            rows: list[Any] = []
+            attempts: list[Any] = []
+            seq = 0
+        else:
+            conn.execute(
+                "UPDATE runs SET opened = opened + 1, updated = ?, state = 'open' WHERE id = ?",
+                (now, run_id),
+            )
+            rows = conn.execute(LOAD, (run_id,)).fetchall()
+            attempts = conn.execute(
+                "SELECT task_id, number, agent, error_type, message, started, duration, "
+                "retry_in, traceback, status_code, api_error_type, request_id FROM attempts "
+                "WHERE run_id = ? ORDER BY rowid",
+                (run_id,),
+            ).fetchall()
+            seq = conn.execute(
+                "SELECT coalesce(max(seq), 0) FROM tasks WHERE run_id = ?", (run_id,)
+            ).fetchone()[0]
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return rows, attempts, seq
+
+
+def write(
+    conn: sqlite3.Connection,
+    run_id: str,
+    new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]],
+    dirty: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]],
+    attempts: list[tuple[Any, ...]],
+    events: list[tuple[Any, ...]],
+    keys: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None] = (
+        [],
+        [],
+        None,
+    ),
+) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        succeeded, failed, beat = keys
+        if succeeded:  # (output, agent, key, owner): the result waiters take
+            conn.executemany(
+                "UPDATE keys SET state = 'succeeded', output = ?, agent = ? "
+                "WHERE key = ? AND owner = ?",
+                succeeded,
+            )
+        if failed:  # (error, now, key, owner): the next submitter of the key takes it over
+            conn.executemany(
+                "UPDATE keys SET state = 'failed', error = ?, heartbeat = ? "
+                "WHERE key = ? AND owner = ? AND state = 'claimed'",
+                failed,
+            )
+        if beat is not None:  # (now, owner): this store's claims are live
+            conn.execute(
+                "UPDATE keys SET heartbeat = ? WHERE owner = ? AND state = 'claimed'", beat
+            )
+        full, lean = new
+        if full:
+            conn.executemany(_INSERT, full)
+        if lean:
+            conn.executemany(_INSERT_LEAN, lean)
+        full, lean = dirty
+        if full:
+            conn.executemany(_UPDATE, full)
+        if lean:
+            conn.executemany(_UPDATE_LEAN, lean)
+        if attempts:
+            conn.executemany(
+                "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", attempts
+            )
+        if events:
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                events,
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def claim_keys(
+    conn: sqlite3.Connection,
+    owner: str,
+    run_id: str,
+    wanted: list[tuple[str, str]],
+    now: float,
+    lease: float,
+) -> list[tuple[str, str | None, str | None]]:
+    """Claim each key of `wanted` ((key, task id) pairs) for `owner`, in one transaction: SQLite's
+    single writer lock (``BEGIN IMMEDIATE``) and the key's primary key make a claim atomic across
+    store objects and processes. Each answer is ``("mine", None, None)`` (execute it),
+    ``("done", output JSON, agent)`` (it succeeded: its stored result) or ``("wait", run id, task
+    id)`` (another task holds it and is live). A key is taken over when its claim is this very
+    task's (a resumed run), when its task failed, or when its owner stopped beating for `lease`
+    seconds (a killed process)."""
+    answers: list[tuple[str, str | None, str | None]] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for key, task_id in wanted:
+            claimed = conn.execute(
+                "INSERT INTO keys (key, owner, run_id, task_id, state, heartbeat) "
+                "VALUES (?, ?, ?, ?, 'claimed', ?) ON CONFLICT (key) DO NOTHING",
+                (key, owner, run_id, task_id, now),
+            )
+            if claimed.rowcount == 1:
+                answers.append(("mine", None, None))
+                continue
+            row = conn.execute(
+                "SELECT run_id, task_id, state, heartbeat, output, agent FROM keys WHERE key = ?",
+                (key,),
+            ).fetchone()
+            held_run, held_task, state, heartbeat, output, agent = row
+            if state == "succeeded":
+                answers.append(("done", "null" if output is None else output, agent))
+            elif (
+                state == "failed"
+                or (held_run, held_task) == (run_id, task_id)
+                or now - heartbeat > lease
+            ):
+                conn.execute(
+                    "UPDATE keys SET owner = ?, run_id = ?, task_id = ?, state = 'claimed', "
+                    "heartbeat = ?, error = NULL WHERE key = ?",
+                    (owner, run_id, task_id, now, key),
+                )
+                answers.append(("mine", None, None))
+            else:
+                answers.append(("wait", held_run, held_task))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return answers
+
+
+def close_run(conn: sqlite3.Connection, run_id: str, now: float, done: bool) -> None:
+    conn.execute(
+        "UPDATE runs SET updated = ?, state = ? WHERE id = ?",
+        (now, "closed" if done else "open", run_id),
+    )
+
+
+def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    runs = _rows(conn.execute("SELECT * FROM runs ORDER BY created"))
+    for run in runs:
+        run["counts"] = dict(
+            conn.execute(
+                "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (run["id"],)
+            ).fetchall()
+        )
+    return runs
+
+
+# The journal as its readers see it: the `events` rows, and the events a task's row says (its
+# admission, its last start, its end), which are not written as rows (see `SQLiteRun.flush`). A
+# file written before schema v2 has them as rows: they are not added twice.
+_JOURNAL = """
+    SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM (
+        SELECT NULL AS seq, run_id, id AS task_id, admitted AS at, 'admitted' AS event,
+               NULL AS agent, NULL AS attempt, NULL AS detail, 0 AS rank
+        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task) AND admitted IS NOT NULL
+        UNION ALL
+        SELECT seq, run_id, task_id, at, event, agent, attempt, detail,
+               CASE event WHEN 'ready' THEN 1 WHEN 'started' THEN 2 ELSE 3 END
+        FROM events WHERE run_id = :run AND (:task IS NULL OR task_id = :task)
+        UNION ALL
+        SELECT NULL, run_id, id, started, 'started', agent, attempts, NULL, 2
+        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
+            AND started IS NOT NULL AND finished IS NOT NULL AND NOT EXISTS (
+                SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+                AND e.event = 'started' AND e.attempt = t.attempts)
+        UNION ALL
+        SELECT NULL, run_id, id, finished, state, agent, attempts, error, 4
+        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
+            AND finished IS NOT NULL AND NOT EXISTS (
+                SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+                AND e.event = t.state AND e.attempt = t.attempts)
+    ) ORDER BY at, rank, seq
+"""
+
+
+def _known(conn: sqlite3.Connection, run_id: str, task_id: str | None = None) -> None:
+    """Refuse a run id (or a task id in it) the file does not know, naming what it knows."""
+    if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+        known = [row[0] for row in conn.execute("SELECT id FROM runs ORDER BY created LIMIT 6")]
+        raise InputError(
+            f"no run {run_id!r} in this file (its runs: "
+            f"{', '.join(map(repr, known[:5])) or 'none'}{', ...' if len(known) > 5 else ''})",
+            field="run_id",
+        )
+    if task_id is not None and (
+        conn.execute(
+            "SELECT 1 FROM tasks WHERE run_id = ? AND id = ?", (run_id, task_id)
+        ).fetchone()
+        is None
+    ):
+        raise InputError(f"run {run_id!r} has no task {task_id!r}", task_id=task_id)
+
+
+def events(conn: sqlite3.Connection, run_id: str, task_id: str | None) -> list[dict[str, Any]]:
+    _known(conn, run_id, task_id)
+    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id}))
+
+
+# What `retry` writes into the journal before it reopens a task: the events its row said (its last
+# start, its end), which the reopened row no longer says.
+_KEEP_STARTED = """
+    INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail)
+    SELECT run_id, id, started, 'started', agent, attempts, NULL FROM tasks t
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids)) AND started IS NOT NULL
+        AND finished IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+            AND e.event = 'started' AND e.attempt = t.attempts)
+"""
+_KEEP_ENDED = """
+    INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail)
+    SELECT run_id, id, finished, state, agent, attempts, error FROM tasks t
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids)) AND finished IS NOT NULL
+        AND NOT EXISTS (
+            SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+            AND e.event = t.state AND e.attempt = t.attempts)
+"""
+_REOPEN = """
+    UPDATE tasks SET state = 'pending', agent_tries = 0, target = NULL, tried = NULL,
+        feedback = NULL, due = NULL, deadline = NULL, started = NULL, finished = NULL,
+        output = NULL, agent = NULL, error = NULL, error_type = NULL, defaulted = 0
+    WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids))
+"""
+
+
+def retry(
+    conn: sqlite3.Connection, run_id: str, task_ids: list[str] | None, now: float
+) -> list[str]:
+    """Reopen the failed tasks of a run (those of `task_ids`), and its skipped ones (a skipped
+    task whose dependency still failed is skipped again when the run resumes). Attempts are kept:
+    the count, and every failed one in `attempts`; the chain of agents starts again."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _known(conn, run_id)
+        states = dict(
+            conn.execute(
+                "SELECT id, state FROM tasks WHERE run_id = ? AND state IN ('failed', 'skipped')",
+                (run_id,),
+            ).fetchall()
+        )
+        if task_ids is None:
+            failed = [i for i, state in states.items() if state == "failed"]
+        else:
+            failed = list(dict.fromkeys(task_ids))
+            for task_id in failed:
+                if states.get(task_id) != "failed":
+                    row = conn.execute(
+                        "SELECT state FROM tasks WHERE run_id = ? AND id = ?", (run_id, task_id)
+                    ).fetchone()
+                    raise InputError(
+                        f"run {run_id!r} has no task {task_id!r}"
+                        if row is None
+                        else f"task {task_id!r} of run {run_id!r} is {row[0]}, not failed: "
+                        "only failed tasks are retried",
+                        task_id=task_id,
+                    )
+        reopened = [*failed, *(i for i, state in states.items() if state == "skipped")]
+        if reopened:
+            ids = {"run": run_id, "ids": json.dumps(reopened)}
+            conn.execute(_KEEP_STARTED, ids)
+            conn.execute(_KEEP_ENDED, ids)
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event) VALUES (?, ?, ?, 'retried')",
+                [(run_id, task_id, now) for task_id in reopened],
+            )
+            conn.execute(_REOPEN, ids)
+            conn.execute("UPDATE runs SET state = 'open', updated = ? WHERE id = ?", (now, run_id))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return failed
+
+
+def dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
+    _known(conn, run_id)
+    dead = _rows(
+        conn.execute("SELECT * FROM dead_letters WHERE run_id = ? ORDER BY finished", (run_id,))
+    )
+    for letter in dead:
+        letter["attempts_list"] = _rows(
+            conn.execute(
+                "SELECT * FROM attempts WHERE run_id = ? AND task_id = ? ORDER BY rowid",
+                (run_id, letter["task_id"]),
+            )
+        )
+    return dead

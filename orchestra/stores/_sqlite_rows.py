@@ -1,0 +1,261 @@
+"""A task's rows in the SQLite store: its `Record` written as a row of `tasks` (and its failed
+attempts as rows of `attempts`), and read back on resume.
+
+`Rows` knows the two clocks (a record counts loop time, a row wall-clock time: loop time + offset,
+or the memory run's zero `wall0` + the record's relative times) and the statement a row is for:
+rows with the usual NULLs (no dependency, tag, key, retry, deadline, feedback or error) go through
+the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_io`:
+binding dominates an insert's cost).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic_core import to_json
+
+from .._task import (
+    CANCELLED,
+    CLAIMED,
+    FAILED,
+    PENDING,
+    READY,
+    RETRY_WAIT,
+    RUNNING,
+    SKIPPED,
+    SUCCEEDED,
+    TERMINAL,
+    Attempt,
+    Task,
+)
+from ._memory import Record
+
+__all__ = ("Rows",)
+
+_STATES: dict[str, str] = {
+    s: s
+    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
+}
+
+
+class Rows:
+    """Builds one run's rows from its records, and its records from their rows."""
+
+    __slots__ = ("offset", "outputs", "run_id", "seq", "wall0")
+
+    def __init__(
+        self, run_id: str, wall0: float, offset: float, outputs: dict[str, str], seq: int = 0
+    ) -> None:
+        self.run_id = run_id
+        self.wall0 = wall0  # wall time of the memory run's zero
+        self.offset = offset  # loop time + offset = wall time
+        self.outputs = outputs  # id -> its output's JSON, taken when its row is built
+        self.seq = seq  # the last admission number written
+
+    def new_row(
+        self, record: Record, payload: str, admitted: float
+    ) -> tuple[bool, tuple[Any, ...]]:
+        """The row inserting a new task, and whether it is one for `_INSERT_LEAN`."""
+        task = record.task
+        self.seq += 1
+        parent = record.parent
+        lean, state = self.state_row(record)
+        head = (
+            self.run_id,
+            record.id,
+            self.seq,
+            record.index,
+            int(record.named),
+            task.kind,
+            payload,
+            admitted + self.offset,
+        )
+        state = state[:-2]  # without the WHERE of an update
+        if (
+            lean
+            and parent is None
+            and not task.depends_on
+            and not task.depends_on_tags
+            and not task.tags
+            and task.key is None
+            and task.timeout is None
+            and not task.critical
+            and task.metadata is None
+        ):
+            return True, head + state
+        if lean:  # the full row's state: the lean one with its NULLs put back
+            p, st, at, tries, target, token, started, finished, output, agent = state
+            state = (p, st, at, tries, target, None, None, token, None, None, started, finished,
+                     output, agent, None, None, 0)  # fmt: skip
+        return False, (
+            *head,
+            None if parent is None else parent.id,
+            _json_list(task.depends_on),
+            _json_list(task.depends_on_tags),
+            _json_list(task.tags),
+            task.key,
+            task.timeout,
+            int(bool(task.critical)),
+            None if task.metadata is None else to_json(task.metadata, fallback=repr).decode(),
+            *state,
+        )
+
+    def state_row(self, record: Record) -> tuple[bool, tuple[Any, ...]]:
+        """The row updating a task's state, and whether it is one for `_UPDATE_LEAN` (no retry,
+        deadline, feedback or error to write)."""
+        offset = self.offset
+        state = record.state
+        t_start = record.t_start
+        if state in TERMINAL:
+            finished = self.wall0 + record.finished
+            output = self.outputs.pop(record.id, None)
+            agent, error, error_type, defaulted = (
+                record.agent,
+                record.error,
+                record.error_type,
+                int(record.defaulted),
+            )
+        else:
+            finished = None
+            agent = error = error_type = output = None
+            defaulted = 0
+        if output is None and record.output is not None:  # a partial output kept on failure
+            output = to_json(record.output, fallback=repr).decode()
+        due = record.due
+        deadline = record.deadline
+        tried = record.tried
+        feedback = record.feedback
+        if (
+            due is None
+            and deadline is None
+            and tried is None
+            and feedback is None
+            and error is None
+            and error_type is None
+            and not defaulted
+        ):
+            return True, (
+                record.priority,
+                state,
+                record.attempts,
+                record.agent_tries,
+                record.target,
+                record.token,
+                None if t_start is None else t_start + offset,
+                finished,
+                output,
+                agent,
+                self.run_id,
+                record.id,
+            )
+        return False, (
+            record.priority,
+            state,
+            record.attempts,
+            record.agent_tries,
+            record.target,
+            None if tried is None else json.dumps(tried),
+            None if feedback is None else json.dumps(feedback),
+            record.token,
+            None if due is None else due + offset,
+            None if deadline is None else deadline + offset,
+            None if t_start is None else t_start + offset,
+            finished,
+            output,
+            agent,
+            error,
+            error_type,
+            defaulted,
+            self.run_id,
+            record.id,
+        )
+
+    def attempt_row(self, task_id: str, a: Attempt) -> tuple[Any, ...]:
+        return (
+            self.run_id,
+            task_id,
+            a.number,
+            a.agent,
+            a.error_type,
+            a.message,
+            self.wall0 + a.started,
+            a.duration,
+            a.retry_in,
+            a.traceback,
+            a.status_code,
+            a.api_error_type,
+            a.request_id,
+        )
+
+    def failures(self, attempt_rows: list[Any]) -> dict[str, list[Attempt]]:
+        """The failed attempts of the stored tasks, by task id, in order."""
+        failures: dict[str, list[Attempt]] = {}
+        for a in attempt_rows:
+            failures.setdefault(a[0], []).append(
+                Attempt(
+                    number=a[1],
+                    agent=a[2],
+                    error_type=a[3],
+                    message=a[4],
+                    started=(a[5] or self.wall0) - self.wall0,
+                    duration=a[6] or 0.0,
+                    retry_in=a[7],
+                    traceback=a[8],
+                    status_code=a[9],
+                    api_error_type=a[10],
+                    request_id=a[11],
+                )
+            )
+        return failures
+
+    def record(
+        self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]
+    ) -> Record:
+        (task_id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
+         timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried,
+         feedback, token, started, finished, output, agent, error, error_type, defaulted) = row  # fmt: skip
+        task = Task(
+            kind,
+            json.loads(payload),
+            id=task_id,
+            priority=priority,
+            depends_on=_list(depends_on),
+            depends_on_tags=_list(depends_on_tags),
+            tags=_list(tags),
+            key=key,
+            timeout=timeout,
+            critical=bool(critical),
+            metadata=None if metadata is None else json.loads(metadata),
+        )
+        record = Record(task, idx, None if parent is None else stored[parent][0], bool(named))
+        record.state = state = _STATES[state]  # the interned constant: states compare by `is`
+        record.attempts = attempts
+        record.agent_tries = agent_tries
+        record.target = target
+        record.tried = None if tried is None else json.loads(tried)
+        record.feedback = None if feedback is None else json.loads(feedback)
+        record.token = token
+        record.failures = failures.get(task_id)
+        if started is not None:
+            record.t_start = started - self.offset
+        if output is not None:
+            record.output = json.loads(output)
+        if state in TERMINAL:
+            record.status = state  # type: ignore[assignment]
+            record.agent = agent
+            record.started = None if started is None else started - self.wall0
+            record.finished = finished - self.wall0
+            record.error = error
+            record.error_type = error_type
+            record.defaulted = bool(defaulted)
+        stored[task_id] = (record, payload)
+        return record
+
+
+def _list(text: str | None) -> list[str]:
+    return [] if text is None else json.loads(text)
+
+
+def _json_list(value: Any) -> str | None:
+    return json.dumps(list(value)) if value else None

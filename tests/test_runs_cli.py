@@ -1,0 +1,210 @@
+"""`orchestra runs list|show|dead|retry` and the store's Python API behind them, on a real file."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
+from orchestra.cli import app
+from orchestra.stores import SQLiteStore
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from typer.testing import Result
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args), prog_name="orchestra")
+
+
+class Flaky:
+    """An agent whose tasks with payload "bad" fail permanently until `healed`."""
+
+    def __init__(self) -> None:
+        self.healed = False
+        self.calls: list[str] = []
+
+    def orchestrator(self, db: Path) -> Orchestrator:
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            self.calls.append(task.id)
+            if task.payload == "bad" and not self.healed:
+                raise PermanentError("refused")
+            return {"id": task.id}
+
+        return Orchestrator(agents=[work], store=SQLiteStore(db, window=0.01))
+
+
+TASKS: tuple[Callable[[], Task], ...] = (
+    lambda: Task("work", 1, id="ok"),
+    lambda: Task("work", "bad", id="d"),
+    lambda: Task("work", 2, id="after", depends_on=["d"]),
+)
+
+
+@pytest.fixture
+async def failed_run(tmp_path: Path) -> tuple[Path, Flaky]:
+    """A file with run "r": `ok` succeeded, `d` failed, `after` skipped."""
+    db = tmp_path / "runs.db"
+    flaky = Flaky()
+    result = await flaky.orchestrator(db).run([make() for make in TASKS], run_id="r")
+    assert result.metadata.counts["failed"] == 1
+    return db, flaky
+
+
+class TestList:
+    async def test_lists_every_run_with_its_counts(self, failed_run: tuple[Path, Flaky]) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "list", "--db", str(db))
+        assert result.exit_code == 0, result.output
+        assert "r" in result.stdout
+        assert "1 failed" in result.stdout
+        assert "1 skipped" in result.stdout
+        lines = invoke("runs", "list", "--db", str(db), "--jsonl").stdout.splitlines()
+        [run] = [json.loads(line) for line in lines]
+        assert run["id"] == "r"
+        assert run["counts"] == {"succeeded": 1, "failed": 1, "skipped": 1}
+
+
+class TestShow:
+    async def test_a_task_is_traced_from_admitted_to_its_end(
+        self, failed_run: tuple[Path, Flaky]
+    ) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "show", "r", "--db", str(db), "--task", "d", "--jsonl")
+        assert result.exit_code == 0, result.output
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [e["event"] for e in events] == ["admitted", "started", "attempt_failed", "failed"]
+        assert {e["task_id"] for e in events} == {"d"}
+        table = invoke("runs", "show", "r", "--db", str(db), "--events")
+        assert table.exit_code == 0, table.output
+        assert "attempt_failed" in table.stdout
+        assert "skipped" in table.stdout
+
+    async def test_without_options_the_run_is_summed_up(
+        self, failed_run: tuple[Path, Flaky]
+    ) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "show", "r", "--db", str(db))
+        assert result.exit_code == 0, result.output
+        assert "run r: closed" in result.stdout
+        assert "succeeded" in result.stdout
+
+
+class TestDead:
+    async def test_lists_each_dead_letter_with_every_attempt_and_its_traceback(
+        self, failed_run: tuple[Path, Flaky]
+    ) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "dead", "r", "--db", str(db))
+        assert result.exit_code == 0, result.output
+        assert "d (work): PermanentError" in result.stdout
+        assert "attempt 1 on work" in result.stdout
+        assert "Traceback" in result.stdout
+        [letter] = map(
+            json.loads, invoke("runs", "dead", "r", "--db", str(db), "--jsonl").stdout.splitlines()
+        )
+        assert letter["task_id"] == "d"
+        assert [a["message"] for a in letter["attempts_list"]] == ["refused"]
+
+
+class TestRetry:
+    async def test_a_retried_task_runs_on_the_next_run_with_its_attempts_kept(
+        self, failed_run: tuple[Path, Flaky]
+    ) -> None:
+        db, flaky = failed_run
+        result = invoke("runs", "retry", "r", "--db", str(db))
+        assert result.exit_code == 0, result.output
+        assert "1 failed task(s) runnable again (d)" in result.stdout
+        flaky.healed = True
+        flaky.calls.clear()
+        again = await flaky.orchestrator(db).run([make() for make in TASKS], run_id="r")
+        assert again.status == "success"
+        assert sorted(flaky.calls) == ["after", "d"]  # `ok` is not executed again
+        assert again.data == {"ok": {"id": "ok"}, "d": {"id": "d"}, "after": {"id": "after"}}
+        store = SQLiteStore(db)
+        trace = [e["event"] for e in store.events("r", "d")]
+        assert trace == [
+            "admitted",
+            "started",
+            "attempt_failed",
+            "failed",
+            "retried",
+            "ready",
+            "started",
+            "succeeded",
+        ]
+        assert store.events("r", "d")[-1]["attempt"] == 2  # the first attempt is counted
+        assert store.dead_letters("r") == []
+        assert store.retry("r") == []  # nothing failed any more
+        store.close()
+
+    async def test_one_task_by_id_from_python(self, failed_run: tuple[Path, Flaky]) -> None:
+        db, _ = failed_run
+        store = SQLiteStore(db)
+        assert store.retry("r", ["d"]) == ["d"]
+        counts = next(r for r in store.runs() if r["id"] == "r")["counts"]
+        assert counts == {"succeeded": 1, "pending": 2}
+        store.close()
+
+    @pytest.mark.parametrize(
+        ("task", "says"),
+        [("ok", "is succeeded, not failed"), ("nope", "has no task 'nope'")],
+    )
+    async def test_a_task_that_is_not_a_failed_one_is_a_usage_error(
+        self, failed_run: tuple[Path, Flaky], task: str, says: str
+    ) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "retry", "r", "--db", str(db), "--task", task)
+        assert result.exit_code == 2
+        assert says in result.stderr
+        with pytest.raises(InputError, match=says):
+            SQLiteStore(db).retry("r", [task])
+
+
+class TestUsageErrors:
+    @pytest.mark.parametrize(
+        "command",
+        [("list",), ("show", "r"), ("show", "r", "--events"), ("dead", "r"), ("retry", "r")],
+        ids=" ".join,
+    )
+    def test_a_missing_file_is_exit_code_2_and_no_file_is_created(
+        self, tmp_path: Path, command: tuple[str, ...]
+    ) -> None:
+        db = tmp_path / "missing.db"
+        result = invoke("runs", *command, "--db", str(db))
+        assert result.exit_code == 2
+        assert "no such file" in result.stderr
+        assert not db.exists()
+
+    @pytest.mark.parametrize(
+        "command",
+        [("show", "nope"), ("show", "nope", "--events"), ("dead", "nope"), ("retry", "nope")],
+        ids=" ".join,
+    )
+    async def test_an_unknown_run_id_is_exit_code_2_naming_the_runs(
+        self, failed_run: tuple[Path, Flaky], command: tuple[str, ...]
+    ) -> None:
+        db, _ = failed_run
+        result = invoke("runs", *command, "--db", str(db))
+        assert result.exit_code == 2
+        assert "no run 'nope' in this file (its runs: 'r')" in result.stderr
+
+    async def test_an_unknown_task_id_is_exit_code_2(self, failed_run: tuple[Path, Flaky]) -> None:
+        db, _ = failed_run
+        result = invoke("runs", "show", "r", "--db", str(db), "--task", "nope")
+        assert result.exit_code == 2
+        assert "run 'r' has no task 'nope'" in result.stderr
+
+    def test_a_file_that_is_not_a_database_is_exit_code_2(self, tmp_path: Path) -> None:
+        db = tmp_path / "junk.db"
+        db.write_bytes(b"junk" * 1000)
+        result = invoke("runs", "list", "--db", str(db))
+        assert result.exit_code == 2
+        assert "not a SQLite database" in result.stderr
