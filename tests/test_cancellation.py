@@ -27,6 +27,7 @@ from orchestra import (
     TaskResult,
     agent,
 )
+from orchestra._dispatch import Dispatcher
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import tasks_of
 
@@ -174,6 +175,34 @@ class TestRunTimeout:
         }
         assert stubborn.started == ["running"]
         assert_cancelled_cleanly(rec, tasks, 5.0, backup, status="failed")
+
+    @pytest.mark.parametrize("mode", MODES)
+    async def test_with_no_subscriber_the_inline_attempt_is_cancelled_too(
+        self, clock: FakeClock, mode: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # No subscriber, no verifier, no timeout: the workers run the attempts inline (see
+        # `Dispatcher._worker`), which must end the same way `_attempt` does.
+        async def not_here(*args: Any) -> None:
+            raise AssertionError("the attempt went through _attempt, not the inline path")
+
+        monkeypatch.setattr(Dispatcher, "_attempt", not_here)
+        orch, tasks, stubborn, backup = scenario(mode, timeouts={"run": 5.0})
+        async with orch:
+            with anyio.fail_after(1000):
+                result = await orch.run(tasks=tasks)
+        assert result.status == "failed"
+        assert result.metadata.counts == {
+            "succeeded": 1,
+            "failed": 0,
+            "skipped": 0,
+            "cancelled": 4,
+        }
+        assert result.metadata.reason == "run timeout after 5.0s"
+        assert stubborn.started == ["running"]
+        assert backup.calls == []
+        assert (
+            result.metadata.attempts == 3
+        )  # done, running, retrying's first: none after the cancel
 
     async def test_a_streamed_run_cut_short_is_never_success(self, clock: FakeClock) -> None:
         # Everything admitted so far succeeded; the input had more to give.
