@@ -227,8 +227,7 @@ class Dispatcher:
         store = self.store
         run = self.run
         report = self.report
-        capacity = self._capacity
-        limiter = capacity.limiter
+        limiter = self._capacity.limiter
         time = self._time
         # Nothing around any call: no attempt timeout, no verifier, no safety check, no instrument.
         bare = (
@@ -266,9 +265,9 @@ class Dispatcher:
                 ):
                     await self._attempt(record, token, slot, cost)
                 elif store.start(record, token, slot.name):
-                    # The common attempt, inline (a coroutine per attempt and its bookkeeping
-                    # cost as much as the rest of a no-op task's dispatch): the agent's call
-                    # alone, then its success or failure. `_attempt` is the whole of it.
+                    # The common attempt, inline (a coroutine per attempt costs as much as the
+                    # rest of a no-op task's dispatch): the agent's call alone, then its
+                    # success or failure. `_attempt` is the whole of it.
                     limiter.in_use += 1
                     slot.in_flight += 1
                     running = self.running = self.running + 1
@@ -279,14 +278,12 @@ class Dispatcher:
                     _TASK_ID.set(record.id)
                     start = time()
                     ctx = Context(run, record, slot.name, record.attempts, record.feedback or ())
-                    settled = False
                     try:
                         output = await slot.call(record.task, ctx)
                         if type(output) not in _PLAIN:
                             check_returned(output, slot.name)
-                        if ctx._spawned and not self.cancelled:  # refused spawns fail it
+                        if not self.cancelled:  # inside the `try`: a refused spawn fails it
                             self._settle(record, token, slot, output, ctx, start)
-                            settled = True
                     except asyncio.CancelledError as exc:
                         if not (me.cancelling() or self.cancelled):
                             self.recovery.failed(record, token, slot, exc, start)  # the agent's own
@@ -297,25 +294,8 @@ class Dispatcher:
                     except Exception as exc:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self.recovery.failed(record, token, slot, exc, start)
-                    else:
-                        if not settled and not self.cancelled:
-                            breaker = slot.breaker
-                            if breaker.consecutive or breaker.recent is not None:
-                                self._settle(record, token, slot, output, ctx, start)
-                            else:  # nothing to tell and no breaker to close: count it
-                                slot.succeeded += 1
-                                store.settle(record, token, SUCCEEDED, output, agent=slot.name)
                     finally:
-                        if ctx._threads or capacity.blocked or len(capacity.runs) > 1:
-                            self._finished(slot, None, ctx, False)
-                        else:  # `_finished`, when only this run can use the freed slots
-                            limiter.release()
-                            slot.in_flight -= 1
-                            self.running -= 1
-                            if self.router.held:
-                                self.router.room(slot)
-                            if self._parked:
-                                self.wake_one()
+                        self._finished(slot, None, ctx, False)
                 current[0] = None
                 if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
@@ -463,25 +443,13 @@ class Dispatcher:
                         self._bounded_call(record, slot, ctx, start),
                         AttemptInfo(self.run.info, task, slot.name, record.attempts, start, ctx),
                     )
-                elif (
-                    record.deadline is None
-                    and slot.fault is None
-                    and slot.timeout is None
-                    and self._attempt_timeout is None
-                    and slot.output is None
-                    and not self._verify
-                ):
-                    output = await slot.call(task, ctx)  # the common case: nothing around the call
-                    if type(output) not in _PLAIN:
-                        check_returned(output, slot.name)
                 else:
                     output = await self._bounded_call(record, slot, ctx, start)
                 if self.cancelled:
                     return  # the agent finished after the run's cancel: the run ends the task
-                if ctx._spawned:  # refused spawns fail the attempt: settled inside the `try`
-                    probe = False
-                    self._settle(record, token, slot, output, ctx, start, bus)
-                    return
+                probe = False
+                # Inside the `try`: a spawn the store refuses now fails the attempt.
+                self._settle(record, token, slot, output, ctx, start, bus)
             except asyncio.CancelledError as exc:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
                 # raised by itself (no cancellation pending on this task): a failed attempt.
@@ -505,9 +473,6 @@ class Dispatcher:
                     return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
                 self.recovery.failed(record, token, slot, exc, start)
-            else:
-                probe = False
-                self._settle(record, token, slot, output, ctx, start, bus)
         finally:
             self._finished(slot, cost, ctx, probe)
 
