@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Any
 import anyio
 
 from ._progress import progress
-from ._signals import on_signals, signal_receiver
+from ._signals import on_signals, signal_receiver, stop
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterable, Callable, Iterable, Iterator
@@ -50,13 +50,18 @@ async def watch(
     console: Console | None = None,
     keys: IO[str] | None = None,
     grace: float | None = 10.0,
+    run_id: str | None = None,
+    view: bool = True,
 ) -> RunResult:
-    """Run `orch` on `input` (or `tasks`) with the live view on `console` (stderr by default),
-    `write(result)` for each task as it finishes, signals turned into a graceful stop, and single
-    keys from `keys` (a terminal: cbreak mode) steering the run. Returns the `RunResult`."""
+    """Run `orch` on `input` (or `tasks`) with the live view on `console` (stderr by default; none
+    without `view`), `write(result)` for each task as it finishes, signals turned into a graceful
+    stop, and single keys from `keys` (a terminal: cbreak mode) steering the run. Returns the
+    `RunResult`; what the run raised (an `InputError`) is raised as it is."""
+    # The receiver is open before the run starts: a signal at any moment is ours, never a
+    # KeyboardInterrupt from the middle of the loop.
     with signal_receiver() as signals:
         async with orch:
-            handle = orch.start(input, tasks=tasks)
+            handle = orch.start(input, tasks=tasks, run_id=run_id)
             results = handle.results() if write is not None else None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(on_signals, signals, handle, grace, tg)
@@ -64,7 +69,8 @@ async def watch(
                     tg.start_soon(_read_keys, keys, handle, grace, tg)
                 if results is not None and write is not None:
                     tg.start_soon(_write_all, results, write)
-                await progress(handle, console=console)
+                if view:
+                    await progress(handle, console=console)
                 try:
                     result = await handle
                 except Exception as exc:  # raised below, as it is (not in an ExceptionGroup)
@@ -88,16 +94,12 @@ def key_pressed(handle: RunHandle, key: str, grace: float | None, tg: TaskGroup)
         handle.resume()
         return "resumed"
     if key == "s":
-        tg.start_soon(_stop, handle, grace, "stopped from the keyboard")
+        tg.start_soon(stop, handle, grace, "stopped from the keyboard")
         return "stopping"
     if key == "c":
-        tg.start_soon(_stop, handle, 0, "cancelled from the keyboard")
+        tg.start_soon(stop, handle, 0, "cancelled from the keyboard")
         return "cancelling"
     return None
-
-
-async def _stop(handle: RunHandle, grace: float | None, reason: str) -> None:
-    await handle.stop(grace, reason=reason)
 
 
 async def _write_all(

@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -56,28 +57,13 @@ def run_main(
         isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0
     ):
         raise ConfigError(f"grace must be a number >= 0 or None, got {grace!r}")
-    return anyio.run(_main, orch, input, tasks, run_id, grace)
+    # The watched run of `orchestra run` without its view: one way to run under signals. Imported
+    # here because `_console` builds on this module's receiver.
+    from ._console import watch
 
-
-async def _main(
-    orch: Orchestrator,
-    input: Any,
-    tasks: Iterable[Task] | AsyncIterable[Task] | None,
-    run_id: str | None,
-    grace: float | None,
-) -> RunResult:
-    # The receiver is open before the run starts: a signal at any moment is ours, never a
-    # KeyboardInterrupt from the middle of the loop.
-    with signal_receiver() as signals:
-        async with orch:
-            handle = orch.start(input, tasks=tasks, run_id=run_id)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(on_signals, signals, handle, grace, tg)
-                try:
-                    result = await handle
-                finally:
-                    tg.cancel_scope.cancel()
-    return result
+    return anyio.run(
+        partial(watch, orch, input, tasks=tasks, run_id=run_id, grace=grace, view=False)
+    )
 
 
 async def on_signals(
@@ -95,13 +81,14 @@ async def on_signals(
                 signal=name,
                 grace=grace,
             )
-            tg.start_soon(_stop, handle, grace, f"stopped by {name}")
+            tg.start_soon(stop, handle, grace, f"stopped by {name}")
         else:
             log.warning("cancelling the run now", run_id=handle.run_id, signal=name)
-            tg.start_soon(_stop, handle, 0, f"stopped by {name}")
+            tg.start_soon(stop, handle, 0, f"stopped by {name}")
 
 
-async def _stop(handle: RunHandle, grace: float | None, reason: str) -> None:
+async def stop(handle: RunHandle, grace: float | None, reason: str) -> None:
+    """`handle.stop(grace, reason=reason)`, for a task group to start (its result unread)."""
     await handle.stop(grace, reason=reason)
 
 

@@ -125,6 +125,17 @@ def assert_cancelled_cleanly(
     assert backup.calls == []
 
 
+async def timed_out(orch: Orchestrator, tasks: list[Task], stubborn: Stubborn) -> RunResult:
+    """Run the scenario to its 5 s run timeout: one task done, the four others cancelled."""
+    async with orch:
+        with anyio.fail_after(1000):
+            result = await orch.run(tasks=tasks)
+    assert result.status == "failed"
+    assert result.metadata.counts == {"succeeded": 1, "failed": 0, "skipped": 0, "cancelled": 4}
+    assert stubborn.started == ["running"]
+    return result
+
+
 # -- the three ways a run is cut short -----------------------------------------------------------
 
 
@@ -163,17 +174,7 @@ class TestRunTimeout:
         orch, tasks, stubborn, backup = scenario(mode, timeouts={"run": 5.0})
         rec = Recorder()
         orch.subscribe(rec)
-        async with orch:
-            with anyio.fail_after(1000):
-                result = await orch.run(tasks=tasks)
-        assert result.status == "failed"
-        assert result.metadata.counts == {
-            "succeeded": 1,
-            "failed": 0,
-            "skipped": 0,
-            "cancelled": 4,
-        }
-        assert stubborn.started == ["running"]
+        await timed_out(orch, tasks, stubborn)
         assert_cancelled_cleanly(rec, tasks, 5.0, backup, status="failed")
 
     @pytest.mark.parametrize("mode", MODES)
@@ -187,22 +188,11 @@ class TestRunTimeout:
 
         monkeypatch.setattr(Dispatcher, "_attempt", not_here)
         orch, tasks, stubborn, backup = scenario(mode, timeouts={"run": 5.0})
-        async with orch:
-            with anyio.fail_after(1000):
-                result = await orch.run(tasks=tasks)
-        assert result.status == "failed"
-        assert result.metadata.counts == {
-            "succeeded": 1,
-            "failed": 0,
-            "skipped": 0,
-            "cancelled": 4,
-        }
+        result = await timed_out(orch, tasks, stubborn)
         assert result.metadata.reason == "run timeout after 5.0s"
-        assert stubborn.started == ["running"]
         assert backup.calls == []
-        assert (
-            result.metadata.attempts == 3
-        )  # done, running, retrying's first: none after the cancel
+        # done, running, retrying's first: none after the cancel
+        assert result.metadata.attempts == 3
 
     async def test_a_streamed_run_cut_short_is_never_success(self, clock: FakeClock) -> None:
         # Everything admitted so far succeeded; the input had more to give.
