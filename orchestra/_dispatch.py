@@ -126,6 +126,10 @@ class Dispatcher:
         """The store made a task ready: get a worker to it."""
         if record.deadline is not None:
             self.schedule()
+        self.wake()
+
+    def wake(self) -> None:
+        """A task can be claimed: wake a parked worker, or start one if the pool has room."""
         if self._parked:
             self.wake_one()
         elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     from ._result import RunResult
     from ._store import Store
     from ._verify import Check
+    from ._worker import WorkReport
+    from .stores import SQLiteStore
 
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 
@@ -334,11 +336,18 @@ class Orchestrator:
         `run_id` names the run (by default a fresh one): with a durable store, starting the same
         run id again is how a stopped or crashed run will resume from its checkpoint.
         """
-        tg = self._tg
-        if tg is None:
+        if self._tg is None:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
         if run_id is not None and not isinstance(run_id, str):
             raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
+        return self._launch(input, tasks, run_id, self._config)
+
+    def _launch(
+        self, input: Any, tasks: Any, run_id: str | None, config: RunConfig
+    ) -> RunHandle:
+        """`start` with `config` (a worker's run has its own store: orchestra/_worker.py)."""
+        tg = self._tg
+        assert tg is not None
         handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)
         self._starting += 1
         registered = False
@@ -352,7 +361,7 @@ class Orchestrator:
         async def body() -> RunResult:
             try:
                 source, planned = await self._source(input, tasks)
-                return await self._execute(source, handle.run_id, None, on_run, planned)
+                return await self._execute(source, handle.run_id, None, on_run, planned, config)
             finally:
                 if not registered:
                     self._starting -= 1
@@ -402,10 +411,11 @@ class Orchestrator:
         results: Any = None,
         on_run: Callable[[Run], None] | None = None,
         planned: dict[str, float] | None = None,
+        config: RunConfig | None = None,
     ) -> RunResult:
         """Run `source` to its end; when the run misses its threshold, `on_threshold_missed` may
         replace the result. The orchestrator keeps nothing of a finished run."""
-        run = Run(self._config, run_id or uuid.uuid4().hex[:12], results)
+        run = Run(config or self._config, run_id or uuid.uuid4().hex[:12], results)
         if planned:  # what the decomposer spent is the run's (its metadata, its budget)
             cost = planned.pop("cost", 0.0)
             tokens = {unit: int(n) for unit, n in planned.items()}
@@ -422,6 +432,37 @@ class Orchestrator:
             self._runs.remove(run)
             self._maybe_idle()
         return await self._threshold_hook(result, [r.task for r in run.report.not_ok])
+
+    async def work(
+        self,
+        store: SQLiteStore | None = None,
+        *,
+        run_id: str | None = None,
+        kinds: Sequence[str] | None = None,
+        poll: float = 0.1,
+    ) -> WorkReport:
+        """Work as a worker process for the runs other processes keep in a SQLite file: claim
+        ready tasks of `kinds` (default: every kind this orchestrator's agents serve) under a
+        lease, run them with this orchestrator's agents, limits, retries and fallbacks, and write
+        back what they came to. With `run_id`, serve that run only and return once it is over;
+        without, serve every run of the file until cancelled (a cancel hands back the tasks not
+        started). `store` defaults to this orchestrator's. See the README's "Worker processes".
+
+        Raises:
+            ConfigError: no SQLite store, or kinds no agent here serves.
+        """
+        from ._worker import work  # noqa: PLC0415 - the worker and the SQLite store load on use
+        from .stores import SQLiteStore  # noqa: PLC0415
+
+        store = store if store is not None else self._config.store
+        if not isinstance(store, SQLiteStore):
+            raise ConfigError(
+                f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
+            )
+        if not self._entered:
+            async with self:
+                return await self.work(store, run_id=run_id, kinds=kinds, poll=poll)
+        return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
 
     def _maybe_idle(self) -> None:
         if not self._runs and not self._starting and self._idle is not None:

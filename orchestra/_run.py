@@ -180,6 +180,9 @@ class Run:
             return
         self.dispatcher.ready_all(records)
 
+    def wake(self) -> None:
+        self.dispatcher.wake()
+
     def finished(self, record: Record) -> None:
         status = record.status
         self.report.finished(record)

@@ -79,6 +79,9 @@ class Listener(Protocol):
     def finished(self, record: Any) -> None:
         """A task became terminal; `record` is its `TaskResult`."""
 
+    def wake(self) -> None:
+        """A task the store held back (ready before, heard then) can be claimed now."""
+
 
 class Selector:
     """Which tasks a `cancel` means: every field given must match (none given: every task).

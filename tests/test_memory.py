@@ -35,6 +35,9 @@ class _Listener:
     def finished(self, record: Any) -> None:
         pass
 
+    def wake(self) -> None:
+        pass
+
 
 class Payload:
     """A payload a weak reference can follow."""

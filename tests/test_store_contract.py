@@ -91,6 +91,9 @@ class Heard:
         self.results[record.task_id] = record
         self.ended.append(record.task_id)
 
+    def wake(self) -> None:
+        self.events.append(("wake", ""))
+
     def since(self, mark: int) -> list[tuple[str, str]]:
         return self.events[mark:]
 

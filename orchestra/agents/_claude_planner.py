@@ -216,6 +216,9 @@ class _Nobody:
     def finished(self, record: Any) -> None:
         pass
 
+    def wake(self) -> None:
+        pass
+
 
 def _plan_model(
     kinds: Sequence[str], payloads: Mapping[str, type[BaseModel]], max_tasks: int

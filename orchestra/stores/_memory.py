@@ -890,6 +890,17 @@ class MemoryRun:
         """The record of `task_id`, if the run holds it (not compacted away)."""
         return self._records.get(task_id)
 
+    def take(self, record: Record) -> int:
+        """Claim this very task (a durable store's: a process that shares the run holds it);
+        returns its new token."""
+        if record.state is READY:
+            self._queue.discard(record)
+        elif record.state is PENDING:
+            self.pending -= 1
+        record.state = CLAIMED
+        record.token += 1
+        return record.token
+
     def restore(self, records: Sequence[Record]) -> None:
         """Take back the records a durable store kept, in admission order (a spawner before its
         spawns): ended ones as they ended, the others waiting again (a claimed or running one lost

@@ -158,7 +158,35 @@ _V2 = (
         ON CONFLICT (key) DO NOTHING""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+_V3 = (
+    # Worker processes (issue 16, round three). A run's coordinator (the process running it) holds
+    # it: `owner` names the process (host, pid, store) and `heartbeat` is refreshed at least once a
+    # second; a second coordinator of a live run is refused. `shared` says the coordinator takes
+    # its own tasks through the file too, so that workers may claim the ready ones.
+    "ALTER TABLE runs ADD COLUMN shared INTEGER NOT NULL DEFAULT 0",
+    # What a worker says of a task it ran (state 'done' until the coordinator takes it in): its
+    # end (`outcome`: succeeded, failed, ...) and the tasks its attempt spawned (JSON).
+    "ALTER TABLE tasks ADD COLUMN outcome TEXT",
+    "ALTER TABLE tasks ADD COLUMN spawned TEXT",
+    "CREATE INDEX tasks_done ON tasks (run_id) WHERE state = 'done'",
+    "CREATE INDEX tasks_leased ON tasks (lease_owner) WHERE lease_owner IS NOT NULL",
+    # The worker processes, for coordinators to see (a run with a live worker for one of its kinds
+    # is shared) and for `orchestra runs workers`: `kinds` is a JSON list (NULL: every kind),
+    # `run_id` the one run it serves (NULL: any).
+    """CREATE TABLE workers (
+        owner TEXT PRIMARY KEY,
+        host TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        run_id TEXT,
+        kinds TEXT,
+        started REAL NOT NULL,
+        heartbeat REAL NOT NULL,
+        claimed INTEGER NOT NULL DEFAULT 0,
+        completed INTEGER NOT NULL DEFAULT 0
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

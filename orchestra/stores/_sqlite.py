@@ -87,14 +87,16 @@ from .._store import KEEP
 from .._task import (
     CLAIMED,
     FAILED,
+    READY,
     SUCCEEDED,
     TERMINAL,
     Attempt,
     Task,
 )
 from . import _sqlite_io as io
+from . import _sqlite_work as work
 from ._memory import MemoryRun, Record
-from ._sqlite_rows import Rows
+from ._sqlite_rows import STATES, Rows
 
 if TYPE_CHECKING:
     import os
@@ -116,12 +118,22 @@ class SQLiteStore:
             (their tasks run again on resume).
         key_lease: seconds after which an idempotency key claimed by a store that stopped
             committing (a killed process) is taken over by another submitter of the key.
+        lease: seconds a worker process's claim of a task lasts without being renewed (its
+            heartbeat renews it every `lease` / 3): a worker killed or paused longer loses its
+            tasks, which run again elsewhere with the attempt counted; and seconds after which a
+            coordinator that stopped beating (another host's; on this host a dead pid is seen at
+            once) no longer holds its run against a second coordinator.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, window: float = 0.05, key_lease: float = 30.0
+        self,
+        path: str | os.PathLike[str],
+        *,
+        window: float = 0.05,
+        key_lease: float = 30.0,
+        lease: float = 30.0,
     ) -> None:
-        for name, value in (("window", window), ("key_lease", key_lease)):
+        for name, value in (("window", window), ("key_lease", key_lease), ("lease", lease)):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
             if not 0 < value < math.inf:
@@ -131,9 +143,15 @@ class SQLiteStore:
                 f"key_lease ({key_lease}) must be longer than window ({window}): a live claim "
                 "is refreshed once a window"
             )
+        if lease <= 3 * window:
+            raise ConfigError(
+                f"lease ({lease}) must be longer than three windows ({3 * window}): a lease is "
+                "renewed a few times before it can expire"
+            )
         self.path = Path(path)
         self.window = float(window)
         self.key_lease = float(key_lease)
+        self.lease = float(lease)
         self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
         self._writer = io.Writer(self.path)
         self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
@@ -260,10 +278,26 @@ class SQLiteRun:
         self._waiting: dict[str, Record] = {}
         self._runnable: list[Record] = []
         self._poller: asyncio.Task[None] | None = None
-        rows, attempts, seq = store.call(io.open_run, run_id, self._wall0)
+        # Shared with worker processes (`_sqlite_work`): once a live worker may serve this run, the
+        # run is `shared` and a ready task whose row the file holds as ready (`_offered`) is
+        # claimed through the file before it runs here (`_claiming` while that is asked); tasks a
+        # worker holds are `_remote` until it completes them (`_done`) or its lease expires.
+        self._name = work.identity(store.owner)
+        self._shared = False
+        self._offered: set[str] = set()
+        self._claiming: set[str] = set()
+        self._remote: dict[str, Record] = {}
+        self._beat_timer: asyncio.TimerHandle | None = None
+        self._beat_every = min(0.25, store.lease / 3)
+        self._beat_at = 0.0  # wall time of the last heartbeat written
+        rows, attempts, seq = store.call(
+            io.open_run, run_id, self._wall0, self._name, store.lease
+        )
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
+        if self._loop is not None:
+            self._beat_timer = self._loop.call_later(self._beat_every, self._beat)
 
     # -- counters (the memory run's) -------------------------------------------------------------
 
@@ -421,7 +455,7 @@ class SQLiteRun:
                 self._claims[key] = record
                 if record.state is CLAIMED:  # held by `claim` while it waited: run it now
                     self._runnable.append(record)
-                    self._listener.ready(record)
+                    self._listener.wake()
             else:
                 self._waiting[key] = record
         if self._claims:
@@ -500,6 +534,22 @@ class SQLiteRun:
         self.resumed = len(ended)
         for record in ended:
             self._listener.finished(record)
+        # What worker processes hold or completed while no coordinator ran: a live lease stays
+        # the worker's (its task is remote here until it completes or the lease expires); a
+        # completion is settled now.
+        now = time.time()
+        done = []
+        for record, row in zip(records, rows, strict=True):
+            lease_owner, lease_expires, outcome = row[28:31]
+            if outcome is not None and row[14] == "done":
+                self._memory.take(record)
+                self._remote[record.id] = record
+                done.append((row[0], outcome, *row[23:28], row[15], row[21], row[22], row[31]))
+            elif lease_owner is not None and lease_expires is not None and lease_expires > now:
+                self._memory.take(record)
+                self._remote[record.id] = record
+        if done:  # their failed attempts are among the records' failures already
+            self._settle_done(done, [])
 
     def _match(self, tasks: Sequence[Any], first: int) -> None:
         """Input admitted again on resume: the stored task with its id (generated ids are
@@ -562,7 +612,44 @@ class SQLiteRun:
             # `_poll` ends it with the result, or hands it back through `_runnable`.
             while record is not None and self._waiting.get(record.task.key) is record:  # type: ignore[arg-type]
                 record = self._memory.claim()
+        if record is not None and self._offered and record.id in self._offered:
+            # A worker may claim its row too: the file decides who runs it (`_granted`), and
+            # the worker asking now waits for the answer (or for the next ready task).
+            self._claim_offered(record)
+            return None
         return record
+
+    def _claim_offered(self, record: Record) -> None:
+        self._offered.discard(record.id)
+        self._claiming.add(record.id)
+        loop = self._loop
+        assert loop is not None  # a run is shared only with a loop to poll from
+        answer = self._store.submit(work.claim_offered, self.run_id, record.id)
+        answer.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._granted, record, done)
+        )
+
+    def _granted(self, record: Record, answer: Future[bool]) -> None:
+        """The file's answer to `_claim_offered`: run the task here, or it is a worker's."""
+        self._claiming.discard(record.id)
+        if record.state in TERMINAL or self._closed:
+            return
+        error = answer.exception()
+        if error is not None:
+            self._error = self._error or error  # raised when the run closes
+        if error is not None or answer.result():
+            self._runnable.append(record)
+        else:
+            self._remote[record.id] = record
+            # The worker that asked waits for a task: hand it the next one, if there is one.
+            record = self._memory.claim()  # type: ignore[assignment]
+            if record is None:
+                return
+            if record.id in self._offered:
+                self._claim_offered(record)
+                return
+            self._runnable.append(record)
+        self._listener.wake()
 
     def heartbeat(self, record: Record, token: int) -> bool:
         return self._memory.heartbeat(record, token)
@@ -718,19 +805,38 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not (self._new or self._dirty or self._events or self._attempts or self._claims):
+        now = time.time()
+        beating = self._loop is not None and (
+            self._shared or self._remote or now - self._beat_at >= self._beat_every
+        )
+        if not (
+            self._new or self._dirty or self._events or self._attempts or self._claims or beating
+        ):
             return None
         # Rows with the usual NULLs go through a statement that binds fewer parameters (`_LEAN`):
         # binding dominates an insert's cost (measured: 18 parameters 3.6 µs, 33 parameters 9.6).
+        shared = self._shared or bool(self._remote)
+        offered = self._offered
         new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
         for record, payload, admitted in self._new:
             lean, row = self._rows.new_row(record, payload, admitted)
             new[lean].append(row)
+            if shared and record.state is READY:
+                offered.add(record.id)
         dirty: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
+        shared_rows: list[tuple[Any, ...]] = []
         if self._dirty:
             fresh = {record.id for record, _, _ in self._new}  # their rows hold their state
             for task_id, record in self._dirty.items():
-                if task_id not in fresh:
+                if task_id in fresh:
+                    continue
+                if shared:  # a worker may hold the row: `_UPDATE_SHARED` says when it is ours
+                    shared_rows.append(self._rows.shared_row(record))
+                    if record.state is READY:
+                        offered.add(task_id)
+                    else:
+                        offered.discard(task_id)
+                else:
                     lean, row = self._rows.state_row(record)
                     dirty[lean].append(row)
         attempts = [self._rows.attempt_row(task_id, a) for task_id, a in self._attempts]
@@ -753,9 +859,15 @@ class SQLiteRun:
         self._dirty = {}
         self._attempts = []
         self._events = []
-        write = self._store.submit(io.write, run_id, new, dirty, attempts, events, claimed)
-        if self._claims:
-            self._arm()  # the next heartbeat
+        beat = None
+        if beating:
+            self._beat_at = now
+            beat = (self._name, now, self._store.lease, self._shared)
+        write = self._store.submit(
+            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat
+        )
+        if self._claims or self._shared or self._remote:
+            self._arm()  # the next heartbeat, the next look at what workers did
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
@@ -795,9 +907,115 @@ class SQLiteRun:
         unwritten = self._store.unwritten_keys
         for key in keys:
             unwritten.pop(key, None)
+        polled = write.result()
+        if polled is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._polled, polled)
+            except RuntimeError:  # the loop is closed: the run is over
+                pass
+
+    # -- sharing the run with worker processes (`_sqlite_work`) ----------------------------------
+
+    def _beat(self) -> None:
+        """Every `_beat_every` seconds: the coordinator's heartbeat (and a look for workers),
+        written with the window's changes if there are any."""
+        self._beat_timer = None
+        if self._closed or self._loop is None:
+            return
+        if not self._armed:
+            self.flush()
+        self._beat_timer = self._loop.call_later(self._beat_every, self._beat)
+
+    def _polled(self, polled: work.Polled) -> None:
+        """What a window learned of the workers, taken in on the loop."""
+        if self._closed:
+            return
+        if not self._shared and polled.workers and self._serves(polled.workers):
+            self._share()
+        for task_id, worker, attempts in polled.expired:
+            self._expired(task_id, worker, attempts)
+        if polled.done:
+            self._settle_done(polled.done, polled.done_attempts)
+
+    def _serves(self, workers: list[str | None]) -> bool:
+        kinds = self._admission.kinds
+        return any(k is None or not kinds.isdisjoint(json.loads(k)) for k in workers)
+
+    def _share(self) -> None:
+        """A worker may serve this run: from the next window on, workers may claim its ready rows.
+        Every unfinished task's row is written again in that window (one the file holds as ready
+        may be claimed here since), and the run is marked shared in the same transaction."""
+        self._shared = True
+        dirty = self._dirty
+        for record in self._memory._records.values():
+            if record.state not in TERMINAL:
+                dirty[record.id] = record
+        self._arm()
+
+    def _expired(self, task_id: str, worker: str, attempts: int) -> None:
+        """A worker's lease lapsed (the file made the task ready again): its attempt counts as
+        failed, and the task is ready here too."""
+        record = self._memory.record_of(task_id)
+        if record is None or record.state in TERMINAL:
+            return
+        attempt = Attempt(
+            number=attempts,
+            agent=worker.rpartition(":")[0],
+            error_type="LeaseExpired",
+            message=f"worker {worker} stopped renewing its lease on the task (killed, paused or "
+            "cut off): the attempt is counted and the task runs again",
+            started=self._now() - self._memory._t0,
+            duration=0.0,
+        )
+        record.attempts = attempts
+        if self._remote.pop(task_id, None) is not None:
+            self._memory.fail(record, record.token, attempt)
+        else:  # still ready here: never claimed by this process
+            if record.failures is None:
+                record.failures = [attempt]
+            else:
+                record.failures.append(attempt)
+            self._touch(record)
+        self._failed(record, attempt)
+        self._offered.add(task_id)
+
+    def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
+        """Settle the tasks workers completed, as if they had ended here: dependents readied,
+        spawned tasks admitted, the result heard by the run."""
+        failures = self._rows.failures(attempt_rows) if attempt_rows else {}
+        for (task_id, outcome, output, agent, error, error_type, defaulted, attempts, started,
+             _finished, spawned) in rows:  # fmt: skip
+            record = self._memory.record_of(task_id)
+            if record is None or record.state in TERMINAL:
+                continue  # ended here meanwhile (a cancel, a deadline): ours is final
+            if task_id in self._remote or task_id in self._claiming:
+                self._remote.pop(task_id, None)
+                token = record.token
+            else:
+                token = self._memory.take(record)
+            self._offered.discard(task_id)
+            record.attempts = attempts
+            more = failures.get(task_id)
+            if more:
+                record.failures = (record.failures or []) + more
+            if started is not None:
+                record.t_start = started - self._offset
+            status = STATES[outcome]
+            value = None if output is None else json.loads(output)
+            tasks = [] if spawned is None else [_task(d) for d in json.loads(spawned)]
+            try:
+                self.settle(record, token, status, value, spawned=tasks, agent=agent,
+                            error=error, error_type=error_type, defaulted=bool(defaulted))  # fmt: skip
+            except InputError as exc:
+                self.settle(
+                    record, token, FAILED, agent=agent, error_type="InputError",
+                    error=f"the tasks it spawned (on a worker) were refused: {exc}",
+                )  # fmt: skip
 
     def close(self) -> None:
         """Write down everything and wait until it is durable; raises `StoreError` if it is not."""
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
         if self._timer is not None:
             self._timer.cancel()
         if self._poller is not None:
@@ -813,7 +1031,7 @@ class SQLiteRun:
         if self._error is None:
             try:
                 self._store.call(
-                    io.close_run, self.run_id, time.time(), not self._memory.unfinished
+                    io.close_run, self.run_id, time.time(), not self._memory.unfinished, self._name
                 )
             except StoreError as exc:
                 self._error = exc
@@ -825,6 +1043,23 @@ class SQLiteRun:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _task(data: dict[str, Any]) -> Task:
+    """A task a worker's attempt spawned, as the worker wrote it (`Worker` in orchestra/_worker.py)."""
+    return Task(
+        data["kind"],
+        data["payload"],
+        id=data.get("id"),
+        priority=data.get("priority", 0),
+        depends_on=data.get("depends_on", ()),
+        depends_on_tags=data.get("depends_on_tags", ()),
+        tags=data.get("tags", ()),
+        key=data.get("key"),
+        timeout=data.get("timeout"),
+        critical=data.get("critical", False),
+        metadata=data.get("metadata"),
+    )
 
 
 def _same_json(stored: str, payload: Any) -> bool:

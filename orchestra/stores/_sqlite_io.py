@@ -16,6 +16,7 @@ from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError, StoreError
+from . import _sqlite_work as work
 from ._schema import migrate
 
 if TYPE_CHECKING:
@@ -152,29 +153,64 @@ _INSERT_LEAN = (
 )
 _UPDATE = f"UPDATE tasks SET {_STATE} WHERE run_id = ? AND id = ?"
 _UPDATE_LEAN = f"UPDATE tasks SET {_STATE_LEAN} WHERE run_id = ? AND id = ?"
+# A shared run's (workers claim from it): the coordinator's write of a task a worker holds, or
+# completed, is refused unless it ends the task (a cancel, a deadline: the coordinator's word is
+# final, and the worker's late completion is then refused); the token never goes back.
+_UPDATE_SHARED = (
+    "UPDATE tasks SET "
+    + _STATE.replace("token = ?", "token = max(token, ?)")
+    + ", lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND id = ? "
+    "AND (? OR (lease_owner IS NULL AND state != 'done'))"
+)
 LOAD = (
     "SELECT id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key, "
     "timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried, "
-    "feedback, token, started, finished, output, agent, error, error_type, defaulted "
-    "FROM tasks WHERE run_id = ? ORDER BY seq"
+    "feedback, token, started, finished, output, agent, error, error_type, defaulted, "
+    "lease_owner, lease_expires, outcome, spawned FROM tasks WHERE run_id = ? ORDER BY seq"
 )
 
 
-def open_run(conn: sqlite3.Connection, run_id: str, now: float) -> tuple[list[Any], list[Any], int]:
+def open_run(
+    conn: sqlite3.Connection, run_id: str, now: float, name: str, lease: float
+) -> tuple[list[Any], list[Any], int]:
+    """Take run `run_id` (new or stored) as its coordinator `name` and load what it holds. A run
+    whose coordinator is another live process (its heartbeat younger than `lease`, and its pid
+    alive when it ran on this host) is refused."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        known = conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone()
+        known = conn.execute(
+            "SELECT owner, heartbeat FROM runs WHERE id = ?", (run_id,)
+        ).fetchone()
+        if known is not None:
+            holder, seen = known
+            if (
+                holder is not None
+                and holder != name
+                and seen is not None
+                and now - seen < lease
+                and work.is_alive(holder)
+            ):
+                host, _, rest = holder.partition(":")
+                raise StoreError(
+                    f"run {run_id!r} is already being run by another process (pid "
+                    f"{rest.partition(':')[0]} on {host}, seen {max(now - seen, 0):.1f} s ago): "
+                    "a run has one coordinator. More processes join it as workers "
+                    "(`orch.work(...)`, `orchestra worker`); if that process is gone, its hold "
+                    f"lapses {lease:g} s after it was last seen"
+                )
         if known is None:
             conn.execute(
-                "INSERT INTO runs (id, created, updated) VALUES (?, ?, ?)", (run_id, now, now)
+                "INSERT INTO runs (id, created, updated, owner, heartbeat) VALUES (?, ?, ?, ?, ?)",
+                (run_id, now, now, name, now),
             )
             rows: list[Any] = []
             attempts: list[Any] = []
             seq = 0
         else:
             conn.execute(
-                "UPDATE runs SET opened = opened + 1, updated = ?, state = 'open' WHERE id = ?",
-                (now, run_id),
+                "UPDATE runs SET opened = opened + 1, updated = ?, state = 'open', owner = ?, "
+                "heartbeat = ?, shared = 0 WHERE id = ?",
+                (now, name, now, run_id),
             )
             rows = conn.execute(LOAD, (run_id,)).fetchall()
             attempts = conn.execute(
@@ -205,10 +241,17 @@ def write(
         [],
         None,
     ),
-) -> None:
+    shared: list[tuple[Any, ...]] | None = None,
+    beat: tuple[str, float, float, bool] | None = None,
+) -> work.Polled | None:
+    """One window of a run, in one transaction: new rows, changed rows (`shared`: those of a run
+    workers claim from, `_UPDATE_SHARED`), failed attempts, journal events, keys; with `beat`
+    (the coordinator's name, now, the lease, whether the run is shared), the coordinator's
+    heartbeat and what it learns of the workers (`_sqlite_work.poll`)."""
+    polled = None
     conn.execute("BEGIN IMMEDIATE")
     try:
-        succeeded, failed, beat = keys
+        succeeded, failed, keys_beat = keys
         if succeeded:  # (output, agent, key, owner): the result waiters take
             conn.executemany(
                 "UPDATE keys SET state = 'succeeded', output = ?, agent = ? "
@@ -221,9 +264,9 @@ def write(
                 "WHERE key = ? AND owner = ? AND state = 'claimed'",
                 failed,
             )
-        if beat is not None:  # (now, owner): this store's claims are live
+        if keys_beat is not None:  # (now, owner): this store's claims are live
             conn.execute(
-                "UPDATE keys SET heartbeat = ? WHERE owner = ? AND state = 'claimed'", beat
+                "UPDATE keys SET heartbeat = ? WHERE owner = ? AND state = 'claimed'", keys_beat
             )
         full, lean = new
         if full:
@@ -235,6 +278,8 @@ def write(
             conn.executemany(_UPDATE, full)
         if lean:
             conn.executemany(_UPDATE_LEAN, lean)
+        if shared:
+            conn.executemany(_UPDATE_SHARED, shared)
         if attempts:
             conn.executemany(
                 "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", attempts
@@ -245,10 +290,18 @@ def write(
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 events,
             )
+        if beat is not None:
+            name, now, lease, is_shared = beat
+            conn.execute(
+                "UPDATE runs SET heartbeat = ?, shared = ? WHERE id = ? AND owner = ?",
+                (now, int(is_shared), run_id, name),
+            )
+            polled = work.poll(conn, run_id, now, lease, is_shared)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    return polled
 
 
 def claim_keys(
@@ -305,10 +358,13 @@ def claim_keys(
     return answers
 
 
-def close_run(conn: sqlite3.Connection, run_id: str, now: float, done: bool) -> None:
+def close_run(conn: sqlite3.Connection, run_id: str, now: float, done: bool, name: str) -> None:
+    """The coordinator lets go of its run: closed if it is done, else open for a later resume; no
+    longer shared (workers claim nothing more of it)."""
     conn.execute(
-        "UPDATE runs SET updated = ?, state = ? WHERE id = ?",
-        (now, "closed" if done else "open", run_id),
+        "UPDATE runs SET updated = ?, state = ?, owner = NULL, heartbeat = NULL, shared = 0 "
+        "WHERE id = ? AND owner = ?",
+        (now, "closed" if done else "open", run_id, name),
     )
 
 

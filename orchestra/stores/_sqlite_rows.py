@@ -31,12 +31,13 @@ from .._task import (
 )
 from ._memory import Record
 
-__all__ = ("Rows",)
+__all__ = ("STATES", "Rows")
 
-_STATES: dict[str, str] = {
+STATES: dict[str, str] = {
     s: s
     for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
 }
+STATES["done"] = CLAIMED  # completed by a worker: the coordinator settles it when it resumes
 
 
 class Rows:
@@ -171,6 +172,15 @@ class Rows:
             record.id,
         )
 
+    def shared_row(self, record: Record) -> tuple[Any, ...]:
+        """The row updating a task's state in a run workers claim from (`_UPDATE_SHARED`)."""
+        lean, row = self.state_row(record)
+        if lean:
+            p, st, at, tries, target, token, started, finished, output, agent, run, task = row
+            row = (p, st, at, tries, target, None, None, token, None, None, started, finished,
+                   output, agent, None, None, 0, run, task)  # fmt: skip
+        return (*row, int(record.state in TERMINAL))
+
     def attempt_row(self, task_id: str, a: Attempt) -> tuple[Any, ...]:
         return (
             self.run_id,
@@ -214,7 +224,7 @@ class Rows:
     ) -> Record:
         (task_id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
          timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried,
-         feedback, token, started, finished, output, agent, error, error_type, defaulted) = row  # fmt: skip
+         feedback, token, started, finished, output, agent, error, error_type, defaulted) = row[:28]  # fmt: skip
         task = Task(
             kind,
             json.loads(payload),
@@ -229,7 +239,7 @@ class Rows:
             metadata=None if metadata is None else json.loads(metadata),
         )
         record = Record(task, idx, None if parent is None else stored[parent][0], bool(named))
-        record.state = state = _STATES[state]  # the interned constant: states compare by `is`
+        record.state = state = STATES[state]  # the interned constant: states compare by `is`
         record.attempts = attempts
         record.agent_tries = agent_tries
         record.target = target

@@ -1,0 +1,433 @@
+"""Worker processes: `Orchestrator.work` runs the tasks other processes' runs keep in a SQLite file.
+
+A run on a `SQLiteStore` has one coordinator (the process that runs it: it admits the input,
+readies tasks, settles them, builds the result). More processes join it as *workers*: each
+claims ready tasks of its kinds from the file under a lease (`_sqlite_work.claim`), runs them with
+its own agents, limits, retries and fallbacks, and writes back what they came to
+(`_sqlite_work.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
+paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
+counted.
+
+There is no second run loop: a worker is an ordinary run of the orchestrator whose input is the
+file's ready queue (an async iterator that claims as the run has room) and whose results go back
+to the file. Its store (`_WorkerRun`) is the memory store with three differences, said where they
+are: a claimed task's dependencies' outputs come from the file, what an attempt spawns is sent to
+the coordinator instead of run here, and an ended task is forgotten (a worker runs for days).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic_core import PydanticSerializationError, to_json
+
+from ._exceptions import ConfigError, InputError
+from ._log import get_logger
+from ._task import CANCELLED, SUCCEEDED, TERMINAL, Task
+from .stores import _sqlite_work as sharing
+from .stores._memory import MemoryRun
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Sequence
+
+    from ._admission import Admission
+    from ._handle import RunHandle
+    from ._orchestrator import Orchestrator
+    from ._store import Listener
+    from ._task import TaskResult
+    from .stores._memory import Record
+    from .stores._sqlite import SQLiteStore
+
+__all__ = ("WorkReport", "work")
+
+log = get_logger("orchestra")
+
+
+@dataclass
+class WorkReport:
+    """What a worker did, returned by `Orchestrator.work`.
+
+    Attributes:
+        worker: its name in the file (``host:pid:id``).
+        claimed: tasks it claimed.
+        completed: tasks whose end it wrote (succeeded, failed, ...), accepted by the file.
+        refused: completions the file refused: the lease had lapsed, or the coordinator had
+            ended the task (a cancel, a deadline); the task's fate was decided elsewhere.
+        lost: running tasks it cancelled because it no longer held their lease.
+        released: claimed tasks it handed back unstarted when it stopped.
+    """
+
+    worker: str
+    claimed: int = 0
+    completed: int = 0
+    refused: int = 0
+    lost: int = 0
+    released: int = 0
+
+
+async def work(
+    orch: Orchestrator,
+    store: SQLiteStore,
+    *,
+    run_id: str | None,
+    kinds: Sequence[str] | None,
+    poll: float,
+) -> WorkReport:
+    return await Worker(orch, store, run_id, kinds, poll).run()
+
+
+class Worker:
+    """One `Orchestrator.work` call: claims, a local run, completions, heartbeats."""
+
+    def __init__(
+        self,
+        orch: Orchestrator,
+        store: SQLiteStore,
+        run_id: str | None,
+        kinds: Sequence[str] | None,
+        poll: float,
+    ) -> None:
+        served = [k for k, slots in orch._config.registry.by_kind.items() if slots]
+        if kinds is None:
+            wanted = sorted(served)
+        else:
+            if isinstance(kinds, str):
+                raise ConfigError("kinds must be a list of kinds, not one string")
+            wanted = list(dict.fromkeys(kinds))
+            unknown = [k for k in wanted if k not in served]
+            if unknown:
+                raise ConfigError(
+                    f"kinds {unknown} have no agent here (this orchestrator serves "
+                    f"{sorted(served)})"
+                )
+        if not wanted:
+            raise ConfigError("a worker needs at least one kind to serve: register an agent")
+        if run_id is not None and not isinstance(run_id, str):
+            raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
+        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll < math.inf:
+            raise ConfigError(f"poll must be a positive number of seconds, got {poll!r}")
+        self.orch = orch
+        self.store = store
+        self.run_id = run_id
+        self.kinds = wanted
+        self.poll = float(poll)
+        self.name = sharing.identity(uuid.uuid4().hex[:12])
+        self.report = WorkReport(self.name)
+        self.capacity = orch._config.capacity.limit
+        # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
+        self.held: dict[str, sharing.Claimed] = {}
+        self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
+        self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
+        self._room = anyio.Event()
+        self._stopping = False
+        self._finished = False  # the run it serves is over: stop claiming
+        self._wall0 = time.time()
+        self._t0 = 0.0  # loop time of the local run's zero (its records count from it)
+
+    async def call(self, job: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.store.submit(job, *args))
+
+    # -- the worker's life -----------------------------------------------------------------------
+
+    async def run(self) -> WorkReport:
+        store = self.store
+        await self.call(sharing.register, self.name, self.run_id, self.kinds, time.time())
+        log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
+        config = copy.copy(self.orch._config)
+        config.store = _WorkerStore(self)
+        handle = self.orch._launch(None, self._claims(), f"worker:{self.name}", config)
+        results = handle.results()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._beat, handle)
+                tg.start_soon(self._write_ends)
+                async for result in results:
+                    claimed = self.held.get(result.task_id)
+                    if claimed is not None:
+                        self.ends.append((claimed, result))
+                await handle
+                tg.cancel_scope.cancel()
+            await self._write()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._leave(handle)
+        log.info(
+            "worker stopped",
+            worker=self.name,
+            claimed=self.report.claimed,
+            completed=self.report.completed,
+        )
+        del store
+        return self.report
+
+    async def _leave(self, handle: RunHandle) -> None:
+        """However the worker ends: stop its run, write what ended, hand back the rest."""
+        self._stopping = True
+        self._room.set()
+        if not handle.done:
+            handle.cancel()
+            try:
+                await handle
+            except BaseException:  # noqa: BLE001 - its end is not ours to report; the claims are
+                pass
+        try:
+            await self._write()
+            ended = {claimed.id for claimed, _ in self.ends}
+            rest = [(c.run_id, c.id, c.token) for i, c in self.held.items() if i not in ended]
+            if rest:
+                self.report.released += await self.call(sharing.release, self.name, rest)
+        finally:
+            await self.call(sharing.unregister, self.name)
+
+    # -- claims: the local run's input -----------------------------------------------------------
+
+    async def _claims(self) -> AsyncIterator[Task]:
+        store = self.store
+        while not (self._stopping or self._finished):
+            room = self.capacity - len(self.held)
+            if room <= 0:
+                self._room = anyio.Event()
+                await self._room.wait()
+                continue
+            batch, runs = await self.call(
+                sharing.claim, self.name, self.run_id, self.kinds, room, time.time(), store.lease
+            )
+            if self.run_id is not None and self.run_id not in runs and not self.held:
+                if await self.call(_closed, self.run_id):
+                    self._finished = True
+                    return
+            if not batch:
+                await anyio.sleep(self.poll)
+                continue
+            self.report.claimed += len(batch)
+            for claimed in batch:
+                if claimed.id in self.held:  # another run's task of the same id runs here now
+                    await self.call(
+                        sharing.release, self.name, [(claimed.run_id, claimed.id, claimed.token)]
+                    )
+                    continue
+                self.held[claimed.id] = claimed
+                yield Task(
+                    claimed.kind,
+                    json.loads(claimed.payload),
+                    id=claimed.id,
+                    priority=claimed.priority,
+                    timeout=claimed.timeout,
+                    critical=bool(claimed.critical),
+                    metadata=None if claimed.metadata is None else json.loads(claimed.metadata),
+                )
+
+    # -- completions -----------------------------------------------------------------------------
+
+    async def _write_ends(self) -> None:
+        while True:
+            await anyio.sleep(self.store.window)
+            await self._write()
+
+    async def _write(self) -> None:
+        if not self.ends:
+            return
+        ends, self.ends = self.ends, []
+        rows = []
+        attempts = []
+        for claimed, result in ends:
+            rows.append(self._end_row(claimed, result))
+            attempts.append(
+                [
+                    (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
+                     self._wall0 + a.started, a.duration, a.retry_in, a.traceback,
+                     a.status_code, a.api_error_type, a.request_id)
+                    for a in result.failures or ()
+                ]
+            )  # fmt: skip
+        accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
+        for (claimed, result), ok in zip(ends, accepted, strict=True):
+            del self.held[claimed.id]
+            self.spawned.pop(claimed.id, None)
+            if ok:
+                self.report.completed += 1
+            elif result.status is not CANCELLED:
+                self.report.refused += 1
+                log.warning(
+                    "completion refused: the lease was lost",
+                    worker=self.name,
+                    task_id=claimed.id,
+                    run_id=claimed.run_id,
+                )
+        self._room.set()
+
+    def _end_row(self, claimed: sharing.Claimed, result: TaskResult) -> tuple[Any, ...]:
+        status = result.status
+        output = None
+        error, error_type = result.error, result.error_type
+        spawned = self.spawned.get(claimed.id)
+        if status == SUCCEEDED or result.output is not None:
+            try:
+                output = to_json(result.output).decode()
+            except PydanticSerializationError as exc:
+                if status == SUCCEEDED:
+                    status = "failed"
+                    error_type = "InvalidOutput"
+                    error = f"the output of task {claimed.id!r} cannot be stored as JSON: {exc}"
+                spawned = None
+        started = None if result.started is None else self._wall0 + result.started
+        return (
+            status,
+            output,
+            result.agent,
+            error,
+            error_type,
+            int(result.defaulted),
+            result.attempts,
+            started,
+            time.time(),
+            None if not spawned else to_json(spawned).decode(),
+            claimed.run_id,
+            claimed.id,
+            claimed.token,
+        )
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    async def _beat(self, handle: RunHandle) -> None:
+        """Renew the leases every third of one; cancel the attempts of the tasks no longer held."""
+        store = self.store
+        while True:
+            await anyio.sleep(store.lease / 3)
+            held, _ = await self.call(sharing.beat, self.name, time.time(), store.lease)
+            ended = {claimed.id for claimed, _ in self.ends}
+            lost = [
+                i
+                for i, c in self.held.items()
+                if (c.run_id, c.id, c.token) not in held and i not in ended
+            ]
+            if lost:
+                self.report.lost += len(lost)
+                log.warning("leases lost: cancelling", worker=self.name, task_ids=lost)
+                handle.cancel(task_ids=lost)
+
+
+def _closed(conn: Any, run_id: str) -> bool:
+    row = conn.execute("SELECT state FROM runs WHERE id = ?", (run_id,)).fetchone()
+    return row is not None and row[0] == "closed"
+
+
+class _WorkerStore:
+    """The store of a worker's local run."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def open_run(
+        self,
+        run_id: str,
+        *,
+        admission: Admission,
+        listener: Listener,
+        clock: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> _WorkerRun:
+        return _WorkerRun(self.worker, run_id, admission, listener, clock, task_timeout, compact)
+
+
+class _WorkerRun(MemoryRun):
+    """A memory run with three differences (a subclass says exactly which, where forwarding the
+    whole protocol to a held `MemoryRun` would bury them): dependencies' outputs come from the
+    file, spawned tasks go to the coordinator, and an ended task is forgotten."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        run_id: str,
+        admission: Admission,
+        listener: Listener,
+        clock: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> None:
+        super().__init__(run_id, admission, listener, clock, task_timeout, compact)
+        self._worker = worker
+        worker._t0 = self._t0
+        worker._wall0 = time.time()
+
+    def admit_one(self, task: Any, index: int) -> None:
+        super().admit_one(task, index)
+        record = self._records.get(task.id)
+        claimed = self._worker.held.get(task.id)
+        if record is not None and claimed is not None:
+            record.attempts = claimed.attempts  # attempts made elsewhere count here too
+
+    def deps_of(self, record: Record) -> dict[str, Any]:
+        claimed = self._worker.held.get(record.id)
+        if claimed is None:
+            return {}
+        return {i: None if text is None else json.loads(text) for i, text in claimed.deps.items()}
+
+    def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
+        # The coordinator checks references (it knows the run's tasks); here: the task's own
+        # fields and that its payload can be stored. A task spawned without an id gets one from
+        # its parent's (`<parent id>/<kind>#<n>`), unique in the run and the same on a retry:
+        # a worker cannot draw from the coordinator's `<kind>#<n>` counter.
+        if task.id is None:
+            task.id = f"{parent.id}/{task.kind}#{len(pending) + 1}"
+        self._admission.check(
+            task, f"task spawned by {parent.id!r}", None, lambda i: i in pending
+        )
+        if task.id in pending:
+            raise InputError(
+                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
+                task_id=task.id,
+                field="id",
+            )
+        try:
+            to_json(task.payload)
+        except PydanticSerializationError as exc:
+            raise InputError(
+                f"task {task.id!r} spawned by {parent.id!r}: payload cannot be stored as JSON: "
+                f"{exc}",
+                task_id=task.id,
+                field="payload",
+            ) from exc
+
+    def settle(
+        self,
+        record: Record,
+        token: int,
+        status: str,
+        output: Any = None,
+        *,
+        spawned: Sequence[Task] = (),
+        **rest: Any,
+    ) -> bool:
+        if spawned and record.token == token and record.state not in TERMINAL:
+            self._worker.spawned[record.id] = [_spawned(t) for t in spawned]
+        ended = super().settle(record, token, status, output, **rest)
+        if ended:  # heard by the run already: a worker keeps nothing of an ended task
+            self._records.pop(record.id, None)
+            self._settled.pop(record.id, None)
+        return ended
+
+
+def _spawned(task: Task) -> dict[str, Any]:
+    return {
+        "kind": task.kind,
+        "payload": task.payload,
+        "id": task.id,
+        "priority": task.priority,
+        "depends_on": list(task.depends_on),
+        "depends_on_tags": list(task.depends_on_tags),
+        "tags": list(task.tags),
+        "key": task.key,
+        "timeout": task.timeout,
+        "critical": task.critical,
+        "metadata": task.metadata,
+    }

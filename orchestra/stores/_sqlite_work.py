@@ -1,0 +1,397 @@
+"""The SQL of a run shared between processes: its coordinator and its worker processes.
+
+One process runs a run (its *coordinator*: the `orch.run(..., run_id=...)` that admits the input,
+makes tasks ready, settles them and builds the result); worker processes (`orch.work(...)`,
+``orchestra worker``) take ready tasks of their kinds from the same file and run them. SQLite's
+single writer lock (``BEGIN IMMEDIATE``) makes every step here atomic across processes:
+
+- **Claim** (a worker): the best ready rows of its kinds become ``claimed`` under a lease — the
+  worker's name in `lease_owner`, a wall-clock `lease_expires`, and a fencing token (`token` + 1).
+  A row is claimable only while its run is ``shared``: the coordinator takes its own tasks through
+  the file too from then on (`claim_offered`), so no row is ever claimed twice.
+- **Complete** (a worker): the row becomes ``done`` with its outcome, output and spawned tasks,
+  only if it still carries the worker's lease and token: a worker that comes back after its lease
+  expired (a SIGSTOP, a long GC) is refused, whatever it computed.
+- **Beat** (a worker): its leases are extended; the ones it no longer holds (expired and taken back,
+  or the task cancelled by the coordinator) are reported, for it to cancel their attempts.
+- **Poll** (the coordinator, in its window's transaction): leases past their expiry go back to
+  ready (the attempt counted), and the ``done`` rows are read, for the coordinator to settle them
+  (which readies dependents, admits spawns, and writes the task's final state).
+
+Times are wall clock (`time.time()`): leases must mean the same in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import sqlite3
+    from collections.abc import Sequence
+
+__all__ = (
+    "Claimed",
+    "beat",
+    "claim",
+    "claim_offered",
+    "complete",
+    "identity",
+    "is_alive",
+    "poll",
+    "register",
+    "release",
+    "unregister",
+)
+
+# A claimed task, as a worker gets it: everything to rebuild its `Task`, and its dependencies'
+# outputs (JSON text by id) for `ctx.deps`.
+_CLAIM_COLUMNS = (
+    "run_id, id, seq, token, kind, payload, priority, timeout, critical, metadata, attempts, "
+    "depends_on, depends_on_tags, tags"
+)
+
+
+def identity(owner: str) -> str:
+    """A process's name in the file: ``host:pid:owner`` (a coordinator's, a worker's)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{owner}"
+
+
+def is_alive(name: str) -> bool:
+    """Whether the process `name` (from `identity`) may still be running: False only when it ran
+    on this host and its pid is gone (another host's process cannot be checked: its heartbeat says)."""
+    host, _, rest = name.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+# -- a worker --------------------------------------------------------------------------------------
+
+
+def register(
+    conn: sqlite3.Connection, name: str, run_id: str | None, kinds: Sequence[str] | None, now: float
+) -> None:
+    host, _, rest = name.partition(":")
+    conn.execute(
+        "INSERT OR REPLACE INTO workers (owner, host, pid, run_id, kinds, started, heartbeat) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (name, host, int(rest.partition(":")[0]), run_id,
+         None if kinds is None else json.dumps(list(kinds)), now, now),
+    )  # fmt: skip
+
+
+def unregister(conn: sqlite3.Connection, name: str) -> None:
+    conn.execute("DELETE FROM workers WHERE owner = ?", (name,))
+
+
+class Claimed:
+    """One task a worker claimed (plain values, built in the writer thread)."""
+
+    __slots__ = (
+        "attempts",
+        "critical",
+        "depends_on",
+        "depends_on_tags",
+        "deps",
+        "id",
+        "kind",
+        "metadata",
+        "payload",
+        "priority",
+        "run_id",
+        "seq",
+        "tags",
+        "timeout",
+        "token",
+    )
+
+    def __init__(self, row: Sequence[Any]) -> None:
+        (self.run_id, self.id, self.seq, self.token, self.kind, self.payload, self.priority,
+         self.timeout, self.critical, self.metadata, self.attempts, depends_on, depends_on_tags,
+         tags) = row  # fmt: skip
+        self.depends_on: list[str] = [] if depends_on is None else json.loads(depends_on)
+        self.depends_on_tags: list[str] = (
+            [] if depends_on_tags is None else json.loads(depends_on_tags)
+        )
+        self.tags: list[str] = [] if tags is None else json.loads(tags)
+        self.deps: dict[str, str | None] = {}  # dependency id -> its output (JSON text)
+
+
+def claim(
+    conn: sqlite3.Connection,
+    name: str,
+    run_id: str | None,
+    kinds: Sequence[str] | None,
+    n: int,
+    now: float,
+    lease: float,
+) -> tuple[list[Claimed], list[str]]:
+    """Claim up to `n` ready tasks of `kinds` (None: any) of the shared runs (of `run_id` only, if
+    given), best first (priority, then admission order; runs oldest first), in one transaction.
+    Returns the claimed tasks and the ids of the runs open for claims."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("UPDATE workers SET heartbeat = ? WHERE owner = ?", (now, name))
+        if run_id is None:
+            runs = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT id FROM runs WHERE shared = 1 AND state = 'open' ORDER BY created"
+                )
+            ]
+        else:
+            runs = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT id FROM runs WHERE id = ? AND shared = 1 AND state = 'open'", (run_id,)
+                )
+            ]
+        kind_filter = ""
+        params: tuple[Any, ...] = ()
+        if kinds is not None:
+            kind_filter = f" AND kind IN ({', '.join('?' * len(kinds))})"
+            params = tuple(kinds)
+        claimed: list[Claimed] = []
+        for run in runs:
+            if len(claimed) >= n:
+                break
+            rows = conn.execute(
+                "UPDATE tasks SET state = 'claimed', token = token + 1, lease_owner = ?, "
+                "lease_expires = ? WHERE rowid IN (SELECT rowid FROM tasks WHERE run_id = ? AND "
+                f"state = 'ready' AND lease_owner IS NULL{kind_filter} ORDER BY priority, seq "
+                f"LIMIT ?) RETURNING {_CLAIM_COLUMNS}",
+                (name, now + lease, run, *params, n - len(claimed)),
+            ).fetchall()
+            batch = sorted((Claimed(row) for row in rows), key=lambda c: (c.priority, c.seq))
+            for task in batch:
+                _dependencies(conn, task)
+            claimed.extend(batch)
+        if claimed:
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail) "
+                "VALUES (?, ?, ?, 'claimed', NULL, ?, ?)",
+                [(c.run_id, c.id, now, c.attempts, f"by {name} (token {c.token})") for c in claimed],
+            )
+            conn.execute(
+                "UPDATE workers SET claimed = claimed + ? WHERE owner = ?", (len(claimed), name)
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return claimed, runs
+
+
+def _dependencies(conn: sqlite3.Connection, task: Claimed) -> None:
+    """The outputs of what `task` waited for (its dependencies, the members of its groups)."""
+    if task.depends_on:
+        marks = ", ".join("?" * len(task.depends_on))
+        for dep_id, output in conn.execute(
+            f"SELECT id, output FROM tasks WHERE run_id = ? AND id IN ({marks})",
+            (task.run_id, *task.depends_on),
+        ):
+            task.deps[dep_id] = output
+    for tag in task.depends_on_tags:
+        for dep_id, output in conn.execute(
+            "SELECT t.id, t.output FROM tasks AS t, json_each(t.tags) AS j "
+            "WHERE t.run_id = ? AND j.value = ? ORDER BY t.seq",
+            (task.run_id, tag),
+        ):
+            task.deps[dep_id] = output
+
+
+def complete(
+    conn: sqlite3.Connection,
+    name: str,
+    now: float,
+    ends: Sequence[tuple[Any, ...]],
+    attempts: Sequence[Sequence[tuple[Any, ...]]],
+) -> list[bool]:
+    """Write what a worker's tasks came to, each only if the worker still holds its lease under
+    the same token. `ends`: (outcome, output JSON, agent, error, error_type, defaulted, attempts,
+    started, finished, spawned JSON, run id, task id, token); `attempts[i]`: the attempts rows
+    of `ends[i]`'s failed attempts. Returns, for each, whether it was accepted."""
+    accepted: list[bool] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        events = []
+        for end, failed in zip(ends, attempts, strict=True):
+            changed = conn.execute(
+                "UPDATE tasks SET state = 'done', outcome = ?, output = ?, agent = ?, error = ?, "
+                "error_type = ?, defaulted = ?, attempts = ?, started = ?, finished = ?, "
+                "spawned = ?, lease_owner = NULL, lease_expires = NULL "
+                "WHERE run_id = ? AND id = ? AND token = ? AND lease_owner = ? "
+                "AND state IN ('claimed', 'running')",
+                (*end, name),
+            ).rowcount
+            ok = changed == 1
+            accepted.append(ok)
+            run_id, task_id, token = end[-3:]
+            if ok:
+                if failed:
+                    conn.executemany(
+                        "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        failed,
+                    )
+            else:
+                events.append(
+                    (run_id, task_id, now, "refused", end[2], end[6],
+                     f"{end[0]} from {name} refused: its lease (token {token}) is no longer held")
+                )  # fmt: skip
+        if events:
+            conn.executemany(
+                "INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                events,
+            )
+        conn.execute(
+            "UPDATE workers SET completed = completed + ?, heartbeat = ? WHERE owner = ?",
+            (sum(accepted), now, name),
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return accepted
+
+
+def beat(
+    conn: sqlite3.Connection, name: str, now: float, lease: float
+) -> tuple[set[tuple[str, str, int]], list[str]]:
+    """Extend a worker's leases; return the (run id, task id, token) it still holds, and the ids
+    of the runs open for claims."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("UPDATE workers SET heartbeat = ? WHERE owner = ?", (now, name))
+        conn.execute(
+            "UPDATE tasks SET lease_expires = ? WHERE lease_owner = ? "
+            "AND state IN ('claimed', 'running')",
+            (now + lease, name),
+        )
+        held = {
+            (r, t, k)
+            for r, t, k in conn.execute(
+                "SELECT run_id, id, token FROM tasks WHERE lease_owner = ? "
+                "AND state IN ('claimed', 'running')",
+                (name,),
+            )
+        }
+        runs = [
+            r[0] for r in conn.execute("SELECT id FROM runs WHERE shared = 1 AND state = 'open'")
+        ]
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return held, runs
+
+
+def release(conn: sqlite3.Connection, name: str, held: Sequence[tuple[str, str, int]]) -> int:
+    """Hand back tasks a worker claimed and never started (it is stopping): ready again, no
+    attempt counted. Returns how many were still its own."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        count = 0
+        for run_id, task_id, token in held:
+            count += conn.execute(
+                "UPDATE tasks SET state = 'ready', token = token + 1, lease_owner = NULL, "
+                "lease_expires = NULL WHERE run_id = ? AND id = ? AND token = ? "
+                "AND lease_owner = ? AND state = 'claimed'",
+                (run_id, task_id, token, name),
+            ).rowcount
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return count
+
+
+# -- the coordinator -------------------------------------------------------------------------------
+
+
+def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str) -> bool:
+    """The coordinator takes one of its own ready rows (one a worker could claim too): True if it
+    was still ready (one statement: atomic on its own)."""
+    return (
+        conn.execute(
+            "UPDATE tasks SET state = 'claimed' WHERE run_id = ? AND id = ? AND state = 'ready' "
+            "AND lease_owner IS NULL",
+            (run_id, task_id),
+        ).rowcount
+        == 1
+    )
+
+
+class Polled:
+    """What the coordinator's window learned of its shared run (built in the writer thread)."""
+
+    __slots__ = ("done", "done_attempts", "expired", "workers")
+
+    def __init__(self) -> None:
+        self.workers: list[str | None] = []  # the kinds (JSON) of the live workers for this run
+        self.expired: list[tuple[str, str, int]] = []  # (task id, its lost worker, attempts)
+        self.done: list[tuple[Any, ...]] = []  # the rows workers completed
+        self.done_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
+
+
+def poll(
+    conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool
+) -> Polled:
+    """Inside the coordinator's write transaction: the live workers that may serve the run and,
+    once the run is shared, the leases expired (their rows ready again, the attempt counted) and
+    the rows workers completed."""
+    polled = Polled()
+    polled.workers = [
+        kinds
+        for (kinds,) in conn.execute(
+            "SELECT kinds FROM workers WHERE heartbeat > ? AND (run_id IS NULL OR run_id = ?)",
+            (now - lease, run_id),
+        )
+    ]
+    if not shared:
+        return polled
+    expired = conn.execute(
+        "SELECT id, lease_owner, attempts + 1 FROM tasks WHERE lease_owner IS NOT NULL "
+        "AND run_id = ? AND lease_expires < ? AND state IN ('claimed', 'running')",
+        (run_id, now),
+    ).fetchall()
+    if expired:
+        conn.executemany(
+            "UPDATE tasks SET state = 'ready', token = token + 1, attempts = ?, "
+            "lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND id = ?",
+            [(attempts, run_id, task_id) for task_id, _, attempts in expired],
+        )
+        polled.expired = expired
+    polled.done = conn.execute(
+        "SELECT id, outcome, output, agent, error, error_type, defaulted, attempts, started, "
+        "finished, spawned FROM tasks WHERE run_id = ? AND state = 'done'",
+        (run_id,),
+    ).fetchall()
+    if polled.done:
+        ids = [row[0] for row in polled.done]
+        polled.done_attempts = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            polled.done_attempts.extend(
+                conn.execute(
+                    "SELECT task_id, number, agent, error_type, message, started, duration, "
+                    "retry_in, traceback, status_code, api_error_type, request_id FROM attempts "
+                    f"WHERE run_id = ? AND task_id IN ({', '.join('?' * len(chunk))}) "
+                    "ORDER BY rowid",
+                    (run_id, *chunk),
+                ).fetchall()
+            )
+    return polled
