@@ -73,7 +73,8 @@ class TaskSpec(pydantic.BaseModel):
 
 def load_orchestrator(target: str) -> Orchestrator:
     """The orchestrator `target` names: ``package.module:factory`` or ``path/to/file.py:factory``,
-    where `factory` is an `Orchestrator` or a function returning one (called with no arguments).
+    where `factory` is an `Orchestrator` or a function returning one (called with no arguments),
+    or a list of agents (or a function returning one): an orchestrator with the defaults.
 
     The current directory is importable, as with ``python -m``. Raises `ConfigError` saying what is
     wrong (no colon, no such module or attribute, not an orchestrator).
@@ -100,12 +101,14 @@ def load_orchestrator(target: str) -> Orchestrator:
         raise  # the user's module failed on an import of its own: show its traceback
     except AttributeError as exc:
         raise ConfigError(f"module {module!r} has no attribute {attr!r}") from exc
-    if not isinstance(obj, Orchestrator):
+    if not isinstance(obj, Orchestrator | list | tuple):
         if not callable(obj):
             raise ConfigError(
                 f"{target} is a {type(obj).__name__}, not an Orchestrator or a factory"
             )
         obj = obj()
+    if isinstance(obj, list | tuple):  # a list of agents: an orchestrator with the defaults
+        obj = Orchestrator(agents=list(obj))
     if inspect.isawaitable(obj):
         if inspect.iscoroutine(obj):
             obj.close()  # never awaited: no "coroutine was never awaited" warning

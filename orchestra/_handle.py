@@ -27,7 +27,7 @@ from ._status import snapshot, starting
 from ._store import Selector
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+    from collections.abc import Awaitable, Callable, Generator
 
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -258,7 +258,7 @@ class RunHandle:
             return True
         return bool(self._run.store.reprioritize(task_id, priority))
 
-    def results(self) -> AsyncIterator[TaskResult]:
+    def results(self) -> _Results:
         """The `TaskResult`s of the tasks that finish from now on: ``async for r in
         handle.results()``. Call it right after `start` to see every one.
 
@@ -344,6 +344,10 @@ class _Results:
     def __del__(self) -> None:
         # A reader that goes away unfinished closes its end: the run then drops its results
         # instead of buffering them for nobody.
+        self._receive.close()
+
+    async def aclose(self) -> None:
+        """Stop reading: the run drops its results from now on."""
         self._receive.close()
 
     async def __anext__(self) -> TaskResult:

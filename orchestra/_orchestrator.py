@@ -44,7 +44,8 @@ from ._registry import Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
-from .stores import MemoryStore
+from ._worker import WorkReport, work
+from .stores import MemoryStore, SQLiteStore
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -57,8 +58,6 @@ if TYPE_CHECKING:
     from ._result import RunResult
     from ._store import Store
     from ._verify import Check
-    from ._worker import WorkReport
-    from .stores import SQLiteStore
 
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 
@@ -342,9 +341,7 @@ class Orchestrator:
             raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
         return self._launch(input, tasks, run_id, self._config)
 
-    def _launch(
-        self, input: Any, tasks: Any, run_id: str | None, config: RunConfig
-    ) -> RunHandle:
+    def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
         """`start` with `config` (a worker's run has its own store: orchestra/_worker.py)."""
         tg = self._tg
         assert tg is not None
@@ -451,9 +448,6 @@ class Orchestrator:
         Raises:
             ConfigError: no SQLite store, or kinds no agent here serves.
         """
-        from ._worker import work  # noqa: PLC0415 - the worker and the SQLite store load on use
-        from .stores import SQLiteStore  # noqa: PLC0415
-
         store = store if store is not None else self._config.store
         if not isinstance(store, SQLiteStore):
             raise ConfigError(

@@ -18,6 +18,7 @@ the coordinator instead of run here, and an ended task is forgotten (a worker ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -127,6 +128,7 @@ class Worker:
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
         self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
         self._room = anyio.Event()
+        self._ended = anyio.Event()
         self._stopping = False
         self._finished = False  # the run it serves is over: stop claiming
         self._wall0 = time.time()
@@ -153,11 +155,13 @@ class Worker:
                     claimed = self.held.get(result.task_id)
                     if claimed is not None:
                         self.ends.append((claimed, result))
+                        self._ended.set()
                 await handle
                 tg.cancel_scope.cancel()
             await self._write()
         finally:
             with anyio.CancelScope(shield=True):
+                await results.aclose()
                 await self._leave(handle)
         log.info(
             "worker stopped",
@@ -173,11 +177,8 @@ class Worker:
         self._stopping = True
         self._room.set()
         if not handle.done:
-            handle.cancel()
-            try:
-                await handle
-            except BaseException:  # noqa: BLE001 - its end is not ours to report; the claims are
-                pass
+            with contextlib.suppress(Exception):  # its end is not ours to report
+                await handle.stop(grace=0)
         try:
             await self._write()
             ended = {claimed.id for claimed, _ in self.ends}
@@ -200,10 +201,14 @@ class Worker:
             batch, runs = await self.call(
                 sharing.claim, self.name, self.run_id, self.kinds, room, time.time(), store.lease
             )
-            if self.run_id is not None and self.run_id not in runs and not self.held:
-                if await self.call(_closed, self.run_id):
-                    self._finished = True
-                    return
+            if (
+                self.run_id is not None
+                and self.run_id not in runs
+                and not self.held
+                and await self.call(_closed, self.run_id)
+            ):
+                self._finished = True
+                return
             if not batch:
                 await anyio.sleep(self.poll)
                 continue
@@ -228,8 +233,10 @@ class Worker:
     # -- completions -----------------------------------------------------------------------------
 
     async def _write_ends(self) -> None:
+        # A group commit: one transaction for whatever ended while the last one was written.
         while True:
-            await anyio.sleep(self.store.window)
+            await self._ended.wait()
+            self._ended = anyio.Event()
             await self._write()
 
     async def _write(self) -> None:
@@ -312,7 +319,7 @@ class Worker:
             if lost:
                 self.report.lost += len(lost)
                 log.warning("leases lost: cancelling", worker=self.name, task_ids=lost)
-                handle.cancel(task_ids=lost)
+                handle.cancel(task_id=lost)
 
 
 def _closed(conn: Any, run_id: str) -> bool:
@@ -377,11 +384,10 @@ class _WorkerRun(MemoryRun):
         # fields and that its payload can be stored. A task spawned without an id gets one from
         # its parent's (`<parent id>/<kind>#<n>`), unique in the run and the same on a retry:
         # a worker cannot draw from the coordinator's `<kind>#<n>` counter.
-        if task.id is None:
+        given: str | None = task.id  # typed `str`: None until an id is given it
+        if given is None:
             task.id = f"{parent.id}/{task.kind}#{len(pending) + 1}"
-        self._admission.check(
-            task, f"task spawned by {parent.id!r}", None, lambda i: i in pending
-        )
+        self._admission.check(task, f"task spawned by {parent.id!r}", None, lambda i: i in pending)
         if task.id in pending:
             raise InputError(
                 f"task {parent.id!r} spawns duplicate task id {task.id!r}",

@@ -1,5 +1,5 @@
-"""The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `bench`, `runs`,
-`--version`.
+"""The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `worker`, `bench`,
+`runs`, `--version`.
 
 Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that does not load, an input
 line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
@@ -17,6 +17,7 @@ import contextlib
 import importlib.metadata
 import re
 import runpy
+import signal
 import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Final
@@ -27,14 +28,17 @@ from rich.console import Console
 from . import __version__
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_jsonl, summary
 from ._console import KEYS, watch
-from ._exceptions import ConfigError, InputError
+from ._exceptions import ConfigError, InputError, StoreError
 from ._runs_cli import runs_app
+from ._worker import Worker
+from .stores import SQLiteStore
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ._orchestrator import Orchestrator
     from ._result import RunResult
+    from ._worker import WorkReport
 
 __all__ = ("app", "main", "run_demo", "run_job")
 
@@ -227,6 +231,105 @@ def _writing(path: Path | None) -> Iterator[IO[str]]:
         return
     with path.open("w", encoding="utf-8") as stream:
         yield stream
+
+
+# -- worker ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def worker(
+    db: Annotated[
+        Path,
+        typer.Option(
+            "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
+        ),
+    ],
+    agents: Annotated[
+        str,
+        typer.Option(
+            "--agents",
+            metavar="MODULE:NAME",
+            help="The agents: an Orchestrator, a list of agents, or a function returning one "
+            "(package.module:name or path/to/file.py:name). Their limits, retries and "
+            "fallbacks apply here.",
+            show_default=False,
+        ),
+    ],
+    kinds: Annotated[
+        str | None,
+        typer.Option(
+            "--kinds",
+            metavar="KIND,KIND",
+            help="The kinds to take, comma-separated (default: every kind the agents serve).",
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id", help="Serve this run only, and exit when it is over (default: every run)."
+        ),
+    ] = None,
+    lease: Annotated[
+        float,
+        typer.Option(
+            "--lease",
+            metavar="SECONDS",
+            help="How long a claim lasts without a heartbeat: a worker killed or paused longer "
+            "loses its tasks, which run again elsewhere.",
+            min=0.5,
+        ),
+    ] = 30.0,
+) -> None:
+    """Work for the runs of a SQLite file: claim ready tasks, run them, write back the results.
+
+    Start as many as you like, on the file the runs' own processes use (`SQLiteStore(path)`). Ctrl-C
+    or SIGTERM stops a worker: what it claimed and did not finish goes back to the queue.
+    Exit code: 0 done (the run of --run-id is over), 130 stopped, 2 usage error.
+    """
+    if not db.is_file():
+        raise _fail(f"no such file: {db} (a run creates it: orch.run(..., run_id=...))")
+    try:
+        orch = load_orchestrator(agents)
+        store = SQLiteStore(db, lease=lease)
+        wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
+        report, interrupted = asyncio.run(_work(orch, store, wanted, run_id))
+    except (ConfigError, InputError, StoreError) as exc:
+        raise _fail(str(exc)) from None
+    _stderr().print(
+        f"worker {report.worker}: {report.claimed} claimed, {report.completed} completed, "
+        f"{report.refused} refused, {report.lost} lost, {report.released} handed back",
+        markup=False,
+    )
+    raise typer.Exit(INTERRUPTED if interrupted else 0)
+
+
+async def _work(
+    orch: Orchestrator, store: SQLiteStore, kinds: list[str] | None, run_id: str | None
+) -> tuple[WorkReport, bool]:
+    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it (what it holds is handed
+    back); its report, and whether a signal stopped it."""
+    loop = asyncio.get_running_loop()
+    stopped = False
+    async with orch:
+        worker = Worker(orch, store, run_id, kinds, 0.1)
+        job = asyncio.ensure_future(worker.run())
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            job.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        try:
+            await job
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    return worker.report, stopped
 
 
 # -- bench ----------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ The schema has the columns (`token`, `lease_owner`, `lease_expires`) and the ind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -107,6 +108,10 @@ if TYPE_CHECKING:
     from .._store import Listener, Selector
 
 __all__ = ("SQLiteRun", "SQLiteStore")
+
+# A task whose lease expires this many times fails: a task that kills every worker it reaches (a
+# segfault, the OOM killer) must not take the whole pool down one worker after another.
+_MAX_LOST = 3
 
 
 class SQLiteStore:
@@ -290,9 +295,7 @@ class SQLiteRun:
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_every = min(0.25, store.lease / 3)
         self._beat_at = 0.0  # wall time of the last heartbeat written
-        rows, attempts, seq = store.call(
-            io.open_run, run_id, self._wall0, self._name, store.lease
-        )
+        rows, attempts, seq = store.call(io.open_run, run_id, self._wall0, self._name, store.lease)
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
@@ -330,6 +333,9 @@ class SQLiteRun:
                 events.append((record.id, now, "ready", None, None, None))
         self._arm()
         self._listener.ready_all(records)
+
+    def wake(self) -> None:
+        self._listener.wake()
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,
@@ -550,6 +556,7 @@ class SQLiteRun:
                 self._remote[record.id] = record
         if done:  # their failed attempts are among the records' failures already
             self._settle_done(done, [])
+            self.resumed += len(done)  # results kept from before this process, too
 
     def _match(self, tasks: Sequence[Any], first: int) -> None:
         """Input admitted again on resume: the stored task with its id (generated ids are
@@ -642,13 +649,13 @@ class SQLiteRun:
         else:
             self._remote[record.id] = record
             # The worker that asked waits for a task: hand it the next one, if there is one.
-            record = self._memory.claim()  # type: ignore[assignment]
-            if record is None:
+            following = self._memory.claim()
+            if following is None:
                 return
-            if record.id in self._offered:
-                self._claim_offered(record)
+            if following.id in self._offered:
+                self._claim_offered(following)
                 return
-            self._runnable.append(record)
+            self._runnable.append(following)
         self._listener.wake()
 
     def heartbeat(self, record: Record, token: int) -> bool:
@@ -909,10 +916,8 @@ class SQLiteRun:
             unwritten.pop(key, None)
         polled = write.result()
         if polled is not None and self._loop is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
                 self._loop.call_soon_threadsafe(self._polled, polled)
-            except RuntimeError:  # the loop is closed: the run is over
-                pass
 
     # -- sharing the run with worker processes (`_sqlite_work`) ----------------------------------
 
@@ -968,7 +973,18 @@ class SQLiteRun:
             duration=0.0,
         )
         record.attempts = attempts
-        if self._remote.pop(task_id, None) is not None:
+        remote = self._remote.pop(task_id, None) is not None
+        lost = 1 + sum(a.error_type == "LeaseExpired" for a in record.failures or ())
+        if lost >= _MAX_LOST:
+            token = record.token if remote else self._memory.take(record)
+            self._offered.discard(task_id)
+            self.settle(
+                record, token, FAILED, attempt=attempt, error_type="LeaseExpired",
+                error=f"{lost} workers in a row lost the task (each stopped renewing its lease: "
+                "killed, paused or cut off): it may be what kills them, so it is not run again",
+            )  # fmt: skip
+            return
+        if remote:
             self._memory.fail(record, record.token, attempt)
         else:  # still ready here: never claimed by this process
             if record.failures is None:
@@ -996,8 +1012,11 @@ class SQLiteRun:
             self._offered.discard(task_id)
             record.attempts = attempts
             more = failures.get(task_id)
-            if more:
-                record.failures = (record.failures or []) + more
+            if more:  # the worker's failed attempts (not the ones written here: lost leases)
+                known = {a.number for a in record.failures or ()}
+                record.failures = (record.failures or []) + [
+                    a for a in more if a.number not in known
+                ]
             if started is not None:
                 record.t_start = started - self._offset
             status = STATES[outcome]

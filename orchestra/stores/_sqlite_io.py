@@ -178,9 +178,7 @@ def open_run(
     alive when it ran on this host) is refused."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        known = conn.execute(
-            "SELECT owner, heartbeat FROM runs WHERE id = ?", (run_id,)
-        ).fetchone()
+        known = conn.execute("SELECT owner, heartbeat FROM runs WHERE id = ?", (run_id,)).fetchone()
         if known is not None:
             holder, seen = known
             if (

@@ -183,7 +183,10 @@ def claim(
             conn.executemany(
                 "INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail) "
                 "VALUES (?, ?, ?, 'claimed', NULL, ?, ?)",
-                [(c.run_id, c.id, now, c.attempts, f"by {name} (token {c.token})") for c in claimed],
+                [
+                    (c.run_id, c.id, now, c.attempts, f"by {name} (token {c.token})")
+                    for c in claimed
+                ],
             )
             conn.execute(
                 "UPDATE workers SET claimed = claimed + ? WHERE owner = ?", (len(claimed), name)
@@ -347,9 +350,7 @@ class Polled:
         self.done_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
 
 
-def poll(
-    conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool
-) -> Polled:
+def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool) -> Polled:
     """Inside the coordinator's write transaction: the live workers that may serve the run and,
     once the run is shared, the leases expired (their rows ready again, the attempt counted) and
     the rows workers completed."""

@@ -1,0 +1,493 @@
+"""Worker processes on a SQLite file: claims under leases with fencing tokens, completions the
+coordinator settles, expired leases, refused late completions, one coordinator per run.
+
+In-process tests run a coordinator and a worker as two orchestrators on two `SQLiteStore` objects
+of one file (what two processes do, without the processes); the process tests start real
+``orchestra worker`` processes and kill, stop and continue them with real signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from orchestra import (
+    ConfigError,
+    Context,
+    Orchestrator,
+    StoreError,
+    Task,
+    agent,
+)
+from orchestra.stores import MemoryStore, SQLiteStore
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from orchestra import RunHandle, RunResult, TaskResult
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def recorder(name: str, calls: list[tuple[str, str]], delay: float = 0.0) -> Any:
+    @agent(kinds=["work", "split", "sum"], name=name)
+    async def run(task: Task, ctx: Context) -> Any:
+        calls.append((name, task.id))
+        if delay:
+            await anyio.sleep(delay)
+        if task.kind == "split":
+            for i in range(task.payload):
+                ctx.spawn(Task("work", i, id=f"{task.id}.{i}"))
+            ctx.spawn(Task("work", 100))  # no id: named after its parent on a worker
+            return "split"
+        if task.kind == "sum":
+            return sorted(ctx.deps.items())
+        return task.payload * 2
+
+    return run
+
+
+def rows(db: Path, sql: str, *args: Any) -> list[Any]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+async def finish(handle: RunHandle) -> tuple[RunResult, dict[str, TaskResult]]:
+    """The run's result, and every task's (`handle.results()` must have been asked at its start)."""
+    ended = {r.task_id: r async for r in handle.results()}
+    return await handle, ended
+
+
+async def until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    with anyio.fail_after(within):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+class TestInOneProcess:
+    async def test_a_worker_and_the_coordinator_run_every_task_once(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        coordinator = Orchestrator(
+            agents=[recorder("here", calls, 0.01)], store=SQLiteStore(db), concurrency=2
+        )
+        helper = Orchestrator(
+            agents=[recorder("there", calls, 0.01)], store=SQLiteStore(db), concurrency=8
+        )
+        async with helper, anyio.create_task_group() as tg:
+            reports = []
+
+            async def serve() -> None:
+                reports.append(await helper.work(run_id="r"))
+
+            tg.start_soon(serve)
+            result = await coordinator.run(tasks=[Task("work", i) for i in range(200)], run_id="r")
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [2 * i for i in range(200)]
+        ran = collections.Counter(task_id for _, task_id in calls)
+        assert len(ran) == 200
+        assert set(ran.values()) == {1}
+        by = collections.Counter(name for name, _ in calls)
+        assert by["there"] > 0
+        assert by["here"] > 0
+        (report,) = reports
+        assert report.completed == by["there"] == report.claimed
+        assert report.refused == report.lost == 0
+        claimed = rows(db, "SELECT count(*) FROM events WHERE run_id = 'r' AND event = 'claimed'")
+        assert claimed[0][0] == by["there"]  # the journal says who claimed what
+        assert rows(db, "SELECT owner, shared, state FROM runs") == [(None, 0, "closed")]
+        assert rows(db, "SELECT count(*) FROM workers") == [(0,)]  # it left
+
+    async def test_a_paused_coordinator_leaves_it_all_to_the_worker_dependencies_and_spawns_too(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        tasks = [
+            Task("split", 3, id="a"),
+            Task("work", 5, id="b"),
+            Task("sum", None, id="c", depends_on=["a", "b"]),
+        ]
+        coordinator = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[recorder("there", calls)], store=SQLiteStore(db))
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.results()
+            handle.pause()  # nothing starts here: every task is the worker's
+            tg.start_soon(helper.work, None)
+            result, ended = await finish(handle)
+            tg.cancel_scope.cancel()
+        assert {name for name, _ in calls} == {"there"}
+        assert result.status == "success", result.errors
+        assert result.data["c"] == [["a", "split"], ["b", 10]]  # deps' outputs, from the file
+        spawned = {i: r.output for i, r in ended.items() if i.startswith("a")}
+        assert spawned == {"a": "split", "a.0": 0, "a.1": 2, "a.2": 4, "a/work#4": 200}
+        assert sorted(t for _, t in calls) == [*sorted(spawned), "b", "c"]
+
+    async def test_a_worker_takes_only_its_kinds(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        coordinator = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[recorder("there", calls)], store=SQLiteStore(db))
+        tasks = [Task("work", i) for i in range(20)] + [Task("sum", None, id="s")]
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.pause()
+            tg.start_soon(lambda: helper.work(run_id="r", kinds=["work"]))
+            await until(lambda: len(calls) == 20)
+            await anyio.sleep(0.3)  # a few claims more: "sum" is not its kind
+            assert {t for _, t in calls} == {f"work#{i}" for i in range(1, 21)}
+            handle.resume()  # the coordinator runs "sum" itself
+            result = await handle
+        assert result.status == "success"
+        assert ("here", "s") in calls
+
+    async def test_a_task_cancelled_by_the_coordinator_is_cancelled_on_the_worker(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        started = anyio.Event()
+        cancelled: list[str] = []
+
+        @agent(kinds=["work"])
+        async def slow(task: Task, ctx: Context) -> Any:
+            started.set()
+            try:
+                await anyio.sleep(30)
+            except BaseException:
+                cancelled.append(task.id)
+                raise
+
+        store = SQLiteStore(db, lease=0.6, window=0.02)
+        coordinator = Orchestrator(agents=[slow], store=store)
+        helper = Orchestrator(agents=[slow], store=SQLiteStore(db, lease=0.6, window=0.02))
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=[Task("work", 1, id="t")], run_id="r")
+            handle.results()
+            handle.pause()
+            reports = []
+
+            async def serve() -> None:
+                reports.append(await helper.work(run_id="r"))
+
+            tg.start_soon(serve)
+            await started.wait()
+            handle.cancel(task_id="t")
+            _, ended = await finish(handle)
+            await until(lambda: bool(reports))
+        assert ended["t"].status == "cancelled"
+        assert cancelled == ["t"]  # the worker saw its lease go at its next heartbeat
+        assert reports[0].lost == 1
+        assert reports[0].completed == 0
+
+    async def test_a_second_coordinator_of_a_live_run_is_refused(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        gate = anyio.Event()
+
+        @agent(kinds=["work"])
+        async def wait(task: Task, ctx: Context) -> Any:
+            await gate.wait()
+            return 1
+
+        first = Orchestrator(agents=[wait], store=SQLiteStore(db))
+        second = Orchestrator(agents=[wait], store=SQLiteStore(db))
+        async with first:
+            handle = first.start(tasks=[Task("work", 1)], run_id="r")
+            await until(lambda: handle.status().active == 1)
+            with pytest.raises(StoreError, match=r"already being run by another process \(pid"):
+                await second.run(tasks=[Task("work", 1)], run_id="r")
+            gate.set()
+            assert (await handle).status == "success"
+        # Let go of at the end: the same run id may be run again (a resume: nothing left to do).
+        assert (await second.run(tasks=[Task("work", 1)], run_id="r")).metadata.resumed == 1
+
+    async def test_bad_configurations_are_config_errors(self, tmp_path: Path) -> None:
+        orch = Orchestrator(agents=[recorder("here", [])])
+        with pytest.raises(ConfigError, match="needs a SQLiteStore"):
+            await orch.work()
+        with pytest.raises(ConfigError, match="needs a SQLiteStore"):
+            await orch.work(MemoryStore())  # type: ignore[arg-type]
+        store = SQLiteStore(tmp_path / "runs.db")
+        with pytest.raises(ConfigError, match=r"kinds \['nope'\] have no agent here"):
+            await orch.work(store, kinds=["nope"])
+        with pytest.raises(ConfigError, match="not one string"):
+            await orch.work(store, kinds="work")
+        with pytest.raises(ConfigError, match="lease"):
+            SQLiteStore(tmp_path / "runs.db", lease=0.1)
+
+
+# -- real processes --------------------------------------------------------------------------------
+
+
+def start_worker(
+    db: Path,
+    calls: Path,
+    *,
+    run_id: str = "r",
+    delay: float = 0.0,
+    lease: float = 30.0,
+    concurrency: int = 8,
+) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "WORKER_CALLS": str(calls),
+        "WORKER_DELAY": str(delay),
+        "WORKER_CONCURRENCY": str(concurrency),
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
+         "tests/worker_job.py:agents", "--run-id", run_id, "--lease", str(lease)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def ran(calls: Path) -> list[tuple[str, int]]:
+    if not calls.exists():
+        return []
+    return [(t, int(p)) for t, p in (line.split() for line in calls.read_text().splitlines())]
+
+
+async def coordinate(
+    db: Path, tasks: list[Task], lease: float = 30.0
+) -> tuple[RunResult, dict[str, TaskResult]]:
+    """Run `tasks` as run "r" from this process, paused: the worker processes run everything."""
+
+    @agent(kinds=["work", "other"])
+    async def never(task: Task, ctx: Context) -> Any:
+        raise AssertionError("the coordinator is paused")
+
+    orch = Orchestrator(agents=[never], store=SQLiteStore(db, lease=lease))
+    async with orch:
+        handle = orch.start(tasks=tasks, run_id="r")
+        handle.results()
+        handle.pause()
+        with anyio.fail_after(120):
+            return await finish(handle)
+
+
+def wait_all(workers: list[subprocess.Popen[str]]) -> list[str]:
+    errs = []
+    for worker in workers:
+        _, err = worker.communicate(timeout=60)
+        errs.append(err)
+    return errs
+
+
+class TestWorkerProcesses:
+    async def test_three_workers_run_5000_tasks_each_exactly_once(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()  # the file and its schema, before the processes open it
+        workers = [start_worker(db, calls) for _ in range(3)]
+        try:
+            result, _ = await coordinate(db, [Task("work", i) for i in range(5000)])
+        finally:
+            errs = wait_all(workers)
+        assert [w.returncode for w in workers] == [0, 0, 0], errs
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [2 * i for i in range(5000)]
+        executed = ran(calls)
+        assert len(executed) == 5000  # no task twice: no worker died, no claim was doubled
+        assert {t for t, _ in executed} == {f"work#{i}" for i in range(1, 5001)}
+        by_pid = collections.Counter(p for _, p in executed)
+        assert set(by_pid) == {w.pid for w in workers}, by_pid  # all three took part
+        claims = rows(
+            db, "SELECT task_id, count(*) FROM events WHERE event = 'claimed' GROUP BY task_id"
+        )
+        assert len(claims) == 5000
+        assert {n for _, n in claims} == {1}
+        for err in errs:
+            assert "0 refused, 0 lost" in err
+
+    async def test_a_killed_worker_loses_nothing(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        victim = start_worker(db, calls, delay=0.05, lease=1.0)
+        survivor = start_worker(db, calls, delay=0.05, lease=1.0)
+        tasks = [Task("work", i) for i in range(200)]
+        async with anyio.create_task_group() as tg:
+            results: list[tuple[RunResult, dict[str, TaskResult]]] = []
+
+            async def run() -> None:
+                results.append(await coordinate(db, tasks, lease=1.0))
+
+            tg.start_soon(run)
+            await until(lambda: sum(p == victim.pid for _, p in ran(calls)) >= 20, 30)
+            victim.send_signal(signal.SIGKILL)
+        wait_all([victim, survivor])
+        ((result, ended),) = results
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [2 * i for i in range(200)]
+        executed = ran(calls)
+        by_task = collections.defaultdict(list)
+        for task_id, pid in executed:
+            by_task[task_id].append(pid)
+        again = {t for t, pids in by_task.items() if len(pids) > 1}
+        assert again, "the victim held tasks when it was killed"
+        for task_id in again:  # run again elsewhere, with the lost attempt counted
+            assert by_task[task_id] == [victim.pid, survivor.pid]
+            record = ended[task_id]
+            assert record.attempts == 2
+            assert record.agent == "double"
+        accepted = {r[0] for r in rows(db, "SELECT task_id FROM events WHERE event = 'claimed'")}
+        assert accepted == set(by_task)
+        errors = [e for r in ended.values() for e in (r.failures or ())]
+        assert {e.error_type for e in errors} == {"LeaseExpired"}
+
+    async def test_a_worker_paused_past_its_lease_has_its_late_completion_refused(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        sleeper = start_worker(db, calls, delay=0.5, lease=1.0)
+        await until(lambda: bool(rows(db, "SELECT * FROM workers")), 20)
+        tasks = [Task("work", i) for i in range(4)]
+        async with anyio.create_task_group() as tg:
+            results: list[tuple[RunResult, dict[str, TaskResult]]] = []
+
+            async def run() -> None:
+                results.append(await coordinate(db, tasks, lease=1.0))
+
+            tg.start_soon(run)
+            await until(lambda: len(ran(calls)) == 4, 20)  # it holds all four, mid-call
+            sleeper.send_signal(signal.SIGSTOP)
+            await anyio.sleep(2.0)  # past its lease: the coordinator takes the tasks back
+            other = start_worker(db, calls, lease=1.0)
+            await until(lambda: len(ran(calls)) == 8, 20)
+            sleeper.send_signal(signal.SIGCONT)  # it wakes and completes: too late
+        sleeper_err, other_err = wait_all([sleeper, other])
+        ((result, ended),) = results
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [0, 2, 4, 6]
+        refused = rows(db, "SELECT task_id FROM events WHERE event = 'refused'")
+        assert sorted(t for (t,) in refused) == [f"work#{i}" for i in range(1, 5)]
+        assert "0 completed, 4 refused" in sleeper_err
+        assert "4 completed, 0 refused" in other_err
+        for record in ended.values():
+            assert record.attempts == 2
+            assert [f.error_type for f in record.failures or ()] == ["LeaseExpired"]
+
+    async def test_a_worker_stopped_by_sigterm_hands_back_what_it_holds(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        worker = start_worker(db, calls, delay=30)
+        await until(lambda: bool(rows(db, "SELECT * FROM workers")), 20)
+        orch = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
+        async with orch:
+            handle = orch.start(tasks=[Task("work", i) for i in range(3)], run_id="r")
+            handle.results()
+            handle.pause()
+            await until(lambda: len(ran(calls)) == 3, 20)
+            worker.send_signal(signal.SIGTERM)
+            _, err = await asyncio.to_thread(worker.communicate, timeout=30)
+            assert worker.returncode == 130, err
+            assert "3 handed back" in err
+            handle.resume()  # handed back: ready at once, not after a lease
+            result, ended = await finish(handle)
+        assert result.status == "success"
+        assert all(r.attempts == 1 for r in ended.values())  # an attempt cut short is not counted
+        assert not rows(db, "SELECT * FROM workers")
+
+
+class TestCrashes:
+    async def test_a_task_that_kills_every_worker_fails_after_three(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        tasks = [Task("work", "poison", id="poison"), Task("work", 1, id="fine")]
+        # One task at a time: a task a killed worker held with the poison would be lost with it.
+        workers = [start_worker(db, calls, lease=1.0, concurrency=1)]
+        async with anyio.create_task_group() as tg:
+            results: list[tuple[RunResult, dict[str, TaskResult]]] = []
+
+            async def run() -> None:
+                results.append(await coordinate(db, tasks, lease=1.0))
+
+            tg.start_soon(run)
+            with anyio.fail_after(60):
+                while not results:  # a worker dies: another one starts, as a supervisor would
+                    if workers[-1].poll() is not None:
+                        workers.append(start_worker(db, calls, lease=1.0, concurrency=1))
+                    await anyio.sleep(0.05)
+        wait_all(workers)
+        ((result, ended),) = results
+        assert [t for t, _ in ran(calls)].count("poison") == 3
+        assert ended["fine"].status == "succeeded"
+        poison = ended["poison"]
+        assert poison.status == "failed"
+        assert poison.error_type == "LeaseExpired"
+        assert "3 workers in a row lost the task" in (poison.error or "")
+        assert result.metadata.counts["failed"] == 1
+
+    async def test_a_killed_coordinator_resumes_with_what_the_workers_did_meanwhile(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        coordinator = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "worker_job.py"), str(db), "300"],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        worker = start_worker(db, calls, delay=0.01)
+        try:
+            await until(lambda: len(ran(calls)) >= 50, 30)
+            coordinator.send_signal(signal.SIGKILL)  # the worker goes on: its tasks are leased
+            coordinator.wait()
+            await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
+            done = rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'")[0][0]
+            assert done > 0  # completed while no coordinator ran: to be settled on resume
+            result, ended = await coordinate(db, [Task("work", i) for i in range(300)])
+        finally:
+            wait_all([worker])
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [2 * i for i in range(300)]
+        assert len(ran(calls)) == 300  # nothing ran twice: every completion was kept
+        assert result.metadata.resumed > 0
+        assert rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'") == [(0,)]
+
+
+def test_the_cli_names_a_bad_db_and_bad_agents(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestra", "worker", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    missing = cli("--db", str(tmp_path / "nope.db"), "--agents", "tests/worker_job.py:agents")
+    assert missing.returncode == 2
+    assert "no such file" in missing.stderr
+    SQLiteStore(tmp_path / "runs.db").runs()
+    bad = cli("--db", str(tmp_path / "runs.db"), "--agents", "tests/worker_job.py:nothing")
+    assert bad.returncode == 2
+    assert "has no attribute 'nothing'" in bad.stderr
+    kinds = cli("--db", str(tmp_path / "runs.db"), "--agents", "tests/worker_job.py:agents",
+                "--kinds", "work,zzz")  # fmt: skip
+    assert kinds.returncode == 2
+    assert "kinds ['zzz'] have no agent here" in kinds.stderr

@@ -1,0 +1,63 @@
+"""Agents for the worker processes of tests/test_sqlite_workers.py (``orchestra worker --agents
+tests/worker_job.py:agents``).
+
+Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (one ``write`` of one
+line to a file opened for appending: lines of concurrent processes never interleave), before it
+returns; ``$WORKER_DELAY`` (seconds, default 0) is how long each call takes. A task whose payload is
+``"poison"`` kills its worker with SIGKILL. Run as a script (``python tests/worker_job.py DB N``), it
+is a coordinator of run "r" (N tasks) that runs nothing itself, for a test to kill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from orchestra import Context, Orchestrator, Task, agent
+from orchestra.stores import SQLiteStore
+
+
+def _record(task_id: str) -> None:
+    line = f"{task_id} {os.getpid()}\n".encode()
+    fd = os.open(os.environ["WORKER_CALLS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+@agent(kinds=["work", "other"])
+async def double(task: Task, ctx: Context) -> Any:
+    _record(task.id)
+    if task.payload == "poison":  # it kills the worker that runs it
+        os.kill(os.getpid(), signal.SIGKILL)
+    delay = float(os.environ.get("WORKER_DELAY", "0"))
+    if delay:
+        await anyio.sleep(delay)
+    return task.payload * 2
+
+
+def agents() -> Orchestrator:
+    return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
+
+
+async def coordinate(db: str, n: int) -> None:
+    """A coordinator that never runs a task itself (paused), for the test to kill."""
+
+    @agent(kinds=["work", "other"])
+    async def never(task: Task, ctx: Context) -> Any:
+        raise AssertionError("the coordinator is paused")
+
+    orch = Orchestrator(agents=[never], store=SQLiteStore(db))
+    async with orch:
+        handle = orch.start(tasks=[Task("work", i) for i in range(n)], run_id="r")
+        handle.pause()
+        await handle
+
+
+if __name__ == "__main__":
+    anyio.run(coordinate, sys.argv[1], int(sys.argv[2]))
