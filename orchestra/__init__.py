@@ -164,6 +164,7 @@ from ._task import Attempt as Attempt
 from ._task import Task as Task
 from ._task import TaskResult as TaskResult
 from ._verify import Verdict as Verdict
+from ._worker import WorkReport as WorkReport
 
 __version__ = "0.1.0"
 
@@ -231,6 +232,7 @@ __all__ = (
     "Transform",
     "Verdict",
     "VerificationError",
+    "WorkReport",
     "agent",
     "by_priority",
     "by_type",

@@ -1,7 +1,7 @@
 """`orchestra runs`: the durable runs of a SQLite file (`SQLiteStore`), read and retried.
 
 ``list``, ``show RUN_ID [--events] [--task ID] [--jsonl]``, ``dead RUN_ID [--jsonl]``, ``retry RUN_ID
-[--task ID ...]``, each with ``--db FILE``. Each command is a thin shell over the store's Python API
+[--task ID ...]``, ``workers [--jsonl]``, each with ``--db FILE``. Each command is a thin shell over the store's Python API
 (`SQLiteStore.runs`, `.events`, `.dead_letters`, `.retry`): tables on stdout through rich, JSON lines
 with ``--jsonl`` (one object a line, for `jq` and friends). Exit codes as the rest of the CLI: 0, and
 2 for a usage error (a missing file, an unknown run or task id, a file that is not a SQLite store).
@@ -103,6 +103,28 @@ def list_runs(db: Db, jsonl: Jsonl = False) -> None:
             _when(run["updated"]),
             str(run["opened"]),
             ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none",
+        )
+    _stdout().print(table)
+
+
+@runs_app.command("workers")
+def list_workers(db: Db, jsonl: Jsonl = False) -> None:
+    """The worker processes of the file (`orchestra worker`), live or gone without leaving."""
+    found: list[dict[str, Any]] = _read(db, SQLiteStore.workers)
+    if jsonl:
+        _jsonl(found)
+        return
+    table = Table("worker", "run", "kinds", "live", "last seen", "claimed", "completed", "holding")
+    for worker in found:
+        table.add_row(
+            worker["owner"],
+            worker["run_id"] or "any",
+            ", ".join(worker["kinds"] or ()) or "any",
+            "yes" if worker["live"] else "no",
+            _when(worker["heartbeat"]),
+            str(worker["claimed"]),
+            str(worker["completed"]),
+            str(worker["holding"]),
         )
     _stdout().print(table)
 

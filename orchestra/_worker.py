@@ -127,6 +127,7 @@ class Worker:
         self.held: dict[str, sharing.Claimed] = {}
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
         self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
+        self.writing: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, being written
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -243,6 +244,7 @@ class Worker:
         if not self.ends:
             return
         ends, self.ends = self.ends, []
+        self.writing = ends
         rows = []
         attempts = []
         for claimed, result in ends:
@@ -255,7 +257,10 @@ class Worker:
                     for a in result.failures or ()
                 ]
             )  # fmt: skip
-        accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
+        try:
+            accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
+        finally:
+            self.writing = []
         for (claimed, result), ok in zip(ends, accepted, strict=True):
             del self.held[claimed.id]
             self.spawned.pop(claimed.id, None)
@@ -310,7 +315,7 @@ class Worker:
         while True:
             await anyio.sleep(store.lease / 3)
             held, _ = await self.call(sharing.beat, self.name, time.time(), store.lease)
-            ended = {claimed.id for claimed, _ in self.ends}
+            ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
                 i
                 for i, c in self.held.items()

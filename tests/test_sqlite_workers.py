@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import signal
 import sqlite3
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from typer.testing import CliRunner
 
 from orchestra import (
     ConfigError,
@@ -29,6 +31,7 @@ from orchestra import (
     Task,
     agent,
 )
+from orchestra.cli import app
 from orchestra.stores import MemoryStore, SQLiteStore
 
 if TYPE_CHECKING:
@@ -213,6 +216,25 @@ class TestInOneProcess:
         # Let go of at the end: the same run id may be run again (a resume: nothing left to do).
         assert (await second.run(tasks=[Task("work", 1)], run_id="r")).metadata.resumed == 1
 
+    async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        store = SQLiteStore(db)
+        helper = Orchestrator(agents=[recorder("there", [])], store=SQLiteStore(db))
+        async with helper, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: helper.work(run_id="r", kinds=["work"]))
+            await until(lambda: bool(store.workers()))
+            (worker,) = store.workers()
+            listed = CliRunner().invoke(app, ["runs", "workers", "--db", str(db), "--jsonl"])
+            tg.cancel_scope.cancel()
+        assert worker["pid"] == os.getpid()
+        assert worker["run_id"] == "r"
+        assert worker["kinds"] == ["work"]
+        assert worker["live"] is True
+        assert worker["holding"] == 0
+        assert listed.exit_code == 0, listed.output
+        assert json.loads(listed.stdout)["owner"] == worker["owner"]
+        assert store.workers() == []  # a cancelled worker leaves the file
+
     async def test_bad_configurations_are_config_errors(self, tmp_path: Path) -> None:
         orch = Orchestrator(agents=[recorder("here", [])])
         with pytest.raises(ConfigError, match="needs a SQLiteStore"):
@@ -256,6 +278,15 @@ def start_worker(
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+
+
+def start_coordinator(db: Path, n: int) -> subprocess.Popen[bytes]:
+    """tests/worker_job.py as a coordinator of run "r" (n tasks) that runs nothing itself."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "worker_job.py"), str(db), str(n)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def ran(calls: Path) -> list[tuple[str, int]]:
@@ -447,11 +478,7 @@ class TestCrashes:
         db = tmp_path / "runs.db"
         calls = tmp_path / "calls"
         SQLiteStore(db).runs()
-        coordinator = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "worker_job.py"), str(db), "300"],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+        coordinator = start_coordinator(db, 300)
         worker = start_worker(db, calls, delay=0.01)
         try:
             await until(lambda: len(ran(calls)) >= 50, 30)
@@ -460,7 +487,7 @@ class TestCrashes:
             await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
             done = rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'")[0][0]
             assert done > 0  # completed while no coordinator ran: to be settled on resume
-            result, ended = await coordinate(db, [Task("work", i) for i in range(300)])
+            result, _ = await coordinate(db, [Task("work", i) for i in range(300)])
         finally:
             wait_all([worker])
         assert result.status == "success"

@@ -212,6 +212,14 @@ class SQLiteStore:
         """
         return self.call(io.events, run_id, task_id)  # type: ignore[no-any-return]
 
+    def workers(self) -> list[dict[str, Any]]:
+        """The worker processes of the file (`Orchestrator.work`, ``orchestra worker``), oldest
+        first: `owner` (``host:pid:id``), `host`, `pid`, `run_id` (the one run it serves, or
+        None), `kinds` (None: every kind it has agents for), `started` and `heartbeat` (wall
+        time), `live` (its heartbeat is younger than `lease`), `claimed`, `completed`, and
+        `holding` (tasks it holds now). A worker that stopped cleanly is not listed."""
+        return self.call(io.workers, time.time(), self.lease)  # type: ignore[no-any-return]
+
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every attempt (`attempts_list`, with
         its traceback); `InputError` if the file has no such run."""
@@ -958,8 +966,9 @@ class SQLiteRun:
         self._arm()
 
     def _expired(self, task_id: str, worker: str, attempts: int) -> None:
-        """A worker's lease lapsed (the file made the task ready again): its attempt counts as
-        failed, and the task is ready here too."""
+        """A worker's lease lapsed (the file took the task back): its attempt counts as failed,
+        and the task is ready again (its row written so in the next window), or, lost once too
+        often, failed."""
         record = self._memory.record_of(task_id)
         if record is None or record.state in TERMINAL:
             return
@@ -993,7 +1002,8 @@ class SQLiteRun:
                 record.failures.append(attempt)
             self._touch(record)
         self._failed(record, attempt)
-        self._offered.add(task_id)
+        # The file holds its row as claimed (by this process) until the window writes it ready.
+        self._offered.discard(task_id)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,

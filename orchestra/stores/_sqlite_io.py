@@ -35,6 +35,7 @@ __all__ = (
     "retry",
     "runs",
     "stop",
+    "workers",
     "write",
 )
 
@@ -380,6 +381,17 @@ def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             ).fetchall()
         )
     return runs
+
+
+def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str, Any]]:
+    found = _rows(conn.execute("SELECT * FROM workers ORDER BY started"))
+    for worker in found:
+        worker["kinds"] = None if worker["kinds"] is None else json.loads(worker["kinds"])
+        worker["live"] = now - worker["heartbeat"] < lease
+        worker["holding"] = conn.execute(
+            "SELECT count(*) FROM tasks WHERE lease_owner = ?", (worker["owner"],)
+        ).fetchone()[0]
+    return found
 
 
 # The journal as its readers see it: the `events` rows, and the events a task's row says (its

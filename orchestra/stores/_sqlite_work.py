@@ -14,9 +14,10 @@ single writer lock (``BEGIN IMMEDIATE``) makes every step here atomic across pro
   expired (a SIGSTOP, a long GC) is refused, whatever it computed.
 - **Beat** (a worker): its leases are extended; the ones it no longer holds (expired and taken back,
   or the task cancelled by the coordinator) are reported, for it to cancel their attempts.
-- **Poll** (the coordinator, in its window's transaction): leases past their expiry go back to
-  ready (the attempt counted), and the ``done`` rows are read, for the coordinator to settle them
-  (which readies dependents, admits spawns, and writes the task's final state).
+- **Poll** (the coordinator, in its window's transaction): leases past their expiry are taken back
+  (the attempt counted; the coordinator then writes the task ready again, or failed), and the
+  ``done`` rows are read, for the coordinator to settle them (which readies dependents, admits
+  spawns, and writes the task's final state).
 
 Times are wall clock (`time.time()`): leases must mean the same in every process.
 """
@@ -352,8 +353,8 @@ class Polled:
 
 def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool) -> Polled:
     """Inside the coordinator's write transaction: the live workers that may serve the run and,
-    once the run is shared, the leases expired (their rows ready again, the attempt counted) and
-    the rows workers completed."""
+    once the run is shared, the leases expired (taken back, the attempt counted) and the rows
+    workers completed."""
     polled = Polled()
     polled.workers = [
         kinds
@@ -369,9 +370,10 @@ def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared
         "AND run_id = ? AND lease_expires < ? AND state IN ('claimed', 'running')",
         (run_id, now),
     ).fetchall()
-    if expired:
+    if expired:  # held by the coordinator (no worker may claim them) until it decides: ready
+        # again, or failed for good (`SQLiteRun._expired`)
         conn.executemany(
-            "UPDATE tasks SET state = 'ready', token = token + 1, attempts = ?, "
+            "UPDATE tasks SET state = 'claimed', token = token + 1, attempts = ?, "
             "lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND id = ?",
             [(attempts, run_id, task_id) for task_id, _, attempts in expired],
         )
