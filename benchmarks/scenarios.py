@@ -1,11 +1,12 @@
-"""The nine scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
+"""The ten scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
 
 A scenario is a list of groups; a group is the variants that measure the same thing at the same
 size and are run one after another in each repetition (their order rotating from one repetition to
 the next), so that a drift in the machine's speed lands on all of them alike.
 
 `select` keeps the cases that match selectors such as ``kinds``, ``dispatch/gather`` or
-``dispatch/orchestra@asyncio``; ``core-v2`` names the rows core v2's targets are read from.
+``dispatch/orchestra@asyncio``; ``core-v2`` names the rows core v2's targets are read from,
+``sqlite`` those of issue 16 (durable runs).
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class Sizes:
     spawn_reps: int = 3
     #: Scenario 9: Claude calls against the fake Messages API under a tight budget.
     claude_n: int = 1_000
+    #: Scenario 10: transitions per second at this size, no-op and with 20 % of tasks retried once.
+    durable_n: int = 20_000
+    #: Scenario 10: the size of the run resumed with 90 % of it done.
+    resume_n: int = 100_000
+    workers_n: int = 5_000
+    #: Scenario 10 in full: no-op and retried runs, each beside MemoryStore. The smoke runs the
+    #: retried one on SQLite alone (each child costs about a second, and a smoke is seconds).
+    durable_full: bool = True
     limit: int = 100
     reps: int = 5
 
@@ -90,6 +99,10 @@ SMOKE = Sizes(
     group_chain_n=200,
     spawn_reps=1,
     claude_n=100,
+    durable_n=300,
+    resume_n=1_000,
+    workers_n=300,
+    durable_full=False,
     limit=10,
     reps=1,
 )
@@ -160,7 +173,7 @@ def plan(sizes: Sizes) -> list[Scenario]:
                     latency=sizes.latency,
                 )
             )
-            for variant in (*PEERS, "langgraph")
+            for variant in (*PEERS, "orchestra_sqlite", "langgraph")
         ]
     )
 
@@ -252,7 +265,31 @@ def plan(sizes: Sizes) -> list[Scenario]:
     )
     claude.groups.append([Case(Spec("claude", "orchestra_claude", sizes.claude_n, 100), 1)])
 
-    return [speedup, dispatch, latency, memory, million, features, kinds, spawn, claude]
+    durable = Scenario(
+        "durable",
+        f"10. Durable runs on SQLite: {sizes.durable_n:,} tasks (no-op, and 20 % failing their first "
+        f"attempt), a {sizes.resume_n:,}-task run resumed 90 % done, limit {limit}, and "
+        f"{sizes.workers_n:,} tasks run by 1, 2 and 3 worker processes",
+    )
+    pairs: tuple[tuple[str, ...], ...] = (
+        ("memory_noop", "sqlite_noop"),
+        ("memory_retry", "sqlite_retry"),
+    )
+    if not sizes.durable_full:
+        pairs = (("sqlite_retry",),)
+    durable.groups.extend(
+        [Case(Spec("durable", variant, sizes.durable_n, limit)) for variant in pair]
+        for pair in pairs
+    )
+    durable.groups.append([Case(Spec("durable", "sqlite_resume", sizes.resume_n, limit))])
+    durable.groups.append(
+        [
+            Case(Spec("durable", f"sqlite_workers_{k}", sizes.workers_n, limit))
+            for k in ((1, 2, 3) if sizes.durable_full else (2,))
+        ]
+    )
+
+    return [speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable]
 
 
 SCENARIOS = (
@@ -265,9 +302,11 @@ SCENARIOS = (
     "kinds",
     "spawn",
     "claude",
+    "durable",
 )
 
-#: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio.
+#: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio;
+#: ``sqlite``: issue 16's (scenario 10, and scenario 3 on each store).
 PRESETS: dict[str, tuple[str, ...]] = {
     "core-v2": (
         "dispatch/orchestra@asyncio",
@@ -281,6 +320,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "kinds",
         "spawn",
     ),
+    "sqlite": ("durable", "latency/orchestra", "latency/orchestra_sqlite"),
 }
 
 

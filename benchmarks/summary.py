@@ -82,6 +82,19 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
             row[name] = stats(float(e[name]) for e in extras)
     if "events" in extras[0]:
         row["events"] = stats(float(e["events"]) for e in extras)
+    if "transitions" in extras[0]:  # scenario 10: store transitions over the run's own time
+        row["run_s"] = stats(e["run_s"] for e in extras)
+        row["transitions"] = extras[0]["transitions"]
+        row["transitions_per_s"] = stats(e["transitions"] / e["run_s"] for e in extras)
+    if "tasks_per_s" in extras[0]:  # scenario 10: worker processes
+        row["run_s"] = stats(e["run_s"] for e in extras)
+        row["tasks_per_s"] = stats(e["tasks_per_s"] for e in extras)
+        row["workers"] = extras[0]["workers"]
+    if "first_attempt_s" in extras[0]:  # scenario 10: a run resumed
+        row["run_s"] = stats(e["run_s"] for e in extras)
+        row["first_attempt_s"] = stats(e["first_attempt_s"] for e in extras)
+        row["resumed"] = extras[0]["resumed"]
+        row["executed"] = extras[0]["executed"]
     if "slice_s" in extras[0]:
         size = extras[0]["slice"]
         n_slices = min(len(e["slice_s"]) for e in extras)
@@ -165,6 +178,15 @@ def _add_derived(rows: list[Row]) -> None:
             )
             if orch_cpu:
                 row["x_orchestra_cpu"] = row["cpu_s"]["median"] / orch_cpu
+        if spec.scenario == "latency" and spec.variant == "orchestra_sqlite":
+            memory = median(find(rows, scenario="latency", variant="orchestra"))
+            if memory is not None:
+                row["x_memory_store"] = wall["median"] / memory
+        if spec.scenario == "durable" and spec.variant in ("sqlite_noop", "sqlite_retry"):
+            twin = spec.variant.replace("sqlite", "memory")
+            memory = median(find(rows, scenario="durable", variant=twin, n=spec.n), "run_s")
+            if memory is not None:
+                row["x_memory_store"] = row["run_s"]["median"] / memory
         if spec.scenario == "memory":
             gather = median(find(rows, scenario="memory", variant="gather"), "bytes_per_task")
             if gather:

@@ -17,6 +17,9 @@ MEMORY_VS_GATHER = 0.6
 STREAM_RSS_GROWTH_MB = 10.0
 STREAM_PEAK_MB = 500.0
 STREAM_FLAT = 0.9
+#: Issue 16 (durable runs): SQLite task transitions per second, and durability's cost when latency-bound.
+SQLITE_TRANSITIONS = 20_000
+DURABLE_LATENCY_MAX = 1.05
 
 
 def _target(
@@ -37,7 +40,59 @@ def targets(rows: list[Row]) -> list[Row]:
         *_memory(rows),
         *_stream(rows),
         *_claude(rows),
+        *_durable(rows),
     ]
+
+
+def _durable(rows: list[Row]) -> list[Row]:
+    """Issue 16: transitions/s on SQLite, durability on the latency-bound run, resume time."""
+    out: list[Row] = []
+    for variant, what in (("sqlite_noop", "no-op"), ("sqlite_retry", "20 % retried once")):
+        row = find(rows, scenario="durable", variant=variant)
+        if row is None:
+            continue
+        rate = row["transitions_per_s"]["median"]
+        x = row.get("x_memory_store")
+        out.append(
+            _target(
+                f"SQLite task transitions/s, {what} (N={row['n']:,})",
+                f"≥ {SQLITE_TRANSITIONS:,}/s",
+                rate,
+                rate >= SQLITE_TRANSITIONS,
+                f"{num(row['transitions'] / row['n'])} transitions per task; "
+                + ("" if x is None else f"{num(x)} x MemoryStore's time"),
+            )
+        )
+    sqlite = find(rows, scenario="latency", variant="orchestra_sqlite")
+    if sqlite is not None and "x_memory_store" in sqlite:
+        x = sqlite["x_memory_store"]
+        out.append(
+            _target(
+                "durability on the latency-bound run: SQLiteStore time / MemoryStore time",
+                f"≤ {DURABLE_LATENCY_MAX:g}x",
+                x,
+                x <= DURABLE_LATENCY_MAX,
+                f"{num(sqlite['wall_s']['median'])} s against "
+                f"{num(sqlite['wall_s']['median'] / x)} s",
+            )
+        )
+    resumed = find(rows, scenario="durable", variant="sqlite_resume")
+    if resumed is not None:
+        n = resumed["n"]
+        for metric, what in (
+            ("first_attempt_s", "to the first new attempt"),
+            ("run_s", "to the end"),
+        ):
+            out.append(
+                _target(
+                    f"resume of a {n:,}-task run 90 % done: {what} (s)",
+                    "not set",
+                    resumed[metric]["median"],
+                    None,
+                    f"{resumed['resumed']:,} tasks came back done, {resumed['executed']:,} ran",
+                )
+            )
+    return out
 
 
 def _claude(rows: list[Row]) -> list[Row]:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
-from . import claude, spawning
+from . import claude, durable, spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -210,6 +210,7 @@ def langgraph_send(spec: Spec) -> Workload:
 #: Scenario 6's features, each added alone to the plain orchestra run.
 FEATURES = (
     "default", "plain", "retry", "subscriber", "structlog", "verifier", "prometheus", "otel",
+    "sqlite",
 )  # fmt: skip
 
 
@@ -264,7 +265,8 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
 
     "default" is orchestra as a user runs it (its default policy allows 3 attempts); scenario 6's
     variants start from "plain" (retries off, ``max_attempts=1``) and turn one feature on each,
-    "retry" turning retries back on: what each costs when nothing fails.
+    "retry" turning retries back on: what each costs when nothing fails. "sqlite" is "default" on
+    a `SQLiteStore` (a new file in a temporary directory): scenario 3's durable row.
     """
     from orchestra import Orchestrator, RetryPolicy, Task
 
@@ -279,7 +281,9 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
         nonlocal events
         events += 1
 
-    if feature != "default":
+    if feature == "sqlite":
+        options["store"] = durable.temporary_store()
+    elif feature != "default":
         options["retry"] = RetryPolicy(max_attempts=3 if feature == "retry" else 1)
     if feature == "verifier":
 
@@ -453,6 +457,19 @@ VARIANTS: dict[str, Builder] = {
     "orchestra_fanout": spawning.fanout,
     "orchestra_chain": spawning.chain,
     "orchestra_group_chain": spawning.group_chain,
+    "memory_noop": functools.partial(durable.transitions, store_name="memory", fail_every=0),
+    "sqlite_noop": functools.partial(durable.transitions, store_name="sqlite", fail_every=0),
+    "memory_retry": functools.partial(
+        durable.transitions, store_name="memory", fail_every=durable.FAIL_EVERY
+    ),
+    "sqlite_retry": functools.partial(
+        durable.transitions, store_name="sqlite", fail_every=durable.FAIL_EVERY
+    ),
+    "sqlite_resume": durable.resume,
+    **{
+        f"sqlite_workers_{k}": functools.partial(durable.claim_complete, workers=k)
+        for k in (1, 2, 3)
+    },
 }
 
 
