@@ -45,13 +45,8 @@ so the aggregate and the report are those of an uninterrupted run. Re-admitted i
 id (generated ids are generated again in the same order): the same task takes its place (the
 agent gets the caller's payload object again), a different one is refused with `InputError`.
 
-**Idempotency keys.** A key is a row of the `keys` table, claimed by the first submitter in one
-``BEGIN IMMEDIATE`` transaction (`_sqlite_io.claim_keys`: an insert that does nothing when the key
-is there, then a read of who holds it): the claimer runs the task and writes the result into the
-row with the task's end; a submitter that finds it claimed by a live task waits (the task stays
-claimed by `claim`, never started; `_poll` asks the file every window) and ends with that result.
-A claim is kept live by the owner's commits (a heartbeat each window while it holds one); a failed
-task releases its key to the next submitter, a dead owner's claim is taken over after `key_lease`.
+**Idempotency keys** are claimed, waited for and reused through the file by the run's `Keys`
+(`_sqlite_keys.py`).
 
 **Several processes (next round).** A worker process will claim with one statement in a
 ``BEGIN IMMEDIATE`` transaction (SQLite's single writer lock makes it atomic)::
@@ -86,7 +81,6 @@ from pydantic_core import PydanticSerializationError, to_json
 from .._exceptions import ConfigError, InputError, StoreError
 from .._store import KEEP
 from .._task import (
-    CLAIMED,
     FAILED,
     READY,
     SUCCEEDED,
@@ -97,6 +91,7 @@ from .._task import (
 from . import _sqlite_io as io
 from . import _sqlite_work as work
 from ._memory import MemoryRun, Record
+from ._sqlite_keys import Keys
 from ._sqlite_rows import STATES, Rows
 
 if TYPE_CHECKING:
@@ -284,13 +279,10 @@ class SQLiteRun:
             self._loop = None
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False
-        # Idempotency keys: claimed in the file by this run (key -> its task, until the task's
-        # end is committed), held by another task (key -> the task waiting for its result), and
-        # tasks whose wait ended in a claim, for `claim` to hand out.
-        self._claims: dict[str, Record] = {}
-        self._waiting: dict[str, Record] = {}
+        self._keys = Keys(self)  # idempotency keys (`_sqlite_keys`)
+        # Tasks held back and now to run here (a key's wait ended in a claim; the file granted a
+        # claim), for `claim` to hand out first.
         self._runnable: list[Record] = []
-        self._poller: asyncio.Task[None] | None = None
         # Shared with worker processes (`_sqlite_work`): once a live worker may serve this run, the
         # run is `shared` and a ready task whose row the file holds as ready (`_offered`) is
         # claimed through the file before it runs here (`_claiming` while that is asked); tasks a
@@ -437,92 +429,7 @@ class SQLiteRun:
                 keyed.append(record)
         self._arm()
         if keyed:
-            self._reuse(keyed)
-
-    def _reuse(self, records: list[Record]) -> None:
-        """New tasks with keys: a key that succeeded before in this file (any run, any store
-        object, any process) ends its task now with the stored result, without executing; a key
-        nobody holds is claimed in the file, and its task runs; a key another live task holds
-        makes this one wait for that task's result (`_poll`)."""
-        store = self._store
-        unwritten = store.unwritten_keys
-        rest: list[Record] = []
-        for record in records:
-            hit = unwritten.get(record.task.key)  # type: ignore[arg-type]
-            if hit is not None:
-                self._reused(record, *hit)
-            elif record.state not in TERMINAL:
-                rest.append(record)
-        if rest:
-            wanted = [(r.task.key, r.id) for r in rest]
-            answers = store.call(
-                io.claim_keys, store.owner, self.run_id, wanted, time.time(), store.key_lease
-            )
-            self._answered(rest, answers)
-
-    def _answered(self, records: list[Record], answers: list[tuple[str, Any, Any]]) -> None:
-        for record, (verdict, text, agent) in zip(records, answers, strict=True):
-            key: str = record.task.key  # type: ignore[assignment]
-            if verdict == "done":
-                self._reused(record, text, agent)
-            elif verdict == "mine" or self._loop is None:  # driven directly: nothing can wait
-                self._claims[key] = record
-                if record.state is CLAIMED:  # held by `claim` while it waited: run it now
-                    self._runnable.append(record)
-                    self._listener.wake()
-            else:
-                self._waiting[key] = record
-        if self._claims:
-            self._arm()  # a claim is kept live by a commit each window
-        if self._waiting and self._poller is None and self._loop is not None:
-            self._poller = self._loop.create_task(self._poll())
-
-    def _reused(self, record: Record, text: str, agent: str | None) -> None:
-        if record.state in TERMINAL:
-            return
-        self._outputs[record.id] = text
-        self._memory.settle(record, record.token, SUCCEEDED, json.loads(text), agent=agent)
-
-    async def _poll(self) -> None:
-        """Wait for the keys other tasks hold: every window, a task whose key's result is stored
-        ends with it; one whose key was released (its task failed) or abandoned (its owner
-        stopped committing for `key_lease`) claims it and runs."""
-        store = self._store
-        waiting = self._waiting
-        try:
-            while waiting and not self._closed:
-                await asyncio.sleep(store.window)
-                unwritten = store.unwritten_keys
-                for key in [k for k in waiting if k in unwritten]:  # this store's own runs
-                    self._reused(waiting.pop(key), *unwritten[key])
-                records = [r for r in waiting.values() if r.state not in TERMINAL]
-                waiting.clear()
-                if not records:
-                    continue
-                wanted = [(r.task.key, r.id) for r in records]
-                answers = await asyncio.wrap_future(
-                    store.submit(
-                        io.claim_keys,
-                        store.owner,
-                        self.run_id,
-                        wanted,
-                        time.time(),
-                        store.key_lease,
-                    )
-                )
-                self._answered(records, answers)
-        except Exception as exc:  # the file failed: the waiting tasks fail, the run goes on
-            for record in list(waiting.values()):
-                self._memory.settle(
-                    record,
-                    record.token,
-                    FAILED,
-                    error=f"waiting for the result of key {record.task.key!r}: {exc}",
-                    error_type=type(exc).__name__,
-                )
-            waiting.clear()
-        finally:
-            self._poller = None
+            self._keys.reuse(keyed)
 
     # -- resume ----------------------------------------------------------------------------------
 
@@ -622,10 +529,10 @@ class SQLiteRun:
         if self._runnable:
             return self._runnable.pop()
         record = self._memory.claim()
-        if self._waiting:
+        if self._keys.waiting:
             # A task waiting for its key's result stays claimed, held here, never started:
             # `_poll` ends it with the result, or hands it back through `_runnable`.
-            while record is not None and self._waiting.get(record.task.key) is record:  # type: ignore[arg-type]
+            while record is not None and self._keys.waiting.get(record.task.key) is record:  # type: ignore[arg-type]
                 record = self._memory.claim()
         if record is not None and self._offered and record.id in self._offered:
             # A worker may claim its row too: the file decides who runs it (`_granted`), and
@@ -825,7 +732,12 @@ class SQLiteRun:
             self._shared or self._remote or now - self._beat_at >= self._beat_every
         )
         if not (
-            self._new or self._dirty or self._events or self._attempts or self._claims or beating
+            self._new
+            or self._dirty
+            or self._events
+            or self._attempts
+            or self._keys.claims
+            or beating
         ):
             return None
         # Rows with the usual NULLs go through a statement that binds fewer parameters (`_LEAN`):
@@ -869,7 +781,7 @@ class SQLiteRun:
             or ended.attempts != number
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
-        claimed = self._key_rows(keys)
+        claimed = self._keys.rows(keys)
         self._new = []
         self._dirty = {}
         self._attempts = []
@@ -881,47 +793,19 @@ class SQLiteRun:
         write = self._store.submit(
             io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat
         )
-        if self._claims or self._shared or self._remote:
+        if self._keys.claims or self._shared or self._remote:
             self._arm()  # the next heartbeat, the next look at what workers did
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
         return write
 
-    def _key_rows(
-        self, keys: list[str]
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None]:
-        """What this window writes of the keys this run claimed: the results of the ones whose
-        task ended (a success for the waiters, a failure for the next submitter to take over),
-        and a heartbeat for the ones still running."""
-        claims = self._claims
-        if not claims:
-            return [], [], None
-        owner = self._store.owner
-        now = time.time()
-        succeeded: list[tuple[Any, ...]] = []
-        failed: list[tuple[Any, ...]] = []
-        unwritten = self._store.unwritten_keys
-        for key in keys:
-            record = claims.get(key)
-            if record is None or record.state not in TERMINAL:
-                continue
-            del claims[key]
-            hit = unwritten.get(key) if record.state is SUCCEEDED else None
-            if hit is not None:
-                succeeded.append((hit[0], hit[1], key, owner))
-            else:
-                failed.append((f"{record.state}: {record.error}", now, key, owner))
-        return succeeded, failed, (now, owner) if claims else None
-
     def _written(self, write: Future[Any], keys: list[str]) -> None:
         error = write.exception()
         if error is not None:
             self._error = error
             return
-        unwritten = self._store.unwritten_keys
-        for key in keys:
-            unwritten.pop(key, None)
+        self._keys.written(keys)
         polled = write.result()
         if polled is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
@@ -1047,8 +931,7 @@ class SQLiteRun:
             self._beat_timer.cancel()
         if self._timer is not None:
             self._timer.cancel()
-        if self._poller is not None:
-            self._poller.cancel()
+        self._keys.close()
         self.flush()
         self._closed = True
         for write in self._writes:

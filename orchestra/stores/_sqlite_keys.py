@@ -1,0 +1,164 @@
+"""A durable run's idempotency keys: claimed, waited for and reused through the file.
+
+A key is a row of the `keys` table, claimed by the first submitter in one ``BEGIN IMMEDIATE``
+transaction (`_sqlite_io.claim_keys`: an insert that does nothing when the key is there, then a
+read of who holds it): the claimer runs the task and writes the result into the row with the task's
+end; a submitter that finds it claimed by a live task waits (the task stays claimed by `claim`,
+never started; `_poll` asks the file every window) and ends with that result. A claim is kept live
+by the owner's commits (a heartbeat each window while it holds one); a failed task releases its key
+to the next submitter, a dead owner's claim is taken over after `key_lease`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._task import CLAIMED, FAILED, SUCCEEDED, TERMINAL
+from . import _sqlite_io as io
+
+if TYPE_CHECKING:
+    from ._memory import Record
+    from ._sqlite import SQLiteRun
+
+__all__ = ("Keys",)
+
+
+class Keys:
+    """The keys of one `SQLiteRun`'s tasks (a part of the run, holding it)."""
+
+    def __init__(self, run: SQLiteRun) -> None:
+        self._run = run
+        # Claimed in the file by this run (key -> its task, until the task's end is committed),
+        # and held by another task (key -> the task waiting for its result).
+        self.claims: dict[str, Record] = {}
+        self.waiting: dict[str, Record] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def written(self, keys: list[str]) -> None:
+        """The window that ended the tasks of `keys` is committed: their results are in the file."""
+        unwritten = self._run._store.unwritten_keys
+        for key in keys:
+            unwritten.pop(key, None)
+
+    def reuse(self, records: list[Record]) -> None:
+        """New tasks with keys: a key that succeeded before in this file (any run, any store
+        object, any process) ends its task now with the stored result, without executing; a key
+        nobody holds is claimed in the file, and its task runs; a key another live task holds
+        makes this one wait for that task's result (`_poll`)."""
+        run = self._run
+        store = run._store
+        unwritten = store.unwritten_keys
+        rest: list[Record] = []
+        for record in records:
+            hit = unwritten.get(record.task.key)  # type: ignore[arg-type]
+            if hit is not None:
+                self._reused(record, *hit)
+            elif record.state not in TERMINAL:
+                rest.append(record)
+        if rest:
+            wanted = [(r.task.key, r.id) for r in rest]
+            answers = store.call(
+                io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
+            )
+            self._answered(rest, answers)
+
+    def _answered(self, records: list[Record], answers: list[tuple[str, Any, Any]]) -> None:
+        run = self._run
+        for record, (verdict, text, agent) in zip(records, answers, strict=True):
+            key: str = record.task.key  # type: ignore[assignment]
+            if verdict == "done":
+                self._reused(record, text, agent)
+            elif verdict == "mine" or run._loop is None:  # driven directly: nothing can wait
+                self.claims[key] = record
+                if record.state is CLAIMED:  # held by `claim` while it waited: run it now
+                    run._runnable.append(record)
+                    run._listener.wake()
+            else:
+                self.waiting[key] = record
+        if self.claims:
+            run._arm()  # a claim is kept live by a commit each window
+        if self.waiting and self._poller is None and run._loop is not None:
+            self._poller = run._loop.create_task(self._poll())
+
+    def _reused(self, record: Record, text: str, agent: str | None) -> None:
+        run = self._run
+        if record.state in TERMINAL:
+            return
+        run._outputs[record.id] = text
+        run._memory.settle(record, record.token, SUCCEEDED, json.loads(text), agent=agent)
+
+    async def _poll(self) -> None:
+        """Wait for the keys other tasks hold: every window, a task whose key's result is stored
+        ends with it; one whose key was released (its task failed) or abandoned (its owner
+        stopped committing for `key_lease`) claims it and runs."""
+        run = self._run
+        store = run._store
+        waiting = self.waiting
+        try:
+            while waiting and not run._closed:
+                await asyncio.sleep(store.window)
+                unwritten = store.unwritten_keys
+                for key in [k for k in waiting if k in unwritten]:  # this store's own runs
+                    self._reused(waiting.pop(key), *unwritten[key])
+                records = [r for r in waiting.values() if r.state not in TERMINAL]
+                waiting.clear()
+                if not records:
+                    continue
+                wanted = [(r.task.key, r.id) for r in records]
+                answers = await asyncio.wrap_future(
+                    store.submit(
+                        io.claim_keys,
+                        store.owner,
+                        run.run_id,
+                        wanted,
+                        time.time(),
+                        store.key_lease,
+                    )
+                )
+                self._answered(records, answers)
+        except Exception as exc:  # the file failed: the waiting tasks fail, the run goes on
+            for record in list(waiting.values()):
+                run._memory.settle(
+                    record,
+                    record.token,
+                    FAILED,
+                    error=f"waiting for the result of key {record.task.key!r}: {exc}",
+                    error_type=type(exc).__name__,
+                )
+            waiting.clear()
+        finally:
+            self._poller = None
+
+    def rows(
+        self, keys: list[str]
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None]:
+        """What this window writes of the keys this run claimed: the results of the ones whose
+        task ended (a success for the waiters, a failure for the next submitter to take over),
+        and a heartbeat for the ones still running."""
+        run = self._run
+        claims = self.claims
+        if not claims:
+            return [], [], None
+        owner = run._store.owner
+        now = time.time()
+        succeeded: list[tuple[Any, ...]] = []
+        failed: list[tuple[Any, ...]] = []
+        unwritten = run._store.unwritten_keys
+        for key in keys:
+            record = claims.get(key)
+            if record is None or record.state not in TERMINAL:
+                continue
+            del claims[key]
+            hit = unwritten.get(key) if record.state is SUCCEEDED else None
+            if hit is not None:
+                succeeded.append((hit[0], hit[1], key, owner))
+            else:
+                failed.append((f"{record.state}: {record.error}", now, key, owner))
+        return succeeded, failed, (now, owner) if claims else None
