@@ -92,7 +92,8 @@ from . import _sqlite_io as io
 from . import _sqlite_work as work
 from ._memory import MemoryRun, Record
 from ._sqlite_keys import Keys
-from ._sqlite_rows import STATES, Rows
+from ._sqlite_rows import Rows
+from ._sqlite_share import Sharing
 
 if TYPE_CHECKING:
     import os
@@ -103,10 +104,6 @@ if TYPE_CHECKING:
     from .._store import Listener, Selector
 
 __all__ = ("SQLiteRun", "SQLiteStore")
-
-# A task whose lease expires this many times fails: a task that kills every worker it reaches (a
-# segfault, the OOM killer) must not take the whole pool down one worker after another.
-_MAX_LOST = 3
 
 
 class SQLiteStore:
@@ -283,15 +280,8 @@ class SQLiteRun:
         # Tasks held back and now to run here (a key's wait ended in a claim; the file granted a
         # claim), for `claim` to hand out first.
         self._runnable: list[Record] = []
-        # Shared with worker processes (`_sqlite_work`): once a live worker may serve this run, the
-        # run is `shared` and a ready task whose row the file holds as ready (`_offered`) is
-        # claimed through the file before it runs here (`_claiming` while that is asked); tasks a
-        # worker holds are `_remote` until it completes them (`_done`) or its lease expires.
-        self._name = work.identity(store.owner)
-        self._shared = False
-        self._offered: set[str] = set()
-        self._claiming: set[str] = set()
-        self._remote: dict[str, Record] = {}
+        self._name = work.identity(store.owner)  # this process, as the file knows it
+        self._sharing = Sharing(self)  # with worker processes (`_sqlite_share`)
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_every = min(0.25, store.lease / 3)
         self._beat_at = 0.0  # wall time of the last heartbeat written
@@ -455,23 +445,7 @@ class SQLiteRun:
         self.resumed = len(ended)
         for record in ended:
             self._listener.finished(record)
-        # What worker processes hold or completed while no coordinator ran: a live lease stays
-        # the worker's (its task is remote here until it completes or the lease expires); a
-        # completion is settled now.
-        now = time.time()
-        done = []
-        for record, row in zip(records, rows, strict=True):
-            lease_owner, lease_expires, outcome = row[28:31]
-            if outcome is not None and row[14] == "done":
-                self._memory.take(record)
-                self._remote[record.id] = record
-                done.append((row[0], outcome, *row[23:28], row[15], row[21], row[22], row[31]))
-            elif lease_owner is not None and lease_expires is not None and lease_expires > now:
-                self._memory.take(record)
-                self._remote[record.id] = record
-        if done:  # their failed attempts are among the records' failures already
-            self._settle_done(done, [])
-            self.resumed += len(done)  # results kept from before this process, too
+        self.resumed += self._sharing.resume(records, rows)
 
     def _match(self, tasks: Sequence[Any], first: int) -> None:
         """Input admitted again on resume: the stored task with its id (generated ids are
@@ -534,44 +508,9 @@ class SQLiteRun:
             # `_poll` ends it with the result, or hands it back through `_runnable`.
             while record is not None and self._keys.waiting.get(record.task.key) is record:  # type: ignore[arg-type]
                 record = self._memory.claim()
-        if record is not None and self._offered and record.id in self._offered:
-            # A worker may claim its row too: the file decides who runs it (`_granted`), and
-            # the worker asking now waits for the answer (or for the next ready task).
-            self._claim_offered(record)
-            return None
+        if record is not None and self._sharing.offered and self._sharing.held_back(record):
+            return None  # a worker process may claim it too: the file decides (`_sqlite_share`)
         return record
-
-    def _claim_offered(self, record: Record) -> None:
-        self._offered.discard(record.id)
-        self._claiming.add(record.id)
-        loop = self._loop
-        assert loop is not None  # a run is shared only with a loop to poll from
-        answer = self._store.submit(work.claim_offered, self.run_id, record.id)
-        answer.add_done_callback(
-            lambda done: loop.call_soon_threadsafe(self._granted, record, done)
-        )
-
-    def _granted(self, record: Record, answer: Future[bool]) -> None:
-        """The file's answer to `_claim_offered`: run the task here, or it is a worker's."""
-        self._claiming.discard(record.id)
-        if record.state in TERMINAL or self._closed:
-            return
-        error = answer.exception()
-        if error is not None:
-            self._error = self._error or error  # raised when the run closes
-        if error is not None or answer.result():
-            self._runnable.append(record)
-        else:
-            self._remote[record.id] = record
-            # The worker that asked waits for a task: hand it the next one, if there is one.
-            following = self._memory.claim()
-            if following is None:
-                return
-            if following.id in self._offered:
-                self._claim_offered(following)
-                return
-            self._runnable.append(following)
-        self._listener.wake()
 
     def heartbeat(self, record: Record, token: int) -> bool:
         return self._memory.heartbeat(record, token)
@@ -729,7 +668,7 @@ class SQLiteRun:
             self._timer = None
         now = time.time()
         beating = self._loop is not None and (
-            self._shared or self._remote or now - self._beat_at >= self._beat_every
+            self._sharing.active or now - self._beat_at >= self._beat_every
         )
         if not (
             self._new
@@ -742,8 +681,8 @@ class SQLiteRun:
             return None
         # Rows with the usual NULLs go through a statement that binds fewer parameters (`_LEAN`):
         # binding dominates an insert's cost (measured: 18 parameters 3.6 µs, 33 parameters 9.6).
-        shared = self._shared or bool(self._remote)
-        offered = self._offered
+        shared = self._sharing.active
+        offered = self._sharing.offered
         new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
         for record, payload, admitted in self._new:
             lean, row = self._rows.new_row(record, payload, admitted)
@@ -789,11 +728,11 @@ class SQLiteRun:
         beat = None
         if beating:
             self._beat_at = now
-            beat = (self._name, now, self._store.lease, self._shared)
+            beat = (self._name, now, self._store.lease, self._sharing.shared)
         write = self._store.submit(
             io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat
         )
-        if self._keys.claims or self._shared or self._remote:
+        if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
@@ -809,7 +748,7 @@ class SQLiteRun:
         polled = write.result()
         if polled is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
-                self._loop.call_soon_threadsafe(self._polled, polled)
+                self._loop.call_soon_threadsafe(self._sharing.polled, polled)
 
     # -- sharing the run with worker processes (`_sqlite_work`) ----------------------------------
 
@@ -822,108 +761,6 @@ class SQLiteRun:
         if not self._armed:
             self.flush()
         self._beat_timer = self._loop.call_later(self._beat_every, self._beat)
-
-    def _polled(self, polled: work.Polled) -> None:
-        """What a window learned of the workers, taken in on the loop."""
-        if self._closed:
-            return
-        if not self._shared and polled.workers and self._serves(polled.workers):
-            self._share()
-        for task_id, worker, attempts in polled.expired:
-            self._expired(task_id, worker, attempts)
-        if polled.done:
-            self._settle_done(polled.done, polled.done_attempts)
-
-    def _serves(self, workers: list[str | None]) -> bool:
-        kinds = self._admission.kinds
-        return any(k is None or not kinds.isdisjoint(json.loads(k)) for k in workers)
-
-    def _share(self) -> None:
-        """A worker may serve this run: from the next window on, workers may claim its ready rows.
-        Every unfinished task's row is written again in that window (one the file holds as ready
-        may be claimed here since), and the run is marked shared in the same transaction."""
-        self._shared = True
-        dirty = self._dirty
-        for record in self._memory._records.values():
-            if record.state not in TERMINAL:
-                dirty[record.id] = record
-        self._arm()
-
-    def _expired(self, task_id: str, worker: str, attempts: int) -> None:
-        """A worker's lease lapsed (the file took the task back): its attempt counts as failed,
-        and the task is ready again (its row written so in the next window), or, lost once too
-        often, failed."""
-        record = self._memory.record_of(task_id)
-        if record is None or record.state in TERMINAL:
-            return
-        attempt = Attempt(
-            number=attempts,
-            agent=worker.rpartition(":")[0],
-            error_type="LeaseExpired",
-            message=f"worker {worker} stopped renewing its lease on the task (killed, paused or "
-            "cut off): the attempt is counted and the task runs again",
-            started=self._now() - self._memory._t0,
-            duration=0.0,
-        )
-        record.attempts = attempts
-        remote = self._remote.pop(task_id, None) is not None
-        lost = 1 + sum(a.error_type == "LeaseExpired" for a in record.failures or ())
-        if lost >= _MAX_LOST:
-            token = record.token if remote else self._memory.take(record)
-            self._offered.discard(task_id)
-            self.settle(
-                record, token, FAILED, attempt=attempt, error_type="LeaseExpired",
-                error=f"{lost} workers in a row lost the task (each stopped renewing its lease: "
-                "killed, paused or cut off): it may be what kills them, so it is not run again",
-            )  # fmt: skip
-            return
-        if remote:
-            self._memory.fail(record, record.token, attempt)
-        else:  # still ready here: never claimed by this process
-            if record.failures is None:
-                record.failures = [attempt]
-            else:
-                record.failures.append(attempt)
-            self._touch(record)
-        self._failed(record, attempt)
-        # The file holds its row as claimed (by this process) until the window writes it ready.
-        self._offered.discard(task_id)
-
-    def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
-        """Settle the tasks workers completed, as if they had ended here: dependents readied,
-        spawned tasks admitted, the result heard by the run."""
-        failures = self._rows.failures(attempt_rows) if attempt_rows else {}
-        for (task_id, outcome, output, agent, error, error_type, defaulted, attempts, started,
-             _finished, spawned) in rows:  # fmt: skip
-            record = self._memory.record_of(task_id)
-            if record is None or record.state in TERMINAL:
-                continue  # ended here meanwhile (a cancel, a deadline): ours is final
-            if task_id in self._remote or task_id in self._claiming:
-                self._remote.pop(task_id, None)
-                token = record.token
-            else:
-                token = self._memory.take(record)
-            self._offered.discard(task_id)
-            record.attempts = attempts
-            more = failures.get(task_id)
-            if more:  # the worker's failed attempts (not the ones written here: lost leases)
-                known = {a.number for a in record.failures or ()}
-                record.failures = (record.failures or []) + [
-                    a for a in more if a.number not in known
-                ]
-            if started is not None:
-                record.t_start = started - self._offset
-            status = STATES[outcome]
-            value = None if output is None else json.loads(output)
-            tasks = [] if spawned is None else [_task(d) for d in json.loads(spawned)]
-            try:
-                self.settle(record, token, status, value, spawned=tasks, agent=agent,
-                            error=error, error_type=error_type, defaulted=bool(defaulted))  # fmt: skip
-            except InputError as exc:
-                self.settle(
-                    record, token, FAILED, agent=agent, error_type="InputError",
-                    error=f"the tasks it spawned (on a worker) were refused: {exc}",
-                )  # fmt: skip
 
     def close(self) -> None:
         """Write down everything and wait until it is durable; raises `StoreError` if it is not."""
@@ -955,23 +792,6 @@ class SQLiteRun:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _task(data: dict[str, Any]) -> Task:
-    """A task a worker's attempt spawned, as the worker wrote it (`Worker` in orchestra/_worker.py)."""
-    return Task(
-        data["kind"],
-        data["payload"],
-        id=data.get("id"),
-        priority=data.get("priority", 0),
-        depends_on=data.get("depends_on", ()),
-        depends_on_tags=data.get("depends_on_tags", ()),
-        tags=data.get("tags", ()),
-        key=data.get("key"),
-        timeout=data.get("timeout"),
-        critical=data.get("critical", False),
-        metadata=data.get("metadata"),
-    )
 
 
 def _same_json(stored: str, payload: Any) -> bool:

@@ -1,0 +1,239 @@
+"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_work.py`).
+
+Once a live worker may serve the run (`polled`: a window's look at the `workers` table), the run is
+*shared*: the window that says so writes every unfinished task's row again, and from then on a
+ready task whose row the file holds as ready (`offered`: a worker may claim it too) is claimed
+through the file before it runs here (`held_back`; `claiming` while the file is asked). A task a
+worker holds is `remote` until it completes it (its ``done`` row is settled here, as if the task
+had ended here) or its lease expires (`expired`: the attempt counted, the task ready again, or
+failed once lost too often). A run that was not shared never pays for any of it but its window's
+look at the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import InputError
+from .._task import FAILED, TERMINAL, Attempt, Task
+from . import _sqlite_work as work
+from ._sqlite_rows import STATES
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from concurrent.futures import Future
+
+    from ._memory import Record
+    from ._sqlite import SQLiteRun
+
+__all__ = ("Sharing",)
+
+# A task whose lease expires this many times fails: a task that kills every worker it reaches (a
+# segfault, the OOM killer) must not take the whole pool down one worker after another.
+MAX_LOST = 3
+
+
+class Sharing:
+    """The sharing of one `SQLiteRun` with worker processes (a part of the run, holding it)."""
+
+    def __init__(self, run: SQLiteRun) -> None:
+        self._run = run
+        self.shared = False
+        self.offered: set[str] = set()
+        self.claiming: set[str] = set()
+        self.remote: dict[str, Record] = {}
+
+    @property
+    def active(self) -> bool:
+        """Workers may hold this run's rows: its writes are guarded, its windows beat."""
+        return self.shared or bool(self.remote)
+
+    # -- claims ----------------------------------------------------------------------------------
+
+    def held_back(self, record: Record) -> bool:
+        """`record` (just claimed in memory) is offered to workers too: ask the file whether it is
+        this process's (`granted`), and hold it back meanwhile. False: run it now."""
+        if record.id not in self.offered:
+            return False
+        self._claim_offered(record)
+        return True
+
+    def _claim_offered(self, record: Record) -> None:
+        run = self._run
+        self.offered.discard(record.id)
+        self.claiming.add(record.id)
+        loop = run._loop
+        assert loop is not None  # a run is shared only with a loop to poll from
+        answer = run._store.submit(work.claim_offered, run.run_id, record.id)
+        answer.add_done_callback(lambda done: loop.call_soon_threadsafe(self.granted, record, done))
+
+    def granted(self, record: Record, answer: Future[bool]) -> None:
+        """The file's answer to `_claim_offered`: run the task here, or it is a worker's."""
+        run = self._run
+        self.claiming.discard(record.id)
+        if record.state in TERMINAL or run._closed:
+            return
+        error = answer.exception()
+        if error is not None:
+            run._error = run._error or error  # raised when the run closes
+        if error is not None or answer.result():
+            run._runnable.append(record)
+        else:
+            self.remote[record.id] = record
+            # The worker that asked waits for a task: hand it the next one, if there is one.
+            following = run._memory.claim()
+            if following is None:
+                return
+            if following.id in self.offered:
+                self._claim_offered(following)
+                return
+            run._runnable.append(following)
+        run._listener.wake()
+
+    # -- what a window learned ---------------------------------------------------------------------
+
+    def polled(self, polled: work.Polled) -> None:
+        """What a window learned of the workers, taken in on the loop."""
+        if self._run._closed:
+            return
+        if not self.shared and polled.workers and self._serves(polled.workers):
+            self._share()
+        for task_id, worker, attempts in polled.expired:
+            self._expired(task_id, worker, attempts)
+        if polled.done:
+            self._settle_done(polled.done, polled.done_attempts)
+
+    def _serves(self, workers: list[str | None]) -> bool:
+        kinds = self._run._admission.kinds
+        return any(k is None or not kinds.isdisjoint(json.loads(k)) for k in workers)
+
+    def _share(self) -> None:
+        """A worker may serve this run: from the next window on, workers may claim its ready rows.
+        Every unfinished task's row is written again in that window (one the file holds as ready
+        may be claimed here since), and the run is marked shared in the same transaction."""
+        run = self._run
+        self.shared = True
+        dirty = run._dirty
+        for record in run._memory._records.values():
+            if record.state not in TERMINAL:
+                dirty[record.id] = record
+        run._arm()
+
+    def _expired(self, task_id: str, worker: str, attempts: int) -> None:
+        """A worker's lease lapsed (the file took the task back): its attempt counts as failed,
+        and the task is ready again (its row written so in the next window), or, lost once too
+        often, failed."""
+        run = self._run
+        memory = run._memory
+        record = memory.record_of(task_id)
+        if record is None or record.state in TERMINAL:
+            return
+        attempt = Attempt(
+            number=attempts,
+            agent=worker.rpartition(":")[0],
+            error_type="LeaseExpired",
+            message=f"worker {worker} stopped renewing its lease on the task (killed, paused or "
+            "cut off): the attempt is counted and the task runs again",
+            started=run._now() - memory._t0,
+            duration=0.0,
+        )
+        record.attempts = attempts
+        remote = self.remote.pop(task_id, None) is not None
+        # The file holds its row as claimed (by this process) until a window writes it again.
+        self.offered.discard(task_id)
+        lost = 1 + sum(a.error_type == "LeaseExpired" for a in record.failures or ())
+        if lost >= MAX_LOST:
+            token = record.token if remote else memory.take(record)
+            run.settle(
+                record, token, FAILED, attempt=attempt, error_type="LeaseExpired",
+                error=f"{lost} workers in a row lost the task (each stopped renewing its lease: "
+                "killed, paused or cut off): it may be what kills them, so it is not run again",
+            )  # fmt: skip
+            return
+        if remote:
+            memory.fail(record, record.token, attempt)
+        else:  # still ready here: never claimed by this process
+            if record.failures is None:
+                record.failures = [attempt]
+            else:
+                record.failures.append(attempt)
+            run._touch(record)
+        run._failed(record, attempt)
+
+    def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
+        """Settle the tasks workers completed, as if they had ended here: dependents readied,
+        spawned tasks admitted, the result heard by the run."""
+        run = self._run
+        memory = run._memory
+        failures = run._rows.failures(attempt_rows) if attempt_rows else {}
+        for (task_id, outcome, output, agent, error, error_type, defaulted, attempts, started,
+             _finished, spawned) in rows:  # fmt: skip
+            record = memory.record_of(task_id)
+            if record is None or record.state in TERMINAL:
+                continue  # ended here meanwhile (a cancel, a deadline): ours is final
+            if task_id in self.remote or task_id in self.claiming:
+                self.remote.pop(task_id, None)
+                token = record.token
+            else:
+                token = memory.take(record)
+            self.offered.discard(task_id)
+            record.attempts = attempts
+            more = failures.get(task_id)
+            if more:  # the worker's failed attempts (not the ones written here: lost leases)
+                known = {a.number for a in record.failures or ()}
+                record.failures = (record.failures or []) + [
+                    a for a in more if a.number not in known
+                ]
+            if started is not None:
+                record.t_start = started - run._offset
+            value = None if output is None else json.loads(output)
+            tasks = [] if spawned is None else [_task(d) for d in json.loads(spawned)]
+            try:
+                run.settle(record, token, STATES[outcome], value, spawned=tasks, agent=agent,
+                           error=error, error_type=error_type, defaulted=bool(defaulted))  # fmt: skip
+            except InputError as exc:
+                run.settle(
+                    record, token, FAILED, agent=agent, error_type="InputError",
+                    error=f"the tasks it spawned (on a worker) were refused: {exc}",
+                )  # fmt: skip
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def resume(self, records: Sequence[Record], rows: Sequence[Any]) -> int:
+        """What worker processes hold or completed while no coordinator ran (the rows `records`
+        were loaded from): a live lease stays the worker's (its task is remote here until it
+        completes or the lease expires); a completion is settled now. Returns how many were."""
+        memory = self._run._memory
+        now = time.time()
+        done = []
+        for record, row in zip(records, rows, strict=True):
+            lease_owner, lease_expires, outcome = row[28:31]
+            if outcome is not None and row[14] == "done":
+                memory.take(record)
+                self.remote[record.id] = record
+                done.append((row[0], outcome, *row[23:28], row[15], row[21], row[22], row[31]))
+            elif lease_owner is not None and lease_expires is not None and lease_expires > now:
+                memory.take(record)
+                self.remote[record.id] = record
+        if done:  # their failed attempts are among the records' failures already
+            self._settle_done(done, [])
+        return len(done)
+
+
+def _task(data: dict[str, Any]) -> Task:
+    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in orchestra/_worker.py)."""
+    return Task(
+        data["kind"],
+        data["payload"],
+        id=data.get("id"),
+        priority=data.get("priority", 0),
+        depends_on=data.get("depends_on", ()),
+        depends_on_tags=data.get("depends_on_tags", ()),
+        tags=data.get("tags", ()),
+        key=data.get("key"),
+        timeout=data.get("timeout"),
+        critical=data.get("critical", False),
+        metadata=data.get("metadata"),
+    )
