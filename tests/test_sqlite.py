@@ -26,8 +26,11 @@ from orchestra import (
     Task,
     agent,
 )
+from orchestra._admission import Admission
+from orchestra._task import SUCCEEDED
 from orchestra.stores import SQLiteStore
 from orchestra.stores._schema import MIGRATIONS
+from tests.test_store_contract import Heard
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -136,6 +139,57 @@ class TestResumeAfterKill:
         result = RunResult.model_validate_json(again.stdout)
         assert result.data == uninterrupted.data
         assert result.metadata.resumed == 29
+
+
+class TestResumeStreamed:
+    @pytest.mark.parametrize("how", ["admit_one", "admit"], ids=["async input", "sync input"])
+    def test_a_stored_task_done_before_the_input_gives_it_again_is_not_a_duplicate(
+        self, tmp_path: Path, how: str
+    ) -> None:
+        """A streamed run forgets a succeeded task: a resumed one that ran a stored task before
+        the input re-yielded it must still take that task as the same one (it once raised
+        "duplicate task id")."""
+
+        def open_run(store: SQLiteStore) -> Any:
+            return store.open_run(
+                "s",
+                admission=Admission(["a"], {}),
+                listener=Heard(),
+                clock=lambda: 0.0,
+                task_timeout=None,
+                compact=True,  # a streamed input
+            )
+
+        def admit(run: Any, task: Task, index: int) -> None:
+            if how == "admit_one":
+                run.admit_one(task, index)
+            else:
+                run.admit([task], where="input item", forward=False, first_index=index)
+
+        store = SQLiteStore(tmp_path / "runs.db")
+        run = open_run(store)
+        for i in range(2):
+            admit(run, Task("a", i, id=f"t{i}"), i)
+        first = run.claim()
+        assert run.start(first, first.token, "x")  # t0 running when the process "dies"
+        run.close()
+        store.close()
+        store = SQLiteStore(tmp_path / "runs.db")
+        run = open_run(store)
+        admit(run, Task("a", 0, id="t0"), 0)
+        done = []
+        while (record := run.claim()) is not None:  # t0 and t1, before t1 is given again
+            assert run.start(record, record.token, "x")
+            assert run.settle(record, record.token, SUCCEEDED, record.id)
+            done.append(record.id)
+        assert done == ["t0", "t1"]
+        admit(run, Task("a", 1, id="t1"), 1)
+        with pytest.raises(InputError, match="changed since the run started"):
+            admit(run, Task("a", 99, id="t1"), 1)  # still checked against what was stored
+        run.close_input()
+        assert (run.unfinished, run.state_of("t1")) == (0, "succeeded")
+        run.close()
+        store.close()
 
 
 # -- in process --------------------------------------------------------------------------------

@@ -346,11 +346,29 @@ class SQLiteRun:
     ) -> int:
         self._resume()
         payloads = self._encode(tasks, where, first_index)
+        gone: list[int] = []
         if self._stored:
             self._match(tasks, first_index)
+            gone = [i for i, task in enumerate(tasks) if self._gone(task)]
+        memory = self._memory
         self._admitting = True
         try:
-            added = self._memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+            if not gone:
+                added = memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+            else:
+                # Admitted around the tasks that are gone, a stretch at a time. Only a streamed
+                # input's chunk has such tasks (a whole list is never compacted), and it may only
+                # depend backwards, so the stretches are independent.
+                added = start = 0
+                for stop in [*gone, len(tasks)]:
+                    if start < stop:
+                        added += memory.admit(
+                            tasks[start:stop],
+                            where=where,
+                            forward=forward,
+                            first_index=first_index + start,
+                        )
+                    start = stop + 1
         finally:
             self._admitting = False
         self._added(tasks, payloads)
@@ -361,12 +379,26 @@ class SQLiteRun:
         payloads = self._encode((task,), "input item", index)
         if self._stored:
             self._match((task,), index)
+            if self._gone(task):
+                return
         self._admitting = True
         try:
             self._memory.admit_one(task, index)
         finally:
             self._admitting = False
         self._added((task,), payloads)
+
+    def _gone(self, task: Any) -> bool:
+        """A stored task (the same, `_match` checked) that succeeded in this process before the
+        streamed input gave it again, and that the run has forgotten since (compacted): it is
+        not admitted again (the memory run would take it for a second task with its id)."""
+        stored = self._stored
+        return (
+            isinstance(task, Task)
+            and stored is not None
+            and task.id in stored
+            and self._memory.record_of(task.id) is None
+        )
 
     def close_input(self) -> None:
         self._resume()
