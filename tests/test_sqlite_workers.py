@@ -482,6 +482,11 @@ class TestCrashes:
         worker = start_worker(db, calls, delay=0.01)
         try:
             await until(lambda: len(ran(calls)) >= 50, 30)
+            second = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
+            with pytest.raises(
+                StoreError, match=rf"already being run by another process \(pid {coordinator.pid} "
+            ):
+                await second.run(tasks=[Task("work", i) for i in range(300)], run_id="r")
             coordinator.send_signal(signal.SIGKILL)  # the worker goes on: its tasks are leased
             coordinator.wait()
             await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
