@@ -27,6 +27,9 @@ from orchestra import (
     ConfigError,
     Context,
     Orchestrator,
+    PermanentError,
+    RetryableError,
+    RetryPolicy,
     StoreError,
     Task,
     agent,
@@ -215,6 +218,44 @@ class TestInOneProcess:
             assert (await handle).status == "success"
         # Let go of at the end: the same run id may be run again (a resume: nothing left to do).
         assert (await second.run(tasks=[Task("work", 1)], run_id="r")).metadata.resumed == 1
+
+    async def test_what_fails_on_a_worker_fails_in_the_run_with_every_attempt(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+
+        @agent(kinds=["work"], name="picky")
+        async def picky(task: Task, ctx: Context) -> Any:
+            if task.payload == "bad":
+                raise PermanentError("bad payload")
+            if task.payload == "odd":
+                return object()  # cannot be stored as JSON
+            if ctx.attempt == 1:
+                raise RetryableError("flaky")
+            return "fine"
+
+        coordinator = Orchestrator(agents=[picky], store=SQLiteStore(db))
+        helper = Orchestrator(
+            agents=[picky], store=SQLiteStore(db), retry=RetryPolicy(max_attempts=3, base=0.0)
+        )
+        tasks = [Task("work", p, id=p) for p in ("bad", "odd", "flaky")]
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.results()
+            handle.pause()
+            tg.start_soon(lambda: helper.work(run_id="r"))
+            result, ended = await finish(handle)
+        assert ended["flaky"].status == "succeeded"
+        assert ended["flaky"].attempts == 2  # retried on the worker, under its own policy
+        assert [a.error_type for a in ended["flaky"].failures or ()] == ["RetryableError"]
+        bad = result.error_for("bad")
+        assert bad is not None
+        assert bad.error_type == "PermanentError"
+        assert [(a.agent, a.message) for a in bad.attempts] == [("picky", "bad payload")]
+        odd = result.error_for("odd")
+        assert odd is not None
+        assert odd.error_type == "InvalidOutput"
+        assert "cannot be serialised to JSON" in odd.message
 
     async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
