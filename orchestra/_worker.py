@@ -32,7 +32,7 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from ._exceptions import ConfigError, InputError
 from ._log import get_logger
-from ._task import CANCELLED, SUCCEEDED, TERMINAL, Task
+from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Task, TaskResult
 from .stores import _sqlite_work as sharing
 from .stores._memory import MemoryRun
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from ._handle import RunHandle
     from ._orchestrator import Orchestrator
     from ._store import Listener
-    from ._task import TaskResult
     from .stores._memory import Record
     from .stores._sqlite import SQLiteStore
 
@@ -372,9 +371,22 @@ class _WorkerRun(MemoryRun):
         worker._wall0 = time.time()
 
     def admit_one(self, task: Any, index: int) -> None:
-        super().admit_one(task, index)
+        worker = self._worker
+        claimed = worker.held.get(task.id)
+        try:
+            super().admit_one(task, index)
+        except InputError as exc:
+            if claimed is None:
+                raise
+            # Its payload does not fit this worker's agents: the task fails (the coordinator
+            # hears why), the worker goes on. Raised, it would end the worker's run, and the
+            # task, handed back, would end the next worker's too.
+            ended = TaskResult(task, index, FAILED, None, None, claimed.attempts, None, None, 0.0,
+                               error=str(exc), error_type="InputError")  # fmt: skip
+            worker.ends.append((claimed, ended))
+            worker._ended.set()
+            return
         record = self._records.get(task.id)
-        claimed = self._worker.held.get(task.id)
         if record is not None and claimed is not None:
             record.attempts = claimed.attempts  # attempts made elsewhere count here too
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from orchestra import (
@@ -256,6 +257,37 @@ class TestInOneProcess:
         assert odd is not None
         assert odd.error_type == "InvalidOutput"
         assert "cannot be serialised to JSON" in odd.message
+
+    async def test_a_payload_the_workers_agents_refuse_fails_its_task_not_the_worker(
+        self, tmp_path: Path
+    ) -> None:
+        class Numbered(BaseModel):
+            n: int
+
+        @agent(kinds=["work"], name="typed", input=Numbered)
+        async def typed(task: Task, ctx: Context) -> Any:
+            return task.payload.n * 2
+
+        db = tmp_path / "runs.db"
+        coordinator = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[typed], store=SQLiteStore(db))
+        tasks = [Task("work", {"n": "x"}, id="bad"), Task("work", {"n": 2}, id="good")]
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.results()
+            handle.pause()
+            reports = []
+
+            async def serve() -> None:
+                reports.append(await helper.work(run_id="r"))
+
+            tg.start_soon(serve)
+            _, ended = await finish(handle)
+        assert ended["good"].output == 4
+        assert ended["bad"].status == "failed"
+        assert ended["bad"].error_type == "InputError"
+        assert "payload" in (ended["bad"].error or "")
+        assert reports[0].completed == 2  # the worker went on
 
     async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"

@@ -143,28 +143,30 @@ def claim(
     """Claim up to `n` ready tasks of `kinds` (None: any) of the shared runs (of `run_id` only, if
     given), best first (priority, then admission order; runs oldest first), in one transaction.
     Returns the claimed tasks and the ids of the runs open for claims."""
+    # A look first, without the write lock (WAL: readers never wait): an idle worker polling
+    # takes no write transaction from the coordinator.
+    kind_filter = ""
+    params: tuple[Any, ...] = ()
+    if kinds is not None:
+        kind_filter = f" AND kind IN ({', '.join('?' * len(kinds))})"
+        params = tuple(kinds)
+    candidates = "SELECT id FROM runs WHERE shared = 1 AND state = 'open'" + (
+        " ORDER BY created" if run_id is None else " AND id = ?"
+    )
+    args = () if run_id is None else (run_id,)
+    runs = [r[0] for r in conn.execute(candidates, args)]
+    if not runs or not any(
+        conn.execute(
+            f"SELECT 1 FROM tasks WHERE run_id = ? AND state = 'ready'{kind_filter} LIMIT 1",
+            (run, *params),
+        ).fetchone()
+        for run in runs
+    ):
+        return [], runs
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute("UPDATE workers SET heartbeat = ? WHERE owner = ?", (now, name))
-        if run_id is None:
-            runs = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT id FROM runs WHERE shared = 1 AND state = 'open' ORDER BY created"
-                )
-            ]
-        else:
-            runs = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT id FROM runs WHERE id = ? AND shared = 1 AND state = 'open'", (run_id,)
-                )
-            ]
-        kind_filter = ""
-        params: tuple[Any, ...] = ()
-        if kinds is not None:
-            kind_filter = f" AND kind IN ({', '.join('?' * len(kinds))})"
-            params = tuple(kinds)
+        runs = [r[0] for r in conn.execute(candidates, args)]  # again, under the lock
         claimed: list[Claimed] = []
         for run in runs:
             if len(claimed) >= n:
