@@ -82,6 +82,10 @@ class Listener(Protocol):
     def wake(self) -> None:
         """A task the store held back (ready before, heard then) can be claimed now."""
 
+    def stop(self, reason: str) -> None:
+        """The store cannot go on (its file failed): end the run now; the store's `close` then
+        raises what went wrong."""
+
 
 class Selector:
     """Which tasks a `cancel` means: every field given must match (none given: every task).

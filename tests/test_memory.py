@@ -38,6 +38,9 @@ class _Listener:
     def wake(self) -> None:
         pass
 
+    def stop(self, reason: str) -> None:
+        pass
+
 
 class Payload:
     """A payload a weak reference can follow."""

@@ -94,6 +94,9 @@ class Heard:
     def wake(self) -> None:
         self.events.append(("wake", ""))
 
+    def stop(self, reason: str) -> None:
+        self.events.append(("stop", reason))
+
     def since(self, mark: int) -> list[tuple[str, str]]:
         return self.events[mark:]
 

@@ -219,6 +219,9 @@ class _Nobody:
     def wake(self) -> None:
         pass
 
+    def stop(self, reason: str) -> None:
+        pass
+
 
 def _plan_model(
     kinds: Sequence[str], payloads: Mapping[str, type[BaseModel]], max_tasks: int

@@ -18,7 +18,7 @@ from .._exceptions import StoreError
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("MIGRATIONS", "migrate")
+__all__ = ("MIGRATIONS", "migrate", "rollback")
 
 _V1 = (
     # One row per run. `owner` and `heartbeat` are for the next round: a coordinator process holds
@@ -164,6 +164,8 @@ _V3 = (
     # second; a second coordinator of a live run is refused. `shared` says the coordinator takes
     # its own tasks through the file too, so that workers may claim the ready ones.
     "ALTER TABLE runs ADD COLUMN shared INTEGER NOT NULL DEFAULT 0",
+    # The coordinator's lease (seconds): how long its hold outlives its last heartbeat.
+    "ALTER TABLE runs ADD COLUMN lease REAL",
     # What a worker says of a task it ran (state 'done' until the coordinator takes it in): its
     # end (`outcome`: succeeded, failed, ...) and the tasks its attempt spawned (JSON).
     "ALTER TABLE tasks ADD COLUMN outcome TEXT",
@@ -210,5 +212,13 @@ def migrate(conn: sqlite3.Connection, where: str) -> None:
                 conn.execute(f"PRAGMA user_version = {version}")
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            rollback(conn)
             raise
+
+
+def rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the transaction a failed step was in, if SQLite has not already: on some errors
+    (a full disk, an I/O error) it rolls back by itself, and a second ROLLBACK would raise over the
+    error that says what happened."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")

@@ -120,6 +120,8 @@ class SQLiteStore:
             tasks, which run again elsewhere with the attempt counted; and seconds after which a
             coordinator that stopped beating (another host's; on this host a dead pid is seen at
             once) no longer holds its run against a second coordinator.
+        busy_timeout: seconds a write waits for another process's lock on the file (SQLite's
+            busy timeout) before it fails with `StoreError` ("another process holds it locked").
     """
 
     def __init__(
@@ -129,8 +131,14 @@ class SQLiteStore:
         window: float = 0.05,
         key_lease: float = 30.0,
         lease: float = 30.0,
+        busy_timeout: float = 10.0,
     ) -> None:
-        for name, value in (("window", window), ("key_lease", key_lease), ("lease", lease)):
+        for name, value in (
+            ("window", window),
+            ("key_lease", key_lease),
+            ("lease", lease),
+            ("busy_timeout", busy_timeout),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
             if not 0 < value < math.inf:
@@ -150,7 +158,8 @@ class SQLiteStore:
         self.key_lease = float(key_lease)
         self.lease = float(lease)
         self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
-        self._writer = io.Writer(self.path)
+        self.busy_timeout = float(busy_timeout)
+        self._writer = io.Writer(self.path, self.busy_timeout)
         self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
@@ -326,6 +335,9 @@ class SQLiteRun:
 
     def wake(self) -> None:
         self._listener.wake()
+
+    def stop(self, reason: str) -> None:
+        self._listener.stop(reason)
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,
@@ -774,7 +786,15 @@ class SQLiteRun:
     def _written(self, write: Future[Any], keys: list[str]) -> None:
         error = write.exception()
         if error is not None:
-            self._error = error
+            first = self._error is None
+            self._error = self._error or error
+            if first and self._loop is not None and not self._closed:
+                # Nothing more can be made durable: the run stops now (no new attempt spends
+                # money on results that cannot be kept), and its `close` raises the error.
+                with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
+                    self._loop.call_soon_threadsafe(
+                        self._listener.stop, f"the store failed: {error}"
+                    )
             return
         self._keys.written(keys)
         polled = write.result()
@@ -809,13 +829,14 @@ class SQLiteRun:
             except BaseException as exc:  # recorded by `_written`; raised once, below
                 self._error = self._error or exc
         self._writes = []
-        if self._error is None:
-            try:
-                self._store.call(
-                    io.close_run, self.run_id, time.time(), not self._memory.unfinished, self._name
-                )
-            except StoreError as exc:
-                self._error = exc
+        # Let go of the run (a later process may resume it at once), even after a failed write:
+        # best effort then (a file still locked or full refuses this too, and the hold lapses
+        # `lease` seconds after the last heartbeat), and never closed as done.
+        done = self._error is None and not self._memory.unfinished
+        try:
+            self._store.call(io.close_run, self.run_id, time.time(), done, self._name)
+        except StoreError as exc:
+            self._error = self._error or exc
         if self._error is not None:
             error = self._error
             if isinstance(error, StoreError):

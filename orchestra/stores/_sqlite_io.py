@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError, StoreError
 from . import _sqlite_work as work
-from ._schema import migrate
+from ._schema import migrate, rollback
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -49,8 +49,9 @@ class Writer:
     executor's `submit` is not. A daemon thread: a store left open never keeps the interpreter
     from exiting (a transaction it was in is rolled back by SQLite; commits stay)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 10.0) -> None:
         self.path = path
+        self.busy_timeout = busy_timeout
         self.jobs: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = (
             SimpleQueue()
         )
@@ -90,7 +91,9 @@ class Writer:
                 conn.close()
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
+        conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=self.busy_timeout
+        )
         try:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -106,21 +109,35 @@ def stop(jobs: SimpleQueue[Any]) -> None:
 
 
 def explain(exc: sqlite3.Error, path: Path) -> str:
+    """What is wrong with the file, in words, from SQLite's error code (its message when the code
+    says nothing more)."""
     message = str(exc)
+    code = getattr(exc, "sqlite_errorname", None) or ""  # Python 3.11+: "SQLITE_IOERR_WRITE"
     lowered = message.lower()
-    if "locked" in lowered or "busy" in lowered:
+    if code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in lowered:
         hint = "another process holds it locked"
-    elif "readonly" in lowered or "read-only" in lowered:
+    elif code.startswith("SQLITE_READONLY") or "readonly" in lowered or "read-only" in lowered:
         hint = "it is read-only"
-    elif "full" in lowered:
+    elif code == "SQLITE_FULL" or "full" in lowered:
         hint = "the disk is full"
-    elif "not a database" in lowered or "malformed" in lowered or "corrupt" in lowered:
+    elif code.startswith("SQLITE_IOERR") or "disk i/o error" in lowered:
+        hint = (
+            "writing or reading it failed: the disk may be full or failing, or the file may have "
+            "reached a size limit"
+        )
+    elif (
+        code.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+        or "not a database" in lowered
+        or "malformed" in lowered
+        or "corrupt" in lowered
+    ):
         hint = "it is not a SQLite database, or it is corrupt"
-    elif "unable to open" in lowered:
+    elif code.startswith("SQLITE_CANTOPEN") or "unable to open" in lowered:
         hint = "it cannot be opened (does its directory exist?)"
     else:
         hint = "SQLite refused it"
-    return f"database {str(path)!r}: {hint} ({type(exc).__name__}: {message})"
+    detail = f"{type(exc).__name__}: {message}" + (f", {code}" if code else "")
+    return f"database {str(path)!r}: {hint} ({detail})"
 
 
 # -- jobs of the writer thread (each gets the connection first) -----------------------------------
@@ -175,18 +192,21 @@ def open_run(
     conn: sqlite3.Connection, run_id: str, now: float, name: str, lease: float
 ) -> tuple[list[Any], list[Any], int]:
     """Take run `run_id` (new or stored) as its coordinator `name` and load what it holds. A run
-    whose coordinator is another live process (its heartbeat younger than `lease`, and its pid
-    alive when it ran on this host) is refused."""
+    whose coordinator is another live process (its heartbeat younger than that coordinator's
+    lease, and its pid alive when it ran on this host) is refused."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        known = conn.execute("SELECT owner, heartbeat FROM runs WHERE id = ?", (run_id,)).fetchone()
+        known = conn.execute(
+            "SELECT owner, heartbeat, lease FROM runs WHERE id = ?", (run_id,)
+        ).fetchone()
         if known is not None:
-            holder, seen = known
+            holder, seen, held_for = known
+            held_for = lease if held_for is None else held_for  # the holder's own lease
             if (
                 holder is not None
                 and holder != name
                 and seen is not None
-                and now - seen < lease
+                and now - seen < held_for
                 and work.is_alive(holder)
             ):
                 host, _, rest = holder.partition(":")
@@ -195,12 +215,13 @@ def open_run(
                     f"{rest.partition(':')[0]} on {host}, seen {max(now - seen, 0):.1f} s ago): "
                     "a run has one coordinator. More processes join it as workers "
                     "(`orch.work(...)`, `orchestra worker`); if that process is gone, its hold "
-                    f"lapses {lease:g} s after it was last seen"
+                    f"lapses {held_for:g} s after it was last seen"
                 )
         if known is None:
             conn.execute(
-                "INSERT INTO runs (id, created, updated, owner, heartbeat) VALUES (?, ?, ?, ?, ?)",
-                (run_id, now, now, name, now),
+                "INSERT INTO runs (id, created, updated, owner, heartbeat, lease) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (run_id, now, now, name, now, lease),
             )
             rows: list[Any] = []
             attempts: list[Any] = []
@@ -208,8 +229,8 @@ def open_run(
         else:
             conn.execute(
                 "UPDATE runs SET opened = opened + 1, updated = ?, state = 'open', owner = ?, "
-                "heartbeat = ?, shared = 0 WHERE id = ?",
-                (now, name, now, run_id),
+                "heartbeat = ?, shared = 0, lease = ? WHERE id = ?",
+                (now, name, now, lease, run_id),
             )
             rows = conn.execute(LOAD, (run_id,)).fetchall()
             attempts = conn.execute(
@@ -223,7 +244,7 @@ def open_run(
             ).fetchone()[0]
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return rows, attempts, seq
 
@@ -298,7 +319,7 @@ def write(
             polled = work.poll(conn, run_id, now, lease, is_shared)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return polled
 
@@ -352,7 +373,7 @@ def claim_keys(
                 answers.append(("wait", held_run, held_task))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return answers
 
@@ -515,7 +536,7 @@ def retry(
             conn.execute("UPDATE runs SET state = 'open', updated = ? WHERE id = ?", (now, run_id))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return failed
 

@@ -29,6 +29,8 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from ._schema import rollback
+
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Sequence
@@ -196,7 +198,7 @@ def claim(
             )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return claimed, runs
 
@@ -269,7 +271,7 @@ def complete(
         )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return accepted
 
@@ -300,7 +302,7 @@ def beat(
         ]
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return held, runs
 
@@ -320,7 +322,7 @@ def release(conn: sqlite3.Connection, name: str, held: Sequence[tuple[str, str, 
             ).rowcount
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return count
 
