@@ -136,7 +136,7 @@ class TestFromTheStart:
             anyio.run(
                 lambda: orch.run(
                     [Task("work", "x" * 200, id=f"t{i}") for i in range(400)], run_id="r"
-                )  # fmt: skip
+                )
             )
         assert calls == []
 
