@@ -269,7 +269,8 @@ def plan(sizes: Sizes) -> list[Scenario]:
         "durable",
         f"10. Durable runs on SQLite: {sizes.durable_n:,} tasks (no-op, and 20 % failing their first "
         f"attempt), a {sizes.resume_n:,}-task run resumed 90 % done, limit {limit}, and "
-        f"{sizes.workers_n:,} tasks run by 1, 2 and 3 worker processes",
+        f"{sizes.workers_n:,} tasks run by {'1, 2 and 3' if sizes.durable_full else '2'} worker "
+        "processes",
     )
     pairs: tuple[tuple[str, ...], ...] = (
         ("memory_noop", "sqlite_noop"),
