@@ -71,3 +71,16 @@ class TestContracts:
         assert int(retries.group(1)) >= 2
         assert "lease-0, lease-1" in out
         assert re.search(r"total: \$0\.\d{4}", out)
+
+
+class TestWorkers:
+    def test_two_worker_processes_share_the_run(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        done = run_python(str(REPO / "examples" / "workers.py"), cwd=REPO, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "status: success, 60 tasks succeeded" in done.stdout
+        counts = [int(n) for n in re.findall(r"worker \d+: (\d+) tasks", done.stdout)]
+        assert len(counts) == 2  # both workers ran tasks
+        assert all(n > 0 for n in counts)
+        assert "workers: 0, 0" in done.stdout
+        assert "Traceback" not in done.stderr
