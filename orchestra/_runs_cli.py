@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
@@ -73,6 +74,15 @@ def _read(db: Path, read: Callable[[SQLiteStore], Any]) -> Any:
         store.close()
 
 
+def _coordinator(run: dict[str, Any], now: float) -> str:
+    """The process running a run now (``host:pid``, "shared" when workers may claim from it)."""
+    owner, seen, lease = run.get("owner"), run.get("heartbeat"), run.get("lease") or 30.0
+    if owner is None or seen is None or now - seen >= lease:
+        return ""
+    host, _, rest = owner.partition(":")
+    return f"{host}:{rest.partition(':')[0]}" + (", shared" if run.get("shared") else "")
+
+
 def _when(at: float | None) -> str:
     return (
         "" if at is None else datetime.fromtimestamp(at).isoformat(sep=" ", timespec="milliseconds")
@@ -93,7 +103,8 @@ def list_runs(db: Db, jsonl: Jsonl = False) -> None:
     if jsonl:
         _jsonl(runs)
         return
-    table = Table("run id", "state", "created", "updated", "opened", "tasks")
+    table = Table("run id", "state", "created", "updated", "opened", "run by", "tasks")
+    now = time.time()
     for run in runs:
         counts = run["counts"]
         table.add_row(
@@ -102,6 +113,7 @@ def list_runs(db: Db, jsonl: Jsonl = False) -> None:
             _when(run["created"]),
             _when(run["updated"]),
             str(run["opened"]),
+            _coordinator(run, now),
             ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none",
         )
     _stdout().print(table)

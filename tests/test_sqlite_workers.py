@@ -308,6 +308,26 @@ class TestInOneProcess:
         assert json.loads(listed.stdout)["owner"] == worker["owner"]
         assert store.workers() == []  # a cancelled worker leaves the file
 
+    async def test_runs_list_says_which_process_runs_a_run_and_that_it_is_shared(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        SQLiteStore(db).runs()  # the schema, before the test reads the file
+        coordinator = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[recorder("there", [])], store=SQLiteStore(db))
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=[Task("sum", None)], run_id="r")
+            handle.pause()
+            tg.start_soon(lambda: helper.work(run_id="r", kinds=["work"]))  # not "sum"
+            await until(lambda: rows(db, "SELECT shared FROM runs") == [(1,)])
+            listed = CliRunner().invoke(app, ["runs", "list", "--db", str(db)])
+            handle.resume()
+            await handle
+        assert listed.exit_code == 0, listed.output
+        assert f":{os.getpid()}, shared" in listed.stdout
+        after = CliRunner().invoke(app, ["runs", "list", "--db", str(db)])
+        assert f":{os.getpid()}" not in after.stdout  # let go of when it ended
+
     async def test_bad_configurations_are_config_errors(self, tmp_path: Path) -> None:
         orch = Orchestrator(agents=[recorder("here", [])])
         with pytest.raises(ConfigError, match="needs a SQLiteStore"):
