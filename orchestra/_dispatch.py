@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from ._breaker import CLOSED
+from ._clock import loop_time
 from ._context import Context
 from ._events import (
     AttemptStarted,
@@ -119,8 +120,8 @@ class Dispatcher:
         self.schedule()
 
     def bind_clock(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._time = loop.time
-        self.router.bind_clock(loop.time)
+        self._time = loop_time(loop)
+        self.router.bind_clock(self._time)
 
     def ready(self, record: Record) -> None:
         """The store made a task ready: get a worker to it."""

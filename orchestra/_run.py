@@ -24,6 +24,7 @@ import structlog
 
 from ._admission import Admission
 from ._budget import BUDGET_EXCEEDED, BudgetGate
+from ._clock import loop_time
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused
@@ -238,7 +239,7 @@ class Run:
                 [k for k, v in registry.by_kind.items() if v], registry.input_models()
             ),
             listener=self,
-            clock=loop.time,
+            clock=loop_time(loop),
             task_timeout=config.timeouts.task,
             compact=not whole,
         )

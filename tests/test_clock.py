@@ -15,7 +15,7 @@ import anyio.to_thread
 import pytest
 
 from orchestra import ConfigError, Orchestrator, RetryPolicy, Task, agent
-from orchestra._clock import Clock, current_clock
+from orchestra._clock import Clock, current_clock, loop_time
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import run_recorded
 
@@ -159,6 +159,15 @@ class TestInstallation:
         assert "time" not in vars(loop)  # back to the real, monotonic clock
         real = loop.time()
         assert real == pytest.approx(time.monotonic(), abs=5)
+
+    async def test_a_runs_clock_reader_is_the_fake_clock_while_one_is_installed(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert loop_time(loop) is time.monotonic  # asyncio's own loop: its clock, read directly
+        async with FakeClock() as clock:
+            read = loop_time(loop)
+            start = read()
+            await asyncio.sleep(50)
+            assert read() == pytest.approx(start + 50) == pytest.approx(clock.now())
 
     async def test_installs_nest_and_the_last_uninstall_restores(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,87 @@
+"""The run's report: successes counted in batches give the counts that one at a time gives."""
+
+from __future__ import annotations
+
+from orchestra import Task
+from orchestra._report import Report
+from orchestra._task import FAILED, SUCCEEDED
+from orchestra.stores._memory import Record
+
+
+def ended(
+    i: int, kind: str, status: str, started: float, finished: float, agent: str = "a"
+) -> Record:
+    record = Record(Task(kind), i, None)
+    record.status = status  # type: ignore[assignment]
+    record.agent = agent if status is SUCCEEDED else None
+    record.started = started
+    record.finished = finished
+    record.error = "boom"
+    record.error_type = "ValueError"
+    return record
+
+
+def tallies(report: Report) -> dict[str, tuple[object, ...]]:
+    return {
+        name: (
+            k.admitted, k.succeeded, k.failed, k.timed, round(k.busy, 9), k.longest,
+            k.sample.count, list(k.sample.sample),
+        )
+        for name, k in report.kinds.items()
+    }  # fmt: skip
+
+
+def one_by_one(records: list[Record], kinds: list[str]) -> Report:
+    """The reference: every record counted alone, as before batching."""
+    report = Report()
+    for kind in kinds:
+        report.admitted_one(kind)
+    for record in records:
+        report._one(record)
+    return report
+
+
+def batched(records: list[Record], kinds: list[str]) -> Report:
+    report = Report()
+    for kind in kinds:
+        report.admitted_one(kind)
+    for record in records:
+        report.finished(record)
+    return report
+
+
+class TestBatchedSuccesses:
+    def test_one_kind_in_one_second_counts_as_one_at_a_time(self) -> None:
+        records = [
+            ended(i, "k", SUCCEEDED, i * 1e-5, i * 1e-5 + (i % 7) * 1e-6) for i in range(5000)
+        ]
+        records[3000] = ended(3000, "k", FAILED, 0.03, 0.031)
+        expected, got = one_by_one(records, ["k"]), batched(records, ["k"])
+        assert tallies(got) == tallies(expected)
+        assert got.per_agent == expected.per_agent == {"a": 4999}
+        assert got.window(0.5, 10) == expected.window(0.5, 10)
+        assert [r.id for r in got.not_ok] == [records[3000].id]
+
+    def test_kinds_agents_and_seconds_mixed_count_as_one_at_a_time(self) -> None:
+        records = [
+            ended(i, f"k{i % 3}", SUCCEEDED, i * 1e-3, i * 1e-3 + 0.01, agent=f"a{i % 2}")
+            for i in range(4000)
+        ]
+        expected, got = (
+            one_by_one(records, ["k0", "k1", "k2"]),
+            batched(records, ["k0", "k1", "k2"]),
+        )
+        assert tallies(got) == tallies(expected)
+        assert got.per_agent == expected.per_agent
+        assert got.window(4.0, 5) == expected.window(4.0, 5)
+
+    def test_a_reader_sees_every_success_before_a_batch_is_full(self) -> None:
+        report = Report()
+        report.admitted_one("k")
+        for i in range(10):
+            report.finished(ended(i, "k", SUCCEEDED, 0.0, 0.5))
+        assert report.kinds["k"].succeeded == 10
+        assert report.window(0.9, 1) == (10, 0, 0.9)
+        report.finished(ended(10, "k", SUCCEEDED, 0.0, 0.6))
+        assert report.kinds["k"].succeeded == 11
+        assert report.per_agent == {"a": 11}
