@@ -257,7 +257,10 @@ class Worker:
                 ]
             )  # fmt: skip
         try:
-            accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
+            # Shielded: a worker told to stop mid-write still learns which completions the file
+            # took (the transaction commits either way).
+            with anyio.CancelScope(shield=True):
+                accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
         finally:
             self.writing = []
         for (claimed, result), ok in zip(ends, accepted, strict=True):

@@ -82,14 +82,7 @@ class Sharing:
             run._runnable.append(record)
         else:
             self.remote[record.id] = record
-            # The worker that asked waits for a task: hand it the next one, if there is one.
-            following = run._memory.claim()
-            if following is None:
-                return
-            if following.id in self.offered:
-                self._claim_offered(following)
-                return
-            run._runnable.append(following)
+        # Granted, the task is the waiting worker's; refused, that worker takes the next one.
         run._listener.wake()
 
     # -- what a window learned ---------------------------------------------------------------------
