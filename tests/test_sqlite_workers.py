@@ -289,6 +289,28 @@ class TestInOneProcess:
         assert "payload" in (ended["bad"].error or "")
         assert reports[0].completed == 2  # the worker went on
 
+    async def test_a_task_waiting_for_its_keys_result_is_never_a_workers_to_run(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        slow = recorder("slow", calls, 0.5)
+        first = Orchestrator(agents=[slow], store=SQLiteStore(db))
+        second = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[recorder("there", calls)], store=SQLiteStore(db))
+        async with first, second, helper, anyio.create_task_group() as tg:
+            tg.start_soon(helper.work)  # every run of the file
+            await until(lambda: bool(SQLiteStore(db).workers()))
+            one = first.start(tasks=[Task("work", 21, id="a", key="k")], run_id="A")
+            await until(lambda: bool(calls))  # the key's holder runs (here or on the worker)
+            two = second.start(tasks=[Task("work", 21, id="b", key="k")], run_id="B")
+            two.pause()  # its task stays ready here: only the key's wait may hold it back
+            await until(lambda: rows(db, "SELECT shared FROM runs WHERE id = 'B'") == [(1,)])
+            results = [await one, await two]
+            tg.cancel_scope.cancel()
+        assert len(calls) == 1  # the key ran once: the waiting task took its result
+        assert [r.data for r in results] == [{"a": 42}, {"b": 42}]
+
     async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
         store = SQLiteStore(db)

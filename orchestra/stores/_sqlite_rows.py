@@ -55,13 +55,14 @@ class Rows:
         self.seq = seq  # the last admission number written
 
     def new_row(
-        self, record: Record, payload: str, admitted: float
+        self, record: Record, payload: str, admitted: float, held: bool = False
     ) -> tuple[bool, tuple[Any, ...]]:
-        """The row inserting a new task, and whether it is one for `_INSERT_LEAN`."""
+        """The row inserting a new task, and whether it is one for `_INSERT_LEAN` (`held`: see
+        `state_row`)."""
         task = record.task
         self.seq += 1
         parent = record.parent
-        lean, state = self.state_row(record)
+        lean, state = self.state_row(record, held)
         head = (
             self.run_id,
             record.id,
@@ -102,11 +103,12 @@ class Rows:
             *state,
         )
 
-    def state_row(self, record: Record) -> tuple[bool, tuple[Any, ...]]:
+    def state_row(self, record: Record, held: bool = False) -> tuple[bool, tuple[Any, ...]]:
         """The row updating a task's state, and whether it is one for `_UPDATE_LEAN` (no retry,
-        deadline, feedback or error to write)."""
+        deadline, feedback or error to write). `held`: a ready task this process holds back
+        (waiting for its key's result) is written claimed, so that no worker process claims it."""
         offset = self.offset
-        state = record.state
+        state = CLAIMED if held and record.state is READY else record.state
         t_start = record.t_start
         if state in TERMINAL:
             finished = self.wall0 + record.finished
@@ -172,9 +174,9 @@ class Rows:
             record.id,
         )
 
-    def shared_row(self, record: Record) -> tuple[Any, ...]:
+    def shared_row(self, record: Record, held: bool = False) -> tuple[Any, ...]:
         """The row updating a task's state in a run workers claim from (`_UPDATE_SHARED`)."""
-        lean, row = self.state_row(record)
+        lean, row = self.state_row(record, held)
         if lean:
             p, st, at, tries, target, token, started, finished, output, agent, run, task = row
             row = (p, st, at, tries, target, None, None, token, None, None, started, finished,
