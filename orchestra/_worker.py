@@ -376,6 +376,13 @@ class _WorkerRun(MemoryRun):
     def admit_one(self, task: Any, index: int) -> None:
         worker = self._worker
         claimed = worker.held.get(task.id)
+        # A task claimed again (its lease was lost here once, it came back): a record of its end
+        # that `settle` did not forget (a cancel ends a waiting task directly) must not make the
+        # new claim look admitted already.
+        old = self._records.get(task.id)
+        if old is not None and old.state in TERMINAL:
+            del self._records[task.id]
+        self._settled.pop(task.id, None)
         try:
             super().admit_one(task, index)
         except InputError as exc:

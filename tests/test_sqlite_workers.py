@@ -35,8 +35,12 @@ from orchestra import (
     Task,
     agent,
 )
+from orchestra._admission import Admission
+from orchestra._store import Selector
+from orchestra._worker import Worker, _WorkerStore
 from orchestra.cli import app
 from orchestra.stores import MemoryStore, SQLiteStore
+from orchestra.stores._sqlite_work import Claimed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -310,6 +314,49 @@ class TestInOneProcess:
             tg.cancel_scope.cancel()
         assert len(calls) == 1  # the key ran once: the waiting task took its result
         assert [r.data for r in results] == [{"a": 42}, {"b": 42}]
+
+    def test_a_task_claimed_again_after_its_waiting_claim_was_cancelled_runs_again(
+        self, tmp_path: Path
+    ) -> None:
+        """A lost lease cancels a claimed task still waiting on the worker (ended directly, not
+        through `settle`); claimed again later, it must be a new task there, not one already
+        admitted (it would never run, its lease renewed forever)."""
+        orch = Orchestrator(agents=[recorder("there", [])])
+        worker = Worker(orch, SQLiteStore(tmp_path / "runs.db"), "r", None, 0.1)
+        claimed = Claimed(("r", "t", 1, 1, "work", "3", 0, None, 0, None, 0, None, None, None))
+        worker.held["t"] = claimed
+        heard: list[str] = []
+
+        class Listener:
+            def ready(self, record: Any) -> None:
+                heard.append(f"ready {record.id}")
+
+            def ready_all(self, records: Any) -> None:
+                for record in records:
+                    self.ready(record)
+
+            def finished(self, record: Any) -> None:
+                heard.append(f"{record.status} {record.task_id}")
+
+            def wake(self) -> None:
+                pass
+
+            def stop(self, reason: str) -> None:
+                pass
+
+        run = _WorkerStore(worker).open_run(
+            "local",
+            admission=Admission(["work"], {}),
+            listener=Listener(),
+            clock=lambda: 0.0,
+            task_timeout=None,
+            compact=True,
+        )
+        run.admit_one(Task("work", 3, id="t"), 0)
+        run.cancel(Selector(task_ids=["t"]), "lease lost")
+        run.admit_one(Task("work", 3, id="t"), 1)
+        assert heard == ["ready t", "cancelled t", "ready t"]
+        assert run.state_of("t") == "ready"
 
     async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
