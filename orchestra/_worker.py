@@ -212,13 +212,19 @@ class Worker:
             if not batch:
                 await anyio.sleep(self.poll)
                 continue
-            self.report.claimed += len(batch)
+            taking: dict[str, sharing.Claimed] = {}
+            clash = []  # another run's task of the same id is here: handed back, for a while
             for claimed in batch:
-                if claimed.id in self.held:  # another run's task of the same id runs here now
-                    await self.call(
-                        sharing.release, self.name, [(claimed.run_id, claimed.id, claimed.token)]
-                    )
-                    continue
+                if claimed.id in self.held or claimed.id in taking:
+                    clash.append(claimed)
+                else:
+                    taking[claimed.id] = claimed
+            if clash:
+                await self.call(
+                    sharing.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
+                )
+            self.report.claimed += len(taking)
+            for claimed in taking.values():
                 self.held[claimed.id] = claimed
                 yield Task(
                     claimed.kind,
@@ -229,6 +235,8 @@ class Worker:
                     critical=bool(claimed.critical),
                     metadata=None if claimed.metadata is None else json.loads(claimed.metadata),
                 )
+            if clash:  # not claimed again at once: it is still the best ready task of its run
+                await anyio.sleep(self.poll)
 
     # -- completions -----------------------------------------------------------------------------
 

@@ -358,6 +358,28 @@ class TestInOneProcess:
         assert heard == ["ready t", "cancelled t", "ready t"]
         assert run.state_of("t") == "ready"
 
+    async def test_one_worker_serves_two_runs_whose_tasks_have_the_same_ids(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        runs = [Orchestrator(agents=[recorder(n, [])], store=SQLiteStore(db)) for n in "AB"]
+        helper = Orchestrator(agents=[recorder("there", calls, 0.01)], store=SQLiteStore(db))
+        async with runs[0], runs[1], helper, anyio.create_task_group() as tg:
+            handles = []
+            for name, orch in zip("AB", runs, strict=True):
+                handle = orch.start(tasks=[Task("work", i) for i in range(20)], run_id=name)
+                handle.pause()  # the worker runs them all
+                handles.append(handle)
+            tg.start_soon(helper.work)  # every run of the file, generated ids alike: work#1 ...
+            results = [await h for h in handles]
+            tg.cancel_scope.cancel()
+        for result in results:
+            assert result.status == "success"
+            assert sorted(result.data.values()) == [2 * i for i in range(20)]
+        assert len(calls) == 40  # each task of each run once
+        assert collections.Counter(t for _, t in calls) == {f"work#{i}": 2 for i in range(1, 21)}
+
     async def test_the_file_lists_its_workers(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
         store = SQLiteStore(db)
