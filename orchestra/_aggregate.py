@@ -41,7 +41,7 @@ class Aggregator(Protocol):
     def begin(self) -> Accumulator: ...
 
 
-class _Ordered:
+class Ordered:
     """Keeps the results; `ordered()` gives (id, output) in input order, once, at the end."""
 
     __slots__ = ("items",)
@@ -82,7 +82,7 @@ class Collect:
         return _CollectAcc()
 
 
-class _CollectAcc(_Ordered):
+class _CollectAcc(Ordered):
     __slots__ = ()
 
     def finish(self) -> dict[str, Any]:
@@ -136,7 +136,7 @@ class Merge:
         return _MergeAcc(self)
 
 
-class _MergeAcc(_Ordered):
+class _MergeAcc(Ordered):
     __slots__ = ("spec",)
 
     def __init__(self, spec: Merge) -> None:
@@ -251,7 +251,7 @@ def _add_exact(partials: list[float], x: float) -> None:
     partials[i:] = [x]
 
 
-class _FnReduce(_Ordered):
+class _FnReduce(Ordered):
     __slots__ = ("fn", "initial", "select")
 
     def __init__(

@@ -232,7 +232,10 @@ class Dispatcher:
         store = self.store
         run = self.run
         report = self.report
-        limiter = self._capacity.limiter
+        capacity = self._capacity
+        limiter = capacity.limiter
+        router = self.router
+        succeed = store.succeed
         time = self._time
         # Nothing around any call: no attempt timeout, no verifier, no safety check, no instrument.
         bare = (
@@ -287,7 +290,17 @@ class Dispatcher:
                         output = await slot.call(record.task, ctx)
                         if type(output) not in _PLAIN:
                             check_returned(output, slot.name)
-                        if not self.cancelled:  # inside the `try`: a refused spawn fails it
+                        if self.cancelled:
+                            pass  # the agent finished after the run's cancel: the run ends it
+                        elif (
+                            ctx._spawned is None
+                            and (breaker := slot.breaker).state is CLOSED
+                            and not breaker.consecutive
+                            and breaker.recent is None
+                        ):
+                            slot.succeeded += 1  # nothing spawned, no breaker to tell: one call
+                            succeed(record, token, output, slot.name)
+                        else:  # inside the `try`: a refused spawn fails the attempt
                             self._settle(record, token, slot, output, ctx, start)
                     except asyncio.CancelledError as exc:
                         if not (me.cancelling() or self.cancelled):
@@ -300,7 +313,14 @@ class Dispatcher:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self.recovery.failed(record, token, slot, exc, start)
                     finally:
-                        self._finished(slot, None, ctx, False)
+                        if ctx._threads or capacity.blocked or router.held or len(capacity.runs) > 1:
+                            self._finished(slot, None, ctx, False)
+                        else:  # `_finished`'s common case, inline
+                            limiter.release()
+                            slot.in_flight -= 1
+                            self.running -= 1
+                            if self._parked:
+                                self.wake_one()
                 current[0] = None
                 if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
@@ -326,23 +346,38 @@ class Dispatcher:
             capacity.blocked = True
             limiter.watch(self.wake_one)  # another orchestrator sharing it may free a slot
             return None
-        picked = self.router.take_held()
-        if picked is not None:
-            return picked
+        router = self.router
+        if router.recheck:  # tasks that waited for room in a lane go first
+            picked = router.take_held()
+            if picked is not None:
+                return picked
         store = self.store
-        route = self.router.route
+        only = router.only
         while not self.closing:  # a reservation may end the run (its budget): then claim no more
             record = store.claim()
             if record is None:
                 return None
             token = record.token
-            routed = route(record, token)
-            if routed is not None:
-                if not routed.limiters and self.router.gate is None:
-                    return record, token, routed, None
-                cost = self.router.reserve(record, token, routed)
-                if cost is not None:
-                    return record, token, routed, cost
+            # The common choice, inline: the only agent of the kind, healthy, with room, and
+            # nobody waiting in a lane. `route` makes every other choice.
+            slot = only.get(record.kind) if record.target is None else None
+            if (
+                slot is not None
+                and record.deadline is None
+                and slot.breaker.state is CLOSED
+                and slot.in_flight < slot.limit
+                and not router.held
+            ):
+                routed: AgentSlot | None = slot
+            else:
+                routed = router.route(record, token)
+                if routed is None:
+                    continue
+            if not routed.limiters and router.gate is None:  # type: ignore[union-attr]
+                return record, token, routed, None  # type: ignore[return-value]
+            cost = router.reserve(record, token, routed)  # type: ignore[arg-type]
+            if cost is not None:
+                return record, token, routed, cost  # type: ignore[return-value]
         return None
 
     # -- timers ----------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ _started_of = attrgetter("started")
 _finished_of = attrgetter("finished")
 _EXACT = 1_024
 _EVERY = 8  # a power of two (a mask)
-_BATCH = 256  # successes counted at once (see `Report.finished`)
+BATCH = 256  # successes counted at once (see `Report.finished`)
 _RING = 16  # one-second buckets of ended tasks kept (a power of two above the status's window)
 RECENT_ERRORS = 20  # failed tasks kept for the live status
 _MESSAGE = 300  # characters of an error message kept there
@@ -130,9 +130,9 @@ class Report:
     first become ready (or are skipped)."""
 
     __slots__ = (
-        "_done",
         "_kinds",
         "attempts",
+        "batch",
         "cancellations",
         "cancelled",
         "cost",
@@ -163,9 +163,9 @@ class Report:
         self.fallbacks = 0
         self.peak = 0
         self._kinds: dict[str, KindTally] = {}
-        # Succeeded tasks not counted yet: counted `_BATCH` at a time (see `finished`), and before
+        # Succeeded tasks not counted yet: counted `BATCH` at a time (see `finished`), and before
         # anything reads what they change or another task's end is counted.
-        self._done: list[Node] = []
+        self.batch: list[Node] = []
         self.per_agent: dict[str, int] = {}
         self.not_ok: list[Node] = []
         self.defaulted: list[str] = []
@@ -193,8 +193,8 @@ class Report:
     @property
     def kinds(self) -> dict[str, KindTally]:
         """The counts per kind, every ended task counted."""
-        if self._done:
-            self._fold()
+        if self.batch:
+            self.fold()
         return self._kinds
 
     def _kind(self, kind: str) -> KindTally:
@@ -219,25 +219,25 @@ class Report:
     def finished(self, record: Node) -> None:
         """Count one ended task (the store has stamped its times and status).
 
-        A success is only put aside, and counted with the next `_BATCH` of them in one go
-        (`_fold`): counting one at a time was a fifth of a no-op task's whole cost, and a batch
+        A success is only put aside, and counted with the next `BATCH` of them in one go
+        (`fold`): counting one at a time was a fifth of a no-op task's whole cost, and a batch
         of one kind within one second is a few passes in C. Everything that reads what a success
         changes (`kinds`, `window`, `result`) counts the batch first, as does the end of a task
         that did not succeed (so the counts keep the order the tasks ended in)."""
         if record.status is SUCCEEDED and record.started is not None:
-            done = self._done
+            done = self.batch
             done.append(record)
-            if len(done) >= _BATCH:
-                self._fold()
+            if len(done) >= BATCH:
+                self.fold()
             return
-        if self._done:
-            self._fold()
+        if self.batch:
+            self.fold()
         self._one(record)
 
-    def _fold(self) -> None:
+    def fold(self) -> None:
         """Count the successes put aside by `finished`."""
-        done = self._done
-        self._done = []
+        done = self.batch
+        self.batch = []
         first, last = done[0], done[-1]
         kind = self._kinds.get(first.kind)
         if (
@@ -305,8 +305,8 @@ class Report:
     def window(self, now: float, seconds: int) -> tuple[int, int, float]:
         """Tasks ended and failed in the last `seconds` (at most the ring's) before `now`, and the
         span covered."""
-        if self._done:
-            self._fold()
+        if self.batch:
+            self.fold()
         current = int(now)
         first = current - seconds + 1
         ended = failed = 0
@@ -370,8 +370,8 @@ class Report:
         resumed: int = 0,
     ) -> RunResult:
         """The `RunResult` of what was counted, by DESIGN.md's rules."""
-        if self._done:
-            self._fold()
+        if self.batch:
+            self.fold()
         kinds, per_agent, not_ok = self.kinds, self.per_agent, self.not_ok
         counts = {name: kind.counts() for name, kind in sorted(kinds.items())}
         counts = {name: by_state for name, by_state in counts.items() if by_state}

@@ -74,7 +74,7 @@ class Router:
         self.chains = {k: [s.name for s in c] for k, c in registry.chains.items()}
         self.kind_slots = registry.by_kind
         # Kinds served by one agent and no chain: no choice to make at dispatch.
-        self._only: dict[str, AgentSlot] = {
+        self.only: dict[str, AgentSlot] = {
             kind: slots[0]
             for kind, slots in registry.by_kind.items()
             if len(slots) == 1 and kind not in registry.chains
@@ -143,7 +143,7 @@ class Router:
             return None
         target = record.target
         if target is None:
-            slot = self._only.get(record.kind)
+            slot = self.only.get(record.kind)
             if slot is None:
                 return self._route_kind(record, token)
         else:

@@ -217,6 +217,10 @@ class RunStore(Protocol):
         ready or skips), as one step; `attempt` is the failed attempt that ended it, if one did.
         Refused (False) with a stale token or an ended task."""
 
+    def succeed(self, record: Any, token: int, output: Any, agent: str) -> bool:
+        """`settle(record, token, "succeeded", output, agent=agent)`: the common end of an attempt
+        (nothing spawned), in the one call the hot path makes per task. Same refusals."""
+
     def cancel(self, selector: Selector, reason: str, error_type: str = "Cancelled") -> list[Any]:
         """Cancel the matching unfinished tasks that are not running (their dependents are
         skipped); the running ones are flagged (`record.cancelling`) and returned, for their owner

@@ -458,6 +458,10 @@ class _WorkerRun(MemoryRun):
         return ended
 
 
+    def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
+        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+
+
 def _spawned(task: Task) -> dict[str, Any]:
     return {
         "kind": task.kind,

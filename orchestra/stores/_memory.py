@@ -212,7 +212,7 @@ class MemoryRun:
         first_index: int = 0,
         parent: Record | None = None,
     ) -> int:
-        with paused(len(tasks)):  # see `orchestra._gc`
+        with paused(len(tasks), keep=True):  # see `orchestra._gc`
             plain = None if parent is not None else self._admit_plain(tasks, first_index)
             if plain is None:
                 new = self._check_batch(tasks, where, forward, first_index, parent)
@@ -650,6 +650,22 @@ class MemoryRun:
             and not spawned
             and not self._groups
             and not self._compact
+            and error is None
+            and error_type is None
+            and not defaulted
+        ):
+            # This class's own (an override of `succeed` may come back to `settle`).
+            return MemoryRun.succeed(self, record, token, output, agent)  # type: ignore[arg-type]
+        self._end(record, status, output, agent, error, error_type, defaulted)
+        return True
+
+    def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
+        if (
+            record.token == token
+            and record.state is RUNNING
+            and record.dependents is None
+            and not self._groups
+            and not self._compact
         ):
             # The common end, in one step: a success that readies nothing and is kept whole.
             # (`_end_one` does the same and more; a call and a dozen branches cost more here than
@@ -661,14 +677,12 @@ class MemoryRun:
             t_start = record.t_start
             record.started = None if t_start is None else t_start - t0
             record.finished = self._now() - t0
-            record.error = error
-            record.error_type = error_type
-            record.defaulted = defaulted
+            record.error = record.error_type = None
+            record.defaulted = False
             self.unfinished -= 1
             self._listener.finished(record)
             return True
-        self._end(record, status, output, agent, error, error_type, defaulted)
-        return True
+        return self.settle(record, token, SUCCEEDED, output, agent=agent)
 
     def _end(
         self,

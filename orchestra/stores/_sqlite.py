@@ -662,6 +662,9 @@ class SQLiteRun:
             self._failed(record, attempt)
         return True
 
+    def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
+        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+
     def cancel(self, selector: Selector, reason: str, error_type: str = "Cancelled") -> list[Any]:
         return self._memory.cancel(selector, reason, error_type)
 
