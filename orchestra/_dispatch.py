@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+from sys import getrefcount
 from functools import partial
 from random import Random
 from typing import TYPE_CHECKING, Any, Final
@@ -246,6 +247,7 @@ class Dispatcher:
         )
         current: list[Record | None] = [None]
         self._running[me] = current
+        spare: Context | None = None
         done = 0
         try:
             while not self.closing:
@@ -285,7 +287,16 @@ class Dispatcher:
                     report.attempts += 1
                     _TASK_ID.set(record.id)
                     start = time()
-                    ctx = Context(run, record, slot.name, record.attempts, record.feedback or ())
+                    ctx = spare
+                    if ctx is None:
+                        ctx = Context(run, record, slot.name, record.attempts, record.feedback or ())
+                    else:  # the last attempt's, which nobody kept: its fields are this attempt's
+                        spare = None
+                        ctx._node = record
+                        ctx.task = record.task
+                        ctx.agent = slot.name
+                        ctx.attempt = record.attempts
+                        ctx.feedback = record.feedback or ()
                     try:
                         output = await slot.call(record.task, ctx)
                         if type(output) not in _PLAIN:
@@ -321,6 +332,13 @@ class Dispatcher:
                             self.running -= 1
                             if self._parked:
                                 self.wake_one()
+                    if (
+                        getrefcount(ctx) == 2  # this frame's and the call's: no one kept it
+                        and ctx._spawned is None
+                        and ctx._usage is None
+                        and ctx._on_end is None
+                    ):
+                        spare = ctx
                 current[0] = None
                 if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
