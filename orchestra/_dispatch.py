@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
-from sys import getrefcount
 from functools import partial
 from random import Random
+from sys import getrefcount
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -289,7 +289,9 @@ class Dispatcher:
                     start = time()
                     ctx = spare
                     if ctx is None:
-                        ctx = Context(run, record, slot.name, record.attempts, record.feedback or ())
+                        ctx = Context(
+                            run, record, slot.name, record.attempts, record.feedback or ()
+                        )
                     else:  # the last attempt's, which nobody kept: its fields are this attempt's
                         spare = None
                         ctx._node = record
@@ -324,7 +326,12 @@ class Dispatcher:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self.recovery.failed(record, token, slot, exc, start)
                     finally:
-                        if ctx._threads or capacity.blocked or router.held or len(capacity.runs) > 1:
+                        if (
+                            ctx._threads
+                            or capacity.blocked
+                            or router.held
+                            or len(capacity.runs) > 1
+                        ):
                             self._finished(slot, None, ctx, False)
                         else:  # `_finished`'s common case, inline
                             limiter.release()

@@ -13,7 +13,8 @@ lasts, though it stays alive until the run ends. While a run is under way it is 
 (`gc.freeze`: moved, in O(1), out of the collector's sight) and handed back when the last run
 of the process ends (`gc.unfreeze`, O(1): into the oldest generation). Only when nothing else
 in the process froze objects (an application that freezes before forking keeps its own): what
-this module did not freeze, it never unfreezes. Freezing takes the application's young objects
+this module did not freeze, it never unfreezes (unless the application freezes objects while a
+run is under way: they are handed back with the run's at its end). Freezing takes the application's young objects
 along for the run's length; their reference counts still free them, and a garbage cycle among
 them waits for the run's end to be collected.
 """
@@ -32,6 +33,7 @@ __all__ = ("LARGE", "paused", "running")
 LARGE: Final = 1_000  # steps over at least this many tasks pause the collector
 
 _runs = 0  # runs under way in this process (see `running`)
+_may_freeze = False  # nothing else had frozen objects when the first of them started
 _froze = False  # `paused` froze objects that the end of the last run unfreezes
 
 
@@ -39,7 +41,10 @@ _froze = False  # `paused` froze objects that the end of the last run unfreezes
 def running() -> Iterator[None]:
     """A run is under way: what `paused(..., keep=True)` steps allocate stays frozen until the
     last run of the process ends."""
-    global _runs, _froze
+    global _runs, _froze, _may_freeze
+    if not _runs:
+        # Asked once, when the first run starts: `get_freeze_count` walks every frozen object.
+        _may_freeze = not gc.get_freeze_count()
     _runs += 1
     try:
         yield
@@ -63,7 +68,7 @@ def paused(size: int, keep: bool = False) -> Iterator[None]:
         yield
     finally:
         if pause:
-            if keep and _runs and (_froze or not gc.get_freeze_count()):
+            if keep and _runs and _may_freeze:
                 gc.freeze()
                 _froze = True
             gc.enable()

@@ -457,7 +457,6 @@ class _WorkerRun(MemoryRun):
             self._settled.pop(record.id, None)
         return ended
 
-
     def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
 

@@ -167,6 +167,45 @@ class TestWorkerPool:
         assert max(samples) <= baseline + 10 + 3
 
 
+class TestContexts:
+    """A worker hands its next attempt the last one's context only when nobody kept it."""
+
+    async def test_a_context_nobody_kept_serves_the_next_attempt(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        seen: list[tuple[int, str, str, int]] = []
+
+        @agent(kinds=["work"])
+        async def look(task: Task, ctx: Context) -> None:
+            seen.append((id(ctx), ctx.task.id, task.id, ctx.attempt))
+
+        orch = make_orchestrator(agents=[look], concurrency=1)
+        await orch.run(tasks=[Task("work") for _ in range(50)])
+        assert len({ident for ident, *_ in seen}) == 1  # one worker, one context
+        assert all(ctx_task == task and attempt == 1 for _, ctx_task, task, attempt in seen)
+
+    async def test_a_context_an_agent_keeps_is_never_handed_to_another_attempt(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        kept: list[tuple[Context, str, int]] = []
+        later: list[Task] = []
+
+        @agent(kinds=["work"])
+        async def keep(task: Task, ctx: Context) -> int:
+            if task.payload % 2:
+                kept.append((ctx, task.id, ctx.attempt))  # kept past the attempt's end
+            later.append(ctx.task)
+            return int(task.payload)
+
+        orch = make_orchestrator(agents=[keep], concurrency=2)
+        result = await orch.run(tasks=[Task("work", i) for i in range(200)])
+        assert result.status == "success"
+        assert len(kept) == 100
+        assert len({id(ctx) for ctx, _, _ in kept}) == 100
+        assert all(ctx.task.id == task_id and ctx.attempt == n for ctx, task_id, n in kept)
+        assert [t.payload for t in later] == list(range(200))
+
+
 class TestExecutors:
     async def test_a_thread_agent_runs_off_the_loop(
         self, make_orchestrator: Callable[..., Orchestrator]

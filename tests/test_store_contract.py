@@ -401,6 +401,48 @@ class TestSettlement:
         statuses = {r.task_id: r.status for r in h.run.results()}
         assert statuses == {"ok": SUCCEEDED, "bad": FAILED, "dep": SKIPPED}
 
+    def test_succeed_is_a_settle_as_succeeded(self, h: Harness) -> None:
+        h.t[0] = 1.0
+        h.admit(Task("a", id="t1"), Task("a", id="t2"))
+        h.t[0] = 2.0
+        one, two = h.running("x"), h.running("y")
+        h.t[0] = 3.0
+        assert h.run.succeed(one, one.token, {"v": 1}, "x")
+        assert h.run.settle(two, two.token, SUCCEEDED, {"v": 1}, agent="y")
+        fields = ("status", "output", "attempts", "started", "finished", "error", "error_type")
+        first, second = h.heard.results["t1"], h.heard.results["t2"]
+        assert [getattr(first, f) for f in fields] == [getattr(second, f) for f in fields]
+        assert (first.agent, first.defaulted, first.failures) == ("x", False, None)
+        assert h.run.state_of("t1") == SUCCEEDED
+        assert h.run.unfinished == 0
+
+    def test_succeed_refuses_a_stale_token_and_an_ended_task(self, h: Harness) -> None:
+        h.admit(Task("a", id="t1"), Task("a", id="t2"))
+        record = h.running()
+        before = h.snapshot("t1")
+        assert not h.run.succeed(record, record.token - 1, "late", "x")
+        assert h.snapshot("t1") == before
+        assert h.run.succeed(record, record.token, "first", "x")
+        assert not h.run.succeed(record, record.token, "again", "x")
+        other = h.running()
+        assert h.run.settle(other, other.token, FAILED, error="boom", error_type="Boom")
+        assert not h.run.succeed(other, other.token, "after", "x")
+        assert h.heard.ended == ["t1", "t2"]
+        assert (h.heard.results["t1"].output, h.heard.results["t2"].status) == ("first", FAILED)
+
+    def test_succeed_readies_the_dependents_and_closes_the_groups(self, h: Harness) -> None:
+        h.admit(
+            Task("a", id="t1", tags=["g"]),
+            Task("a", id="dep", depends_on=["t1"]),
+            Task("a", id="all", depends_on_tags=["g"]),
+        )
+        h.run.close_input()
+        record = h.running()
+        mark = len(h.heard.events)
+        assert h.run.succeed(record, record.token, 7, "x")
+        assert h.heard.since(mark)[0] == ("finished", "t1")
+        assert sorted(h.claim_all()) == ["all", "dep"]
+
     def test_a_compacting_run_forgets_successes_but_knows_their_state_and_output(
         self, make_run: Callable[..., Harness]
     ) -> None:
