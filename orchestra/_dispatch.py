@@ -237,6 +237,9 @@ class Dispatcher:
         limiter = capacity.limiter
         router = self.router
         succeed = store.succeed
+        claim = store.claim
+        only = router.only
+        limit = capacity.limit
         time = self._time
         # Nothing around any call: no attempt timeout, no verifier, no safety check, no instrument.
         bare = (
@@ -251,7 +254,29 @@ class Dispatcher:
         done = 0
         try:
             while not self.closing:
-                picked = self._take()
+                if (
+                    self.paused
+                    or router.recheck
+                    or limiter.in_use >= limit
+                    or router.gate is not None
+                    or (record := claim()) is None
+                ):
+                    picked = self._take()  # paused, full, tasks in lanes first, or none ready
+                else:
+                    # The common choice, inline: the only agent of the kind, healthy, with room,
+                    # nobody waiting in a lane, no limits of its own. `_choose` makes the others.
+                    slot = only.get(record.kind) if record.target is None else None
+                    if (
+                        slot is not None
+                        and record.deadline is None
+                        and slot.breaker.state is CLOSED
+                        and slot.in_flight < slot.limit
+                        and not router.held
+                        and not slot.limiters
+                    ):
+                        picked = record, record.token, slot, None
+                    elif (picked := self._choose(record)) is None:
+                        continue  # it waits in a lane (or ended): claim the next one
                 if picked is None:
                     # Nothing to do. If every unfinished task is running, nothing can become
                     # ready but through them (a retry, a spawn, a dependent), and `ready` starts
@@ -377,33 +402,27 @@ class Dispatcher:
             if picked is not None:
                 return picked
         store = self.store
-        only = router.only
         while not self.closing:  # a reservation may end the run (its budget): then claim no more
             record = store.claim()
             if record is None:
                 return None
-            token = record.token
-            # The common choice, inline: the only agent of the kind, healthy, with room, and
-            # nobody waiting in a lane. `route` makes every other choice.
-            slot = only.get(record.kind) if record.target is None else None
-            if (
-                slot is not None
-                and record.deadline is None
-                and slot.breaker.state is CLOSED
-                and slot.in_flight < slot.limit
-                and not router.held
-            ):
-                routed: AgentSlot | None = slot
-            else:
-                routed = router.route(record, token)
-                if routed is None:
-                    continue
-            if not routed.limiters and router.gate is None:  # type: ignore[union-attr]
-                return record, token, routed, None  # type: ignore[return-value]
-            cost = router.reserve(record, token, routed)  # type: ignore[arg-type]
-            if cost is not None:
-                return record, token, routed, cost  # type: ignore[return-value]
+            picked = self._choose(record)
+            if picked is not None:
+                return picked
         return None
+
+    def _choose(self, record: Record) -> tuple[Record, int, AgentSlot, Cost | None] | None:
+        """The agent for a claimed task, and what the task reserved on its limits; None when it
+        waits in a lane for room (or ended: its deadline passed, its chain ran out)."""
+        token = record.token
+        router = self.router
+        routed = router.route(record, token)
+        if routed is None:
+            return None
+        if not routed.limiters and router.gate is None:
+            return record, token, routed, None
+        cost = router.reserve(record, token, routed)
+        return None if cost is None else (record, token, routed, cost)
 
     # -- timers ----------------------------------------------------------------------------------
 
