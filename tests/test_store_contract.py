@@ -1002,6 +1002,13 @@ class TestAdmission:
         assert task.id not in (None, "a#1")
         assert h.run.state_of(task.id) == READY
 
+    def test_a_generated_id_never_takes_one_given_to_a_streamed_task(self, h: Harness) -> None:
+        h.run.admit_one(Task("a", id="a#1"), 0)
+        tasks = [Task("a") for _ in range(3)]
+        assert h.admit(*tasks, forward=False) == 3
+        assert len({t.id for t in tasks} | {"a#1"}) == 4
+        assert h.run.unfinished == 4
+
     def test_a_typed_payload_is_validated_into_its_model(self, h: Harness) -> None:
         h.admit(Task("typed", {"n": 3}, id="t1"))
         assert h.claim().task.payload == Typed(n=3)

@@ -196,6 +196,9 @@ class MemoryRun:
         self._input_done = False
         self._cascade: list[tuple[Record, str]] = []  # what to skip next; empty between steps
         self._generated: set[int] = set()
+        # Some id admitted outside `_admit_plain` has a "#": a generated id ("<kind>#<n>") may
+        # clash with it, so `_admit_plain` looks each one up (two dict lookups a task, else none).
+        self._lookalike = False
         self._spawned = False  # some task spawned others: `results()` ranks them  # tasks of the batch being admitted whose id is generated
 
     # -- admission -------------------------------------------------------------------------------
@@ -235,6 +238,7 @@ class MemoryRun:
         auto = admission.auto
         records = self._records
         settled = self._settled
+        lookalike = self._lookalike
         new: list[Record] = []
         append = new.append
         index = first_index
@@ -257,10 +261,11 @@ class MemoryRun:
                 break
             auto += 1
             task_id = f"{kind}#{auto}"
-            if task_id in records or task_id in settled:
+            if lookalike and (task_id in records or task_id in settled):
                 break  # a given id of an earlier batch looks generated: the general path
             task.id = task_id
             record = records[task_id] = Record(task, index, None, False)
+            record.state = READY  # made ready as a batch (`_ready_all`) if the whole batch is plain
             append(record)
             index += 1
         else:
@@ -273,7 +278,8 @@ class MemoryRun:
         return None
 
     def _ready_all(self, records: list[Record]) -> None:
-        """`_ready` for a batch of new records that wait for nothing, in one step."""
+        """`_ready` for a batch of new records that wait for nothing (marked ready already), in
+        one step."""
         timeout = self._task_timeout
         if timeout is not None:
             deadline = self._now() + timeout
@@ -282,8 +288,6 @@ class MemoryRun:
                 record.deadline = deadline
                 self._timer_seq += 1
                 heappush(timers, (deadline, self._timer_seq, record))
-        for record in records:
-            record.state = READY
         self._queue.push_all(records)
         self._listener.ready_all(records)
 
@@ -302,6 +306,8 @@ class MemoryRun:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
         record = Record(task, index, None, named)
         self._records[record.id] = record
+        if "#" in record.id:
+            self._lookalike = True
         if task.key is not None:
             self._keys[task.key] = record.id
         self.unfinished += 1
@@ -396,6 +402,8 @@ class MemoryRun:
         for index, task in enumerate(batch, first_index):
             record = Record(task, index, parent, not generated or id(task) not in generated)
             records[record.id] = record
+            if "#" in record.id:
+                self._lookalike = True
             if task.key is not None:
                 keys[task.key] = record.id
             new.append(record)
@@ -924,6 +932,8 @@ class MemoryRun:
         live = []
         for record in records:
             self._records[record.id] = record
+            if "#" in record.id:
+                self._lookalike = True
             task = record.task
             if task.key is not None:
                 self._keys[task.key] = record.id
