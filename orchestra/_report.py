@@ -235,26 +235,36 @@ class Report:
         self._one(record)
 
     def fold(self) -> None:
-        """Count the successes put aside by `finished`."""
+        """Count the successes put aside by `finished`: by kind, each kind's in one go."""
         done = self.batch
         self.batch = []
-        first, last = done[0], done[-1]
-        kind = self._kinds.get(first.kind)
-        if (
-            kind is None
-            or last.finished >= self.second_end  # crosses into a later second: `_turn`s
-            or any(map(ne, map(_kind_of, done), repeat(first.kind)))
-        ):
+        if done[-1].finished >= self.second_end:  # crosses into a later second: `_turn`s
             for record in done:
                 self._one(record)
             return
-        n = len(done)
-        self.ended += n
-        kind.succeeded += n
+        self.ended += len(done)
         per_agent = self.per_agent
         for agent, count in Counter(map(_agent_of, done)).items():
             if agent is not None:
                 per_agent[agent] = per_agent.get(agent, 0) + count
+        first = done[0].kind
+        if not any(map(ne, map(_kind_of, done), repeat(first))):
+            self._fold_kind(self._kind(first), done)
+            return
+        by_kind: dict[str, list[Node]] = {}
+        for record in done:  # tasks of many kinds ending together (in their order, per kind)
+            group = by_kind.get(record.kind)
+            if group is None:
+                by_kind[record.kind] = [record]
+            else:
+                group.append(record)
+        for name, group in by_kind.items():
+            self._fold_kind(self._kind(name), group)
+
+    def _fold_kind(self, kind: KindTally, done: list[Node]) -> None:
+        """Count successes of one kind, all within the current second."""
+        n = len(done)
+        kind.succeeded += n
         took = list(map(sub, map(_finished_of, done), map(_started_of, done)))
         kind.busy += sum(took)
         longest = max(took)

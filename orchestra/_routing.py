@@ -178,6 +178,10 @@ class Router:
         n = len(slots)
         first = self._cursor.get(kind, 0)
         tried = record.tried
+        slot = slots[first]
+        if tried is None and slot.breaker.state is CLOSED and slot.in_flight < slot.limit:
+            self._cursor[kind] = (first + 1) % n  # the common case: the next in turn has room
+            return slot
         now = self._time()
         usable = False
         for i in range(n):

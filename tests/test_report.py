@@ -75,6 +75,20 @@ class TestBatchedSuccesses:
         assert got.per_agent == expected.per_agent
         assert got.window(4.0, 5) == expected.window(4.0, 5)
 
+    def test_many_kinds_in_one_second_count_as_one_at_a_time(self) -> None:
+        records = [
+            ended(i, f"k{i % 5}", SUCCEEDED, i * 1e-4, i * 1e-4 + (i % 11) * 1e-5, f"a{i % 3}")
+            for i in range(3000)
+        ]
+        records[1234] = ended(1234, "k4", FAILED, 0.12, 0.13)
+        records[2000] = ended(2000, "late", SUCCEEDED, 0.2, 0.25)  # a kind never admitted
+        kinds = [f"k{j}" for j in range(5)]
+        expected, got = one_by_one(records, kinds), batched(records, kinds)
+        assert tallies(got) == tallies(expected)
+        assert got.per_agent == expected.per_agent
+        assert got.window(0.9, 1) == expected.window(0.9, 1)
+        assert got.ended == expected.ended == 3000
+
     def test_a_reader_sees_every_success_before_a_batch_is_full(self) -> None:
         report = Report()
         report.admitted_one("k")
