@@ -10,8 +10,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from itertools import repeat
-from operator import attrgetter, ne, sub
+from operator import attrgetter, sub
 from random import Random
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +99,7 @@ _finished_of = attrgetter("finished")
 _EXACT = 1_024
 _EVERY = 8  # a power of two (a mask)
 BATCH = 256  # successes counted at once (see `Report.finished`)
+_GROUP = 16  # a batch of several kinds is counted kind by kind when they average this many
 _RING = 16  # one-second buckets of ended tasks kept (a power of two above the status's window)
 RECENT_ERRORS = 20  # failed tasks kept for the live status
 _MESSAGE = 300  # characters of an error message kept there
@@ -238,7 +238,11 @@ class Report:
         """Count the successes put aside by `finished`: by kind, each kind's in one go."""
         done = self.batch
         self.batch = []
-        if done[-1].finished >= self.second_end:  # crosses into a later second: `_turn`s
+        kinds = set(map(_kind_of, done))
+        if (
+            done[-1].finished >= self.second_end  # crosses into a later second: `_turn`s
+            or len(kinds) * _GROUP > len(done)  # many kinds, a few tasks each: one at a time
+        ):
             for record in done:
                 self._one(record)
             return
@@ -247,9 +251,8 @@ class Report:
         for agent, count in Counter(map(_agent_of, done)).items():
             if agent is not None:
                 per_agent[agent] = per_agent.get(agent, 0) + count
-        first = done[0].kind
-        if not any(map(ne, map(_kind_of, done), repeat(first))):
-            self._fold_kind(self._kind(first), done)
+        if len(kinds) == 1:
+            self._fold_kind(self._kind(done[0].kind), done)
             return
         by_kind: dict[str, list[Node]] = {}
         for record in done:  # tasks of many kinds ending together (in their order, per kind)
