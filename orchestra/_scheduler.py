@@ -32,23 +32,27 @@ T = TypeVar("T", bound=Queued)
 class ReadyQueue(Generic[T]):
     """Entries by priority, FIFO within one; `len()` counts the live ones."""
 
-    __slots__ = ("_buckets", "_prios", "_seq", "_size")
+    __slots__ = ("_buckets", "_prios", "_seq", "front", "size")
 
     def __init__(self) -> None:
         self._buckets: dict[int, deque[T]] = {}
         self._prios: list[int] = []  # heap of the priorities that have a bucket
         self._seq = 0
-        self._size = 0
+        self.size = 0  # live entries
+        # The bucket of the best priority present (None: none yet). A store may take its front
+        # entry itself (`MemoryRun.claim`): an entry whose `qseq` is -1 is stale and dropped.
+        self.front: deque[T] | None = None
 
     def push(self, entry: T) -> None:
         bucket = self._buckets.get(entry.priority)
         if bucket is None:
             bucket = self._buckets[entry.priority] = deque()
             heappush(self._prios, entry.priority)
+            self.front = self._buckets[self._prios[0]]
         self._seq += 1
         entry.qseq = self._seq
         bucket.append(entry)
-        self._size += 1
+        self.size += 1
 
     def push_all(self, entries: list[T]) -> None:
         """`push` each of `entries` in order (a batch admitted at once: most share one priority)."""
@@ -63,16 +67,17 @@ class ReadyQueue(Generic[T]):
                 if bucket is None:
                     bucket = buckets[priority] = deque()
                     heappush(self._prios, priority)
+                    self.front = buckets[self._prios[0]]
                 last = priority
             seq += 1
             entry.qseq = seq
             bucket.append(entry)  # type: ignore[union-attr]
         self._seq = seq
-        self._size += len(entries)
+        self.size += len(entries)
 
     def pop(self) -> T | None:
         """The best live entry, taken out of the queue (None when empty)."""
-        if not self._size:
+        if not self.size:
             return None
         prios = self._prios
         buckets = self._buckets
@@ -82,23 +87,24 @@ class ReadyQueue(Generic[T]):
                 entry = bucket.popleft()
                 if entry.qseq >= 0:
                     entry.qseq = -1
-                    self._size -= 1
+                    self.size -= 1
                     return entry
             del buckets[heappop(prios)]
-        return None  # pragma: no cover - `_size` counts live entries
+            self.front = buckets[prios[0]] if prios else None
+        return None  # pragma: no cover - `size` counts live entries
 
     def discard(self, entry: T) -> None:
         """`entry` leaves without being popped; its stale slot is dropped when it reaches the front."""
         if entry.qseq >= 0:
             entry.qseq = -1
-            self._size -= 1
+            self.size -= 1
 
     def move(self, entry: T, priority: int) -> None:
         """Change the priority of a queued entry (it goes to the back of its new priority)."""
         bucket = self._buckets.get(entry.priority)
         if bucket is not None and entry in bucket:
             bucket.remove(entry)
-            self._size -= 1
+            self.size -= 1
         entry.priority = priority
         self.push(entry)
 
@@ -108,4 +114,4 @@ class ReadyQueue(Generic[T]):
         return {prio: len(self._buckets[prio]) for prio in sorted(self._prios)}
 
     def __len__(self) -> int:
-        return self._size
+        return self.size

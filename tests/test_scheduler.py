@@ -193,3 +193,62 @@ class TestReprioritize:
         with pytest.raises(InputError) as info:
             orch.reprioritize("t1", priority)
         assert info.value.field == "priority"
+
+
+class _Entry:
+    __slots__ = ("name", "priority", "qseq")
+
+    def __init__(self, name: int, priority: int) -> None:
+        self.name = name
+        self.priority = priority
+        self.qseq = -1
+
+
+class TestFront:
+    """`ReadyQueue.front` is the best priority's bucket whatever came before: a store that takes its
+    front entry itself (`MemoryRun.claim`) gets what `pop` would have given."""
+
+    @pytest.mark.parametrize("seed", range(20))
+    def test_taking_from_the_front_is_popping(self, seed: int) -> None:
+        import random
+
+        from orchestra._scheduler import ReadyQueue
+
+        rng = random.Random(seed)
+        queue: ReadyQueue[_Entry] = ReadyQueue()
+        live: list[_Entry] = []  # the reference: best priority first, FIFO within one
+        for step in range(2_000):
+            op = rng.random()
+            if op < 0.45:
+                entries = [
+                    _Entry(step * 10 + i, rng.randrange(-3, 4)) for i in range(rng.randrange(1, 4))
+                ]
+                if len(entries) > 1:
+                    queue.push_all(entries)
+                else:
+                    queue.push(entries[0])
+                live.extend(entries)
+            elif op < 0.55 and live:
+                gone = live.pop(rng.randrange(len(live)))
+                queue.discard(gone)
+            elif op < 0.6 and live:
+                moved = live.pop(rng.randrange(len(live)))
+                queue.move(moved, rng.randrange(-3, 4))
+                live.append(moved)
+            else:
+                expected = min(live, key=lambda e: (e.priority, e.qseq)) if live else None
+                took = None
+                front = queue.front
+                while front:  # as `MemoryRun.claim` takes: stale entries are dropped
+                    entry = front.popleft()
+                    if entry.qseq >= 0:
+                        entry.qseq = -1
+                        queue.size -= 1
+                        took = entry
+                        break
+                if took is None:
+                    took = queue.pop()
+                assert took is expected
+                if took is not None:
+                    live.remove(took)
+            assert len(queue) == len(live)

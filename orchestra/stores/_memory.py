@@ -550,7 +550,19 @@ class MemoryRun:
         self._listener.ready(record)
 
     def claim(self) -> Record | None:
-        record = self._queue.pop()
+        # `ReadyQueue.pop`'s common case, inline (a call is a tenth of a no-op task's dispatch):
+        # the front entry of the best priority's bucket.
+        queue = self._queue
+        bucket = queue.front
+        if bucket:
+            record = bucket.popleft()
+            if record.qseq >= 0:
+                record.qseq = -1
+                queue.size -= 1
+                record.state = CLAIMED
+                record.token += 1
+                return record
+        record = queue.pop()
         if record is not None:
             record.state = CLAIMED
             record.token += 1
