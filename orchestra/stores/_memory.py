@@ -562,11 +562,11 @@ class MemoryRun:
                 record.state = CLAIMED
                 record.token += 1
                 return record
-        record = queue.pop()
-        if record is not None:
-            record.state = CLAIMED
-            record.token += 1
-        return record
+        popped = queue.pop()
+        if popped is not None:
+            popped.state = CLAIMED
+            popped.token += 1
+        return popped
 
     def heartbeat(self, record: Record, token: int) -> bool:
         # One process, one owner: a lease never expires here; only its token can go stale.
