@@ -9,6 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from orchestra import (
@@ -176,6 +177,31 @@ class TestEventStream:
         unsubscribe()
         await orch.run(tasks=tasks_of(1))
         assert len(got) == 1
+
+    async def test_a_subscriber_that_comes_and_goes_mid_run_hears_the_tasks_in_between(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        finished: list[str] = []
+        unsubscribe: list[Callable[[], None]] = []
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> int:
+            n = int(task.payload)
+            if n == 100:  # from here on, every end is heard (the run's common path included)
+                unsubscribe.append(
+                    orch.subscribe(lambda e: finished.append(e.result.task_id), TaskFinished)
+                )
+            elif n == 200:
+                unsubscribe.pop()()
+            await anyio.lowlevel.checkpoint()
+            return n
+
+        orch = make_orchestrator(agents=[work], concurrency=1)
+        result = await orch.run(tasks=[Task("work", i, id=f"t{i}") for i in range(300)])
+        assert result.status == "success"
+        assert len(result.data) == 300
+        heard = {int(i[1:]) for i in finished}
+        assert set(range(100, 200)) <= heard <= set(range(100, 201))
 
 
 class TestSubscribersCannotHurtTheRun:
