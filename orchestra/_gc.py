@@ -16,7 +16,9 @@ in the process froze objects (an application that freezes before forking keeps i
 this module did not freeze, it never unfreezes (unless the application freezes objects while a
 run is under way: they are handed back with the run's at its end). Freezing takes the application's young objects
 along for the run's length; their reference counts still free them, and a garbage cycle among
-them waits for the run's end to be collected.
+them waits for the run's end to be collected. Only what lives as long as the run is frozen: a
+whole list's admission, a large batch of spawns; a streamed run forgets its records as they end,
+and its chunks are not frozen (nor, with them, what the application allocated meanwhile).
 """
 
 from __future__ import annotations

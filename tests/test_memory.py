@@ -229,6 +229,19 @@ class TestTheCollector:
         assert min(seen) >= 2_000  # at least the run's records
         assert gc.get_freeze_count() == 0
 
+    async def test_a_streamed_run_freezes_nothing(self) -> None:
+        seen: list[int] = []
+
+        @agent(kinds=["work"])
+        async def look(task: Task, ctx: Context) -> None:
+            if len(seen) < 3 or task.payload % 1_000 == 0:
+                seen.append(gc.get_freeze_count())
+
+        async with Orchestrator(agents=[look]) as orch:
+            result = await orch.run(iter([Task("work", i) for i in range(5_000)]))
+        assert result.status == "success"
+        assert set(seen) == {0}
+
     async def test_a_small_run_freezes_nothing(self) -> None:
         seen: list[int] = []
 

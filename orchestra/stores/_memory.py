@@ -215,7 +215,10 @@ class MemoryRun:
         first_index: int = 0,
         parent: Record | None = None,
     ) -> int:
-        with paused(len(tasks), keep=True):  # see `orchestra._gc`
+        # A whole-list run keeps its records to its end: they are frozen out of the GC's sight
+        # (`orchestra._gc`). A streamed one forgets them as they end: its chunks are not frozen,
+        # nor what the application allocated meanwhile (its garbage cycles stay collectable).
+        with paused(len(tasks), keep=not self._compact):
             plain = None if parent is not None else self._admit_plain(tasks, first_index)
             if plain is None:
                 new = self._check_batch(tasks, where, forward, first_index, parent)
