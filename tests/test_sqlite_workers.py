@@ -203,6 +203,49 @@ class TestInOneProcess:
         assert reports[0].lost == 1
         assert reports[0].completed == 0
 
+    @pytest.mark.xfail(
+        reason="known defect (session 5): a shared run stopped while a live worker holds tasks "
+        "does not restart cleanly: right after the stop the rows keep the worker's renewed "
+        "leases, the restarted coordinator waits on them as remote forever; later they are "
+        "found written 'cancelled' (the worker's completions among them), so a restart runs "
+        "nothing. See the stop note of session 5.",
+        strict=False,
+    )
+    async def test_a_run_stopped_while_a_worker_holds_tasks_restarts_with_every_task(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        calls: collections.Counter[str] = collections.Counter()
+
+        @agent(kinds=["work"], concurrency=5)
+        async def slow(task: Task, ctx: Context) -> Any:
+            calls[task.id] += 1
+            await anyio.sleep(0.05)
+            return task.payload
+
+        tasks = [Task("work", i, id=f"t{i}") for i in range(60)]
+        helper = Orchestrator(agents=[slow], store=SQLiteStore(db, lease=0.6, window=0.02))
+        async with helper, anyio.create_task_group() as tg:
+            tg.start_soon(helper.work, None)
+            first = Orchestrator(agents=[slow], store=SQLiteStore(db, lease=0.6, window=0.02))
+            async with first:
+                handle = first.start(tasks=tasks, run_id="r")
+                handle.pause()  # the worker runs everything
+                await until(lambda: sum(calls.values()) >= 20)
+                await handle.stop()
+                stopped = await handle
+            before = set(stopped.data or {})
+            again = Orchestrator(agents=[slow], store=SQLiteStore(db, lease=0.6, window=0.02))
+            async with again:
+                with anyio.fail_after(10):
+                    result = await again.run(tasks=tasks, run_id="r")
+            tg.cancel_scope.cancel()
+        assert stopped.status == "cancelled"
+        assert result.status == "success"
+        assert len(result.data) == 60
+        assert max(calls.values()) <= 2  # an attempt cut by the stop may run again
+        assert all(calls[t] == 1 for t in before)
+
     async def test_a_second_coordinator_of_a_live_run_is_refused(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
         gate = anyio.Event()
