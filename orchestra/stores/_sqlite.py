@@ -829,6 +829,10 @@ class SQLiteRun:
         self._keys.close()
         self.flush()
         self._closed = True
+        if self._timer is not None:  # a shared run's flush arms the next window: none comes now
+            self._timer.cancel()  # (it would write what the run's end does after this: the
+            self._timer = None  # tasks a stop or a cancel ends are not written down)
+        self._armed = False
         for write in self._writes:
             try:
                 write.result()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
@@ -95,13 +96,28 @@ class Writer:
             self.path, isolation_level=None, check_same_thread=False, timeout=self.busy_timeout
         )
         try:
-            conn.execute("PRAGMA journal_mode = WAL")
+            _wal(conn, self.busy_timeout)
             conn.execute("PRAGMA synchronous = NORMAL")
             migrate(conn, str(self.path))
         except BaseException:
             conn.close()
             raise
         return conn
+
+
+def _wal(conn: sqlite3.Connection, busy_timeout: float) -> None:
+    """Put the file in WAL mode, waiting up to `busy_timeout` for a lock held by another
+    connection: SQLite answers this pragma SQLITE_BUSY at once, without its busy handler, while
+    another process opens the same new file (a worker started with its coordinator)."""
+    deadline = time.monotonic() + busy_timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc).lower() or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)  # on the store's own thread: blocking it is what a busy wait does
 
 
 def stop(jobs: SimpleQueue[Any]) -> None:
