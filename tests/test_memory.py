@@ -202,6 +202,22 @@ class TestDurations:
         assert sorted(durations.sample) == [1.0, 2.0, 3.0]
 
 
+async def freeze_counts(tasks: Any) -> list[int]:
+    """Run `tasks`; what `gc.get_freeze_count()` said during the first three attempts and every
+    thousandth (it walks every frozen object: not at every task)."""
+    seen: list[int] = []
+
+    @agent(kinds=["work"])
+    async def look(task: Task, ctx: Context) -> None:
+        if len(seen) < 3 or (task.payload or 0) % 1_000 == 0:
+            seen.append(gc.get_freeze_count())
+
+    async with Orchestrator(agents=[look]) as orch:
+        result = await orch.run(tasks)
+    assert result.status == "success"
+    return seen
+
+
 class TestTheCollector:
     """What a large admission allocates is frozen out of the cyclic GC's sight while runs are under
     way (`orchestra._gc`), and handed back when the last one ends; nobody else's frozen objects
@@ -216,57 +232,22 @@ class TestTheCollector:
         gc.enable()
 
     async def test_a_large_run_is_frozen_while_it_runs_and_thawed_after(self) -> None:
-        seen: list[int] = []
-
-        @agent(kinds=["work"])
-        async def look(task: Task, ctx: Context) -> None:
-            if len(seen) < 3:  # `get_freeze_count` walks every frozen object
-                seen.append(gc.get_freeze_count())
-
-        async with Orchestrator(agents=[look]) as orch:
-            result = await orch.run(tasks=[Task("work") for _ in range(2_000)])
-        assert result.status == "success"
+        seen = await freeze_counts([Task("work", i) for i in range(2_000)])
         assert min(seen) >= 2_000  # at least the run's records
         assert gc.get_freeze_count() == 0
 
     async def test_a_streamed_run_freezes_nothing(self) -> None:
-        seen: list[int] = []
-
-        @agent(kinds=["work"])
-        async def look(task: Task, ctx: Context) -> None:
-            if len(seen) < 3 or task.payload % 1_000 == 0:
-                seen.append(gc.get_freeze_count())
-
-        async with Orchestrator(agents=[look]) as orch:
-            result = await orch.run(iter([Task("work", i) for i in range(5_000)]))
-        assert result.status == "success"
+        seen = await freeze_counts(iter([Task("work", i) for i in range(5_000)]))
         assert set(seen) == {0}
 
     async def test_a_small_run_freezes_nothing(self) -> None:
-        seen: list[int] = []
-
-        @agent(kinds=["work"])
-        async def look(task: Task, ctx: Context) -> None:
-            if len(seen) < 3:  # `get_freeze_count` walks every frozen object
-                seen.append(gc.get_freeze_count())
-
-        async with Orchestrator(agents=[look]) as orch:
-            await orch.run(tasks=[Task("work") for _ in range(10)])
-        assert set(seen) == {0}
+        assert set(await freeze_counts([Task("work", i) for i in range(10)])) == {0}
 
     async def test_what_the_application_froze_stays_frozen_and_is_not_added_to(self) -> None:
         kept = [[object()] for _ in range(100)]
         gc.freeze()
         frozen = gc.get_freeze_count()
-        seen: list[int] = []
-
-        @agent(kinds=["work"])
-        async def look(task: Task, ctx: Context) -> None:
-            if len(seen) < 3:  # `get_freeze_count` walks every frozen object
-                seen.append(gc.get_freeze_count())
-
-        async with Orchestrator(agents=[look]) as orch:
-            await orch.run(tasks=[Task("work") for _ in range(2_000)])
+        seen = await freeze_counts([Task("work", i) for i in range(2_000)])
         # Not added to (the run's 2,000 records would be), not thawed (a frozen object that
         # dies meanwhile leaves the count, hence the slack).
         assert frozen - 100 < min(seen) <= max(seen) <= frozen
