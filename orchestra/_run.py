@@ -31,7 +31,7 @@ from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused, running
 from ._instruments import RunInfo
 from ._log import get_logger
-from ._report import BATCH, Report
+from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
@@ -199,12 +199,10 @@ class Run:
             and record.started
         ):
             # The common end, when nothing but the counts and a built-in aggregate hear of it:
-            # two list appends (`Report.finished` and `Ordered.add`, inline).
-            report = self.report
-            batch = report.batch
-            batch.append(record)
-            if len(batch) >= BATCH:
-                report.fold()
+            # two list appends (`Report.finished` and `Ordered.add`, inline). The aggregate keeps
+            # every record to the run's end anyway, so the report's batch is counted only when
+            # something reads the counts (a status, the result): in one go, in C.
+            self.report.batch.append(record)
             self._keep(record)  # type: ignore[misc]
             if not self.store.unfinished and self._input_done:
                 self._finish()
