@@ -257,10 +257,26 @@ class Dispatcher:
                     or (record := claim()) is None
                 ):
                     picked = self._take()  # paused, full, tasks in lanes first, or none ready
+                    if picked is None:
+                        # Nothing to do. If every unfinished task is running, nothing can become
+                        # ready but through them (a retry, a spawn, a dependent), and `ready`
+                        # starts a worker then: leave now rather than be woken at the end only
+                        # to leave.
+                        if store.unfinished <= self.running or self.closing:
+                            return
+                        waiter = loop.create_future()
+                        self._parked.append(waiter)
+                        await waiter
+                        continue
+                    record, token, slot, cost = picked
+                    inline = (
+                        cost is None and record.deadline is None and slot.breaker.state is CLOSED
+                    )
                 else:
                     # The common choice, inline: the only agent of the kind, healthy, with room,
                     # nobody waiting in a lane, no limits of its own. `_choose` makes the others.
-                    slot = only.get(record.kind) if record.target is None else None
+                    token = record.token
+                    slot = only.get(record.kind) if record.target is None else None  # type: ignore[assignment]
                     if (
                         slot is not None
                         and record.deadline is None
@@ -269,29 +285,20 @@ class Dispatcher:
                         and not router.held
                         and not slot.limiters
                     ):
-                        picked = record, record.token, slot, None
+                        cost = None
+                        inline = True
                     elif (picked := self._choose(record)) is None:
                         continue  # it waits in a lane (or ended): claim the next one
-                if picked is None:
-                    # Nothing to do. If every unfinished task is running, nothing can become
-                    # ready but through them (a retry, a spawn, a dependent), and `ready` starts
-                    # a worker then: leave now rather than be woken at the end only to leave.
-                    if store.unfinished <= self.running or self.closing:
-                        return
-                    waiter = loop.create_future()
-                    self._parked.append(waiter)
-                    await waiter
-                    continue
-                record, token, slot, cost = picked
+                    else:
+                        record, token, slot, cost = picked
+                        inline = (
+                            cost is None
+                            and record.deadline is None
+                            and slot.breaker.state is CLOSED
+                        )
                 current.record = record
                 if not (
-                    bare
-                    and cost is None
-                    and slot.bare
-                    and slot.fault is None
-                    and record.deadline is None
-                    and slot.breaker.state is CLOSED
-                    and not self.bus.active
+                    inline and bare and slot.bare and slot.fault is None and not self.bus.active
                 ):
                     await self._attempt(record, token, slot, cost)
                 elif store.start(record, token, slot.name):
@@ -305,7 +312,8 @@ class Dispatcher:
                         report.peak = running
                     slot.attempts += 1
                     report.attempts += 1
-                    start = time()
+                    # The store stamped a task's first start on this clock: no second reading.
+                    start = record.t_start if record.attempts == 1 else time()
                     ctx = spare
                     if ctx is None:
                         ctx = Context(

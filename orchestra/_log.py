@@ -61,7 +61,7 @@ class CurrentTask:
     @property
     def id(self) -> str | None:
         record = self.record
-        return None if record is None else record.id  # type: ignore[no-any-return]
+        return None if record is None else record.id
 
     def __structlog__(self) -> str | None:
         return self.id
@@ -70,6 +70,7 @@ class CurrentTask:
         return str(self.id)
 
     __repr__ = __str__
+
 
 ROOT: Final = "orchestra"
 REDACTED: Final = "[redacted]"
