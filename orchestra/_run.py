@@ -146,7 +146,8 @@ class Run:
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
         # A built-in aggregate that keeps the results as they come: its `add` is a list append.
-        self._keep = self._acc.items.append if isinstance(self._acc, Ordered) else None
+        self._ordered = self._acc if isinstance(self._acc, Ordered) else None
+        self._keep = None if self._ordered is None else self._ordered.items.append
         self._plain = False  # see `_replain`
         self._faults = config.faults  # the orchestrator's simulated faults, as they come and go
         self._agg_error: str | None = None
@@ -376,7 +377,10 @@ class Run:
 
     def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
         if not self._streamed:  # the store ranks its results in input order: the aggregate sorts
-            self.store.results()  # by that rank
+            ordered = list(self.store.results())  # by that rank
+            if self._ordered is not None and len(ordered) == len(self._ordered.items):
+                # Every task succeeded: the results are the store's records, already in order.
+                self._ordered.in_order(ordered)
         data = None
         if self._agg_error is None:
             try:
