@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from ._config import check_instance, check_int, check_names, check_number
 from ._exceptions import ConfigError
 from ._limits import Concurrency, Limiter
+from ._log import TASK_ID
 from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -236,6 +237,9 @@ _WAITING, _RUNNING, _DONE, _ABANDONED = "waiting", "running", "done", "abandoned
 def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:
     if not gate.begin():
         return None  # the attempt was abandoned before the thread took it up
+    # The thread runs in a copy of its worker's context, which goes on to other tasks: its log
+    # lines keep this task's id.
+    TASK_ID.set(task.id)
     try:
         return fn(task)
     finally:

@@ -44,17 +44,26 @@ class Aggregator(Protocol):
 class Ordered:
     """Keeps the results; `ordered()` gives (id, output) in input order, once, at the end."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "sorted")
 
     def __init__(self) -> None:
         self.items: list[TaskResult] = []
+        self.sorted = False
 
     def add(self, result: TaskResult) -> None:
         self.items.append(result)
 
+    def in_order(self, results: list[TaskResult]) -> None:
+        """The same results as `items`, in input order already (the run's, when every task
+        succeeded): `sort` has nothing to do."""
+        self.items = results
+        self.sorted = True
+
     def sort(self) -> list[TaskResult]:
         """The results in input order (sorted in place, once, at the end)."""
         items = self.items
+        if self.sorted:
+            return items
         if items and getattr(items[0], "rank", -1) >= 0:
             # The store ranked every result of the run in input order (a whole-list run): an int
             # key, read in C, instead of a position tuple built per result.

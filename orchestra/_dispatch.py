@@ -15,7 +15,6 @@ due time in the store or in a lane, and one timer per run (`loop.call_at`, no ta
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 from functools import partial
 from random import Random
@@ -34,7 +33,7 @@ from ._events import (
 from ._exceptions import AttemptTimeout, Rejected, TaskTimeout
 from ._failure import check_returned, describe
 from ._instruments import AttemptInfo
-from ._log import get_logger
+from ._log import TASK_ID, CurrentTask, get_logger
 from ._recovery import Recovery
 from ._routing import Router
 from ._task import FAILED, RUNNING, SUCCEEDED, Attempt
@@ -55,11 +54,6 @@ __all__ = ("Dispatcher",)
 
 log = get_logger("orchestra")
 
-# The task id in structlog's context, for every log line of the agent call. Named as
-# `structlog.contextvars.bind_contextvars` names its variables, so `merge_contextvars` picks it up;
-# set directly (0.1 µs, against 1.5 µs for bind + reset): each worker runs in its own copy of the
-# context, so the value never leaks out of the worker.
-_TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
 _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
 
 
@@ -93,9 +87,9 @@ class Dispatcher:
         self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
-        # What each worker runs: a one-item list per worker, set around each attempt (a list
-        # item store, ~15 ns), read only by `cancel_attempts`.
-        self._running: dict[asyncio.Task[None], list[Record | None]] = {}
+        # What each worker runs, set around each attempt: read by `cancel_attempts`, and by the
+        # log lines of the attempt as their `task_id` (see `CurrentTask`).
+        self._running: dict[asyncio.Task[None], CurrentTask] = {}
         self.closing = False
         self.paused = False  # `pause()`: workers take nothing new (see `_take`)
         self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
@@ -212,7 +206,7 @@ class Dispatcher:
         each through its worker; the worker takes the next task (see `_attempt`)."""
         wanted = set(records)
         for task, current in self._running.items():
-            if current[0] in wanted:
+            if current.record in wanted:
                 task.cancel()
 
     def wake_one(self) -> None:
@@ -248,8 +242,9 @@ class Dispatcher:
             and self._safety is None
             and self.instruments is None
         )
-        current: list[Record | None] = [None]
-        self._running[me] = current
+        current = self._running[me] = CurrentTask()
+        # Each worker runs in its own copy of the context: the value never leaks out of it.
+        TASK_ID.set(current)
         spare: Context | None = None
         done = 0
         try:
@@ -262,10 +257,26 @@ class Dispatcher:
                     or (record := claim()) is None
                 ):
                     picked = self._take()  # paused, full, tasks in lanes first, or none ready
+                    if picked is None:
+                        # Nothing to do. If every unfinished task is running, nothing can become
+                        # ready but through them (a retry, a spawn, a dependent), and `ready`
+                        # starts a worker then: leave now rather than be woken at the end only
+                        # to leave.
+                        if store.unfinished <= self.running or self.closing:
+                            return
+                        waiter = loop.create_future()
+                        self._parked.append(waiter)
+                        await waiter
+                        continue
+                    record, token, slot, cost = picked
+                    inline = (
+                        cost is None and record.deadline is None and slot.breaker.state is CLOSED
+                    )
                 else:
                     # The common choice, inline: the only agent of the kind, healthy, with room,
                     # nobody waiting in a lane, no limits of its own. `_choose` makes the others.
-                    slot = only.get(record.kind) if record.target is None else None
+                    token = record.token
+                    slot = only.get(record.kind) if record.target is None else None  # type: ignore[assignment]
                     if (
                         slot is not None
                         and record.deadline is None
@@ -274,29 +285,20 @@ class Dispatcher:
                         and not router.held
                         and not slot.limiters
                     ):
-                        picked = record, record.token, slot, None
+                        cost = None
+                        inline = True
                     elif (picked := self._choose(record)) is None:
                         continue  # it waits in a lane (or ended): claim the next one
-                if picked is None:
-                    # Nothing to do. If every unfinished task is running, nothing can become
-                    # ready but through them (a retry, a spawn, a dependent), and `ready` starts
-                    # a worker then: leave now rather than be woken at the end only to leave.
-                    if store.unfinished <= self.running or self.closing:
-                        return
-                    waiter = loop.create_future()
-                    self._parked.append(waiter)
-                    await waiter
-                    continue
-                record, token, slot, cost = picked
-                current[0] = record
+                    else:
+                        record, token, slot, cost = picked
+                        inline = (
+                            cost is None
+                            and record.deadline is None
+                            and slot.breaker.state is CLOSED
+                        )
+                current.record = record
                 if not (
-                    bare
-                    and cost is None
-                    and slot.bare
-                    and slot.fault is None
-                    and record.deadline is None
-                    and slot.breaker.state is CLOSED
-                    and not self.bus.active
+                    inline and bare and slot.bare and slot.fault is None and not self.bus.active
                 ):
                     await self._attempt(record, token, slot, cost)
                 elif store.start(record, token, slot.name):
@@ -310,8 +312,8 @@ class Dispatcher:
                         report.peak = running
                     slot.attempts += 1
                     report.attempts += 1
-                    _TASK_ID.set(record.id)
-                    start = time()
+                    # The store stamped a task's first start on this clock: no second reading.
+                    start = record.t_start if record.attempts == 1 else time()
                     ctx = spare
                     if ctx is None:
                         ctx = Context(
@@ -371,7 +373,7 @@ class Dispatcher:
                         and ctx._on_end is None
                     ):
                         spare = ctx
-                current[0] = None
+                current.record = None
                 if me.cancelling():
                     return  # the run is cancelled, and the agent swallowed it: no new attempt
                 done += 1
@@ -497,7 +499,6 @@ class Dispatcher:
         store = self.store
         task = record.task
         ctx: Context | None = None
-        _TASK_ID.set(record.id)
         try:
             if (
                 self._safety is not None

@@ -24,6 +24,7 @@ formatted and scrubbed here (`_failure.format_traceback`) rather than left to th
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 from collections.abc import Iterable, Mapping
@@ -39,6 +40,37 @@ if TYPE_CHECKING:
     from structlog.typing import EventDict, Processor
 
 __all__ = ("configure_logging", "get_logger")
+
+# The id of the task whose attempt is running, on every log line of that attempt: ours, and an
+# application's own structlog lines that merge context variables (named as
+# `structlog.contextvars.bind_contextvars` names its variables, so `merge_contextvars` finds it).
+TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
+
+
+class CurrentTask:
+    """The value of `TASK_ID` in a dispatcher's worker: it reads as the id of the task the worker
+    runs now. A worker sets the variable once and points `record` at each attempt's task (a
+    `ContextVar.set` per attempt cost 0.25 µs, a twentieth of a no-op task). It prints, and
+    serializes through structlog's ``__structlog__`` hook, as that id."""
+
+    __slots__ = ("record",)
+
+    def __init__(self) -> None:
+        self.record: Any = None  # the task's record while an attempt runs, else None
+
+    @property
+    def id(self) -> str | None:
+        record = self.record
+        return None if record is None else record.id
+
+    def __structlog__(self) -> str | None:
+        return self.id
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+    __repr__ = __str__
+
 
 ROOT: Final = "orchestra"
 REDACTED: Final = "[redacted]"
@@ -136,6 +168,19 @@ def _exception(exc_info: Any) -> BaseException | None:
     return sys.exc_info()[1]  # exc_info=True: the exception being handled
 
 
+def _merge_contextvars(logger: Any, method: str, event_dict: EventDict) -> EventDict:
+    """structlog's `merge_contextvars`, with a worker's `CurrentTask` read as its task's id."""
+    event_dict = structlog.contextvars.merge_contextvars(logger, method, event_dict)
+    task = event_dict.get("task_id")
+    if type(task) is CurrentTask:
+        task_id = task.id
+        if task_id is None:
+            del event_dict["task_id"]  # between attempts
+        else:
+            event_dict["task_id"] = task_id
+    return event_dict
+
+
 def _to_record(logger: Any, method: str, event_dict: EventDict) -> Any:
     """The last processor: the arguments of the `logging.Logger` call (see `_EventMessage`)."""
     exc_info = event_dict.pop("exc_info", None)
@@ -149,7 +194,7 @@ def _to_record(logger: Any, method: str, event_dict: EventDict) -> Any:
 
 _PROCESSORS: Final[list[Processor]] = [
     structlog.stdlib.filter_by_level,  # first: a dropped level costs nothing more
-    structlog.contextvars.merge_contextvars,  # run_id (bound by the run), task_id (the worker's)
+    _merge_contextvars,  # run_id (bound by the run), task_id (the worker's)
     redact_secrets,
     _to_record,
 ]

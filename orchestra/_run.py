@@ -31,7 +31,7 @@ from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from ._gc import paused, running
 from ._instruments import RunInfo
 from ._log import get_logger
-from ._report import BATCH, Report
+from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
 from ._task import CANCELLED, SUCCEEDED, Task
@@ -146,7 +146,8 @@ class Run:
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
         # A built-in aggregate that keeps the results as they come: its `add` is a list append.
-        self._keep = self._acc.items.append if isinstance(self._acc, Ordered) else None
+        self._ordered = self._acc if isinstance(self._acc, Ordered) else None
+        self._keep = None if self._ordered is None else self._ordered.items.append
         self._plain = False  # see `_replain`
         self._faults = config.faults  # the orchestrator's simulated faults, as they come and go
         self._agg_error: str | None = None
@@ -199,12 +200,10 @@ class Run:
             and record.started
         ):
             # The common end, when nothing but the counts and a built-in aggregate hear of it:
-            # two list appends (`Report.finished` and `Ordered.add`, inline).
-            report = self.report
-            batch = report.batch
-            batch.append(record)
-            if len(batch) >= BATCH:
-                report.fold()
+            # two list appends (`Report.finished` and `Ordered.add`, inline). The aggregate keeps
+            # every record to the run's end anyway, so the report's batch is counted only when
+            # something reads the counts (a status, the result): in one go, in C.
+            self.report.batch.append(record)
             self._keep(record)  # type: ignore[misc]
             if not self.store.unfinished and self._input_done:
                 self._finish()
@@ -378,7 +377,10 @@ class Run:
 
     def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
         if not self._streamed:  # the store ranks its results in input order: the aggregate sorts
-            self.store.results()  # by that rank
+            ordered = list(self.store.results())  # by that rank
+            if self._ordered is not None and len(ordered) == len(self._ordered.items):
+                # Every task succeeded: the results are the store's records, already in order.
+                self._ordered.in_order(ordered)
         data = None
         if self._agg_error is None:
             try:

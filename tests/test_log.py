@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import textwrap
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -236,3 +238,66 @@ class TestConfigureLogging:
         with pytest.raises(ConfigError, match=named):
             configure_logging(**options)
         assert not logging.getLogger("orchestra").handlers[1:]  # nothing installed
+
+
+class _Lines:
+    """An application's own structlog logger: context variables merged, rendered as JSON."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+        self.log = structlog.wrap_logger(
+            self,
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+
+    def msg(self, message: str) -> None:
+        self.lines.append(json.loads(message))
+
+    info = msg
+
+
+class TestTheApplicationsOwnLines:
+    """A line an agent logs through the application's structlog (`merge_contextvars`) carries the
+    id of the task whose attempt logged it, however the workers interleave."""
+
+    async def test_interleaved_attempts_each_carry_their_own_task_id(self) -> None:
+        app = _Lines()
+
+        @agent(kinds=["work"], name="app_logger")
+        async def app_logging(task: Task, ctx: Context) -> None:
+            await asyncio.sleep(0.001 * (task.payload % 3))
+            app.log.info("step one", n=task.payload)
+            await asyncio.sleep(0)
+            app.log.info("step two", n=task.payload)
+
+        async with Orchestrator(agents=[app_logging], concurrency=5) as orch:
+            result = await orch.run([Task("work", i, id=f"t{i}") for i in range(20)])
+        assert result.status == "success"
+        assert len(app.lines) == 40
+        assert all(line["task_id"] == f"t{line['n']}" for line in app.lines), app.lines
+
+    async def test_a_timed_out_thread_logs_under_its_own_task_id(self) -> None:
+        # Its worker has gone on (to nothing, here) while the abandoned thread still runs: the
+        # thread's line must not take what the worker does by then.
+        app = _Lines()
+
+        def slow(task: Task) -> None:
+            time.sleep(0.3)
+            app.log.info("in the thread", n=task.payload)
+
+        threaded = agent(slow, kinds=["work"], name="threaded", executor="thread", timeout=0.05)
+
+        @agent(kinds=["other"], name="waiter")
+        async def waiter(task: Task, ctx: Context) -> None:
+            await asyncio.sleep(0.6)  # the run goes on while the thread logs
+            app.log.info("waited", n=task.payload)
+
+        async with Orchestrator(
+            agents=[threaded, waiter], concurrency=2, retry=RetryPolicy(max_attempts=1)
+        ) as orch:
+            result = await orch.run([Task("work", 0, id="t0"), Task("other", 1, id="o")])
+        assert [r.status for r in result.errors] == ["failed"]
+        assert sorted((line["n"], line["task_id"]) for line in app.lines) == [(0, "t0"), (1, "o")]

@@ -89,6 +89,24 @@ class TestBatchedSuccesses:
         assert got.window(0.9, 1) == expected.window(0.9, 1)
         assert got.ended == expected.ended == 3000
 
+    def test_a_whole_run_counted_at_its_end_counts_as_one_at_a_time(self) -> None:
+        # A whole-list run puts every success aside and counts them when something reads the
+        # counts: one batch spanning many seconds, split at each second.
+        records = [
+            ended(i, f"k{i % 2}", SUCCEEDED, i * 2e-3, i * 2e-3 + (i % 5) * 1e-3, f"a{i % 3}")
+            for i in range(6000)
+        ]
+        kinds = ["k0", "k1"]
+        expected = one_by_one(records, kinds)
+        got = Report()
+        for kind in kinds:
+            got.admitted_one(kind)
+        got.batch.extend(records)
+        assert tallies(got) == tallies(expected)
+        assert got.per_agent == expected.per_agent
+        assert got.window(12.5, 10) == expected.window(12.5, 10)
+        assert got.ended == expected.ended
+
     def test_a_reader_sees_every_success_before_a_batch_is_full(self) -> None:
         report = Report()
         report.admitted_one("k")

@@ -199,7 +199,10 @@ class MemoryRun:
         # Some id admitted outside `_admit_plain` has a "#": a generated id ("<kind>#<n>") may
         # clash with it, so `_admit_plain` looks each one up (two dict lookups a task, else none).
         self._lookalike = False
-        self._spawned = False  # some task spawned others: `results()` ranks them  # tasks of the batch being admitted whose id is generated
+        self._spawned = False  # some task spawned others: `results()` ranks them
+        # Some record of a whole-list run has no `rank` yet: `results()` ranks them all. A first
+        # batch admitted by `_admit_plain` is ranked as it is built (its index is its rank).
+        self._unranked = False
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -242,6 +245,7 @@ class MemoryRun:
         records = self._records
         settled = self._settled
         lookalike = self._lookalike
+        rank = not records and not self._compact  # the run's first batch: index = rank
         new: list[Record] = []
         append = new.append
         index = first_index
@@ -269,11 +273,15 @@ class MemoryRun:
             task.id = task_id
             record = records[task_id] = Record(task, index, None, False)
             record.state = READY  # made ready as a batch (`_ready_all`) if the whole batch is plain
+            if rank:
+                record.rank = index
             append(record)
             index += 1
         else:
             admission.auto = auto
             self.unfinished += len(new)
+            if not rank:
+                self._unranked = True
             return new
         for record in new:  # undo: the general path sees the batch as it was given
             record.task.id = None  # type: ignore[assignment]
@@ -413,6 +421,7 @@ class MemoryRun:
         generated.clear()
         self.unfinished += len(new)
         self.pending += len(new)
+        self._unranked = True
         return new
 
     def _known_deps(self, task: Task, ids: Any, hint: str) -> None:
@@ -874,9 +883,10 @@ class MemoryRun:
         long as its depth)."""
         if not self._spawned:
             records = self._records
-            if not self._compact:  # a whole-list run: admission order is input order
-                for rank, record in enumerate(records.values()):
+            if not self._compact and self._unranked:  # a whole-list run: admission order is
+                for rank, record in enumerate(records.values()):  # input order
                     record.rank = rank
+                self._unranked = False
             return iter(records.values())
         children: dict[int, list[Record]] = {}
         roots: list[Record] = []
@@ -945,6 +955,7 @@ class MemoryRun:
         is done. The listener hears the ones made ready, not the ended ones."""
         groups = self._groups
         live = []
+        self._unranked = True
         for record in records:
             self._records[record.id] = record
             if "#" in record.id:
