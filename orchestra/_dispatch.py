@@ -361,7 +361,10 @@ class Dispatcher:
                         ):
                             self._finished(slot, None, ctx, False)
                         else:  # `_finished`'s common case, inline
-                            limiter.release()
+                            if limiter.watchers is None:  # nobody to wake: `release` is the count
+                                limiter.in_use -= 1
+                            else:
+                                limiter.release()
                             slot.in_flight -= 1
                             self.running -= 1
                             if self._parked:

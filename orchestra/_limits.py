@@ -167,7 +167,7 @@ class Concurrency:
     `watch` is told of it). Shared by everybody it is given to; not thread-safe (one event loop).
     """
 
-    __slots__ = ("_hold", "_watchers", "in_use", "limit")
+    __slots__ = ("_hold", "in_use", "limit", "watchers")
 
     def __init__(self, limit: int) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -175,7 +175,9 @@ class Concurrency:
         self.limit = limit
         self.in_use = 0
         self._hold = _NO_HOLD
-        self._watchers: _Watchers | None = None
+        # Who waits for room (None until somebody watched: a release is then only the count, which
+        # a dispatcher does inline).
+        self.watchers: _Watchers | None = None
 
     def reserve(self, now: float, cost: Cost = 1) -> float:
         if self.in_use < self.limit and now >= self._hold:
@@ -195,17 +197,17 @@ class Concurrency:
         if self.in_use <= 0:
             raise RuntimeError(f"{self!r}: released more slots than were reserved")
         self.in_use -= 1
-        if self._watchers is not None and self._watchers.waiting:
-            self._watchers.wake_all()
+        if self.watchers is not None and self.watchers.waiting:
+            self.watchers.wake_all()
 
     def hold_until(self, until: float) -> None:
         if until > self._hold:  # a nan never holds
             self._hold = until
 
     def watch(self, wake: Callable[[], None]) -> None:
-        if self._watchers is None:
-            self._watchers = _Watchers()
-        self._watchers.waiting[wake] = None
+        if self.watchers is None:
+            self.watchers = _Watchers()
+        self.watchers.waiting[wake] = None
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
@@ -214,7 +216,7 @@ class Concurrency:
             "in_use": self.in_use,
             "room_at": max(now, self.peek(now)),
             "held_until": self._hold if now < self._hold else None,
-            "watchers": len(self._watchers.waiting) if self._watchers is not None else 0,
+            "watchers": len(self.watchers.waiting) if self.watchers is not None else 0,
         }
 
     def __repr__(self) -> str:
