@@ -5,7 +5,8 @@ Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (o
 line to a file opened for appending: lines of concurrent processes never interleave), before it
 returns; ``$WORKER_DELAY`` (seconds, default 0) is how long each call takes. A task whose payload is
 ``"poison"`` kills its worker with SIGKILL. Run as a script (``python tests/worker_job.py DB N``), it
-is a coordinator of run "r" (N tasks) that runs nothing itself, for a test to kill.
+is a coordinator of run "r" (N tasks) that runs nothing itself, for a test to kill; with a third
+argument (``DB N LEASE``), a coordinator of run "r" that runs its N tasks itself, one at a time.
 """
 
 from __future__ import annotations
@@ -59,5 +60,16 @@ async def coordinate(db: str, n: int) -> None:
         await handle
 
 
+async def run_alone(db: str, n: int, lease: float) -> None:
+    """A coordinator that runs its n tasks (``t0`` ...) itself, one at a time, with ``double``
+    (``$WORKER_DELAY`` a call), on a store of lease `lease`; prints the run's status."""
+    orch = Orchestrator(agents=[double], store=SQLiteStore(db, lease=lease), concurrency=1)
+    result = await orch.run(tasks=[Task("work", i, id=f"t{i}") for i in range(n)], run_id="r")
+    print(result.status, flush=True)
+
+
 if __name__ == "__main__":
-    anyio.run(coordinate, sys.argv[1], int(sys.argv[2]))
+    if len(sys.argv) > 3:  # DB N LEASE: a coordinator that runs everything itself
+        anyio.run(run_alone, sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    else:
+        anyio.run(coordinate, sys.argv[1], int(sys.argv[2]))

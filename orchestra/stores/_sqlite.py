@@ -160,7 +160,7 @@ class SQLiteStore:
         self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
         self.busy_timeout = float(busy_timeout)
         self._writer = io.Writer(self.path, self.busy_timeout)
-        self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
+        self._closer = weakref.finalize(self, self._writer.stop)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
         self.unwritten_keys: dict[str, tuple[str, str | None]] = {}
@@ -778,9 +778,12 @@ class SQLiteRun:
         beat = None
         if beating:
             self._beat_at = now
-            beat = (self._name, now, self._store.lease, self._sharing.shared)
+            # Polled while workers may hold rows of the run (`active`), shared or not: a restart
+            # with no live worker must still take back a dead worker's lease and settle what a
+            # worker completed.
+            beat = (self._name, now, self._store.lease, self._sharing.shared, self._sharing.active)
         write = self._store.submit(
-            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat
+            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat, self._name
         )
         if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
