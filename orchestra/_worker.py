@@ -101,7 +101,15 @@ class Worker:
         else:
             if isinstance(kinds, str):
                 raise ConfigError("kinds must be a list of kinds, not one string")
-            wanted = list(dict.fromkeys(kinds))
+            try:
+                wanted = list(dict.fromkeys(kinds))
+            except TypeError:  # not iterable, or an unhashable kind
+                raise ConfigError(f"kinds must be a list of kinds (str), got {kinds!r}") from None
+            if not wanted:
+                raise ConfigError(
+                    "kinds is empty: name at least one kind to take (or none at all: every kind "
+                    f"this orchestrator's agents serve, {sorted(served)})"
+                )
             unknown = [k for k in wanted if k not in served]
             if unknown:
                 raise ConfigError(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from orchestra import Context, Orchestrator, StoreError, Task, agent
+from orchestra import ConfigError, Context, Orchestrator, StoreError, Task, agent
 from orchestra.stores import SQLiteStore
 
 from .test_sqlite_workers import REPO, ran, recorder, rows, start_coordinator, start_worker, until
@@ -264,3 +264,25 @@ async def test_a_closed_store_is_refused_not_waited_on_forever(tmp_path: Path) -
         await orch.work(store, run_id="r")
     with anyio.fail_after(5), pytest.raises(StoreError, match="was closed"):
         await orch.run(tasks=[Task("work", 1)], run_id="r")
+
+
+async def test_bad_kinds_for_a_worker_are_config_errors_that_say_so(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "runs.db")
+    orch = Orchestrator(agents=[recorder("here", [])])
+    with pytest.raises(ConfigError, match="kinds must be a list of kinds"):
+        await orch.work(store, kinds=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kinds must be a list of kinds"):
+        await orch.work(store, kinds=[["work"]])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="kinds is empty"):
+        await orch.work(store, kinds=[])
+
+
+def test_the_cli_says_an_empty_kinds_is_empty(tmp_path: Path) -> None:
+    SQLiteStore(tmp_path / "runs.db").runs()
+    empty = subprocess.run(
+        [sys.executable, "-m", "orchestra", "worker", "--db", str(tmp_path / "runs.db"),
+         "--agents", "tests/worker_job.py:agents", "--kinds", " , "],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert empty.returncode == 2
+    assert "kinds is empty" in empty.stderr

@@ -212,7 +212,7 @@ class Sharing:
                 memory.take(record)
                 self.remote[record.id] = record
                 done.append((row[0], outcome, *row[23:28], row[15], row[21], row[22], row[31]))
-            elif lease_owner is not None:
+            elif lease_owner is not None and row[14] in ("claimed", "running"):
                 # A worker's lease, live or lapsed: its task is remote until the worker completes
                 # it or a window takes the lease back (the attempt counted), whether or not a
                 # live worker makes the run shared again (`SQLiteRun.flush` polls while any is).
