@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -44,6 +45,33 @@ async def double(task: Task, ctx: Context) -> Any:
 
 def agents() -> Orchestrator:
     return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
+
+
+def agents_stopping_in_a_commit() -> Orchestrator:
+    """`agents`, in a worker that stops itself (SIGSTOP, the whole process) inside the transaction
+    of its first completion, just before its COMMIT: it holds the file's write lock, stopped."""
+    from orchestra.stores import _sqlite_work
+
+    complete = _sqlite_work.complete
+
+    class Stopping:
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if sql == "COMMIT":  # to this thread: a process-wide kill lets it run on a little
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            return self.conn.execute(sql, *args)
+
+        def executemany(self, sql: str, rows: Any) -> Any:
+            return self.conn.executemany(sql, rows)
+
+    def stopping(conn: Any, *args: Any) -> Any:
+        _sqlite_work.complete = complete  # once
+        return complete(Stopping(conn), *args)  # type: ignore[arg-type]
+
+    _sqlite_work.complete = stopping  # type: ignore[assignment]
+    return agents()
 
 
 async def coordinate(db: str, n: int) -> None:

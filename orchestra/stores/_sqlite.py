@@ -713,6 +713,8 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._error is not None:  # the run is stopping on it: nothing more is written
+            return None
         now = time.time()
         beating = self._loop is not None and (
             self._sharing.active or now - self._beat_at >= self._beat_every
@@ -793,10 +795,16 @@ class SQLiteRun:
         return write
 
     def _written(self, write: Future[Any], keys: list[str]) -> None:
+        if write.cancelled():  # a window queued behind a failed one (below)
+            return
         error = write.exception()
         if error is not None:
             first = self._error is None
             self._error = self._error or error
+            # The windows queued behind it would each wait out the busy timeout too (a file
+            # locked by a stopped process), and `close` waits for them on the loop: dropped.
+            for pending in list(self._writes):
+                pending.cancel()
             if first and self._loop is not None and not self._closed:
                 # Nothing more can be made durable: the run stops now (no new attempt spends
                 # money on results that cannot be kept), and its `close` raises the error.
