@@ -376,3 +376,22 @@ async def test_a_file_locked_by_a_stopped_worker_does_not_block_the_coordinators
     finally:
         kill(stopped)
     assert gaps[0] < 2.5  # one busy timeout (the write in flight), not one per queued window
+
+
+async def test_a_second_run_of_a_run_id_on_the_same_store_object_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two coordinators of one run id on one `SQLiteStore` object (one process): the file knows
+    them by one name, so the second was let in and every task ran twice."""
+    calls: list[tuple[str, str]] = []
+    orch = Orchestrator(agents=[recorder("here", calls, 0.2)], store=SQLiteStore(tmp_path / "r.db"))
+    tasks = [Task("work", i, id=f"t{i}") for i in range(3)]
+    async with orch:
+        first = orch.start(tasks=tasks, run_id="r")
+        await until(lambda: len(calls) == 3)
+        with pytest.raises(StoreError, match="already being run by this process"):
+            await orch.run(tasks=tasks, run_id="r")
+        assert (await first).status == "success"
+        again = await orch.run(tasks=tasks, run_id="r")  # once it is over: a resume
+    assert again.metadata.resumed == 3
+    assert len(calls) == 3

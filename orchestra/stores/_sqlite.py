@@ -164,6 +164,9 @@ class SQLiteStore:
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
         self.unwritten_keys: dict[str, tuple[str, str | None]] = {}
+        # This store's runs by id while they are open: the file cannot tell two of them apart
+        # (one name, `work.identity(owner)`), so a second one of a run id is refused here.
+        self.open_runs: weakref.WeakValueDictionary[str, SQLiteRun] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -294,7 +297,14 @@ class SQLiteRun:
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_every = min(0.25, store.lease / 3)
         self._beat_at = 0.0  # wall time of the last heartbeat written
+        other = store.open_runs.get(run_id)
+        if other is not None and not other._closed:
+            raise StoreError(
+                f"run {run_id!r} is already being run by this process, on this {store!r}: a run "
+                "has one coordinator (more processes join it as workers: `orch.work(...)`)"
+            )
         rows, attempts, seq = store.call(io.open_run, run_id, self._wall0, self._name, store.lease)
+        store.open_runs[run_id] = self
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
