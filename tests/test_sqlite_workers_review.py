@@ -395,3 +395,32 @@ async def test_a_second_run_of_a_run_id_on_the_same_store_object_is_refused(
         again = await orch.run(tasks=tasks, run_id="r")  # once it is over: a resume
     assert again.metadata.resumed == 3
     assert len(calls) == 3
+
+
+async def test_tasks_a_stopping_worker_hands_back_are_run_by_a_coordinator_that_asked_for_them(
+    tmp_path: Path,
+) -> None:
+    """The coordinator asked the file for tasks a worker held (refused: they are "remote" here,
+    waiting for the worker's completion or its lease's expiry). The worker is stopped (SIGTERM)
+    and hands them back, ready, with no lease: nothing will ever complete them or expire, and
+    with no other worker the coordinator must still run them itself."""
+    db = tmp_path / "runs.db"
+    calls = tmp_path / "calls"
+    SQLiteStore(db).runs()
+    worker = start_worker(db, calls, delay=30)
+    await until(lambda: bool(rows(db, "SELECT * FROM workers")), 20)
+    here: list[tuple[str, str]] = []
+    orch = Orchestrator(agents=[recorder("here", here)], store=SQLiteStore(db))
+    async with orch:
+        handle = orch.start(tasks=[Task("work", i, id=f"t{i}") for i in range(3)], run_id="r")
+        handle.pause()
+        await until(lambda: len(ran(calls)) == 3, 20)  # the worker holds all three
+        handle.resume()  # ... and this process asks for them: refused, they are the worker's
+        await anyio.sleep(0.5)
+        worker.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(worker.communicate, timeout=30)
+        assert "3 handed back" in err
+        with anyio.fail_after(15):
+            result = await handle
+    assert result.status == "success"
+    assert sorted(t for _, t in here) == ["t0", "t1", "t2"]

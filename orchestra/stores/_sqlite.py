@@ -793,7 +793,9 @@ class SQLiteRun:
             # Polled while workers may hold rows of the run (`active`), shared or not: a restart
             # with no live worker must still take back a dead worker's lease and settle what a
             # worker completed.
-            beat = (self._name, now, self._store.lease, self._sharing.shared, self._sharing.active)
+            sharing = self._sharing
+            remote = [i for i, r in sharing.remote.items() if r.state not in TERMINAL]
+            beat = (self._name, now, self._store.lease, sharing.shared, sharing.active, remote)
         write = self._store.submit(
             io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat, self._name
         )

@@ -288,13 +288,13 @@ def write(
         None,
     ),
     shared: list[tuple[Any, ...]] | None = None,
-    beat: tuple[str, float, float, bool, bool] | None = None,
+    beat: tuple[str, float, float, bool, bool, list[str]] | None = None,
     owner: str | None = None,
 ) -> work.Polled | None:
     """One window of a run, in one transaction: new rows, changed rows (`shared`: those of a run
     workers claim from, `_UPDATE_SHARED`), failed attempts, journal events, keys; with `beat`
     (the coordinator's name, now, the lease, whether the run is shared, whether workers may hold
-    its rows), the coordinator's heartbeat and what it learns of the workers
+    its rows, the ids of the tasks it takes for workers'), the coordinator's heartbeat and what it learns of the workers
     (`_sqlite_work.poll`: while workers may hold rows, shared or not, their expired leases and
     completions too). With `owner` (the coordinator's name), nothing is written unless it still
     holds the run: one paused past its lease (SIGSTOP, a frozen VM) may have been replaced by
@@ -344,12 +344,12 @@ def write(
                 events,
             )
         if beat is not None:
-            name, now, lease, is_shared, watching = beat
+            name, now, lease, is_shared, watching, remote = beat
             conn.execute(
                 "UPDATE runs SET heartbeat = ?, shared = ? WHERE id = ? AND owner = ?",
                 (now, int(is_shared), run_id, name),
             )
-            polled = work.poll(conn, run_id, now, lease, watching)
+            polled = work.poll(conn, run_id, now, lease, watching, remote)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)

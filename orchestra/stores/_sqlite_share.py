@@ -99,6 +99,8 @@ class Sharing:
             self._share()
         for task_id, worker, attempts in polled.expired:
             self._expired(task_id, worker, attempts)
+        for task_id in polled.released:
+            self._released(task_id)
         if polled.done:
             self._settle_done(polled.done, polled.done_attempts)
 
@@ -160,6 +162,16 @@ class Sharing:
                 record.failures.append(attempt)
             run._touch(record)
         run._failed(record, attempt)
+
+    def _released(self, task_id: str) -> None:
+        """A task held for a worker's (`remote`) is ready in the file again, unleased: the worker
+        handed it back unfinished (it stopped), no attempt counted. Ready here too: this process
+        asks for it again, as for any ready task a worker may claim."""
+        record = self.remote.pop(task_id, None)
+        if record is None or record.state in TERMINAL:
+            return
+        record.token += 1  # whatever was heard under the old claim is stale
+        self._run._memory._ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,

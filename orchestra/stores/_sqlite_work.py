@@ -357,20 +357,30 @@ def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str, owner: st
 class Polled:
     """What the coordinator's window learned of its shared run (built in the writer thread)."""
 
-    __slots__ = ("done", "done_attempts", "expired", "workers")
+    __slots__ = ("done", "done_attempts", "expired", "released", "workers")
 
     def __init__(self) -> None:
         self.workers: list[str | None] = []  # the kinds (JSON) of the live workers for this run
         self.expired: list[tuple[str, str, int]] = []  # (task id, its lost worker, attempts)
         self.done: list[tuple[Any, ...]] = []  # the rows workers completed
         self.done_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
+        self.released: list[str] = []  # tasks of `remote` a worker handed back: ready, unleased
 
 
-def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool) -> Polled:
+def poll(
+    conn: sqlite3.Connection,
+    run_id: str,
+    now: float,
+    lease: float,
+    shared: bool,
+    remote: Sequence[str] = (),
+) -> Polled:
     """Inside the coordinator's write transaction: the live workers that may serve the run and,
     once workers may hold its rows (`shared`: the run is shared, or a resumed run has tasks a
-    worker held), the leases expired (taken back, the attempt counted) and the rows workers
-    completed."""
+    worker held), the leases expired (taken back, the attempt counted), the rows workers
+    completed, and which of the tasks the coordinator takes for workers' (`remote`) are ready
+    and unleased again (a stopping worker handed them back: nothing else would bring them back
+    to it)."""
     polled = Polled()
     polled.workers = [
         kinds
@@ -394,6 +404,15 @@ def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared
             [(attempts, run_id, task_id) for task_id, _, attempts in expired],
         )
         polled.expired = expired
+    if remote:
+        polled.released = [
+            task_id
+            for (task_id,) in conn.execute(
+                "SELECT id FROM tasks WHERE run_id = ? AND id IN (SELECT value FROM json_each(?)) "
+                "AND state = 'ready' AND lease_owner IS NULL",
+                (run_id, json.dumps(list(remote))),
+            )
+        ]
     polled.done = conn.execute(
         "SELECT id, outcome, output, agent, error, error_type, defaulted, attempts, started, "
         "finished, spawned FROM tasks WHERE run_id = ? AND state = 'done'",
