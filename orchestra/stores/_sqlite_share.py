@@ -171,6 +171,7 @@ class Sharing:
         if record is None or record.state in TERMINAL:
             return
         record.token += 1  # whatever was heard under the old claim is stale
+        self.offered.add(task_id)  # its row is ready: a worker may claim it first
         self._run._memory._ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
