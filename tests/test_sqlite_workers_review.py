@@ -6,6 +6,7 @@ tests/test_sqlite_workers.py)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import sqlite3
@@ -424,3 +425,46 @@ async def test_tasks_a_stopping_worker_hands_back_are_run_by_a_coordinator_that_
             result = await handle
     assert result.status == "success"
     assert sorted(t for _, t in here) == ["t0", "t1", "t2"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a worker claims as many tasks as its orchestrator's global concurrency allows "
+    "(100 by default), not as many as its agents can start (here one at a time): it holds "
+    "them all under leases its heartbeat renews while they wait for a slot (or a rate limit, "
+    "or an open breaker's probe), so a second worker started later gets none of the 8 tasks "
+    "and the first runs them one by one (a task timeout would run out in that queue)",
+)
+async def test_a_worker_does_not_hold_more_tasks_than_its_agents_can_start(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "runs.db"
+    calls = tmp_path / "calls"
+    SQLiteStore(db).runs()
+    env = {**os.environ, "WORKER_CALLS": str(calls), "WORKER_DELAY": "0.5",
+           "PYTHONPATH": str(REPO)}  # fmt: skip
+
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
+             "tests/worker_job.py:one_at_a_time", "--run-id", "r"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    first = start()
+    await until(lambda: bool(rows(db, "SELECT * FROM workers")), 20)
+    orch = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
+    async with orch:
+        handle = orch.start(tasks=[Task("work", i, id=f"t{i}") for i in range(8)], run_id="r")
+        handle.pause()
+        await until(lambda: len(ran(calls)) >= 1, 20)
+        second = start()
+        try:
+            with anyio.fail_after(60):
+                result = await handle
+        finally:
+            for worker in (first, second):
+                await asyncio.to_thread(worker.communicate, timeout=30)
+    assert result.status == "success"
+    by_pid = collections.Counter(p for _, p in ran(calls))
+    assert by_pid[second.pid] > 0, by_pid  # the second worker took a share of the work

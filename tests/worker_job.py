@@ -47,6 +47,17 @@ def agents() -> Orchestrator:
     return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
 
 
+def one_at_a_time() -> Orchestrator:
+    """`double` limited to one call at a time (an agent's own limit), in an orchestrator of the
+    default global concurrency (100)."""
+
+    @agent(kinds=["work", "other"], name="double", concurrency=1)
+    async def single(task: Task, ctx: Context) -> Any:
+        return await double(task, ctx)
+
+    return Orchestrator(agents=[single])
+
+
 def agents_stopping_in_a_commit() -> Orchestrator:
     """`agents`, in a worker that stops itself (SIGSTOP, the whole process) inside the transaction
     of its first completion, just before its COMMIT: it holds the file's write lock, stopped."""
