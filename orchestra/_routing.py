@@ -142,12 +142,16 @@ class Router:
             )
             return None
         target = record.target
-        if target is None:
+        slot = None if target is None else self._slots.get(target)
+        if slot is None:
+            if target is not None:
+                # An agent this process does not have (a resumed run's task, started by an
+                # earlier process with other agents): routed anew, by its kind.
+                record.target = None
+                record.agent_tries = 0
             slot = self.only.get(record.kind)
             if slot is None:
                 return self._route_kind(record, token)
-        else:
-            slot = self._slots[target]
         if slot.breaker.state is not CLOSED:
             return self._route_unwell(record, token, slot)
         if slot.in_flight < slot.limit:

@@ -101,7 +101,15 @@ class Worker:
         else:
             if isinstance(kinds, str):
                 raise ConfigError("kinds must be a list of kinds, not one string")
-            wanted = list(dict.fromkeys(kinds))
+            try:
+                wanted = list(dict.fromkeys(kinds))
+            except TypeError:  # not iterable, or an unhashable kind
+                raise ConfigError(f"kinds must be a list of kinds (str), got {kinds!r}") from None
+            if not wanted:
+                raise ConfigError(
+                    "kinds is empty: name at least one kind to take (or none at all: every kind "
+                    f"this orchestrator's agents serve, {sorted(served)})"
+                )
             unknown = [k for k in wanted if k not in served]
             if unknown:
                 raise ConfigError(
@@ -181,10 +189,10 @@ class Worker:
                 await handle.stop(grace=0)
         try:
             await self._write()
-            ended = {claimed.id for claimed, _ in self.ends}
-            rest = [(c.run_id, c.id, c.token) for i, c in self.held.items() if i not in ended]
-            if rest:
-                self.report.released += await self.call(sharing.release, self.name, rest)
+            # Every task the file says it still holds, after the claims already in the writer
+            # thread's queue (one a stop cancelled commits all the same, its answer dropped): a
+            # claim left leased by a gone worker would wait out the lease and count an attempt.
+            self.report.released += await self.call(sharing.release, self.name, None)
         finally:
             await self.call(sharing.unregister, self.name)
 
@@ -198,6 +206,8 @@ class Worker:
                 self._room = anyio.Event()
                 await self._room.wait()
                 continue
+            # A stop may drop this answer (the claim commits all the same): `_leave` hands back
+            # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(
                 sharing.claim, self.name, self.run_id, self.kinds, room, time.time(), store.lease
             )
@@ -219,13 +229,15 @@ class Worker:
                     clash.append(claimed)
                 else:
                     taking[claimed.id] = claimed
-            if clash:
-                await self.call(
-                    sharing.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
-                )
+            # Held before anything is yielded or awaited: a stop handed back only what was held.
+            self.held.update(taking)
             self.report.claimed += len(taking)
+            if clash:
+                with anyio.CancelScope(shield=True):
+                    await self.call(
+                        sharing.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
+                    )
             for claimed in taking.values():
-                self.held[claimed.id] = claimed
                 yield Task(
                     claimed.kind,
                     json.loads(claimed.payload),
@@ -311,7 +323,9 @@ class Worker:
             result.attempts,
             started,
             time.time(),
-            None if not spawned else to_json(spawned).decode(),
+            # Metadata is free data: what JSON cannot say is kept as its repr, as a coordinator
+            # stores it (the payloads were checked at the spawn).
+            None if not spawned else to_json(spawned, fallback=repr).decode(),
             claimed.run_id,
             claimed.id,
             claimed.token,

@@ -5,7 +5,8 @@ Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (o
 line to a file opened for appending: lines of concurrent processes never interleave), before it
 returns; ``$WORKER_DELAY`` (seconds, default 0) is how long each call takes. A task whose payload is
 ``"poison"`` kills its worker with SIGKILL. Run as a script (``python tests/worker_job.py DB N``), it
-is a coordinator of run "r" (N tasks) that runs nothing itself, for a test to kill.
+is a coordinator of run "r" (N tasks) that runs nothing itself, for a test to kill; with a third
+argument (``DB N LEASE``), a coordinator of run "r" that runs its N tasks itself, one at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -45,6 +47,44 @@ def agents() -> Orchestrator:
     return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
 
 
+def one_at_a_time() -> Orchestrator:
+    """`double` limited to one call at a time (an agent's own limit), in an orchestrator of the
+    default global concurrency (100)."""
+
+    @agent(kinds=["work", "other"], name="double", concurrency=1)
+    async def single(task: Task, ctx: Context) -> Any:
+        return await double(task, ctx)
+
+    return Orchestrator(agents=[single])
+
+
+def agents_stopping_in_a_commit() -> Orchestrator:
+    """`agents`, in a worker that stops itself (SIGSTOP, the whole process) inside the transaction
+    of its first completion, just before its COMMIT: it holds the file's write lock, stopped."""
+    from orchestra.stores import _sqlite_work
+
+    complete = _sqlite_work.complete
+
+    class Stopping:
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if sql == "COMMIT":  # to this thread: a process-wide kill lets it run on a little
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            return self.conn.execute(sql, *args)
+
+        def executemany(self, sql: str, rows: Any) -> Any:
+            return self.conn.executemany(sql, rows)
+
+    def stopping(conn: Any, *args: Any) -> Any:
+        _sqlite_work.complete = complete  # once
+        return complete(Stopping(conn), *args)  # type: ignore[arg-type]
+
+    _sqlite_work.complete = stopping  # type: ignore[assignment]
+    return agents()
+
+
 async def coordinate(db: str, n: int) -> None:
     """A coordinator that never runs a task itself (paused), for the test to kill."""
 
@@ -59,5 +99,16 @@ async def coordinate(db: str, n: int) -> None:
         await handle
 
 
+async def run_alone(db: str, n: int, lease: float) -> None:
+    """A coordinator that runs its n tasks (``t0`` ...) itself, one at a time, with ``double``
+    (``$WORKER_DELAY`` a call), on a store of lease `lease`; prints the run's status."""
+    orch = Orchestrator(agents=[double], store=SQLiteStore(db, lease=lease), concurrency=1)
+    result = await orch.run(tasks=[Task("work", i, id=f"t{i}") for i in range(n)], run_id="r")
+    print(result.status, flush=True)
+
+
 if __name__ == "__main__":
-    anyio.run(coordinate, sys.argv[1], int(sys.argv[2]))
+    if len(sys.argv) > 3:  # DB N LEASE: a coordinator that runs everything itself
+        anyio.run(run_alone, sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    else:
+        anyio.run(coordinate, sys.argv[1], int(sys.argv[2]))

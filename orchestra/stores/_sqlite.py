@@ -160,10 +160,13 @@ class SQLiteStore:
         self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
         self.busy_timeout = float(busy_timeout)
         self._writer = io.Writer(self.path, self.busy_timeout)
-        self._closer = weakref.finalize(self, io.stop, self._writer.jobs)
+        self._closer = weakref.finalize(self, self._writer.stop)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
         self.unwritten_keys: dict[str, tuple[str, str | None]] = {}
+        # This store's runs by id while they are open: the file cannot tell two of them apart
+        # (one name, `work.identity(owner)`), so a second one of a run id is refused here.
+        self.open_runs: weakref.WeakValueDictionary[str, SQLiteRun] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -294,7 +297,14 @@ class SQLiteRun:
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_every = min(0.25, store.lease / 3)
         self._beat_at = 0.0  # wall time of the last heartbeat written
+        other = store.open_runs.get(run_id)
+        if other is not None and not other._closed:
+            raise StoreError(
+                f"run {run_id!r} is already being run by this process, on this {store!r}: a run "
+                "has one coordinator (more processes join it as workers: `orch.work(...)`)"
+            )
         rows, attempts, seq = store.call(io.open_run, run_id, self._wall0, self._name, store.lease)
+        store.open_runs[run_id] = self
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
         self._loaded: tuple[list[Any], list[Any]] | None = (rows, attempts) if rows else None
@@ -713,6 +723,8 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._error is not None:  # the run is stopping on it: nothing more is written
+            return None
         now = time.time()
         beating = self._loop is not None and (
             self._sharing.active or now - self._beat_at >= self._beat_every
@@ -778,9 +790,14 @@ class SQLiteRun:
         beat = None
         if beating:
             self._beat_at = now
-            beat = (self._name, now, self._store.lease, self._sharing.shared)
+            # Polled while workers may hold rows of the run (`active`), shared or not: a restart
+            # with no live worker must still take back a dead worker's lease and settle what a
+            # worker completed.
+            sharing = self._sharing
+            remote = [i for i, r in sharing.remote.items() if r.state not in TERMINAL]
+            beat = (self._name, now, self._store.lease, sharing.shared, sharing.active, remote)
         write = self._store.submit(
-            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat
+            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat, self._name
         )
         if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
@@ -790,10 +807,16 @@ class SQLiteRun:
         return write
 
     def _written(self, write: Future[Any], keys: list[str]) -> None:
+        if write.cancelled():  # a window queued behind a failed one (below)
+            return
         error = write.exception()
         if error is not None:
             first = self._error is None
             self._error = self._error or error
+            # The windows queued behind it would each wait out the busy timeout too (a file
+            # locked by a stopped process), and `close` waits for them on the loop: dropped.
+            for pending in list(self._writes):
+                pending.cancel()
             if first and self._loop is not None and not self._closed:
                 # Nothing more can be made durable: the run stops now (no new attempt spends
                 # money on results that cannot be kept), and its `close` raises the error.

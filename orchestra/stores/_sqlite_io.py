@@ -35,7 +35,6 @@ __all__ = (
     "open_run",
     "retry",
     "runs",
-    "stop",
     "workers",
     "write",
 )
@@ -57,9 +56,18 @@ class Writer:
             SimpleQueue()
         )
         self._thread: threading.Thread | None = None
+        self.closed = False
 
     def submit(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         future: Future[Any] = Future()
+        if self.closed:  # no thread would ever answer: the caller would wait forever
+            future.set_exception(
+                StoreError(
+                    f"database {str(self.path)!r}: its SQLiteStore was closed (store.close()): "
+                    "open a new SQLiteStore on the file to use it again"
+                )
+            )
+            return future
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._work, name=f"orchestra-sqlite:{self.path.name}", daemon=True
@@ -67,6 +75,12 @@ class Writer:
             self._thread.start()
         self.jobs.put((job, args, future))
         return future
+
+    def stop(self) -> None:
+        """No more jobs: the thread closes the connection after the ones already queued (safe
+        in a `weakref.finalize`: an attribute set and a `SimpleQueue.put`)."""
+        self.closed = True
+        self.jobs.put(None)
 
     def _work(self) -> None:
         conn: sqlite3.Connection | None = None
@@ -118,10 +132,6 @@ def _wal(conn: sqlite3.Connection, busy_timeout: float) -> None:
             if "locked" not in str(exc).lower() or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)  # on the store's own thread: blocking it is what a busy wait does
-
-
-def stop(jobs: SimpleQueue[Any]) -> None:
-    jobs.put(None)  # the thread closes the connection after the jobs already queued
 
 
 def explain(exc: sqlite3.Error, path: Path) -> str:
@@ -278,15 +288,22 @@ def write(
         None,
     ),
     shared: list[tuple[Any, ...]] | None = None,
-    beat: tuple[str, float, float, bool] | None = None,
+    beat: tuple[str, float, float, bool, bool, list[str]] | None = None,
+    owner: str | None = None,
 ) -> work.Polled | None:
     """One window of a run, in one transaction: new rows, changed rows (`shared`: those of a run
     workers claim from, `_UPDATE_SHARED`), failed attempts, journal events, keys; with `beat`
-    (the coordinator's name, now, the lease, whether the run is shared), the coordinator's
-    heartbeat and what it learns of the workers (`_sqlite_work.poll`)."""
+    (the coordinator's name, now, the lease, whether the run is shared, whether workers may hold
+    its rows, the ids of the tasks it takes for workers'), the coordinator's heartbeat and what it learns of the workers
+    (`_sqlite_work.poll`: while workers may hold rows, shared or not, their expired leases and
+    completions too). With `owner` (the coordinator's name), nothing is written unless it still
+    holds the run: one paused past its lease (SIGSTOP, a frozen VM) may have been replaced by
+    another coordinator, whose rows it must not overwrite."""
     polled = None
     conn.execute("BEGIN IMMEDIATE")
     try:
+        if owner is not None:
+            _holds(conn, run_id, owner)
         succeeded, failed, keys_beat = keys
         if succeeded:  # (output, agent, key, owner): the result waiters take
             conn.executemany(
@@ -327,17 +344,29 @@ def write(
                 events,
             )
         if beat is not None:
-            name, now, lease, is_shared = beat
+            name, now, lease, is_shared, watching, remote = beat
             conn.execute(
                 "UPDATE runs SET heartbeat = ?, shared = ? WHERE id = ? AND owner = ?",
                 (now, int(is_shared), run_id, name),
             )
-            polled = work.poll(conn, run_id, now, lease, is_shared)
+            polled = work.poll(conn, run_id, now, lease, watching, remote)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)
         raise
     return polled
+
+
+def _holds(conn: sqlite3.Connection, run_id: str, owner: str) -> None:
+    """Refuse a coordinator's write to a run that another process has taken over since."""
+    row = conn.execute("SELECT owner FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is not None and row[0] != owner:
+        holder = "no process now" if row[0] is None else f"process {row[0]}"
+        raise StoreError(
+            f"run {run_id!r} was taken over by another coordinator (it is held by {holder}): "
+            f"this process ({owner}) stopped renewing its hold for longer than its lease "
+            "(stopped, paused or starved), so nothing more of the run is written from here"
+        )
 
 
 def claim_keys(

@@ -13,7 +13,6 @@ look at the workers.
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError
@@ -43,6 +42,9 @@ class Sharing:
         self.shared = False
         self.offered: set[str] = set()
         self.claiming: set[str] = set()
+        # Asked for (`claiming`) when a window took its lease back from a worker: the file holds
+        # the row for this process now, so the refusal that comes is not a worker's hold.
+        self.taken_back: set[str] = set()
         self.remote: dict[str, Record] = {}
 
     @property
@@ -66,7 +68,7 @@ class Sharing:
         self.claiming.add(record.id)
         loop = run._loop
         assert loop is not None  # a run is shared only with a loop to poll from
-        answer = run._store.submit(work.claim_offered, run.run_id, record.id)
+        answer = run._store.submit(work.claim_offered, run.run_id, record.id, run._name)
         answer.add_done_callback(lambda done: loop.call_soon_threadsafe(self.granted, record, done))
 
     def granted(self, record: Record, answer: Future[bool]) -> None:
@@ -75,10 +77,12 @@ class Sharing:
         self.claiming.discard(record.id)
         if record.state in TERMINAL or run._closed:
             return
+        taken_back = record.id in self.taken_back
+        self.taken_back.discard(record.id)
         error = answer.exception()
         if error is not None:
             run._error = run._error or error  # raised when the run closes
-        if error is not None or answer.result():
+        if error is not None or taken_back or answer.result():
             run._runnable.append(record)
         else:
             self.remote[record.id] = record
@@ -95,6 +99,8 @@ class Sharing:
             self._share()
         for task_id, worker, attempts in polled.expired:
             self._expired(task_id, worker, attempts)
+        for task_id in polled.released:
+            self._released(task_id)
         if polled.done:
             self._settle_done(polled.done, polled.done_attempts)
 
@@ -147,13 +153,26 @@ class Sharing:
             return
         if remote:
             memory.fail(record, record.token, attempt)
-        else:  # still ready here: never claimed by this process
+        else:  # still ready here, or asked for (`claiming`): never claimed by this process
+            if task_id in self.claiming:  # the file refuses the claim: the row is this process's
+                self.taken_back.add(task_id)
             if record.failures is None:
                 record.failures = [attempt]
             else:
                 record.failures.append(attempt)
             run._touch(record)
         run._failed(record, attempt)
+
+    def _released(self, task_id: str) -> None:
+        """A task held for a worker's (`remote`) is ready in the file again, unleased: the worker
+        handed it back unfinished (it stopped), no attempt counted. Ready here too: this process
+        asks for it again, as for any ready task a worker may claim."""
+        record = self.remote.pop(task_id, None)
+        if record is None or record.state in TERMINAL:
+            return
+        record.token += 1  # whatever was heard under the old claim is stale
+        self.offered.add(task_id)  # its row is ready: a worker may claim it first
+        self._run._memory._ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,
@@ -196,18 +215,20 @@ class Sharing:
 
     def resume(self, records: Sequence[Record], rows: Sequence[Any]) -> int:
         """What worker processes hold or completed while no coordinator ran (the rows `records`
-        were loaded from): a live lease stays the worker's (its task is remote here until it
-        completes or the lease expires); a completion is settled now. Returns how many were."""
+        were loaded from): a lease stays the worker's (its task is remote here until it completes
+        or the lease expires); a completion is settled now. Returns how many were."""
         memory = self._run._memory
-        now = time.time()
         done = []
         for record, row in zip(records, rows, strict=True):
-            lease_owner, lease_expires, outcome = row[28:31]
+            lease_owner, outcome = row[28], row[30]
             if outcome is not None and row[14] == "done":
                 memory.take(record)
                 self.remote[record.id] = record
                 done.append((row[0], outcome, *row[23:28], row[15], row[21], row[22], row[31]))
-            elif lease_owner is not None and lease_expires is not None and lease_expires > now:
+            elif lease_owner is not None and row[14] in ("claimed", "running"):
+                # A worker's lease, live or lapsed: its task is remote until the worker completes
+                # it or a window takes the lease back (the attempt counted), whether or not a
+                # live worker makes the run shared again (`SQLiteRun.flush` polls while any is).
                 memory.take(record)
                 self.remote[record.id] = record
         if done:  # their failed attempts are among the records' failures already

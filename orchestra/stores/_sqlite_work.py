@@ -307,12 +307,22 @@ def beat(
     return held, runs
 
 
-def release(conn: sqlite3.Connection, name: str, held: Sequence[tuple[str, str, int]]) -> int:
-    """Hand back tasks a worker claimed and never started (it is stopping): ready again, no
-    attempt counted. Returns how many were still its own."""
+def release(
+    conn: sqlite3.Connection, name: str, held: Sequence[tuple[str, str, int]] | None
+) -> int:
+    """Hand back tasks a worker claimed and did not complete (it is stopping; or `held`, the
+    (run id, task id, token) of each, are ones it will not run): ready again, no attempt
+    counted. `held` None: every task it still holds. Returns how many were still its own."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         count = 0
+        if held is None:
+            count = conn.execute(
+                "UPDATE tasks SET state = 'ready', token = token + 1, lease_owner = NULL, "
+                "lease_expires = NULL WHERE lease_owner = ? AND state = 'claimed'",
+                (name,),
+            ).rowcount
+            held = ()
         for run_id, task_id, token in held:
             count += conn.execute(
                 "UPDATE tasks SET state = 'ready', token = token + 1, lease_owner = NULL, "
@@ -330,14 +340,15 @@ def release(conn: sqlite3.Connection, name: str, held: Sequence[tuple[str, str, 
 # -- the coordinator -------------------------------------------------------------------------------
 
 
-def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str) -> bool:
-    """The coordinator takes one of its own ready rows (one a worker could claim too): True if it
-    was still ready (one statement: atomic on its own)."""
+def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str, owner: str) -> bool:
+    """The coordinator `owner` takes one of its own ready rows (one a worker could claim too):
+    True if it was still ready, and the run still its own (one statement: atomic on its own; a
+    coordinator paused past its lease and replaced must not take its successor's rows)."""
     return (
         conn.execute(
             "UPDATE tasks SET state = 'claimed' WHERE run_id = ? AND id = ? AND state = 'ready' "
-            "AND lease_owner IS NULL",
-            (run_id, task_id),
+            "AND lease_owner IS NULL AND EXISTS (SELECT 1 FROM runs WHERE id = ? AND owner = ?)",
+            (run_id, task_id, run_id, owner),
         ).rowcount
         == 1
     )
@@ -346,19 +357,30 @@ def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str) -> bool:
 class Polled:
     """What the coordinator's window learned of its shared run (built in the writer thread)."""
 
-    __slots__ = ("done", "done_attempts", "expired", "workers")
+    __slots__ = ("done", "done_attempts", "expired", "released", "workers")
 
     def __init__(self) -> None:
         self.workers: list[str | None] = []  # the kinds (JSON) of the live workers for this run
         self.expired: list[tuple[str, str, int]] = []  # (task id, its lost worker, attempts)
         self.done: list[tuple[Any, ...]] = []  # the rows workers completed
         self.done_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
+        self.released: list[str] = []  # tasks of `remote` a worker handed back: ready, unleased
 
 
-def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared: bool) -> Polled:
+def poll(
+    conn: sqlite3.Connection,
+    run_id: str,
+    now: float,
+    lease: float,
+    shared: bool,
+    remote: Sequence[str] = (),
+) -> Polled:
     """Inside the coordinator's write transaction: the live workers that may serve the run and,
-    once the run is shared, the leases expired (taken back, the attempt counted) and the rows
-    workers completed."""
+    once workers may hold its rows (`shared`: the run is shared, or a resumed run has tasks a
+    worker held), the leases expired (taken back, the attempt counted), the rows workers
+    completed, and which of the tasks the coordinator takes for workers' (`remote`) are ready
+    and unleased again (a stopping worker handed them back: nothing else would bring them back
+    to it)."""
     polled = Polled()
     polled.workers = [
         kinds
@@ -382,6 +404,15 @@ def poll(conn: sqlite3.Connection, run_id: str, now: float, lease: float, shared
             [(attempts, run_id, task_id) for task_id, _, attempts in expired],
         )
         polled.expired = expired
+    if remote:
+        polled.released = [
+            task_id
+            for (task_id,) in conn.execute(
+                "SELECT id FROM tasks WHERE run_id = ? AND id IN (SELECT value FROM json_each(?)) "
+                "AND state = 'ready' AND lease_owner IS NULL",
+                (run_id, json.dumps(list(remote))),
+            )
+        ]
     polled.done = conn.execute(
         "SELECT id, outcome, output, agent, error, error_type, defaulted, attempts, started, "
         "finished, spawned FROM tasks WHERE run_id = ? AND state = 'done'",
