@@ -24,6 +24,7 @@ import json
 import math
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
 from ._exceptions import ConfigError, InputError
+from ._limits import Concurrency
 from ._log import get_logger
 from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Task, TaskResult
 from .stores import _sqlite_work as sharing
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from ._admission import Admission
     from ._handle import RunHandle
     from ._orchestrator import Orchestrator
+    from ._registry import AgentSlot
     from ._store import Listener
     from .stores._memory import Record
     from .stores._sqlite import SQLiteStore
@@ -129,7 +132,16 @@ class Worker:
         self.poll = float(poll)
         self.name = sharing.identity(uuid.uuid4().hex[:12])
         self.report = WorkReport(self.name)
-        self.capacity = orch._config.capacity.limit
+        # What its agents can start at once, in all and per kind: a worker holds no more than
+        # that, so tasks waiting for a slot stay in the file for other workers (a worker that
+        # claimed up to its global limit held them under leases it renewed while they queued).
+        by_kind = orch._config.registry.by_kind
+        agents = {slot.name: _limit(slot) for kind in wanted for slot in by_kind[kind]}
+        self.capacity = min(orch._config.capacity.limit, sum(agents.values()))
+        self.rooms = {
+            kind: min(self.capacity, sum(agents[slot.name] for slot in by_kind[kind]))
+            for kind in wanted
+        }
         # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
         self.held: dict[str, sharing.Claimed] = {}
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
@@ -202,14 +214,16 @@ class Worker:
         store = self.store
         while not (self._stopping or self._finished):
             room = self.capacity - len(self.held)
-            if room <= 0:
+            held = Counter(claimed.kind for claimed in self.held.values())
+            rooms = {k: n - held[k] for k, n in self.rooms.items() if n > held[k]}
+            if room <= 0 or not rooms:
                 self._room = anyio.Event()
                 await self._room.wait()
                 continue
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(
-                sharing.claim, self.name, self.run_id, self.kinds, room, time.time(), store.lease
+                sharing.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
             )
             if (
                 self.run_id is not None
@@ -489,3 +503,12 @@ def _spawned(task: Task) -> dict[str, Any]:
         "critical": task.critical,
         "metadata": task.metadata,
     }
+
+
+def _limit(slot: AgentSlot) -> int:
+    """How many attempts an agent can run at once: its own limit, or a shared `Concurrency`'s."""
+    limit = slot.limit
+    for limiter in slot.limiters:
+        if isinstance(limiter, Concurrency):
+            limit = min(limit, limiter.limit)
+    return limit

@@ -427,14 +427,6 @@ async def test_tasks_a_stopping_worker_hands_back_are_run_by_a_coordinator_that_
     assert sorted(t for _, t in here) == ["t0", "t1", "t2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a worker claims as many tasks as its orchestrator's global concurrency allows "
-    "(100 by default), not as many as its agents can start (here one at a time): it holds "
-    "them all under leases its heartbeat renews while they wait for a slot (or a rate limit, "
-    "or an open breaker's probe), so a second worker started later gets none of the 8 tasks "
-    "and the first runs them one by one (a task timeout would run out in that queue)",
-)
 async def test_a_worker_does_not_hold_more_tasks_than_its_agents_can_start(
     tmp_path: Path,
 ) -> None:

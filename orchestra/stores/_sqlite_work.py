@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._schema import rollback
@@ -137,14 +138,16 @@ def claim(
     conn: sqlite3.Connection,
     name: str,
     run_id: str | None,
-    kinds: Sequence[str] | None,
+    kinds: Sequence[str] | Mapping[str, int] | None,
     n: int,
     now: float,
     lease: float,
 ) -> tuple[list[Claimed], list[str]]:
-    """Claim up to `n` ready tasks of `kinds` (None: any) of the shared runs (of `run_id` only, if
-    given), best first (priority, then admission order; runs oldest first), in one transaction.
-    Returns the claimed tasks and the ids of the runs open for claims."""
+    """Claim up to `n` ready tasks of `kinds` (None: any; a mapping: at most so many of each) of
+    the shared runs (of `run_id` only, if given), best first (priority, then admission order; runs
+    oldest first), in one transaction. Returns the claimed tasks and the ids of the runs open for
+    claims."""
+    rooms = dict(kinds) if isinstance(kinds, Mapping) else None
     # A look first, without the write lock (WAL: readers never wait): an idle worker polling
     # takes no write transaction from the coordinator.
     kind_filter = ""
@@ -173,13 +176,16 @@ def claim(
         for run in runs:
             if len(claimed) >= n:
                 break
-            rows = conn.execute(
-                "UPDATE tasks SET state = 'claimed', token = token + 1, lease_owner = ?, "
-                "lease_expires = ? WHERE rowid IN (SELECT rowid FROM tasks WHERE run_id = ? AND "
-                f"state = 'ready' AND lease_owner IS NULL{kind_filter} ORDER BY priority, seq "
-                f"LIMIT ?) RETURNING {_CLAIM_COLUMNS}",
-                (name, now + lease, run, *params, n - len(claimed)),
-            ).fetchall()
+            if rooms is None:
+                rows = conn.execute(
+                    "UPDATE tasks SET state = 'claimed', token = token + 1, lease_owner = ?, "
+                    "lease_expires = ? WHERE rowid IN (SELECT rowid FROM tasks WHERE run_id = ? "
+                    f"AND state = 'ready' AND lease_owner IS NULL{kind_filter} ORDER BY priority, "
+                    f"seq LIMIT ?) RETURNING {_CLAIM_COLUMNS}",
+                    (name, now + lease, run, *params, n - len(claimed)),
+                ).fetchall()
+            else:
+                rows = _claim_within(conn, name, now + lease, run, rooms, n - len(claimed))
             batch = sorted((Claimed(row) for row in rows), key=lambda c: (c.priority, c.seq))
             for task in batch:
                 _dependencies(conn, task)
@@ -201,6 +207,42 @@ def claim(
         rollback(conn)
         raise
     return claimed, runs
+
+
+def _claim_within(
+    conn: sqlite3.Connection,
+    name: str,
+    expires: float,
+    run: str,
+    rooms: dict[str, int],
+    n: int,
+) -> list[Any]:
+    """`claim`'s update for one run when each kind has a room of its own (`rooms`, used up here):
+    the best ready rows of the kinds that still have room, at most `n`."""
+    open_kinds = [kind for kind, room in rooms.items() if room > 0]
+    if not open_kinds or n <= 0:
+        return []
+    picked: list[int] = []
+    # Best first; read until `n` are picked (the kinds that are full are skipped, not claimed).
+    cursor = conn.execute(
+        "SELECT rowid, kind FROM tasks WHERE run_id = ? AND state = 'ready' AND lease_owner IS "
+        f"NULL AND kind IN ({', '.join('?' * len(open_kinds))}) ORDER BY priority, seq",
+        (run, *open_kinds),
+    )
+    for rowid, kind in cursor:
+        if rooms[kind] > 0:
+            rooms[kind] -= 1
+            picked.append(rowid)
+            if len(picked) >= n or not any(room > 0 for room in rooms.values()):
+                break
+    cursor.close()
+    if not picked:
+        return []
+    return conn.execute(
+        "UPDATE tasks SET state = 'claimed', token = token + 1, lease_owner = ?, lease_expires = ? "
+        f"WHERE rowid IN ({', '.join('?' * len(picked))}) RETURNING {_CLAIM_COLUMNS}",
+        (name, expires, *picked),
+    ).fetchall()
 
 
 def _dependencies(conn: sqlite3.Connection, task: Claimed) -> None:
