@@ -378,7 +378,11 @@ class Dispatcher:
                         spare = ctx
                 current.record = None
                 if me.cancelling():
-                    return  # the run is cancelled, and the agent swallowed it: no new attempt
+                    if self.cancelled or record.cancelling is None or me.cancelling() != 1:
+                        return  # the run is cancelled, and the agent swallowed it: no new attempt
+                    # `cancel_attempts` cancelled this attempt alone and its agent swallowed the
+                    # `CancelledError` (its task is ended already): the worker goes on.
+                    me.uncancel()
                 done += 1
                 if not done % _YIELD_EVERY:
                     await asyncio.sleep(0)
@@ -503,12 +507,24 @@ class Dispatcher:
         task = record.task
         ctx: Context | None = None
         try:
-            if (
-                self._safety is not None
-                and not record.attempts
-                and not await self._safe(record, token)
-            ):
-                return
+            if self._safety is not None and not record.attempts:
+                try:
+                    safe = await self._safe(record, token)
+                except asyncio.CancelledError:
+                    # `cancel_attempts` cancelled the task during its safety check: the worker
+                    # goes on (as below, for a cancel during the call).
+                    current = asyncio.current_task()
+                    if (
+                        record.cancelling is None
+                        or self.cancelled
+                        or current is None
+                        or current.cancelling() != 1
+                    ):
+                        raise
+                    current.uncancel()
+                    return
+                if not safe:
+                    return
             if not store.start(record, token, slot.name):
                 return  # the lease went stale (the task was cancelled) before the call
             slot.attempts += 1
