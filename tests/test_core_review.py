@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from typing import Any
 
 import anyio
 import pytest
 import structlog
 
-from orchestra import Context, Orchestrator, Task, agent
+from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
+from orchestra.testing import FakeClock
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -123,3 +125,88 @@ async def test_a_background_task_of_an_agent_logs_under_its_own_task_id() -> Non
     await asyncio.gather(*background)
     assert result.status == "success"
     assert [line["task_id"] for line in app.lines] == ["a"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_runs_at_once_on_one_orchestrator_keep_the_limits_and_each_others_work(
+    seed: int,
+) -> None:
+    """Three runs at once on one orchestrator (the global limit and the agents shared), with
+    retries, an agent limited below the global one, and one caller that cancels its run: the
+    limits hold at every moment, the other runs end with every task succeeded, and every slot is
+    given back."""
+    rng = random.Random(seed)
+    now = {"global": 0, "slow": 0}
+    peak = {"global": 0, "slow": 0}
+    failed_once: set[str] = set()
+
+    def enter(name: str) -> None:
+        now[name] += 1
+        now["global"] += name != "global"
+        for key in {name, "global"}:
+            peak[key] = max(peak[key], now[key])
+
+    def leave(name: str) -> None:
+        now[name] -= 1
+        now["global"] -= name != "global"
+
+    @agent(kinds=["fast"], name="fast")
+    async def fast(task: Task, ctx: Context) -> Any:
+        now["global"] += 1
+        peak["global"] = max(peak["global"], now["global"])
+        try:
+            await anyio.sleep(task.payload)
+        finally:
+            now["global"] -= 1
+        return task.id
+
+    @agent(kinds=["slow"], name="slow", concurrency=2)
+    async def slow(task: Task, ctx: Context) -> Any:
+        enter("slow")
+        try:
+            await anyio.sleep(task.payload * 3)
+        finally:
+            leave("slow")
+        if task.id not in failed_once and rng.random() < 0.3:
+            failed_once.add(task.id)
+            raise RetryableError("once")
+        return task.id
+
+    def tasks(run: int) -> list[Task]:
+        return [
+            Task(rng.choice(["fast", "slow"]), rng.random() / 10, id=f"r{run}-{i}")
+            for i in range(40)
+        ]
+
+    async with FakeClock():
+        orch = Orchestrator(
+            agents=[fast, slow],
+            concurrency=3,
+            retry=RetryPolicy(max_attempts=3, base=0.01),
+            seed=seed,
+        )
+        results: dict[int, Any] = {}
+
+        async def one(run: int) -> None:
+            results[run] = await orch.run(tasks=tasks(run))
+
+        async with orch, anyio.create_task_group() as tg:
+            for run in range(3):
+                tg.start_soon(one, run)
+            victim = anyio.CancelScope()
+
+            async def cancelled() -> None:
+                with victim:
+                    await one(3)
+
+            tg.start_soon(cancelled)
+            await anyio.sleep(rng.random())
+            victim.cancel()
+        assert peak["global"] <= 3
+        assert peak["slow"] <= 2
+        assert sorted(results) == [0, 1, 2]
+        for run in range(3):
+            assert results[run].status == "success", results[run].errors
+            assert len(results[run].data) == 40
+        assert orch._config.capacity.limiter.in_use == 0
+        assert now == {"global": 0, "slow": 0}
