@@ -338,8 +338,10 @@ class Dispatcher:
                             and not breaker.consecutive
                             and breaker.recent is None
                         ):
-                            slot.succeeded += 1  # nothing spawned, no breaker to tell: one call
-                            succeed(record, token, output, slot.name)
+                            # Nothing spawned, no breaker to tell: one call. (Refused when the
+                            # task was cancelled meanwhile: then it is not the agent's success.)
+                            if succeed(record, token, output, slot.name):
+                                slot.succeeded += 1
                         else:  # inside the `try`: a refused spawn fails the attempt
                             self._settle(record, token, slot, output, ctx, start)
                     except asyncio.CancelledError as exc:
@@ -595,9 +597,10 @@ class Dispatcher:
         which fails the attempt instead)."""
         spawned = ctx._spawned
         if spawned:
-            self.store.settle(
+            if self.store.settle(
                 record, token, SUCCEEDED, output, spawned=list(spawned.values()), agent=slot.name
-            )
+            ):
+                slot.succeeded += 1
             self._succeeded(record, slot, start, bus)
             return
         breaker = slot.breaker
@@ -608,9 +611,9 @@ class Dispatcher:
             or breaker.recent is not None
         ):
             self._succeeded(record, slot, start, bus)
-        else:  # nothing to tell and no breaker to close: count it
+        # Counted when the store takes it (it refuses a task cancelled meanwhile).
+        if self.store.settle(record, token, SUCCEEDED, output, agent=slot.name):
             slot.succeeded += 1
-        self.store.settle(record, token, SUCCEEDED, output, agent=slot.name)
 
     def _finished(
         self, slot: AgentSlot, cost: Cost | None, ctx: Context | None, probe: bool
@@ -662,7 +665,6 @@ class Dispatcher:
             run.wake_one()
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
-        slot.succeeded += 1
         breaker = slot.breaker
         if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
             previous = breaker.state
