@@ -338,8 +338,10 @@ class Dispatcher:
                             and not breaker.consecutive
                             and breaker.recent is None
                         ):
-                            slot.succeeded += 1  # nothing spawned, no breaker to tell: one call
-                            succeed(record, token, output, slot.name)
+                            # Nothing spawned, no breaker to tell: one call. (Refused when the
+                            # task was cancelled meanwhile: then it is not the agent's success.)
+                            if succeed(record, token, output, slot.name):
+                                slot.succeeded += 1
                         else:  # inside the `try`: a refused spawn fails the attempt
                             self._settle(record, token, slot, output, ctx, start)
                     except asyncio.CancelledError as exc:
@@ -378,7 +380,11 @@ class Dispatcher:
                         spare = ctx
                 current.record = None
                 if me.cancelling():
-                    return  # the run is cancelled, and the agent swallowed it: no new attempt
+                    if self.cancelled or record.cancelling is None or me.cancelling() != 1:
+                        return  # the run is cancelled, and the agent swallowed it: no new attempt
+                    # `cancel_attempts` cancelled this attempt alone and its agent swallowed the
+                    # `CancelledError` (its task is ended already): the worker goes on.
+                    me.uncancel()
                 done += 1
                 if not done % _YIELD_EVERY:
                     await asyncio.sleep(0)
@@ -503,12 +509,24 @@ class Dispatcher:
         task = record.task
         ctx: Context | None = None
         try:
-            if (
-                self._safety is not None
-                and not record.attempts
-                and not await self._safe(record, token)
-            ):
-                return
+            if self._safety is not None and not record.attempts:
+                try:
+                    safe = await self._safe(record, token)
+                except asyncio.CancelledError:
+                    # `cancel_attempts` cancelled the task during its safety check: the worker
+                    # goes on (as below, for a cancel during the call).
+                    current = asyncio.current_task()
+                    if (
+                        record.cancelling is None
+                        or self.cancelled
+                        or current is None
+                        or current.cancelling() != 1
+                    ):
+                        raise
+                    current.uncancel()
+                    return
+                if not safe:
+                    return
             if not store.start(record, token, slot.name):
                 return  # the lease went stale (the task was cancelled) before the call
             slot.attempts += 1
@@ -579,9 +597,10 @@ class Dispatcher:
         which fails the attempt instead)."""
         spawned = ctx._spawned
         if spawned:
-            self.store.settle(
+            if self.store.settle(
                 record, token, SUCCEEDED, output, spawned=list(spawned.values()), agent=slot.name
-            )
+            ):
+                slot.succeeded += 1
             self._succeeded(record, slot, start, bus)
             return
         breaker = slot.breaker
@@ -592,9 +611,9 @@ class Dispatcher:
             or breaker.recent is not None
         ):
             self._succeeded(record, slot, start, bus)
-        else:  # nothing to tell and no breaker to close: count it
+        # Counted when the store takes it (it refuses a task cancelled meanwhile).
+        if self.store.settle(record, token, SUCCEEDED, output, agent=slot.name):
             slot.succeeded += 1
-        self.store.settle(record, token, SUCCEEDED, output, agent=slot.name)
 
     def _finished(
         self, slot: AgentSlot, cost: Cost | None, ctx: Context | None, probe: bool
@@ -646,7 +665,6 @@ class Dispatcher:
             run.wake_one()
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
-        slot.succeeded += 1
         breaker = slot.breaker
         if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
             previous = breaker.state
