@@ -435,6 +435,18 @@ class TestReprioritize:
 
 
 class TestResults:
+    async def test_the_stream_of_a_run_that_raised_raises_it(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=[{"not": "a task"}])  # type: ignore[list-item]
+            results = handle.results()
+            with pytest.raises(InputError, match="not a Task"):
+                async for _ in results:
+                    pass
+            with pytest.raises(InputError, match="not a Task"):
+                await handle
+
     async def test_results_stream_out_as_they_finish(
         self, make: Callable[..., Orchestrator]
     ) -> None:
