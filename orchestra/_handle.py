@@ -355,9 +355,6 @@ class _Results:
             result = await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self._receive.close()
-            error = self._handle._error
-            if error is not None and self._handle.done:
-                raise error from None  # the run raised (bad input, a bad file): so does its stream
             raise StopAsyncIteration from None
         run = self._handle._run
         if run is not None:
