@@ -25,6 +25,7 @@ from pydantic_core import to_json
 
 from ._console import watch
 from ._exceptions import ConfigError, InputError
+from ._instruments import last_agent
 from ._orchestrator import Orchestrator
 from ._task import Task, TaskResult
 
@@ -167,7 +168,7 @@ def result_line(result: TaskResult) -> str:
         "kind": result.kind,
         "status": result.status,
         "output": result.output,
-        "agent": result.agent,
+        "agent": last_agent(result) or None,  # the one that succeeded, or the last one tried
         "attempts": result.attempts,
         "started": result.started,
         "finished": result.finished,

@@ -236,7 +236,7 @@ class RunHandle:
         if self.done:
             return Cancellation(reason)
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.cancel(selector, reason, described))
+            self._pending.append(lambda run: run.cancel_standing(selector, reason, described))
             return Cancellation(reason, deferred=True)
         done = self._run.cancel(selector, reason, described)
         return Cancellation(reason, tuple(done.cancelled), tuple(done.skipped))
@@ -254,7 +254,7 @@ class RunHandle:
         if self.done:
             return False
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.store.reprioritize(task_id, priority))
+            self._pending.append(lambda run: run.reprioritize_standing(task_id, priority))
             return True
         return bool(self._run.store.reprioritize(task_id, priority))
 

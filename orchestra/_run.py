@@ -161,6 +161,10 @@ class Run:
         self._budget = config.budget
         self._spent: str | None = None  # why the budget ended the run
         self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call
+        # A run handle's cancels and priorities made before the run had its tasks, applied to a
+        # streamed input's tasks as they are admitted (see `cancel_standing`).
+        self._standing: list[tuple[Selector, str, dict[str, Any], CancelRecord]] = []
+        self._priorities: dict[str, int] = {}
         self.on_open: Callable[[], None] | None = None  # a run handle's: the run has its store
         self.instruments = config.instruments
         self.info: RunInfo  # what the instruments see of this run (set when it has some)
@@ -421,7 +425,9 @@ class Run:
         self._done.set()
         self.dispatcher.stop()  # no attempt starts from now on, not even before the run wakes
 
-    def cancel(self, selector: Selector, reason: str, described: dict[str, Any]) -> CancelRecord:
+    def cancel(
+        self, selector: Selector, reason: str, described: dict[str, Any], *, quiet: bool = False
+    ) -> CancelRecord:
         """Cancel the unfinished tasks `selector` matches, as one step: waiting ones end at once,
         running ones end now too and their attempts are cancelled through their workers; their
         dependents are skipped. Returns (and records in the report) what ended."""
@@ -446,9 +452,60 @@ class Run:
             cancelled=cancelled,
             skipped=skipped,
         )
-        if cancelled or skipped:
+        if (cancelled or skipped) and not quiet:  # quiet: the caller files it (`_admitted`)
             self.report.cancellations.append(record)
         return record
+
+    def cancel_standing(self, selector: Selector, reason: str, described: dict[str, Any]) -> None:
+        """A cancel made before the run had its tasks (a run handle's, deferred): applied now to
+        what is admitted, and, while a streamed input is still arriving, to each task admitted
+        later, as it is admitted. What it ends is one `CancelRecord`."""
+        done = self.cancel(selector, reason, described)
+        if not self._input_done:
+            self._standing.append((selector, reason, described, done))
+
+    def reprioritize_standing(self, task_id: str, priority: int) -> None:
+        """A `reprioritize` made before the run had its tasks: applied now, or when the task is
+        admitted (a streamed input still arriving)."""
+        if not self.store.reprioritize(task_id, priority) and not self._input_done:
+            self._priorities[task_id] = priority
+
+    def _admitted(self, tasks: Sequence[Task]) -> None:
+        """Apply the standing cancels and priorities to tasks of a streamed input just admitted."""
+        priorities = self._priorities
+        if priorities:
+            for task in tasks:
+                priority = priorities.pop(task.id, None)
+                if priority is not None:
+                    self.store.reprioritize(task.id, priority)
+        for i, (selector, reason, described, done) in enumerate(self._standing):
+            ids = [task.id for task in tasks]
+            if selector.task_ids is not None:
+                ids = [task_id for task_id in ids if task_id in selector.task_ids]
+            if not ids:
+                continue
+            among = Selector(
+                task_ids=ids,
+                kind=selector.kind,
+                tag=selector.tag,
+                agent=selector.agent,
+                priority=selector.priority,
+            )
+            more = self.cancel(among, reason, described, quiet=True)
+            if not (more.cancelled or more.skipped):
+                continue
+            merged = done.model_copy(
+                update={
+                    "cancelled": done.cancelled + more.cancelled,
+                    "skipped": done.skipped + more.skipped,
+                }
+            )
+            cancellations = self.report.cancellations
+            if done in cancellations:
+                cancellations[cancellations.index(done)] = merged
+            else:
+                cancellations.append(merged)
+            self._standing[i] = (selector, reason, described, merged)
 
     def attach_results(self, send: MemoryObjectSendStream[TaskResult]) -> None:
         """Send every `TaskResult` from now on to `send` (a run handle's reader); closed at the end."""
@@ -486,6 +543,8 @@ class Run:
                     store.admit_one(task, pulled)
                     self.report.admitted_one(task.kind)
                     pulled += 1
+                    if self._standing or self._priorities:
+                        self._admitted((task,))
             else:  # a plain iterable never waits: admit it in chunks, as the window allows
                 iterator = iter(source)
                 while True:
@@ -497,6 +556,8 @@ class Run:
                     store.admit(chunk, where="input item", forward=False, first_index=pulled)
                     self.report.admitted(chunk)
                     pulled += len(chunk)
+                    if self._standing or self._priorities:
+                        self._admitted(chunk)
                     await anyio.lowlevel.checkpoint()  # let the workers start on it
         except Exception as exc:
             self._input_error = exc
@@ -547,6 +608,8 @@ class Run:
 
     def _close_input(self) -> None:
         self._input_done = True
+        self._standing.clear()
+        self._priorities.clear()
         self.store.close_input()
 
     def record_usage(

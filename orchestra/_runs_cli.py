@@ -194,9 +194,12 @@ def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
     if not letters:
         console.print(f"run {run_id}: no dead letters")
     for letter in letters:
+        error, error_type = letter["error"] or "", letter["error_type"]
+        if error_type and not error.startswith(f"{error_type}:"):
+            error = f"{error_type}: {error}"  # most errors begin with their type already
         console.print(
-            f"[bold]{letter['task_id']}[/] ({letter['kind']}): {letter['error_type']}: "
-            f"{letter['error']} after {letter['attempts']} attempt(s)",
+            f"[bold]{letter['task_id']}[/] ({letter['kind']}): {error} after "
+            f"{letter['attempts']} attempt(s)",
             markup=True,
         )
         for attempt in letter["attempts_list"]:

@@ -173,6 +173,7 @@ class TestRun:
         assert result.exit_code == 3, result.output
         failed = [r for r in lines_of(result.stdout) if r["status"] == "failed"]
         assert [(r["task_id"], r["error_type"]) for r in failed] == [("t-3", "ValueError")]
+        assert failed[0]["agent"] == "double"  # the last agent tried
         assert "t-3 (double): ValueError: negative: -3" in result.stderr
 
     def test_failed_exits_1(self, job: str, jsonl: Callable[..., Path]) -> None:

@@ -31,7 +31,7 @@ from orchestra import (
 from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable, Iterator
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -335,6 +335,34 @@ class TestCancel:
         assert "w1" not in sleeper.ids()
         assert [c.cancelled for c in result.metadata.cancellations] == [["w1"]]
 
+    @pytest.mark.parametrize("source", ["generator", "async generator"])
+    async def test_before_a_streamed_input_arrives_the_cancel_holds_for_its_tasks(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper, source: str
+    ) -> None:
+        # The README's decomposer is a generator: the run has no task yet when `start` returns,
+        # and each arrives later; the deferred cancel ends every one it selects, as it arrives.
+        def tasks() -> Iterator[Task]:
+            for i in range(4):
+                yield Task("work", 0.5, id=f"w{i}")
+                yield Task("summarize", 0.5, id=f"s{i}")
+
+        async def arriving() -> AsyncIterator[Task]:
+            for task in tasks():
+                await anyio.sleep(0.1)
+                yield task
+
+        sleeper.kinds = ("work", "summarize")
+        async with make() as orch:
+            handle = orch.start(tasks=tasks() if source == "generator" else arriving())
+            cancellation = handle.cancel(kind="summarize")
+            result = await handle
+        assert cancellation.deferred
+        assert sorted(sleeper.ids()) == ["w0", "w1", "w2", "w3"]
+        assert [sorted(c.cancelled) for c in result.metadata.cancellations] == [
+            ["s0", "s1", "s2", "s3"]
+        ]
+        assert result.metadata.counts["cancelled"] == 4
+
     @pytest.mark.parametrize(
         ("selector", "match"),
         [
@@ -390,8 +418,32 @@ class TestReprioritize:
             await handle
         assert sleeper.ids() == ["w2", "w0", "w1"]
 
+    async def test_before_a_streamed_input_arrives_the_change_waits_for_its_task(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async def arriving() -> AsyncIterator[Task]:
+            for task in work(3):
+                yield task
+            await anyio.sleep(0.1)  # w3 arrives once w0 runs and w1, w2 wait
+            yield Task("work", 1.0, id="w3")
+
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=arriving())
+            assert handle.reprioritize("w3", -5)
+            await handle
+        assert sleeper.ids() == ["w0", "w3", "w1", "w2"]
+
 
 class TestResults:
+    async def test_the_stream_of_a_run_that_raised_ends_and_the_handle_raises(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=[{"not": "a task"}])  # type: ignore[list-item]
+            assert [r async for r in handle.results()] == []
+            with pytest.raises(InputError, match="not a Task"):
+                await handle
+
     async def test_results_stream_out_as_they_finish(
         self, make: Callable[..., Orchestrator]
     ) -> None:

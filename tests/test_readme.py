@@ -24,6 +24,15 @@ def block(text: str, language: str) -> str:
 
 
 class TestReadme:
+    def test_the_quick_start_runs_as_printed(self, tmp_path: Path) -> None:
+        text = README.read_text()
+        (tmp_path / "quickstart.py").write_text(block(text, "python"))
+        done = run_python(str(tmp_path / "quickstart.py"), cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        assert "success" in lines
+        assert "{'c1': 2, 'c1/c0': {'clause': 'pay within 30 days', 'risk': 'low'}" in done.stdout
+
     def test_the_fault_kit_example_passes(self) -> None:
         namespace: dict[str, Any] = {}
         code = block(section("Testing with the fault kit"), "python")

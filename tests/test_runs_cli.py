@@ -105,6 +105,7 @@ class TestDead:
         result = invoke("runs", "dead", "r", "--db", str(db))
         assert result.exit_code == 0, result.output
         assert "d (work): PermanentError" in result.stdout
+        assert "PermanentError: PermanentError" not in result.stdout  # the type said once
         assert "attempt 1 on work" in result.stdout
         assert "Traceback" in result.stdout
         [letter] = map(

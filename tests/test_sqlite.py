@@ -21,6 +21,7 @@ from orchestra import (
     InputError,
     Orchestrator,
     PermanentError,
+    RetryPolicy,
     RunResult,
     StoreError,
     Task,
@@ -319,6 +320,34 @@ class TestJournal:
         whole = store.events("w")
         assert [e["event"] for e in whole if e["task_id"] == "d"] == [e["event"] for e in events]
         assert {e["task_id"] for e in whole} == {"ok", "d"}
+
+    @pytest.mark.parametrize("succeeds", [True, False])
+    async def test_every_attempt_of_a_retried_task_starts_in_order_on_its_agent(
+        self, store: SQLiteStore, succeeds: bool
+    ) -> None:
+        @agent(kinds=["flaky"], name="flaky")
+        async def flaky(task: Task, ctx: Context) -> int:
+            if ctx.attempt < 3 or not succeeds:
+                raise ValueError("boom")
+            return 1
+
+        retry = RetryPolicy(max_attempts=3, base=0.001)
+        await Orchestrator(agents=[flaky], store=store, retry=retry).run(
+            [Task("flaky", 1, id="t")], run_id="r"
+        )
+        events = store.events("r", "t")
+        assert [(e["event"], e["attempt"]) for e in events] == [
+            ("admitted", None),
+            ("started", 1),
+            ("attempt_failed", 1),
+            ("ready", None),
+            ("started", 2),
+            ("attempt_failed", 2),
+            ("ready", None),
+            ("started", 3),
+        ] + ([("succeeded", 3)] if succeeds else [("attempt_failed", 3), ("failed", 3)])
+        assert [e["at"] for e in events] == sorted(e["at"] for e in events)
+        assert {e["agent"] for e in events if e["event"] == "started"} == {"flaky"}
 
     async def test_a_failed_task_is_a_dead_letter_with_its_attempts(
         self, orch: Orchestrator, store: SQLiteStore

@@ -14,32 +14,47 @@ from .cpu import cpu_agent as cpu_agent
 from .simulated import simulated as simulated
 
 if TYPE_CHECKING:
+    from .claude import PRICES as PRICES
+    from .claude import BatchRequestFailed as BatchRequestFailed
     from .claude import ClaudeAccount as ClaudeAccount
     from .claude import ClaudeAgent as ClaudeAgent
     from .claude import ClaudeBatchAgent as ClaudeBatchAgent
     from .claude import ClaudeLimits as ClaudeLimits
     from .claude import ClaudePlanner as ClaudePlanner
     from .claude import ClaudeVerifier as ClaudeVerifier
+    from .claude import Price as Price
+    from .claude import StreamTimeout as StreamTimeout
+    from .claude import StructuredOutputError as StructuredOutputError
 
 __all__ = (
+    "PRICES",
+    "BatchRequestFailed",
     "ClaudeAccount",
     "ClaudeAgent",
     "ClaudeBatchAgent",
     "ClaudeLimits",
     "ClaudePlanner",
     "ClaudeVerifier",
+    "Price",
+    "StreamTimeout",
+    "StructuredOutputError",
     "cpu_agent",
     "simulated",
 )
 
 _CLAUDE = frozenset(
     (
+        "PRICES",
+        "BatchRequestFailed",
         "ClaudeAccount",
         "ClaudeAgent",
         "ClaudeBatchAgent",
         "ClaudeLimits",
         "ClaudePlanner",
         "ClaudeVerifier",
+        "Price",
+        "StreamTimeout",
+        "StructuredOutputError",
     )
 )
 

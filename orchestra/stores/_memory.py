@@ -828,7 +828,13 @@ class MemoryRun:
         self, selector: Selector, reason: str, error_type: str = "Cancelled"
     ) -> list[Record]:
         running = []
-        for record in [r for r in self._records.values() if r.state not in TERMINAL]:
+        if selector.task_ids is not None:  # named: looked up, not searched for
+            found = (self._records.get(task_id) for task_id in selector.task_ids)
+            candidates = [r for r in found if r is not None and r.state not in TERMINAL]
+            candidates.sort(key=_position)  # in input order, as a search finds them
+        else:
+            candidates = [r for r in self._records.values() if r.state not in TERMINAL]
+        for record in candidates:
             if record.state not in TERMINAL and selector.matches(record):
                 if record.state is RUNNING or record.state is CLAIMED:
                     record.cancelling = reason
@@ -979,3 +985,7 @@ class MemoryRun:
         self.unfinished += len(live)
         self.pending += len(live)
         self._wire_all(live)
+
+
+def _position(record: Record) -> tuple[int, ...]:
+    return record.position

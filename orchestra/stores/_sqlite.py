@@ -770,16 +770,19 @@ class SQLiteRun:
         attempts = [self._rows.attempt_row(task_id, a) for task_id, a in self._attempts]
         offset = self._offset
         run_id = self.run_id
-        # A task's last start is not a journal row once the task has ended: its row says it
-        # (`started`, `agent`, `attempts`), and the journal's readers add the event from it.
+        # The start of a task that succeeded at its first attempt is not a journal row: its row
+        # says it (`started`, `agent`, `attempts`), and the journal's readers add the event from
+        # it. Any other start is a row (the row's `started` is the first attempt's, and a failed
+        # task's row names no agent).
         touched = self._dirty
         events = [
             (run_id, task_id, at + offset, event, agent, number, detail)
             for task_id, at, event, agent, number, detail in self._events
             if event != "started"
+            or number != 1
             or (ended := touched.get(task_id)) is None
-            or ended.state not in TERMINAL
-            or ended.attempts != number
+            or ended.state is not SUCCEEDED
+            or ended.attempts != 1
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
         claimed = self._keys.rows(keys)
