@@ -205,9 +205,43 @@ class Dispatcher:
         """Cancel the running attempts of `records` (the caller has ended the tasks in the store),
         each through its worker; the worker takes the next task (see `_attempt`)."""
         wanted = set(records)
-        for task, current in self._running.items():
-            if current.record in wanted:
+        hit = [(t, c, c.record) for t, c in self._running.items() if c.record in wanted]
+        self._cancel_again(hit)
+
+    def _cancel_again(
+        self, hit: list[tuple[asyncio.Task[None], CurrentTask, Record | None]]
+    ) -> None:
+        # Cancel each worker still in the attempt it was told to end, and again at each turn of
+        # the loop while it is: an agent that swallows one `CancelledError` is cancelled again at
+        # its next await, as the run's own cancel does (`_cancel_workers`). The worker counts
+        # them, and takes them all back when the attempt ends (`_take_back_cancels`).
+        again = []
+        for task, current, record in hit:
+            if current.record is record and not task.done():
                 task.cancel()
+                current.cancels += 1
+                again.append((task, current, record))
+        if again and self._loop is not None:
+            self._loop.call_soon(self._cancel_again, again)
+
+    def _take_back_cancels(self, record: Record) -> bool:
+        """Whether every cancellation pending on this worker is `cancel_attempts`' for `record`
+        (its task is ended already): then they are taken back and the worker goes on. False: the
+        run's own cancellation (or another), which the worker lets unwind."""
+        me = asyncio.current_task()
+        current = None if me is None else self._running.get(me)
+        if (
+            current is None
+            or self.cancelled
+            or record.cancelling is None
+            or not current.cancels
+            or me.cancelling() != current.cancels  # type: ignore[union-attr]
+        ):
+            return False
+        for _ in range(current.cancels):
+            me.uncancel()  # type: ignore[union-attr]
+        current.cancels = 0
+        return True
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
@@ -347,10 +381,10 @@ class Dispatcher:
                     except asyncio.CancelledError as exc:
                         if not (me.cancelling() or self.cancelled):
                             self.recovery.failed(record, token, slot, exc, start)  # the agent's own
-                        elif record.cancelling is None or self.cancelled or me.cancelling() != 1:
+                        elif not self._take_back_cancels(record):
                             raise  # ours: the run is cancelled (its end ends the task)
-                        else:  # `cancel_attempts` cancelled this attempt alone (its task is
-                            me.uncancel()  # ended already): the worker goes on
+                        # else `cancel_attempts` cancelled this attempt alone (its task is ended
+                        # already): the worker goes on
                     except Exception as exc:
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self.recovery.failed(record, token, slot, exc, start)
@@ -379,12 +413,10 @@ class Dispatcher:
                     ):
                         spare = ctx
                 current.record = None
-                if me.cancelling():
-                    if self.cancelled or record.cancelling is None or me.cancelling() != 1:
-                        return  # the run is cancelled, and the agent swallowed it: no new attempt
-                    # `cancel_attempts` cancelled this attempt alone and its agent swallowed the
-                    # `CancelledError` (its task is ended already): the worker goes on.
-                    me.uncancel()
+                # The run is cancelled, and the agent swallowed it: no new attempt. (Unless
+                # `cancel_attempts` cancelled this attempt alone: the worker goes on.)
+                if me.cancelling() and not self._take_back_cancels(record):
+                    return
                 done += 1
                 if not done % _YIELD_EVERY:
                     await asyncio.sleep(0)
@@ -515,15 +547,8 @@ class Dispatcher:
                 except asyncio.CancelledError:
                     # `cancel_attempts` cancelled the task during its safety check: the worker
                     # goes on (as below, for a cancel during the call).
-                    current = asyncio.current_task()
-                    if (
-                        record.cancelling is None
-                        or self.cancelled
-                        or current is None
-                        or current.cancelling() != 1
-                    ):
+                    if not self._take_back_cancels(record):
                         raise
-                    current.uncancel()
                     return
                 if not safe:
                     return
@@ -561,16 +586,10 @@ class Dispatcher:
                 # raised by itself (no cancellation pending on this task): a failed attempt.
                 current = asyncio.current_task()
                 if current is None or current.cancelling() or self.cancelled:
-                    if (
-                        record.cancelling is None
-                        or self.cancelled
-                        or current is None
-                        or current.cancelling() != 1
-                    ):
+                    if not self._take_back_cancels(record):
                         raise
                     # `cancel_attempts` cancelled this attempt alone (its task is already
                     # ended): the worker goes on.
-                    current.uncancel()
                     return
                 probe = False
                 self.recovery.failed(record, token, slot, exc, start)
