@@ -213,13 +213,14 @@ class Reduce:
 
 
 class _BuiltinReduce:
-    __slots__ = ("best", "fn", "n", "partials", "select")
+    __slots__ = ("best", "fn", "ints", "n", "partials", "select")
 
     def __init__(self, fn: str, select: Callable[[Any], Any] | None) -> None:
         self.fn = fn
         self.select = select
         self.n = 0
         self.partials: list[float] = []
+        self.ints: int | None = 0  # the sum while every value is an int (exact, and an int)
         self.best: Any = None
 
     def add(self, result: TaskResult) -> None:
@@ -227,7 +228,18 @@ class _BuiltinReduce:
         self.n += 1
         fn = self.fn
         if fn in ("sum", "mean"):
-            _add_exact(self.partials, value)
+            if self.ints is not None:
+                if type(value) is int:
+                    self.ints += value
+                    return
+                for part in _int_parts(self.ints):  # the ints so far, exactly, as floats
+                    _add_exact(self.partials, part)
+                self.ints = None
+            if type(value) is int:  # one float may not hold it: its exact parts
+                for part in _int_parts(value):
+                    _add_exact(self.partials, part)
+            else:
+                _add_exact(self.partials, value)
         elif fn == "max":
             if self.best is None or value > self.best:
                 self.best = value
@@ -238,10 +250,24 @@ class _BuiltinReduce:
         if self.fn == "count":
             return self.n
         if self.fn == "sum":
-            return math.fsum(self.partials)
+            return self.ints if self.ints is not None else math.fsum(self.partials)
         if self.fn == "mean":
-            return math.fsum(self.partials) / self.n if self.n else None
+            if not self.n:
+                return None
+            return (
+                self.ints / self.n if self.ints is not None else math.fsum(self.partials) / self.n
+            )
         return self.best
+
+
+def _int_parts(n: int) -> list[float]:
+    """Floats that add up to `n` exactly (an int too large for one float is several)."""
+    parts = []
+    while n:
+        part = float(n)
+        parts.append(part)
+        n -= int(part)
+    return parts
 
 
 def _add_exact(partials: list[float], x: float) -> None:

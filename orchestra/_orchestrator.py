@@ -608,6 +608,8 @@ class RecoveryStatus(str):
 
     def describe(self) -> str:
         if self == "recovered":
+            if not self.agents:
+                return "recovered: no simulated failure is injected"
             return f"recovered: every task hit by failures of {self.agents} succeeded"
         return (
             f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"

@@ -148,6 +148,16 @@ class TestReduce:
             result = await run_with(Reduce("sum"), tasks)
             assert result.data == 2.0
 
+    async def test_a_sum_of_ints_is_an_int_and_a_mix_is_exact(self, clock: FakeClock) -> None:
+        ints = await run_with(Reduce("sum"), [work(i, f"t{i}", delay=0) for i in range(20)])
+        assert (ints.data, type(ints.data)) == (190, int)
+        big = 2**60 + 1  # not a float exactly: the ints are summed as ints first
+        values = [big, 1, 0.5, -big]
+        mixed = await run_with(
+            Reduce("sum"), [work(v, f"m{i}", delay=0) for i, v in enumerate(values)]
+        )
+        assert mixed.data == 1.5
+
     async def test_a_function_folds_in_admission_order_from_initial(self, clock: FakeClock) -> None:
         tasks = [work(ch, f"t{i}", delay=5 - i) for i, ch in enumerate("abcde")]
         result = await run_with(Reduce(lambda acc, x: acc + x, ">"), tasks)

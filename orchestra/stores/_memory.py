@@ -120,8 +120,9 @@ class Record(TaskResult):
             record = record.parent
         return tuple(reversed(path))
 
-    def __repr__(self) -> str:
-        return f"Record({self.id!r}, {self.state})"
+    def __repr__(self) -> str:  # what a caller sees of it is a `TaskResult`
+        agent = getattr(self, "agent", None)  # set when the task ends
+        return f"TaskResult(task_id={self.id!r}, status={self.state!r}, agent={agent!r})"
 
 
 class Group:
