@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from orchestra import Task
 from orchestra.stores import SQLiteStore
@@ -120,3 +123,23 @@ def sqlite_store() -> SQLiteStore:
         _DB_DIR.append(tempfile.mkdtemp(prefix="orchestra-stores-"))
         atexit.register(shutil.rmtree, _DB_DIR[0], True)
     return SQLiteStore(Path(_DB_DIR[0]) / f"{uuid.uuid4().hex}.db")
+
+
+class AppLines:
+    """An application's own structlog logger (`log`): context variables merged, rendered as JSON;
+    each line lands parsed in `lines`."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+        self.log = structlog.wrap_logger(
+            self,
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+
+    def msg(self, message: str) -> None:
+        self.lines.append(json.loads(message))
+
+    info = msg

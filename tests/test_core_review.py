@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 from typing import Any
 
 import anyio
 import pytest
-import structlog
 
 from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
 from orchestra.testing import FakeClock
+from tests.helpers import AppLines
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -78,25 +77,6 @@ async def test_a_task_cancelled_during_its_safety_check_does_not_lose_its_worker
     assert [e.task_id for e in result.errors] == ["a"]
 
 
-class _Lines:
-    """An application's own structlog logger: context variables merged, rendered as JSON."""
-
-    def __init__(self) -> None:
-        self.lines: list[dict[str, Any]] = []
-        self.log = structlog.wrap_logger(
-            self,
-            processors=[
-                structlog.contextvars.merge_contextvars,
-                structlog.processors.JSONRenderer(),
-            ],
-        )
-
-    def msg(self, message: str) -> None:
-        self.lines.append(json.loads(message))
-
-    info = msg
-
-
 @pytest.mark.xfail(
     strict=True,
     reason="_dispatch.Dispatcher._worker sets TASK_ID once per worker to a CurrentTask that "
@@ -106,7 +86,7 @@ class _Lines:
     "the README's Logging section states: a set per attempt is 0.3 µs of every task",
 )
 async def test_a_background_task_of_an_agent_logs_under_its_own_task_id() -> None:
-    app = _Lines()
+    app = AppLines()
     go = anyio.Event()
     logged = anyio.Event()
     background: list[asyncio.Task[None]] = []

@@ -24,7 +24,7 @@ from orchestra import (
     configure_logging,
 )
 from orchestra._log import get_logger
-from tests.helpers import run_python
+from tests.helpers import AppLines, run_python
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -240,31 +240,12 @@ class TestConfigureLogging:
         assert not logging.getLogger("orchestra").handlers[1:]  # nothing installed
 
 
-class _Lines:
-    """An application's own structlog logger: context variables merged, rendered as JSON."""
-
-    def __init__(self) -> None:
-        self.lines: list[dict[str, Any]] = []
-        self.log = structlog.wrap_logger(
-            self,
-            processors=[
-                structlog.contextvars.merge_contextvars,
-                structlog.processors.JSONRenderer(),
-            ],
-        )
-
-    def msg(self, message: str) -> None:
-        self.lines.append(json.loads(message))
-
-    info = msg
-
-
 class TestTheApplicationsOwnLines:
     """A line an agent logs through the application's structlog (`merge_contextvars`) carries the
     id of the task whose attempt logged it, however the workers interleave."""
 
     async def test_interleaved_attempts_each_carry_their_own_task_id(self) -> None:
-        app = _Lines()
+        app = AppLines()
 
         @agent(kinds=["work"], name="app_logger")
         async def app_logging(task: Task, ctx: Context) -> None:
@@ -282,7 +263,7 @@ class TestTheApplicationsOwnLines:
     async def test_a_timed_out_thread_logs_under_its_own_task_id(self) -> None:
         # Its worker has gone on (to nothing, here) while the abandoned thread still runs: the
         # thread's line must not take what the worker does by then.
-        app = _Lines()
+        app = AppLines()
 
         def slow(task: Task) -> None:
             time.sleep(0.3)
