@@ -229,17 +229,13 @@ class Dispatcher:
         (its task is ended already): then they are taken back and the worker goes on. False: the
         run's own cancellation (or another), which the worker lets unwind."""
         me = asyncio.current_task()
-        current = None if me is None else self._running.get(me)
-        if (
-            current is None
-            or self.cancelled
-            or record.cancelling is None
-            or not current.cancels
-            or me.cancelling() != current.cancels  # type: ignore[union-attr]
-        ):
+        if me is None or self.cancelled or record.cancelling is None:
+            return False
+        current = self._running.get(me)
+        if current is None or not current.cancels or me.cancelling() != current.cancels:
             return False
         for _ in range(current.cancels):
-            me.uncancel()  # type: ignore[union-attr]
+            me.uncancel()
         current.cancels = 0
         return True
 
@@ -303,9 +299,7 @@ class Dispatcher:
                         await waiter
                         continue
                     record, token, slot, cost = picked
-                    inline = (
-                        cost is None and record.deadline is None and slot.breaker.state is CLOSED
-                    )
+                    inline = _unwatched(record, slot, cost)
                 else:
                     # The common choice, inline: the only agent of the kind, healthy, with room,
                     # nobody waiting in a lane, no limits of its own. `_choose` makes the others.
@@ -325,11 +319,7 @@ class Dispatcher:
                         continue  # it waits in a lane (or ended): claim the next one
                     else:
                         record, token, slot, cost = picked
-                        inline = (
-                            cost is None
-                            and record.deadline is None
-                            and slot.breaker.state is CLOSED
-                        )
+                        inline = _unwatched(record, slot, cost)
                 current.record = record
                 if not (
                     inline and bare and slot.bare and slot.fault is None and not self.bus.active
@@ -782,3 +772,9 @@ def _actual(cost: Cost, ctx: Context | None) -> Cost:
 
 
 _PLAIN: Final = frozenset((str, int, float, bool, type(None)))
+
+
+def _unwatched(record: Record, slot: AgentSlot, cost: Cost | None) -> bool:
+    """Whether a taken task's attempt has nothing of its own to watch (no reservation, no
+    deadline, a closed breaker): the worker's inline attempt may run it."""
+    return cost is None and record.deadline is None and slot.breaker.state is CLOSED
