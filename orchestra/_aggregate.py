@@ -232,14 +232,9 @@ class _BuiltinReduce:
                 if type(value) is int:
                     self.ints += value
                     return
-                for part in _int_parts(self.ints):  # the ints so far, exactly, as floats
-                    _add_exact(self.partials, part)
+                _add_number(self.partials, self.ints)  # the ints so far
                 self.ints = None
-            if type(value) is int:  # one float may not hold it: its exact parts
-                for part in _int_parts(value):
-                    _add_exact(self.partials, part)
-            else:
-                _add_exact(self.partials, value)
+            _add_number(self.partials, value)
         elif fn == "max":
             if self.best is None or value > self.best:
                 self.best = value
@@ -260,14 +255,15 @@ class _BuiltinReduce:
         return self.best
 
 
-def _int_parts(n: int) -> list[float]:
-    """Floats that add up to `n` exactly (an int too large for one float is several)."""
-    parts = []
-    while n:
-        part = float(n)
-        parts.append(part)
-        n -= int(part)
-    return parts
+def _add_number(partials: list[float], x: float) -> None:
+    """`_add_exact`, for an int too: one float may not hold it, so its exact float parts."""
+    if type(x) is not int:
+        _add_exact(partials, x)
+        return
+    while x:
+        part = float(x)
+        _add_exact(partials, part)
+        x -= int(part)
 
 
 def _add_exact(partials: list[float], x: float) -> None:
