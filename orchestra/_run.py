@@ -381,10 +381,12 @@ class Run:
 
     def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
         if not self._streamed:  # the store ranks its results in input order: the aggregate sorts
-            ordered = list(self.store.results())  # by that rank
-            if self._ordered is not None and len(ordered) == len(self._ordered.items):
-                # Every task succeeded: the results are the store's records, already in order.
-                self._ordered.in_order(ordered)
+            results = self.store.results()  # by that rank
+            if self._ordered is not None:
+                ordered = list(results)
+                if len(ordered) == len(self._ordered.items):
+                    # Every task succeeded: the results are the store's records, in order.
+                    self._ordered.in_order(ordered)
         data = None
         if self._agg_error is None:
             try:
