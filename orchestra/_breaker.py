@@ -55,13 +55,18 @@ class Breaker:
 
     Without a policy (`Orchestrator(breaker=None)`) it never opens: failures are not counted."""
 
-    __slots__ = ("consecutive", "opened_at", "policy", "probing", "recent", "state")
+    __slots__ = ("consecutive", "opened_at", "policy", "probing", "recent", "reopens_at", "state")
 
     def __init__(self, policy: BreakerPolicy | None) -> None:
         self.policy = policy
         self.state: BreakerState = CLOSED
         self.consecutive = 0
         self.opened_at = 0.0
+        # When an open breaker lets a probe through: one float, both for "may it take a task
+        # now" and for "when may it": computed twice (`now - opened_at >= cooldown` and
+        # `opened_at + cooldown`), rounding made them disagree, and a task woken at the second
+        # found the first still false and was woken again at the same instant, forever.
+        self.reopens_at = 0.0
         self.probing = False
         self.recent: deque[bool] | None = (
             deque(maxlen=policy.window)
@@ -74,14 +79,14 @@ class Breaker:
         if self.state is CLOSED:
             return True
         if self.state is OPEN:
-            return now - self.opened_at >= self.policy.cooldown  # type: ignore[union-attr]
+            return now >= self.reopens_at
         return not self.probing
 
     def reopens_in(self, now: float) -> float:
         """Seconds until an open breaker lets a probe through (0 when it would now)."""
         if self.state is not OPEN:
             return 0.0
-        return max(0.0, self.opened_at + self.policy.cooldown - now)  # type: ignore[union-attr]
+        return max(0.0, self.reopens_at - now)
 
     def on_dispatch(self, now: float) -> BreakerState | None:
         """Call when a task is sent to the agent; returns the new state if it changed."""
@@ -134,5 +139,6 @@ class Breaker:
     def _open(self, now: float) -> BreakerState:
         self.state = OPEN
         self.opened_at = now
+        self.reopens_at = now + self.policy.cooldown  # type: ignore[union-attr]
         self.probing = False
         return OPEN

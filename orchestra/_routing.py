@@ -100,6 +100,14 @@ class Router:
     def bind_clock(self, time: Callable[[], float]) -> None:
         self._time = time
 
+    def _now(self) -> float:
+        """The clock's time, or the time of the timer that just fired if later: asyncio runs a
+        timer up to its clock's resolution early, and a task woken for "room at T" must find
+        room, or it would be put back for T and woken again at once, with time standing still."""
+        now = self._time()
+        reached = self.reached
+        return now if now >= reached else reached
+
     def take_held(self) -> tuple[Record, int, AgentSlot, Cost | None] | None:
         """The best waiting task whose agent has room now (reserved on its limits), or None."""
         recheck = self.recheck
@@ -133,7 +141,7 @@ class Router:
         """The agent for a claimed task if it has room now; else the task waits in a lane (or
         ends: its deadline passed) and None is returned."""
         deadline = record.deadline
-        if deadline is not None and self._time() >= deadline:
+        if deadline is not None and self._now() >= deadline:
             self._owner.chain_end(
                 record,
                 token,
@@ -186,7 +194,7 @@ class Router:
         if tried is None and slot.breaker.state is CLOSED and slot.in_flight < slot.limit:
             self._cursor[kind] = (first + 1) % n  # the common case: the next in turn has room
             return slot
-        now = self._time()
+        now = self._now()
         usable = False
         for i in range(n):
             slot = slots[(first + i) % n]
@@ -211,7 +219,7 @@ class Router:
         """`slot` may have an open breaker: go to the next usable agent of the task's chain (in
         the chain's order), or of its kind (whichever has room first), or wait for the first of
         them to recover."""
-        now = self._time()
+        now = self._now()
         if self.usable(slot, now):
             if slot.in_flight < slot.limit:
                 return slot
@@ -255,7 +263,7 @@ class Router:
     ) -> AgentSlot | None:
         """Every agent the task may go to is unwell: it waits (within its deadline) in the lane of
         the one that recovers first, never fails for it."""
-        now = self._time()
+        now = self._now()
         best = min(slots, key=lambda s: _recovers_at(s, now))
         lane = self.lane(best, None)
         self._hold(record, token, lane)
@@ -289,7 +297,7 @@ class Router:
         """The best task of `lane` if its agent has room now (the task is routed again: its agent
         may have changed while it waited)."""
         heap = lane.heap
-        now = self._time()
+        now = self._now()
         while heap:
             _, _, record, token = heap[0]
             if record.token != token or record.state is not CLAIMED:
@@ -323,9 +331,7 @@ class Router:
         refills, a Retry-After ends: the run's timer), or at a release (a shared `Concurrency`:
         its watcher)."""
         cost = _REQUEST if slot.estimate is None else _estimate(slot, record)
-        now = self._time()
-        if now < self.reached:  # the timer that woke it fired a hair early: its time has come
-            now = self.reached
+        now = self._now()
         room = reserve_all(self.limiters(slot), now, cost, self._waker(slot))
         if not room:
             return cost
@@ -402,7 +408,7 @@ class Router:
         untried = [s for s in self.kind_slots[record.kind] if s is not slot and s.name not in tried]
         if not untried:
             return NONE_LEFT
-        now = self._time()
+        now = self._now()
         usable = [s for s in untried if self.usable(s, now)]
         return min(usable, key=_load).name if usable else untried[0].name
 
@@ -434,4 +440,4 @@ def _recovers_at(slot: AgentSlot, now: float) -> float:
         return at
     if breaker.state is HALF_OPEN:
         return at if not breaker.probing else math.inf  # the probe's outcome will wake it
-    return max(at, now + breaker.reopens_in(now))
+    return max(at, breaker.reopens_at)  # not `now + reopens_in(now)`: that may round below it

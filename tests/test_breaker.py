@@ -4,6 +4,7 @@ open, tasks go straight to the next agent of their chain. The 30 s cool-downs ru
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -222,6 +223,25 @@ class TestHalfOpen:
         assert timeline.snapshots[31.5]["primary"]["breaker"] == "half_open"
         assert timeline.snapshots[40]["primary"]["breaker"] == "closed"
         assert status_of(orch, "primary")["status"] == "idle"
+
+    @pytest.mark.timeout(20)  # the hang was real: time stood still, a virtual deadline never came
+    async def test_a_task_waiting_for_the_reopening_is_sent_then(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # A failure at this instant opens the breaker until 559893.2372771676 + 0.1, a float that
+        # is less than 0.1 after it once rounded: the retry waiting for the reopening was woken,
+        # found the breaker closed to it, and was set to be woken at the same instant, forever.
+        clock._now = 559893.2372771676  # the virtual clock starts where the loop's real one is
+        only = scripted("only", ["work"], fail_first=1)
+        orch = make_orchestrator(
+            agents=[only],
+            retry=RetryPolicy(max_attempts=2, base=0.01, cap=0.01, jitter="none"),
+            breaker=BreakerPolicy(failures=1, cooldown=0.1),
+        )
+        result = await orch.run(tasks=[Task("work", {}, id="t")])
+        assert result.status == "success"
+        assert len(only.calls) == 2
+        assert clock.now() == pytest.approx(559893.2372771676 + 0.1)
 
     async def test_a_late_success_from_before_the_opening_does_not_skip_the_cooldown(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
@@ -460,6 +480,22 @@ class TestPolicy:
     def test_absurd_policies_are_refused(self, options: dict[str, Any]) -> None:
         with pytest.raises(ConfigError, match="BreakerPolicy"):
             BreakerPolicy(**options)
+
+    @pytest.mark.parametrize(
+        ("opened", "cooldown"), [(559893.2372771676, 0.1), (10.0, 30.0), (0.1, 0.2)]
+    )
+    def test_it_is_available_at_the_time_it_says_it_reopens(
+        self, opened: float, cooldown: float
+    ) -> None:
+        # 559893.2372771676 + 0.1 rounds so that subtracting the opening time again gives less
+        # than 0.1: "available" and "reopens at" computed apart disagreed there (a task woken
+        # for the reopening found it still closed to it, and was woken again at once: a hang).
+        breaker = Breaker(BreakerPolicy(failures=1, cooldown=cooldown))
+        breaker.on_failure(opened)
+        at = opened + breaker.reopens_in(opened)
+        assert at == breaker.reopens_at
+        assert breaker.available(at)
+        assert not breaker.available(math.nextafter(at, 0.0))
 
     def test_half_open_admits_a_single_probe(self) -> None:
         breaker = Breaker(BreakerPolicy(failures=1, cooldown=30))
