@@ -54,8 +54,8 @@ class Ordered:
         self.items.append(result)
 
     def in_order(self, results: list[TaskResult]) -> None:
-        """The same results as `items`, in input order already (the run's, when every task
-        succeeded): `sort` has nothing to do."""
+        """Every result, in input order already (a whole-list run's successes, from its store):
+        they replace `items`, and `sort` has nothing to do."""
         self.items = results
         self.sorted = True
 

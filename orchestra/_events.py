@@ -180,6 +180,7 @@ class EventBus:
         "active",
         "dropped",
         "errors",
+        "on_change",
     )
 
     def __init__(self) -> None:
@@ -193,6 +194,7 @@ class EventBus:
         self._drained: anyio.Event | None = None
         self._wanted: frozenset[type[Event]] | None = None  # None: every type
         self.active = False
+        self.on_change: Callable[[], None] | None = None  # a subscriber came or went
         self.dropped = 0
         self.errors = 0
 
@@ -227,6 +229,8 @@ class EventBus:
             self._wanted = frozenset(
                 k for s in self._subs for t in s.types for k in _with_subclasses(t)
             )
+        if self.on_change is not None:
+            self.on_change()
 
     def emit(self, event: Event) -> None:
         for sub in self._subs:

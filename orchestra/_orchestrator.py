@@ -187,6 +187,7 @@ class Orchestrator:
         self.decomposer = decomposer
         self.clock = clock
         self._bus = EventBus()
+        self._bus.on_change = self._replain
         self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
         self._faults: dict[str, Fault] = {}
         self._config = RunConfig(
@@ -545,7 +546,14 @@ class Orchestrator:
         )
         slot.fault = fault
         self._faults[agent] = fault
+        self._replain()
         log.warning("simulated agent failure", agent=agent, mode=mode, duration=duration)
+
+    def _replain(self) -> None:
+        """A subscriber or a simulated fault came or went: each run looks again at whether
+        anybody hears of each task's end (`Run.replain`)."""
+        for run in self._runs:
+            run.replain()
 
     def restore_agent(self, agent: str) -> None:
         """End a simulated failure now."""

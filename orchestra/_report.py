@@ -239,8 +239,9 @@ class Report:
         """Count the successes put aside by `finished`: by second (they are in the order they
         ended, so their `finished` times never decrease), and within a second by kind, each
         kind's in one go."""
-        done = self.batch
-        self.batch = []
+        batch = self.batch  # the same list to the end: the run's store appends to it (`quiet`)
+        done = batch.copy()
+        batch.clear()
         while done[-1].finished >= self.second_end:  # some end in a later second
             cut = bisect_left(done, self.second_end, key=_finished_of)
             if cut:

@@ -145,10 +145,10 @@ class Run:
         self.debug = _debug_enabled()
         self._results = results
         self._acc: Accumulator = config.aggregate.begin()
-        # A built-in aggregate that keeps the results as they come: its `add` is a list append.
+        # A built-in aggregate: a whole-list run gives it the store's successes at its end.
         self._ordered = self._acc if isinstance(self._acc, Ordered) else None
-        self._keep = None if self._ordered is None else self._ordered.items.append
-        self._plain = False  # see `_replain`
+        self._plain = False  # see `replain`
+        self.quiet: list[Record] | None = None  # the store's (`Listener.quiet`): see `replain`
         self._faults = config.faults  # the orchestrator's simulated faults, as they come and go
         self._agg_error: str | None = None
         self._window = config.window
@@ -196,19 +196,12 @@ class Run:
 
     def finished(self, record: Record) -> None:
         status = record.status
-        if (
-            status is SUCCEEDED
-            and self._plain
-            and not self.bus.active
-            and not self._faults
-            and record.started
-        ):
-            # The common end, when nothing but the counts and a built-in aggregate hear of it:
-            # two list appends (`Report.finished` and `Ordered.add`, inline). The aggregate keeps
-            # every record to the run's end anyway, so the report's batch is counted only when
-            # something reads the counts (a status, the result): in one go, in C.
+        if status is SUCCEEDED and self._plain and record.started is not None:
+            # The common end, when nothing but the counts and a built-in aggregate hear of it
+            # (what the in-memory store does itself with all but the last, in `quiet`): the
+            # report's batch is counted only when something reads the counts (a status, the
+            # result), in one go, in C; the aggregate takes the store's records at the end.
             self.report.batch.append(record)
-            self._keep(record)  # type: ignore[misc]
             if not self.store.unfinished and self._input_done:
                 self._finish()
             return
@@ -262,7 +255,7 @@ class Run:
         wall0 = datetime.now(UTC)
         whole = isinstance(source, list | tuple)
         self._streamed = not whole
-        self._replain()
+        self.replain()
         registry = config.registry
         self.store = config.store.open_run(
             self.run_id,
@@ -380,13 +373,11 @@ class Run:
             return self._build_result(wall0, dropped)
 
     def _build_result(self, wall0: datetime, dropped: int) -> RunResult:
-        if not self._streamed:  # the store ranks its results in input order: the aggregate sorts
-            results = self.store.results()  # by that rank
-            if self._ordered is not None:
-                ordered = list(results)
-                if len(ordered) == len(self._ordered.items):
-                    # Every task succeeded: the results are the store's records, in order.
-                    self._ordered.in_order(ordered)
+        if not self._streamed and self._ordered is not None:
+            # A whole-list run's store has every record, in input order: its successes are the
+            # aggregate's results, sorted already (the aggregate was not given those that ended
+            # in `quiet`).
+            self._ordered.in_order([r for r in self.store.results() if r.status is SUCCEEDED])
         data = None
         if self._agg_error is None:
             try:
@@ -513,19 +504,23 @@ class Run:
         """Send every `TaskResult` from now on to `send` (a run handle's reader); closed at the end."""
         if self._results is None:
             self._results = send
-            self._replain()
+            self.replain()
 
-    def _replain(self) -> None:
-        """Whether a success is only counted and kept (`finished`'s inline case): nobody else
-        hears of each task's end (no debug log, instrument, stream or input window; a simulated
-        fault, which may start mid-run, is looked at each time)."""
+    def replain(self) -> None:
+        """Whether a success is only counted (`finished`'s inline case, and the store's `quiet`):
+        nobody else hears of each task's end (no debug log, instrument, stream, input window,
+        subscriber or simulated fault). The orchestrator calls it again when a subscriber or a
+        fault comes or goes mid-run."""
         self._plain = (
-            self._keep is not None
+            self._ordered is not None
             and not self.debug
             and self.instruments is None
             and self._results is None
             and not self._streamed
+            and not self.bus.active
+            and not self._faults
         )
+        self.quiet = self.report.batch if self._plain else None
 
     # -- streamed input --------------------------------------------------------------------------
 

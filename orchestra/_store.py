@@ -70,6 +70,14 @@ class StoredTask(Protocol):
 class Listener(Protocol):
     """What the run hears from its store (called synchronously, inside the store's step)."""
 
+    @property
+    def quiet(self) -> list[Any] | None:
+        """Where a store may put a plain success (ended by `succeed`, readying nothing) instead
+        of calling `finished`, while it is not None — except the success that leaves nothing
+        unfinished, which is always heard. The run sets it when all it does with such a success
+        is count it later (the in-memory store's no-op task costs a call less); a store that
+        must see each end itself (a durable one) may ignore it."""
+
     def ready(self, record: Any) -> None:
         """A task became ready (admitted with nothing to wait for, dependencies met, retry due)."""
 

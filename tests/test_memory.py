@@ -26,6 +26,8 @@ async def echo(task: Task, ctx: Context) -> Any:
 
 
 class _Listener:
+    quiet: list[Any] | None = None
+
     def ready(self, record: Any) -> None:
         pass
 
@@ -276,3 +278,62 @@ class TestTheCollector:
         assert result.status == "success"
         assert not gc.isenabled()
         assert gc.get_freeze_count() == 0
+
+
+class _Quiet(_Listener):
+    """A listener that takes plain successes in `quiet` and records what it hears."""
+
+    def __init__(self) -> None:
+        self.quiet: list[Any] | None = []
+        self.heard: list[str] = []
+
+    def finished(self, record: Any) -> None:
+        self.heard.append(record.task_id)
+
+
+class TestQuietSuccesses:
+    def _store(self, listener: Any) -> Any:
+        return MemoryStore().open_run(
+            "r",
+            admission=Admission(["work"], {}),
+            listener=listener,
+            clock=lambda: 0.0,
+            task_timeout=None,
+            compact=False,
+        )
+
+    def _run_one(self, store: Any) -> Any:
+        record = store.claim()
+        assert store.start(record, record.token, "a")
+        assert store.succeed(record, record.token, record.task.payload, "a")
+        return record
+
+    def test_plain_successes_are_put_aside_and_the_last_is_heard(self) -> None:
+        listener = _Quiet()
+        store = self._store(listener)
+        store.admit([Task("work", i, id=f"t{i}") for i in range(3)], where="tasks", forward=True)
+        ended = [self._run_one(store) for _ in range(3)]
+        assert listener.quiet == ended[:2]  # in the order they ended, nothing else told
+        assert listener.heard == ["t2"]  # it leaves nothing unfinished: the run must hear it
+        assert [r.status for r in ended] == [SUCCEEDED] * 3
+
+    def test_a_success_that_readies_a_dependent_is_heard(self) -> None:
+        listener = _Quiet()
+        store = self._store(listener)
+        store.admit(
+            [Task("work", 1, id="a"), Task("work", 2, id="b", depends_on=["a"])],
+            where="tasks",
+            forward=True,
+        )
+        self._run_one(store)
+        assert listener.heard == ["a"]
+        assert listener.quiet == []
+
+    def test_without_quiet_every_end_is_heard(self) -> None:
+        listener = _Quiet()
+        listener.quiet = None
+        store = self._store(listener)
+        store.admit([Task("work", i, id=f"t{i}") for i in range(3)], where="tasks", forward=True)
+        for _ in range(3):
+            self._run_one(store)
+        assert listener.heard == ["t0", "t1", "t2"]

@@ -365,6 +365,8 @@ class TestInOneProcess:
         heard: list[str] = []
 
         class Listener:
+            quiet = None
+
             def ready(self, record: Any) -> None:
                 heard.append(f"ready {record.id}")
 

@@ -70,6 +70,8 @@ class Typed(BaseModel):
 class Heard:
     """A `Listener` that records what it hears, in order: ("ready" | "finished", task id)."""
 
+    quiet = None  # every end is heard
+
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
         self.records: dict[str, Any] = {}  # id -> the last record heard ready

@@ -207,6 +207,8 @@ class ClaudePlanner:
 class _Nobody:
     """The scratch store's listener: nothing runs there."""
 
+    quiet = None
+
     def ready(self, record: Any) -> None:
         pass
 

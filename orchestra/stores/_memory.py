@@ -713,7 +713,11 @@ class MemoryRun:
             record.error = record.error_type = None
             record.defaulted = False
             self.unfinished -= 1
-            self._listener.finished(record)
+            quiet = self._listener.quiet
+            if quiet is not None and self.unfinished:
+                quiet.append(record)
+            else:
+                self._listener.finished(record)
             return True
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
 

@@ -250,6 +250,8 @@ class SQLiteStore:
 class SQLiteRun:
     """One run of a `SQLiteStore`: a `MemoryRun` for the state, every change written behind it."""
 
+    quiet = None  # the `MemoryRun`'s listener: it hears every end, to write it down
+
     def __init__(
         self,
         store: SQLiteStore,
