@@ -111,6 +111,16 @@ class AgentSlot:
         return "busy" if self.in_flight else "idle"
 
     @property
+    def concurrent(self) -> int:
+        """How many attempts it can run at once: its own limit, or a shared `Concurrency`'s when
+        that is lower (`UNLIMITED`: neither). What the ETA and a worker process's claims count."""
+        limit = self.limit
+        for limiter in self.limiters:
+            if isinstance(limiter, Concurrency) and limiter.limit < limit:
+                limit = limiter.limit
+        return limit
+
+    @property
     def load(self) -> float:
         """In-flight tasks over the agent's limit (0 for an agent without a limit and nothing running)."""
         return self.in_flight / self.limit if self.limit != UNLIMITED else float(self.in_flight)

@@ -368,9 +368,10 @@ def _parallelism(slots: Iterable[AgentSlot], limit: int) -> int:
     usable = [s for s in slots if s.breaker.state is not OPEN] or slots
     room = 0
     for slot in usable:
-        if slot.limit == _UNLIMITED:
+        concurrent = slot.concurrent
+        if concurrent == _UNLIMITED:
             return limit
-        room += slot.limit
+        room += concurrent
     return max(1, min(limit, room)) if usable else limit
 
 
@@ -403,7 +404,8 @@ def _agents(
             waiting[slot.name] = waiting.get(slot.name, 0) + n
     out = []
     for slot in slots:
-        own = None if slot.limit == _UNLIMITED else slot.limit
+        concurrent = slot.concurrent
+        own = None if concurrent == _UNLIMITED else concurrent
         room = min(limit, own) if own is not None else limit
         out.append(
             AgentStatus(

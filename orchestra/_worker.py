@@ -32,7 +32,6 @@ import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
 from ._exceptions import ConfigError, InputError
-from ._limits import Concurrency
 from ._log import get_logger
 from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Task, TaskResult
 from .stores import _sqlite_work as sharing
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from ._admission import Admission
     from ._handle import RunHandle
     from ._orchestrator import Orchestrator
-    from ._registry import AgentSlot
     from ._store import Listener
     from .stores._memory import Record
     from .stores._sqlite import SQLiteStore
@@ -136,7 +134,7 @@ class Worker:
         # that, so tasks waiting for a slot stay in the file for other workers (a worker that
         # claimed up to its global limit held them under leases it renewed while they queued).
         by_kind = orch._config.registry.by_kind
-        agents = {slot.name: _limit(slot) for kind in wanted for slot in by_kind[kind]}
+        agents = {slot.name: slot.concurrent for kind in wanted for slot in by_kind[kind]}
         self.capacity = min(orch._config.capacity.limit, sum(agents.values()))
         self.rooms = {
             kind: min(self.capacity, sum(agents[slot.name] for slot in by_kind[kind]))
@@ -503,12 +501,3 @@ def _spawned(task: Task) -> dict[str, Any]:
         "critical": task.critical,
         "metadata": task.metadata,
     }
-
-
-def _limit(slot: AgentSlot) -> int:
-    """How many attempts an agent can run at once: its own limit, or a shared `Concurrency`'s."""
-    limit = slot.limit
-    for limiter in slot.limiters:
-        if isinstance(limiter, Concurrency):
-            limit = min(limit, limiter.limit)
-    return limit

@@ -11,6 +11,7 @@ import pytest
 
 from orchestra import (
     BreakerPolicy,
+    Concurrency,
     Context,
     Orchestrator,
     RetryPolicy,
@@ -64,7 +65,7 @@ async def watch(
     return result[0], seen, holder[0]
 
 
-def sleeper(name: str, kinds: list[str], *, concurrency: int | None = None) -> Any:
+def sleeper(name: str, kinds: list[str], *, concurrency: int | Concurrency | None = None) -> Any:
     """An agent that takes `task.payload` seconds (or 1 s when the payload is not a number)."""
 
     @agent(kinds=kinds, name=name, concurrency=concurrency)
@@ -294,6 +295,21 @@ class TestEta:
         assert (leaf.total, leaf.remaining, leaf.parallelism) == (6, 4, 2)
         assert status.total == 7
         assert leaf.eta == pytest.approx(4 * 2.0 / 2)
+
+    async def test_a_shared_concurrency_is_the_agents_parallelism(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # The agent's limit is a `Concurrency(2)` it could share with others: the kind's ETA
+        # spreads its work over 2, not over the run's 10, and the agent's status says 2.
+        orch = make_orchestrator(
+            agents=[sleeper("a", ["work"], concurrency=Concurrency(2))], concurrency=10
+        )
+        _, (status,), _ = await watch(orch, [Task("work", 2.0) for _ in range(6)], at=[2.5])
+        (kind,) = status.kinds
+        assert (kind.remaining, kind.parallelism) == (4, 2)
+        assert kind.eta == pytest.approx(4 * 2.0 / 2)
+        (agent_status,) = status.agents
+        assert agent_status.limit == 2
 
     async def test_a_streamed_input_says_it_is_still_arriving(
         self, make_orchestrator: Callable[..., Orchestrator]
