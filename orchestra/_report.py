@@ -443,7 +443,7 @@ class Report:
             peak_concurrency=self.peak,
             defaulted=self.defaulted,
             tokens=dict(sorted(self.tokens.items())),
-            cost=self.cost,
+            cost=dollars(self.cost),
             usage_per_agent=_sorted_usage(self.usage_per_agent),
             usage_per_model=_sorted_usage(self.usage_per_model),
             events_dropped=events_dropped,
@@ -595,7 +595,16 @@ def _add(table: dict[str, dict[str, float]], key: str, cost: float, tokens: Any)
 
 
 def _sorted_usage(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    return {key: dict(sorted(row.items())) for key, row in sorted(table.items())}
+    return {
+        key: {name: dollars(n) if name == "cost" else n for name, n in sorted(row.items())}
+        for key, row in sorted(table.items())
+    }
+
+
+def dollars(cost: float) -> float:
+    """A sum of costs as shown: to a billionth of a dollar, without the noise of adding floats
+    (0.1 + 0.2 is 0.30000000000000004; a price per token is 1e-8 dollars at the least)."""
+    return round(cost, 9)
 
 
 def _keepable(output: Any) -> Any:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._aggregate import percentile
 from ._breaker import OPEN
-from ._report import ErrorSample, KindTally, Report
+from ._report import ErrorSample, KindTally, Report, dollars
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def snapshot(run: Run) -> RunStatus:
         agents=agents,
         bottleneck=_bottleneck(lanes, kinds, queued, running, limit, dispatcher.now()),
         errors=tuple(report.errors),
-        cost=report.cost,
+        cost=dollars(report.cost),
         tokens=dict(report.tokens),
     )
 

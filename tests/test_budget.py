@@ -62,6 +62,23 @@ class TestUsagePerAgentAndModel:
         assert meta.cost == pytest.approx(2.25)
         assert RunResult.model_validate_json(result.model_dump_json()) == result
 
+    async def test_costs_add_up_without_float_noise(self, clock: FakeClock) -> None:
+        # 0.1 + 0.2 is 0.30000000000000004 in floats: what a run shows is to a billionth.
+        @agent(kinds=["work"], name="cheap")
+        async def cheap(task: Task, ctx: Context) -> None:
+            ctx.record_usage(cost=task.payload, model="m", input_tokens=1)
+
+        tasks = [Task("work", 0.1, id="a"), Task("work", 0.2, id="b")]
+        async with Orchestrator(agents=[cheap], concurrency=1) as orch:
+            handle = orch.start(tasks=tasks)
+            result = await handle
+            status = handle.status()
+        assert 0.1 + 0.2 != 0.3
+        assert result.metadata.cost == 0.3
+        assert result.metadata.usage_per_agent["cheap"]["cost"] == 0.3
+        assert result.metadata.usage_per_model["m"]["cost"] == 0.3
+        assert status.cost == 0.3
+
     async def test_a_failed_attempts_usage_counts(self, clock: FakeClock) -> None:
         @agent(kinds=["work"], name="flaky")
         async def flaky(task: Task, ctx: Context) -> str:
