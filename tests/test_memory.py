@@ -67,16 +67,21 @@ class TestFinishedRuns:
             assert [r for r in refs if r() is not None] == []
 
 
+def open_run(listener: Any, *, compact: bool) -> Any:
+    """A run of a `MemoryStore` for tasks of kind "work", on a clock that stands still."""
+    return MemoryStore().open_run(
+        "r",
+        admission=Admission(["work"], {}),
+        listener=listener,
+        clock=lambda: 0.0,
+        task_timeout=None,
+        compact=compact,
+    )
+
+
 class TestStreamedRuns:
     def _store(self) -> Any:
-        return MemoryStore().open_run(
-            "r",
-            admission=Admission(["work"], {}),
-            listener=_Listener(),
-            clock=lambda: 0.0,
-            task_timeout=None,
-            compact=True,
-        )
+        return open_run(_Listener(), compact=True)
 
     def _succeed(self, store: Any) -> None:
         record = store.claim()
@@ -293,14 +298,7 @@ class _Quiet(_Listener):
 
 class TestQuietSuccesses:
     def _store(self, listener: Any) -> Any:
-        return MemoryStore().open_run(
-            "r",
-            admission=Admission(["work"], {}),
-            listener=listener,
-            clock=lambda: 0.0,
-            task_timeout=None,
-            compact=False,
-        )
+        return open_run(listener, compact=False)
 
     def _run_one(self, store: Any) -> Any:
         record = store.claim()
