@@ -162,6 +162,13 @@ class ScriptedAgent:
             raise ConfigError(
                 f"scripted {name!r}: failure_rate must be in [0, 1], got {failure_rate}"
             )
+        played = [*script, then]  # the outcomes it can play: "slow" is `latency` more, so 0 is none
+        if failure_rate:
+            played.append(failure_mode)
+        if dies_after is not None:
+            played.append(die_mode)
+        if "slow" in played and not latency > 0:
+            raise ConfigError(f"scripted {name!r}: the 'slow' outcome needs a latency > 0")
         self.name = name
         self.kinds = tuple(kinds)
         self.script = list(script) if script else ["error"] * fail_first

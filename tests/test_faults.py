@@ -29,6 +29,23 @@ pytestmark = pytest.mark.usefixtures("clock")
 
 
 class TestScriptedAgent:
+    @pytest.mark.parametrize(
+        "options",
+        [
+            {"script": ["slow"]},
+            {"then": "slow"},
+            {"failure_rate": 0.5, "failure_mode": "slow"},
+            {"dies_after": 1, "die_mode": "slow"},
+        ],
+    )
+    def test_slow_without_a_latency_is_refused(self, options: dict[str, Any]) -> None:
+        # "slow" adds `latency` to a call: with none, the test it is written for would pass
+        # without anything being slow.
+        with pytest.raises(ConfigError, match="'slow' outcome needs a latency > 0"):
+            scripted("a", ["k"], **options)
+        assert scripted("a", ["k"], latency=0.5, **options).latency == 0.5
+        scripted("a", ["k"], failure_mode="slow")  # never played: no failure rate
+
     async def test_fails_the_first_n_calls_and_records_each(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
