@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from ._config import check_int, check_number
+from ._limits import CLOCK_SLIP
 
 __all__ = ("Breaker", "BreakerPolicy", "BreakerState")
 
@@ -79,14 +80,21 @@ class Breaker:
         if self.state is CLOSED:
             return True
         if self.state is OPEN:
-            return now >= self.reopens_at
+            return now >= self.reopens_at or now < self.opened_at - CLOCK_SLIP
         return not self.probing
 
     def reopens_in(self, now: float) -> float:
         """Seconds until an open breaker lets a probe through (0 when it would now)."""
-        if self.state is not OPEN:
-            return 0.0
-        return max(0.0, self.reopens_at - now)
+        return self.recovers_at(now) - now
+
+    def recovers_at(self, now: float) -> float:
+        """When an open breaker lets a probe through (`now` when it would now): `available` is
+        true then. A breaker opened by another clock (more than `CLOCK_SLIP` ahead: a `FakeClock`
+        of an earlier test, on an orchestrator kept across tests) has cooled down."""
+        if self.state is not OPEN or now < self.opened_at - CLOCK_SLIP:
+            return now
+        reopens_at = self.reopens_at
+        return reopens_at if reopens_at > now else now
 
     def on_dispatch(self, now: float) -> BreakerState | None:
         """Call when a task is sent to the agent; returns the new state if it changed."""

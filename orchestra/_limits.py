@@ -66,6 +66,11 @@ Cost: TypeAlias = float | Mapping[str, float]
 
 _NUMBER = (int, float)
 _NO_HOLD: Final = -math.inf
+# A time more than this before one a limiter has already seen is another clock's: a limiter kept
+# across tests (a module-level key) saw a `FakeClock`'s virtual time, which runs ahead of the
+# loop's real one, and would make the next test wait out that lead. It forgets its times instead.
+# (One clock never goes back; the dispatcher's readings may, by a timer's early firing: far less.)
+CLOCK_SLIP: Final = 1.0
 
 
 @runtime_checkable
@@ -167,7 +172,7 @@ class Concurrency:
     `watch` is told of it). Shared by everybody it is given to; not thread-safe (one event loop).
     """
 
-    __slots__ = ("_hold", "in_use", "limit", "watchers")
+    __slots__ = ("_hold", "_seen", "in_use", "limit", "watchers")
 
     def __init__(self, limit: int) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -175,17 +180,24 @@ class Concurrency:
         self.limit = limit
         self.in_use = 0
         self._hold = _NO_HOLD
+        self._seen = _NO_HOLD  # the latest time it was asked at (see `CLOCK_SLIP`)
         # Who waits for room (None until somebody watched: a release is then only the count, which
         # a dispatcher does inline).
         self.watchers: _Watchers | None = None
 
     def reserve(self, now: float, cost: Cost = 1) -> float:
+        if now < self._seen - CLOCK_SLIP:  # another clock's hold: forgotten
+            self._hold = _NO_HOLD
+        self._seen = now
         if self.in_use < self.limit and now >= self._hold:
             self.in_use += 1
             return 0.0
         return self._hold if now < self._hold else math.inf
 
     def peek(self, now: float, cost: Cost = 1) -> float:
+        if now < self._seen - CLOCK_SLIP:
+            self._hold = _NO_HOLD
+        self._seen = now
         if now < self._hold:
             return self._hold
         return 0.0 if self.in_use < self.limit else math.inf
@@ -242,6 +254,7 @@ class Rate:
     __slots__ = (
         "_default",
         "_hold",
+        "_seen",
         "_tat",
         "_watchers",
         "burst",
@@ -267,6 +280,7 @@ class Rate:
         self._default = 1 if unit == REQUESTS else 0
         self._tat = _NO_HOLD  # theoretical arrival time: when the meter is empty
         self._hold = _NO_HOLD
+        self._seen = _NO_HOLD  # the latest time it was asked at (see `CLOCK_SLIP`)
         self._watchers: _Watchers | None = None
 
     def amount(self, cost: Cost) -> float:
@@ -277,6 +291,9 @@ class Rate:
 
     def reserve(self, now: float, cost: Cost = 1) -> float:
         n = cost if isinstance(cost, _NUMBER) else cost.get(self.unit, self._default)
+        if now < self._seen - CLOCK_SLIP:  # another clock's times: an empty meter
+            self._tat = self._hold = _NO_HOLD
+        self._seen = now
         if now < self._hold:
             return self._hold
         tat = self._tat
@@ -288,6 +305,9 @@ class Rate:
         return 0.0
 
     def peek(self, now: float, cost: Cost = 1) -> float:
+        if now < self._seen - CLOCK_SLIP:
+            self._tat = self._hold = _NO_HOLD
+        self._seen = now
         if now < self._hold:
             return self._hold
         n = self.amount(cost)

@@ -434,10 +434,7 @@ def _used(record: Record, slot: AgentSlot) -> bool:
 
 def _recovers_at(slot: AgentSlot, now: float) -> float:
     """The loop time at which `slot`'s breaker lets a task through again."""
-    at = now
     breaker = slot.breaker
-    if breaker.state is CLOSED:
-        return at
-    if breaker.state is HALF_OPEN:
-        return at if not breaker.probing else math.inf  # the probe's outcome will wake it
-    return max(at, breaker.reopens_at)  # not `now + reopens_in(now)`: that may round below it
+    if breaker.state is HALF_OPEN and breaker.probing:
+        return math.inf  # the probe's outcome will wake it
+    return breaker.recovers_at(now)  # not `now + reopens_in(now)`: that may round below it

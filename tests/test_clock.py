@@ -14,10 +14,19 @@ import anyio.to_process
 import anyio.to_thread
 import pytest
 
-from orchestra import ConfigError, Orchestrator, RetryPolicy, Task, agent
+from orchestra import (
+    BreakerPolicy,
+    ConfigError,
+    Context,
+    Orchestrator,
+    Rate,
+    RetryPolicy,
+    Task,
+    agent,
+)
 from orchestra._clock import Clock, current_clock, loop_time
 from orchestra.testing import FakeClock, scripted
-from tests.helpers import run_recorded
+from tests.helpers import run_recorded, tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -367,3 +376,45 @@ class TestWallTime:
         now, wall = fake.now(), fake.wall()
         await asyncio.sleep(0.01)
         assert (fake.now(), fake.wall()) == (now, wall)
+
+
+class TestStateKeptAcrossClocks:
+    """A rate limit or an orchestrator kept at module level sees a `FakeClock`'s virtual time in
+    one test and the real clock in the next: what it remembers of the first (virtual time runs far
+    ahead of the real one) must not make the second wait it out."""
+
+    @pytest.mark.timeout(30)
+    async def test_a_rate_used_under_a_fake_clock_is_empty_on_the_real_one(self) -> None:
+        key = [Rate(60, per=60)]  # one request a second
+
+        @agent(kinds=["work"], limits=key)
+        async def call(task: Task, ctx: Context) -> int:
+            return 1
+
+        async with FakeClock() as fake:
+            before = fake.now()
+            result = await Orchestrator(agents=[call]).run(tasks=tasks_of(120))
+            assert result.status == "success"
+            assert fake.now() - before == pytest.approx(119, abs=1)  # its pace, in virtual time
+        with anyio.fail_after(5):  # real seconds: the meter's two virtual minutes are not ours
+            result = await Orchestrator(agents=[call]).run(tasks=tasks_of(1))
+        assert result.status == "success"
+
+    @pytest.mark.timeout(30)
+    async def test_a_breaker_opened_under_a_fake_clock_has_cooled_down_on_the_real_one(
+        self,
+    ) -> None:
+        flaky = scripted("flaky", ["work"], fail_first=1, latency=10.0)
+        orch = Orchestrator(
+            agents=[flaky],
+            retry=RetryPolicy(max_attempts=1),
+            breaker=BreakerPolicy(failures=1, cooldown=30),
+        )
+        async with FakeClock():
+            failed = await orch.run(tasks=tasks_of(1))  # fails at virtual +10 s: open
+        assert failed.status == "failed"
+        assert orch.agents_status()[0]["breaker"] == "open"
+        flaky.latency = 0.0
+        with anyio.fail_after(5):  # real seconds: not the 40 the virtual opening would leave
+            result = await orch.run(tasks=tasks_of(1))
+        assert result.status == "success"
