@@ -305,9 +305,19 @@ class FakeClock(Clock):
         assert self._loop is not None
         selector, real_select = self._saved
         selector.select = real_select
-        del self._loop.time  # back to the class's methods
-        del self._loop.run_in_executor
-        del self._loop.call_at
+        loop: Any = self._loop
+        del loop.time  # back to the class's methods
+        del loop.run_in_executor
+        del loop.call_at
+        # Timers still pending (a background task's sleep, on a loop that outlives the clock: a
+        # module-scoped pytest-asyncio loop) keep what is left of their delay, now in real time:
+        # left at their virtual due time, a sleep set an hour of virtual time ahead of the real
+        # clock would wait an hour. (A deadline kept elsewhere, such as an anyio cancel scope's,
+        # is re-armed at that virtual time: leave a clock's block before leaving its scopes.)
+        shift = loop.time() - self._now
+        for timer in loop._scheduled:
+            timer._when += shift
+        heapq.heapify(loop._scheduled)  # a uniform shift keeps the order, up to rounding
         self._loop = None
         self._saved = None
         self._limiters = ()

@@ -169,6 +169,17 @@ class TestInstallation:
         real = loop.time()
         assert real == pytest.approx(time.monotonic(), abs=5)
 
+    async def test_a_timer_pending_at_uninstall_keeps_what_is_left_of_its_delay(self) -> None:
+        # A loop that outlives the clock (a module-scoped pytest-asyncio loop) with a task still
+        # asleep: it wakes after what was left of its sleep, in real time, not 100 s later.
+        async with FakeClock():
+            sleeper = asyncio.ensure_future(asyncio.sleep(100.05))
+            await asyncio.sleep(100)
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            await sleeper
+        assert time.monotonic() - started < 1
+
     async def test_a_runs_clock_reader_is_the_fake_clock_while_one_is_installed(self) -> None:
         loop = asyncio.get_running_loop()
         assert loop_time(loop) is time.monotonic  # asyncio's own loop: its clock, read directly
