@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 
 from ._failure import cancel_pending
 from ._log import get_logger
@@ -158,12 +159,15 @@ def _with_subclasses(kind: type[Event]) -> list[type[Event]]:
 
 
 class _Subscription:
-    __slots__ = ("buffer", "fn", "send", "types")
+    __slots__ = ("buffer", "fn", "is_async", "send", "types")
 
     def __init__(self, fn: Subscriber, types: tuple[type[Event], ...], buffer: int) -> None:
         self.fn = fn
         self.types = types
         self.buffer = buffer
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004
+        )
         self.send: MemoryObjectSendStream[Event] | None = None  # open while the bus is started
 
 
@@ -263,14 +267,27 @@ class EventBus:
             event = self._drained = anyio.Event()
             await event.wait()
 
+    async def synced(self) -> None:
+        """Wait until every sync subscriber has been handed what was emitted so far: a run
+        returns once its events reached them, so a `Recorder` is read right after `run()`. A
+        sync subscriber takes a few turns of the loop and no time; an async one keeps its own pace
+        (the orchestrator's exit drains it, for `drain_timeout` at most)."""
+        for sub in list(self._subs):
+            while not sub.is_async and sub.send is not None:
+                stats = sub.send.statistics()
+                if not stats.open_receive_streams or (
+                    stats.tasks_waiting_receive and not stats.current_buffer_used
+                ):
+                    break  # delivered (its task waits for more), or its task is gone
+                await anyio.lowlevel.checkpoint()
+
     def _open(self, sub: _Subscription, group: TaskGroup) -> None:
         sub.send, receive = anyio.create_memory_object_stream[Event](sub.buffer)
-        group.start_soon(self._deliver, sub.fn, receive)
+        group.start_soon(self._deliver, sub.fn, receive, sub.is_async)
 
-    async def _deliver(self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event]) -> None:
-        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # noqa: B004
-        )
+    async def _deliver(
+        self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event], is_async: bool
+    ) -> None:
         self._delivering += 1
         scope = anyio.CancelScope(shield=True)
         self._scopes.add(scope)

@@ -426,6 +426,8 @@ class Orchestrator:
         self._runs.append(run)
         try:
             result = await run.execute(source)
+            if self._bus.active:
+                await self._bus.synced()
         finally:
             self._runs.remove(run)
             self._maybe_idle()

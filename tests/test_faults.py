@@ -15,6 +15,7 @@ from orchestra import (
     RecoveryStatus,
     RetryPolicy,
     RetryScheduled,
+    RunFinished,
     Task,
 )
 from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
@@ -201,6 +202,29 @@ class TestProbe:
         assert probe.peak_by_agent["a"] == 2
         assert probe.current == 0
         assert probe.by_agent == {"a": 0, "b": 0}
+
+
+class TestRecorder:
+    @pytest.mark.parametrize("latency", [0.0, 0.1])
+    async def test_has_every_event_of_a_run_right_after_it_returns(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        latency: float,
+    ) -> None:
+        # Read inside `async with`, between runs: the run's events reached the recorder before
+        # `run()` returned (the last ones were still buffered for its delivery task).
+        flaky = scripted("flaky", ["k"], fail_first=1, latency=latency)
+        rec = Recorder()
+        orch = make_orchestrator(agents=[flaky])
+        orch.subscribe(rec)
+        async with orch:
+            for n in (1, 2):
+                await orch.run(tasks=[make_task("k") for _ in range(5)])
+                assert len(rec.results()) == 5 * n
+                assert len(rec.delays()) == 1
+                assert [type(e).__name__ for e in rec.events][-1] == "RunFinished"
+                assert len(rec.of(RunFinished)) == n
 
 
 class TestSimulatedFailure:
