@@ -128,6 +128,11 @@ class Agent:
             raise ConfigError(
                 f"agent {label!r}: executor={executor!r} runs sync functions; this one is async"
             )
+        if executor is not None and not _takes_one(fn):
+            raise ConfigError(
+                f"agent {label!r}: executor={executor!r} calls `fn(task)`, with no ctx "
+                "(it runs off the loop); this one does not take one argument"
+            )
         self.fn = fn
         self.__wrapped__ = fn
         self.kinds = tuple(kinds)
@@ -232,6 +237,19 @@ class _Gate:
 
 
 _WAITING, _RUNNING, _DONE, _ABANDONED = "waiting", "running", "done", "abandoned"
+
+
+def _takes_one(fn: Callable[..., Any]) -> bool:
+    """Whether `fn(task)` binds (a signature Python cannot read, as some builtins', passes)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(None)
+    except TypeError:
+        return False
+    return True
 
 
 def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import pytest
@@ -103,6 +103,23 @@ class TestDecorator:
         with pytest.raises(ConfigError, match="executor"):
             agent(sync_fn, kinds=["work"])
         assert agent(sync_fn, kinds=["work"], executor="thread").name == "sync_fn"
+
+    @pytest.mark.parametrize("executor", ["thread", "process"])
+    def test_an_off_loop_function_that_wants_a_ctx_is_refused_at_once(
+        self, executor: Literal["thread", "process"]
+    ) -> None:
+        # Written like an async agent, `def fn(task, ctx)` failed every call with a TypeError
+        # (retried, then the task failed) instead of at the decorator.
+        def with_ctx(task: Task, ctx: Context) -> str:
+            return "never"
+
+        with pytest.raises(ConfigError, match=r"'with_ctx'.*fn\(task\)`, with no ctx"):
+            agent(with_ctx, kinds=["work"], executor=executor)
+
+        def optional_ctx(task: Task, ctx: Context | None = None) -> str:
+            return "fine"
+
+        assert agent(optional_ctx, kinds=["work"], executor=executor).executor == executor
 
 
 class TestAgentLikeObjects:
