@@ -546,6 +546,9 @@ class Orchestrator:
             retry_after=retry_after,
             latency=latency,
         )
+        earlier = self._faults.get(agent)
+        if earlier is not None:  # the agent's earlier failure: its tasks are still to recover
+            fault.affected, fault.ended = earlier.affected, earlier.ended
         slot.fault = fault
         self._faults[agent] = fault
         self._replain()

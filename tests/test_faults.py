@@ -390,6 +390,26 @@ class TestSimulatedFailure:
         assert seen[0].pending == ["t"]
         assert final == "recovered"
 
+    async def test_a_second_failure_of_an_agent_keeps_what_the_first_one_hit(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        main = scripted("main", ["k"], latency=1)
+        orch = make_orchestrator(agents=[main], retry=RetryPolicy(max_attempts=1), breaker=None)
+        async with orch:
+            orch.simulate_agent_failure("main", mode="error", duration=1.5)
+
+            async def again() -> None:
+                await anyio.sleep(2)  # the first outage failed every task already
+                orch.simulate_agent_failure("main", mode="error", duration=0.5)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(again)
+                result = await orch.run(tasks=[make_task("k", id=f"t{i}") for i in range(3)])
+            status = orch.recovery_status()
+        assert result.status == "failed"
+        assert status == "failed"
+        assert status.failed == ["t0", "t1", "t2"]
+
     async def test_no_fault_means_recovered(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
