@@ -208,7 +208,13 @@ class FakeClock(Clock):
 
     def install(self) -> None:
         """Patch the running loop (idempotent: installs nest, the last `uninstall` restores)."""
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError(
+                "FakeClock patches the running event loop: install it from async code "
+                "(`async with FakeClock():`, or `Orchestrator(clock=FakeClock())`)"
+            ) from None
         if self._installs:
             if loop is not self._loop:
                 raise ConfigError("this FakeClock is installed on another event loop")

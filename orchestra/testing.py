@@ -21,6 +21,7 @@ assert result.status == "success" and flaky.calls[0].outcome == "rate_limit"
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,7 +34,7 @@ from ._exceptions import ConfigError
 from ._faults import GARBAGE, MODES, SimulatedAPIError, raise_fault
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from ._context import Context
     from ._limits import Concurrency
@@ -68,7 +69,11 @@ class Call:
 
 
 class Probe:
-    """Counts calls in progress across every agent that shares it; `peak` is the most at once."""
+    """Counts calls in progress across every agent that shares it; `peak` is the most at once.
+
+    A scripted agent given `probe=` counts its calls itself; your own agent counts its work with
+    ``with probe.track("name"):``.
+    """
 
     def __init__(self) -> None:
         self.current = 0
@@ -76,13 +81,24 @@ class Probe:
         self.by_agent: dict[str, int] = {}
         self.peak_by_agent: dict[str, int] = {}
 
+    @contextlib.contextmanager
+    def track(self, agent: str) -> Iterator[None]:
+        """Count the block as one call of `agent` in progress (however it ends)."""
+        self.enter(agent)
+        try:
+            yield
+        finally:
+            self.exit(agent)
+
     def enter(self, agent: str) -> None:
+        """A call of `agent` began (pair it with `exit`, or use `track`)."""
         self.current += 1
         self.peak = max(self.peak, self.current)
         n = self.by_agent[agent] = self.by_agent.get(agent, 0) + 1
         self.peak_by_agent[agent] = max(self.peak_by_agent.get(agent, 0), n)
 
     def exit(self, agent: str) -> None:
+        """A call of `agent` ended."""
         self.current -= 1
         self.by_agent[agent] -= 1
 

@@ -200,6 +200,10 @@ class TestInstallation:
         assert "time" not in vars(loop)
         clock.uninstall()  # one too many is harmless
 
+    def test_installing_outside_async_code_says_how_to_install_it(self) -> None:
+        with pytest.raises(ConfigError, match="async with FakeClock"):
+            FakeClock().install()
+
     async def test_a_second_fake_clock_on_the_same_loop_is_refused(self, clock: FakeClock) -> None:
         with pytest.raises(ConfigError, match="FakeClock"):
             FakeClock().install()

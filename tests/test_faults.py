@@ -12,11 +12,14 @@ from orchestra import (
     AttemptFailed,
     BreakerPolicy,
     ConfigError,
+    Context,
+    PermanentError,
     RecoveryStatus,
     RetryPolicy,
     RetryScheduled,
     RunFinished,
     Task,
+    agent,
 )
 from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
 from tests.helpers import not_garbage, run_recorded
@@ -202,6 +205,24 @@ class TestProbe:
         assert probe.peak_by_agent["a"] == 2
         assert probe.current == 0
         assert probe.by_agent == {"a": 0, "b": 0}
+
+    async def test_tracks_your_own_agents_work(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        probe = Probe()
+
+        @agent(kinds=["x"], name="mine", concurrency=3)
+        async def mine(task: Task, ctx: Context) -> None:
+            with probe.track("mine"):
+                await anyio.sleep(1)
+                if task.payload == "fail":
+                    raise PermanentError("counted all the same")
+
+        orch = make_orchestrator(agents=[mine], concurrency=10)
+        tasks = [make_task("x") for _ in range(7)] + [make_task("x", payload="fail")]
+        result = await orch.run(tasks=tasks)
+        assert result.status == "partial"
+        assert (probe.peak, probe.peak_by_agent, probe.current) == (3, {"mine": 3}, 0)
 
 
 class TestRecorder:
