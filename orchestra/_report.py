@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from operator import attrgetter, sub
+from operator import attrgetter
 from random import Random
 from typing import TYPE_CHECKING, Any
 
@@ -93,9 +93,6 @@ class KindTally:
         )
 
 
-_kind_of = attrgetter("kind")
-_agent_of = attrgetter("agent")
-_started_of = attrgetter("started")
 _finished_of = attrgetter("finished")
 _EXACT = 1_024
 _EVERY = 8  # a power of two (a mask)
@@ -123,7 +120,7 @@ class Report:
     `RunResult` is built from it at the end.
 
     Ending a task costs a list append (a success, counted with the next batch of them in a few
-    passes in C) or a dict lookup and a few int and float updates, and no clock read (the store
+    quick passes) or a dict lookup and a few int and float updates, and no clock read (the store
     stamped the record's times): counts per kind and state, durations (exact count, mean and max; a
     sample for percentiles), successes per agent, the tasks that did not succeed (for the error
     records), tasks ended and failed per second (a ring of one-second buckets), the last failures.
@@ -205,8 +202,8 @@ class Report:
         return tally
 
     def admitted(self, tasks: Iterable[Task]) -> None:
-        """Count a batch of admitted tasks (one pass in C over their kinds)."""
-        for kind, n in Counter(map(_kind_of, tasks)).items():
+        """Count a batch of admitted tasks (one pass over their kinds)."""
+        for kind, n in Counter([task.kind for task in tasks]).items():
             self._kind(kind).admitted += n
 
     def admitted_one(self, kind: str) -> None:
@@ -222,7 +219,7 @@ class Report:
 
         A success is only put aside, and counted with the next `BATCH` of them in one go
         (`fold`): counting one at a time was a fifth of a no-op task's whole cost, and a batch
-        of one kind within one second is a few passes in C. Everything that reads what a success
+        of one kind within one second is a few quick passes. Everything that reads what a success
         changes (`kinds`, `window`, `result`) counts the batch first, as does the end of a task
         that did not succeed (so the counts keep the order the tasks ended in)."""
         if record.status is SUCCEEDED and record.started is not None:
@@ -252,14 +249,14 @@ class Report:
 
     def _fold_second(self, done: list[Node]) -> None:
         """`fold` for successes that all ended within the current second."""
-        kinds = set(map(_kind_of, done))
+        kinds = {record.kind for record in done}
         if len(kinds) * _GROUP > len(done):  # many kinds, a few tasks each: one at a time
             for record in done:
                 self._one(record)
             return
         self.ended += len(done)
         per_agent = self.per_agent
-        for agent, count in Counter(map(_agent_of, done)).items():
+        for agent, count in Counter([record.agent for record in done]).items():
             if agent is not None:
                 per_agent[agent] = per_agent.get(agent, 0) + count
         if len(kinds) == 1:
@@ -279,7 +276,8 @@ class Report:
         """Count successes of one kind, all within the current second."""
         n = len(done)
         kind.succeeded += n
-        took = list(map(sub, map(_finished_of, done), map(_started_of, done)))
+        # Every record of a batch has started (`finished` batches no other).
+        took = [record.finished - record.started for record in done]  # type: ignore[operator]
         kind.busy += sum(took)
         longest = max(took)
         if longest > kind.longest:

@@ -200,7 +200,7 @@ class Run:
             # The common end, when nothing but the counts and a built-in aggregate hear of it
             # (what the in-memory store does itself with all but the last, in `quiet`): the
             # report's batch is counted only when something reads the counts (a status, the
-            # result), in one go, in C; the aggregate takes the store's records at the end.
+            # result), in one go; the aggregate takes the store's records at the end.
             self.report.batch.append(record)
             if not self.store.unfinished and self._input_done:
                 self._finish()
