@@ -159,7 +159,7 @@ def _with_subclasses(kind: type[Event]) -> list[type[Event]]:
 
 
 class _Subscription:
-    __slots__ = ("buffer", "fn", "is_async", "send", "types")
+    __slots__ = ("buffer", "fn", "handed", "is_async", "send", "sent", "types")
 
     def __init__(self, fn: Subscriber, types: tuple[type[Event], ...], buffer: int) -> None:
         self.fn = fn
@@ -169,6 +169,8 @@ class _Subscription:
             getattr(fn, "__call__", None)  # noqa: B004
         )
         self.send: MemoryObjectSendStream[Event] | None = None  # open while the bus is started
+        self.sent = 0  # events put in its buffer
+        self.handed = 0  # events its delivery task has handed to `fn`
 
 
 class EventBus:
@@ -242,6 +244,7 @@ class EventBus:
                 continue
             try:
                 sub.send.send_nowait(event)
+                sub.sent += 1
             except anyio.WouldBlock:
                 self.dropped += 1
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -271,29 +274,26 @@ class EventBus:
         """Wait until every sync subscriber has been handed what was emitted so far: a run
         returns once its events reached them, so a `Recorder` is read right after `run()`. A
         sync subscriber takes a few turns of the loop and no time; an async one keeps its own pace
-        (the orchestrator's exit drains it, for `drain_timeout` at most)."""
-        for sub in list(self._subs):
-            while not sub.is_async and sub.send is not None:
-                stats = sub.send.statistics()
-                if not stats.open_receive_streams or (
-                    stats.tasks_waiting_receive and not stats.current_buffer_used
-                ):
-                    break  # delivered (its task waits for more), or its task is gone
+        (the orchestrator's exit drains it, for `drain_timeout` at most). What other runs emit
+        meanwhile is not waited for."""
+        for sub in [s for s in self._subs if not s.is_async]:
+            sent = sub.sent
+            while sub.handed < sent and sub.send is not None:
+                if not sub.send.statistics().open_receive_streams:
+                    break  # its delivery task is gone
                 await anyio.lowlevel.checkpoint()
 
     def _open(self, sub: _Subscription, group: TaskGroup) -> None:
         sub.send, receive = anyio.create_memory_object_stream[Event](sub.buffer)
-        group.start_soon(self._deliver, sub.fn, receive, sub.is_async)
+        group.start_soon(self._deliver, sub, receive)
 
-    async def _deliver(
-        self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event], is_async: bool
-    ) -> None:
+    async def _deliver(self, sub: _Subscription, receive: MemoryObjectReceiveStream[Event]) -> None:
         self._delivering += 1
         scope = anyio.CancelScope(shield=True)
         self._scopes.add(scope)
         try:
             with scope:
-                await self._pump(fn, receive, is_async)
+                await self._pump(sub, receive)
         finally:
             self._scopes.discard(scope)
             # Cancelled at the orchestrator's exit (past its drain timeout): what is left is dropped.
@@ -307,24 +307,39 @@ class EventBus:
         for scope in self._scopes:
             scope.cancel()
 
-    async def _pump(
-        self, fn: Subscriber, receive: MemoryObjectReceiveStream[Event], is_async: bool
-    ) -> None:
+    async def _pump(self, sub: _Subscription, receive: MemoryObjectReceiveStream[Event]) -> None:
+        fn = sub.fn
         async with receive:
             async for event in receive:
-                try:
-                    if is_async:
+                if sub.is_async:
+                    sub.handed += 1
+                    try:
                         await fn(event)  # type: ignore[misc]
-                    else:
+                    except (Exception, asyncio.CancelledError) as exc:
+                        if isinstance(exc, asyncio.CancelledError) and cancel_pending():
+                            raise  # the bus is cancelled (the orchestrator exits)
+                        self._failed(fn, event)  # a stray CancelledError of its own included
+                    continue
+                # A sync subscriber takes everything buffered at once: one event per turn of the
+                # loop (a receive is a checkpoint) fell behind a busy run for seconds, and a run
+                # returns only once its events reached it (`synced`).
+                while True:
+                    sub.handed += 1  # handed over, whatever `fn` makes of it
+                    try:
                         fn(event)
-                except (Exception, asyncio.CancelledError) as exc:
-                    if isinstance(exc, asyncio.CancelledError) and cancel_pending():
-                        raise  # the bus is cancelled (the orchestrator exits)
-                    # A stray CancelledError of the subscriber's own is its failure too.
-                    self.errors += 1
-                    log.warning(
-                        "subscriber raised",
-                        subscriber=repr(fn),
-                        event_type=type(event).__name__,
-                        exc_info=True,
-                    )
+                    except (Exception, asyncio.CancelledError):
+                        self._failed(fn, event)
+                    try:
+                        event = receive.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+
+    def _failed(self, fn: Subscriber, event: Event) -> None:
+        """A subscriber raised: logged and counted, never the run's failure."""
+        self.errors += 1
+        log.warning(
+            "subscriber raised",
+            subscriber=repr(fn),
+            event_type=type(event).__name__,
+            exc_info=True,
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from orchestra import (
@@ -13,11 +14,13 @@ from orchestra import (
     BreakerPolicy,
     ConfigError,
     Context,
+    Orchestrator,
     PermanentError,
     RecoveryStatus,
     RetryPolicy,
     RetryScheduled,
     RunFinished,
+    RunResult,
     Task,
     agent,
 )
@@ -25,9 +28,7 @@ from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
 from tests.helpers import not_garbage, run_recorded
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from orchestra import Orchestrator
+    from collections.abc import AsyncIterator, Callable
 
 pytestmark = pytest.mark.usefixtures("clock")
 
@@ -246,6 +247,40 @@ class TestRecorder:
                 assert len(rec.delays()) == 1
                 assert [type(e).__name__ for e in rec.events][-1] == "RunFinished"
                 assert len(rec.of(RunFinished)) == n
+
+    @pytest.mark.timeout(30)
+    async def test_a_run_does_not_wait_for_the_events_of_another_run(self) -> None:
+        # Another run on the orchestrator emits events without a pause until this one has
+        # returned: waiting for the recorder's buffer to empty would wait for ever, and taking
+        # one event per turn of the loop took seconds behind the other run's workers.
+        this_one_returned = anyio.Event()
+
+        @agent(kinds=["k"])
+        async def quick(task: Task, ctx: Context) -> int:
+            await anyio.lowlevel.checkpoint()
+            return 1
+
+        async def endless() -> AsyncIterator[Task]:
+            while not this_one_returned.is_set():
+                yield Task("k", None)
+
+        rec = Recorder()
+        async with Orchestrator(agents=[quick], concurrency=20) as orch:
+            orch.subscribe(rec)
+            async with anyio.create_task_group() as tg:
+                other: list[RunResult] = []
+
+                async def run_other() -> None:
+                    other.append(await orch.run(tasks=endless()))
+
+                tg.start_soon(run_other)
+                while len(rec.events) < 1_000:  # the other run is under way (virtual time
+                    await anyio.lowlevel.checkpoint()  # stands still while it is)
+                result = await orch.run(tasks=[Task("k", None, id=f"mine{i}") for i in range(5)])
+                this_one_returned.set()
+        assert result.status == "success"
+        assert {f"mine{i}" for i in range(5)} <= set(rec.results())
+        assert other[0].status == "success"
 
 
 class TestSimulatedFailure:
