@@ -210,10 +210,16 @@ def snapshot(run: Run) -> RunStatus:
     unfinished: int = store.unfinished
     pending: int = store.pending
     running: int = dispatcher.running
-    depths = _queue_depths(store)
-    queued = sum(depths.values())
-    lanes = dispatcher.router.waiting()
-    held = sum(n for _, _, n in lanes)
+    # A task cancelled (or timed out) while it was ready or waiting in a lane stays in that queue
+    # or lane until a worker reaches it, and an attempt whose agent ignores its cancellation holds
+    # its worker after its task ended: the states are capped by the tasks unfinished, so that
+    # they add up to `total`, and a run with none unfinished has nothing queued or waiting.
+    depths = _queue_depths(store) if unfinished else {}
+    lanes = dispatcher.router.waiting() if unfinished else []
+    room = max(0, unfinished - pending)
+    in_attempts = min(running, room)
+    queued = min(sum(depths.values()), room - in_attempts)
+    held = min(sum(n for _, _, n in lanes), room - in_attempts - queued)
 
     succeeded = failed = skipped = cancelled = 0
     for k in report.kinds.values():
@@ -227,8 +233,8 @@ def snapshot(run: Run) -> RunStatus:
         "pending": pending,
         "queued": queued,
         "waiting": held,
-        "running": running,
-        "retrying": max(0, unfinished - pending - queued - held - running),
+        "running": in_attempts,
+        "retrying": room - in_attempts - queued - held,
         "succeeded": succeeded,
         "failed": failed,
         "skipped": skipped,

@@ -158,6 +158,38 @@ class TestCounts:
         assert status.elapsed == pytest.approx(result.metadata.elapsed)
         assert (status.progress, status.eta, status.bottleneck) == (100.0, 0.0, None)
 
+    @pytest.mark.parametrize("end", ["cancel", "stop"])
+    async def test_cancelled_waiting_tasks_leave_the_queue_and_lanes_counts(
+        self, make_orchestrator: Callable[..., Orchestrator], end: str
+    ) -> None:
+        # 3 run at the agent's limit, 5 wait in its lane, 6 queue behind the global limit of 8
+        # (the agent's lane counts against it): the cancel ends the 11 waiting ones.
+        orch = make_orchestrator(agents=[sleeper("a", ["work"], concurrency=3)], concurrency=8)
+        async with orch:
+            handle = orch.start(tasks=[Task("work", 1.0, id=f"t{i}") for i in range(14)])
+            await anyio.sleep(0.5)
+            waiting = [f"t{i}" for i in range(3, 14)]
+            if end == "cancel":
+                handle.cancel(task_id=waiting)
+                mid = handle.status()
+                assert mid.counts == {
+                    **dict.fromkeys(mid.counts, 0),
+                    "running": 3,
+                    "cancelled": 11,
+                }
+                await handle
+            else:
+                await handle.stop(grace=0)
+            status = handle.status()
+        assert status.state == "finished"
+        assert status.total == status.completed == 14
+        ended = ("succeeded", "failed", "skipped", "cancelled")
+        assert sum(status.counts[state] for state in ended) == 14
+        assert all(n == 0 for state, n in status.counts.items() if state not in ended)
+        assert status.queue_by_priority == {}
+        assert status.bottleneck is None
+        assert all(a.waiting == 0 for a in status.agents)
+
     async def test_to_dict_is_json_and_holds_the_seeds_fields(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
