@@ -221,7 +221,8 @@ class RunHandle:
 
         Running attempts are cancelled through their own cancel scopes (the worker goes on with
         the next task), waiting tasks are removed, and the dependents of all of them are skipped
-        with the reason. Returns what it did; the run goes on with the rest (a run whose every task
+        with the reason. `agent` selects the tasks running on that agent, waiting for room at it
+        (its lane) or bound to it by a retry or a fallback chain. Returns what it did; the run goes on with the rest (a run whose every task
         was cancelled ends "failed", not "cancelled": only `stop()` cancels the run itself).
         """
         selector, described = _selector(task_id, kind, tag, agent, priority)

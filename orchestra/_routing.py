@@ -281,6 +281,19 @@ class Router:
             (lane.slot, lane.kind, len(lane.heap)) for lane in self._lanes.values() if lane.heap
         ]
 
+    def held_for(self, agent: str) -> list[str]:
+        """The ids of the claimed tasks waiting in `agent`'s own lane (for a cancel by agent).
+        O(tasks in that lane)."""
+        slot = self._slots.get(agent)
+        lane = None if slot is None else self._lanes.get(slot)
+        if lane is None:
+            return []
+        return [
+            record.id
+            for _, _, record, token in lane.heap
+            if record.token == token and record.state is CLAIMED
+        ]
+
     def lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
         key: Any = slot if slot is not None else kind
         lane = self._lanes.get(key)

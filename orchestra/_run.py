@@ -425,6 +425,8 @@ class Run:
         running ones end now too and their attempts are cancelled through their workers; their
         dependents are skipped. Returns (and records in the report) what ended."""
         store = self.store
+        if selector.agent is not None:  # the tasks waiting for room at the agent are bound to it
+            selector = selector.holding(self.dispatcher.router.held_for(selector.agent))
         ended = self._ended = []
         try:
             flagged = store.cancel(selector, reason, "Cancelled")

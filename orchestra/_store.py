@@ -102,11 +102,13 @@ class Selector:
         task_ids: these ids.
         kind: tasks of this kind.
         tag: tasks carrying this tag.
-        agent: tasks whose current (or running) agent is this one.
+        agent: tasks whose current (or running) agent is this one, and the ids in `held`.
         priority: an inclusive range ``(low, high)`` of priorities.
+        held: with `agent`, the claimed tasks waiting for room at that agent (in its lane): bound
+            to it although it never ran them. The run fills it in (`Selector.holding`).
     """
 
-    __slots__ = ("agent", "kind", "priority", "tag", "task_ids")
+    __slots__ = ("agent", "held", "kind", "priority", "tag", "task_ids")
 
     def __init__(
         self,
@@ -116,12 +118,25 @@ class Selector:
         tag: str | None = None,
         agent: str | None = None,
         priority: tuple[int, int] | None = None,
+        held: Iterable[str] = (),
     ) -> None:
         self.task_ids = None if task_ids is None else frozenset(task_ids)
         self.kind = kind
         self.tag = tag
         self.agent = agent
         self.priority = priority
+        self.held = frozenset(held)
+
+    def holding(self, held: Iterable[str]) -> Selector:
+        """This selector, its `agent` also matching the tasks `held` for it."""
+        return Selector(
+            task_ids=self.task_ids,
+            kind=self.kind,
+            tag=self.tag,
+            agent=self.agent,
+            priority=self.priority,
+            held=held,
+        )
 
     def matches(self, record: StoredTask, running_agent: str | None = None) -> bool:
         if self.task_ids is not None and record.id not in self.task_ids:
@@ -130,7 +145,11 @@ class Selector:
             return False
         if self.tag is not None and self.tag not in record.task.tags:
             return False
-        if self.agent is not None and self.agent not in (record.target, running_agent):
+        if (
+            self.agent is not None
+            and self.agent not in (record.target, running_agent)
+            and record.id not in self.held
+        ):
             return False
         if self.priority is not None:
             low, high = self.priority

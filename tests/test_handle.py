@@ -308,6 +308,27 @@ class TestCancel:
         assert second.cancelled == [running]
         assert result.metadata.counts["succeeded"] == 3
 
+    async def test_by_agent_it_cancels_the_tasks_waiting_for_room_at_that_agent(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        slow, other = Sleeper("slow", ("slow",)), Sleeper("other", ("other",))
+        slow.concurrency = 1
+        async with make(agents=[slow, other], concurrency=4) as orch:
+            handle = orch.start(tasks=work(4, seconds=2, kind="slow") + work(1, kind="other"))
+            await anyio.sleep(0.5)
+            (held,) = [a for a in handle.status().agents if a.name == "slow"]
+            assert (held.in_flight, held.waiting) == (1, 3)  # the status says: waiting for it
+            cancellation = handle.cancel(agent="slow")
+            result = await handle
+        assert set(cancellation.cancelled) == {"s0", "s1", "s2", "s3"}
+        assert slow.ids() == ["s0"]  # none of those waiting for it ran after the cancel
+        assert result.metadata.counts == {
+            "succeeded": 1,
+            "failed": 0,
+            "skipped": 0,
+            "cancelled": 4,
+        }
+
     async def test_cancel_is_idempotent(self, make: Callable[..., Orchestrator]) -> None:
         async with make() as orch:
             handle = orch.start(tasks=work(3))
