@@ -19,6 +19,7 @@ import re
 import runpy
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
@@ -63,6 +64,18 @@ def _stderr() -> Console:
 def _fail(message: str, code: int = USAGE) -> typer.Exit:
     _stderr().print(f"[bold red]orchestra:[/] {message}", markup=True)
     return typer.Exit(code)
+
+
+def _load(target: str) -> Orchestrator:
+    """`load_orchestrator`; a usage error (exit 2) when it fails. What the user's module or factory
+    raised is its own bug: shown with its traceback, then named."""
+    try:
+        return load_orchestrator(target)
+    except (ConfigError, InputError) as exc:
+        raise _fail(str(exc)) from None
+    except Exception as exc:
+        traceback.print_exception(exc, file=sys.stderr)
+        raise _fail(f"{target} did not load: {type(exc).__name__}: {exc}") from None
 
 
 def _show_version(value: bool) -> None:
@@ -164,8 +177,8 @@ def run(
 
     Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
     """
+    orch = _load(target)
     try:
-        orch = load_orchestrator(target)
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
             lines = read_jsonl(stream, source=source)
@@ -288,8 +301,8 @@ def worker(
     """
     if not db.is_file():
         raise _fail(f"no such file: {db} (a run creates it: orch.run(..., run_id=...))")
+    orch = _load(agents)
     try:
-        orch = load_orchestrator(agents)
         store = SQLiteStore(db, lease=lease)
         wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
         report, interrupted = asyncio.run(_work(orch, store, wanted, run_id))

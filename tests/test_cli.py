@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
     from typer.testing import Result
 
+# `python -m orchestra` in a subprocess imports this checkout's package (not the one the
+# environment was installed from: a worktree shares its main checkout's .venv).
+THIS_CHECKOUT = {**os.environ, "PYTHONPATH": str(REPO)}
+
 JOB = """
 import asyncio
 from orchestra import Orchestrator, RetryPolicy, Task, Context, Timeouts, agent
@@ -227,6 +231,37 @@ class TestRunUsageErrors:
         assert "Traceback" not in result.output
 
     @pytest.mark.parametrize(
+        ("source", "where"),
+        [
+            ("def broken():\n    raise RuntimeError('factory exploded')\n", "in broken"),
+            ("raise RuntimeError('factory exploded')\nbroken = None\n", "in <module>"),
+        ],
+        ids=["the factory raises", "the module raises"],
+    )
+    def test_a_factory_or_module_that_raises_is_a_usage_error_with_its_traceback(
+        self, tmp_path: Path, jsonl: Callable[..., Path], source: str, where: str
+    ) -> None:
+        (tmp_path / "exploding_job.py").write_text(source)
+        process = subprocess.run(
+            [sys.executable, "-m", "orchestra", "run", "exploding_job:broken", "-"],
+            input=json.dumps({"kind": "double"}) + "\n",
+            cwd=tmp_path,
+            env=THIS_CHECKOUT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert process.returncode == 2, process.stderr
+        assert process.stdout == ""
+        # The user's own code failed: its traceback, then what did not load and why.
+        assert "Traceback (most recent call last)" in process.stderr
+        assert where in process.stderr
+        assert (
+            "orchestra: exploding_job:broken did not load: RuntimeError: factory exploded"
+            in process.stderr
+        )
+
+    @pytest.mark.parametrize(
         ("lines", "message"),
         [
             ('{"kind": "double"}\n{"kind": "double", "prio": 1}\n', "line 2: prio: Extra inputs"),
@@ -277,7 +312,9 @@ class TestInterrupt:
             "--grace",
             "30",
         ]
-        process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            command, cwd=tmp_path, env=THIS_CHECKOUT, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 30
         while not (out.exists() and out.stat().st_size > 0) and time.monotonic() < deadline:
             time.sleep(0.05)  # "quick" is written: "slow" is running
@@ -307,7 +344,12 @@ class TestKeys:
         command = [sys.executable, "-m", "orchestra", "run", f"{job}:build", str(source), "-o"]
         master, terminal = pty.openpty()  # stdin is a terminal: keys steer the run
         process = subprocess.Popen(
-            [*command, str(out)], cwd=tmp_path, stdin=terminal, stderr=subprocess.PIPE, text=True
+            [*command, str(out)],
+            cwd=tmp_path,
+            env=THIS_CHECKOUT,
+            stdin=terminal,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         os.close(terminal)
         try:
