@@ -528,6 +528,17 @@ class TestStop:
         }
         assert sleeper.ids() == ["w0", "w1"]
 
+    async def test_a_stop_that_cancels_nothing_leaves_the_run_as_it_ends(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        async with make() as orch:
+            handle = orch.start(tasks=work(2, seconds=2))  # both run at once (limit 2)
+            await anyio.sleep(1)
+            result = await handle.stop(grace=5)
+        assert result.status == "success"
+        assert result.metadata.reason is None
+        assert result.metadata.counts["succeeded"] == 2
+
     async def test_attempts_past_the_grace_are_cancelled(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:
