@@ -243,8 +243,8 @@ class RunHandle:
         return Cancellation(reason, tuple(done.cancelled), tuple(done.skipped))
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
-        """Change the priority of a task that waits (not yet claimed by a worker); True if it
-        did. Before the run has its tasks the change is kept for them (True); after the end,
+        """Change the priority of a task that waits (in the queue, or for its agent's slot);
+        True if it did. Before the run has its tasks the change is kept for them (True); after the end,
         False."""
         if not isinstance(task_id, str):
             raise InputError(f"task_id must be a str, got {task_id!r}", field="task_id")
@@ -257,7 +257,7 @@ class RunHandle:
         if not self._open or self._run is None:
             self._pending.append(lambda run: run.reprioritize_standing(task_id, priority))
             return True
-        return bool(self._run.store.reprioritize(task_id, priority))
+        return self._run.reprioritize(task_id, priority)
 
     def results(self) -> _Results:
         """The `TaskResult`s of the tasks that finish from now on: ``async for r in

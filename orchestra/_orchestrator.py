@@ -512,7 +512,7 @@ class Orchestrator:
             state = run.store.state_of(task_id)
             if state is None or state in TERMINAL:
                 continue
-            return bool(run.store.reprioritize(task_id, priority))
+            return run.reprioritize(task_id, priority)
         return False
 
     def agents_status(self) -> list[dict[str, Any]]:

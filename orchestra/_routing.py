@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ._breaker import CLOSED, HALF_OPEN
@@ -280,6 +280,25 @@ class Router:
         return [
             (lane.slot, lane.kind, len(lane.heap)) for lane in self._lanes.values() if lane.heap
         ]
+
+    def holding(self, task_id: str) -> Lane | None:
+        """The lane where `task_id` waits for room, if it does. O(tasks in lanes)."""
+        for lane in self._lanes.values():
+            for _, _, record, token in lane.heap:
+                if record.id == task_id and record.token == token and record.state is CLAIMED:
+                    return lane
+        return None
+
+    def moved(self, lane: Lane, task_id: str) -> None:
+        """`task_id`, waiting in `lane`, has a new priority: it goes behind those that have it
+        already, as in the store's queue."""
+        heap = lane.heap
+        for i, (_, _, record, token) in enumerate(heap):
+            if record.id == task_id:
+                self._order += 1
+                heap[i] = (record.priority, self._order, record, token)
+                heapify(heap)
+                return
 
     def held_for(self, agent: str) -> list[str]:
         """The ids of the claimed tasks waiting in `agent`'s own lane (for a cancel by agent).

@@ -459,10 +459,22 @@ class Run:
         if not self._input_done:
             self._standing.append((selector, reason, described, done))
 
+    def reprioritize(self, task_id: str, priority: int) -> bool:
+        """Give a task that has not started another priority: in the store's queue, or where it
+        waits for an agent's slot (claimed, in a lane). False if it does not wait."""
+        if self.store.reprioritize(task_id, priority):
+            return True
+        router = self.dispatcher.router
+        lane = router.holding(task_id)
+        if lane is None or not self.store.reprioritize(task_id, priority, claimed=True):
+            return False
+        router.moved(lane, task_id)
+        return True
+
     def reprioritize_standing(self, task_id: str, priority: int) -> None:
         """A `reprioritize` made before the run had its tasks: applied now, or when the task is
         admitted (a streamed input still arriving)."""
-        if not self.store.reprioritize(task_id, priority) and not self._input_done:
+        if not self.reprioritize(task_id, priority) and not self._input_done:
             self._priorities[task_id] = priority
 
     def _admitted(self, tasks: Sequence[Task]) -> None:

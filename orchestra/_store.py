@@ -266,7 +266,10 @@ class RunStore(Protocol):
         """The results of the tasks the store still holds (to rebuild or count the aggregate)."""
 
     def state_of(self, task_id: str) -> str | None: ...
-    def reprioritize(self, task_id: str, priority: int) -> bool: ...
+    def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
+        """Give a task that has not started another priority; False if it is not waiting. With
+        `claimed`, a claimed task too: the caller holds it waiting (for an agent's slot) and puts
+        it in its new place there."""
 
     # -- the end
     def close(self) -> None:

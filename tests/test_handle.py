@@ -417,6 +417,22 @@ class TestReprioritize:
         assert sleeper.ids() == ["w0", "w3", "w1", "w2"]
         assert result.status == "success"
 
+    async def test_a_task_waiting_for_its_agents_slot_moves_ahead(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        # The run's limit is 10 but the agent's is 1: the workers claimed w1-w4, which wait in
+        # the agent's lane (the status's "waiting"), not in the queue.
+        sleeper.concurrency = 1
+        async with make(concurrency=10) as orch:
+            handle = orch.start(tasks=work(5))
+            await anyio.sleep(0.5)
+            assert handle.status().counts["waiting"] == 4
+            assert handle.reprioritize("w4", -1)
+            assert orch.reprioritize("w3", -1)  # behind w4, moved there first
+            result = await handle
+        assert sleeper.ids() == ["w0", "w4", "w3", "w1", "w2"]
+        assert result.status == "success"
+
     async def test_false_for_a_task_that_does_not_wait_and_after_the_end(
         self, make: Callable[..., Orchestrator]
     ) -> None:

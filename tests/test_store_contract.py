@@ -1072,6 +1072,16 @@ class TestReprioritize:
         assert not h.run.reprioritize("t2", 9)
         assert not h.run.reprioritize("ghost", 9)
 
+    def test_a_claimed_task_its_holder_keeps_waiting_takes_a_new_priority(self, h: Harness) -> None:
+        # The dispatcher holds a claimed task waiting for its agent's slot, and puts it in its
+        # new place there; the store keeps the priority (a retry queues the task with it).
+        h.admit(Task("a", id="t1"), Task("a", id="t2"))
+        claimed = h.claim()
+        assert not h.run.reprioritize("t1", -3)
+        assert h.run.reprioritize("t1", -3, claimed=True)
+        assert claimed.priority == -3
+        assert h.run.state_of("t1") == CLAIMED
+
 
 # -- counters --------------------------------------------------------------------------------------
 

@@ -927,14 +927,18 @@ class MemoryRun:
         """Ready tasks by priority (for the run's status): O(priority levels)."""
         return self._queue.depths()
 
-    def reprioritize(self, task_id: str, priority: int) -> bool:
+    def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
         record = self._records.get(task_id)
         if record is None or record.state in TERMINAL:
             return False
         if record.state is READY:
             self._queue.move(record, priority)
             return True
-        if record.state is PENDING or record.state is RETRY_WAIT:
+        if (
+            record.state is PENDING
+            or record.state is RETRY_WAIT
+            or (claimed and record.state is CLAIMED)
+        ):
             record.priority = priority
             return True
         return False

@@ -697,8 +697,8 @@ class SQLiteRun:
     def state_of(self, task_id: str) -> str | None:
         return self._memory.state_of(task_id)
 
-    def reprioritize(self, task_id: str, priority: int) -> bool:
-        if not self._memory.reprioritize(task_id, priority):
+    def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
+        if not self._memory.reprioritize(task_id, priority, claimed=claimed):
             return False
         record = self._memory.record_of(task_id)
         if record is not None:
