@@ -203,7 +203,13 @@ class Report:
 
     def admitted(self, tasks: Iterable[Task]) -> None:
         """Count a batch of admitted tasks (one pass over their kinds)."""
-        for kind, n in Counter([task.kind for task in tasks]).items():
+        kinds = [task.kind for task in tasks]
+        if not kinds:
+            return
+        if kinds.count(kinds[0]) == len(kinds):  # one kind (an identity test each, in C):
+            self._kind(kinds[0]).admitted += len(kinds)  # no hashing
+            return
+        for kind, n in Counter(kinds).items():
             self._kind(kind).admitted += n
 
     def admitted_one(self, kind: str) -> None:
