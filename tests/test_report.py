@@ -117,3 +117,12 @@ class TestBatchedSuccesses:
         report.finished(ended(10, "k", SUCCEEDED, 0.0, 0.6))
         assert report.kinds["k"].succeeded == 11
         assert report.per_agent == {"a": 11}
+
+
+class TestAdmitted:
+    def test_a_batch_is_counted_by_kind_whether_it_has_one_kind_or_several(self) -> None:
+        report = Report()
+        report.admitted([Task("a"), Task("b"), Task("a")])
+        report.admitted([Task("c"), Task("c")])
+        report.admitted([])
+        assert {name: k.admitted for name, k in report.kinds.items()} == {"a": 2, "b": 1, "c": 2}
