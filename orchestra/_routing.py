@@ -394,6 +394,8 @@ class Router:
         one of `slot`'s limits: each of them finds no room until then when it reserves."""
         for limiter in slot.limiters:
             limiter.hold_until(until)
+        if until > slot.paused_until:  # what its status shows (`paused_for`)
+            slot.paused_until = until
         self._order += 1
         heappush(self.wakeups, (until, self._order, self.lane(slot, None)))
         self._owner.schedule()

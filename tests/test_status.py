@@ -14,6 +14,7 @@ from orchestra import (
     Concurrency,
     Context,
     Orchestrator,
+    Rate,
     RetryPolicy,
     RunStatus,
     Task,
@@ -397,6 +398,21 @@ class TestAgentsAndQueue:
         assert status.bottleneck is not None
         assert status.bottleneck.reason == "breaker open"
         assert "down" in status.bottleneck.describe()
+
+    async def test_a_retry_after_pause_shows_and_is_the_bottleneck(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # A 429 with Retry-After 5 at t=0.1 holds the agent's rate limit to t=5.1: at t=1 its
+        # status says so, and the tasks waiting for it name the rate limit.
+        limited = scripted("limited", ["work"], script=["rate_limit"], retry_after=5, latency=0.1)
+        limited.limits = [Rate(100, per=1)]  # type: ignore[attr-defined]
+        orch = make_orchestrator(agents=[limited], concurrency=1)
+        result, (status,), _ = await watch(orch, [Task("work", i) for i in range(3)], at=[1.0])
+        (agent_status,) = status.agents
+        assert agent_status.paused_for == pytest.approx(4.1)
+        assert status.bottleneck is not None
+        assert (status.bottleneck.reason, status.bottleneck.agent) == ("rate limit", "limited")
+        assert result.status == "success"
 
     async def test_queue_depth_by_priority_and_the_global_limit_as_bottleneck(
         self, make_orchestrator: Callable[..., Orchestrator]
