@@ -141,6 +141,11 @@ class FakeClock(Clock):
         autojump_threshold: real seconds the loop must be idle before time jumps (0: at once, as
             trio's autojump). Threads and worker processes need none (the clock sees them); a
             positive value helps with other real I/O, such as a socket whose peer answers later.
+        start: the virtual time at install (default: the loop's own time then, so no timer
+            already set moves). The loop's clock is the machine's uptime, so float rounding
+            of every time computed on it differs from one host to the next; a fixed start (say a
+            CI host's, 5.6e5) replays a run exactly anywhere. Timers set before the install keep
+            their due times: give it on a loop with none pending (a fresh test's).
     """
 
     __slots__ = (
@@ -152,13 +157,15 @@ class FakeClock(Clock):
         "_offset",
         "_pending",
         "_saved",
+        "_start",
         "autojump_threshold",
     )
 
-    def __init__(self, *, autojump_threshold: float = 0.0) -> None:
+    def __init__(self, *, autojump_threshold: float = 0.0, start: float | None = None) -> None:
         super().__init__()
         self.autojump_threshold = autojump_threshold
-        self._now = 0.0
+        self._start = start
+        self._now = 0.0 if start is None else start
         self._offset = time.time()  # wall() - now(); set again at install
         self._loop: asyncio.AbstractEventLoop | None = None
         self._installs = 0
@@ -226,7 +233,8 @@ class FakeClock(Clock):
             raise ConfigError(
                 "FakeClock needs asyncio's default selector event loop, with no other fake clock on it"
             )
-        self._now = loop.time()  # virtual time starts where the loop is: no timer moves
+        # Virtual time starts where the loop is (no timer moves), or at `start`.
+        self._now = loop.time() if self._start is None else self._start
         self._offset = time.time() - self._now
         # anyio hands work to its worker threads and processes itself (not through
         # run_in_executor), and holds a token of a CapacityLimiter while a caller waits on it (an

@@ -10,6 +10,7 @@ import asyncio
 import atexit
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import structlog
 
 from orchestra import Task
 from orchestra.stores import SQLiteStore
-from orchestra.testing import GARBAGE, Recorder
+from orchestra.testing import GARBAGE, FakeClock, Recorder
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -33,6 +34,16 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 """The checkout's root: the folder that holds `orchestra/`, `tests/` and `examples/`."""
+
+_START = os.environ.get("ORCHESTRA_TEST_CLOCK_START", "").strip()
+CLOCK_START = float(_START) if _START else None
+"""Where every test's virtual time starts, from ``ORCHESTRA_TEST_CLOCK_START`` (see conftest.py);
+None (unset): at the loop's own time, as `FakeClock()` does."""
+
+
+def fake_clock(*, autojump_threshold: float = 0.0) -> FakeClock:
+    """A `FakeClock` starting at `CLOCK_START`: what a test that installs its own clock uses."""
+    return FakeClock(autojump_threshold=autojump_threshold, start=CLOCK_START)
 
 
 def tasks_of(n: int, kind: str = "work", prefix: str = "t") -> list[Task]:

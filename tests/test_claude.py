@@ -28,13 +28,14 @@ from orchestra.agents.claude import (
     StructuredOutputError,
     model_family,
 )
-from orchestra.testing import FakeClock
 from tests.fake_messages_api import FakeMessagesAPI
+from tests.helpers import fake_clock
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
     from orchestra import RunResult
+    from orchestra.testing import FakeClock
     from tests.helpers import LogLines
 
 API_KEY = "sk-ant-test-0123456789abcdefSECRET"
@@ -369,7 +370,7 @@ class TestRateLimits:
         assert ideal * 0.99 <= times[-1] - times[0] <= ideal / 0.95
 
     def test_headers_retune_a_default_budget_and_lower_a_configured_one(self) -> None:
-        clock = FakeClock()
+        clock = fake_clock()
         default, configured = ClaudeLimits(), ClaudeLimits(requests_per_minute=100)
         headers = {
             "anthropic-ratelimit-requests-limit": "4000",
@@ -382,7 +383,7 @@ class TestRateLimits:
         assert configured.input_tokens.limit == 50  # the server's is lower: it wins
 
     def test_remaining_zero_holds_until_the_reset(self) -> None:
-        clock = FakeClock()
+        clock = fake_clock()
         limits = ClaudeLimits(requests_per_minute=600)
         reset = clock.wall() + 7
         stamp = _rfc3339(reset)
@@ -404,7 +405,7 @@ class TestRateLimits:
                 "anthropic-ratelimit-requests-remaining": "-1",
                 "anthropic-ratelimit-requests-reset": "soon",
             },
-            FakeClock(),
+            fake_clock(),
         )
         assert limits.requests.limit == 60
         assert limits.requests.reserve(0.0, 1) == 0.0

@@ -26,7 +26,7 @@ from orchestra import (
 )
 from orchestra._clock import Clock, current_clock, loop_time
 from orchestra.testing import FakeClock, scripted
-from tests.helpers import run_recorded, tasks_of
+from tests.helpers import fake_clock, run_recorded, tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,7 +55,7 @@ def real_work() -> str:
 class TestVirtualSleep:
     @pytest.mark.timeout(30)  # a real hour would be killed long before it ended
     async def test_an_hour_of_asyncio_sleep_is_instant(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = c.time()
             await asyncio.sleep(3600)
             assert c.time() - before == pytest.approx(3600)
@@ -63,7 +63,7 @@ class TestVirtualSleep:
 
     @pytest.mark.timeout(30)
     async def test_anyio_sleep_and_current_time_are_virtual(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = anyio.current_time()
             await anyio.sleep(86_400)
             assert anyio.current_time() - before == pytest.approx(86_400)
@@ -71,7 +71,7 @@ class TestVirtualSleep:
 
     async def test_sleepers_wake_in_deadline_order_at_their_virtual_times(self) -> None:
         woke: list[tuple[str, float]] = []
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             t0 = c.time()
 
             async def sleeper(name: str, seconds: float) -> None:
@@ -86,7 +86,7 @@ class TestVirtualSleep:
         assert [at for _, at in woke] == pytest.approx([10.0, 20.0, 30.0])
 
     async def test_time_does_not_move_while_work_is_ready(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = c.time()
             for _ in range(100):
                 await asyncio.sleep(0)
@@ -133,7 +133,7 @@ class TestTies:
 
 class TestDeadlines:
     async def test_fail_after_fires_in_fake_time(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = c.time()
             with pytest.raises(TimeoutError):
                 with anyio.fail_after(10):
@@ -141,7 +141,7 @@ class TestDeadlines:
             assert c.time() - before == pytest.approx(10)
 
     async def test_move_on_after_lets_a_shorter_sleep_finish(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = c.time()
             with anyio.move_on_after(10) as scope:
                 await anyio.sleep(4)
@@ -149,7 +149,7 @@ class TestDeadlines:
             assert c.time() - before == pytest.approx(4)
 
     async def test_asyncio_wait_for_times_out_in_fake_time(self) -> None:
-        async with FakeClock() as c:
+        async with fake_clock() as c:
             before = c.time()
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(asyncio.sleep(500), timeout=7)
@@ -180,10 +180,24 @@ class TestInstallation:
             await sleeper
         assert time.monotonic() - started < 1
 
+    async def test_a_given_start_is_where_virtual_time_starts(self) -> None:
+        start = 559893.2372771676  # a CI host's uptime
+        clock = FakeClock(start=start)
+        assert clock.now() == start  # before the install too
+        async with clock:
+            assert asyncio.get_running_loop().time() == start
+            wall = clock.wall()
+            assert wall == pytest.approx(time.time(), abs=5)  # wall time is still the real one
+            await asyncio.sleep(30)
+            assert clock.now() == start + 30
+            assert clock.wall() - wall == pytest.approx(30)
+        async with clock:  # every install starts there, as one without `start` starts at the loop's
+            assert clock.now() == start
+
     async def test_a_runs_clock_reader_is_the_fake_clock_while_one_is_installed(self) -> None:
         loop = asyncio.get_running_loop()
         assert loop_time(loop) is time.monotonic  # asyncio's own loop: its clock, read directly
-        async with FakeClock() as clock:
+        async with fake_clock() as clock:
             read = loop_time(loop)
             start = read()
             await asyncio.sleep(50)
@@ -191,7 +205,7 @@ class TestInstallation:
 
     async def test_installs_nest_and_the_last_uninstall_restores(self) -> None:
         loop = asyncio.get_running_loop()
-        clock = FakeClock()
+        clock = fake_clock()
         clock.install()
         clock.install()
         clock.uninstall()
@@ -206,7 +220,7 @@ class TestInstallation:
 
     async def test_a_second_fake_clock_on_the_same_loop_is_refused(self, clock: FakeClock) -> None:
         with pytest.raises(ConfigError, match="FakeClock"):
-            FakeClock().install()
+            fake_clock().install()
         await asyncio.sleep(1)  # the first clock still works
         assert clock.time() > 0
 
@@ -214,7 +228,7 @@ class TestInstallation:
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         loop = asyncio.get_running_loop()
-        fake = FakeClock()
+        fake = fake_clock()
         slow = scripted("slow", ["work"], latency=3600)
         orch = make_orchestrator(agents=[slow], clock=fake)
         async with orch:
@@ -229,7 +243,7 @@ class TestInstallation:
     ) -> None:
         # With a threshold, the loop waits that long in real time for I/O before jumping: a worker
         # thread (real time) finishes before a far virtual timer fires.
-        async with FakeClock(autojump_threshold=1.0) as c:
+        async with fake_clock(autojump_threshold=1.0) as c:
             before = c.time()
             order: list[str] = []
 
@@ -385,7 +399,7 @@ class TestWallTime:
         assert clock.to_loop(stored) == pytest.approx(due, abs=1e-6)
 
     async def test_time_stands_still_outside_an_install(self) -> None:
-        fake = FakeClock()
+        fake = fake_clock()
         async with fake:
             await asyncio.sleep(10)
         now, wall = fake.now(), fake.wall()

@@ -12,8 +12,7 @@ import anyio
 import pytest
 
 from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
-from orchestra.testing import FakeClock
-from tests.helpers import AppLines
+from tests.helpers import AppLines, fake_clock
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -163,7 +162,7 @@ async def test_runs_at_once_on_one_orchestrator_keep_the_limits_and_each_others_
             for i in range(40)
         ]
 
-    async with FakeClock():
+    async with fake_clock():
         orch = Orchestrator(
             agents=[fast, slow],
             concurrency=3,
@@ -215,7 +214,7 @@ async def test_a_cancelled_attempt_whose_agent_swallows_it_once_is_cancelled_aga
             await anyio.sleep(100)  # swallowed once: back to waiting
         return task.id
 
-    async with FakeClock(), Orchestrator(agents=[stubborn], concurrency=1) as orch:
+    async with fake_clock(), Orchestrator(agents=[stubborn], concurrency=1) as orch:
         handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
         await started.wait()
         await anyio.sleep(1)

@@ -29,6 +29,7 @@ from orchestra import (
     status_line,
 )
 from orchestra.testing import FakeClock, scripted
+from tests.helpers import fake_clock
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -663,7 +664,7 @@ ops = st.lists(
 
 
 async def _interleave(script: list[Op], concurrency: int) -> None:
-    async with FakeClock():
+    async with fake_clock():
         agents = [Sleeper("alpha", ("a",)), Sleeper("beta", ("b",))]
         agents[0].concurrency = 2
         tasks = [

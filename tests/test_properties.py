@@ -1,6 +1,7 @@
 """Invariants over random runs: random task graphs, priorities, limits and latencies, in virtual time.
 
-Each example builds its own `FakeClock` (hypothesis examples cannot share function fixtures).
+Each example builds its own `FakeClock` with `fake_clock()` (hypothesis examples cannot share function
+fixtures).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from orchestra import (
     Task,
     TaskFinished,
 )
-from orchestra.testing import FakeClock, Probe
-from tests.helpers import assert_no_leaks, live_tasks
+from orchestra.testing import Probe
+from tests.helpers import assert_no_leaks, fake_clock, live_tasks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -186,7 +187,7 @@ class TestInvariants:
         self, scenario: Scenario
     ) -> None:
         before = live_tasks()
-        async with FakeClock():
+        async with fake_clock():
             probe = Probe()
             events: list[Event] = []
             orch = build(scenario, probe)
@@ -229,7 +230,7 @@ class TestInvariants:
     async def test_dispatch_follows_priority_then_admission_order(
         self, priorities: list[int], kinds: list[str], latencies: list[float]
     ) -> None:
-        async with FakeClock():
+        async with fake_clock():
             probe = Probe()
             agents = [PropAgent(f"{k}0", k, None, probe) for k in KINDS]
             orch = Orchestrator(agents=agents, concurrency=1)
@@ -250,7 +251,7 @@ class TestInvariants:
         self, scenario: Scenario
     ) -> None:
         before = live_tasks()
-        async with FakeClock():
+        async with fake_clock():
             probe = Probe()
             orch = build(scenario, probe)
             with anyio.move_on_after(scenario.cancel_after):
