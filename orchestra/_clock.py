@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -169,7 +170,7 @@ class FakeClock(Clock):
         self._offset = time.time()  # wall() - now(); set again at install
         self._loop: asyncio.AbstractEventLoop | None = None
         self._installs = 0
-        self._saved: tuple[Any, Any] | None = None
+        self._saved: tuple[Any, Any, float] | None = None
         self._limiters: tuple[Any, ...] = ()
         self._pending: set[asyncio.Future[Any]] = set()
         self._held = 0
@@ -255,7 +256,21 @@ class FakeClock(Clock):
             future.add_done_callback(pending.discard)
             return future
 
+        # asyncio runs the timers due before `time() + _clock_resolution` (1 ns). From 2**24 s on
+        # (a loop time of 194 days' uptime, or a `start`), a float's step is wider than 2 ns, so
+        # that sum rounds back to `time()`: a timer due exactly now never ran, and virtual time,
+        # which only moves on to a later timer, stood still forever. After every select the
+        # resolution is at least the step above the time, as a real clock's would be.
+        base: Any = loop
+        resolution = base._clock_resolution
+
         def select(timeout: float | None = None) -> Any:
+            events = jump(timeout)
+            step = math.ulp(self._now)
+            base._clock_resolution = step if step > resolution else resolution
+            return events
+
+        def jump(timeout: float | None) -> Any:
             if timeout is not None and timeout <= 0:  # callbacks are ready: just poll
                 return real_select(timeout)
             if self.in_flight():
@@ -281,7 +296,6 @@ class FakeClock(Clock):
         # its timers no longer depends on its layout, which depends on when the loop last purged
         # its cancelled timers: a count that outlives a run decides that (a cancelled timer popped
         # along with a due one is never uncounted), so ties broke differently after a long run.
-        base: Any = loop
         order = itertools.count()
 
         def call_at(
@@ -301,7 +315,7 @@ class FakeClock(Clock):
             private._scheduled = True
             return timer
 
-        self._saved = (selector, real_select)
+        self._saved = (selector, real_select, resolution)
         selector.select = select
         loop.time = self.now  # type: ignore[method-assign]
         loop.run_in_executor = run_in_executor  # type: ignore[method-assign,assignment]
@@ -317,9 +331,10 @@ class FakeClock(Clock):
             return
         assert self._saved is not None
         assert self._loop is not None
-        selector, real_select = self._saved
+        selector, real_select, resolution = self._saved
         selector.select = real_select
         loop: Any = self._loop
+        loop._clock_resolution = resolution
         del loop.time  # back to the class's methods
         del loop.run_in_executor
         del loop.call_at

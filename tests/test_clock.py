@@ -5,6 +5,7 @@ and wall time for what is persisted."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -91,6 +92,22 @@ class TestVirtualSleep:
             for _ in range(100):
                 await asyncio.sleep(0)
             assert c.time() == before
+
+
+class TestLargeLoopTimes:
+    """The loop's clock is the machine's uptime. From 2**24 s (194 days) on, a float's step there
+    is wider than twice the clock's resolution (1 ns), and asyncio runs a timer only while
+    ``when < time() + resolution``: a sum that then rounds back to ``time()``."""
+
+    @pytest.mark.timeout(20)  # the failure is a hang: the timer due now never ran
+    @pytest.mark.parametrize("start", [2.0**24 + 0.5, 33_000_000.0, 2.0**25 - 0.5, 1.7e9])
+    async def test_sleeps_end_whatever_the_start(self, start: float) -> None:
+        async with FakeClock(start=start) as c:
+            await asyncio.sleep(1)  # 2**25 - 0.5: the float step doubles during this one
+            await anyio.sleep(0.1)
+            with anyio.move_on_after(0.25):
+                await anyio.sleep(10)
+            assert c.time() == pytest.approx(start + 1.35, abs=4 * math.ulp(start + 2))
 
 
 class TestTies:
