@@ -272,13 +272,16 @@ async def progress(
             if status.state != "starting":  # a run with no tasks yet has nothing to say
                 console.print(status_line(status), markup=False, highlight=False, soft_wrap=True)
             # Looked at every `refresh` seconds (the end is seen at once), printed every `every`.
-            printed = anyio.current_time()
+            # One due time for both the wait and the check: `now - printed >= every` after a
+            # sleep of `every` was false whenever `printed + every` rounded down (at some loop
+            # times, every other line), and a real timer may fire a hair early too.
+            line_at = anyio.current_time() + every
             while not over(status):
-                await _pause(min(refresh, every), waiter)
+                await _pause(min(refresh, line_at - anyio.current_time()), waiter)
                 status = status_of()
                 now = anyio.current_time()
-                if now - printed >= every or over(status):
-                    printed = now
+                if now >= line_at or over(status):
+                    line_at = now + every
                     console.print(
                         status_line(status), markup=False, highlight=False, soft_wrap=True
                     )

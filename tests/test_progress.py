@@ -16,7 +16,7 @@ import orchestra
 from orchestra import ConfigError, Context, Orchestrator, RunStatus, Task, agent, progress
 from orchestra._run import Run
 from orchestra._status import snapshot
-from orchestra.testing import scripted
+from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -175,6 +175,17 @@ class TestProgress:
         assert last.completed == 10 == result.metadata.total
         assert "100.0% 10/10" in console.export_text().splitlines()[-1]
         assert handle.status() == last  # a finished run keeps its last status
+
+    @pytest.mark.parametrize("start", [1000.0, 1_000_000.1])
+    async def test_a_line_every_every_seconds_whatever_the_clock_reads(
+        self, clock: FakeClock, start: float
+    ) -> None:
+        # At 1_000_000.1, `t + 0.1` rounds down: measured as `now - printed >= every` after a
+        # sleep of `every`, every other line was skipped.
+        clock._now = start
+        console = recording(terminal=False)
+        await progress(_idle, console=console, every=0.1, until=anyio.sleep(1.05))
+        assert len(console.export_text().splitlines()) == 11  # at 0.1, 0.2, ... 1.0, and the end
 
     async def test_until_an_awaitable_ends_the_view_and_its_error_is_raised(self) -> None:
         async def fails() -> None:
