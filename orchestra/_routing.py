@@ -90,6 +90,8 @@ class Router:
         self.held = 0  # tasks waiting in lanes
         self.reached = 0.0  # the time of the last timer that fired (see `reserve`)
         self._wakers: dict[AgentSlot, Callable[[], None]] = {}
+        # For each agent, the others a task waiting in its lane may go to (`_others_of`).
+        self._others: dict[AgentSlot, list[AgentSlot]] = {}
         self.gate: BudgetGate | None = None  # the run's budget, a limiter on every agent
 
     def limiters(self, slot: AgentSlot) -> tuple[Limiter, ...]:
@@ -339,7 +341,7 @@ class Router:
             slot = lane.slot
             if slot is not None:
                 if not self.usable(slot, now):
-                    self._reroute(lane)  # its agent went down while they waited
+                    self._unwell(lane, slot, now)  # its agent went down while they waited
                     return None
                 if slot.in_flight >= slot.limit:
                     return None
@@ -356,6 +358,34 @@ class Router:
             if slot is not None:
                 return record, token, slot
         return None
+
+    def _others_of(self, slot: AgentSlot) -> list[AgentSlot]:
+        """The other agents a task waiting in `slot`'s lane may go to: those of its kinds, and of
+        the chains that name it."""
+        others = self._others.get(slot)
+        if others is None:
+            kinds = set(slot.kinds)
+            kinds.update(k for k, chain in self.chains.items() if slot.name in chain)
+            found = {s for k in kinds for s in self.kind_slots.get(k, ())}
+            found.update(self._slots[n] for k in kinds for n in self.chains.get(k, ()))
+            found.discard(slot)
+            others = self._others[slot] = list(found)
+        return others
+
+    def _unwell(self, lane: Lane, slot: AgentSlot, now: float) -> None:
+        """`slot`, the agent of `lane`, is unwell. Its tasks go elsewhere if another agent they may
+        go to is usable; else they stay in the lane, looked at again when the first of those agents
+        recovers (or the probe ends): routing each again would put it back in a lane of the same
+        agents, at every attempt's end, O(n^2) over a run whose breaker stays open. O(agents)."""
+        others = self._others_of(slot)
+        if any(self.usable(other, now) for other in others):
+            self._reroute(lane)
+            return
+        at = min(_recovers_at(s, now) for s in (slot, *others))
+        if at < math.inf:
+            self._order += 1
+            heappush(self.wakeups, (at, self._order, lane))
+            self._owner.schedule()
 
     def reserve(self, record: Record, token: int, slot: AgentSlot) -> Cost | None:
         """Reserve the attempt's cost on `slot`'s limits (all or none). Without room, the task

@@ -14,11 +14,14 @@ from orchestra import (
     BreakerChanged,
     BreakerPolicy,
     ConfigError,
+    Context,
     FallbackUsed,
     RetryPolicy,
     Task,
+    agent,
 )
 from orchestra._breaker import Breaker
+from orchestra._routing import Router
 from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
 from tests.helpers import not_garbage
 
@@ -507,3 +510,41 @@ class TestPolicy:
         assert not breaker.available(40.0)  # the probe is out: nobody else
         assert breaker.on_success() == "closed"
         assert breaker.available(40.0)
+
+
+class TestScale:
+    async def test_tasks_waiting_for_an_open_breaker_are_not_routed_again_at_every_attempt(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Every task fails its first attempt and succeeds its retry, so the breaker opens, lets a
+        # probe through, reopens, ... while the others wait in the agent's lane. Routing every
+        # waiting task again at each attempt's end was O(n) per attempt: O(n^2) over the run (a
+        # CPU-bound minute for 25,000 tasks). Counted: routes per task, bounded whatever n is.
+        routes = 0
+        route = Router.route
+
+        def counted(self: Router, record: Any, token: int) -> Any:
+            nonlocal routes
+            routes += 1
+            return route(self, record, token)
+
+        monkeypatch.setattr(Router, "route", counted)
+
+        @agent(kinds=["k"], retry=RetryPolicy(max_attempts=2, base=1, jitter="none"))
+        async def flaky(task: Task, ctx: Context) -> int:
+            if ctx.attempt == 1:
+                raise RuntimeError("first attempt")
+            return 1
+
+        n = 400
+        orch = make_orchestrator(
+            agents=[flaky], concurrency=20, breaker=BreakerPolicy(failures=5, cooldown=30)
+        )
+        async with orch:
+            result = await orch.run(tasks=[make_task("k") for _ in range(n)])
+        assert result.status == "success"
+        assert routes <= 4 * n
