@@ -7,7 +7,7 @@ are `InputError`s naming the task and the field, raised before any agent is call
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import InputError
@@ -153,17 +153,24 @@ def _validate_payload(task: Task, models: list[type[BaseModel]]) -> None:
 
 def reject_cycles(batch: Sequence[Task], ids: Container[str]) -> None:
     """Kahn's algorithm over a batch's edges (dependencies and group memberships): linear in the
-    batch's tasks and edges. Raises `InputError` naming the tasks on a cycle."""
+    batch's tasks and edges. Raises `InputError` naming the tasks on a cycle.
+
+    A group of the batch is a node of its own (its members before it, its waiters after it), so
+    `w` waiters of a group of `m` members are `m + w` edges, not `m * w`."""
     members: dict[str, list[str]] = {}
     for task in batch:
         for tag in task.tags:
             members.setdefault(tag, []).append(task.id)
-    edges: dict[str, list[str]] = {}
-    indegree = {t.id: 0 for t in batch}
+    edges: dict[Hashable, list[Hashable]] = {}
+    indegree: dict[Hashable, int] = {t.id: 0 for t in batch}
+    for tag, ids_of in members.items():
+        group = (tag,)  # a tuple: never a task id
+        indegree[group] = len(ids_of)
+        for member in ids_of:
+            edges.setdefault(member, []).append(group)
     for task in batch:
-        before = [d for d in task.depends_on if d in ids]
-        for tag in task.depends_on_tags:
-            before.extend(members.get(tag, ()))
+        before: list[Hashable] = [d for d in task.depends_on if d in ids]
+        before.extend((tag,) for tag in task.depends_on_tags if tag in members)
         for dep in before:
             edges.setdefault(dep, []).append(task.id)
             indegree[task.id] += 1
@@ -173,7 +180,7 @@ def reject_cycles(batch: Sequence[Task], ids: Container[str]) -> None:
             indegree[nxt] -= 1
             if indegree[nxt] == 0:
                 ready.append(nxt)
-    stuck = sorted(t for t, n in indegree.items() if n > 0)
+    stuck = sorted(t for t, n in indegree.items() if n > 0 and isinstance(t, str))
     if stuck:
         raise InputError(
             f"dependency cycle among tasks {stuck}", task_id=stuck[0], field="depends_on"
