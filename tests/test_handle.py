@@ -28,6 +28,7 @@ from orchestra import (
     agent,
     status_line,
 )
+from orchestra._store import Selector
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import fake_clock
 
@@ -384,6 +385,33 @@ class TestCancel:
             ["s0", "s1", "s2", "s3"]
         ]
         assert result.metadata.counts["cancelled"] == 4
+
+    async def test_by_tag_it_looks_at_the_group_not_at_every_task(
+        self, make: Callable[..., Orchestrator], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A cancel by tag searched every task of the run: k small cancels among n tasks were
+        # O(k * n) (200 of them among 100,000 waiting tasks: 2.6 s). A tag is a group, and the
+        # store has its members: counted, the records a cancel looks at.
+        looked = 0
+        matches = Selector.matches
+
+        def counted(self: Selector, record: Any, running_agent: str | None = None) -> bool:
+            nonlocal looked
+            looked += 1
+            return matches(self, record, running_agent)
+
+        monkeypatch.setattr(Selector, "matches", counted)
+        tasks = [Task("work", 1, id=f"w{i}", tags=[f"g{i % 100}"]) for i in range(2_000)]
+        async with make(concurrency=1) as orch:
+            handle = orch.start(tasks=tasks)
+            handle.pause()
+            await anyio.lowlevel.checkpoint()
+            cancelled = [handle.cancel(tag=f"g{i}").cancelled for i in range(1, 100)]
+            handle.resume()
+            result = await handle
+        assert cancelled[0] == tuple(f"w{i}" for i in range(1, 2_000, 100))
+        assert result.metadata.counts["cancelled"] == 99 * 20
+        assert looked <= 99 * 20
 
     @pytest.mark.parametrize(
         ("selector", "match"),

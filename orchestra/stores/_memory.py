@@ -837,6 +837,10 @@ class MemoryRun:
             found = (self._records.get(task_id) for task_id in selector.task_ids)
             candidates = [r for r in found if r is not None and r.state not in TERMINAL]
             candidates.sort(key=_position)  # in input order, as a search finds them
+        elif selector.tag is not None:  # a group's members: its index, not a search
+            group = self._groups.get(selector.tag)
+            members = () if group is None else group.members
+            candidates = [r for r in members if r.state not in TERMINAL]
         else:
             candidates = [r for r in self._records.values() if r.state not in TERMINAL]
         for record in candidates:
