@@ -163,7 +163,7 @@ class Run:
         self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call
         # A run handle's cancels and priorities made before the run had its tasks, applied to a
         # streamed input's tasks as they are admitted (see `cancel_standing`).
-        self._standing: list[tuple[Selector, str, dict[str, Any], CancelRecord]] = []
+        self._standing: list[tuple[Selector, str, dict[str, Any], CancelRecord, bool]] = []
         self._priorities: dict[str, int] = {}
         self.on_open: Callable[[], None] | None = None  # a run handle's: the run has its store
         self.instruments = config.instruments
@@ -457,7 +457,8 @@ class Run:
         later, as it is admitted. What it ends is one `CancelRecord`."""
         done = self.cancel(selector, reason, described)
         if not self._input_done:
-            self._standing.append((selector, reason, described, done))
+            filed = bool(done.cancelled or done.skipped)  # in the report already
+            self._standing.append((selector, reason, described, done, filed))
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Give a task that has not started another priority: in the store's queue, or where it
@@ -485,7 +486,7 @@ class Run:
                 priority = priorities.pop(task.id, None)
                 if priority is not None:
                     self.store.reprioritize(task.id, priority)
-        for i, (selector, reason, described, done) in enumerate(self._standing):
+        for i, (selector, reason, described, done, filed) in enumerate(self._standing):
             ids = [task.id for task in tasks]
             if selector.task_ids is not None:
                 ids = [task_id for task_id in ids if task_id in selector.task_ids]
@@ -501,18 +502,14 @@ class Run:
             more = self.cancel(among, reason, described, quiet=True)
             if not (more.cancelled or more.skipped):
                 continue
-            merged = done.model_copy(
-                update={
-                    "cancelled": done.cancelled + more.cancelled,
-                    "skipped": done.skipped + more.skipped,
-                }
-            )
-            cancellations = self.report.cancellations
-            if done in cancellations:
-                cancellations[cancellations.index(done)] = merged
-            else:
-                cancellations.append(merged)
-            self._standing[i] = (selector, reason, described, merged)
+            # The cancel's record grows in place as the input arrives (nobody else sees it before
+            # the run ends): a new record for each task admitted copied every id so far, O(n^2)
+            # over a streamed input.
+            done.cancelled.extend(more.cancelled)
+            done.skipped.extend(more.skipped)
+            if not filed:
+                self.report.cancellations.append(done)
+                self._standing[i] = (selector, reason, described, done, True)
 
     def attach_results(self, send: MemoryObjectSendStream[TaskResult]) -> None:
         """Send every `TaskResult` from now on to `send` (a run handle's reader); closed at the end."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from orchestra import (
     Cancellation,
+    CancelRecord,
     ConfigError,
     Context,
     InputError,
@@ -412,6 +413,37 @@ class TestCancel:
         assert cancelled[0] == tuple(f"w{i}" for i in range(1, 2_000, 100))
         assert result.metadata.counts["cancelled"] == 99 * 20
         assert looked <= 99 * 20
+
+    async def test_a_cancel_kept_for_a_streamed_input_does_not_copy_its_ids_for_each_task(
+        self, make: Callable[..., Orchestrator], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The cancel's record was copied, with every id it had cancelled so far, for each task
+        # it cancelled as the input arrived: O(n^2) over a streamed input (80,000 tasks: 6.6 s
+        # of 12.7). Counted: the ids copied into new records, and what the run reports.
+        copied = 0
+        model_copy = CancelRecord.model_copy
+
+        def counted(self: CancelRecord, **options: Any) -> CancelRecord:
+            nonlocal copied
+            copied += len((options.get("update") or {}).get("cancelled", ()))
+            return model_copy(self, **options)
+
+        monkeypatch.setattr(CancelRecord, "model_copy", counted)
+
+        async def tasks() -> AsyncIterator[Task]:  # admitted one by one
+            for i in range(1_000):
+                yield Task("work", 0, id=f"w{i}")
+                yield Task("summarize", 0, id=f"s{i}")
+
+        sleeper = Sleeper(kinds=("work", "summarize"))
+        async with make(agents=[sleeper]) as orch:
+            handle = orch.start(tasks=tasks())
+            handle.cancel(kind="summarize")
+            result = await handle
+        (record,) = result.metadata.cancellations
+        assert record.cancelled == [f"s{i}" for i in range(1_000)]
+        assert result.metadata.counts["cancelled"] == 1_000
+        assert copied <= 1_000
 
     @pytest.mark.parametrize(
         ("selector", "match"),
