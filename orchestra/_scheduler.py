@@ -6,8 +6,12 @@ are few in practice (a handful of levels), so the heap of priorities stays tiny,
 push or a pop does not depend on the number of kinds or agents.
 
 An entry that leaves the queue for good without being popped (cancelled, timed out) is not searched
-for: `discard` marks it stale (`qseq` = -1) and it is dropped when it reaches the front. A
-reprioritized entry is moved at once (`move`: rare, linear in its bucket).
+for: `discard` marks it stale (`qseq` = -1) and it is dropped when it reaches the front. Nor is a
+reprioritized one (`move`): it joins its new bucket, and its old slot, a *ghost* counted by entry
+and priority, is dropped when it reaches the front (searching its bucket made k moves among n
+ready tasks O(k * n)). While a ghost is queued, `front` is None: takers go through `pop`, which
+knows a ghost from a live slot (an entry's slots in one bucket are in push order: its ghosts
+there come first).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ T = TypeVar("T", bound=Queued)
 class ReadyQueue(Generic[T]):
     """Entries by priority, FIFO within one; `len()` counts the live ones."""
 
-    __slots__ = ("_buckets", "_prios", "_seq", "front", "size")
+    __slots__ = ("_buckets", "_ghosts", "_prios", "_seq", "front", "size")
 
     def __init__(self) -> None:
         self._buckets: dict[int, deque[T]] = {}
@@ -42,13 +46,15 @@ class ReadyQueue(Generic[T]):
         # The bucket of the best priority present (None: none yet). A store may take its front
         # entry itself (`MemoryRun.claim`): an entry whose `qseq` is -1 is stale and dropped.
         self.front: deque[T] | None = None
+        # (id(entry), priority) -> the entry's ghost slots in that priority's bucket (`move`).
+        self._ghosts: dict[tuple[int, int], int] = {}
 
     def push(self, entry: T) -> None:
         bucket = self._buckets.get(entry.priority)
         if bucket is None:
             bucket = self._buckets[entry.priority] = deque()
             heappush(self._prios, entry.priority)
-            self.front = self._buckets[self._prios[0]]
+            self.front = None if self._ghosts else self._buckets[self._prios[0]]
         self._seq += 1
         entry.qseq = self._seq
         bucket.append(entry)
@@ -67,7 +73,7 @@ class ReadyQueue(Generic[T]):
                 if bucket is None:
                     bucket = buckets[priority] = deque()
                     heappush(self._prios, priority)
-                    self.front = buckets[self._prios[0]]
+                    self.front = None if self._ghosts else buckets[self._prios[0]]
                 last = priority
             seq += 1
             entry.qseq = seq
@@ -81,16 +87,29 @@ class ReadyQueue(Generic[T]):
             return None
         prios = self._prios
         buckets = self._buckets
+        ghosts = self._ghosts
         while prios:
-            bucket = buckets[prios[0]]
+            priority = prios[0]
+            bucket = buckets[priority]
             while bucket:
                 entry = bucket.popleft()
+                if ghosts:
+                    key = (id(entry), priority)
+                    left = ghosts.get(key)
+                    if left is not None:  # a slot it left when it moved
+                        if left > 1:
+                            ghosts[key] = left - 1
+                        else:
+                            del ghosts[key]
+                            if not ghosts:
+                                self.front = bucket
+                        continue
                 if entry.qseq >= 0:
                     entry.qseq = -1
                     self.size -= 1
                     return entry
             del buckets[heappop(prios)]
-            self.front = buckets[prios[0]] if prios else None
+            self.front = buckets[prios[0]] if prios and not ghosts else None
         return None  # pragma: no cover - `size` counts live entries
 
     def discard(self, entry: T) -> None:
@@ -100,17 +119,20 @@ class ReadyQueue(Generic[T]):
             self.size -= 1
 
     def move(self, entry: T, priority: int) -> None:
-        """Change the priority of a queued entry (it goes to the back of its new priority)."""
-        bucket = self._buckets.get(entry.priority)
-        if bucket is not None and entry in bucket:
-            bucket.remove(entry)
+        """Change the priority of a queued entry (it goes to the back of its new priority). O(1):
+        its old slot stays, a ghost, dropped when it reaches the front."""
+        if entry.qseq >= 0:
+            key = (id(entry), entry.priority)
+            self._ghosts[key] = self._ghosts.get(key, 0) + 1
+            self.front = None
             self.size -= 1
         entry.priority = priority
         self.push(entry)
 
     def depths(self) -> dict[int, int]:
-        """Entries by priority, for status reports: O(priority levels). A discarded entry counts
-        until it reaches the front (rare: a task cancelled or timed out while ready)."""
+        """Entries by priority, for status reports: O(priority levels). A discarded entry (a task
+        cancelled or timed out while ready) or a moved one's ghost counts until it reaches the
+        front."""
         return {prio: len(self._buckets[prio]) for prio in sorted(self._prios)}
 
     def __len__(self) -> int:
