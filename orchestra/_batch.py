@@ -41,6 +41,7 @@ __all__ = (
     "Batch",
     "TaskSpec",
     "load_orchestrator",
+    "read_batch",
     "read_jsonl",
     "result_line",
     "summary",
@@ -124,20 +125,41 @@ def _importable(folder: Path) -> None:
         sys.path.insert(0, str(folder))
 
 
+class _NotJSON(InputError):
+    """A line that is not JSON; `before` holds the lines read before it."""
+
+    def __init__(self, message: str, *, field: str, before: list[tuple[int, Any]]) -> None:
+        super().__init__(message, field=field)
+        self.before = before
+
+
 def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[tuple[int, Any]]:
     """The line number and JSON value of every non-blank line of `stream`; `InputError` names a
     bad line."""
-    items = []
+    items: list[tuple[int, Any]] = []
     for number, line in enumerate(stream, 1):
         if not line.strip():
             continue
         try:
             items.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
-            raise InputError(
-                f"{source}, line {number}: not JSON: {exc.msg}", field=f"line {number}"
+            raise _NotJSON(
+                f"{source}, line {number}: not JSON: {exc.msg}",
+                field=f"line {number}",
+                before=items,
             ) from exc
     return items
+
+
+def read_batch(orch: Orchestrator, stream: Iterable[str], *, source: str = "input") -> Batch:
+    """The JSONL `stream` as a `Batch` for `orch`. `InputError` names the first bad line, whether
+    it is not JSON or not a task (a task's field is checked only once every line is read)."""
+    try:
+        lines = read_jsonl(stream, source=source)
+    except _NotJSON as exc:
+        Batch(orch, exc.before, source=source)  # a line before it that is not a task comes first
+        raise
+    return Batch(orch, lines, source=source)
 
 
 _SPECS: Final = pydantic.TypeAdapter(list[TaskSpec])

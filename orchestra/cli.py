@@ -27,7 +27,7 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from ._batch import EXIT_CODES, Batch, load_orchestrator, read_jsonl, summary
+from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch, summary
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError, StoreError
 from ._runs_cli import runs_app
@@ -181,8 +181,7 @@ def run(
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
-            lines = read_jsonl(stream, source=source)
-        batch = Batch(orch, lines, source=source)
+            batch = read_batch(orch, stream, source=source)
     except (ConfigError, InputError) as exc:
         raise _fail(str(exc)) from None
     except OSError as exc:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from orchestra import Context, InputError, Orchestrator, Task, agent
-from orchestra._batch import Batch, read_jsonl, tasks_of
+from orchestra._batch import Batch, read_batch, read_jsonl, tasks_of
 
 
 @agent(kinds=["echo"])
@@ -52,6 +52,19 @@ class TestTasksOf:
         ) as info:
             tasks_of(lines)
         assert info.value.field == "timeout"
+
+    @pytest.mark.parametrize(
+        ("text", "line"),
+        [
+            ('{"kind": "echo"}\n{"kind": "echo", "timeout": -1}\n{not json\n', "line 2: timeout"),
+            ('{"kind": "echo"}\n{not json\n{"kind": "echo", "timeout": -1}\n', "line 2: not JSON"),
+        ],
+    )
+    def test_the_first_bad_line_is_named_whatever_is_wrong_with_it(
+        self, text: str, line: str
+    ) -> None:
+        with pytest.raises(InputError, match=f"input, {line}"):
+            read_batch(Orchestrator(agents=[echo]), io.StringIO(text))
 
 
 class TestBatch:
