@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from typer.testing import CliRunner
 
 from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
+from orchestra._runs_cli import _coordinator
 from orchestra.cli import app
 from orchestra.stores import SQLiteStore
 
@@ -209,3 +215,18 @@ class TestUsageErrors:
         result = invoke("runs", "list", "--db", str(db))
         assert result.exit_code == 2
         assert "not a SQLite database" in result.stderr
+
+
+class TestCoordinatorColumn:
+    def test_a_coordinator_whose_process_ended_is_not_shown_running_it(self) -> None:
+        # `kill -9` leaves the run's lease standing for its length: on this host, the pid says.
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        host, now = socket.gethostname(), time.time()
+        run = {"heartbeat": now - 1, "lease": 30.0}
+        assert _coordinator({**run, "owner": f"{host}:{gone.pid}:x"}, now) == ""
+        assert _coordinator({**run, "owner": f"{host}:{os.getpid()}:x"}, now) == (
+            f"{host}:{os.getpid()}"
+        )
+        # Another host's process cannot be looked at: its heartbeat is all there is.
+        assert _coordinator({**run, "owner": "elsewhere:1:x"}, now) == "elsewhere:1"
