@@ -10,7 +10,6 @@ headers and body.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -110,7 +109,8 @@ async def raise_fault(
     if mode == "server_error":
         raise _http_error(500, f"simulated internal error of {who}", None)
     if mode == "hang":
-        await anyio.sleep(math.inf)
+        await anyio.Event().wait()  # never set, and no timer (`sleep_forever` sleeps to math.inf:
+        # under a FakeClock, with nothing else pending, time would jump a day at every turn)
     if mode == "garbage":
         return GARBAGE
     if mode == "permanent":

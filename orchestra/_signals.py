@@ -8,7 +8,6 @@ run is still returned, never a `KeyboardInterrupt` traceback.
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -104,5 +103,5 @@ def signal_receiver() -> Iterator[AsyncIterator[int]]:
 
 
 async def _never() -> AsyncIterator[int]:
-    await anyio.sleep(math.inf)
+    await anyio.Event().wait()  # no timer at math.inf: a FakeClock would race to it
     yield 0  # pragma: no cover

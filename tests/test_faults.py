@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -189,6 +192,30 @@ class TestScriptedAgent:
         result = await orch.run(tasks=[make_task("k") for _ in range(10)])
         assert agent.max_in_flight == 2
         assert result.metadata.elapsed == pytest.approx(5)
+
+
+class TestHang:
+    @pytest.mark.timeout(30)
+    async def test_a_hang_without_a_timeout_lets_virtual_time_stand_still(
+        self, clock: FakeClock
+    ) -> None:
+        # Nothing but the hang is pending: the loop waits for real I/O (here, a thread's call
+        # after 0.3 real seconds) instead of jumping a day of virtual time at every turn.
+        stuck = scripted("stuck", ["k"], then="hang")
+        loop = asyncio.get_running_loop()
+        async with Orchestrator(agents=[stuck], retry=RetryPolicy(max_attempts=1)) as orch:
+            handle = orch.start(tasks=[Task("k", None, id="t")])
+            t0 = clock.now()
+            stopping: list[asyncio.Task[object]] = []
+
+            def later() -> None:
+                time.sleep(0.3)
+                loop.call_soon_threadsafe(lambda: stopping.append(loop.create_task(handle.stop(0))))
+
+            threading.Thread(target=later, daemon=True).start()
+            result = await handle
+        assert result.status == "cancelled"
+        assert clock.now() - t0 < 1
 
 
 class TestProbe:
