@@ -461,6 +461,23 @@ class TestStreaming:
         assert "first token" in error.attempts[0].message
         assert error.attempts[0].duration == pytest.approx(2, abs=0.05)
 
+    async def test_a_server_that_never_answers_fails_on_the_first_token_timeout(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("hang")  # no response headers at all: the stream never opens
+        agent = research(account, stream=True, first_token_timeout=2, timeout=600)
+        result = await run(api, [agent], [clause()], retry=RetryPolicy(max_attempts=1))
+        error = result.error_for("c0")
+        assert error is not None
+        (attempt,) = error.attempts
+        assert attempt.error_type == "StreamTimeout"
+        assert "first token" in attempt.message
+        # The attempt ended on the first-token timeout, not on the 600-second attempt timeout,
+        # and the client closed the connection.
+        assert attempt.duration == pytest.approx(2, abs=0.05)
+        (hung,) = api.requests
+        assert hung.outcome == "disconnected"
+
     def test_stream_timeouts_need_streaming(self, account: ClaudeAccount) -> None:
         from orchestra import ConfigError
 

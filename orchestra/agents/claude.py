@@ -494,7 +494,21 @@ class ClaudeAgent:
     async def _stream(self, params: dict[str, Any], ctx: Context) -> Message:
         first, idle = self.first_token_timeout, self.idle_timeout
         started = anyio.current_time()
-        async with self.account.client.messages.stream(**params) as stream:
+        async with contextlib.AsyncExitStack() as stack:
+            # The answer's headers come before its first event: waiting for them counts
+            # against the first-token (and idle) timeout too, or a server that never answers
+            # would hold the attempt until its own timeout.
+            opening = math.inf if first is None else first
+            if idle is not None:
+                opening = min(opening, idle)
+            with anyio.move_on_after(opening) as scope:
+                stream = await stack.enter_async_context(
+                    self.account.client.messages.stream(**params)
+                )
+            if scope.cancelled_caught:
+                raise StreamTimeout(
+                    f"agent {self.name!r}: the stream gave no first token in {opening:.3g}s"
+                )
             self._observe(stream.response.headers)
             events = stream.__aiter__()
             got_token = False
