@@ -485,6 +485,51 @@ class TestStreaming:
             research(account, idle_timeout=1)
 
 
+class TestConfiguration:
+    def test_no_api_key_is_a_config_error_before_any_request(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from orchestra import ConfigError
+
+        monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+        monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+        with pytest.raises(ConfigError, match=r"no API key.*ANTHROPIC_API_KEY"):
+            ClaudeAccount(base_url="http://127.0.0.1:9")
+        with pytest.raises(ConfigError, match="no API key"):
+            ClaudeAgent(name="research", kinds=["research"], model=SONNET)  # the shared account
+        ClaudeAccount(api_key="sk-ant-given", base_url="http://127.0.0.1:9")  # a key: fine
+
+    @pytest.mark.parametrize(
+        ("option", "field"),
+        [
+            ({"prices": {SONNET: (3, 15)}}, "prices"),  # a tuple, not a Price: failed after a call
+            ({"prices": [Price(3, 15)]}, "prices"),
+            ({"cache_system": "yes"}, "cache_system"),
+            ({"stream": "no"}, "stream"),
+            ({"params": [("temperature", 0)]}, "params"),
+            ({"params": {"model": HAIKU}}, "params may not set model"),
+            (
+                {"params": {"max_tokens": 5, "stream": True}},
+                "params may not set max_tokens, stream",
+            ),
+            ({"params": {"tools": []}, "output": ClauseRisk}, "params may not set tools"),
+        ],
+    )
+    def test_bad_options_are_config_errors_naming_the_field(
+        self, account: ClaudeAccount, option: dict[str, Any], field: str
+    ) -> None:
+        from orchestra import ConfigError
+
+        with pytest.raises(ConfigError, match=f"agent 'research': {field}"):
+            research(account, **option)
+
+    def test_bad_account_prices_are_a_config_error(self, client: AsyncAnthropic) -> None:
+        from orchestra import ConfigError
+
+        with pytest.raises(ConfigError, match=r"prices\['claude-x'\] must be a Price"):
+            ClaudeAccount(client=client, prices={"claude-x": (1, 5)})  # type: ignore[dict-item]
+
+
 class TestPackaging:
     def test_the_core_and_orchestra_agents_do_not_import_the_sdk(self) -> None:
         code = (

@@ -149,6 +149,11 @@ class ClaudeAccount:
     ) -> None:
         if client is None:
             client = AsyncAnthropic(api_key=api_key, base_url=base_url, max_retries=0)
+            if not _has_credentials(client):
+                # Else the first request fails (a TypeError of the SDK), and every retry with it.
+                raise ConfigError(
+                    "ClaudeAccount: no API key: pass api_key= or client=, or set ANTHROPIC_API_KEY"
+                )
         elif not isinstance(client, AsyncAnthropic):
             raise ConfigError(f"ClaudeAccount: client must be an AsyncAnthropic, got {client!r}")
         elif client.max_retries != 0:
@@ -158,6 +163,7 @@ class ClaudeAccount:
                 raise ConfigError(
                     f"ClaudeAccount: limits[{family!r}] must be a ClaudeLimits, got {value!r}"
                 )
+        check_prices("ClaudeAccount: prices", prices)
         self.client = client
         self._limits: dict[str, ClaudeLimits] = dict(limits or {})
         self.prices: Mapping[str, Price] = {**PRICES, **(prices or {})}
@@ -188,6 +194,35 @@ class ClaudeAccount:
 
     def __repr__(self) -> str:
         return f"ClaudeAccount(families={sorted(self._limits)!r})"
+
+
+def _has_credentials(client: AsyncAnthropic) -> bool:
+    """Whether `client` can authenticate a request: an API key or a token in its headers (or the
+    Authorization header omitted on purpose), or a credentials provider (the SDK's own test)."""
+    headers = {name.lower() for name in client.default_headers}
+    return bool(headers & {"x-api-key", "authorization"}) or (
+        getattr(client, "_token_cache", None) is not None
+    )
+
+
+def check_prices(name: str, prices: Any) -> None:
+    """`prices` is None or a mapping of model ids (or id prefixes) to `Price` rows."""
+    if prices is None:
+        return
+    if not isinstance(prices, Mapping):
+        raise ConfigError(f"{name} must be a mapping of model id to Price, got {prices!r}")
+    for model, price in prices.items():
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{name}: a key must be a model id or prefix, got {model!r}")
+        if not isinstance(price, Price):
+            raise ConfigError(
+                f"{name}[{model!r}] must be a Price(input, output, ...), got {price!r}"
+            )
+
+
+# Messages API parameters the agent sets from its own arguments: `params=` may not override them.
+_OWN_PARAMS: Final = frozenset(("model", "messages", "max_tokens", "system", "stream"))
+_OUTPUT_PARAMS: Final = frozenset(("output_config", "tools", "tool_choice"))
 
 
 _ACCOUNTS: weakref.WeakValueDictionary[tuple[str, str], ClaudeAccount] = (
@@ -327,6 +362,18 @@ class ClaudeAgent:
         self.timeout = timeout
         self.retry = retry
         self.concurrency = concurrency
+        for flag, value in (("cache_system", cache_system), ("stream", stream)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}{flag} must be a bool, got {value!r}")
+        if params is not None and not isinstance(params, Mapping):
+            raise ConfigError(f"{where}params must be a mapping of Messages API parameters")
+        owned = _OWN_PARAMS | (_OUTPUT_PARAMS if output is not None else frozenset())
+        if clash := sorted(owned.intersection(params or {})):
+            raise ConfigError(
+                f"{where}params may not set {', '.join(clash)}: the agent's own arguments "
+                "(model=, prompt=, max_tokens=, system=, stream=, output=) set them"
+            )
+        check_prices(f"{where}prices", prices)
         self.params: dict[str, Any] = dict(params or {})
         if not isinstance(count_tokens, bool):
             raise ConfigError(f"{where}count_tokens must be a bool, got {count_tokens!r}")
