@@ -108,6 +108,49 @@ class TestVerdicts:
             await verifier(Task("k", "p", id="t"), "out")
         assert len(api.requests) == 2
 
+    async def test_a_malformed_judgement_is_asked_again_and_never_reaches_the_writer(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        verdicts = iter(["I think it is fine.", '{"passed": true, "feedback": ""}'])
+
+        def respond(body: Any) -> str:
+            if "strict reviewer" in str(body.get("system")):
+                return next(verdicts)
+            return "summary v1"
+
+        api.answer(respond, respond, respond)
+        verifier = ClaudeVerifier(
+            model=HAIKU, criteria="c", account=account, retry=RetryPolicy(base=0.1, max_attempts=2)
+        )
+        orch = Orchestrator(
+            agents=[writer(account)],
+            verify={"summarize": verifier},
+            retry=RetryPolicy(max_attempts=3, base=0.1),
+        )
+        result = await orch.run(tasks=[Task("summarize", "a contract", id="s")])
+        assert result.status == "success"
+        assert result.data == {"s": "summary v1"}
+        # The writer was asked once: the reviewer's own garbage went back to the reviewer.
+        models = [r.body["model"] for r in api.requests]
+        assert models == [SONNET, HAIKU, HAIKU]
+        again = api.requests[2].body["messages"]
+        assert again[1] == {"role": "assistant", "content": "I think it is fine."}
+        assert "did not match the required JSON schema" in again[2]["content"]
+
+    async def test_a_judgement_that_stays_malformed_fails_the_check_but_not_as_a_rejection(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        from orchestra import RetryableError, VerificationError
+
+        api.answer("yes", "still yes")
+        verifier = ClaudeVerifier(
+            model=HAIKU, criteria="c", account=account, retry=RetryPolicy(base=0.1, max_attempts=2)
+        )
+        with pytest.raises(RetryableError, match="'claude-verifier' gave no valid judgement") as e:
+            await verifier(Task("k", "p", id="t"), "out")
+        assert not isinstance(e.value, VerificationError)  # not the writer's rejected answer
+        assert len(api.requests) == 2
+
     def test_empty_criteria_are_a_config_error(self, account: ClaudeAccount) -> None:
         with pytest.raises(ConfigError, match="criteria"):
             ClaudeVerifier(model=HAIKU, criteria=" ", account=account)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from orchestra._exceptions import ConfigError
+from orchestra._exceptions import ConfigError, RetryableError
 from orchestra._verify import Verdict
 
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
@@ -134,10 +134,33 @@ class ClaudeVerifier:
         )
 
     async def __call__(self, task: Task, output: Any, ctx: Context | None = None) -> Verdict:
+        from .claude import StructuredOutputError
+
         tab = Tab(self.name, ctx)
-        messages = [{"role": "user", "content": self.prompt(task, output, ctx)}]
-        message = await ask(self._agent, messages, tab, retry=self.retry)  # type: ignore[arg-type]
-        judgement: Judgement = self._agent.read(message)
+        messages: list[Any] = [{"role": "user", "content": self.prompt(task, output, ctx)}]
+        tries = max(1, self.retry.max_attempts)
+        for _ in range(tries):
+            message = await ask(self._agent, messages, tab, retry=self.retry)
+            try:
+                judgement: Judgement = self._agent.read(message)
+                break
+            except StructuredOutputError as exc:
+                # The reviewer's own answer is malformed: ask the reviewer again. Raised as it
+                # is, it would reach the worker as *its* rejected answer (`ctx.feedback`) and
+                # become the task's partial output.
+                problem = exc.feedback.split("\n\nYour previous answer was:", 1)[0]
+                tab.log.warning("invalid judgement; asking again", problem=problem)
+                messages += [
+                    {"role": "assistant", "content": str(exc.output or "") or "(empty)"},
+                    {
+                        "role": "user",
+                        "content": f"{problem}\nAnswer again, as JSON that matches it.",
+                    },
+                ]
+        else:
+            raise RetryableError(
+                f"verifier {self.name!r} gave no valid judgement in {tries} tries: {problem}"
+            )
         if judgement.passed:
             return Verdict.ok()
         return Verdict.fail(judgement.feedback.strip() or "the reviewer rejected the output")
