@@ -347,7 +347,9 @@ class FakeMessagesAPI:
                 `requests-remaining: 0` and that reset time.
             events: how many events a "stall" sends before it stalls.
             path: the endpoint it applies to: the Messages API, or
-                ``"/v1/messages/count_tokens"`` (its calls are answered by their own rules).
+                ``"/v1/messages/count_tokens"`` (its calls are answered by their own rules); a
+                path ending in ``*`` is a prefix (``"/v1/messages/batches/*"``: polls and
+                results of every batch answer with the error fault).
         """
         if fault not in get_args(Fault):
             raise ValueError(f"unknown fault {fault!r}; known: {get_args(Fault)}")
@@ -584,7 +586,12 @@ class FakeMessagesAPI:
         parts = path.removeprefix("/v1/messages/batches").strip("/").split("/")
         status, lines = 200, None
         payload: Any
-        if request.method == "POST" and parts == [""]:
+        extra: list[tuple[str, str]] = []
+        rule = self._rule_for(request, now)
+        if rule is not None and rule.fault in _ERRORS:  # a scripted error of a batch endpoint
+            rule.hits += 1
+            status, payload, extra = self._response(request, rule.fault, rule)
+        elif request.method == "POST" and parts == [""]:
             payload = self._create_batch(request, now)
         elif parts[0] in self.batches and request.method == "GET" and len(parts) == 1:
             payload = self._batch_json(parts[0], now)
@@ -600,7 +607,7 @@ class FakeMessagesAPI:
             status = 404
         body = lines.encode() if lines is not None else json.dumps(payload).encode()
         kind = "application/binary" if lines is not None else "application/json"
-        headers = [("content-type", kind), ("request-id", f"req_{next(self._ids):024d}")]
+        headers = [("content-type", kind), ("request-id", f"req_{next(self._ids):024d}"), *extra]
         await self._send(conn, status, headers, body)
         request.status, request.outcome, request.answered = status, "batch", self._now()
         return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
@@ -699,7 +706,9 @@ class FakeMessagesAPI:
     def _rule_for(self, request: Request, now: float) -> Rule | None:
         path = request.path.split("?")[0]
         for rule in self.rules:
-            if rule.path == path and rule.applies(request.body, now):
+            wanted = rule.path
+            here = path.startswith(wanted[:-1]) if wanted.endswith("*") else path == wanted
+            if here and rule.applies(request.body, now):
                 return rule
         return None
 

@@ -113,6 +113,33 @@ class TestOutcomes:
         assert result.status == "success"
         assert result.metadata.retries == 2
 
+    @pytest.mark.parametrize("fault", ["overloaded", "server_error", "rate_limit"])
+    async def test_a_failed_poll_keeps_the_batch(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, fault: Any
+    ) -> None:
+        # A poll that meets a 529 / 500 / 429 is polled again: the batch runs on at the API (and
+        # is paid for), so its requests must not be failed and sent again in a second batch.
+        api.fail(fault, times=2, path="/v1/messages/batches/*")
+        agent = batcher(account, batch_size=2, poll_interval=5.0)
+        result = await run([agent], clauses(2))
+        assert result.status == "success"
+        assert result.metadata.retries == 0
+        assert len(batch_posts(api)) == 1
+        assert len(agent.batches) == 1
+        assert len([r for r in api.requests if r.status != 200]) == 2
+
+    async def test_a_poll_that_keeps_failing_fails_the_attempts_and_cancels_the_batch(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("server_error", path="/v1/messages/batches/*")
+        agent = batcher(account, batch_size=1, poll_interval=1.0)
+        result = await run([agent], clauses(1), retry=RetryPolicy(max_attempts=1))
+        error = result.error_for("c0")
+        assert error is not None
+        assert error.attempts[0].status_code == 500
+        assert len(api.batches) == 1
+        assert any(r.path.endswith("/cancel") for r in api.requests)  # asked, best effort
+
     async def test_usage_costs_half_the_price(
         self, api: FakeMessagesAPI, account: ClaudeAccount
     ) -> None:

@@ -15,6 +15,7 @@ attempt of a batch cancelled: the batch is cancelled on the API too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from typing import TYPE_CHECKING, Any, Final
 
@@ -22,12 +23,14 @@ import anyio
 
 from orchestra._config import check_int, check_number
 from orchestra._exceptions import PermanentError, RetryableError
+from orchestra._retry import classify
 
+from ._claude_calls import DEFAULT_RETRY
 from ._claude_prices import cost_of
 from .claude import ClaudeAgent
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
     from anthropic.types import Message
 
@@ -35,6 +38,10 @@ if TYPE_CHECKING:
     from orchestra._task import Task
 
 __all__ = ("BATCH_DISCOUNT", "BatchRequestFailed", "ClaudeBatchAgent")
+
+_POLL_TRIES: Final = 8
+"""How many times in a row a look at a submitted batch may fail (429, 529, 5xx, the network)
+before its attempts fail with the error and the batch is cancelled."""
 
 BATCH_DISCOUNT: Final = 0.5
 """A batched request costs half the price of the same request through the Messages API."""
@@ -192,15 +199,19 @@ class ClaudeBatchAgent(ClaudeAgent):
                     with anyio.CancelScope(shield=True):
                         await batches.cancel(created.id)
                     return
-                status = await batches.retrieve(created.id)
+                status = await self._look(lambda: batches.retrieve(created.id), created.id)
                 if status.processing_status == "ended":
                     break
                 wait = min(2 * wait, self.max_poll_interval)
             by_id = {p.custom_id: p for p in batch}
-            async for item in await batches.results(created.id):
-                found = by_id.pop(item.custom_id, None)
-                if found is not None and not found.future.done():
-                    found.future.set_result(item.result)
+
+            async def collect() -> None:
+                async for item in await batches.results(created.id):
+                    found = by_id.pop(item.custom_id, None)
+                    if found is not None and not found.future.done():
+                        found.future.set_result(item.result)
+
+            await self._look(collect, created.id)
             for left in by_id.values():  # the results left it out: treat it as expired
                 if not left.future.done():
                     left.future.set_exception(
@@ -217,6 +228,24 @@ class ClaudeBatchAgent(ClaudeAgent):
                         pending.future.cancel()
             if not isinstance(exc, Exception):
                 raise
+
+    async def _look(self, call: Callable[[], Awaitable[Any]], batch_id: str) -> Any:
+        """`call()` (a poll, the results), again after a failure that deserves it: the batch
+        runs on at the API, and is paid for, whatever one look meets. After `_POLL_TRIES`
+        failures in a row, or a permanent one, the batch is cancelled and the error raised."""
+        failures = 0
+        while True:
+            try:
+                return await call()
+            except Exception as exc:
+                retryable, retry_after = classify(exc, DEFAULT_RETRY)
+                failures += 1
+                if not retryable or failures >= _POLL_TRIES:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await self.account.client.messages.batches.cancel(batch_id)
+                    raise
+                wait = min(self.poll_interval * 2 ** (failures - 1), self.max_poll_interval)
+                await anyio.sleep(wait if retry_after is None else max(wait, retry_after))
 
     def _record_batched(self, usage: Any, ctx: Context) -> None:
         tokens = {
