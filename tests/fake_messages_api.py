@@ -736,16 +736,20 @@ class FakeMessagesAPI:
     def _message(self, request: Request) -> dict[str, Any]:
         prompt = request.prompt
         max_tokens = int(request.body.get("max_tokens", 1))
+        stop_reason = "end_turn"
         if self._answers:
             answer = self._answers.pop(0)
             text = answer(request.body) if callable(answer) else answer
             words = text.split()
         else:
-            words = f"echo: {prompt}".split()[:max_tokens]
+            words = f"echo: {prompt}".split()
             text = " ".join(words)
+        if len(words) > max_tokens:  # a word a token: cut where the API would stop
+            words = words[:max_tokens]
+            text = " ".join(words)
+            stop_reason = "max_tokens"
         written, read = self._cache(request.body)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        stop_reason = "end_turn"
         choice = request.body.get("tool_choice")
         if isinstance(choice, dict) and choice.get("type") == "tool":
             # A forced tool call: the scripted answer (JSON) is the tool's input, an object.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -29,7 +30,7 @@ from orchestra.agents.claude import (
     model_family,
 )
 from tests.fake_messages_api import FakeMessagesAPI
-from tests.helpers import fake_clock
+from tests.helpers import LogLines, fake_clock
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -181,6 +182,20 @@ class TestStructuredOutput:
         result = await run(api, [research(account)], [clause()])
         assert result.data["c0"] == "A plain answer."
         assert "output_config" not in api.requests[0].body
+
+    async def test_a_text_cut_at_max_tokens_is_the_answer_with_a_warning(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, logs: LogLines
+    ) -> None:
+        logs.level(logging.WARNING)
+        api.answer("one two three four five")
+        result = await run(api, [research(account, max_tokens=3)], [clause()])
+        assert result.data["c0"] == "one two three"
+        (warning,) = [e for e in logs.entries if e["event"] == "answer cut at max_tokens"]
+        assert (warning["agent"], warning["max_tokens"], warning["task_id"]) == (
+            "research",
+            3,
+            "c0",
+        )
 
     async def test_the_prompt_sees_the_outputs_of_dependencies(
         self, api: FakeMessagesAPI, account: ClaudeAccount

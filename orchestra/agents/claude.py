@@ -62,9 +62,12 @@ from orchestra._clock import current_clock
 from orchestra._config import check_int, check_number
 from orchestra._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
 from orchestra._failure import bound
+from orchestra._log import get_logger
 
 from ._claude_limits import ClaudeLimits, model_family
 from ._claude_prices import PRICES, Price, cost_of, price_of
+
+log = get_logger("orchestra")
 
 if TYPE_CHECKING:
     from anthropic.types import Message, MessageParam, Model
@@ -515,11 +518,14 @@ class ClaudeAgent:
 
     def read(self, message: Message) -> Any:
         """The answer: the output model's instance, or the text. A refusal is permanent; an
-        answer that fails the output model raises `StructuredOutputError`."""
+        answer that fails the output model raises `StructuredOutputError`; a text cut at
+        `max_tokens` is the answer, with a warning."""
         if message.stop_reason == "refusal":
             raise PermanentError(f"agent {self.name!r}: Claude declined to answer (refusal)")
         text = "".join(block.text for block in message.content if block.type == "text")
         if self.output is None:
+            if message.stop_reason == "max_tokens":
+                log.warning("answer cut at max_tokens", agent=self.name, max_tokens=self.max_tokens)
             return text
         if self._tool is not None:  # the answer is the forced tool call's input
             calls = [b for b in message.content if b.type == "tool_use" and b.name == _TOOL]
