@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from orchestra import ConfigError, Orchestrator, RetryPolicy, Task, Verdict
+from orchestra import ConfigError, Orchestrator, RetryPolicy, RunResult, Task, Verdict
 from orchestra.agents import ClaudeAgent, ClaudeVerifier
 from tests.claude_fixtures import HAIKU, SONNET, account, api, client
 from tests.fake_messages_api import prompt_of
@@ -39,6 +39,16 @@ def writer(account: ClaudeAccount) -> ClaudeAgent:
     )
 
 
+async def summarize(account: ClaudeAccount, verifier: ClaudeVerifier) -> RunResult:
+    """One contract summarized by the writer, checked by `verifier`, up to three attempts."""
+    orch = Orchestrator(
+        agents=[writer(account)],
+        verify={"summarize": verifier},
+        retry=RetryPolicy(max_attempts=3, base=0.1),
+    )
+    return await orch.run(tasks=[Task("summarize", "a contract", id="s")])
+
+
 class TestVerdicts:
     async def test_a_fail_feeds_the_next_attempt_and_a_pass_ends_it(
         self, api: FakeMessagesAPI, account: ClaudeAccount
@@ -55,12 +65,7 @@ class TestVerdicts:
             * 4
         )
         verifier = ClaudeVerifier(model=HAIKU, criteria="cites every clause", account=account)
-        orch = Orchestrator(
-            agents=[writer(account)],
-            verify={"summarize": verifier},
-            retry=RetryPolicy(max_attempts=3, base=0.1),
-        )
-        result = await orch.run(tasks=[Task("summarize", "a contract", id="s")])
+        result = await summarize(account, verifier)
         assert result.status == "success"
         assert result.data == {"s": "summary v2"}
         prompts = [prompt_of(r.body) for r in api.requests]
@@ -122,12 +127,7 @@ class TestVerdicts:
         verifier = ClaudeVerifier(
             model=HAIKU, criteria="c", account=account, retry=RetryPolicy(base=0.1, max_attempts=2)
         )
-        orch = Orchestrator(
-            agents=[writer(account)],
-            verify={"summarize": verifier},
-            retry=RetryPolicy(max_attempts=3, base=0.1),
-        )
-        result = await orch.run(tasks=[Task("summarize", "a contract", id="s")])
+        result = await summarize(account, verifier)
         assert result.status == "success"
         assert result.data == {"s": "summary v1"}
         # The writer was asked once: the reviewer's own garbage went back to the reviewer.

@@ -17,6 +17,18 @@ from tests.helpers import AppLines, fake_clock
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
+async def cancel_a_then_run_b(orch: Orchestrator, a_under_way: anyio.Event) -> None:
+    """Start tasks a and b on `orch` (one worker), cancel a alone once `a_under_way` is set: the
+    run must go on to b (within 5 s: a hang is the defect) and end with a cancelled, b done."""
+    handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
+    await a_under_way.wait()
+    handle.cancel(task_id="a")
+    with anyio.fail_after(5):
+        result = await handle
+    assert result.data == {"b": "b"}
+    assert [e.task_id for e in result.errors] == ["a"]
+
+
 @pytest.mark.parametrize("inline", [True, False])
 async def test_a_cancelled_attempt_whose_agent_swallows_it_does_not_lose_its_worker(
     inline: bool,
@@ -39,15 +51,9 @@ async def test_a_cancelled_attempt_whose_agent_swallows_it_does_not_lose_its_wor
     # An attempt timeout takes the attempt off the worker's inline path (`Dispatcher._attempt`).
     timeouts = None if inline else {"attempt": 60}
     async with Orchestrator(agents=[stubborn], concurrency=1, timeouts=timeouts) as orch:
-        handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
-        await started.wait()
-        handle.cancel(task_id="a")
-        with anyio.fail_after(5):
-            result = await handle
+        await cancel_a_then_run_b(orch, started)
         # a's output came after its cancel: the store refused it, and it is not a success
         (status,) = orch.agents_status()
-    assert result.data == {"b": "b"}
-    assert [e.task_id for e in result.errors] == ["a"]
     assert (status["attempts"], status["succeeded"]) == (2, 1)
 
 
@@ -67,13 +73,7 @@ async def test_a_task_cancelled_during_its_safety_check_does_not_lose_its_worker
         return task.id
 
     async with Orchestrator(agents=[worker], concurrency=1, safety=safety) as orch:
-        handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
-        await checking.wait()
-        handle.cancel(task_id="a")
-        with anyio.fail_after(5):
-            result = await handle
-    assert result.data == {"b": "b"}
-    assert [e.task_id for e in result.errors] == ["a"]
+        await cancel_a_then_run_b(orch, checking)
 
 
 @pytest.mark.xfail(
