@@ -185,19 +185,21 @@ class Concurrency:
         # a dispatcher does inline).
         self.watchers: _Watchers | None = None
 
-    def reserve(self, now: float, cost: Cost = 1) -> float:
-        if now < self._seen - CLOCK_SLIP:  # another clock's hold: forgotten
+    def _asked(self, now: float) -> None:
+        """Note the time it is asked at; a hold of another clock's (see `CLOCK_SLIP`) is gone."""
+        if now < self._seen - CLOCK_SLIP:
             self._hold = _NO_HOLD
         self._seen = now
+
+    def reserve(self, now: float, cost: Cost = 1) -> float:
+        self._asked(now)
         if self.in_use < self.limit and now >= self._hold:
             self.in_use += 1
             return 0.0
         return self._hold if now < self._hold else math.inf
 
     def peek(self, now: float, cost: Cost = 1) -> float:
-        if now < self._seen - CLOCK_SLIP:
-            self._hold = _NO_HOLD
-        self._seen = now
+        self._asked(now)
         if now < self._hold:
             return self._hold
         return 0.0 if self.in_use < self.limit else math.inf
@@ -289,11 +291,16 @@ class Rate:
             return cost
         return cost.get(self.unit, self._default)
 
-    def reserve(self, now: float, cost: Cost = 1) -> float:
-        n = cost if isinstance(cost, _NUMBER) else cost.get(self.unit, self._default)
-        if now < self._seen - CLOCK_SLIP:  # another clock's times: an empty meter
+    def _asked(self, now: float) -> None:
+        """Note the time it is asked at; another clock's times (see `CLOCK_SLIP`) are gone: an
+        empty meter."""
+        if now < self._seen - CLOCK_SLIP:
             self._tat = self._hold = _NO_HOLD
         self._seen = now
+
+    def reserve(self, now: float, cost: Cost = 1) -> float:
+        n = cost if isinstance(cost, _NUMBER) else cost.get(self.unit, self._default)
+        self._asked(now)
         if now < self._hold:
             return self._hold
         tat = self._tat
@@ -305,9 +312,7 @@ class Rate:
         return 0.0
 
     def peek(self, now: float, cost: Cost = 1) -> float:
-        if now < self._seen - CLOCK_SLIP:
-            self._tat = self._hold = _NO_HOLD
-        self._seen = now
+        self._asked(now)
         if now < self._hold:
             return self._hold
         n = self.amount(cost)
