@@ -222,8 +222,9 @@ class RunHandle:
         Running attempts are cancelled through their own cancel scopes (the worker goes on with
         the next task), waiting tasks are removed, and the dependents of all of them are skipped
         with the reason. `agent` selects the tasks running on that agent, waiting for room at it
-        (its lane) or bound to it by a retry or a fallback chain. Returns what it did; the run goes on with the rest (a run whose every task
-        was cancelled ends "failed", not "cancelled": only `stop()` cancels the run itself).
+        (its lane) or bound to it by a retry or a fallback chain. Returns what it did; the run
+        goes on with the rest (a run whose every task was cancelled ends "failed", not
+        "cancelled": only `stop()` cancels the run itself).
         """
         selector, described = _selector(task_id, kind, tag, agent, priority)
         if reason is None:
@@ -244,8 +245,8 @@ class RunHandle:
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Change the priority of a task that waits (in the queue, or for its agent's slot);
-        True if it did. Before the run has its tasks the change is kept for them (True); after the end,
-        False."""
+        True if it did. Before the run has its tasks the change is kept for them (True); after
+        the end, False."""
         if not isinstance(task_id, str):
             raise InputError(f"task_id must be a str, got {task_id!r}", field="task_id")
         if type(priority) is not int:
