@@ -34,7 +34,7 @@ from ._log import get_logger
 from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
-from ._task import CANCELLED, SUCCEEDED, Task
+from ._task import CANCELLED, CLAIMED, SUCCEEDED, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -463,11 +463,14 @@ class Run:
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Give a task that has not started another priority: in the store's queue, or where it
         waits for an agent's slot (claimed, in a lane). False if it does not wait."""
-        if self.store.reprioritize(task_id, priority):
+        store = self.store
+        if store.reprioritize(task_id, priority):
             return True
+        if store.state_of(task_id) is not CLAIMED:  # running, ended or unknown: no lane to search
+            return False
         router = self.dispatcher.router
-        lane = router.holding(task_id)
-        if lane is None or not self.store.reprioritize(task_id, priority, claimed=True):
+        lane = router.holding(task_id)  # O(tasks in lanes)
+        if lane is None or not store.reprioritize(task_id, priority, claimed=True):
             return False
         router.moved(lane, task_id)
         return True
