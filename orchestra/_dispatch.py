@@ -276,6 +276,13 @@ class Dispatcher:
         # Each worker runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
         spare: Context | None = None
+        # What `getrefcount` says of an object that only a local of this frame holds, read the
+        # way the reuse test below reads it: 2 up to CPython 3.13 (the local and the call's
+        # argument), 1 from 3.14 on, where the compiler may borrow a local it loads for a call.
+        # A constant 2 there would hand an agent's kept context to the next attempt.
+        probe = object()
+        alone = getrefcount(probe)
+        del probe
         done = 0
         try:
             while not self.closing:
@@ -396,7 +403,7 @@ class Dispatcher:
                             if self._parked:
                                 self.wake_one()
                     if (
-                        getrefcount(ctx) == 2  # this frame's and the call's: no one kept it
+                        getrefcount(ctx) == alone  # only this frame holds it: no one kept it
                         and ctx._spawned is None
                         and ctx._usage is None
                         and ctx._on_end is None
