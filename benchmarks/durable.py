@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,7 @@ def transitions(spec: Spec, store_name: str, fail_every: int) -> Workload:
 
 def _check_file(path: Path, n: int, attempts: int) -> dict[str, Any]:
     """What the file says the run did: a task row each, and the attempts counted in the result."""
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn:
         rows, summed, succeeded = conn.execute(
             "SELECT count(*), sum(attempts), sum(state = 'succeeded') FROM tasks WHERE run_id = ?",
             (RUN_ID,),

@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ def job(db: Path, calls: Path, *options: str) -> subprocess.CompletedProcess[str
 
 def committed(db: Path) -> dict[str, tuple[str, int]]:
     """Each stored task's state and attempts, read from the file as another process sees it."""
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         rows = conn.execute("SELECT id, state, attempts FROM tasks WHERE run_id = 'r'").fetchall()
     return {task_id: (state, attempts) for task_id, state, attempts in rows}
 
@@ -366,7 +367,7 @@ class TestSchema:
     def test_a_new_file_gets_the_newest_schema_in_wal_mode(self, tmp_path: Path) -> None:
         store = SQLiteStore(tmp_path / "new.db")
         assert store.runs() == []
-        with sqlite3.connect(tmp_path / "new.db") as conn:
+        with closing(sqlite3.connect(tmp_path / "new.db")) as conn:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 

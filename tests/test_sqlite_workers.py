@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +72,7 @@ def recorder(name: str, calls: list[tuple[str, str]], delay: float = 0.0) -> Any
 
 
 def rows(db: Path, sql: str, *args: Any) -> list[Any]:
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         return conn.execute(sql, args).fetchall()
 
 
