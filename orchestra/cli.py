@@ -52,6 +52,7 @@ app = typer.Typer(
     help="Run many agent calls in parallel, safely.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",
     # A traceback of the user's factory or agents must not print their locals (API keys).
     pretty_exceptions_show_locals=False,
 )
@@ -296,6 +297,7 @@ def worker(
 
     Start as many as you like, on the file the runs' own processes use (`SQLiteStore(path)`). Ctrl-C
     or SIGTERM stops a worker: what it claimed and did not finish goes back to the queue.
+
     Exit code: 0 done (the run of --run-id is over), 130 stopped, 2 usage error.
     """
     if not db.is_file():

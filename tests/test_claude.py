@@ -538,6 +538,22 @@ class TestConfiguration:
         with pytest.raises(ConfigError, match=f"agent 'research': {field}"):
             research(account, **option)
 
+    def test_account_limits_keyed_by_a_model_id_are_its_familys(
+        self, client: AsyncAnthropic
+    ) -> None:
+        """`limits={"claude-sonnet-4-5": ...}` was silently ignored: the agents ran on the smallest
+        tier's defaults (50 requests a minute) instead of the budget given."""
+        from orchestra import ConfigError
+
+        given = ClaudeLimits(requests_per_minute=1_000)
+        for key in (SONNET, model_family(SONNET)):
+            account = ClaudeAccount(client=client, limits={key: given})
+            assert account.limits(SONNET) is given
+        with pytest.raises(ConfigError, match=r"limits\[.*\] and limits\[.*\]: one family"):
+            ClaudeAccount(
+                client=client, limits={SONNET: given, model_family(SONNET): ClaudeLimits()}
+            )
+
     def test_bad_account_prices_are_a_config_error(self, client: AsyncAnthropic) -> None:
         from orchestra import ConfigError
 

@@ -112,6 +112,17 @@ class TestVersionAndHelp:
         assert result.exit_code == 0, result.output
         assert "Usage: orchestra" in result.stdout
 
+    def test_help_paragraphs_are_reflowed_to_the_width(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """At 80 columns (CI, a pipe) the docstring's own line breaks were kept inside the wrapping:
+        'first one at a time,' ended a line of its own, half as wide as the others."""
+        monkeypatch.setenv("COLUMNS", "80")
+        text = invoke("demo", "--help").stdout
+        lines = [line.strip() for line in text.splitlines()]
+        first = next(i for i, line in enumerate(lines) if line.startswith("Contracts"))
+        assert all(len(line) > 60 for line in lines[first : first + 2]), text
+
     def test_no_command_is_a_usage_error_that_lists_the_commands(self) -> None:
         result = invoke()
         assert result.exit_code == 2

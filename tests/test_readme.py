@@ -33,6 +33,33 @@ class TestReadme:
         assert "success" in lines
         assert "{'c1': 2, 'c1/c0': {'clause': 'pay within 30 days', 'risk': 'low'}" in done.stdout
 
+    def test_the_control_and_durable_snippets_run_on_the_quick_starts_definitions(
+        self, tmp_path: Path
+    ) -> None:
+        """What a reader does: the quick start's agents, decomposer and contracts, then a later
+        section's snippet (in an async function, its `agents=[...]` filled in)."""
+        definitions = block(README.read_text(), "python").split("async def main", 1)[0]
+        control = block(section("Controlling a run"), "python")
+        durable = block(section("Durable runs (SQLite)"), "python").replace(
+            "agents=[...]", "agents=[splitter, researcher, writer]"
+        )
+        checks = {
+            "control": "    print(handle.done, result.status)\n",
+            "durable": "    print(result.status, result.metadata.resumed)\n",
+        }
+        for name, snippet in (("control", control), ("durable", durable)):
+            body = "".join(f"    {line}\n" for line in snippet.splitlines())
+            script = tmp_path / f"{name}.py"
+            script.write_text(
+                f"{definitions}async def main() -> None:\n{body}{checks[name]}asyncio.run(main())\n"
+            )
+            done = run_python(str(script), cwd=tmp_path, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+            last = done.stdout.splitlines()[-1]
+            # The control snippet cancels the summaries (the run fails); the durable one resumes
+            # a finished run: all 7 tasks come back from the file.
+            assert last == {"control": "True failed", "durable": "success 7"}[name], done.stdout
+
     def test_the_fault_kit_example_passes(self) -> None:
         namespace: dict[str, Any] = {}
         code = block(section("Testing with the fault kit"), "python")

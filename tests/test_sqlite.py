@@ -322,6 +322,32 @@ class TestJournal:
         assert [e["event"] for e in whole if e["task_id"] == "d"] == [e["event"] for e in events]
         assert {e["task_id"] for e in whole} == {"ok", "d"}
 
+    async def test_a_spawned_task_is_admitted_after_its_spawner_succeeded_and_never_ready_before(
+        self, store: SQLiteStore
+    ) -> None:
+        """`orchestra runs show --events` on the README's quick start listed a spawned task
+        `ready` before its spawner's success and before its own admission."""
+
+        @agent(kinds=["split"], name="split")
+        async def split(task: Task, ctx: Context) -> int:
+            ctx.spawn(Task("leaf", 1, id="p/c0"))
+            return 1
+
+        @agent(kinds=["leaf"], name="leaf")
+        async def leaf(task: Task, ctx: Context) -> int:
+            return 2
+
+        await Orchestrator(agents=[split, leaf], store=store).run(
+            [Task("split", 0, id="p")], run_id="s"
+        )
+        assert [e["event"] for e in store.events("s", "p/c0")] == [
+            "admitted",
+            "started",
+            "succeeded",
+        ]
+        whole = [(e["task_id"], e["event"]) for e in store.events("s")]
+        assert whole.index(("p", "succeeded")) < whole.index(("p/c0", "admitted"))
+
     @pytest.mark.parametrize("succeeds", [True, False])
     async def test_every_attempt_of_a_retried_task_starts_in_order_on_its_agent(
         self, store: SQLiteStore, succeeds: bool

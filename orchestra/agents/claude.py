@@ -134,8 +134,9 @@ class ClaudeAccount:
         api_key: the key; default: the ``ANTHROPIC_API_KEY`` environment variable.
         client: an `AsyncAnthropic` of your own (a copy with `max_retries=0` is used if it retries).
         base_url: the API's address (a proxy, a fake API in tests).
-        limits: `ClaudeLimits` by model family (``"sonnet-4"``: see `model_family`); families not
-            given start at the defaults and follow the server's headers.
+        limits: `ClaudeLimits` by model family (``"sonnet-4"``: see `model_family`; a model id
+            stands for its family); families not given start at the defaults and follow the
+            server's headers.
         prices: price rows that override or extend `PRICES`.
     """
 
@@ -161,14 +162,24 @@ class ClaudeAccount:
             raise ConfigError(f"ClaudeAccount: client must be an AsyncAnthropic, got {client!r}")
         elif client.max_retries != 0:
             client = client.with_options(max_retries=0)  # shares the connection pool
-        for family, value in (limits or {}).items():
+        # Keyed by family; a model id is taken for its family (else its budget would go unused).
+        self._limits: dict[str, ClaudeLimits] = {}
+        named: dict[str, str] = {}
+        for key, value in (limits or {}).items():
             if not isinstance(value, ClaudeLimits):
                 raise ConfigError(
-                    f"ClaudeAccount: limits[{family!r}] must be a ClaudeLimits, got {value!r}"
+                    f"ClaudeAccount: limits[{key!r}] must be a ClaudeLimits, got {value!r}"
                 )
+            family = model_family(key)
+            if family in named and self._limits[family] is not value:
+                raise ConfigError(
+                    f"ClaudeAccount: limits[{named[family]!r}] and limits[{key!r}]: one family"
+                    f" ({family!r}) shares one budget; give one ClaudeLimits for it"
+                )
+            named[family] = key
+            self._limits[family] = value
         check_prices("ClaudeAccount: prices", prices)
         self.client = client
-        self._limits: dict[str, ClaudeLimits] = dict(limits or {})
         self.prices: Mapping[str, Price] = {**PRICES, **(prices or {})}
 
     @classmethod

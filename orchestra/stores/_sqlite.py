@@ -277,6 +277,8 @@ class SQLiteRun:
         # Admitted, not written yet: (record, payload JSON, loop time of its admission).
         self._new: list[tuple[Record, str, float]] = []
         self._admitting = False  # inside the memory run's admission: its `ready`s are not events
+        # The tasks a settling attempt spawned (by `id`): ready at their admission, not an event.
+        self._spawning: frozenset[int] = frozenset()
         self._dirty: dict[str, Record] = {}  # changed since the last write
         self._outputs: dict[str, str] = {}  # id -> its output's JSON (encoded when it settled)
         self._attempts: list[tuple[Any, ...]] = []
@@ -327,7 +329,8 @@ class SQLiteRun:
 
     def ready(self, record: Record) -> None:
         self._touch(record)
-        if not self._admitting:  # ready at its admission: its row's `admitted` says it
+        if not self._admitting and id(record.task) not in self._spawning:
+            # (else ready at its admission: its row's `admitted` says it)
             self._events.append((record.id, self._now(), "ready", None, None, None))
         self._listener.ready(record)
 
@@ -339,9 +342,11 @@ class SQLiteRun:
         else:
             now = self._now()
             events = self._events
+            spawning = self._spawning
             for record in records:
                 dirty[record.id] = record
-                events.append((record.id, now, "ready", None, None, None))
+                if id(record.task) not in spawning:
+                    events.append((record.id, now, "ready", None, None, None))
         self._arm()
         self._listener.ready_all(records)
 
@@ -639,18 +644,23 @@ class SQLiteRun:
                 )
             if spawned:
                 payloads = self._encode(spawned, f"tasks spawned by {record.id!r}", None)
-            if not memory.settle(
-                record,
-                token,
-                status,
-                output,
-                spawned=spawned,
-                agent=agent,
-                error=error,
-                error_type=error_type,
-                defaulted=defaulted,
-                attempt=attempt,
-            ):
+                self._spawning = frozenset(map(id, spawned))
+            try:
+                settled = memory.settle(
+                    record,
+                    token,
+                    status,
+                    output,
+                    spawned=spawned,
+                    agent=agent,
+                    error=error,
+                    error_type=error_type,
+                    defaulted=defaulted,
+                    attempt=attempt,
+                )
+            finally:
+                self._spawning = frozenset()
+            if not settled:
                 return False
             self._outputs[record.id] = text
             key = record.task.key
