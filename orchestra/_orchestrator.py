@@ -297,6 +297,7 @@ class Orchestrator:
         Bad input raises `InputError` before any agent is called (for a streamed input: when the bad
         task arrives, cancelling what runs). Cancelling the caller cancels every attempt.
         """
+        _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
         if not self._entered:
             async with self:
                 return await self.run(input, tasks=tasks, run_id=run_id)
@@ -319,6 +320,7 @@ class Orchestrator:
         """
         if self._tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
+        _check_run_id(run_id)
         return ResultStream(self, input, tasks, run_id)
 
     def start(
@@ -338,8 +340,7 @@ class Orchestrator:
         """
         if self._tg is None:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
-        if run_id is not None and not isinstance(run_id, str):
-            raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
+        _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
 
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
@@ -593,6 +594,13 @@ class Orchestrator:
             if state is not None:
                 return state
         return None
+
+
+def _check_run_id(run_id: Any) -> None:
+    """`run_id` is a non-empty str or None. An empty one would silently become a fresh id (so a
+    durable run would never resume), another type would fail `RunMetadata` once the run is over."""
+    if run_id is not None and (type(run_id) is not str or not run_id):
+        raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
 
 
 def _spent(decomposer: Any) -> dict[str, float] | None:

@@ -279,3 +279,29 @@ class TestAgent:
             retry=RetryPolicy(), timeout=1.5,
         )  # fmt: skip
         assert (built.name, built.kinds, built.concurrency) == ("w", ("work",), 2)
+
+
+class TestRunArguments:
+    """What `run`, `stream` and `start` take besides the input is checked before any work."""
+
+    @pytest.mark.parametrize("run_id", [3, b"run", "", ["r"]], ids=repr)
+    async def test_a_wrong_run_id_is_a_config_error_before_any_agent_runs(
+        self, run_id: Any
+    ) -> None:
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            return "ok"
+
+        async with Orchestrator(agents=[counted]) as orch:
+            for start in (
+                lambda: orch.run(tasks=[Task("work")], run_id=run_id),
+                lambda: orch.stream(tasks=[Task("work")], run_id=run_id).__anext__(),
+                lambda: orch.start(tasks=[Task("work")], run_id=run_id),
+            ):
+                with pytest.raises(ConfigError) as info:
+                    await start()
+                assert_names(info, "run_id", repr(run_id))
+        assert calls == []
