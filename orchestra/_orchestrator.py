@@ -166,6 +166,12 @@ class Orchestrator:
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
+        if store is not None and not callable(getattr(store, "open_run", None)):
+            # Else an AttributeError when the first run opens (a path is the usual slip).
+            raise ConfigError(
+                f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
+                f"got {store!r}"
+            )
         if instruments is not None:
             check_sequence("instruments", instruments)
             for i, instrument in enumerate(instruments):

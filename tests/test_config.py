@@ -96,6 +96,8 @@ ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
     ("drain_timeout", INF, None),
     ("drain_timeout", -1, None),
     ("drain_timeout", "5", None),
+    ("store", "runs.db", None),
+    ("store", 42, None),
 ]
 
 RETRY: list[tuple[str, Any, str | None]] = [
