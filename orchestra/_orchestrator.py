@@ -180,12 +180,14 @@ class Orchestrator:
                         f"instruments[{i}] must be an orchestra.Instrument (an object with "
                         f"on_attempt_end, on_task_end, ... hooks), got {instrument!r}"
                     )
+        aggregator = aggregator_of(aggregate)
         self.registry = Registry(agents, breaker, fallbacks)
         kinds = set(self.registry.by_kind)
         for name, mapping in (
             ("retry_per_kind", retry_per_kind),
             ("defaults", defaults),
             ("verify", verify),
+            ("aggregate", aggregate if isinstance(aggregate, Mapping) else None),
         ):
             unknown = set(mapping or ()) - kinds
             if unknown:
@@ -210,7 +212,7 @@ class Orchestrator:
             success_threshold=success_threshold,
             window=window or max(10_000, 10 * self._capacity.limit),
             faults=self._faults,
-            aggregate=aggregator_of(aggregate),
+            aggregate=aggregator,
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),

@@ -13,6 +13,8 @@ import pytest
 from orchestra import (
     Agent,
     BreakerPolicy,
+    ByKind,
+    Collect,
     ConfigError,
     Context,
     Orchestrator,
@@ -84,6 +86,10 @@ ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
     ("verify", [writer], None),
     ("safety", "yes", None),
     ("aggregate", "collect", None),
+    ("aggregate", {"work": "collect"}, "'collect'"),
+    ("aggregate", {"work": Bad()}, "<bad>"),
+    ("aggregate", {1: Collect()}, "1"),
+    ("aggregate", {"nokind": Collect()}, "nokind"),
     ("window", 2.5, None),
     ("window", 0, None),
     ("window", True, None),
@@ -241,6 +247,19 @@ class TestPolicies:
         with pytest.raises(ConfigError) as info:
             Timeouts(**{name: value})
         assert_names(info, f"Timeouts.{name}", shown or repr(value))
+
+    @pytest.mark.parametrize(
+        ("by_kind", "default", "shown"),
+        [
+            ({"work": 3}, None, "3"),
+            ({"work": Collect()}, "sum", "'sum'"),
+            (["work"], None, "['work']"),
+        ],
+    )
+    def test_by_kind(self, by_kind: Any, default: Any, shown: str) -> None:
+        with pytest.raises(ConfigError) as info:
+            ByKind(by_kind, default=default)
+        assert_names(info, "ByKind", shown)
 
     def test_exception_types_are_normalised_to_a_tuple(self) -> None:
         # Typed as tuples; one class or a list is accepted too, and stored as a tuple.
