@@ -102,6 +102,13 @@ class Admission:
                         task_id=task_id,
                         field="depends_on_tags",
                     )
+        if task.critical is not False and task.critical is not True:
+            # A truthy "no" or 0/1 would pass for a flag; a durable store keeps only a bool.
+            raise InputError(
+                f"task {task_id!r}: critical must be True or False, got {task.critical!r}",
+                task_id=task_id,
+                field="critical",
+            )
         if task.key is not None and (type(task.key) is not str or not task.key):
             raise InputError(
                 f"task {task_id!r}: key must be a non-empty string, got {task.key!r}",

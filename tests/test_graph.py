@@ -368,6 +368,23 @@ class TestBadGraphsAreRejectedBeforeWork:
         assert "'t'" in str(info.value)
         assert rec.calls == []
 
+    @pytest.mark.parametrize("bad", ["no", 0, 1, None, [True]], ids=repr)
+    @pytest.mark.parametrize("named", [True, False], ids=["named", "plain"])
+    async def test_bad_critical(
+        self, bad: Any, named: bool, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # "no" is truthy: taken as it was, it made the task critical. A plain batch (no ids)
+        # goes through the store's fast path, which must not let it by either.
+        rec = RecordingAgent()
+        first = Task("work", id="ok") if named else Task("work")
+        odd = Task("work", id="c" if named else None, critical=bad)
+        with pytest.raises(InputError) as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[first, odd])
+        task_id = "c" if named else "work#2"
+        assert (info.value.task_id, info.value.field) == (task_id, "critical")
+        assert repr(task_id) in str(info.value)
+        assert rec.calls == []
+
     async def test_something_that_is_not_a_task(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:

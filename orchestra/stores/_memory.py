@@ -235,9 +235,9 @@ class MemoryRun:
 
     def _admit_plain(self, tasks: Sequence[Any], first_index: int) -> list[Record] | None:
         """The common batch in one pass: tasks with nothing but a kind, a payload and a priority
-        (no id, dependency, group, key, timeout or payload model). Such a task needs only a
-        generated id and a record, so the general checks (a call and a dozen branches per task)
-        are skipped. None, with nothing changed, when some task needs the general path."""
+        (no id, dependency, group, key, timeout, critical flag or payload model). Such a task
+        needs only a generated id and a record, so the general checks (a call and a dozen
+        branches per task) are skipped. None, with nothing changed, when some task needs the general path."""
         admission = self._admission
         if admission.has_models:
             return None
@@ -262,6 +262,7 @@ class MemoryRun:
                 or given.depends_on
                 or given.tags
                 or given.depends_on_tags
+                or given.critical is not False  # a critical task, or a wrong value to refuse
             ):
                 break
             kind = given.kind
