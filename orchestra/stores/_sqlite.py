@@ -443,16 +443,31 @@ class SQLiteRun:
             try:
                 out.append((task.payload, to_json(task.payload).decode()))
             except PydanticSerializationError as exc:
-                name = (
-                    repr(task.id)
-                    if task.id is not None
-                    else (where if first is None else f"{where}[{first + i}]")
-                )
                 raise InputError(
-                    f"task {name}: payload cannot be stored as JSON by {self._store!r}: {exc}",
+                    f"task {_named(task, where, first, i)}: payload cannot be stored as JSON "
+                    f"by {self._store!r}: {exc}",
                     task_id=task.id,
                     field="payload",
                 ) from exc
+            # What the memory run takes but a row cannot hold would fail the store's first
+            # write, after agents ran: refused here, with the task and the field.
+            priority = task.priority
+            if type(priority) is int and not _INT64_MIN <= priority <= _INT64_MAX:
+                raise InputError(
+                    f"task {_named(task, where, first, i)}: priority {priority} does not fit "
+                    f"the 64-bit integer {self._store!r} keeps it in",
+                    task_id=task.id,
+                    field="priority",
+                )
+            for field in ("id", "key"):
+                value = getattr(task, field)
+                if type(value) is str and not value.isascii() and not _utf8(value):
+                    raise InputError(
+                        f"task {_named(task, where, first, i)}: {field} {value!r} is not valid "
+                        f"UTF-8 text (a lone surrogate?), which {self._store!r} cannot store",
+                        task_id=task.id,
+                        field=field,
+                    )
         return out
 
     def _added(self, tasks: Sequence[Any], payloads: list[Any]) -> None:
@@ -891,3 +906,22 @@ def _same_json(stored: str, payload: Any) -> bool:
     except PydanticSerializationError:
         return False
     return text == stored or json.loads(text) == json.loads(stored)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # SQLite's INTEGER
+
+
+def _named(task: Task, where: str, first: int | None, i: int) -> str:
+    """How an error names a task: its id, or where it came from when it has none yet."""
+    given: str | None = task.id  # typed `str`: None until admission generates one
+    if given is not None:
+        return repr(given)
+    return where if first is None else f"{where}[{first + i}]"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
