@@ -16,7 +16,10 @@ from ._task import Task
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-__all__ = ("Admission", "reject_cycles")
+__all__ = ("PRIORITY_MAX", "PRIORITY_MIN", "Admission", "check_new_priority", "reject_cycles")
+
+# The priorities every store can keep (a durable one holds them in a 64-bit integer column).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 class Admission:
@@ -119,6 +122,21 @@ class Admission:
         if models is not None:
             _validate_payload(task, models)
         return task
+
+
+def check_new_priority(task_id: str, priority: Any) -> None:
+    """A priority given to a task already in a run (`reprioritize`): an int that every store
+    can keep, checked at the call (a durable store would fail its next write, and the run)."""
+    if type(priority) is not int:
+        raise InputError(
+            f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
+        )
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InputError(
+            f"priority {priority} for task {task_id!r} is out of the 64-bit range stores keep",
+            task_id=task_id,
+            field="priority",
+        )
 
 
 def _strings(task_id: str, field: str, value: Any) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._admission import check_new_priority
 from ._exceptions import InputError, RunError
 from ._report import Report
 from ._status import snapshot, starting
@@ -249,10 +250,7 @@ class RunHandle:
         the end, False."""
         if not isinstance(task_id, str):
             raise InputError(f"task_id must be a str, got {task_id!r}", field="task_id")
-        if type(priority) is not int:
-            raise InputError(
-                f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
-            )
+        check_new_priority(task_id, priority)
         if self.done:
             return False
         if not self._open or self._run is None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._admission import check_new_priority
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
 from ._budget import Budget
@@ -513,10 +514,7 @@ class Orchestrator:
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Change the priority of a task that has not started; True if it was found waiting."""
-        if type(priority) is not int:
-            raise InputError(
-                f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
-            )
+        check_new_priority(task_id, priority)
         for run in self._runs:
             state = run.store.state_of(task_id)
             if state is None or state in TERMINAL:

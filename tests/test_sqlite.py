@@ -281,6 +281,20 @@ class TestBadValues:
         assert err.value.field == field
         assert seen == []
 
+    @pytest.mark.parametrize("priority", [2**63, -(2**63) - 1], ids=["too-big", "too-small"])
+    async def test_a_new_priority_a_row_cannot_hold_is_refused_at_the_call(
+        self, orch: Orchestrator, priority: int
+    ) -> None:
+        # It was taken (True), and the next write of the file failed the whole run.
+        async with orch:
+            handle = orch.start([Task("work", i, id=f"t{i}") for i in range(3)])
+            for reprioritize in (handle.reprioritize, orch.reprioritize):
+                with pytest.raises(InputError, match="64-bit") as err:
+                    reprioritize("t2", priority)
+                assert (err.value.task_id, err.value.field) == ("t2", "priority")
+            result = await handle
+        assert result.status == "success"
+
     async def test_an_output_that_cannot_be_stored_fails_its_task(self, orch: Orchestrator) -> None:
         result = await orch.run([Task("work", "unstorable", id="u")])
         error = result.error_for("u")

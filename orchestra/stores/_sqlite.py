@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
+from .._admission import PRIORITY_MAX, PRIORITY_MIN
 from .._exceptions import ConfigError, InputError, StoreError
 from .._store import KEEP
 from .._task import (
@@ -452,7 +453,7 @@ class SQLiteRun:
             # What the memory run takes but a row cannot hold would fail the store's first
             # write, after agents ran: refused here, with the task and the field.
             priority = task.priority
-            if type(priority) is int and not _INT64_MIN <= priority <= _INT64_MAX:
+            if type(priority) is int and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
                 raise InputError(
                     f"task {_named(task, where, first, i)}: priority {priority} does not fit "
                     f"the 64-bit integer {self._store!r} keeps it in",
@@ -906,9 +907,6 @@ def _same_json(stored: str, payload: Any) -> bool:
     except PydanticSerializationError:
         return False
     return text == stored or json.loads(text) == json.loads(stored)
-
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # SQLite's INTEGER
 
 
 def _named(task: Task, where: str, first: int | None, i: int) -> str:
