@@ -184,6 +184,33 @@ class TestScriptedAgent:
         with pytest.raises(ConfigError):
             scripted("a", ["k"], **options)
 
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("kinds", "k"),  # it served "k" by luck; "work" served "w", "o", "r", "k"
+            ("name", 3),
+            ("latency", -1),
+            ("latency", float("nan")),
+            ("jitter", -0.5),
+            ("failure_rate", "0.5"),
+            ("fail_first", 1.5),
+            ("dies_after", -1),
+            ("retry_after", "soon"),
+            ("seed", "abc"),
+            ("concurrency", 0),
+            ("timeout", 0),
+            ("retry", 3),
+            ("script", "error"),
+        ],
+        ids=repr,
+    )
+    def test_a_wrong_option_is_a_config_error_naming_it(self, name: str, value: Any) -> None:
+        options: dict[str, Any] = {"name": "a", "kinds": ["k"], name: value}
+        with pytest.raises(ConfigError) as info:
+            scripted(**options)
+        assert name in str(info.value), info.value
+        assert repr(value) in str(info.value), info.value
+
     async def test_its_own_concurrency_limit_is_respected(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
