@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._config import shown
 from ._exceptions import InputError
 from ._task import Task
 
@@ -48,31 +49,34 @@ class Admission:
         and `index` say where the task came from, for the error message only."""
         if not isinstance(task, Task):
             where = where if index is None else f"{where}[{index}]"
-            raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
+            raise InputError(f"{where} is {type(task).__name__} {shown(task)}, not a Task")
         kind = task.kind
         task_id: Any = task.id
         if task_id is None:
+            # A kind that is not a str is refused below, by this id: not formatted with its own
+            # __str__, which may raise.
+            prefix = kind if type(kind) is str else shown(kind)
             self.auto += 1
-            task_id = f"{kind}#{self.auto}"
+            task_id = f"{prefix}#{self.auto}"
             while taken(task_id):
                 self.auto += 1
-                task_id = f"{kind}#{self.auto}"
+                task_id = f"{prefix}#{self.auto}"
             task.id = task_id
         elif type(task_id) is not str or not task_id:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(
-                f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
+                f"{where}: task id must be a non-empty string, got {shown(task_id)}", field="id"
             )
         if type(kind) is not str or kind not in self.kinds:
             raise InputError(
-                f"task {task_id!r}: no agent serves kind {kind!r} "
+                f"task {task_id!r}: no agent serves kind {shown(kind)} "
                 f"(kinds served: {', '.join(sorted(self.kinds)) or 'none'})",
                 task_id=task_id,
                 field="kind",
             )
         if type(task.priority) is not int:
             raise InputError(
-                f"task {task_id!r}: priority must be an int, got {task.priority!r}",
+                f"task {task_id!r}: priority must be an int, got {shown(task.priority)}",
                 task_id=task_id,
                 field="priority",
             )
@@ -83,7 +87,7 @@ class Admission:
             or not 0 < timeout < float("inf")
         ):
             raise InputError(
-                f"task {task_id!r}: timeout must be a positive number of seconds, got {timeout!r}",
+                f"task {task_id!r}: timeout must be a positive number of seconds, got {shown(timeout)}",
                 task_id=task_id,
                 field="timeout",
             )
@@ -108,13 +112,13 @@ class Admission:
         if task.critical is not False and task.critical is not True:
             # A truthy "no" or 0/1 would pass for a flag; a durable store keeps only a bool.
             raise InputError(
-                f"task {task_id!r}: critical must be True or False, got {task.critical!r}",
+                f"task {task_id!r}: critical must be True or False, got {shown(task.critical)}",
                 task_id=task_id,
                 field="critical",
             )
         if task.key is not None and (type(task.key) is not str or not task.key):
             raise InputError(
-                f"task {task_id!r}: key must be a non-empty string, got {task.key!r}",
+                f"task {task_id!r}: key must be a non-empty string, got {shown(task.key)}",
                 task_id=task_id,
                 field="key",
             )
@@ -129,7 +133,7 @@ def check_new_priority(task_id: str, priority: Any) -> None:
     can keep, checked at the call (a durable store would fail its next write, and the run)."""
     if type(priority) is not int:
         raise InputError(
-            f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
+            f"priority must be an int, got {shown(priority)}", task_id=task_id, field="priority"
         )
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise InputError(
@@ -142,14 +146,14 @@ def check_new_priority(task_id: str, priority: Any) -> None:
 def _strings(task_id: str, field: str, value: Any) -> None:
     if isinstance(value, str) or not isinstance(value, Sequence | set | frozenset):
         raise InputError(
-            f"task {task_id!r}: {field} must be a list of strings, got {value!r}",
+            f"task {task_id!r}: {field} must be a list of strings, got {shown(value)}",
             task_id=task_id,
             field=field,
         )
     for item in value:
         if type(item) is not str:
             raise InputError(
-                f"task {task_id!r}: {field} must hold strings, got {item!r}",
+                f"task {task_id!r}: {field} must hold strings, got {shown(item)}",
                 task_id=task_id,
                 field=field,
             )

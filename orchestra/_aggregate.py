@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ._config import check_mapping
+from ._config import check_mapping, shown
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -349,7 +349,9 @@ class ByKind:
     ) -> None:
         _check_by_kind("ByKind", by_kind)
         if default is not None and not _is_aggregator(default):
-            raise ConfigError(f"ByKind default={default!r} is not an aggregator (it needs begin())")
+            raise ConfigError(
+                f"ByKind default={shown(default)} is not an aggregator (it needs begin())"
+            )
         self.by_kind = dict(by_kind)
         self.default = default if default is not None else Collect()
 
@@ -386,7 +388,7 @@ def aggregator_of(value: Aggregator | Mapping[str, Aggregator] | None) -> Aggreg
         _check_by_kind("aggregate", value)
         return ByKind(value)
     if not _is_aggregator(value):
-        raise ConfigError(f"aggregate={value!r} is not an aggregator (it needs begin())")
+        raise ConfigError(f"aggregate={shown(value)} is not an aggregator (it needs begin())")
     return value
 
 
@@ -400,7 +402,9 @@ def _check_by_kind(name: str, by_kind: Any) -> None:
     check_mapping(name, by_kind, optional=False)
     for kind, agg in by_kind.items():
         if not _is_aggregator(agg):
-            raise ConfigError(f"{name}[{kind!r}]={agg!r} is not an aggregator (it needs begin())")
+            raise ConfigError(
+                f"{name}[{kind!r}]={shown(agg)} is not an aggregator (it needs begin())"
+            )
 
 
 def percentile(sorted_values: Iterable[float], q: float) -> float:

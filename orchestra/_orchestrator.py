@@ -32,6 +32,7 @@ from ._config import (
     check_names,
     check_number,
     check_sequence,
+    shown,
 )
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
@@ -163,7 +164,7 @@ class Orchestrator:
         check_int("seed", seed, minimum=None, optional=True)
         if clock is not None and not callable(getattr(clock, "install", None)):
             raise ConfigError(
-                f"clock must be an orchestra.testing.FakeClock or None, got {clock!r}"
+                f"clock must be an orchestra.testing.FakeClock or None, got {shown(clock)}"
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
@@ -171,7 +172,7 @@ class Orchestrator:
             # Else an AttributeError when the first run opens (a path is the usual slip).
             raise ConfigError(
                 f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
-                f"got {store!r}"
+                f"got {shown(store)}"
             )
         if instruments is not None:
             check_sequence("instruments", instruments)

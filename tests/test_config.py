@@ -229,6 +229,31 @@ class TestOrchestrator:
             Orchestrator(agents=[Summarizer()])
 
 
+class Unprintable:
+    """A value whose repr, str, eq and hash raise: an error about it must still be the clear one."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr")
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+    def __hash__(self) -> int:
+        raise RuntimeError("hash")
+
+
+class TestUnprintableValues:
+    @pytest.mark.parametrize(
+        "name", ["agents", "clock", "aggregate", "store", "timeouts", "retry", "concurrency"]
+    )
+    def test_the_config_error_shows_the_type(self, name: str) -> None:
+        value: Any = [Unprintable()] if name == "agents" else Unprintable()
+        with pytest.raises(ConfigError, match="<Unprintable>"):
+            Orchestrator(**{"agents": [writer], name: value})
+
+
 class TestPolicies:
     @pytest.mark.parametrize(("name", "value", "shown"), RETRY, ids=ids(RETRY))
     def test_retry_policy(self, name: str, value: Any, shown: str | None) -> None:

@@ -325,6 +325,15 @@ BAD_PRIORITIES: list[Any] = ["high", 1.5, True, None]
 BAD_TIMEOUTS: list[Any] = ["10", -1, 0, True, math.nan]
 
 
+class Unprintable:
+    """A value whose repr and str raise (an error message must not call them bare)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr")
+
+    __str__ = __repr__
+
+
 class TestBadGraphsAreRejectedBeforeWork:
     @pytest.mark.parametrize("case", sorted(BAD_GRAPHS))
     async def test_bad_graph(
@@ -383,6 +392,23 @@ class TestBadGraphsAreRejectedBeforeWork:
         task_id = "c" if named else "work#2"
         assert (info.value.task_id, info.value.field) == (task_id, "critical")
         assert repr(task_id) in str(info.value)
+        assert rec.calls == []
+
+    @pytest.mark.parametrize(
+        "field", ["kind", "id", "priority", "timeout", "depends_on", "tags", "key", "critical"]
+    )
+    async def test_a_value_whose_repr_raises_is_still_an_input_error(
+        self, field: str, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        value = Unprintable()
+        options: dict[str, Any] = {"id": "u", field: [value] if field == "tags" else value}
+        kind = options.pop("kind", "work")
+        if field == "kind":
+            del options["id"]  # its id is generated from the kind
+        rec = RecordingAgent()
+        with pytest.raises(InputError, match="<Unprintable>") as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[Task(kind, **options)])
+        assert info.value.field == field
         assert rec.calls == []
 
     async def test_something_that_is_not_a_task(
