@@ -509,8 +509,14 @@ class Orchestrator:
         and counted in `metadata.events_dropped`, so a slow subscriber never slows the run. What
         `fn` raises is logged and ignored. Returns a function that unsubscribes.
         """
-        if buffer < 1:
-            raise ConfigError(f"buffer must be >= 1, got {buffer!r}")
+        check_callable("subscribe: fn", fn, optional=False)
+        for kind in types:
+            if not (isinstance(kind, type) and issubclass(kind, Event)):
+                raise ConfigError(
+                    f"subscribe: types must be event classes (orchestra.TaskFinished, ...), "
+                    f"got {shown(kind)}"
+                )
+        check_int("subscribe: buffer", buffer)
         return self._bus.subscribe(fn, types, buffer)
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
