@@ -70,6 +70,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import time
 import uuid
 import weakref
@@ -97,7 +98,6 @@ from ._sqlite_rows import Rows
 from ._sqlite_share import Sharing
 
 if TYPE_CHECKING:
-    import os
     from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
 
@@ -134,6 +134,9 @@ class SQLiteStore:
         lease: float = 30.0,
         busy_timeout: float = 10.0,
     ) -> None:
+        if not isinstance(path, str | os.PathLike) or path == "":
+            # pathlib would raise a TypeError, or take "" for the current directory.
+            raise ConfigError(f"SQLiteStore path must be a file path (str or Path), got {path!r}")
         for name, value in (
             ("window", window),
             ("key_lease", key_lease),
