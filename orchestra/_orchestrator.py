@@ -226,6 +226,11 @@ class Orchestrator:
         self._tg: TaskGroup | None = None
         self._idle: anyio.Event | None = None
         self._entered = 0
+        # The tasks inside an `async with` of it, by anyio task id, with their depth; the first
+        # one entered the task group, and only it can exit it (a cancel scope is left in the
+        # task that entered it).
+        self._holders: dict[int, int] = {}
+        self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
 
@@ -236,8 +241,10 @@ class Orchestrator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Orchestrator:
+        me = anyio.get_current_task().id
         if self._entered:
             self._entered += 1
+            self._holders[me] = self._holders.get(me, 0) + 1
             return self
         if self.clock is not None:
             self.clock.install()
@@ -245,6 +252,8 @@ class Orchestrator:
         await tg.__aenter__()
         self._tg = tg
         self._entered = 1
+        self._holders = {me: 1}
+        self._owner = me
         self._bus.start(tg)
         return self
 
@@ -254,18 +263,36 @@ class Orchestrator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        me = anyio.get_current_task().id
+        depth = self._holders.get(me)
+        if depth is None:
+            if self._tg is None:
+                return None  # the lifecycle it entered was ended by its first task's error
+            raise ConfigError(
+                "Orchestrator exited from a task (or event loop) that did not enter it: use "
+                "`async with` in the task that runs the block"
+            )
         self._entered -= 1
-        if self._entered:
+        if depth > 1:
+            self._holders[me] = depth - 1
+            return None
+        del self._holders[me]
+        if me != self._owner:
+            # Another task entered first: that one exits the task group, once this one is out.
+            if self._idle is not None:
+                self._idle.set()
             return None
         tg = self._tg
         assert tg is not None
         try:
             if exc is None:
                 # Runs that other callers started in this lifecycle (run() without `async with`,
-                # concurrently) finish first.
-                while self._runs or self._starting:
+                # concurrently) finish first, and other tasks' `async with` blocks end.
+                while self._runs or self._starting or self._holders:
                     idle = self._idle = anyio.Event()
                     await idle.wait()
+            self._holders.clear()
+            self._entered = 0
             self._tg = None
             self._bus.stop()
             if exc is None:
