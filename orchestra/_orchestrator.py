@@ -688,6 +688,7 @@ class ResultStream:
         self._over = anyio.Event()
         self._error: BaseException | None = None
         self._run: Run | None = None
+        self._closed = False
         self.result: RunResult | None = None
 
     def _attach(self, run: Run) -> None:
@@ -720,6 +721,8 @@ class ResultStream:
 
     async def __anext__(self) -> TaskResult:
         if self._receive is None:
+            if self._closed:  # closed before it was read: it never starts
+                raise StopAsyncIteration
             self._start()
         assert self._receive is not None
         try:
@@ -733,10 +736,14 @@ class ResultStream:
             if self._error is not None:
                 raise self._error from None
             raise StopAsyncIteration from None
+        except anyio.ClosedResourceError:  # read again after its end, or after aclose()
+            raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
         """Stop the run if it is still going (what runs is cancelled, what waits ends cancelled),
-        and wait for it to end: `result` is then its `RunResult`, status "cancelled"."""
+        and wait for it to end: `result` is then its `RunResult`, status "cancelled". A stream
+        closed before it was read never starts its run (`result` stays None)."""
+        self._closed = True
         if self._receive is None:
             return
         if self._run is not None:

@@ -330,6 +330,32 @@ class TestStream:
         assert results.result.status == "success"
         assert results.result.data == {"d3": 3, "d1": 1, "d2": 2}
 
+    async def test_a_stream_read_again_after_its_end_is_empty(self) -> None:
+        # The second loop raised anyio.ClosedResourceError.
+        async with Orchestrator(agents=[ok_agent()]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            assert [r.task_id async for r in stream] == ["t0", "t1"]
+            assert [r.task_id async for r in stream] == []
+            await stream.aclose()
+            assert [r.task_id async for r in stream] == []
+        assert stream.result is not None
+        assert stream.result.status == "success"
+
+    async def test_a_stream_closed_before_it_is_read_never_runs(self) -> None:
+        # It started its run when read after the close, as if never closed.
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> None:
+            calls.append(task.id)
+
+        async with Orchestrator(agents=[counted]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            await stream.aclose()
+            assert [r async for r in stream] == []
+        assert calls == []
+        assert stream.result is None
+
     async def test_a_fully_read_stream_leaves_nothing_unclosed(self, clock: FakeClock) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
