@@ -37,12 +37,12 @@ from ._config import (
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._failure import cancel_pending
-from ._faults import Fault, FaultMode
+from ._faults import MODES, Fault, FaultMode
 from ._handle import RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._limits import Capacity, Concurrency, as_concurrency
 from ._log import get_logger
-from ._registry import Registry
+from ._registry import AgentSlot, Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
@@ -575,10 +575,19 @@ class Orchestrator:
         `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
         Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
         "garbage", "permanent", "slow" (adds `latency`)."""
-        slot = self.registry.slots.get(agent)
-        if slot is None:
-            raise ConfigError(f"unknown agent {agent!r}; known: {sorted(self.registry.slots)}")
-        now = anyio.current_time()
+        slot = self._slot(agent)
+        if mode not in MODES:
+            raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")
+        where = "simulate_agent_failure: "
+        check_number(f"{where}duration", duration, optional=True)
+        check_number(f"{where}retry_after", retry_after, optional=True)
+        check_number(f"{where}latency", latency)
+        try:
+            now = anyio.current_time()
+        except RuntimeError:  # anyio's NoEventLoopError
+            raise ConfigError(
+                "simulate_agent_failure() needs a running event loop: call it from async code"
+            ) from None
         fault = Fault(
             agent,
             mode,
@@ -601,10 +610,16 @@ class Orchestrator:
         for run in self._runs:
             run.replain()
 
+    def _slot(self, agent: str) -> AgentSlot:
+        slot = self.registry.slots.get(agent)
+        if slot is None:
+            raise ConfigError(f"unknown agent {shown(agent)}; known: {sorted(self.registry.slots)}")
+        return slot
+
     def restore_agent(self, agent: str) -> None:
         """End a simulated failure now."""
-        slot = self.registry.slots.get(agent)
-        if slot is not None and slot.fault is not None:
+        slot = self._slot(agent)
+        if slot.fault is not None:
             slot.fault.until = anyio.current_time()
             slot.fault = None
 
