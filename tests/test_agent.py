@@ -37,6 +37,10 @@ def sync_fn(task: Task) -> Any:
     return task.payload
 
 
+def optional_ctx(task: Task, ctx: Context | None = None) -> str:
+    return "fine"  # at module level: a worker process imports it by name
+
+
 class TestDecorator:
     def test_defaults(self) -> None:
         a = agent(plain, kinds=["work"])
@@ -116,10 +120,19 @@ class TestDecorator:
         with pytest.raises(ConfigError, match=r"'with_ctx'.*fn\(task\)`, with no ctx"):
             agent(with_ctx, kinds=["work"], executor=executor)
 
-        def optional_ctx(task: Task, ctx: Context | None = None) -> str:
-            return "fine"
-
         assert agent(optional_ctx, kinds=["work"], executor=executor).executor == executor
+
+    def test_a_process_function_must_be_importable_by_name(self) -> None:
+        # A lambda or a nested function cannot be found in the worker process: every attempt
+        # failed with an AttributeError (retried, then the task failed).
+        def nested(task: Task) -> str:
+            return "never"
+
+        for fn in (nested, lambda task: "never"):
+            with pytest.raises(ConfigError, match="top of a module") as info:
+                agent(fn, kinds=["work"], executor="process")
+            assert "<locals>" in str(info.value)
+        assert agent(nested, kinds=["work"], executor="thread").executor == "thread"
 
 
 class TestAgentLikeObjects:
