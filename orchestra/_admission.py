@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._config import shown
 from ._exceptions import InputError
-from ._task import Task
+from ._task import _EMPTY, Task
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -91,15 +91,25 @@ class Admission:
                 task_id=task_id,
                 field="timeout",
             )
-        if task.depends_on:
+        # A falsy value (None, [], "") is none, made the empty tuple that the code after
+        # admission iterates; a value whose truth is ambiguous (a numpy array's raises) is
+        # something, which `_strings` then refuses.
+        given: Any = task  # typed as sequences; any values until checked
+        if given.depends_on is not _EMPTY and not _listed(given.depends_on):
+            task.depends_on = _EMPTY
+        if given.tags is not _EMPTY and not _listed(given.tags):
+            task.tags = _EMPTY
+        if given.depends_on_tags is not _EMPTY and not _listed(given.depends_on_tags):
+            task.depends_on_tags = _EMPTY
+        if task.depends_on is not _EMPTY:
             _strings(task_id, "depends_on", task.depends_on)
             if task_id in task.depends_on:
                 raise InputError(
                     f"task {task_id!r} depends on itself", task_id=task_id, field="depends_on"
                 )
-        if task.tags:
+        if task.tags is not _EMPTY:
             _strings(task_id, "tags", task.tags)
-        if task.depends_on_tags:
+        if task.depends_on_tags is not _EMPTY:
             _strings(task_id, "depends_on_tags", task.depends_on_tags)
             for tag in task.depends_on_tags:
                 if tag in task.tags:
@@ -141,6 +151,14 @@ def check_new_priority(task_id: str, priority: Any) -> None:
             task_id=task_id,
             field="priority",
         )
+
+
+def _listed(value: Any) -> bool:
+    """Whether a list field holds something: its truth value, or True when that raises."""
+    try:
+        return bool(value)
+    except Exception:
+        return True
 
 
 def _strings(task_id: str, field: str, value: Any) -> None:
