@@ -269,8 +269,15 @@ class TestBadValues:
             (Task("work", 1, id="p2", priority=-(2**63) - 1), "priority"),
             (Task("work", 1, id="p2", key="k\ud800"), "key"),
             (Task("work", 1, id="p2\ud800"), "id"),
+            (Task("work", 1, id="p2", metadata={"note": "a\ud800"}), "metadata"),
         ],
-        ids=["priority-too-big", "priority-too-small", "key-surrogate", "id-surrogate"],
+        ids=[
+            "priority-too-big",
+            "priority-too-small",
+            "key-surrogate",
+            "id-surrogate",
+            "metadata-surrogate",
+        ],
     )
     async def test_a_field_a_row_cannot_hold_is_refused_before_any_work(
         self, orch: Orchestrator, seen: list[str], task: Task, field: str

@@ -463,6 +463,16 @@ class SQLiteRun:
                     task_id=task.id,
                     field="priority",
                 )
+            if task.metadata is not None:
+                try:  # as `_sqlite_rows` writes it: what JSON cannot hold is shown by its repr
+                    to_json(task.metadata, fallback=repr)
+                except PydanticSerializationError as exc:  # text that is not UTF-8
+                    raise InputError(
+                        f"task {_named(task, where, first, i)}: metadata cannot be stored as "
+                        f"JSON by {self._store!r}: {exc}",
+                        task_id=task.id,
+                        field="metadata",
+                    ) from exc
             for field in ("id", "key"):
                 value = getattr(task, field)
                 if type(value) is str and not value.isascii() and not _utf8(value):
