@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any
 
 from ._budget import BudgetDoor
@@ -88,7 +89,25 @@ class Context:
         """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's
         metadata, in total, per agent and, given `model`, per model. The agent's limits
         (`@agent(limits=[Rate(..., unit="input_tokens")])`) are trued up with them when the
-        attempt ends; a run budget (`max_cost=`, `max_tokens=`) is checked against them."""
+        attempt ends; a run budget (`max_cost=`, `max_tokens=`) is checked against them.
+
+        Raises `InputError` (failing the attempt, not the run) for a cost or count that is not a
+        finite number >= 0, or a `model` that is not a str: counted, a NaN or a negative cost
+        would defeat the budget, and a NaN count or a non-str model failed the run's result."""
+        for name, value in (("cost", cost), *tokens.items()):
+            if (
+                type(value) is bool
+                or not isinstance(value, int | float)
+                or not 0 <= value < math.inf  # NaN too
+            ):
+                raise InputError(
+                    f"record_usage: {name} must be a finite number >= 0, got {value!r}",
+                    field=name,
+                )
+        if model is not None and not isinstance(model, str):
+            raise InputError(
+                f"record_usage: model must be a str or None, got {model!r}", field="model"
+            )
         self._run.record_usage(cost, tokens, self.agent, model)
         usage = self._usage
         if usage is None:

@@ -242,6 +242,36 @@ class TestContext:
         assert result.metadata.tokens == {"input_tokens": 300, "output_tokens": 6}
         assert result.metadata.cost == pytest.approx(0.75)
 
+    @pytest.mark.parametrize(
+        ("usage", "field"),
+        [
+            ({"input_tokens": math.nan}, "input_tokens"),  # the run's result raised
+            ({"cost": 0.1, "model": 3}, "model"),  # the run's result raised
+            ({"cost": math.nan}, "cost"),  # counted: every budget check passed
+            ({"cost": -1.0}, "cost"),  # counted: spend went down
+            ({"output_tokens": "5"}, "output_tokens"),  # a TypeError
+        ],
+        ids=repr,
+    )
+    async def test_wrong_usage_fails_the_attempt_not_the_run(
+        self, usage: dict[str, Any], field: str
+    ) -> None:
+        @agent(kinds=["work"])
+        async def llm(task: Task, ctx: Context) -> str:
+            if task.id == "bad":
+                ctx.record_usage(**usage)
+            return "ok"
+
+        result = await Orchestrator(agents=[llm], max_cost=1.0).run(
+            tasks=[Task("work", id="bad"), Task("work", id="fine")]
+        )
+        assert result.data == {"fine": "ok"}
+        error = result.error_for("bad")
+        assert error is not None
+        assert error.error_type == "InputError"
+        assert field in error.message
+        assert result.metadata.cost == 0.0
+
     async def test_the_log_is_bound_to_the_attempt(self, logs: LogLines) -> None:
         @agent(kinds=["work"], name="talker")
         async def talker(task: Task, ctx: Context) -> None:
