@@ -135,6 +135,9 @@ class Context:
         against what was really held, and the run's budget counts the new amount. Nothing to do
         when the attempt reserved nothing (an agent without limits, in a run without a budget).
         """
+        for unit, n in units.items():  # a NaN would poison the shared limiter's meter for good
+            if type(n) is bool or not isinstance(n, int | float) or not math.isfinite(n):
+                raise InputError(f"reserve: {unit} must be a finite number, got {n!r}", field=unit)
         reserved = self._reserved
         if reserved is None:
             return
