@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._config import shown
+from ._config import finite, shown
 from ._exceptions import InputError
 from ._task import _EMPTY, Task
 
@@ -84,7 +84,8 @@ class Admission:
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not 0 < timeout < float("inf")
+            or not finite(timeout)
+            or not timeout > 0
         ):
             raise InputError(
                 f"task {task_id!r}: timeout must be a positive number of seconds, got {shown(timeout)}",

@@ -27,8 +27,18 @@ __all__ = (
     "check_names",
     "check_number",
     "check_sequence",
+    "finite",
     "shown",
 )
+
+
+def finite(value: float) -> bool:
+    """`math.isfinite`, False (not an OverflowError) for an int too large for a float: every
+    seconds, rate and cost value becomes a float somewhere."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def shown(value: Any) -> str:
@@ -78,7 +88,7 @@ def check_number(
     ok = (
         type(value) is not bool
         and isinstance(value, int | float)
-        and math.isfinite(value)
+        and finite(value)
         and (value > minimum if positive else value >= minimum)
         and (maximum is None or value <= maximum)
     )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from typing import TYPE_CHECKING, Any
 
 from ._budget import BudgetDoor
+from ._config import finite
 from ._exceptions import InputError
 from ._limits import REQUESTS, Rate
 from ._log import get_logger
@@ -98,7 +98,8 @@ class Context:
             if (
                 type(value) is bool
                 or not isinstance(value, int | float)
-                or not 0 <= value < math.inf  # NaN too
+                or not finite(value)
+                or value < 0
             ):
                 raise InputError(
                     f"record_usage: {name} must be a finite number >= 0, got {value!r}",
@@ -136,7 +137,7 @@ class Context:
         when the attempt reserved nothing (an agent without limits, in a run without a budget).
         """
         for unit, n in units.items():  # a NaN would poison the shared limiter's meter for good
-            if type(n) is bool or not isinstance(n, int | float) or not math.isfinite(n):
+            if type(n) is bool or not isinstance(n, int | float) or not finite(n):
                 raise InputError(f"reserve: {unit} must be a finite number, got {n!r}", field=unit)
         reserved = self._reserved
         if reserved is None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._admission import check_new_priority
+from ._config import finite
 from ._exceptions import InputError, RunError
 from ._report import Report
 from ._status import snapshot, starting
@@ -291,6 +292,7 @@ class RunHandle:
             isinstance(grace, bool)
             or not isinstance(grace, int | float)
             or not grace >= 0  # NaN too
+            or (grace != math.inf and not finite(grace))  # inf waits forever; 10**400 fails
         ):
             raise InputError(f"grace must be a number >= 0 or None, got {grace!r}", field="grace")
         if not self.done:

@@ -9,6 +9,7 @@ run is still returned, never a `KeyboardInterrupt` traceback.
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._config import finite
 from ._exceptions import ConfigError
 from ._log import get_logger
 
@@ -58,7 +60,10 @@ def run_main(
     if not isinstance(orch, Orchestrator):  # else a TypeError from inside the run
         raise ConfigError(f"run_main() runs an Orchestrator, got {orch!r}")
     if grace is not None and (
-        isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0
+        isinstance(grace, bool)
+        or not isinstance(grace, int | float)
+        or not grace >= 0
+        or (grace != math.inf and not finite(grace))
     ):
         raise ConfigError(f"grace must be a number >= 0 or None, got {grace!r}")
     try:

@@ -25,6 +25,8 @@ from orchestra import (
 )
 
 NAN, INF = math.nan, math.inf
+HUGE = 10**400  # an int no float holds: math.isfinite raised OverflowError on it
+HUGE_SHOWN = "1" + "0" * 100  # the start of its (shortened) repr in a message
 
 
 @agent(kinds=["work"])
@@ -102,6 +104,9 @@ ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
     ("drain_timeout", INF, None),
     ("drain_timeout", -1, None),
     ("drain_timeout", "5", None),
+    ("drain_timeout", HUGE, HUGE_SHOWN),
+    ("success_threshold", HUGE, HUGE_SHOWN),
+    ("max_cost", HUGE, HUGE_SHOWN),
     ("store", "runs.db", None),
     ("store", 42, None),
 ]
@@ -119,6 +124,7 @@ RETRY: list[tuple[str, Any, str | None]] = [
     ("cap", NAN, None),
     ("cap", INF, None),
     ("cap", "30", None),
+    ("cap", HUGE, HUGE_SHOWN),
     ("jitter", "random", None),
     ("jitter", None, None),
     ("retryable", "ValueError", None),
@@ -137,6 +143,7 @@ BREAKER: list[tuple[str, Any, str | None]] = [
     ("cooldown", INF, None),
     ("cooldown", "30", None),
     ("cooldown", -1, None),
+    ("cooldown", HUGE, HUGE_SHOWN),
     ("failure_rate", 0, None),
     ("failure_rate", 1.5, None),
     ("failure_rate", NAN, None),
@@ -152,7 +159,7 @@ TIMEOUTS: list[tuple[str, Any, str | None]] = [
     (name, value, None)
     for name in ("attempt", "task", "run")
     for value in ("5", 0, -1, NAN, INF, True)
-]
+] + [(name, HUGE, HUGE_SHOWN) for name in ("attempt", "task", "run")]
 
 AGENT: list[tuple[str, Any, str | None]] = [
     ("kinds", "work", None),
@@ -176,11 +183,12 @@ AGENT: list[tuple[str, Any, str | None]] = [
     ("timeout", "5", None),
     ("timeout", 0, None),
     ("timeout", True, None),
+    ("timeout", HUGE, HUGE_SHOWN),
 ]
 
 
 def ids(cases: list[tuple[str, Any, str | None]]) -> list[str]:
-    return [f"{name}={value!r}" for name, value, _ in cases]
+    return [f"{name}={'HUGE' if value is HUGE else repr(value)}" for name, value, _ in cases]
 
 
 class TestOrchestrator:

@@ -69,7 +69,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import time
 import uuid
@@ -80,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import PydanticSerializationError, to_json
 
 from .._admission import PRIORITY_MAX, PRIORITY_MIN
+from .._config import finite
 from .._exceptions import ConfigError, InputError, StoreError
 from .._store import KEEP
 from .._task import (
@@ -145,7 +145,7 @@ class SQLiteStore:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-            if not 0 < value < math.inf:
+            if not finite(value) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if key_lease <= window:
             raise ConfigError(
