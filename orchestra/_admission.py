@@ -51,6 +51,10 @@ class Admission:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(f"{where} is {type(task).__name__} {shown(task)}, not a Task")
         kind = task.kind
+        if type(kind) is not str and isinstance(kind, str):
+            # A str subclass (a StrEnum member, as `@agent(kinds=[Kind.RESEARCH])` takes): the
+            # plain string it is, so ids, events and stores see "research".
+            kind = task.kind = str.__str__(kind)
         task_id: Any = task.id
         if task_id is None:
             # A kind that is not a str is refused below, by this id: not formatted with its own
