@@ -10,13 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._config import finite, shown
 from ._exceptions import InputError
-from ._task import Task
+from ._task import _EMPTY, Task
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-__all__ = ("Admission", "reject_cycles")
+__all__ = ("PRIORITY_MAX", "PRIORITY_MIN", "Admission", "check_new_priority", "reject_cycles")
+
+# The priorities every store can keep (a durable one holds them in a 64-bit integer column).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 class Admission:
@@ -45,31 +49,38 @@ class Admission:
         and `index` say where the task came from, for the error message only."""
         if not isinstance(task, Task):
             where = where if index is None else f"{where}[{index}]"
-            raise InputError(f"{where} is {type(task).__name__} {task!r}, not a Task")
+            raise InputError(f"{where} is {type(task).__name__} {shown(task)}, not a Task")
         kind = task.kind
+        if type(kind) is not str and isinstance(kind, str):
+            # A str subclass (a StrEnum member, as `@agent(kinds=[Kind.RESEARCH])` takes): the
+            # plain string it is, so ids, events and stores see "research".
+            kind = task.kind = str.__str__(kind)
         task_id: Any = task.id
         if task_id is None:
+            # A kind that is not a str is refused below, by this id: not formatted with its own
+            # __str__, which may raise.
+            prefix = kind if type(kind) is str else shown(kind)
             self.auto += 1
-            task_id = f"{kind}#{self.auto}"
+            task_id = f"{prefix}#{self.auto}"
             while taken(task_id):
                 self.auto += 1
-                task_id = f"{kind}#{self.auto}"
+                task_id = f"{prefix}#{self.auto}"
             task.id = task_id
         elif type(task_id) is not str or not task_id:
             where = where if index is None else f"{where}[{index}]"
             raise InputError(
-                f"{where}: task id must be a non-empty string, got {task_id!r}", field="id"
+                f"{where}: task id must be a non-empty string, got {shown(task_id)}", field="id"
             )
         if type(kind) is not str or kind not in self.kinds:
             raise InputError(
-                f"task {task_id!r}: no agent serves kind {kind!r} "
+                f"task {task_id!r}: no agent serves kind {shown(kind)} "
                 f"(kinds served: {', '.join(sorted(self.kinds)) or 'none'})",
                 task_id=task_id,
                 field="kind",
             )
         if type(task.priority) is not int:
             raise InputError(
-                f"task {task_id!r}: priority must be an int, got {task.priority!r}",
+                f"task {task_id!r}: priority must be an int, got {shown(task.priority)}",
                 task_id=task_id,
                 field="priority",
             )
@@ -77,22 +88,33 @@ class Admission:
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not 0 < timeout < float("inf")
+            or not finite(timeout)
+            or not timeout > 0
         ):
             raise InputError(
-                f"task {task_id!r}: timeout must be a positive number of seconds, got {timeout!r}",
+                f"task {task_id!r}: timeout must be a positive number of seconds, got {shown(timeout)}",
                 task_id=task_id,
                 field="timeout",
             )
-        if task.depends_on:
+        # A falsy value (None, [], "") is none, made the empty tuple that the code after
+        # admission iterates; a value whose truth is ambiguous (a numpy array's raises) is
+        # something, which `_strings` then refuses.
+        given: Any = task  # typed as sequences; any values until checked
+        if given.depends_on is not _EMPTY and not _listed(given.depends_on):
+            task.depends_on = _EMPTY
+        if given.tags is not _EMPTY and not _listed(given.tags):
+            task.tags = _EMPTY
+        if given.depends_on_tags is not _EMPTY and not _listed(given.depends_on_tags):
+            task.depends_on_tags = _EMPTY
+        if task.depends_on is not _EMPTY:
             _strings(task_id, "depends_on", task.depends_on)
             if task_id in task.depends_on:
                 raise InputError(
                     f"task {task_id!r} depends on itself", task_id=task_id, field="depends_on"
                 )
-        if task.tags:
+        if task.tags is not _EMPTY:
             _strings(task_id, "tags", task.tags)
-        if task.depends_on_tags:
+        if task.depends_on_tags is not _EMPTY:
             _strings(task_id, "depends_on_tags", task.depends_on_tags)
             for tag in task.depends_on_tags:
                 if tag in task.tags:
@@ -102,9 +124,16 @@ class Admission:
                         task_id=task_id,
                         field="depends_on_tags",
                     )
+        if task.critical is not False and task.critical is not True:
+            # A truthy "no" or 0/1 would pass for a flag; a durable store keeps only a bool.
+            raise InputError(
+                f"task {task_id!r}: critical must be True or False, got {shown(task.critical)}",
+                task_id=task_id,
+                field="critical",
+            )
         if task.key is not None and (type(task.key) is not str or not task.key):
             raise InputError(
-                f"task {task_id!r}: key must be a non-empty string, got {task.key!r}",
+                f"task {task_id!r}: key must be a non-empty string, got {shown(task.key)}",
                 task_id=task_id,
                 field="key",
             )
@@ -114,17 +143,40 @@ class Admission:
         return task
 
 
+def check_new_priority(task_id: str, priority: Any) -> None:
+    """A priority given to a task already in a run (`reprioritize`): an int that every store
+    can keep, checked at the call (a durable store would fail its next write, and the run)."""
+    if type(priority) is not int:
+        raise InputError(
+            f"priority must be an int, got {shown(priority)}", task_id=task_id, field="priority"
+        )
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InputError(
+            f"priority {priority} for task {task_id!r} is out of the 64-bit range stores keep",
+            task_id=task_id,
+            field="priority",
+        )
+
+
+def _listed(value: Any) -> bool:
+    """Whether a list field holds something: its truth value, or True when that raises."""
+    try:
+        return bool(value)
+    except Exception:
+        return True
+
+
 def _strings(task_id: str, field: str, value: Any) -> None:
     if isinstance(value, str) or not isinstance(value, Sequence | set | frozenset):
         raise InputError(
-            f"task {task_id!r}: {field} must be a list of strings, got {value!r}",
+            f"task {task_id!r}: {field} must be a list of strings, got {shown(value)}",
             task_id=task_id,
             field=field,
         )
     for item in value:
         if type(item) is not str:
             raise InputError(
-                f"task {task_id!r}: {field} must hold strings, got {item!r}",
+                f"task {task_id!r}: {field} must hold strings, got {shown(item)}",
                 task_id=task_id,
                 field=field,
             )

@@ -133,6 +133,14 @@ class Agent:
                 f"agent {label!r}: executor={executor!r} calls `fn(task)`, with no ctx "
                 "(it runs off the loop); this one does not take one argument"
             )
+        qualname = getattr(fn, "__qualname__", "")
+        if executor == "process" and (not isinstance(qualname, str) or "<" in qualname):
+            # The worker process finds the function by module and name (see `__call__`): a lambda
+            # or a nested function has none, and every attempt failed with an AttributeError.
+            raise ConfigError(
+                f"agent {label!r}: executor='process' needs a function defined at the top of a "
+                f"module (it is imported by name in the worker process), got {qualname or fn!r}"
+            )
         self.fn = fn
         self.__wrapped__ = fn
         self.kinds = tuple(kinds)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from ._config import check_mapping, shown
 from ._exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -346,6 +347,11 @@ class ByKind:
     def __init__(
         self, by_kind: Mapping[str, Aggregator], default: Aggregator | None = None
     ) -> None:
+        _check_by_kind("ByKind", by_kind)
+        if default is not None and not _is_aggregator(default):
+            raise ConfigError(
+                f"ByKind default={shown(default)} is not an aggregator (it needs begin())"
+            )
         self.by_kind = dict(by_kind)
         self.default = default if default is not None else Collect()
 
@@ -379,10 +385,26 @@ def aggregator_of(value: Aggregator | Mapping[str, Aggregator] | None) -> Aggreg
     if value is None:
         return Collect()
     if isinstance(value, Mapping):
+        _check_by_kind("aggregate", value)
         return ByKind(value)
-    if not callable(getattr(value, "begin", None)):
-        raise ConfigError(f"aggregate={value!r} is not an aggregator (it needs begin())")
+    if not _is_aggregator(value):
+        raise ConfigError(f"aggregate={shown(value)} is not an aggregator (it needs begin())")
     return value
+
+
+def _is_aggregator(value: Any) -> bool:
+    return callable(getattr(value, "begin", None))
+
+
+def _check_by_kind(name: str, by_kind: Any) -> None:
+    """Kinds (strings) to aggregators, checked when configured: a wrong value would otherwise
+    fail only at the run's first result, leaving `data` None."""
+    check_mapping(name, by_kind, optional=False)
+    for kind, agg in by_kind.items():
+        if not _is_aggregator(agg):
+            raise ConfigError(
+                f"{name}[{kind!r}]={shown(agg)} is not an aggregator (it needs begin())"
+            )
 
 
 def percentile(sorted_values: Iterable[float], q: float) -> float:

@@ -27,17 +27,34 @@ __all__ = (
     "check_names",
     "check_number",
     "check_sequence",
+    "finite",
+    "shown",
 )
 
 
-def _fail(name: str, wanted: str, value: Any) -> ConfigError:
+def finite(value: float) -> bool:
+    """`math.isfinite`, False (not an OverflowError) for an int too large for a float: every
+    seconds, rate and cost value becomes a float somewhere."""
     try:
-        shown = repr(value)
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: Any) -> str:
+    """`value`'s repr for an error message: at most 200 characters, and never an error of its own
+    (a repr that raises would replace the clear error with its own)."""
+    try:
+        text = repr(value)
     except Exception:
-        shown = f"<{type(value).__name__}>"
-    if len(shown) > 200:
-        shown = shown[:197] + "..."
-    return ConfigError(f"{name} must be {wanted}, got {shown}")
+        text = f"<{type(value).__name__}>"
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return text
+
+
+def _fail(name: str, wanted: str, value: Any) -> ConfigError:
+    return ConfigError(f"{name} must be {wanted}, got {shown(value)}")
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = 1, optional: bool = False) -> None:
@@ -71,7 +88,7 @@ def check_number(
     ok = (
         type(value) is not bool
         and isinstance(value, int | float)
-        and math.isfinite(value)
+        and finite(value)
         and (value > minimum if positive else value >= minimum)
         and (maximum is None or value <= maximum)
     )

@@ -7,6 +7,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from ._budget import BudgetDoor
+from ._config import finite
 from ._exceptions import InputError
 from ._limits import REQUESTS, Rate
 from ._log import get_logger
@@ -88,7 +89,26 @@ class Context:
         """Count tokens (input_tokens=..., output_tokens=...) and cost of this attempt in the run's
         metadata, in total, per agent and, given `model`, per model. The agent's limits
         (`@agent(limits=[Rate(..., unit="input_tokens")])`) are trued up with them when the
-        attempt ends; a run budget (`max_cost=`, `max_tokens=`) is checked against them."""
+        attempt ends; a run budget (`max_cost=`, `max_tokens=`) is checked against them.
+
+        Raises `InputError` (failing the attempt, not the run) for a cost or count that is not a
+        finite number >= 0, or a `model` that is not a str: counted, a NaN or a negative cost
+        would defeat the budget, and a NaN count or a non-str model failed the run's result."""
+        for name, value in (("cost", cost), *tokens.items()):
+            if (
+                type(value) is bool
+                or not isinstance(value, int | float)
+                or not finite(value)
+                or value < 0
+            ):
+                raise InputError(
+                    f"record_usage: {name} must be a finite number >= 0, got {value!r}",
+                    field=name,
+                )
+        if model is not None and not isinstance(model, str):
+            raise InputError(
+                f"record_usage: model must be a str or None, got {model!r}", field="model"
+            )
         self._run.record_usage(cost, tokens, self.agent, model)
         usage = self._usage
         if usage is None:
@@ -116,6 +136,9 @@ class Context:
         against what was really held, and the run's budget counts the new amount. Nothing to do
         when the attempt reserved nothing (an agent without limits, in a run without a budget).
         """
+        for unit, n in units.items():  # a NaN would poison the shared limiter's meter for good
+            if type(n) is bool or not isinstance(n, int | float) or not finite(n):
+                raise InputError(f"reserve: {unit} must be a finite number, got {n!r}", field=unit)
         reserved = self._reserved
         if reserved is None:
             return

@@ -53,6 +53,11 @@ def by_type(
     the item's `field` (for dict items, e.g. ``{"type": "invoice"}``) to a kind, or is a function
     from the item to its kind.
     """
+    if not (callable(route) or isinstance(route, Mapping)):
+        # Else a TypeError from `in` on the first item.
+        raise ConfigError(
+            f"by_type: route must be a mapping (type or value -> kind) or a function, got {route!r}"
+        )
     for i, item in enumerate(items):
         kind = route(item) if callable(route) else _route(item, route, field)
         if kind is None:
@@ -62,8 +67,13 @@ def by_type(
 
 
 def _route(item: Any, route: Mapping[Any, str], field: str) -> str | None:
-    if isinstance(item, Mapping) and field in item and item[field] in route:
-        return route[item[field]]
+    if isinstance(item, Mapping) and field in item:
+        value = item[field]
+        try:
+            if value in route:
+                return route[value]
+        except TypeError:  # an unhashable value (a list, a dict) is no route's key
+            pass
     for cls in type(item).__mro__:
         if cls in route:
             return route[cls]
@@ -77,5 +87,7 @@ def by_priority(
     priority: Callable[[Any], int],
 ) -> Iterator[Task]:
     """One task of `kind` per item, with the priority `priority(item)` gives (smaller runs first)."""
+    if not callable(priority):
+        raise ConfigError(f"by_priority: priority must be a function of the item, got {priority!r}")
     for item in items:
         yield Task(kind, item, priority=priority(item))

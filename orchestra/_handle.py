@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._admission import check_new_priority
+from ._config import finite
 from ._exceptions import InputError, RunError
 from ._report import Report
 from ._status import snapshot, starting
@@ -249,10 +251,7 @@ class RunHandle:
         the end, False."""
         if not isinstance(task_id, str):
             raise InputError(f"task_id must be a str, got {task_id!r}", field="task_id")
-        if type(priority) is not int:
-            raise InputError(
-                f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
-            )
+        check_new_priority(task_id, priority)
         if self.done:
             return False
         if not self._open or self._run is None:
@@ -293,6 +292,7 @@ class RunHandle:
             isinstance(grace, bool)
             or not isinstance(grace, int | float)
             or not grace >= 0  # NaN too
+            or (grace != math.inf and not finite(grace))  # inf waits forever; 10**400 fails
         ):
             raise InputError(f"grace must be a number >= 0 or None, got {grace!r}", field="grace")
         if not self.done:

@@ -45,6 +45,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
 
+from ._config import finite
 from ._exceptions import ConfigError
 
 __all__ = (
@@ -406,12 +407,7 @@ def as_concurrency(value: int | Concurrency, field: str) -> Concurrency:
 
 
 def _check_positive(field: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, _NUMBER)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, _NUMBER) or not finite(value) or value <= 0:
         raise ConfigError(f"{field} must be a finite number > 0, got {value!r}")
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._admission import check_new_priority
 from ._aggregate import Aggregator, aggregator_of
 from ._breaker import BreakerPolicy
 from ._budget import Budget
@@ -31,16 +32,17 @@ from ._config import (
     check_names,
     check_number,
     check_sequence,
+    shown,
 )
 from ._events import Event, EventBus
 from ._exceptions import ConfigError, InputError
 from ._failure import cancel_pending
-from ._faults import Fault, FaultMode
+from ._faults import MODES, Fault, FaultMode
 from ._handle import RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._limits import Capacity, Concurrency, as_concurrency
 from ._log import get_logger
-from ._registry import Registry
+from ._registry import AgentSlot, Registry
 from ._retry import RetryPolicy, Timeouts
 from ._run import Run, RunConfig
 from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
@@ -162,10 +164,16 @@ class Orchestrator:
         check_int("seed", seed, minimum=None, optional=True)
         if clock is not None and not callable(getattr(clock, "install", None)):
             raise ConfigError(
-                f"clock must be an orchestra.testing.FakeClock or None, got {clock!r}"
+                f"clock must be an orchestra.testing.FakeClock or None, got {shown(clock)}"
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
+        if store is not None and not callable(getattr(store, "open_run", None)):
+            # Else an AttributeError when the first run opens (a path is the usual slip).
+            raise ConfigError(
+                f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
+                f"got {shown(store)}"
+            )
         if instruments is not None:
             check_sequence("instruments", instruments)
             for i, instrument in enumerate(instruments):
@@ -174,12 +182,14 @@ class Orchestrator:
                         f"instruments[{i}] must be an orchestra.Instrument (an object with "
                         f"on_attempt_end, on_task_end, ... hooks), got {instrument!r}"
                     )
+        aggregator = aggregator_of(aggregate)
         self.registry = Registry(agents, breaker, fallbacks)
         kinds = set(self.registry.by_kind)
         for name, mapping in (
             ("retry_per_kind", retry_per_kind),
             ("defaults", defaults),
             ("verify", verify),
+            ("aggregate", aggregate if isinstance(aggregate, Mapping) else None),
         ):
             unknown = set(mapping or ()) - kinds
             if unknown:
@@ -204,7 +214,7 @@ class Orchestrator:
             success_threshold=success_threshold,
             window=window or max(10_000, 10 * self._capacity.limit),
             faults=self._faults,
-            aggregate=aggregator_of(aggregate),
+            aggregate=aggregator,
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),
@@ -216,6 +226,11 @@ class Orchestrator:
         self._tg: TaskGroup | None = None
         self._idle: anyio.Event | None = None
         self._entered = 0
+        # The tasks inside an `async with` of it, by anyio task id, with their depth; the first
+        # one entered the task group, and only it can exit it (a cancel scope is left in the
+        # task that entered it).
+        self._holders: dict[int, int] = {}
+        self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
 
@@ -226,8 +241,10 @@ class Orchestrator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Orchestrator:
+        me = anyio.get_current_task().id
         if self._entered:
             self._entered += 1
+            self._holders[me] = self._holders.get(me, 0) + 1
             return self
         if self.clock is not None:
             self.clock.install()
@@ -235,6 +252,8 @@ class Orchestrator:
         await tg.__aenter__()
         self._tg = tg
         self._entered = 1
+        self._holders = {me: 1}
+        self._owner = me
         self._bus.start(tg)
         return self
 
@@ -244,18 +263,36 @@ class Orchestrator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        me = anyio.get_current_task().id
+        depth = self._holders.get(me)
+        if depth is None:
+            if self._tg is None:
+                return None  # the lifecycle it entered was ended by its first task's error
+            raise ConfigError(
+                "Orchestrator exited from a task (or event loop) that did not enter it: use "
+                "`async with` in the task that runs the block"
+            )
         self._entered -= 1
-        if self._entered:
+        if depth > 1:
+            self._holders[me] = depth - 1
+            return None
+        del self._holders[me]
+        if me != self._owner:
+            # Another task entered first: that one exits the task group, once this one is out.
+            if self._idle is not None:
+                self._idle.set()
             return None
         tg = self._tg
         assert tg is not None
         try:
             if exc is None:
                 # Runs that other callers started in this lifecycle (run() without `async with`,
-                # concurrently) finish first.
-                while self._runs or self._starting:
+                # concurrently) finish first, and other tasks' `async with` blocks end.
+                while self._runs or self._starting or self._holders:
                     idle = self._idle = anyio.Event()
                     await idle.wait()
+            self._holders.clear()
+            self._entered = 0
             self._tg = None
             self._bus.stop()
             if exc is None:
@@ -297,6 +334,7 @@ class Orchestrator:
         Bad input raises `InputError` before any agent is called (for a streamed input: when the bad
         task arrives, cancelling what runs). Cancelling the caller cancels every attempt.
         """
+        _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
         if not self._entered:
             async with self:
                 return await self.run(input, tasks=tasks, run_id=run_id)
@@ -319,6 +357,7 @@ class Orchestrator:
         """
         if self._tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
+        _check_run_id(run_id)
         return ResultStream(self, input, tasks, run_id)
 
     def start(
@@ -338,8 +377,7 @@ class Orchestrator:
         """
         if self._tg is None:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
-        if run_id is not None and not isinstance(run_id, str):
-            raise ConfigError(f"run_id must be a str or None, got {run_id!r}")
+        _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
 
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
@@ -498,16 +536,19 @@ class Orchestrator:
         and counted in `metadata.events_dropped`, so a slow subscriber never slows the run. What
         `fn` raises is logged and ignored. Returns a function that unsubscribes.
         """
-        if buffer < 1:
-            raise ConfigError(f"buffer must be >= 1, got {buffer!r}")
+        check_callable("subscribe: fn", fn, optional=False)
+        for kind in types:
+            if not (isinstance(kind, type) and issubclass(kind, Event)):
+                raise ConfigError(
+                    f"subscribe: types must be event classes (orchestra.TaskFinished, ...), "
+                    f"got {shown(kind)}"
+                )
+        check_int("subscribe: buffer", buffer)
         return self._bus.subscribe(fn, types, buffer)
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
         """Change the priority of a task that has not started; True if it was found waiting."""
-        if type(priority) is not int:
-            raise InputError(
-                f"priority must be an int, got {priority!r}", task_id=task_id, field="priority"
-            )
+        check_new_priority(task_id, priority)
         for run in self._runs:
             state = run.store.state_of(task_id)
             if state is None or state in TERMINAL:
@@ -534,10 +575,19 @@ class Orchestrator:
         `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
         Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
         "garbage", "permanent", "slow" (adds `latency`)."""
-        slot = self.registry.slots.get(agent)
-        if slot is None:
-            raise ConfigError(f"unknown agent {agent!r}; known: {sorted(self.registry.slots)}")
-        now = anyio.current_time()
+        slot = self._slot(agent)
+        if mode not in MODES:
+            raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")
+        where = "simulate_agent_failure: "
+        check_number(f"{where}duration", duration, optional=True)
+        check_number(f"{where}retry_after", retry_after, optional=True)
+        check_number(f"{where}latency", latency)
+        try:
+            now = anyio.current_time()
+        except RuntimeError:  # anyio's NoEventLoopError
+            raise ConfigError(
+                "simulate_agent_failure() needs a running event loop: call it from async code"
+            ) from None
         fault = Fault(
             agent,
             mode,
@@ -560,10 +610,16 @@ class Orchestrator:
         for run in self._runs:
             run.replain()
 
+    def _slot(self, agent: str) -> AgentSlot:
+        slot = self.registry.slots.get(agent)
+        if slot is None:
+            raise ConfigError(f"unknown agent {shown(agent)}; known: {sorted(self.registry.slots)}")
+        return slot
+
     def restore_agent(self, agent: str) -> None:
         """End a simulated failure now."""
-        slot = self.registry.slots.get(agent)
-        if slot is not None and slot.fault is not None:
+        slot = self._slot(agent)
+        if slot.fault is not None:
             slot.fault.until = anyio.current_time()
             slot.fault = None
 
@@ -593,6 +649,13 @@ class Orchestrator:
             if state is not None:
                 return state
         return None
+
+
+def _check_run_id(run_id: Any) -> None:
+    """`run_id` is a non-empty str or None. An empty one would silently become a fresh id (so a
+    durable run would never resume), another type would fail `RunMetadata` once the run is over."""
+    if run_id is not None and (type(run_id) is not str or not run_id):
+        raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
 
 
 def _spent(decomposer: Any) -> dict[str, float] | None:
@@ -640,6 +703,7 @@ class ResultStream:
         self._over = anyio.Event()
         self._error: BaseException | None = None
         self._run: Run | None = None
+        self._closed = False
         self.result: RunResult | None = None
 
     def _attach(self, run: Run) -> None:
@@ -672,6 +736,8 @@ class ResultStream:
 
     async def __anext__(self) -> TaskResult:
         if self._receive is None:
+            if self._closed:  # closed before it was read: it never starts
+                raise StopAsyncIteration
             self._start()
         assert self._receive is not None
         try:
@@ -685,10 +751,14 @@ class ResultStream:
             if self._error is not None:
                 raise self._error from None
             raise StopAsyncIteration from None
+        except anyio.ClosedResourceError:  # read again after its end, or after aclose()
+            raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
         """Stop the run if it is still going (what runs is cancelled, what waits ends cancelled),
-        and wait for it to end: `result` is then its `RunResult`, status "cancelled"."""
+        and wait for it to end: `result` is then its `RunResult`, status "cancelled". A stream
+        closed before it was read never starts its run (`result` stays None)."""
+        self._closed = True
         if self._receive is None:
             return
         if self._run is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._agent import Agent, AgentLike, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
+from ._config import shown
 from ._exceptions import ConfigError
 from ._limits import Concurrency, Limiter
 
@@ -164,7 +165,7 @@ class Registry:
                 getattr(agent, "name", None), str
             ):
                 raise ConfigError(
-                    f"{agent!r} is not an agent: decorate a function with @agent(kinds=[...]) "
+                    f"{shown(agent)} is not an agent: decorate a function with @agent(kinds=[...]) "
                     "or give the object `name`, `kinds` and `async def __call__(task, ctx)`"
                 )
             if agent.name in self.slots:

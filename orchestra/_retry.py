@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._config import check_exception_types, check_int, check_number
+from ._config import check_exception_types, check_int, check_number, shown
 from ._exceptions import ConfigError, InputError, PermanentError, RetryableError
 from ._failure import http_status, response_header
 
@@ -93,7 +93,7 @@ class Timeouts:
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"timeouts must be a Timeouts, a mapping such as {{'attempt': 60}} or None, "
-                f"got {value!r}"
+                f"got {shown(value)}"
             )
         unknown = [k for k in value if k not in ("attempt", "task", "run")]
         if unknown:

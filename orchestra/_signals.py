@@ -8,6 +8,8 @@ run is still returned, never a `KeyboardInterrupt` traceback.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._config import finite
 from ._exceptions import ConfigError
 from ._log import get_logger
 
@@ -52,10 +55,26 @@ def run_main(
     entered and left. `grace` is how long running attempts may take to finish after the first
     signal (None: as long as they take; 0: cancel them at once).
     """
+    from ._orchestrator import Orchestrator  # here: a module below the orchestrator's
+
+    if not isinstance(orch, Orchestrator):  # else a TypeError from inside the run
+        raise ConfigError(f"run_main() runs an Orchestrator, got {orch!r}")
     if grace is not None and (
-        isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0
+        isinstance(grace, bool)
+        or not isinstance(grace, int | float)
+        or not grace >= 0
+        or (grace != math.inf and not finite(grace))
     ):
         raise ConfigError(f"grace must be a number >= 0 or None, got {grace!r}")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no event loop runs here: the one place run_main can start its own
+    else:  # anyio.run would raise "Already running asyncio in this thread"
+        raise ConfigError(
+            "run_main() starts an event loop, and one runs here already: in async code, "
+            "`await orch.run(...)` instead"
+        )
     # The watched run of `orchestra run` without its view: one way to run under signals. Imported
     # here because `_console` builds on this module's receiver.
     from ._console import watch

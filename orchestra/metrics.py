@@ -27,8 +27,10 @@ series per task); find them in traces (`orchestra.tracing`).
 
 from __future__ import annotations
 
+import math
 import weakref
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from ._exceptions import ConfigError
@@ -49,7 +51,7 @@ except ImportError:  # pragma: no cover - exercised by a test that hides the pac
     ) from None
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator
     from threading import Thread
     from wsgiref.simple_server import WSGIServer
 
@@ -150,6 +152,29 @@ class PrometheusMetrics(Instrument):
         namespace: str = "orchestra",
         buckets: Sequence[float] = DURATION_BUCKETS,
     ) -> None:
+        # Checked here: a wrong registry failed with an AttributeError, wrong buckets with a
+        # ValueError, or silently with duplicate or NaN `le` lines in every scrape.
+        if registry is not None and not callable(getattr(registry, "register", None)):
+            raise ConfigError(
+                f"PrometheusMetrics: registry must be a prometheus_client CollectorRegistry or "
+                f"None, got {registry!r}"
+            )
+        if not isinstance(namespace, str) or not namespace:
+            raise ConfigError(
+                f"PrometheusMetrics: namespace must be a non-empty str, got {namespace!r}"
+            )
+        if (
+            isinstance(buckets, str | bytes)
+            or not isinstance(buckets, Sequence)
+            or not all(
+                type(b) is not bool and isinstance(b, int | float) and not math.isnan(b)
+                for b in buckets
+            )
+            or len(set(buckets)) != len(buckets)
+        ):
+            raise ConfigError(
+                f"PrometheusMetrics: buckets must be a list of distinct numbers, got {buckets!r}"
+            )
         self.registry = registry if registry is not None else REGISTRY
         self.namespace = namespace
         ns = namespace

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from ._agent import check_options
 from ._clock import FakeClock
+from ._config import check_int, check_number
 from ._events import Event, RetryScheduled, TaskFinished
 from ._exceptions import ConfigError
 from ._faults import GARBAGE, MODES, SimulatedAPIError, raise_fault
@@ -169,22 +171,31 @@ class ScriptedAgent:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
+        # Checked here, as `@agent`'s options are: `kinds="work"` would serve "w", "o", "r" and
+        # "k", a negative latency or a string rate fail only inside the first call.
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"scripted agent's name must be a non-empty string, got {name!r}")
+        check_options(name, kinds, concurrency, timeout, retry=retry)
+        where = f"scripted {name!r}: "
+        if isinstance(script, str):
+            raise ConfigError(f"{where}script must be a list of outcomes, got {script!r}")
         for outcome in (*script, then, failure_mode, die_mode):
             if outcome not in OUTCOMES:
-                raise ConfigError(
-                    f"scripted {name!r}: unknown outcome {outcome!r}; use one of {OUTCOMES}"
-                )
-        if not 0.0 <= failure_rate <= 1.0:
-            raise ConfigError(
-                f"scripted {name!r}: failure_rate must be in [0, 1], got {failure_rate}"
-            )
+                raise ConfigError(f"{where}unknown outcome {outcome!r}; use one of {OUTCOMES}")
+        check_number(f"{where}failure_rate", failure_rate, maximum=1.0)
+        check_number(f"{where}latency", latency)
+        check_number(f"{where}jitter", jitter)
+        check_number(f"{where}retry_after", retry_after, optional=True)
+        check_int(f"{where}fail_first", fail_first, minimum=0)
+        check_int(f"{where}dies_after", dies_after, minimum=0, optional=True)
+        check_int(f"{where}seed", seed, minimum=None, optional=True)
         played = [*script, then]  # the outcomes it can play: "slow" is `latency` more, so 0 is none
         if failure_rate:
             played.append(failure_mode)
         if dies_after is not None:
             played.append(die_mode)
         if "slow" in played and not latency > 0:
-            raise ConfigError(f"scripted {name!r}: the 'slow' outcome needs a latency > 0")
+            raise ConfigError(f"{where}the 'slow' outcome needs a latency > 0")
         self.name = name
         self.kinds = tuple(kinds)
         self.script = list(script) if script else ["error"] * fail_first

@@ -74,6 +74,14 @@ class OpenTelemetryTracing(Instrument):
     def __init__(self, *, tracer_provider: TracerProvider | None = None) -> None:
         from . import __version__
 
+        if tracer_provider is not None and not callable(
+            getattr(tracer_provider, "get_tracer", None)
+        ):
+            # Else an AttributeError from inside opentelemetry's get_tracer.
+            raise ConfigError(
+                "OpenTelemetryTracing: tracer_provider must be an opentelemetry TracerProvider "
+                f"or None, got {tracer_provider!r}"
+            )
         self.tracer: Tracer = trace.get_tracer(_SCOPE, __version__, tracer_provider=tracer_provider)
         self._runs: dict[RunInfo, _RunSpans] = {}
         self._models: dict[str, str] = {}  # agent name -> model, for agents that declare one

@@ -37,6 +37,10 @@ def sync_fn(task: Task) -> Any:
     return task.payload
 
 
+def optional_ctx(task: Task, ctx: Context | None = None) -> str:
+    return "fine"  # at module level: a worker process imports it by name
+
+
 class TestDecorator:
     def test_defaults(self) -> None:
         a = agent(plain, kinds=["work"])
@@ -116,10 +120,19 @@ class TestDecorator:
         with pytest.raises(ConfigError, match=r"'with_ctx'.*fn\(task\)`, with no ctx"):
             agent(with_ctx, kinds=["work"], executor=executor)
 
-        def optional_ctx(task: Task, ctx: Context | None = None) -> str:
-            return "fine"
-
         assert agent(optional_ctx, kinds=["work"], executor=executor).executor == executor
+
+    def test_a_process_function_must_be_importable_by_name(self) -> None:
+        # A lambda or a nested function cannot be found in the worker process: every attempt
+        # failed with an AttributeError (retried, then the task failed).
+        def nested(task: Task) -> str:
+            return "never"
+
+        for fn in (nested, lambda task: "never"):
+            with pytest.raises(ConfigError, match="top of a module") as info:
+                agent(fn, kinds=["work"], executor="process")
+            assert "<locals>" in str(info.value)
+        assert agent(nested, kinds=["work"], executor="thread").executor == "thread"
 
 
 class TestAgentLikeObjects:
@@ -228,6 +241,36 @@ class TestContext:
         )
         assert result.metadata.tokens == {"input_tokens": 300, "output_tokens": 6}
         assert result.metadata.cost == pytest.approx(0.75)
+
+    @pytest.mark.parametrize(
+        ("usage", "field"),
+        [
+            ({"input_tokens": math.nan}, "input_tokens"),  # the run's result raised
+            ({"cost": 0.1, "model": 3}, "model"),  # the run's result raised
+            ({"cost": math.nan}, "cost"),  # counted: every budget check passed
+            ({"cost": -1.0}, "cost"),  # counted: spend went down
+            ({"output_tokens": "5"}, "output_tokens"),  # a TypeError
+        ],
+        ids=repr,
+    )
+    async def test_wrong_usage_fails_the_attempt_not_the_run(
+        self, usage: dict[str, Any], field: str
+    ) -> None:
+        @agent(kinds=["work"])
+        async def llm(task: Task, ctx: Context) -> str:
+            if task.id == "bad":
+                ctx.record_usage(**usage)
+            return "ok"
+
+        result = await Orchestrator(agents=[llm], max_cost=1.0).run(
+            tasks=[Task("work", id="bad"), Task("work", id="fine")]
+        )
+        assert result.data == {"fine": "ok"}
+        error = result.error_for("bad")
+        assert error is not None
+        assert error.error_type == "InputError"
+        assert field in error.message
+        assert result.metadata.cost == 0.0
 
     async def test_the_log_is_bound_to_the_attempt(self, logs: LogLines) -> None:
         @agent(kinds=["work"], name="talker")

@@ -139,3 +139,30 @@ class TestPlanning:
             ClaudePlanner(model=SONNET, kinds=["a"], payloads={"b": Clause}, account=account)
         with pytest.raises(ConfigError, match="max_plans"):
             ClaudePlanner(model=SONNET, kinds=["a"], max_plans=0, account=account)
+
+    @pytest.mark.parametrize(
+        ("options", "shown"),
+        [
+            ({"kinds": 3}, "3"),  # TypeError: 'int' object is not iterable
+            ({"kinds": [1]}, "[1]"),
+            ({"kinds": {"a": 3}}, "3"),
+            ({"payloads": {"a": 3}}, "3"),  # PydanticSchemaGenerationError
+            ({"max_tasks": 0}, "0"),
+            ({"max_tasks": "10"}, "'10'"),
+            ({"retry": 3}, "3"),  # AttributeError at the first plan
+        ],
+        ids=repr,
+    )
+    def test_wrong_values_are_config_errors_naming_them(
+        self, account: ClaudeAccount, options: dict[str, Any], shown: str
+    ) -> None:
+        options = {"kinds": ["a"], **options}
+        with pytest.raises(ConfigError) as info:
+            ClaudePlanner(model=SONNET, account=account, **options)
+        name = next(iter(set(options) - {"kinds"}), "kinds")
+        assert name in str(info.value)
+        assert shown in str(info.value)
+
+    def test_kinds_with_descriptions_pass(self, account: ClaudeAccount) -> None:
+        planner = ClaudePlanner(model=SONNET, kinds={"a": "the a's"}, account=account)
+        assert planner.kinds == ("a",)

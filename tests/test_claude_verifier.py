@@ -151,6 +151,11 @@ class TestVerdicts:
         assert not isinstance(e.value, VerificationError)  # not the writer's rejected answer
         assert len(api.requests) == 2
 
+    def test_a_retry_that_is_not_a_policy_is_a_config_error(self, account: ClaudeAccount) -> None:
+        # It was taken, and the first verdict raised AttributeError (no max_attempts).
+        with pytest.raises(ConfigError, match="retry must be a RetryPolicy, got 3"):
+            ClaudeVerifier(model=HAIKU, criteria="correct", account=account, retry=3)  # type: ignore[arg-type]
+
     def test_empty_criteria_are_a_config_error(self, account: ClaudeAccount) -> None:
         with pytest.raises(ConfigError, match="criteria"):
             ClaudeVerifier(model=HAIKU, criteria=" ", account=account)

@@ -13,6 +13,8 @@ import pytest
 from orchestra import (
     Agent,
     BreakerPolicy,
+    ByKind,
+    Collect,
     ConfigError,
     Context,
     Orchestrator,
@@ -23,6 +25,8 @@ from orchestra import (
 )
 
 NAN, INF = math.nan, math.inf
+HUGE = 10**400  # an int no float holds: math.isfinite raised OverflowError on it
+HUGE_SHOWN = "1" + "0" * 100  # the start of its (shortened) repr in a message
 
 
 @agent(kinds=["work"])
@@ -84,6 +88,10 @@ ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
     ("verify", [writer], None),
     ("safety", "yes", None),
     ("aggregate", "collect", None),
+    ("aggregate", {"work": "collect"}, "'collect'"),
+    ("aggregate", {"work": Bad()}, "<bad>"),
+    ("aggregate", {1: Collect()}, "1"),
+    ("aggregate", {"nokind": Collect()}, "nokind"),
     ("window", 2.5, None),
     ("window", 0, None),
     ("window", True, None),
@@ -96,6 +104,11 @@ ORCHESTRATOR: list[tuple[str, Any, str | None]] = [
     ("drain_timeout", INF, None),
     ("drain_timeout", -1, None),
     ("drain_timeout", "5", None),
+    ("drain_timeout", HUGE, HUGE_SHOWN),
+    ("success_threshold", HUGE, HUGE_SHOWN),
+    ("max_cost", HUGE, HUGE_SHOWN),
+    ("store", "runs.db", None),
+    ("store", 42, None),
 ]
 
 RETRY: list[tuple[str, Any, str | None]] = [
@@ -111,6 +124,7 @@ RETRY: list[tuple[str, Any, str | None]] = [
     ("cap", NAN, None),
     ("cap", INF, None),
     ("cap", "30", None),
+    ("cap", HUGE, HUGE_SHOWN),
     ("jitter", "random", None),
     ("jitter", None, None),
     ("retryable", "ValueError", None),
@@ -129,6 +143,7 @@ BREAKER: list[tuple[str, Any, str | None]] = [
     ("cooldown", INF, None),
     ("cooldown", "30", None),
     ("cooldown", -1, None),
+    ("cooldown", HUGE, HUGE_SHOWN),
     ("failure_rate", 0, None),
     ("failure_rate", 1.5, None),
     ("failure_rate", NAN, None),
@@ -144,7 +159,7 @@ TIMEOUTS: list[tuple[str, Any, str | None]] = [
     (name, value, None)
     for name in ("attempt", "task", "run")
     for value in ("5", 0, -1, NAN, INF, True)
-]
+] + [(name, HUGE, HUGE_SHOWN) for name in ("attempt", "task", "run")]
 
 AGENT: list[tuple[str, Any, str | None]] = [
     ("kinds", "work", None),
@@ -168,11 +183,12 @@ AGENT: list[tuple[str, Any, str | None]] = [
     ("timeout", "5", None),
     ("timeout", 0, None),
     ("timeout", True, None),
+    ("timeout", HUGE, HUGE_SHOWN),
 ]
 
 
 def ids(cases: list[tuple[str, Any, str | None]]) -> list[str]:
-    return [f"{name}={value!r}" for name, value, _ in cases]
+    return [f"{name}={'HUGE' if value is HUGE else repr(value)}" for name, value, _ in cases]
 
 
 class TestOrchestrator:
@@ -221,6 +237,31 @@ class TestOrchestrator:
             Orchestrator(agents=[Summarizer()])
 
 
+class Unprintable:
+    """A value whose repr, str, eq and hash raise: an error about it must still be the clear one."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr")
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+    def __hash__(self) -> int:
+        raise RuntimeError("hash")
+
+
+class TestUnprintableValues:
+    @pytest.mark.parametrize(
+        "name", ["agents", "clock", "aggregate", "store", "timeouts", "retry", "concurrency"]
+    )
+    def test_the_config_error_shows_the_type(self, name: str) -> None:
+        value: Any = [Unprintable()] if name == "agents" else Unprintable()
+        with pytest.raises(ConfigError, match="<Unprintable>"):
+            Orchestrator(**{"agents": [writer], name: value})
+
+
 class TestPolicies:
     @pytest.mark.parametrize(("name", "value", "shown"), RETRY, ids=ids(RETRY))
     def test_retry_policy(self, name: str, value: Any, shown: str | None) -> None:
@@ -239,6 +280,19 @@ class TestPolicies:
         with pytest.raises(ConfigError) as info:
             Timeouts(**{name: value})
         assert_names(info, f"Timeouts.{name}", shown or repr(value))
+
+    @pytest.mark.parametrize(
+        ("by_kind", "default", "shown"),
+        [
+            ({"work": 3}, None, "3"),
+            ({"work": Collect()}, "sum", "'sum'"),
+            (["work"], None, "['work']"),
+        ],
+    )
+    def test_by_kind(self, by_kind: Any, default: Any, shown: str) -> None:
+        with pytest.raises(ConfigError) as info:
+            ByKind(by_kind, default=default)
+        assert_names(info, "ByKind", shown)
 
     def test_exception_types_are_normalised_to_a_tuple(self) -> None:
         # Typed as tuples; one class or a list is accepted too, and stored as a tuple.
@@ -279,3 +333,29 @@ class TestAgent:
             retry=RetryPolicy(), timeout=1.5,
         )  # fmt: skip
         assert (built.name, built.kinds, built.concurrency) == ("w", ("work",), 2)
+
+
+class TestRunArguments:
+    """What `run`, `stream` and `start` take besides the input is checked before any work."""
+
+    @pytest.mark.parametrize("run_id", [3, b"run", "", ["r"]], ids=repr)
+    async def test_a_wrong_run_id_is_a_config_error_before_any_agent_runs(
+        self, run_id: Any
+    ) -> None:
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            return "ok"
+
+        async with Orchestrator(agents=[counted]) as orch:
+            for start in (
+                lambda: orch.run(tasks=[Task("work")], run_id=run_id),
+                lambda: orch.stream(tasks=[Task("work")], run_id=run_id).__anext__(),
+                lambda: orch.start(tasks=[Task("work")], run_id=run_id),
+            ):
+                with pytest.raises(ConfigError) as info:
+                    await start()
+                assert_names(info, "run_id", repr(run_id))
+        assert calls == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -89,3 +90,37 @@ class TestReserve:
         assert result.status == "failed"
         assert result.errors[0].error_type == "InputError"
         assert "estimate" in result.errors[0].message
+
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "5", True], ids=repr)
+    async def test_a_wrong_amount_fails_the_attempt_and_leaves_the_rate_whole(
+        self, clock: FakeClock, bad: Any
+    ) -> None:
+        # A NaN was added to the shared rate's meter: every later reservation compared with NaN.
+        rate = Rate(600, per=60, unit="input_tokens", burst=10)
+        grower = Grower(300, limits=[rate])
+
+        async def call(task: Task, ctx: Context) -> str:
+            if task.id == "t0":
+                await ctx.reserve(input_tokens=bad)
+            return task.id
+
+        result = await Orchestrator(agents=[Wrapped(grower, call)]).run(tasks=work(2))
+        error = result.error_for("t0")
+        assert error is not None
+        assert error.error_type == "InputError"
+        assert "input_tokens" in error.message
+        assert result.data == {"t1": "t1"}
+        assert math.isfinite(rate.in_use(anyio.current_time()))
+
+
+class Wrapped:
+    """`Grower`'s name, kinds, estimate and limits around another call."""
+
+    def __init__(self, inner: Grower, call: Any) -> None:
+        self.name, self.kinds, self.limits = inner.name, inner.kinds, inner.limits
+        self.estimate = inner.estimate
+        self._call = call
+
+    async def __call__(self, task: Task, ctx: Context) -> str:
+        result: str = await self._call(task, ctx)
+        return result

@@ -435,6 +435,21 @@ class TestByType:
         with pytest.raises(InputError, match="no route"):
             list(by_type([1.5], route))
 
+    def test_an_unhashable_field_value_is_no_route(self) -> None:
+        # It raised TypeError: unhashable type: 'list'.
+        with pytest.raises(InputError, match=r"item 0 .* no route"):
+            list(by_type([{"type": ["memo"]}], {"memo": "read"}))
+
+    @pytest.mark.parametrize("route", ["memo", 3, ["memo"]], ids=repr)
+    def test_a_route_that_is_neither_a_mapping_nor_a_function(self, route: Any) -> None:
+        with pytest.raises(ConfigError, match="route") as info:
+            list(by_type([{"type": "memo"}], route))
+        assert repr(route) in str(info.value)
+
+    def test_by_priority_needs_a_function(self) -> None:
+        with pytest.raises(ConfigError, match="priority must be a function"):
+            list(by_priority([1], kind="k", priority=3))  # type: ignore[arg-type]
+
     async def test_as_a_decomposer(self) -> None:
         @agent(kinds=["number", "text"])
         async def describe(task: Task, ctx: Context) -> str:

@@ -296,6 +296,34 @@ class TestSubscribersCannotHurtTheRun:
         with pytest.raises(ConfigError):
             orch.subscribe(print, buffer=0)
 
+    @pytest.mark.parametrize(
+        ("args", "options", "shown"),
+        [
+            ((print, "TaskFinished"), {}, "'TaskFinished'"),  # a name, not the class
+            ((print, int), {}, "<class 'int'>"),
+            ((3,), {}, "3"),
+            ((print,), {"buffer": 2.5}, "2.5"),
+            ((print,), {"buffer": True}, "True"),
+            ((print,), {"buffer": "10"}, "'10'"),
+        ],
+        ids=["type-name", "not-an-event", "fn", "buffer-float", "buffer-bool", "buffer-str"],
+    )
+    def test_wrong_arguments_are_config_errors(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+        shown: str,
+    ) -> None:
+        # They raised AttributeError or ValueError (some only when the orchestrator started), or
+        # were taken (fn=3 failed on every event, buffer=True was a buffer of 1).
+        from orchestra import ConfigError
+
+        orch = make_orchestrator(agents=[scripted("w", ["work"])])
+        with pytest.raises(ConfigError) as info:
+            orch.subscribe(*args, **options)
+        assert shown in str(info.value)
+
 
 class TestResourceHygiene:
     @pytest.mark.parametrize("with_block", [False, True])

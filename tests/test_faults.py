@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,33 @@ class TestScriptedAgent:
     def test_bad_scripts_are_refused(self, options: dict[str, Any]) -> None:
         with pytest.raises(ConfigError):
             scripted("a", ["k"], **options)
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("kinds", "k"),  # it served "k" by luck; "work" served "w", "o", "r", "k"
+            ("name", 3),
+            ("latency", -1),
+            ("latency", float("nan")),
+            ("jitter", -0.5),
+            ("failure_rate", "0.5"),
+            ("fail_first", 1.5),
+            ("dies_after", -1),
+            ("retry_after", "soon"),
+            ("seed", "abc"),
+            ("concurrency", 0),
+            ("timeout", 0),
+            ("retry", 3),
+            ("script", "error"),
+        ],
+        ids=repr,
+    )
+    def test_a_wrong_option_is_a_config_error_naming_it(self, name: str, value: Any) -> None:
+        options: dict[str, Any] = {"name": "a", "kinds": ["k"], name: value}
+        with pytest.raises(ConfigError) as info:
+            scripted(**options)
+        assert name in str(info.value), info.value
+        assert repr(value) in str(info.value), info.value
 
     async def test_its_own_concurrency_limit_is_respected(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
@@ -508,3 +536,26 @@ class TestSimulatedFailure:
             orch.simulate_agent_failure("agent-9")
         with pytest.raises(ConfigError, match="meltdown"):
             orch.simulate_agent_failure("a", mode="meltdown")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="agent-9"):
+            orch.restore_agent("agent-9")  # it did nothing, as if restored
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [("duration", math.nan), ("duration", -1), ("latency", "1"), ("retry_after", -1)],
+        ids=repr,
+    )
+    async def test_wrong_numbers_are_refused(
+        self, make_orchestrator: Callable[..., Orchestrator], name: str, value: Any
+    ) -> None:
+        # They were taken: duration=nan never ended, latency="1" raised TypeError in a call.
+        orch = make_orchestrator(agents=[scripted("a", ["k"])])
+        with pytest.raises(ConfigError, match=name) as info:
+            orch.simulate_agent_failure("a", **{name: value})
+        assert repr(value) in str(info.value)
+
+    def test_outside_an_event_loop_it_says_so(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[scripted("a", ["k"])])
+        with pytest.raises(ConfigError, match="event loop"):
+            orch.simulate_agent_failure("a")

@@ -21,7 +21,7 @@ from orchestra import (
 from orchestra._admission import reject_cycles
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
     from orchestra.testing import FakeClock
 
@@ -322,7 +322,29 @@ BAD_GRAPHS: dict[str, tuple[Callable[[], list[Task]], set[str], str, str]] = {
     ),
 }
 BAD_PRIORITIES: list[Any] = ["high", 1.5, True, None]
-BAD_TIMEOUTS: list[Any] = ["10", -1, 0, True, math.nan]
+BAD_TIMEOUTS: list[Any] = ["10", -1, 0, True, math.nan, 10**400]  # the last: no float holds it
+
+
+class ArrayLike:
+    """A numpy array's manners: its truth value is ambiguous (raises), and it is no Sequence."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of an array with more than one element is ambiguous")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["a", "b"])
+
+    def __repr__(self) -> str:
+        return "array(['a', 'b'])"
+
+
+class Unprintable:
+    """A value whose repr and str raise (an error message must not call them bare)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr")
+
+    __str__ = __repr__
 
 
 class TestBadGraphsAreRejectedBeforeWork:
@@ -355,7 +377,7 @@ class TestBadGraphsAreRejectedBeforeWork:
         assert "'p'" in str(info.value)
         assert rec.calls == []
 
-    @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+    @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=lambda v: repr(v)[:20])
     async def test_bad_timeout(
         self, bad: Any, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
@@ -367,6 +389,78 @@ class TestBadGraphsAreRejectedBeforeWork:
         assert (info.value.task_id, info.value.field) == ("t", "timeout")
         assert "'t'" in str(info.value)
         assert rec.calls == []
+
+    @pytest.mark.parametrize("bad", ["no", 0, 1, None, [True]], ids=repr)
+    @pytest.mark.parametrize("named", [True, False], ids=["named", "plain"])
+    async def test_bad_critical(
+        self, bad: Any, named: bool, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # "no" is truthy: taken as it was, it made the task critical. A plain batch (no ids)
+        # goes through the store's fast path, which must not let it by either.
+        rec = RecordingAgent()
+        first = Task("work", id="ok") if named else Task("work")
+        odd = Task("work", id="c" if named else None, critical=bad)
+        with pytest.raises(InputError) as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[first, odd])
+        task_id = "c" if named else "work#2"
+        assert (info.value.task_id, info.value.field) == (task_id, "critical")
+        assert repr(task_id) in str(info.value)
+        assert rec.calls == []
+
+    @pytest.mark.parametrize(
+        "field", ["kind", "id", "priority", "timeout", "depends_on", "tags", "key", "critical"]
+    )
+    async def test_a_value_whose_repr_raises_is_still_an_input_error(
+        self, field: str, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        value = Unprintable()
+        options: dict[str, Any] = {"id": "u", field: [value] if field == "tags" else value}
+        kind = options.pop("kind", "work")
+        if field == "kind":
+            del options["id"]  # its id is generated from the kind
+        rec = RecordingAgent()
+        with pytest.raises(InputError, match="<Unprintable>") as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[Task(kind, **options)])
+        assert info.value.field == field
+        assert rec.calls == []
+
+    @pytest.mark.parametrize("bad_id", [["a"], {"a": 1}, {"a"}], ids=repr)
+    async def test_an_unhashable_id_in_a_batch(
+        self, bad_id: Any, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # The batch's duplicate-id scan hashed it first: TypeError: unhashable type.
+        rec = RecordingAgent()
+        with pytest.raises(InputError, match="task id must be a non-empty string") as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[Task("work"), Task("work", id=bad_id)])
+        assert info.value.field == "id"
+        assert rec.calls == []
+
+    @pytest.mark.parametrize("field", ["depends_on", "tags", "depends_on_tags"])
+    @pytest.mark.parametrize("named", [True, False], ids=["named", "plain"])
+    async def test_a_list_field_whose_truth_value_raises(
+        self, field: str, named: bool, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # A numpy array's truth value raised ValueError out of admission.
+        rec = RecordingAgent()
+        options: dict[str, Any] = {field: ArrayLike()}
+        task = Task("work", id="x" if named else None, **options)
+        with pytest.raises(InputError, match=f"{field} must be a list of strings") as info:
+            await make_orchestrator(agents=[rec]).run(tasks=[task])
+        assert (info.value.task_id, info.value.field) == ("x" if named else "work#1", field)
+        assert rec.calls == []
+
+    @pytest.mark.parametrize("blank", [None, "", 0, []], ids=repr)
+    async def test_a_falsy_list_field_is_none(
+        self, blank: Any, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # Admitted, then iterated in a batch with dependencies: TypeError ('NoneType' object
+        # is not iterable).
+        tasks = [
+            Task("work", 1, id="a", tags=blank, depends_on=blank, depends_on_tags=blank),
+            Task("work", 2, id="b", depends_on=["a"], tags=blank, depends_on_tags=blank),
+        ]
+        result = await make_orchestrator(agents=[RecordingAgent()]).run(tasks=tasks)
+        assert result.status == "success"
 
     async def test_something_that_is_not_a_task(
         self, make_orchestrator: Callable[..., Orchestrator]

@@ -193,6 +193,24 @@ class TestRegistry:
         PrometheusMetrics(registry=registry, namespace="batch")
         assert value(registry, "batch_runs_active") == 0
 
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("registry", "default"),
+            ("namespace", 3),
+            ("namespace", ""),
+            ("buckets", "0.1"),
+            ("buckets", [0.1, "1"]),
+            ("buckets", [0.1, float("nan")]),
+            ("buckets", [1, 1, 2]),  # two `le="1.0"` lines in every scrape
+        ],
+        ids=repr,
+    )
+    def test_a_wrong_option_is_a_config_error(self, name: str, value: object) -> None:
+        with pytest.raises(ConfigError, match=name) as info:
+            PrometheusMetrics(**{"registry": CollectorRegistry(), name: value})  # type: ignore[arg-type]
+        assert repr(value) in str(info.value)
+
     def test_the_default_registry(self) -> None:
         from prometheus_client import REGISTRY
 

@@ -330,6 +330,32 @@ class TestStream:
         assert results.result.status == "success"
         assert results.result.data == {"d3": 3, "d1": 1, "d2": 2}
 
+    async def test_a_stream_read_again_after_its_end_is_empty(self) -> None:
+        # The second loop raised anyio.ClosedResourceError.
+        async with Orchestrator(agents=[ok_agent()]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            assert [r.task_id async for r in stream] == ["t0", "t1"]
+            assert [r.task_id async for r in stream] == []
+            await stream.aclose()
+            assert [r.task_id async for r in stream] == []
+        assert stream.result is not None
+        assert stream.result.status == "success"
+
+    async def test_a_stream_closed_before_it_is_read_never_runs(self) -> None:
+        # It started its run when read after the close, as if never closed.
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> None:
+            calls.append(task.id)
+
+        async with Orchestrator(agents=[counted]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            await stream.aclose()
+            assert [r async for r in stream] == []
+        assert calls == []
+        assert stream.result is None
+
     async def test_a_fully_read_stream_leaves_nothing_unclosed(self, clock: FakeClock) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -428,6 +454,54 @@ class TestRunWithAndWithoutAsyncWith:
             caught = exc
         assert type(caught) is InputError
         assert "a" in str(caught)
+
+    async def test_two_tasks_each_in_async_with_the_first_leaving_first(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # The task group is the first task's: the second, leaving last, exited it from another
+        # task and got anyio's RuntimeError instead of its result. Now the first one's exit
+        # waits for the second to leave.
+        orch = make_orchestrator(agents=[ok_agent()])
+        first_in, second_in, first_leaving = anyio.Event(), anyio.Event(), anyio.Event()
+        results: dict[str, RunResult] = {}
+        before = asyncio.all_tasks()
+
+        async def first() -> None:
+            async with orch:
+                first_in.set()
+                await second_in.wait()
+                results["first"] = await orch.run(tasks=tasks_of(2))
+                first_leaving.set()
+
+        async def second() -> None:
+            async with orch:
+                second_in.set()
+                await first_leaving.wait()
+                results["second"] = await orch.run(tasks=tasks_of(3, prefix="u"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await first_in.wait()
+            tg.start_soon(second)
+        assert results["first"].data == {"t0": 0, "t1": 1}
+        assert results["second"].data == {"u0": 0, "u1": 1, "u2": 2}
+        assert asyncio.all_tasks() - before == set()
+        async with orch:  # and it can be entered again
+            assert (await orch.run(tasks=tasks_of(1))).status == "success"
+
+    async def test_an_exit_from_a_task_that_did_not_enter_is_a_config_error(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[ok_agent()])
+        async with orch:
+            async with anyio.create_task_group() as tg:
+
+                async def stray_exit() -> None:
+                    with pytest.raises(ConfigError, match="did not enter it"):
+                        await orch.__aexit__(None, None, None)
+
+                tg.start_soon(stray_exit)
+            assert (await orch.run(tasks=tasks_of(1))).status == "success"
 
     async def test_an_error_in_the_body_reaches_the_caller_unwrapped(
         self, make_orchestrator: Callable[..., Orchestrator]

@@ -95,3 +95,13 @@ class TestArguments:
     def test_a_bad_grace_is_a_config_error(self) -> None:
         with pytest.raises(ConfigError, match="grace"):
             run_main(Orchestrator(agents=[]), tasks=[], grace=-1)
+
+    def test_something_that_is_not_an_orchestrator_is_a_config_error(self) -> None:
+        # A TypeError from inside the run ("does not support the asynchronous context manager").
+        with pytest.raises(ConfigError, match="runs an Orchestrator, got 3"):
+            run_main(3, tasks=[])  # type: ignore[arg-type]
+
+    async def test_inside_a_running_event_loop_it_says_what_to_do(self) -> None:
+        # anyio.run's RuntimeError ("Already running asyncio in this thread") was all it said.
+        with pytest.raises(ConfigError, match=r"await orch\.run"):
+            run_main(Orchestrator(agents=[]), tasks=[])

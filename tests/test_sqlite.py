@@ -263,6 +263,46 @@ class TestBadValues:
         assert (err.value.task_id, err.value.field) == ("p2", "payload")
         assert seen == []
 
+    @pytest.mark.parametrize(
+        ("task", "field"),
+        [
+            (Task("work", 1, id="p2", priority=2**63), "priority"),
+            (Task("work", 1, id="p2", priority=-(2**63) - 1), "priority"),
+            (Task("work", 1, id="p2", key="k\ud800"), "key"),
+            (Task("work", 1, id="p2\ud800"), "id"),
+            (Task("work", 1, id="p2", metadata={"note": "a\ud800"}), "metadata"),
+        ],
+        ids=[
+            "priority-too-big",
+            "priority-too-small",
+            "key-surrogate",
+            "id-surrogate",
+            "metadata-surrogate",
+        ],
+    )
+    async def test_a_field_a_row_cannot_hold_is_refused_before_any_work(
+        self, orch: Orchestrator, seen: list[str], task: Task, field: str
+    ) -> None:
+        # The memory run takes them; the file's first write failed (StoreError) after work.
+        with pytest.raises(InputError, match=r"'p2") as err:
+            await orch.run([Task("work", 1, id="p1"), task])
+        assert err.value.field == field
+        assert seen == []
+
+    @pytest.mark.parametrize("priority", [2**63, -(2**63) - 1], ids=["too-big", "too-small"])
+    async def test_a_new_priority_a_row_cannot_hold_is_refused_at_the_call(
+        self, orch: Orchestrator, priority: int
+    ) -> None:
+        # It was taken (True), and the next write of the file failed the whole run.
+        async with orch:
+            handle = orch.start([Task("work", i, id=f"t{i}") for i in range(3)])
+            for reprioritize in (handle.reprioritize, orch.reprioritize):
+                with pytest.raises(InputError, match="64-bit") as err:
+                    reprioritize("t2", priority)
+                assert (err.value.task_id, err.value.field) == ("t2", "priority")
+            result = await handle
+        assert result.status == "success"
+
     async def test_an_output_that_cannot_be_stored_fails_its_task(self, orch: Orchestrator) -> None:
         result = await orch.run([Task("work", "unstorable", id="u")])
         error = result.error_for("u")

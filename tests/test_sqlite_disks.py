@@ -146,6 +146,13 @@ class TestFromTheStart:
         with pytest.raises(StoreError, match="cannot be opened"):
             SQLiteStore(path).runs()
 
+    @pytest.mark.parametrize("bad", [3, None, b"runs.db", ""], ids=repr)
+    def test_a_path_that_is_not_one_is_a_config_error(self, bad: Any) -> None:
+        # A TypeError from pathlib, or "" taken as the current directory (StoreError later).
+        with pytest.raises(ConfigError, match="path") as info:
+            SQLiteStore(bad)
+        assert repr(bad) in str(info.value)
+
     def test_busy_timeout_is_a_number_of_seconds(self, tmp_path: Path) -> None:
         for bad in (-1, 0, "1", True, float("nan")):
             with pytest.raises(ConfigError, match="busy_timeout"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,24 @@ class TestTaskConstruction:
         assert seen[0].metadata is meta
         assert meta == {"trace": [1, 2]}
         assert seen[0].key == "idem-1"
+
+
+class TestStrEnumKinds:
+    @pytest.mark.parametrize("named", [True, False], ids=["named", "plain"])
+    async def test_a_str_enum_kind_is_its_string(
+        self, named: bool, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # `@agent(kinds=[Kind.WORK])` took it; a task of that kind was refused: "no agent serves
+        # kind <Kind.WORK: 'work'> (kinds served: work)".
+        class Kind(enum.StrEnum):
+            WORK = "work"
+
+        result = await make_orchestrator(agents=[echo(Kind.WORK)]).run(
+            tasks=[Task(Kind.WORK, 1, id="a" if named else None)]
+        )
+        assert result.data == {"a" if named else "work#1": 1}
+        assert result.metadata.counts_by_kind == {"work": {"succeeded": 1}}
+        assert all(type(k) is str for k in result.metadata.counts_by_kind)
 
 
 class TestGeneratedIds:

@@ -256,6 +256,14 @@ class TestGenAI:
         assert not [k for k in attrs(plain) if k.startswith("gen_ai.")]
 
 
+class TestConfiguration:
+    @pytest.mark.parametrize("provider", [3, "global"], ids=repr)
+    def test_a_tracer_provider_that_is_not_one_is_a_config_error(self, provider: Any) -> None:
+        with pytest.raises(ConfigError, match="tracer_provider") as info:
+            OpenTelemetryTracing(tracer_provider=provider)
+        assert repr(provider) in str(info.value)
+
+
 class TestMissingExtra:
     def test_import_names_the_extra(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(sys.modules, "opentelemetry", None)

@@ -24,6 +24,7 @@ import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
+from orchestra._config import finite
 from orchestra._exceptions import ConfigError
 from orchestra._limits import Concurrency, Rate
 
@@ -96,7 +97,7 @@ class ClaudeLimits:
             if value is not None and (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
-                or not math.isfinite(value)
+                or not finite(value)
                 or value <= 0
             ):
                 raise ConfigError(f"ClaudeLimits: {unit} per minute must be > 0, got {value!r}")

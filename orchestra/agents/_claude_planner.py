@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, create_model
 
 from orchestra._admission import Admission
+from orchestra._config import check_instance, check_int, check_mapping, check_names
 from orchestra._exceptions import ConfigError, InputError
+from orchestra._retry import RetryPolicy
 from orchestra._task import Task
 from orchestra.stores._memory import MemoryStore
 
@@ -27,8 +29,6 @@ from .claude import StructuredOutputError
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
     from anthropic.types import MessageParam, Model
-
-    from orchestra._retry import RetryPolicy
 
     from ._claude_limits import ClaudeLimits
     from ._claude_prices import Price
@@ -97,18 +97,36 @@ class ClaudePlanner:
     ) -> None:
         from .claude import ClaudeAgent
 
-        if isinstance(kinds, str) or not kinds:
-            raise ConfigError(f"ClaudePlanner: kinds must be a non-empty list, got {kinds!r}")
+        # Every option is checked here: a wrong one failed inside pydantic's schema building
+        # (a kind or a payload model of the wrong type) or at the first plan (retry, max_tasks).
+        if isinstance(kinds, Mapping):
+            check_mapping("ClaudePlanner: kinds", kinds, optional=False)
+            for kind, text in kinds.items():
+                if not isinstance(text, str):
+                    raise ConfigError(
+                        f"ClaudePlanner: kinds[{kind!r}] must be a description (str), got {text!r}"
+                    )
+        else:
+            check_names("ClaudePlanner: kinds", kinds)
         self.descriptions = dict(kinds) if isinstance(kinds, Mapping) else dict.fromkeys(kinds, "")
         self.kinds = tuple(self.descriptions)
+        check_mapping("ClaudePlanner: payloads", payloads)
         self.payloads = dict(payloads or {})
         unknown = set(self.payloads) - set(self.kinds)
         if unknown:
             raise ConfigError(f"ClaudePlanner: payloads name kinds it does not plan: {unknown}")
+        for kind, given in self.payloads.items():
+            payload: Any = given  # typed a model class; any value until checked
+            if not (isinstance(payload, type) and issubclass(payload, BaseModel)):
+                raise ConfigError(
+                    f"ClaudePlanner: payloads[{kind!r}] must be a pydantic model class, "
+                    f"got {payload!r}"
+                )
         if not (isinstance(prompt, str) or callable(prompt)):
             raise ConfigError(f"ClaudePlanner: prompt must be a str or a function, got {prompt!r}")
-        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
-            raise ConfigError(f"ClaudePlanner: max_plans must be an int >= 1, got {max_plans!r}")
+        check_int("ClaudePlanner: max_plans", max_plans)
+        check_int("ClaudePlanner: max_tasks", max_tasks)
+        check_instance("ClaudePlanner: retry", retry, RetryPolicy, optional=False)
         self.prompt = prompt
         self.max_plans = max_plans
         self.max_tasks = max_tasks

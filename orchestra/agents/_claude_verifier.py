@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from orchestra._config import check_instance
 from orchestra._exceptions import ConfigError, RetryableError
+from orchestra._retry import RetryPolicy
 from orchestra._verify import Verdict
 
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from anthropic.types import Model
 
     from orchestra._context import Context
-    from orchestra._retry import RetryPolicy
     from orchestra._task import Task
 
     from ._claude_limits import ClaudeLimits
@@ -96,6 +97,8 @@ class ClaudeVerifier:
 
         if not isinstance(criteria, str) or not criteria.strip():
             raise ConfigError(f"ClaudeVerifier: criteria must be a non-empty str, got {criteria!r}")
+        # Else an AttributeError at the first verdict.
+        check_instance("ClaudeVerifier: retry", retry, RetryPolicy, optional=False)
         self.name = name
         self.criteria = criteria
         self.retry = retry

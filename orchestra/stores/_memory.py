@@ -235,9 +235,10 @@ class MemoryRun:
 
     def _admit_plain(self, tasks: Sequence[Any], first_index: int) -> list[Record] | None:
         """The common batch in one pass: tasks with nothing but a kind, a payload and a priority
-        (no id, dependency, group, key, timeout or payload model). Such a task needs only a
-        generated id and a record, so the general checks (a call and a dozen branches per task)
-        are skipped. None, with nothing changed, when some task needs the general path."""
+        (no id, dependency, group, key, timeout, critical flag or payload model). Such a task
+        needs only a generated id and a record, so the general checks (a call and a dozen
+        branches per task) are skipped. None, with nothing changed, when some task needs the
+        general path."""
         admission = self._admission
         if admission.has_models:
             return None
@@ -250,40 +251,44 @@ class MemoryRun:
         new: list[Record] = []
         append = new.append
         index = first_index
-        for task in tasks:
-            if type(task) is not Task:
-                break
-            given: Any = task  # its fields are not checked yet: any values
-            if (
-                given.id is not None
-                or type(given.priority) is not int
-                or given.timeout is not None
-                or given.key is not None
-                or given.depends_on
-                or given.tags
-                or given.depends_on_tags
-            ):
-                break
-            kind = given.kind
-            if type(kind) is not str or kind not in kinds:
-                break
-            auto += 1
-            task_id = f"{kind}#{auto}"
-            if lookalike and (task_id in records or task_id in settled):
-                break  # a given id of an earlier batch looks generated: the general path
-            task.id = task_id
-            record = records[task_id] = Record(task, index, None, False)
-            record.state = READY  # made ready as a batch (`_ready_all`) if the whole batch is plain
-            if rank:
-                record.rank = index
-            append(record)
-            index += 1
-        else:
-            admission.auto = auto
-            self.unfinished += len(new)
-            if not rank:
-                self._unranked = True
-            return new
+        try:  # free in CPython 3.11+ unless something raises
+            for task in tasks:
+                if type(task) is not Task:
+                    break
+                given: Any = task  # its fields are not checked yet: any values
+                if (
+                    given.id is not None
+                    or type(given.priority) is not int
+                    or given.timeout is not None
+                    or given.key is not None
+                    or given.depends_on
+                    or given.tags
+                    or given.depends_on_tags
+                    or given.critical is not False  # a critical task, or a wrong value to refuse
+                ):
+                    break
+                kind = given.kind
+                if type(kind) is not str or kind not in kinds:
+                    break
+                auto += 1
+                task_id = f"{kind}#{auto}"
+                if lookalike and (task_id in records or task_id in settled):
+                    break  # a given id of an earlier batch looks generated: the general path
+                task.id = task_id
+                record = records[task_id] = Record(task, index, None, False)
+                record.state = READY  # made ready as a batch (`_ready_all`) if all are plain
+                if rank:
+                    record.rank = index
+                append(record)
+                index += 1
+            else:
+                admission.auto = auto
+                self.unfinished += len(new)
+                if not rank:
+                    self._unranked = True
+                return new
+        except Exception:  # a field's truth value raised (a numpy array's does): the general
+            pass  # path refuses it, naming the task and the field
         for record in new:  # undo: the general path sees the batch as it was given
             record.task.id = None  # type: ignore[assignment]
             del records[record.id]
@@ -352,7 +357,7 @@ class MemoryRun:
         ids: dict[str, Task] = {}
         linked = False  # any dependency at all: only then can there be a cycle
         given = (
-            {t.id for t in tasks if isinstance(t, Task) and t.id is not None}
+            {t.id for t in tasks if isinstance(t, Task) and type(t.id) is str}  # others: refused
             if len(tasks) > 1
             else ()
         )

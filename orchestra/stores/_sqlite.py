@@ -69,7 +69,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
+import os
 import time
 import uuid
 import weakref
@@ -78,6 +78,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
+from .._admission import PRIORITY_MAX, PRIORITY_MIN
+from .._config import finite
 from .._exceptions import ConfigError, InputError, StoreError
 from .._store import KEEP
 from .._task import (
@@ -96,7 +98,6 @@ from ._sqlite_rows import Rows
 from ._sqlite_share import Sharing
 
 if TYPE_CHECKING:
-    import os
     from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
 
@@ -133,6 +134,9 @@ class SQLiteStore:
         lease: float = 30.0,
         busy_timeout: float = 10.0,
     ) -> None:
+        if not isinstance(path, str | os.PathLike) or path == "":
+            # pathlib would raise a TypeError, or take "" for the current directory.
+            raise ConfigError(f"SQLiteStore path must be a file path (str or Path), got {path!r}")
         for name, value in (
             ("window", window),
             ("key_lease", key_lease),
@@ -141,7 +145,7 @@ class SQLiteStore:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-            if not 0 < value < math.inf:
+            if not finite(value) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if key_lease <= window:
             raise ConfigError(
@@ -448,16 +452,41 @@ class SQLiteRun:
             try:
                 out.append((task.payload, to_json(task.payload).decode()))
             except PydanticSerializationError as exc:
-                name = (
-                    repr(task.id)
-                    if task.id is not None
-                    else (where if first is None else f"{where}[{first + i}]")
-                )
                 raise InputError(
-                    f"task {name}: payload cannot be stored as JSON by {self._store!r}: {exc}",
+                    f"task {_named(task, where, first, i)}: payload cannot be stored as JSON "
+                    f"by {self._store!r}: {exc}",
                     task_id=task.id,
                     field="payload",
                 ) from exc
+            # What the memory run takes but a row cannot hold would fail the store's first
+            # write, after agents ran: refused here, with the task and the field.
+            priority = task.priority
+            if type(priority) is int and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+                raise InputError(
+                    f"task {_named(task, where, first, i)}: priority {priority} does not fit "
+                    f"the 64-bit integer {self._store!r} keeps it in",
+                    task_id=task.id,
+                    field="priority",
+                )
+            if task.metadata is not None:
+                try:  # as `_sqlite_rows` writes it: what JSON cannot hold is shown by its repr
+                    to_json(task.metadata, fallback=repr)
+                except PydanticSerializationError as exc:  # text that is not UTF-8
+                    raise InputError(
+                        f"task {_named(task, where, first, i)}: metadata cannot be stored as "
+                        f"JSON by {self._store!r}: {exc}",
+                        task_id=task.id,
+                        field="metadata",
+                    ) from exc
+            for field in ("id", "key"):
+                value = getattr(task, field)
+                if type(value) is str and not value.isascii() and not _utf8(value):
+                    raise InputError(
+                        f"task {_named(task, where, first, i)}: {field} {value!r} is not valid "
+                        f"UTF-8 text (a lone surrogate?), which {self._store!r} cannot store",
+                        task_id=task.id,
+                        field=field,
+                    )
         return out
 
     def _added(self, tasks: Sequence[Any], payloads: list[Any]) -> None:
@@ -901,3 +930,19 @@ def _same_json(stored: str, payload: Any) -> bool:
     except PydanticSerializationError:
         return False
     return text == stored or json.loads(text) == json.loads(stored)
+
+
+def _named(task: Task, where: str, first: int | None, i: int) -> str:
+    """How an error names a task: its id, or where it came from when it has none yet."""
+    given: str | None = task.id  # typed `str`: None until admission generates one
+    if given is not None:
+        return repr(given)
+    return where if first is None else f"{where}[{first + i}]"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
