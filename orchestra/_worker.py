@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
-from ._exceptions import ConfigError, InputError
+from ._exceptions import ConfigError, InputError, StoreError
 from ._log import get_logger
 from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Task, TaskResult
 from .stores import _sqlite_work as sharing
@@ -166,16 +166,25 @@ class Worker:
         handle = self.orch._launch(None, self._claims(), f"worker:{self.name}", config)
         results = handle.results()
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._beat, handle)
-                tg.start_soon(self._write_ends)
-                async for result in results:
-                    claimed = self.held.get(result.task_id)
-                    if claimed is not None:
-                        self.ends.append((claimed, result))
-                        self._ended.set()
-                await handle
-                tg.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._beat, handle)
+                    tg.start_soon(self._write_ends)
+                    async for result in results:
+                        claimed = self.held.get(result.task_id)
+                        if claimed is not None:
+                            self.ends.append((claimed, result))
+                            self._ended.set()
+                    await handle
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # The file failed under a heartbeat or a completion's write (full, locked,
+                # corrupt): the caller gets the `StoreError` that says so, as the coordinator's
+                # run raises it, not the task group's ExceptionGroup around it.
+                error = _store_error(group)
+                if error is None:
+                    raise
+                raise error from None
             await self._write()
         finally:
             with anyio.CancelScope(shield=True):
@@ -361,6 +370,18 @@ class Worker:
                 self.report.lost += len(lost)
                 log.warning("leases lost: cancelling", worker=self.name, task_ids=lost)
                 handle.cancel(task_id=lost)
+
+
+def _store_error(group: BaseExceptionGroup[BaseException]) -> StoreError | None:
+    """The first `StoreError` in `group` (nested groups included), if there is one."""
+    for error in group.exceptions:
+        if isinstance(error, StoreError):
+            return error
+        if isinstance(error, BaseExceptionGroup):
+            found = _store_error(error)
+            if found is not None:
+                return found
+    return None
 
 
 def _closed(conn: Any, run_id: str) -> bool:

@@ -47,6 +47,19 @@ def agents() -> Orchestrator:
     return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
 
 
+def big_outputs() -> Orchestrator:
+    """An agent of kind "work" whose every output is 1 MB: a worker's completions pass a file-size
+    limit of 1.5 MB."""
+
+    @agent(kinds=["work"], concurrency=4)
+    async def big(task: Task, ctx: Context) -> Any:
+        _record(task.id)
+        await anyio.sleep(0.05)
+        return "y" * 1_000_000
+
+    return Orchestrator(agents=[big])
+
+
 def one_at_a_time() -> Orchestrator:
     """`double` limited to one call at a time (an agent's own limit), in an orchestrator of the
     default global concurrency (100)."""
