@@ -146,6 +146,32 @@ class TestFromTheStart:
         with pytest.raises(StoreError, match="cannot be opened"):
             SQLiteStore(path).runs()
 
+    @pytest.mark.parametrize("table", ["tasks", "notes"])
+    def test_another_applications_database_is_refused_and_left_as_it_was(
+        self, tmp_path: Path, table: str
+    ) -> None:
+        path = tmp_path / "app.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(f"CREATE TABLE {table} (x)")
+            conn.execute(f"INSERT INTO {table} VALUES (1)")
+        conn.close()
+        calls: list[str] = []
+        orch = Orchestrator(agents=[counting(calls)], store=SQLiteStore(path))
+        with pytest.raises(StoreError, match="not a SQLiteStore file") as err:
+            anyio.run(lambda: orch.run([Task("work", 1)], run_id="r"))
+        assert str(path) in str(err.value)
+        assert table in str(err.value)  # the tables it found
+        assert calls == []
+        with sqlite3.connect(path) as conn:  # untouched: no schema added, not put in WAL mode
+            names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
+            (mode,) = conn.execute("PRAGMA journal_mode").fetchone()
+        conn.close()
+        assert names == [table]
+        assert mode == "delete"
+        result = cli("runs", "list", "--db", str(path))
+        assert result.exit_code == 2
+        assert "not a SQLiteStore file" in result.output
+
     def test_busy_timeout_is_a_number_of_seconds(self, tmp_path: Path) -> None:
         for bad in (-1, 0, "1", True, float("nan")):
             with pytest.raises(ConfigError, match="busy_timeout"):
