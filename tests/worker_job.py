@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from orchestra import Context, Orchestrator, Task, agent
+from orchestra import Context, Orchestrator, RetryableError, Task, agent
 from orchestra.stores import SQLiteStore
 
 
@@ -58,6 +58,20 @@ def big_outputs() -> Orchestrator:
         return "y" * 1_000_000
 
     return Orchestrator(agents=[big])
+
+
+def failing_then_hanging() -> Orchestrator:
+    """An agent of kind "work" whose first attempt fails (retryable) and whose next ones hang: the
+    worker is to be killed in its retry."""
+
+    @agent(kinds=["work"])
+    async def flaky(task: Task, ctx: Context) -> Any:
+        _record(task.id)
+        if ctx.attempt == 1:
+            raise RetryableError("the first attempt fails")
+        await anyio.sleep(3600)
+
+    return Orchestrator(agents=[flaky])
 
 
 def one_at_a_time() -> Orchestrator:
