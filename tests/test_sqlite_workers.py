@@ -709,23 +709,29 @@ class TestCrashes:
             db, calls, lease=1.0, agents="tests/worker_job.py:failing_then_hanging"
         )
         results: list[tuple[RunResult, dict[str, TaskResult]]] = []
-        async with anyio.create_task_group() as tg:
+        workers: list[subprocess.Popen[str]] = []
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def run() -> None:
-                results.append(await coordinate(db, [Task("work", 1, id="t")], lease=1.0))
+                async def run() -> None:
+                    results.append(await coordinate(db, [Task("work", 1, id="t")], lease=1.0))
 
-            tg.start_soon(run)
-            await until(
-                lambda: (
-                    len(ran(calls)) == 2
-                    and rows(db, "SELECT count(*) FROM attempts WHERE task_id = 't'") == [(1,)]
-                ),
-                30,
-            )
-            killed.send_signal(signal.SIGKILL)
-            killed.communicate(timeout=30)
-            workers = [start_worker(db, calls, lease=1.0)]
-        wait_all(workers)
+                tg.start_soon(run)
+                await until(
+                    lambda: (
+                        len(ran(calls)) == 2
+                        and rows(db, "SELECT count(*) FROM attempts WHERE task_id = 't'") == [(1,)]
+                    ),
+                    30,
+                )
+                killed.send_signal(signal.SIGKILL)
+                killed.communicate(timeout=30)
+                workers.append(start_worker(db, calls, lease=1.0))
+        finally:
+            if killed.poll() is None:  # it never got that far: not left hanging
+                killed.kill()
+                killed.communicate(timeout=30)
+            wait_all(workers)
         ((result, ended),) = results
         assert result.status == "success"
         t = ended["t"]
