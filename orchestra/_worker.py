@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
-from ._exceptions import ConfigError, InputError
+from ._exceptions import ConfigError, InputError, StoreError
 from ._log import get_logger
-from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Task, TaskResult
+from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
 from .stores import _sqlite_work as sharing
 from .stores._memory import MemoryRun
 
@@ -144,6 +144,10 @@ class Worker:
         self.held: dict[str, sharing.Claimed] = {}
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
         self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
+        # Attempts that failed here while their tasks go on (a retry), to write as they fail;
+        # and the highest attempt number of each held task written (or being written) so.
+        self.failed: list[tuple[sharing.Claimed, Attempt]] = []
+        self.noted: dict[str, int] = {}
         self.writing: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, being written
         self._room = anyio.Event()
         self._ended = anyio.Event()
@@ -166,16 +170,25 @@ class Worker:
         handle = self.orch._launch(None, self._claims(), f"worker:{self.name}", config)
         results = handle.results()
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._beat, handle)
-                tg.start_soon(self._write_ends)
-                async for result in results:
-                    claimed = self.held.get(result.task_id)
-                    if claimed is not None:
-                        self.ends.append((claimed, result))
-                        self._ended.set()
-                await handle
-                tg.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._beat, handle)
+                    tg.start_soon(self._write_ends)
+                    async for result in results:
+                        claimed = self.held.get(result.task_id)
+                        if claimed is not None:
+                            self.ends.append((claimed, result))
+                            self._ended.set()
+                    await handle
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # The file failed under a heartbeat or a completion's write (full, locked,
+                # corrupt): the caller gets the `StoreError` that says so, as the coordinator's
+                # run raises it, not the task group's ExceptionGroup around it.
+                error = _store_error(group)
+                if error is None:
+                    raise
+                raise error from None
             await self._write()
         finally:
             with anyio.CancelScope(shield=True):
@@ -272,31 +285,38 @@ class Worker:
             await self._write()
 
     async def _write(self) -> None:
-        if not self.ends:
+        if not self.ends and not self.failed:
             return
         ends, self.ends = self.ends, []
+        failed, self.failed = self.failed, []
         self.writing = ends
+        noted = self.noted
+        notes = []
+        for claimed, attempt in failed:
+            notes.append(
+                (claimed.run_id, claimed.id, claimed.token, self._attempt_row(claimed, attempt))
+            )
+            noted[claimed.id] = max(noted.get(claimed.id, 0), attempt.number)
         rows = []
         attempts = []
         for claimed, result in ends:
             rows.append(self._end_row(claimed, result))
+            written = noted.get(claimed.id, 0)
             attempts.append(
-                [
-                    (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
-                     self._wall0 + a.started, a.duration, a.retry_in, a.traceback,
-                     a.status_code, a.api_error_type, a.request_id)
-                    for a in result.failures or ()
-                ]
-            )  # fmt: skip
+                [self._attempt_row(claimed, a) for a in result.failures or () if a.number > written]
+            )
         try:
             # Shielded: a worker told to stop mid-write still learns which completions the file
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
-                accepted = await self.call(sharing.complete, self.name, time.time(), rows, attempts)
+                accepted = await self.call(
+                    sharing.complete, self.name, time.time(), rows, attempts, notes
+                )
         finally:
             self.writing = []
         for (claimed, result), ok in zip(ends, accepted, strict=True):
             del self.held[claimed.id]
+            noted.pop(claimed.id, None)
             self.spawned.pop(claimed.id, None)
             if ok:
                 self.report.completed += 1
@@ -309,6 +329,11 @@ class Worker:
                     run_id=claimed.run_id,
                 )
         self._room.set()
+
+    def _attempt_row(self, claimed: sharing.Claimed, a: Attempt) -> tuple[Any, ...]:
+        return (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
+                self._wall0 + a.started, a.duration, a.retry_in, a.traceback, a.status_code,
+                a.api_error_type, a.request_id)  # fmt: skip
 
     def _end_row(self, claimed: sharing.Claimed, result: TaskResult) -> tuple[Any, ...]:
         status = result.status
@@ -361,6 +386,18 @@ class Worker:
                 self.report.lost += len(lost)
                 log.warning("leases lost: cancelling", worker=self.name, task_ids=lost)
                 handle.cancel(task_id=lost)
+
+
+def _store_error(group: BaseExceptionGroup[BaseException]) -> StoreError | None:
+    """The first `StoreError` in `group` (nested groups included), if there is one."""
+    for error in group.exceptions:
+        if isinstance(error, StoreError):
+            return error
+        if isinstance(error, BaseExceptionGroup):
+            found = _store_error(error)
+            if found is not None:
+                return found
+    return None
 
 
 def _closed(conn: Any, run_id: str) -> bool:
@@ -433,6 +470,19 @@ class _WorkerRun(MemoryRun):
         record = self._records.get(task.id)
         if record is not None and claimed is not None:
             record.attempts = claimed.attempts  # attempts made elsewhere count here too
+
+    def fail(self, record: Record, token: int, attempt: Attempt, **rest: Any) -> bool:
+        if not super().fail(record, token, attempt, **rest):
+            return False
+        # Written now, not with the task's end: a lease lost before that end (the worker killed
+        # or paused) would otherwise lose this attempt, and the next one, on another worker,
+        # would be numbered as this one.
+        worker = self._worker
+        claimed = worker.held.get(record.id)
+        if claimed is not None:
+            worker.failed.append((claimed, attempt))
+            worker._ended.set()
+        return True
 
     def deps_of(self, record: Record) -> dict[str, Any]:
         claimed = self._worker.held.get(record.id)

@@ -153,6 +153,32 @@ class TestFromTheStart:
             SQLiteStore(bad)
         assert repr(bad) in str(info.value)
 
+    @pytest.mark.parametrize("table", ["tasks", "notes"])
+    def test_another_applications_database_is_refused_and_left_as_it_was(
+        self, tmp_path: Path, table: str
+    ) -> None:
+        path = tmp_path / "app.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(f"CREATE TABLE {table} (x)")
+            conn.execute(f"INSERT INTO {table} VALUES (1)")
+        conn.close()
+        calls: list[str] = []
+        orch = Orchestrator(agents=[counting(calls)], store=SQLiteStore(path))
+        with pytest.raises(StoreError, match="not a SQLiteStore file") as err:
+            anyio.run(lambda: orch.run([Task("work", 1)], run_id="r"))
+        assert str(path) in str(err.value)
+        assert table in str(err.value)  # the tables it found
+        assert calls == []
+        with sqlite3.connect(path) as conn:  # untouched: no schema added, not put in WAL mode
+            names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
+            (mode,) = conn.execute("PRAGMA journal_mode").fetchone()
+        conn.close()
+        assert names == [table]
+        assert mode == "delete"
+        result = cli("runs", "list", "--db", str(path))
+        assert result.exit_code == 2
+        assert "not a SQLiteStore file" in result.output
+
     def test_busy_timeout_is_a_number_of_seconds(self, tmp_path: Path) -> None:
         for bad in (-1, 0, "1", True, float("nan")):
             with pytest.raises(ConfigError, match="busy_timeout"):
@@ -244,6 +270,56 @@ class TestMidRun:
         assert "Traceback" not in done.stderr
         kept = _succeeded(path)
         assert 0 < kept < 2000  # what was committed before the disk filled stays readable
+
+    async def test_a_worker_whose_disk_fills_stops_with_a_store_error_and_loses_nothing(
+        self, tmp_path: Path
+    ) -> None:
+        # The worker's completions (1 MB each) pass its file-size limit (1.5 MB): the write fails
+        # under the worker's task group, and the worker must say so as `StoreError` (one line,
+        # exit 2), not die of an ExceptionGroup traceback; its tasks run again elsewhere.
+        path = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(path).runs()
+        limited = textwrap.dedent("""
+            import resource, runpy, signal, sys
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails: EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1_500_000, 1_500_000))
+            sys.argv = ["orchestra", *sys.argv[1:]]
+            runpy.run_module("orchestra", run_name="__main__")
+        """)
+
+        @agent(kinds=["work"])
+        async def never(task: Task, ctx: Context) -> Any:
+            raise AssertionError("the coordinator is paused")
+
+        orch = Orchestrator(agents=[never], store=SQLiteStore(path, lease=1.0))
+        async with orch:
+            handle = orch.start(tasks=[Task("work", i, id=f"t{i}") for i in range(4)], run_id="r")
+            handle.pause()
+            done = await anyio.run_process(
+                [sys.executable, "-c", limited, "worker", "--db", str(path), "--agents",
+                 "tests/worker_job.py:big_outputs", "--run-id", "r", "--lease", "1"],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO), "WORKER_CALLS": str(calls)},
+                check=False,
+            )  # fmt: skip
+            err = done.stderr.decode()
+            assert done.returncode == 2, err[-3000:]
+            assert "the disk may be full" in err
+            assert str(path.name) in err
+            assert "Traceback" not in err
+            assert "ExceptionGroup" not in err
+
+            # What it held comes back (handed back, or its leases lapse) and another worker runs it.
+            async def work() -> None:
+                await Orchestrator(agents=[counting([])]).work(SQLiteStore(path), run_id="r")
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(work)
+                    result = await handle
+        assert result.status == "success"
+        assert result.metadata.counts["succeeded"] == 4
 
 
 class TestTheCommandLine:

@@ -485,6 +485,7 @@ def start_worker(
     delay: float = 0.0,
     lease: float = 30.0,
     concurrency: int = 8,
+    agents: str = "tests/worker_job.py:agents",
 ) -> subprocess.Popen[str]:
     env = {
         **os.environ,
@@ -495,7 +496,7 @@ def start_worker(
     }
     return subprocess.Popen(
         [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
-         "tests/worker_job.py:agents", "--run-id", run_id, "--lease", str(lease)],
+         agents, "--run-id", run_id, "--lease", str(lease)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -695,6 +696,60 @@ class TestCrashes:
         assert poison.error_type == "LeaseExpired"
         assert "3 workers in a row lost the task" in (poison.error or "")
         assert result.metadata.counts["failed"] == 1
+
+    async def test_attempts_a_killed_worker_retried_are_counted_and_kept(
+        self, tmp_path: Path
+    ) -> None:
+        # Attempt 1 fails on worker A, which retries it (attempt 2) and is killed meanwhile. The
+        # next worker's attempt is the third (not a second attempt 2), and the task's history
+        # keeps A's failure before the lost lease.
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        killed = start_worker(
+            db, calls, lease=1.0, agents="tests/worker_job.py:failing_then_hanging"
+        )
+        results: list[tuple[RunResult, dict[str, TaskResult]]] = []
+        workers: list[subprocess.Popen[str]] = []
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run() -> None:
+                    results.append(await coordinate(db, [Task("work", 1, id="t")], lease=1.0))
+
+                tg.start_soon(run)
+                await until(
+                    lambda: (
+                        len(ran(calls)) == 2
+                        and rows(db, "SELECT count(*) FROM attempts WHERE task_id = 't'") == [(1,)]
+                    ),
+                    30,
+                )
+                killed.send_signal(signal.SIGKILL)
+                killed.communicate(timeout=30)
+                workers.append(start_worker(db, calls, lease=1.0))
+        finally:
+            if killed.poll() is None:  # it never got that far: not left hanging
+                killed.kill()
+                killed.communicate(timeout=30)
+            wait_all(workers)
+        ((result, ended),) = results
+        assert result.status == "success"
+        t = ended["t"]
+        assert t.status == "succeeded"
+        assert t.output == 2
+        assert len(ran(calls)) == 3
+        assert t.attempts == 3
+        assert [(a.number, a.error_type) for a in t.failures or ()] == [
+            (1, "RetryableError"),
+            (2, "LeaseExpired"),
+        ]
+        assert rows(
+            db, "SELECT number, error_type FROM attempts WHERE task_id = 't' ORDER BY number"
+        ) == [
+            (1, "RetryableError"),
+            (2, "LeaseExpired"),
+        ]
 
     async def test_a_killed_coordinator_resumes_with_what_the_workers_did_meanwhile(
         self, tmp_path: Path

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from orchestra import Context, Orchestrator, Task, agent
+from orchestra import Context, Orchestrator, RetryableError, Task, agent
 from orchestra.stores import SQLiteStore
 
 
@@ -45,6 +45,33 @@ async def double(task: Task, ctx: Context) -> Any:
 
 def agents() -> Orchestrator:
     return Orchestrator(agents=[double], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")))
+
+
+def big_outputs() -> Orchestrator:
+    """An agent of kind "work" whose every output is 1 MB: a worker's completions pass a file-size
+    limit of 1.5 MB."""
+
+    @agent(kinds=["work"], concurrency=4)
+    async def big(task: Task, ctx: Context) -> Any:
+        _record(task.id)
+        await anyio.sleep(0.05)
+        return "y" * 1_000_000
+
+    return Orchestrator(agents=[big])
+
+
+def failing_then_hanging() -> Orchestrator:
+    """An agent of kind "work" whose first attempt fails (retryable) and whose next ones hang: the
+    worker is to be killed in its retry."""
+
+    @agent(kinds=["work"])
+    async def flaky(task: Task, ctx: Context) -> Any:
+        _record(task.id)
+        if ctx.attempt == 1:
+            raise RetryableError("the first attempt fails")
+        await anyio.sleep(3600)
+
+    return Orchestrator(agents=[flaky])
 
 
 def one_at_a_time() -> Orchestrator:

@@ -18,7 +18,7 @@ from .._exceptions import StoreError
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("MIGRATIONS", "migrate", "rollback")
+__all__ = ("MIGRATIONS", "migrate", "refuse_foreign", "rollback")
 
 _V1 = (
     # One row per run. `owner` and `heartbeat` are for the next round: a coordinator process holds
@@ -190,6 +190,27 @@ _V3 = (
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
+
+
+def refuse_foreign(conn: sqlite3.Connection, where: str) -> None:
+    """Refuse a SQLite database of another application: one with tables and no schema version of
+    ours (a migration creates its tables and sets the version in one transaction, so a file of
+    ours never has tables at version 0). Checked before anything is written to the file: neither
+    our schema nor WAL mode (which stays with a file) is put into someone else's database."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] != 0:
+        return
+    tables = [
+        name
+        for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') ORDER BY name"
+        )
+    ]
+    if tables:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            f"database {where!r} is not a SQLiteStore file: it holds another application's "
+            f"tables ({shown}); give a SQLiteStore a file of its own (a new path creates one)"
+        )
 
 
 def migrate(conn: sqlite3.Connection, where: str) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError, StoreError
 from . import _sqlite_work as work
-from ._schema import migrate, rollback
+from ._schema import migrate, refuse_foreign, rollback
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -110,6 +110,7 @@ class Writer:
             self.path, isolation_level=None, check_same_thread=False, timeout=self.busy_timeout
         )
         try:
+            refuse_foreign(conn, str(self.path))
             _wal(conn, self.busy_timeout)
             conn.execute("PRAGMA synchronous = NORMAL")
             migrate(conn, str(self.path))

@@ -97,8 +97,14 @@ class Sharing:
             return
         if not self.shared and polled.workers and self._serves(polled.workers):
             self._share()
-        for task_id, worker, attempts in polled.expired:
-            self._expired(task_id, worker, attempts)
+        if polled.expired:
+            run = self._run
+            failures = run._rows.failures(polled.expired_attempts)
+            for task_id, worker, attempts in polled.expired:
+                record = run._memory.record_of(task_id)
+                if record is not None and record.state not in TERMINAL:
+                    _heard(record, failures.get(task_id))
+                self._expired(task_id, worker, attempts)
         for task_id in polled.released:
             self._released(task_id)
         if polled.done:
@@ -192,12 +198,7 @@ class Sharing:
                 token = memory.take(record)
             self.offered.discard(task_id)
             record.attempts = attempts
-            more = failures.get(task_id)
-            if more:  # the worker's failed attempts (not the ones written here: lost leases)
-                known = {a.number for a in record.failures or ()}
-                record.failures = (record.failures or []) + [
-                    a for a in more if a.number not in known
-                ]
+            _heard(record, failures.get(task_id))
             if started is not None:
                 record.t_start = started - run._offset
             value = None if output is None else json.loads(output)
@@ -234,6 +235,17 @@ class Sharing:
         if done:  # their failed attempts are among the records' failures already
             self._settle_done(done, [])
         return len(done)
+
+
+def _heard(record: Record, more: list[Attempt] | None) -> None:
+    """Add to a record's failures the attempts workers wrote that it does not hold yet (not the
+    ones written here: lost leases), in the order of their numbers."""
+    if not more:
+        return
+    known = {a.number for a in record.failures or ()}
+    new = [a for a in more if a.number not in known]
+    if new:
+        record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
 
 
 def _task(data: dict[str, Any]) -> Task:

@@ -11,7 +11,9 @@ single writer lock (``BEGIN IMMEDIATE``) makes every step here atomic across pro
   the file too from then on (`claim_offered`), so no row is ever claimed twice.
 - **Complete** (a worker): the row becomes ``done`` with its outcome, output and spawned tasks,
   only if it still carries the worker's lease and token: a worker that comes back after its lease
-  expired (a SIGSTOP, a long GC) is refused, whatever it computed.
+  expired (a SIGSTOP, a long GC) is refused, whatever it computed. An attempt that fails while its
+  task goes on (a retry on the worker) is written the same way, fenced, as it fails: a lease lost
+  later counts it, and the next attempt, wherever it runs, is numbered after it.
 - **Beat** (a worker): its leases are extended; the ones it no longer holds (expired and taken back,
   or the task cancelled by the coordinator) are reported, for it to cancel their attempts.
 - **Poll** (the coordinator, in its window's transaction): leases past their expiry are taken back
@@ -269,14 +271,27 @@ def complete(
     now: float,
     ends: Sequence[tuple[Any, ...]],
     attempts: Sequence[Sequence[tuple[Any, ...]]],
+    failed: Sequence[tuple[str, str, int, tuple[Any, ...]]] = (),
 ) -> list[bool]:
     """Write what a worker's tasks came to, each only if the worker still holds its lease under
     the same token. `ends`: (outcome, output JSON, agent, error, error_type, defaulted, attempts,
     started, finished, spawned JSON, run id, task id, token); `attempts[i]`: the attempts rows
-    of `ends[i]`'s failed attempts. Returns, for each, whether it was accepted."""
+    of `ends[i]`'s failed attempts not written yet. `failed`: (run id, task id, token, attempts
+    row) of attempts that failed on the worker while their tasks go on (a retry), written as
+    they fail, so that a lease lost later counts them (the next attempt is numbered after them)
+    and keeps them in the task's history. Returns, for each end, whether it was accepted."""
     accepted: list[bool] = []
     conn.execute("BEGIN IMMEDIATE")
     try:
+        for run_id, task_id, token, row in failed:
+            if conn.execute(
+                "UPDATE tasks SET attempts = max(attempts, ?) WHERE run_id = ? AND id = ? "
+                "AND token = ? AND lease_owner = ? AND state IN ('claimed', 'running')",
+                (row[2], run_id, task_id, token, name),
+            ).rowcount:
+                conn.execute(
+                    "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row
+                )
         events = []
         for end, failed in zip(ends, attempts, strict=True):
             changed = conn.execute(
@@ -399,11 +414,12 @@ def claim_offered(conn: sqlite3.Connection, run_id: str, task_id: str, owner: st
 class Polled:
     """What the coordinator's window learned of its shared run (built in the writer thread)."""
 
-    __slots__ = ("done", "done_attempts", "expired", "released", "workers")
+    __slots__ = ("done", "done_attempts", "expired", "expired_attempts", "released", "workers")
 
     def __init__(self) -> None:
         self.workers: list[str | None] = []  # the kinds (JSON) of the live workers for this run
         self.expired: list[tuple[str, str, int]] = []  # (task id, its lost worker, attempts)
+        self.expired_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
         self.done: list[tuple[Any, ...]] = []  # the rows workers completed
         self.done_attempts: list[tuple[Any, ...]] = []  # their failed attempts' rows
         self.released: list[str] = []  # tasks of `remote` a worker handed back: ready, unleased
@@ -446,6 +462,9 @@ def poll(
             [(attempts, run_id, task_id) for task_id, _, attempts in expired],
         )
         polled.expired = expired
+        # What the lost workers wrote of the attempts that failed there before (a retry):
+        # history the coordinator has not heard of yet.
+        polled.expired_attempts = _attempts_of(conn, run_id, [row[0] for row in expired])
     if remote:
         polled.released = [
             task_id
@@ -461,17 +480,22 @@ def poll(
         (run_id,),
     ).fetchall()
     if polled.done:
-        ids = [row[0] for row in polled.done]
-        polled.done_attempts = []
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            polled.done_attempts.extend(
-                conn.execute(
-                    "SELECT task_id, number, agent, error_type, message, started, duration, "
-                    "retry_in, traceback, status_code, api_error_type, request_id FROM attempts "
-                    f"WHERE run_id = ? AND task_id IN ({', '.join('?' * len(chunk))}) "
-                    "ORDER BY rowid",
-                    (run_id, *chunk),
-                ).fetchall()
-            )
+        polled.done_attempts = _attempts_of(conn, run_id, [row[0] for row in polled.done])
     return polled
+
+
+def _attempts_of(conn: sqlite3.Connection, run_id: str, ids: Sequence[str]) -> list[Any]:
+    """The attempts rows of the tasks `ids` of a run, in the order they were written."""
+    rows: list[Any] = []
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        rows.extend(
+            conn.execute(
+                "SELECT task_id, number, agent, error_type, message, started, duration, "
+                "retry_in, traceback, status_code, api_error_type, request_id FROM attempts "
+                f"WHERE run_id = ? AND task_id IN ({', '.join('?' * len(chunk))}) "
+                "ORDER BY rowid",
+                (run_id, *chunk),
+            ).fetchall()
+        )
+    return rows
