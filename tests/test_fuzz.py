@@ -32,6 +32,7 @@ from orchestra import (
     Concurrency,
     Context,
     Event,
+    InputError,
     Orchestrator,
     PermanentError,
     Rate,
@@ -39,6 +40,7 @@ from orchestra import (
     RunResult,
     Task,
     TaskFinished,
+    TaskResult,
     Timeouts,
 )
 from orchestra._faults import raise_fault
@@ -126,6 +128,7 @@ class Scenario:
     caller_cancel: float | None  # run() under move_on_after (no handle)
     bystander: bool = False  # a second run of the same tasks at the same time
     elsewhere: bool = False  # the bystander's on another orchestrator that shares every limit
+    broken: int | None = None  # a streamed input breaks (raises, or repeats an id) at this task
 
 
 @dataclass
@@ -158,6 +161,8 @@ class World:
     cancelled_at: dict[str, float] = field(default_factory=dict)  # by a handle's cancel
     started: float = 0.0
     bystander: RunResult | None = None  # the result of the run nobody steers
+    raised: BaseException | None = None  # what the steered run raised
+    streamed: list[str] = field(default_factory=list)  # what its handle's results() gave
 
     def tick(self) -> int:
         self.seq += 1
@@ -319,6 +324,7 @@ def scenarios(draw: st.DrawFn, *, streamed: bool | None = None) -> Scenario:
         caller_cancel=draw(st.sampled_from((None, None, None, None, 0.0, 0.4, 3.0))),
         bystander=draw(st.booleans()),
         elsewhere=draw(st.booleans()),
+        broken=draw(st.none() | st.none() | st.integers(1, 12)),
     )
 
 
@@ -355,9 +361,17 @@ def source(scenario: Scenario, prefix: str = "") -> list[Task] | AsyncIterator[T
         for i, task in enumerate(tasks):
             if i % 3 == 2:
                 await anyio.sleep(0.3)
+            if i == scenario.broken and not prefix:
+                if i % 2:
+                    raise SourceBroke(f"the source broke before {task.id}")
+                yield tasks[0]  # a duplicate id: an InputError when it arrives
             yield task
 
     return stream()
+
+
+class SourceBroke(Exception):
+    """What a broken streamed input raises."""
 
 
 def build(scenario: Scenario, world: World) -> tuple[Orchestrator, Orchestrator]:
@@ -448,23 +462,40 @@ async def play(scenario: Scenario) -> tuple[World, RunResult | None, list[Event]
 
                     tg.start_soon(bystander)
                 with anyio.move_on_after(scenario.caller_cancel):
-                    result = await orch.run(tasks=source(scenario))
+                    try:
+                        result = await orch.run(tasks=source(scenario))
+                    except (InputError, SourceBroke) as exc:
+                        world.raised = exc
         else:
-            async with orch, elsewhere:
+            async with orch, elsewhere, anyio.create_task_group() as tg:
                 handle = orch.start(tasks=source(scenario))
+                tg.start_soon(read, handle.results(), world)  # asked at once: sees every task
                 other = None
                 if scenario.bystander:
                     other = elsewhere.start(tasks=source(scenario, BYSTANDER))
                 await steer(handle, scenario, world)
-                result = await handle
+                try:
+                    result = await handle
+                except (InputError, SourceBroke) as exc:
+                    world.raised = exc
                 if other is not None:
                     world.bystander = await other
     return world, result, events
 
 
+async def read(results: AsyncIterator[TaskResult], world: World) -> None:
+    async for r in results:
+        world.streamed.append(r.task_id)
+
+
 def check(scenario: Scenario, world: World, result: RunResult | None, events: list[Event]) -> None:
     assert not world.violations, world.violations
     assert world.running == 0
+    # A broken input is raised to the caller: nothing else is.
+    if world.raised is not None:
+        assert scenario.streamed
+        assert scenario.broken is not None
+        assert result is None
 
     # The bystander run: what the steered run's controls did never reached it.
     def id_of(event: Event) -> str:
@@ -492,6 +523,10 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
     assert all(r.status in ("succeeded", "failed", "cancelled", "skipped") for r in finished)
     given = {s.id for s in scenario.specs}
     by_id = {r.task_id: r for r in finished}
+    # The handle's results() gave each task once, the ones that ended.
+    assert sorted(world.streamed) == sorted(set(world.streamed))
+    if result is not None and scenario.caller_cancel is None:
+        assert set(world.streamed) == set(by_id)
     if result is not None:
         # ... every task that was given, and the children of the successful spawns.
         if scenario.run_timeout is None and not scenario.streamed:
