@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from orchestra import (
     AttemptStarted,
+    BreakerChanged,
     BreakerPolicy,
     Concurrency,
     Context,
@@ -40,6 +41,7 @@ from orchestra import (
     RunResult,
     Task,
     TaskFinished,
+    TaskReady,
     TaskResult,
     Timeouts,
 )
@@ -448,7 +450,9 @@ async def play(scenario: Scenario) -> tuple[World, RunResult | None, list[Event]
     world = World(scenario)
     events: list[Event] = []
     orch, elsewhere = build(scenario, world)
-    orch.subscribe(events.append, AttemptStarted, TaskFinished, buffer=1_000_000)
+    orch.subscribe(
+        events.append, AttemptStarted, TaskFinished, TaskReady, BreakerChanged, buffer=1_000_000
+    )
     result: RunResult | None = None
     world.started = anyio.current_time()
     # Virtual time: a deadlock (nothing left to wake anyone) jumps straight to this bound.
@@ -499,6 +503,8 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
 
     # The bystander run: what the steered run's controls did never reached it.
     def id_of(event: Event) -> str:
+        if isinstance(event, BreakerChanged):
+            return ""
         return event.result.task_id if isinstance(event, TaskFinished) else event.task_id  # type: ignore[attr-defined]
 
     if scenario.bystander:
@@ -512,6 +518,7 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
             assert error.error_type not in ("Cancelled", "Stopped"), error
         if scenario.run_timeout is None:
             assert other.status != "cancelled"
+    every_event = events
     events = [e for e in events if not id_of(e).startswith(BYSTANDER)]
     all_calls = world.calls
     world.calls = [c for c in all_calls if not c.task_id.startswith(BYSTANDER)]
@@ -612,6 +619,35 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
         for c in world.calls:
             assert c.end is not None
             assert c.end <= min(cutoffs) + EPS, ("ran on", c, cutoffs)
+
+    # A task's deadline holds from its first time ready, whatever it waited for (a slot, a rate,
+    # a retry, a breaker's probe, a pause).
+    if scenario.task_timeout is not None:
+        ready: dict[str, float] = {}
+        for event in events:
+            if isinstance(event, TaskReady):
+                ready.setdefault(event.task_id, event.at)
+            elif isinstance(event, TaskFinished) and event.result.task_id in ready:
+                over = event.at - ready[event.result.task_id] - scenario.task_timeout
+                assert over <= EPS, ("past its deadline", event.result, over)
+
+    # An open breaker lets no attempt through; a half-open one, a single probe (in the order the
+    # events were sent; the breakers are the steered orchestrator's, and its subscribers hear the
+    # bystander's attempts there to the end, unless a plain run() that opened the lifecycle was
+    # cancelled).
+    heard = every_event if not scenario.elsewhere and scenario.caller_cancel is None else events
+    breaker: dict[str, str] = {}
+    probes: Counter[str] = Counter()
+    for event in heard:
+        if isinstance(event, BreakerChanged):
+            breaker[event.agent] = event.state
+            probes[event.agent] = 0
+        elif isinstance(event, AttemptStarted):
+            now = breaker.get(event.agent, "closed")
+            assert now != "open", ("an attempt through an open breaker", event)
+            if now == "half_open":
+                probes[event.agent] += 1
+                assert probes[event.agent] == 1, ("a second probe", event)
 
     # The shared limits hold across both runs.
     world.calls = all_calls
