@@ -10,7 +10,11 @@ reprioritize, stop, a run timeout, the caller's own cancel), and checks on every
 whatever happened: see `check`.
 
 The agents watch the limits themselves (`World`), so a breach is seen at the instant it happens.
-Examples run derandomized; ``ORCHESTRA_FUZZ_EXAMPLES=2000`` runs more of them.
+Examples run derandomized; ``ORCHESTRA_FUZZ_EXAMPLES=2000`` runs more of them (at random), and
+``ORCHESTRA_FUZZ_SQLITE=1`` runs them on `SQLiteStore`s.
+
+What the fuzzer found is pinned by its own regression test (tests/test_cancellation.py,
+``test_without_async_with_the_first_caller_may_cancel_once_its_run_is_over``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from orchestra import (
     Orchestrator,
     PermanentError,
     Rate,
+    RetryableError,
     RetryPolicy,
     RunResult,
     Task,
@@ -47,7 +52,7 @@ from orchestra import (
 )
 from orchestra._faults import raise_fault
 from orchestra.testing import GARBAGE
-from tests.helpers import assert_no_leaks, fake_clock, live_tasks, not_garbage
+from tests.helpers import assert_no_leaks, fake_clock, live_tasks, not_garbage, sqlite_store
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
 
     from orchestra import RunHandle
 
+SQLITE = bool(os.environ.get("ORCHESTRA_FUZZ_SQLITE"))
 EXAMPLES = int(os.environ.get("ORCHESTRA_FUZZ_EXAMPLES", "0")) or 100
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -84,6 +90,7 @@ OUTCOMES = (
     "swallow",  # swallows the first cancel
     "coroutine",  # returns a coroutine: a forgotten await
     "garbage",  # the verifier rejects it: a retryable failure
+    "retry_after",  # RetryableError(retry_after=...), raised by the agent itself
 )
 RETRY_AFTER = 1.5
 ATTEMPT_TIMEOUT = 4.0
@@ -102,6 +109,7 @@ class Spec:
     latency: float
     spawns: bool
     refused: bool = False  # the safety check refuses it
+    timeout: float | None = None  # its own deadline, over the orchestrator's
 
 
 @dataclass
@@ -142,7 +150,8 @@ class CallRecord:
     end: float | None = None
     outcome: str = ""
     ended_seq: int = -1
-    retry_after: bool = False  # it raised a 429 with Retry-After
+    retry_after: bool = False  # it raised a 429 with Retry-After, or a RetryableError with one
+    http: bool = False  # ... a 429: that pauses everyone who shares a limit with its agent
 
 
 @dataclass
@@ -234,7 +243,10 @@ class FuzzAgent:
                 return _forgotten()
             if outcome == "permanent":
                 raise PermanentError(f"{task_id} fails for good")
-            call.retry_after = outcome == "rate_limit"
+            call.retry_after = outcome in ("rate_limit", "retry_after")
+            call.http = outcome == "rate_limit"
+            if outcome == "retry_after":
+                raise RetryableError(f"{task_id}: come back later", retry_after=RETRY_AFTER)
             return await raise_fault(
                 outcome, f"agent {self.name!r}", retry_after=RETRY_AFTER, latency=3.0
             )
@@ -272,6 +284,7 @@ def scenarios(draw: st.DrawFn, *, streamed: bool | None = None) -> Scenario:
                 latency=draw(st.sampled_from((0.0, 0.0, 0.1, 0.5, 1.0))),
                 spawns=draw(st.integers(0, 5)) == 0,
                 refused=draw(st.integers(0, 12)) == 0,
+                timeout=draw(st.sampled_from((None, None, None, 2.0, 7.0))),
             )
         )
     agents: list[AgentSpec] = []
@@ -346,6 +359,7 @@ def task_list(scenario: Scenario, prefix: str = "") -> list[Task]:
             depends_on=[prefix + d for d in s.deps],
             depends_on_tags=s.after_tags,
             tags=s.tags,
+            timeout=s.timeout,
         )
         for s in scenario.specs
     ]
@@ -404,6 +418,7 @@ def build(scenario: Scenario, world: World) -> tuple[Orchestrator, Orchestrator]
             safety=lambda task: not task.payload["refused"],
             window=scenario.window,
             seed=0,
+            store=sqlite_store() if SQLITE else None,
         )
         for _ in range(2 if scenario.elsewhere else 1)
     ]
@@ -420,7 +435,8 @@ async def steer(handle: RunHandle, scenario: Scenario, world: World) -> None:
         if op == "stop":
             world.controls.append((world.tick(), "stop", None))
             world.stopped = (anyio.current_time(), grace)
-            await handle.stop(grace)
+            with contextlib.suppress(InputError, SourceBroke):  # the run's own error: see play
+                await handle.stop(grace)
             return
         if op == "pause":
             handle.pause()
@@ -622,13 +638,15 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
 
     # A task's deadline holds from its first time ready, whatever it waited for (a slot, a rate,
     # a retry, a breaker's probe, a pause).
-    if scenario.task_timeout is not None:
-        ready: dict[str, float] = {}
-        for event in events:
-            if isinstance(event, TaskReady):
-                ready.setdefault(event.task_id, event.at)
-            elif isinstance(event, TaskFinished) and event.result.task_id in ready:
-                over = event.at - ready[event.result.task_id] - scenario.task_timeout
+    own = {s.id: s.timeout for s in scenario.specs if s.timeout is not None}
+    ready: dict[str, float] = {}
+    for event in events:
+        if isinstance(event, TaskReady):
+            ready.setdefault(event.task_id, event.at)
+        elif isinstance(event, TaskFinished) and event.result.task_id in ready:
+            limit = own.get(event.result.task_id, scenario.task_timeout)
+            if limit is not None:
+                over = event.at - ready[event.result.task_id] - limit
                 assert over <= EPS, ("past its deadline", event.result, over)
 
     # An open breaker lets no attempt through; a half-open one, a single probe (in the order the
@@ -674,7 +692,8 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
         early = [
             c
             for c in world.calls
-            if shares(mine, agent_specs[c.agent])
+            if hit.http
+            and shares(mine, agent_specs[c.agent])
             and c.seq > hit.ended_seq
             and c.start < hit.end + RETRY_AFTER - EPS
         ]
