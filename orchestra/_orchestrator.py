@@ -284,13 +284,23 @@ class Orchestrator:
             return None
         tg = self._tg
         assert tg is not None
+        waited: BaseException | None = None  # a cancellation while waiting for other callers' runs
         try:
             if exc is None:
                 # Runs that other callers started in this lifecycle (run() without `async with`,
                 # concurrently) finish first, and other tasks' `async with` blocks end.
-                while self._runs or self._starting or self._holders:
-                    idle = self._idle = anyio.Event()
-                    await idle.wait()
+                try:
+                    while self._runs or self._starting or self._holders:
+                        idle = self._idle = anyio.Event()
+                        await idle.wait()
+                except anyio.get_cancelled_exc_class() as cancelled:
+                    # Cancelled while it waits for them (its caller's deadline): it still closes the
+                    # task group it opened, in its own task, as a caller cancelled during its own
+                    # run does (below), then re-raises. Leaving without would keep that group's
+                    # cancel scope open (a RuntimeError at the caller's next scope exit) and its
+                    # delivery tasks running.
+                    waited = cancelled
+                    exc_type, exc, tb = type(cancelled), cancelled, cancelled.__traceback__
             self._holders.clear()
             self._entered = 0
             self._tg = None
@@ -315,7 +325,10 @@ class Orchestrator:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
                 await self._bus.drained()
             self._bus.cancel()
-            return await tg.__aexit__(exc_type, exc, tb)
+            suppressed = await tg.__aexit__(exc_type, exc, tb)
+            if waited is not None and not suppressed:
+                raise waited
+            return suppressed
         finally:
             if self.clock is not None:
                 self.clock.uninstall()

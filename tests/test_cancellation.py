@@ -29,7 +29,7 @@ from orchestra import (
 )
 from orchestra._dispatch import Dispatcher
 from orchestra.testing import FakeClock, Recorder, scripted
-from tests.helpers import tasks_of
+from tests.helpers import assert_no_leaks, live_tasks, tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -503,6 +503,33 @@ class TestConcurrentRuns:
             result = await second
         assert result.status == "success"
         assert shared.max_in_flight == 2
+
+    async def test_without_async_with_the_first_caller_may_cancel_once_its_run_is_over(
+        self, clock: FakeClock
+    ) -> None:
+        # Its own run is done; it waits in the lifecycle's exit for the second caller's run when
+        # its deadline cancels it. It must still close that lifecycle (its task group).
+        quick = scripted("quick", ["work"], latency=1.0)
+        slow = scripted("slow", ["slow"], latency=10.0)
+        orch = Orchestrator(agents=[quick, slow], concurrency=3)
+        orch.subscribe(Recorder())  # a delivery task in the lifecycle's task group
+        before = live_tasks()
+        waited: list[bool] = []
+
+        async def first() -> None:
+            with anyio.move_on_after(2.0) as scope:
+                await orch.run(tasks=tasks_of(1, prefix="a"))  # its own run ends at 1 s
+            waited.append(scope.cancelled_caught)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.sleep(0.5)
+            result = await orch.run(tasks=tasks_of(2, "slow", prefix="b"))
+        assert waited == [True]
+        assert result.status == "success"
+        await assert_no_leaks(before)
+        # The orchestrator is whole again: a later run opens its own lifecycle.
+        assert (await orch.run(tasks=tasks_of(1, prefix="c"))).status == "success"
 
     async def test_without_async_with_the_last_caller_may_cancel(self, clock: FakeClock) -> None:
         shared = scripted("shared", ["work"], latency=1.0, concurrency=2)
