@@ -15,7 +15,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 
 log = get_logger("orchestra")
+
+T = TypeVar("T")
 
 Decomposer = Callable[[Any], Any]
 _DEFAULT_BREAKER = BreakerPolicy()
@@ -233,6 +235,12 @@ class Orchestrator:
         self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
+        # The task that holds the lifecycle for callers of run() and work() outside `async with`
+        # (see `_as_guest`), how many such calls are in it, and the event that lets it close.
+        self._host: asyncio.Task[None] | None = None
+        self._opened: asyncio.Future[None] | None = None  # set once `_host` has entered
+        self._guests = 0
+        self._vacated = anyio.Event()
 
     @property
     def concurrency(self) -> int:
@@ -348,11 +356,61 @@ class Orchestrator:
         task arrives, cancelling what runs). Cancelling the caller cancels every attempt.
         """
         _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
-        if not self._entered:
-            async with self:
-                return await self.run(input, tasks=tasks, run_id=run_id)
+        if self._entered and self._host is None:  # inside an `async with` of it
+            return await self._run(input, tasks, run_id)
+        return await self._as_guest(lambda: self._run(input, tasks, run_id))
+
+    async def _run(self, input: Any, tasks: Any, run_id: str | None) -> RunResult:
         source, planned = await self._source(input, tasks)
         return await self._execute(source, run_id, planned=planned)
+
+    async def _as_guest(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call` for a caller outside `async with`. The lifecycle it needs (the task group, the
+        event bus) is held by a task of its own (`_hold`), started by the first such caller and
+        closed once the last one's call is over: held in the first caller's task, as an
+        `async with` around its call, it was closed by that caller's cancel under the runs of the
+        others, whose subscribers then heard nothing more of them."""
+        while self._host is not None and self._vacated.is_set():
+            await asyncio.wait((self._host,))  # the last lifecycle is closing: let it close
+        if self._host is None:
+            if self._entered:  # an `async with` of another task's opened it meanwhile
+                return await call()
+            self._vacated = anyio.Event()
+            self._opened = asyncio.get_running_loop().create_future()
+            self._host = asyncio.create_task(self._hold(self._opened, self._vacated))
+        host, opened = self._host, self._opened
+        assert opened is not None
+        self._guests += 1
+        try:
+            if not opened.done():
+                await asyncio.wait((opened, host), return_when=asyncio.FIRST_COMPLETED)
+                if not opened.done():
+                    host.result()  # it could not open the lifecycle: its error is the caller's
+            return await call()
+        finally:
+            self._guests -= 1
+            if not self._guests:
+                self._vacated.set()
+                # The lifecycle closes (its subscribers drained, a FakeClock uninstalled) before
+                # the last caller returns, as at the end of its own `async with`; a cancelled
+                # caller waits for that `drain_timeout` at most.
+                cancelled = cancel_pending()
+                with (
+                    anyio.CancelScope(shield=cancelled),
+                    anyio.move_on_after(self._drain_timeout if cancelled else None),
+                ):
+                    await asyncio.wait((host,))
+                if host.done() and not host.cancelled() and host.exception() is not None:
+                    raise host.exception()  # type: ignore[misc]
+
+    async def _hold(self, entered: asyncio.Future[None], vacated: anyio.Event) -> None:
+        try:
+            async with self:
+                entered.set_result(None)
+                await vacated.wait()
+        finally:
+            if self._host is asyncio.current_task():
+                self._host = None
 
     def stream(
         self,
@@ -507,10 +565,11 @@ class Orchestrator:
             raise ConfigError(
                 f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
             )
-        if not self._entered:
-            async with self:
-                return await self.work(store, run_id=run_id, kinds=kinds, poll=poll)
-        return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
+        if self._entered and self._host is None:  # inside an `async with` of it
+            return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
+        return await self._as_guest(
+            lambda: work(self, store, run_id=run_id, kinds=kinds, poll=poll)
+        )
 
     def _maybe_idle(self) -> None:
         if not self._runs and not self._starting and self._idle is not None:

@@ -504,32 +504,59 @@ class TestConcurrentRuns:
         assert result.status == "success"
         assert shared.max_in_flight == 2
 
-    async def test_without_async_with_the_first_caller_may_cancel_once_its_run_is_over(
+    async def test_without_async_with_a_caller_returns_when_its_own_run_ends(
         self, clock: FakeClock
     ) -> None:
-        # Its own run is done; it waits in the lifecycle's exit for the second caller's run when
-        # its deadline cancels it. It must still close that lifecycle (its task group).
+        # The lifecycle both runs use is held by a task of its own, not by the first caller: that
+        # one returns when its run ends (it waited for the second caller's run, and a deadline
+        # there left it with the lifecycle's task group half closed).
         quick = scripted("quick", ["work"], latency=1.0)
         slow = scripted("slow", ["slow"], latency=10.0)
         orch = Orchestrator(agents=[quick, slow], concurrency=3)
         orch.subscribe(Recorder())  # a delivery task in the lifecycle's task group
         before = live_tasks()
-        waited: list[bool] = []
+        returned: list[float] = []
 
         async def first() -> None:
             with anyio.move_on_after(2.0) as scope:
                 await orch.run(tasks=tasks_of(1, prefix="a"))  # its own run ends at 1 s
-            waited.append(scope.cancelled_caught)
+            assert not scope.cancelled_caught
+            returned.append(anyio.current_time())
 
+        start = anyio.current_time()
         async with anyio.create_task_group() as tg:
             tg.start_soon(first)
             await anyio.sleep(0.5)
             result = await orch.run(tasks=tasks_of(2, "slow", prefix="b"))
-        assert waited == [True]
+        assert returned == [start + 1.0]
         assert result.status == "success"
         await assert_no_leaks(before)
         # The orchestrator is whole again: a later run opens its own lifecycle.
         assert (await orch.run(tasks=tasks_of(1, prefix="c"))).status == "success"
+
+    async def test_without_async_with_one_callers_cancel_leaves_the_others_events_whole(
+        self, clock: FakeClock
+    ) -> None:
+        # The first caller opened the lifecycle; cancelled mid-run, it closed the event bus under
+        # the second caller's run, whose subscribers never heard its end.
+        orch = Orchestrator(agents=[scripted("w", ["work"], latency=1.0)])
+        recorder = Recorder()
+        orch.subscribe(recorder)
+        before = live_tasks()
+        results: dict[str, RunResult] = {}
+
+        async def second() -> None:
+            results["b"] = await orch.run(tasks=tasks_of(1, prefix="b"), run_id="b")
+
+        async with anyio.create_task_group() as tg:
+            with anyio.move_on_after(0.5):
+                tg.start_soon(second)
+                await orch.run(tasks=tasks_of(1, prefix="a"), run_id="a")
+        assert results["b"].status == "success"
+        ends = {event.run_id: event.status for event in recorder.of(RunFinished)}
+        assert ends == {"a": "cancelled", "b": "success"}
+        assert {e.result.task_id for e in recorder.of(TaskFinished) if e.run_id == "b"} == {"b0"}
+        await assert_no_leaks(before)
 
     async def test_without_async_with_the_last_caller_may_cancel(self, clock: FakeClock) -> None:
         shared = scripted("shared", ["work"], latency=1.0, concurrency=2)

@@ -651,9 +651,8 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
 
     # An open breaker lets no attempt through; a half-open one, a single probe (in the order the
     # events were sent; the breakers are the steered orchestrator's, and its subscribers hear the
-    # bystander's attempts there to the end, unless a plain run() that opened the lifecycle was
-    # cancelled).
-    heard = every_event if not scenario.elsewhere and scenario.caller_cancel is None else events
+    # bystander's attempts there to the end, whichever caller was cancelled).
+    heard = every_event if not scenario.elsewhere else events
     breaker: dict[str, str] = {}
     probes: Counter[str] = Counter()
     for event in heard:
