@@ -96,6 +96,9 @@ from ._exceptions import (
     PermanentError as PermanentError,
 )
 from ._exceptions import (
+    RateLimited as RateLimited,
+)
+from ._exceptions import (
     Rejected as Rejected,
 )
 from ._exceptions import (
@@ -206,6 +209,7 @@ __all__ = (
     "Orchestrator",
     "PermanentError",
     "Rate",
+    "RateLimited",
     "RecoveryStatus",
     "Reduce",
     "Rejected",

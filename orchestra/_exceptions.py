@@ -90,6 +90,12 @@ class RetryableError(AgentError):
         self.retry_after = retry_after
 
 
+class RateLimited(RetryableError):
+    """The service refused the call for its rate limit (an HTTP 429 of an agent's own client): as
+    a 429 with a `Retry-After` does, `retry_after` holds every task that shares one of the
+    agent's limits until then, not only this one."""
+
+
 class PermanentError(AgentError):
     """Do not retry on this agent: the task goes to the next agent of its fallback chain."""
 

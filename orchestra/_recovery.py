@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._breaker import CLOSED
 from ._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
-from ._exceptions import Rejected, TaskTimeout, VerificationError
+from ._exceptions import RateLimited, Rejected, TaskTimeout, VerificationError
 from ._failure import describe
 from ._log import get_logger
 from ._retry import backoff, classify
@@ -55,7 +55,11 @@ class Recovery:
         if retryable and not isinstance(exc, VerificationError | TaskTimeout):
             # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
             self.breaker_changed(slot, previous, breaker.on_failure(end))
-            if retry_after is not None and slot.limiters and _is_rate_limit(failure.status_code):
+            if (
+                retry_after is not None
+                and slot.limiters
+                and (isinstance(exc, RateLimited) or _is_rate_limit(failure.status_code))
+            ):
                 # Every task that shares this agent's rate limits waits with it, not only this one.
                 self._d.router.pause(slot, end + retry_after)
         elif previous is not CLOSED:

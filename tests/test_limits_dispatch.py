@@ -14,6 +14,7 @@ from orchestra import (
     Context,
     Orchestrator,
     Rate,
+    RateLimited,
     RetryableError,
     RetryPolicy,
     Task,
@@ -44,7 +45,7 @@ class Timed:
         return task.payload
 
 
-class RateLimited(Exception):
+class Http429(Exception):
     """An HTTP 429 with a Retry-After, as an API client raises it."""
 
     status_code = 429
@@ -147,8 +148,19 @@ class TestSharedConcurrency:
 
 
 class TestRetryAfter:
+    @pytest.mark.parametrize(
+        "refusal",
+        [
+            lambda: Http429(retry_after=10),
+            lambda: RateLimited("slow down", retry_after=10),  # an agent's own client's 429
+        ],
+        ids=["http 429", "RateLimited"],
+    )
     async def test_a_429_holds_every_agent_that_shares_the_limit(
-        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        refusal: Callable[[], Exception],
     ) -> None:
         key = [Concurrency(10)]
         hit: list[float] = []
@@ -158,7 +170,7 @@ class TestRetryAfter:
         async def limited(task: Task, ctx: Context) -> str:
             hit.append(anyio.current_time())
             if len(hit) == 1:
-                raise RateLimited(retry_after=10)
+                raise refusal()
             return "ok"
 
         @agent(kinds=["other"], limits=key)
@@ -181,6 +193,29 @@ class TestRetryAfter:
         # `h` got the 429 at t=0; everyone on the key waited for its Retry-After, not only `h`.
         assert [round(t - t0, 6) for t in hit] == [0, 10]
         assert min(others) - t0 >= 10 - 1e-9
+
+    async def test_a_retry_after_that_is_not_a_rate_limit_holds_only_its_task(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        key = [Concurrency(10)]
+        calls: list[tuple[str, float]] = []
+
+        @agent(kinds=["work"], limits=key)
+        async def busy(task: Task, ctx: Context) -> str:
+            calls.append((task.id, anyio.current_time()))
+            if task.id == "t0" and len(calls) == 1:
+                raise RetryableError("try me later", retry_after=10)
+            return "ok"
+
+        orch = make_orchestrator(agents=[busy], concurrency=1, retry=RetryPolicy(base=0.1))
+        t0 = clock.time()
+        await orch.run(tasks=tasks_of(3))
+        assert [(i, round(t - t0, 6)) for i, t in calls] == [
+            ("t0", 0),
+            ("t1", 0),
+            ("t2", 0),
+            ("t0", 10),
+        ]
 
     async def test_without_a_shared_limit_only_the_task_waits(
         self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
