@@ -332,8 +332,8 @@ class TestRealWorkOffTheLoop:
         assert [f.error_type for f in failures] == ["AttemptTimeout"]
         if worker is sleeps_in_a_process:
             # The attempt ends once anyio has killed and reaped its worker: real time, which the
-            # clock lets pass.
-            assert 0.01 <= failures[0].duration < 5
+            # clock lets pass (and 0.01 itself, up to float rounding, when that is quick).
+            assert 0.0099 < failures[0].duration < 5
         else:
             assert failures[0].duration == pytest.approx(0.01)
 
