@@ -216,11 +216,10 @@ def _succeeded(path: Path) -> int:
     if not path.exists():
         return 0
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5) as conn:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as conn:
             (count,) = conn.execute(
                 "SELECT count(*) FROM tasks WHERE run_id = ? AND state = 'succeeded'", (RUN_ID,)
             ).fetchone()
-        conn.close()
     except sqlite3.OperationalError:  # the schema is not there yet
         return 0
     return int(count)

@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from orchestra import Orchestrator, Task
-from tests.helpers import LogLines, assert_no_leaks, fake_clock, live_tasks
+from tests.helpers import LogLines, assert_no_leaks, fake_clock, live_tasks, reap_spawned
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -63,6 +63,14 @@ async def no_leaks() -> AsyncIterator[None]:
     before = live_tasks()
     yield
     await assert_no_leaks(before)
+
+
+@pytest.fixture(autouse=True)
+def _reap_spawned() -> Iterator[None]:
+    """Every process a test started with `tests.helpers.spawn` is killed and waited for when the
+    test ends, however it ends."""
+    yield
+    reap_spawned()
 
 
 @pytest.fixture

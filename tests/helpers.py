@@ -97,6 +97,32 @@ def run_python(
     )
 
 
+_SPAWNED: list[subprocess.Popen[Any]] = []
+
+
+def spawn(args: Sequence[str], **options: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(args, **options)``, reaped when the test ends (`reap_spawned`, run by an
+    autouse fixture of conftest.py): a test that fails or times out before it waits for its
+    processes would leave them running, and their `Popen` objects to be collected later, in
+    another test, as ``ResourceWarning: subprocess N is still running`` and unclosed pipes."""
+    process = subprocess.Popen(args, **options)
+    _SPAWNED.append(process)
+    return process
+
+
+def reap_spawned() -> None:
+    """Kill what `spawn` started and is still running (a stopped process too), wait for it, and
+    close its pipes."""
+    while _SPAWNED:
+        process = _SPAWNED.pop()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 class LogLines:
     """orchestra's log records captured by pytest's `caplog`, read back as structlog event dicts
     (a record's `msg` is its event dict) with ``log_level`` and ``logger`` added."""

@@ -15,7 +15,7 @@ from typing import IO, Any
 import pytest
 
 from orchestra import ConfigError, Orchestrator, run_main
-from tests.helpers import REPO
+from tests.helpers import REPO, spawn
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -23,7 +23,7 @@ JOB = REPO / "tests" / "signal_job.py"
 
 
 def start(seconds: float, grace: float) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, str(JOB), str(seconds), str(grace)],
         cwd=REPO,
         stdout=subprocess.PIPE,

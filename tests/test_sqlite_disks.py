@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -346,9 +347,8 @@ class TestTheCommandLine:
 
 def _succeeded(path: Path) -> int:
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5) as conn:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as conn:
             (n,) = conn.execute("SELECT count(*) FROM tasks WHERE state = 'succeeded'").fetchone()
-        conn.close()
     except sqlite3.OperationalError:
         return 0
     return int(n)

@@ -15,6 +15,7 @@ import pytest
 
 from orchestra import Context, Orchestrator, PermanentError, Task, agent
 from orchestra.stores import SQLiteStore
+from tests.helpers import spawn
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -23,7 +24,7 @@ JOB = REPO / "tests" / "key_job.py"
 
 
 def start(db: Path, calls: Path, n: int, *options: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, str(JOB), str(db), str(calls), str(n), *options],
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -42,6 +42,7 @@ from orchestra._worker import Worker, _WorkerStore
 from orchestra.cli import app
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._sqlite_work import Claimed
+from tests.helpers import spawn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -494,7 +495,7 @@ def start_worker(
         "WORKER_CONCURRENCY": str(concurrency),
         "PYTHONPATH": str(REPO),
     }
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
          agents, "--run-id", run_id, "--lease", str(lease)],
         cwd=REPO,
@@ -507,7 +508,7 @@ def start_worker(
 
 def start_coordinator(db: Path, n: int) -> subprocess.Popen[bytes]:
     """tests/worker_job.py as a coordinator of run "r" (n tasks) that runs nothing itself."""
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, str(REPO / "tests" / "worker_job.py"), str(db), str(n)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -578,6 +579,9 @@ class TestWorkerProcesses:
         SQLiteStore(db).runs()
         victim = start_worker(db, calls, delay=0.05, lease=1.0)
         survivor = start_worker(db, calls, delay=0.05, lease=1.0)
+        # Both claim from the start: a victim slow to start (a loaded machine) could find the
+        # survivor done with all 200 before it claimed its 20th.
+        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
         tasks = [Task("work", i) for i in range(200)]
         async with anyio.create_task_group() as tg:
             results: list[tuple[RunResult, dict[str, TaskResult]]] = []

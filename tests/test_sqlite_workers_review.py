@@ -20,6 +20,7 @@ import pytest
 
 from orchestra import ConfigError, Context, Orchestrator, StoreError, Task, agent
 from orchestra.stores import SQLiteStore
+from tests.helpers import spawn
 
 from .test_sqlite_workers import REPO, ran, recorder, rows, start_coordinator, start_worker, until
 
@@ -153,7 +154,7 @@ def start_alone(db: Path, calls: Path, n: int, lease: float) -> subprocess.Popen
     """tests/worker_job.py as a coordinator of run "r" that runs its n tasks itself (agent
     ``double``, 0.3 s a call, one at a time)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "WORKER_CALLS": str(calls), "WORKER_DELAY": "0.3"}
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, str(REPO / "tests" / "worker_job.py"), str(db), str(n), str(lease)],
         cwd=REPO,
         env=env,
@@ -294,7 +295,7 @@ def start_stopping_worker(db: Path, calls: Path) -> subprocess.Popen[str]:
     """A worker (tests/worker_job.py:agents_stopping_in_a_commit) that stops itself (SIGSTOP)
     inside the transaction of its first completion: it holds the file's write lock, stopped."""
     env = {**os.environ, "WORKER_CALLS": str(calls), "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
          "tests/worker_job.py:agents_stopping_in_a_commit", "--run-id", "r", "--lease", "1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -437,7 +438,7 @@ async def test_a_worker_does_not_hold_more_tasks_than_its_agents_can_start(
            "PYTHONPATH": str(REPO)}  # fmt: skip
 
     def start() -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        return spawn(
             [sys.executable, "-m", "orchestra", "worker", "--db", str(db), "--agents",
              "tests/worker_job.py:one_at_a_time", "--run-id", "r"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
