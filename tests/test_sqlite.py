@@ -362,6 +362,21 @@ class TestJournal:
         assert [e["event"] for e in whole if e["task_id"] == "d"] == [e["event"] for e in events]
         assert {e["task_id"] for e in whole} == {"ok", "d"}
 
+    async def test_an_attempts_failure_a_hair_after_its_tasks_end_still_comes_first(
+        self, orch: Orchestrator, store: SQLiteStore, tmp_path: Path
+    ) -> None:
+        # The two times are sums of different floats (the attempt's start plus its duration; the
+        # task's end): one unit in the last place after the end put `failed` first (a flaky
+        # `runs show --task`).
+        await orch.run([Task("work", "bad", id="d")], run_id="w")
+        with closing(sqlite3.connect(tmp_path / "runs.db")) as conn, conn:
+            conn.execute(
+                "UPDATE events SET at = (SELECT finished FROM tasks WHERE id = 'd') + 1e-6 "
+                "WHERE task_id = 'd' AND event = 'attempt_failed'"
+            )
+        events = [e["event"] for e in store.events("w", "d")]
+        assert events == ["admitted", "started", "attempt_failed", "failed"]
+
     async def test_a_spawned_task_is_admitted_after_its_spawner_succeeded_and_never_ready_before(
         self, store: SQLiteStore
     ) -> None:

@@ -463,7 +463,10 @@ def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str
 
 # The journal as its readers see it: the `events` rows, and the events a task's row says (its
 # admission, its last start, its end), which are not written as rows (see `SQLiteRun.flush`). A
-# file written before schema v2 has them as rows: they are not added twice.
+# file written before schema v2 has them as rows: they are not added twice. A task's end is dated
+# no earlier than its last journal row: two times of one instant are sums of different floats (an
+# attempt's end is its start plus its duration, its task's end a clock reading), and one unit in
+# the last place put a task's end before the failure that ended it.
 _JOURNAL = """
     SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM (
         SELECT NULL AS seq, run_id, id AS task_id, admitted AS at, 'admitted' AS event,
@@ -480,7 +483,9 @@ _JOURNAL = """
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = 'started' AND e.attempt = t.attempts)
         UNION ALL
-        SELECT NULL, run_id, id, finished, state, agent, attempts, error, 4
+        SELECT NULL, run_id, id, max(finished, coalesce((
+                   SELECT max(e.at) FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+               ), finished)), state, agent, attempts, error, 4
         FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
             AND finished IS NOT NULL AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
