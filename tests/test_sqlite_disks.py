@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,6 +154,38 @@ class TestFromTheStart:
         with pytest.raises(ConfigError, match="path") as info:
             SQLiteStore(bad)
         assert repr(bad) in str(info.value)
+
+    def test_a_new_file_opened_by_many_at_once_is_ours_for_all_of_them(
+        self, tmp_path: Path
+    ) -> None:
+        # A coordinator and its workers start together on a new path: one creates the schema while
+        # the others check that the file is not another application's. Read as two statements
+        # (version, then tables), the check saw version 0 and then the tables just committed,
+        # and refused our own file (two in three rounds of six openers).
+        for round_ in range(20):
+            path = tmp_path / f"new-{round_}.db"
+            start = threading.Barrier(6)
+            errors: list[BaseException] = []
+
+            def open_it(
+                path: Path = path,
+                start: threading.Barrier = start,
+                errors: list[BaseException] = errors,
+            ) -> None:
+                start.wait()
+                try:
+                    store = SQLiteStore(path)
+                    store.runs()
+                    store.close()
+                except BaseException as exc:  # every error is what is checked
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=open_it) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert errors == []
 
     @pytest.mark.parametrize("table", ["tasks", "notes"])
     def test_another_applications_database_is_refused_and_left_as_it_was(

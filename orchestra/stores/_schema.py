@@ -197,14 +197,17 @@ def refuse_foreign(conn: sqlite3.Connection, where: str) -> None:
     ours (a migration creates its tables and sets the version in one transaction, so a file of
     ours never has tables at version 0). Checked before anything is written to the file: neither
     our schema nor WAL mode (which stays with a file) is put into someone else's database."""
-    if conn.execute("PRAGMA user_version").fetchone()[0] != 0:
+    # One statement, so one snapshot of the file: read as two, another process creating the
+    # schema could commit between them (version 0, then its tables), and a new file opened by a
+    # coordinator and a worker at once was refused as someone else's.
+    version, names = conn.execute(
+        "SELECT (SELECT user_version FROM pragma_user_version), "
+        "(SELECT group_concat(name, char(0)) FROM (SELECT name FROM sqlite_master "
+        "WHERE type IN ('table', 'view') ORDER BY name))"
+    ).fetchone()
+    if version != 0:
         return
-    tables = [
-        name
-        for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') ORDER BY name"
-        )
-    ]
+    tables = names.split("\0") if names else []
     if tables:
         shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
         raise StoreError(
