@@ -9,6 +9,7 @@ OrchestraError
 └── AgentError             raised by agents (and by the runtime on their behalf) to steer the retry loop
     ├── RetryableError     retry, optionally after `retry_after` seconds
     │   ├── AttemptTimeout     the attempt ran past its timeout and was cancelled
+    │   ├── RateLimited        the service's rate limit: `retry_after` holds every task sharing a limit
     │   └── VerificationError  a verifier rejected the output; its feedback reaches the next attempt
     └── PermanentError     do not retry on this agent; go to the next agent of the fallback chain
         ├── TaskTimeout        the task ran past its own timeout (all attempts together): no fallback
@@ -32,6 +33,7 @@ __all__ = (
     "InvalidOutput",
     "OrchestraError",
     "PermanentError",
+    "RateLimited",
     "Rejected",
     "RetryableError",
     "RunError",
