@@ -3,7 +3,7 @@
 PYTHON ?= python3
 UV := $(shell command -v uv 2>/dev/null || echo .tools/bin/uv)
 
-.PHONY: demo test lint bench bench-smoke sync clean
+.PHONY: demo test test-3.13 lint bench bench-smoke sync clean
 
 $(UV):
 	$(PYTHON) -m venv .tools
@@ -22,6 +22,16 @@ demo: | $(UV)
 test: sync
 	$(UV) run --no-sync pytest --cov --cov-report=term
 
+# The suite again on CPython 3.13 when this machine has one (pyenv's): the package says >= 3.11,
+# and 3.13 reports leaks 3.11 keeps quiet (an unclosed sqlite3 connection, a process not reaped).
+# Without one it says so and passes: `make test` (3.11) is the suite every machine runs.
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
+
+test-3.13: | $(UV)
+	@if [ -z "$(PYTHON313)" ]; then echo "test-3.13: no CPython 3.13 on this machine: skipped"; exit 0; fi; \
+	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra bench --extra claude --extra cli --quiet && \
+	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest -q
+
 lint: sync
 	$(UV) run --no-sync ruff check .
 	$(UV) run --no-sync ruff format --check .
@@ -35,4 +45,4 @@ bench-smoke: sync
 	$(UV) run --no-sync python -m benchmarks --smoke
 
 clean:
-	rm -rf .venv .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-3.13 .tools .pytest_cache .mypy_cache .ruff_cache
