@@ -194,13 +194,13 @@ class TestRetryAfter:
         assert [round(t - t0, 6) for t in hit] == [0, 10]
         assert min(others) - t0 >= 10 - 1e-9
 
+    @pytest.mark.parametrize("shared", [False, True], ids=["own limits", "a shared limit"])
     async def test_a_retry_after_that_is_not_a_rate_limit_holds_only_its_task(
-        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator], shared: bool
     ) -> None:
-        key = [Concurrency(10)]
         calls: list[tuple[str, float]] = []
 
-        @agent(kinds=["work"], limits=key)
+        @agent(kinds=["work"], limits=[Concurrency(10)] if shared else ())
         async def busy(task: Task, ctx: Context) -> str:
             calls.append((task.id, anyio.current_time()))
             if task.id == "t0" and len(calls) == 1:
@@ -208,28 +208,6 @@ class TestRetryAfter:
             return "ok"
 
         orch = make_orchestrator(agents=[busy], concurrency=1, retry=RetryPolicy(base=0.1))
-        t0 = clock.time()
-        await orch.run(tasks=tasks_of(3))
-        assert [(i, round(t - t0, 6)) for i, t in calls] == [
-            ("t0", 0),
-            ("t1", 0),
-            ("t2", 0),
-            ("t0", 10),
-        ]
-
-    async def test_without_a_shared_limit_only_the_task_waits(
-        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        calls: list[tuple[str, float]] = []
-
-        @agent(kinds=["work"])
-        async def plain(task: Task, ctx: Context) -> str:
-            calls.append((task.id, anyio.current_time()))
-            if task.id == "t0" and sum(1 for c in calls if c[0] == "t0") == 1:
-                raise RetryableError("slow down", retry_after=10)
-            return "ok"
-
-        orch = make_orchestrator(agents=[plain], concurrency=1, retry=RetryPolicy(base=0.1))
         t0 = clock.time()
         await orch.run(tasks=tasks_of(3))
         assert [(i, round(t - t0, 6)) for i, t in calls] == [
