@@ -709,30 +709,30 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
         assert not again, ("retried before the Retry-After", hit, again)
 
 
+async def holds(scenario: Scenario, capsys: pytest.CaptureFixture[str]) -> None:
+    """Play `scenario` in virtual time: every invariant holds, no task leaks, nothing printed."""
+    before = live_tasks()
+    async with fake_clock():
+        world, result, events = await play(scenario)
+    await assert_no_leaks(before)
+    check(scenario, world, result, events)
+    assert capsys.readouterr().out == ""
+
+
 class TestFuzz:
     @FUZZ
     @given(scenario=scenarios())
     async def test_invariants_hold_in_random_runs(
         self, scenario: Scenario, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        before = live_tasks()
-        async with fake_clock():
-            world, result, events = await play(scenario)
-        await assert_no_leaks(before)
-        check(scenario, world, result, events)
-        assert capsys.readouterr().out == ""
+        await holds(scenario, capsys)
 
     @FUZZ
     @given(scenario=scenarios(streamed=True))
     async def test_invariants_hold_in_random_streamed_runs(
         self, scenario: Scenario, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        before = live_tasks()
-        async with fake_clock():
-            world, result, events = await play(scenario)
-        await assert_no_leaks(before)
-        check(scenario, world, result, events)
-        assert capsys.readouterr().out == ""
+        await holds(scenario, capsys)
 
 
 @dataclass
