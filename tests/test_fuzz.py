@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -652,19 +653,29 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
     # An open breaker lets no attempt through; a half-open one, a single probe (in the order the
     # events were sent; the breakers are the steered orchestrator's, and its subscribers hear the
     # bystander's attempts there to the end, whichever caller was cancelled).
+    # A probe whose task was cancelled ends unjudged and lets the next one through (README); its
+    # task's end may be heard after that next probe starts, at the same instant.
     heard = every_event if not scenario.elsewhere else events
+    cancelled_at = {
+        (e.run_id, e.result.task_id): e.at
+        for e in heard
+        if isinstance(e, TaskFinished) and e.result.status == "cancelled"
+    }
     breaker: dict[str, str] = {}
-    probes: Counter[str] = Counter()
+    probing: dict[str, AttemptStarted] = {}
     for event in heard:
         if isinstance(event, BreakerChanged):
             breaker[event.agent] = event.state
-            probes[event.agent] = 0
+            probing.pop(event.agent, None)
         elif isinstance(event, AttemptStarted):
             now = breaker.get(event.agent, "closed")
             assert now != "open", ("an attempt through an open breaker", event)
             if now == "half_open":
-                probes[event.agent] += 1
-                assert probes[event.agent] == 1, ("a second probe", event)
+                probe = probing.get(event.agent)
+                if probe is not None:
+                    abandoned = cancelled_at.get((probe.run_id, probe.task_id), math.inf)
+                    assert abandoned <= event.at + EPS, ("a second probe", event)
+                probing[event.agent] = event
 
     # The shared limits hold across both runs.
     world.calls = all_calls
