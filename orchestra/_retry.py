@@ -12,14 +12,13 @@ one formula, the classification is orchestra's own.
 from __future__ import annotations
 
 import email.utils
-import math
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._config import check_exception_types, check_int, check_number, shown
+from ._config import check_exception_types, check_int, check_number, finite, shown
 from ._exceptions import ConfigError, InputError, PermanentError, RetryableError
 from ._failure import http_status, response_header
 
@@ -212,6 +211,6 @@ def sane_retry_after(value: Any) -> float | None:
     """`value` as a wait in seconds: None unless a finite number >= 0, at most `MAX_RETRY_AFTER`."""
     if type(value) is bool or not isinstance(value, int | float):
         return None
-    if not math.isfinite(value) or value < 0:
+    if not finite(value) or value < 0:  # an int too large for a float too
         return None
     return min(float(value), MAX_RETRY_AFTER)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx2
 import pytest
 
-from orchestra import Context, RetryPolicy, RunResult, Task, agent
+from orchestra import Context, RetryableError, RetryPolicy, RunResult, Task, agent
 from tests.helpers import run_recorded
 
 if TYPE_CHECKING:
@@ -138,6 +139,35 @@ class TestMalformedRetryAfter:
             calls += 1
             if calls == 1:
                 raise rate_limited(value)
+            return "done"
+
+        orch = make_orchestrator(
+            agents=[limited], retry=RetryPolicy(max_attempts=2, base=0.5, jitter="none")
+        )
+        result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
+        assert result.status == "success"
+        assert rec.delays() == [0.5]
+        assert_dumps(result)
+
+    @pytest.mark.parametrize(
+        "value", [-1, math.nan, math.inf, 10**400], ids=["-1", "nan", "inf", "10**400"]
+    )
+    async def test_a_bad_retry_after_of_an_agents_own_is_ignored(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        value: float,
+    ) -> None:
+        # 10**400 raised OverflowError in the recovery (math.isfinite of an int too large for a
+        # float): the run crashed instead of backing off.
+        calls = 0
+
+        @agent(kinds=["work"])
+        async def limited(task: Task, ctx: Context) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RetryableError("later", retry_after=value)
             return "done"
 
         orch = make_orchestrator(
