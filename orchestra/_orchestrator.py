@@ -400,13 +400,13 @@ class Orchestrator:
                     anyio.move_on_after(self._drain_timeout if cancelled else None),
                 ):
                     await asyncio.wait((host,))
-                if host.done() and not host.cancelled() and host.exception() is not None:
-                    raise host.exception()  # type: ignore[misc]
+                if host.done() and not host.cancelled() and (error := host.exception()):
+                    raise error
 
-    async def _hold(self, entered: asyncio.Future[None], vacated: anyio.Event) -> None:
+    async def _hold(self, opened: asyncio.Future[None], vacated: anyio.Event) -> None:
         try:
             async with self:
-                entered.set_result(None)
+                opened.set_result(None)
                 await vacated.wait()
         finally:
             if self._host is asyncio.current_task():
