@@ -454,6 +454,10 @@ class _WorkerRun(MemoryRun):
         if old is not None and old.state in TERMINAL:
             del self._records[task.id]
         self._settled.pop(task.id, None)
+        if task.key is not None:
+            # The coordinator handed this task out to run: it holds its key (the run's other
+            # tasks with the key follow it there), whatever this worker ran with that key before.
+            self._keys.pop(task.key, None)
         try:
             super().admit_one(task, index)
         except InputError as exc:

@@ -111,6 +111,7 @@ class Spec:
     spawns: bool
     refused: bool = False  # the safety check refuses it
     timeout: float | None = None  # its own deadline, over the orchestrator's
+    key: str | None = None  # tasks with one key are the same work: one runs, the others follow
 
 
 @dataclass
@@ -286,6 +287,7 @@ def scenarios(draw: st.DrawFn, *, streamed: bool | None = None) -> Scenario:
                 spawns=draw(st.integers(0, 5)) == 0,
                 refused=draw(st.integers(0, 12)) == 0,
                 timeout=draw(st.sampled_from((None, None, None, 2.0, 7.0))),
+                key=draw(st.sampled_from((None, None, None, "k0", "k1"))),
             )
         )
     agents: list[AgentSpec] = []
@@ -361,6 +363,7 @@ def task_list(scenario: Scenario, prefix: str = "") -> list[Task]:
             depends_on_tags=s.after_tags,
             tags=s.tags,
             timeout=s.timeout,
+            key=s.key,
         )
         for s in scenario.specs
     ]
@@ -614,6 +617,33 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
         tried = {c.agent for c in world.calls if c.task_id == task_id}
         kind_agents = {a.name for a in scenario.agents if a.kind == r.kind}
         assert tried == kind_agents, ("failed with agents untried", task_id, tried, r)
+
+    # Tasks with one key never run at once (one holds it, the others wait for its result); a task
+    # with a key that succeeded without a call has the output of one with its key that succeeded.
+    keys = {s.id: s.key for s in scenario.specs if s.key is not None}
+    for c in world.calls:
+        if c.task_id in keys:
+            overlap = [
+                d
+                for d in world.calls
+                if d is not c
+                and keys.get(d.task_id) == keys[c.task_id]
+                and d.task_id != c.task_id
+                and d.seq < c.seq
+                # (a call whose task ended, by a cancel or its deadline, unwinds at that instant)
+                and (d.end is None or d.end > c.start + EPS)
+            ]
+            assert not overlap, ("two tasks with one key ran at once", c, overlap)
+    called = {c.task_id for c in world.calls}
+    for task_id, r in by_id.items():
+        if r.status == "succeeded" and task_id in keys and task_id not in called:
+            sources = [
+                i
+                for i, o in by_id.items()
+                if i in called and keys.get(i) == keys[task_id] and o.status == "succeeded"
+            ]
+            assert sources, ("a task with a key succeeded with nothing run", task_id)
+            assert r.output in [by_id[i].output for i in sources], (task_id, r.output)
 
     # The safety check refuses a task before any call.
     refused = {s.id for s in scenario.specs if s.refused}

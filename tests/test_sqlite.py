@@ -331,6 +331,28 @@ class TestKeys:
         assert seen == ["work#1"]
         assert result.data == {"work#1": {"double": 2}}
 
+    async def test_tasks_with_one_key_in_a_run_execute_once_and_their_rows_keep_the_result(
+        self, orch: Orchestrator, seen: list[str], tmp_path: Path
+    ) -> None:
+        # The second task with the key was dropped, so the task depending on it was refused as
+        # depending on an unknown task; now it follows the first, and its row has the output.
+        def tasks() -> list[Task]:
+            return [
+                Task("work", 21, id="a", key="k"),
+                Task("work", 21, id="b", key="k"),
+                Task("work", 1, id="c", depends_on=["b"]),
+            ]
+
+        result = await orch.run(tasks(), run_id="r")
+        expected = {"a": {"double": 42}, "b": {"double": 42}, "c": {"double": 2}}
+        assert (result.status, result.data) == ("success", expected)
+        assert seen == ["a", "c"]
+        # Every result read back from the file, by a store that never saw the run.
+        reader = orchestrator(SQLiteStore(tmp_path / "runs.db"), seen)
+        again = await reader.run(tasks(), run_id="r")
+        assert (again.data, again.metadata.resumed) == (expected, 3)
+        assert seen == ["a", "c"]
+
 
 class TestJournal:
     async def test_the_journal_traces_a_task_from_ready_to_done(

@@ -928,13 +928,68 @@ class TestAdmission:
         assert h.snapshot("t0", "t1") == before
 
     def test_tasks_with_the_same_key_execute_once(self, h: Harness) -> None:
-        assert h.admit(Task("a", id="k1", key="same")) == 1
-        assert h.admit(Task("a", id="k2", key="same")) == 0
+        # The first task with a key holds it and runs; the others with it (in its batch, a later
+        # one, a streamed item) are the same work: admitted, never ready, they end with its
+        # result. A task depending on one of them waits for that result.
+        batch = (
+            Task("a", id="k1", key="same"),
+            Task("a", id="k2", key="same"),
+            Task("b", id="d", depends_on=["k2"]),
+        )
+        assert h.admit(*batch) == 3
         h.run.admit_one(Task("a", id="k3", key="same"), 0)
-        assert h.admit(Task("a", id="k4", key="other"), Task("a", id="k5", key="other")) == 1
-        assert h.run.unfinished == 2
-        assert h.claim_all() == ["k1", "k4"]
-        assert [h.run.state_of(i) for i in ("k2", "k3", "k5")] == [None, None, None]
+        assert h.admit(Task("a", id="k4", key="other"), Task("a", id="k5", key="other")) == 2
+        assert h.run.unfinished == 6
+        assert h.heard.since(0) == [("ready", "k1"), ("ready", "k4")]
+        h.succeed("k1", {"v": 1}, agent="x")
+        ended = h.heard.results
+        for follower in ("k2", "k3"):
+            assert h.run.state_of(follower) == SUCCEEDED
+            assert (ended[follower].output, ended[follower].agent) == ({"v": 1}, "x")
+            assert ended[follower].attempts == 0
+        assert h.claim_all() == ["k4", "d"]
+        # Once the holder has succeeded, a new task with the key ends at its admission.
+        assert h.admit(Task("a", id="k6", key="same")) == 1
+        assert h.run.state_of("k6") == SUCCEEDED
+        assert ended["k6"].output == {"v": 1}
+        assert sorted(h.heard.ended) == ["k1", "k2", "k3", "k6"]
+
+    @pytest.mark.parametrize("how", ["fails", "is cancelled"])
+    def test_when_the_holder_of_a_key_does_not_succeed_the_next_task_with_it_runs(
+        self, h: Harness, how: str
+    ) -> None:
+        h.admit(*(Task("a", id=f"k{i}", key="same") for i in (1, 2, 3)))
+        mark = len(h.heard.events)
+        if how == "fails":
+            h.fail_now("k1")
+        else:
+            assert h.run.cancel(Selector(task_ids=frozenset({"k1"})), "no") == []
+        assert h.heard.since(mark) == [("finished", "k1"), ("ready", "k2")]
+        assert h.run.state_of("k3") == PENDING
+        h.succeed("k2", "second", agent="y")
+        assert (h.heard.results["k3"].output, h.heard.results["k3"].agent) == ("second", "y")
+        assert h.run.unfinished == 0
+
+    def test_a_task_with_a_key_whose_own_dependency_fails_is_skipped(self, h: Harness) -> None:
+        h.admit(
+            Task("a", id="p"),
+            Task("a", id="k1", key="same"),
+            Task("a", id="k2", key="same", depends_on=["p"]),
+        )
+        h.fail_now("p")
+        assert h.run.state_of("k2") == SKIPPED
+        h.succeed("k1", 1)
+        assert h.heard.ended == ["p", "k2", "k1"]  # each ended once
+
+    def test_a_streamed_task_follows_a_key_whose_holder_was_forgotten(
+        self, make_run: Callable[..., Harness]
+    ) -> None:
+        h = make_run(compact=True)
+        h.run.admit_one(Task("a", {"n": 1}, key="same"), 0)  # a generated id, compacted
+        h.succeed("a#1", "once")
+        h.run.admit_one(Task("a", {"n": 1}, key="same"), 1)
+        assert h.heard.results["a#2"].output == "once"
+        assert h.run.unfinished == 0
 
     @pytest.mark.parametrize(
         "bad",

@@ -14,7 +14,7 @@ that fails skips the waiters at once, as a failed dependency does.
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .._admission import reject_cycles
 from .._exceptions import InputError
@@ -24,6 +24,7 @@ from .._store import KEEP, Selector
 from .._task import (
     CANCELLED,
     CLAIMED,
+    FAILED,
     PENDING,
     READY,
     RETRY_WAIT,
@@ -186,7 +187,10 @@ class MemoryRun:
         # A streamed run forgets a succeeded task but its output (`_compact`): id -> output. A dict
         # of ids to plain outputs is not even tracked by the garbage collector.
         self._settled: dict[str, Any] = {}
-        self._keys: dict[str, str] = {}  # idempotency key -> task id
+        self._keys: dict[str, str] = {}  # idempotency key -> the id of the task that holds it
+        # Tasks with a key another task of the run holds, by that task's id: the same work, run
+        # once. They end with its result, or one of them takes the key if it does not succeed.
+        self._followers: dict[str, list[Record]] = {}
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
         self._timers: list[
@@ -317,8 +321,6 @@ class MemoryRun:
             if self._same(task):
                 return
             raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
-        if task.key is not None and task.key in self._keys:
-            return
         if task.depends_on:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
         record = Record(task, index, None, named)
@@ -326,7 +328,7 @@ class MemoryRun:
         if "#" in record.id:
             self._lookalike = True
         if task.key is not None:
-            self._keys[task.key] = record.id
+            self._keys.setdefault(task.key, record.id)
         self.unfinished += 1
         self.pending += 1
         self._wire_all((record,))
@@ -366,9 +368,7 @@ class MemoryRun:
             return self._taken(task_id) or task_id in given or task_id in ids
 
         check = self._admission.check
-        keys = self._keys
         self._generated.clear()
-        batch_keys: set[str] = set()  # a key twice in one batch is one task too
         for i, task in enumerate(tasks, first_index):
             if getattr(task, "id", 0) is None:
                 self._generated.add(id(task))
@@ -382,10 +382,6 @@ class MemoryRun:
                 if parent is None and self._same(task):
                     continue  # admitted before, identical: idempotent
                 raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
-            if task.key is not None:
-                if task.key in keys or task.key in batch_keys:
-                    continue  # the same work was submitted before under this key
-                batch_keys.add(task.key)
             if not forward and task.depends_on:
                 self._known_deps(
                     task, ids, " (a streamed or spawned task may only depend on tasks before it)"
@@ -422,7 +418,7 @@ class MemoryRun:
             if "#" in record.id:
                 self._lookalike = True
             if task.key is not None:
-                keys[task.key] = record.id
+                keys.setdefault(task.key, record.id)  # the first task with a key holds it
             new.append(record)
         generated.clear()
         self.unfinished += len(new)
@@ -470,14 +466,21 @@ class MemoryRun:
 
     def _wire_all(self, records: Sequence[Record]) -> None:
         skipped = []
+        reused = []
         for record in records:
             task = record.task
-            if task.depends_on or task.tags or task.depends_on_tags:
+            if task.depends_on or task.tags or task.depends_on_tags or task.key is not None:
                 reason = self._wire(record)
                 if reason is not None:
                     skipped.append((record, reason))
+                elif task.key is not None and self._keys[task.key] != record.id:
+                    result = self._follow(record)
+                    if result is not None:
+                        reused.append((record, result))
         for record, reason in skipped:
             self._end(record, SKIPPED, None, None, reason, "DependencyFailed", False)
+        for record, (output, agent) in reused:
+            self._end(record, SUCCEEDED, output, agent, None, None, False)
         for record in records:
             if record.waiting == 0 and record.state is PENDING:
                 self._ready(record)
@@ -517,6 +520,60 @@ class MemoryRun:
                 group.waiters.append(record)
                 record.waiting += 1
         return skip
+
+    def _follow(self, record: Record) -> tuple[Any, str | None] | None:
+        """`record` has a key another task of the run holds: it is the same work, run once. It
+        waits for that task and ends with its result; if that task does not succeed, the first
+        of its followers takes the key and runs (as a durable store's waiters do across runs).
+        Returns the (output, agent) to end with now when the holder has succeeded already."""
+        key: str = record.task.key  # type: ignore[assignment]
+        holder_id = self._keys[key]
+        holder = self._records.get(holder_id)
+        if holder is None:  # forgotten: compacted once it succeeded (its output is kept)
+            if holder_id in self._settled:
+                return self._settled[holder_id], None
+            self._keys[key] = record.id  # (a worker's run forgets ended tasks whole)
+            return None
+        if holder.state is SUCCEEDED:
+            return holder.output, holder.agent
+        if holder.state in TERMINAL:  # it failed, or was cancelled or skipped: this one runs
+            self._keys[key] = record.id
+            return None
+        followers = self._followers.get(holder_id)
+        if followers is None:
+            self._followers[holder_id] = [record]
+            if holder.dependents is None:
+                holder.dependents = []  # its end takes the general path, which hears followers
+        else:
+            followers.append(record)
+        record.waiting += 1
+        return None
+
+    def _followed(
+        self, record: Record, status: str, followers: list[Record], cascade: list[Any]
+    ) -> None:
+        """`record`, which held a key, ended: its followers end with its success, or the first of
+        them takes the key (and runs once it waits for nothing else)."""
+        if status is SUCCEEDED:
+            for follower in followers:
+                if follower.state not in TERMINAL:
+                    self._end_one(
+                        follower, SUCCEEDED, record.output, record.agent, None, None, False,
+                        cascade,
+                    )  # fmt: skip
+            return
+        live = [f for f in followers if f.state not in TERMINAL]
+        if not live:
+            return
+        heir = live[0]
+        self._keys[record.task.key] = heir.id  # type: ignore[index]
+        if len(live) > 1:
+            self._followers[heir.id] = live[1:]
+            if heir.dependents is None:
+                heir.dependents = []
+        heir.waiting -= 1
+        if heir.waiting == 0 and heir.state is PENDING:
+            self._ready(heir)
 
     def close_input(self) -> None:
         self._input_done = True
@@ -793,6 +850,10 @@ class MemoryRun:
             reason = f"dependency {record.id!r} {status}"
             cascade.extend((dep, reason) for dep in dependents)
         record.dependents = None
+        if self._followers:
+            followers = self._followers.pop(record.id, None)
+            if followers is not None:
+                self._followed(record, status, followers, cascade)
         groups = self._groups
         if groups:
             for tag in record.task.tags:
@@ -810,7 +871,7 @@ class MemoryRun:
             # was given: its output stays (id -> output, untracked by the GC). A generated id
             # nobody waits for is forgotten whole, so memory stays flat however long the stream.
             del self._records[record.id]
-            if record.named or dependents:
+            if record.named or dependents or record.task.key is not None:
                 self._settled[record.id] = record.output
 
     def _closable(self, tag: str, group: Group) -> bool:
@@ -957,6 +1018,11 @@ class MemoryRun:
 
     # -- for a durable store that keeps its state here (orchestra.stores.SQLiteStore) ------------
 
+    def holds_key(self, record: Record) -> bool:
+        """Whether `record` holds its key in this run (it runs; the others with it follow)."""
+        key = record.task.key
+        return key is not None and self._keys.get(key) == record.id
+
     def record_of(self, task_id: str) -> Record | None:
         """The record of `task_id`, if the run holds it (not compacted away)."""
         return self._records.get(task_id)
@@ -986,7 +1052,10 @@ class MemoryRun:
                 self._lookalike = True
             task = record.task
             if task.key is not None:
-                self._keys[task.key] = record.id
+                # The first task with a key holds it, unless it ended without succeeding.
+                holder = self._records.get(self._keys.get(task.key, ""))
+                if holder is None or holder is record or holder.state in _LOST:
+                    self._keys[task.key] = record.id
             if record.parent is not None:
                 self._spawned = True
             if record.state in TERMINAL:
@@ -1003,6 +1072,9 @@ class MemoryRun:
         self.unfinished += len(live)
         self.pending += len(live)
         self._wire_all(live)
+
+
+_LOST: Final = frozenset((FAILED, CANCELLED, SKIPPED))
 
 
 def _position(record: Record) -> tuple[int, ...]:

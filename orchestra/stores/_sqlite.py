@@ -332,6 +332,19 @@ class SQLiteRun:
     # -- the memory run's listener: what it readies and ends is written down ---------------------
 
     def ready(self, record: Record) -> None:
+        if (
+            record.task.key is not None
+            and not self._admitting
+            and record.task.key not in self._keys.claims
+            and record.task.key not in self._keys.waiting
+            and self._memory.holds_key(record)
+        ):
+            # It took its key over from a task of the run that did not succeed: it claims it in
+            # the file as a new submission would (after this step: `reuse` may end it).
+            if self._loop is None:
+                self._keys.reuse([record])
+            else:
+                self._loop.call_soon(self._keys.reuse, [record])
         self._touch(record)
         if not self._admitting and id(record.task) not in self._spawning:
             # (else ready at its admission: its row's `admitted` says it)
@@ -498,14 +511,14 @@ class SQLiteRun:
         for task, encoded in zip(tasks, payloads, strict=True):
             record = memory.record_of(task.id)
             if record is None or record.task is not task:
-                continue  # refused as the same task, or a key already in the run
+                continue  # refused as the same task
             if stored and task.id in stored:
                 continue
             payload, text = encoded
             if task.payload is not payload:  # admission validated it into its model
                 text = to_json(task.payload).decode()
             self._new.append((record, text, now))
-            if task.key is not None:
+            if memory.holds_key(record):  # (the others with its key follow it in the run)
                 keyed.append(record)
         self._arm()
         if keyed:
