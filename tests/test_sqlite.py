@@ -353,6 +353,17 @@ class TestKeys:
         assert (again.data, again.metadata.resumed) == (expected, 3)
         assert seen == ["a", "c"]
 
+    async def test_when_the_holder_fails_the_next_task_with_its_key_runs_and_holds_it(
+        self, orch: Orchestrator, seen: list[str]
+    ) -> None:
+        tasks = [Task("work", "bad", id="a", key="k"), Task("work", 21, id="b", key="k")]
+        result = await orch.run(tasks, run_id="one")
+        assert seen == ["a", "b"]
+        assert result.data == {"b": {"double": 42}}
+        # b claimed the key in the file when it took over: its result serves another run.
+        later = await orch.run([Task("work", 21, id="c", key="k")], run_id="two")
+        assert (later.data, seen) == ({"c": {"double": 42}}, ["a", "b"])
+
 
 class TestJournal:
     async def test_the_journal_traces_a_task_from_ready_to_done(

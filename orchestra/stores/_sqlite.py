@@ -332,19 +332,8 @@ class SQLiteRun:
     # -- the memory run's listener: what it readies and ends is written down ---------------------
 
     def ready(self, record: Record) -> None:
-        if (
-            record.task.key is not None
-            and not self._admitting
-            and record.task.key not in self._keys.claims
-            and record.task.key not in self._keys.waiting
-            and self._memory.holds_key(record)
-        ):
-            # It took its key over from a task of the run that did not succeed: it claims it in
-            # the file as a new submission would (after this step: `reuse` may end it).
-            if self._loop is None:
-                self._keys.reuse([record])
-            else:
-                self._loop.call_soon(self._keys.reuse, [record])
+        if record.task.key is not None and not self._admitting and self._memory.holds_key(record):
+            self._keys.took_over(record)  # (or it holds it already: a retry)
         self._touch(record)
         if not self._admitting and id(record.task) not in self._spawning:
             # (else ready at its admission: its row's `admitted` says it)

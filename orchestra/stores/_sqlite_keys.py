@@ -87,6 +87,23 @@ class Keys:
         if self.waiting and self._poller is None and run._loop is not None:
             self._poller = run._loop.create_task(self._poll())
 
+    def took_over(self, record: Record) -> None:
+        """`record` holds its key in the run now (made ready holding it): if it took the key over
+        from a task of the run that did not succeed, the run's claim (or wait) passes to it, and
+        without either it claims the key as a new submission would."""
+        key: str = record.task.key  # type: ignore[assignment]
+        claims, waiting = self.claims, self.waiting
+        if claims.get(key) is record or waiting.get(key) is record:
+            return
+        if key in claims:  # the failed holder's, live in the file: this task's end is the key's
+            claims[key] = record
+        elif key in waiting:  # the failed holder waited for another run's task: so does this one
+            waiting[key] = record
+        elif self._run._loop is None:
+            self.reuse([record])
+        else:  # after this step of the memory run (`reuse` may end the task at once)
+            self._run._loop.call_soon(self.reuse, [record])
+
     def _reused(self, record: Record, text: str, agent: str | None) -> None:
         run = self._run
         if record.state in TERMINAL:
