@@ -310,6 +310,48 @@ class TestErrors:
         # Only the successful answer's tokens are counted; the 529 recorded zero.
         assert result.metadata.tokens["input_tokens"] == _input_tokens(api.requests[1])
 
+    async def test_a_200_that_is_no_message_is_retried_with_a_clear_error(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("garbage")  # a proxy's 200 with JSON that is not a Message
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert [r.outcome for r in api.requests] == ["garbage"] * 3  # retried
+        attempt = error.attempts[-1]
+        assert [a.error_type for a in error.attempts] == ["APIResponseValidationError"] * 3
+        assert attempt.status_code == 200
+        assert attempt.request_id is not None
+        assert "not a Message" in attempt.message
+
+    async def test_a_body_cut_mid_way_is_a_connection_error_and_retried(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("cut", times=2)
+        result = await run(api, [research(account)], [clause()])
+        assert result.status == "success"
+        assert [r.outcome for r in api.requests] == ["cut", "cut", "ok"]
+        assert result.metadata.retries == 2
+
+    async def test_x_should_retry_false_makes_a_500_permanent(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("server_error", times=1, headers={"x-should-retry": "false"})
+        result = await run(api, [research(account)], [clause()])
+        assert result.status == "failed"
+        assert len(api.requests) == 1
+
+    async def test_an_invalid_key_fails_at_once_and_is_not_retried(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("authentication")
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert len(api.requests) == 1
+        assert error.status_code == 401
+        assert error.attempts[0].api_error_type == "authentication_error"
+
 
 class TestAccounting:
     async def test_usage_and_cost_of_every_attempt_are_recorded(

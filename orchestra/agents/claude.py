@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import anyio
 
 try:
-    from anthropic import APIError, APIStatusError, AsyncAnthropic
+    from anthropic import APIError, APIResponseValidationError, APIStatusError, AsyncAnthropic
     from anthropic.lib._parse._transform import transform_schema
 except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError(
@@ -519,6 +519,16 @@ class ClaudeAgent:
             raw = await self.account.client.messages.with_raw_response.create(**params)
             self._observe(raw.headers)
             message: Message = await raw.parse()
+            if not _is_message(message):
+                # The client validates leniently: a proxy's 200 that is no Message would fail
+                # later as an AttributeError. It is a retryable glitch of the answer, as the
+                # SDK itself would raise it with strict validation, carrying its request id.
+                raise APIResponseValidationError(
+                    raw.http_response,
+                    bound(raw.http_response.text, 200),
+                    message=f"agent {self.name!r}: the API answered 200 with a body that is"
+                    " not a Message (no content or usage)",
+                )
         except APIStatusError as exc:
             self._observe(exc.response.headers)
             # An error answer costs no tokens: the reserved estimate is given back.
@@ -664,6 +674,14 @@ class ClaudeAgent:
 
     def __repr__(self) -> str:
         return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
+
+
+def _is_message(message: Any) -> bool:
+    """Whether a leniently parsed answer has what `read` and the accounting need."""
+    usage = getattr(message, "usage", None)
+    return isinstance(getattr(message, "content", None), list) and isinstance(
+        getattr(usage, "input_tokens", None), int
+    )
 
 
 class _Usage:
