@@ -19,8 +19,12 @@ Faults (`Fault`): "rate_limit" (429 rate_limit_error with `retry-after` and, if 
 `retry-after-ms`), "overloaded" (529 overloaded_error), "server_error" (500 api_error),
 "prompt_too_long" (400 invalid_request_error), "drop" (the request is read, then the socket is
 closed without a response), "hang" (no answer until the client gives up and disconnects), "slow"
-(a normal answer, late) and "stall" (a streamed answer that sends its first `events` events, then
-nothing until the client gives up). A 429 with `ratelimit_reset=` carries no `retry-after`, only
+(a normal answer, late), "stall" (a streamed answer that sends its first `events` events, then
+nothing until the client gives up), "authentication" (401 authentication_error: a revoked key),
+"refusal" (a 200 answer with `stop_reason: "refusal"`), "garbage" (a 200 whose JSON body is no
+Message: what a misbehaving proxy may answer) and "cut" (a 200 whose body stops half-way: the
+connection is reset mid-body). A rule's `headers` are added to (or replace) its answer's headers:
+`x-should-retry: false` on a 500, say. A 429 with `ratelimit_reset=` carries no `retry-after`, only
 `anthropic-ratelimit-requests-remaining: 0` and the reset time, as the real API may. A rule applies by count (`times`), by a predicate on the request
 body (`match`) and in a time window (`after`, `duration`); the first rule that applies answers. With
 no rule, the request succeeds after the server's `latency`. Prompts longer than `max_input_tokens`
@@ -70,7 +74,18 @@ __all__ = (
 )
 
 Fault = Literal[
-    "rate_limit", "overloaded", "server_error", "prompt_too_long", "drop", "hang", "slow", "stall"
+    "rate_limit",
+    "overloaded",
+    "server_error",
+    "prompt_too_long",
+    "authentication",
+    "drop",
+    "hang",
+    "slow",
+    "stall",
+    "refusal",
+    "garbage",
+    "cut",
 ]
 
 RATE_LIMIT_MESSAGE: Final = (
@@ -183,6 +198,7 @@ class Rule:
     events: int = 0
     hits: int = 0
     path: str = "/v1/messages"
+    headers: dict[str, str] = field(default_factory=dict)
 
     def applies(self, body: Any, now: float) -> bool:
         if not self.start <= now < self.end:
@@ -329,6 +345,7 @@ class FakeMessagesAPI:
         ratelimit_reset: float | None = None,
         events: int = 0,
         path: str = "/v1/messages",
+        headers: dict[str, str] | None = None,
     ) -> Rule:
         """Answer the requests this rule selects with `fault`; returns the rule (see `Rule.hits`).
 
@@ -350,6 +367,7 @@ class FakeMessagesAPI:
                 ``"/v1/messages/count_tokens"`` (its calls are answered by their own rules); a
                 path ending in ``*`` is a prefix (``"/v1/messages/batches/*"``: polls and
                 results of every batch answer with the error fault).
+            headers: response headers added to the answer, replacing any of the same name.
         """
         if fault not in get_args(Fault):
             raise ValueError(f"unknown fault {fault!r}; known: {get_args(Fault)}")
@@ -366,6 +384,7 @@ class FakeMessagesAPI:
             ratelimit_reset=ratelimit_reset,
             events=events,
             path=path,
+            headers={name.lower(): value for name, value in (headers or {}).items()},
         )
         self.rules.append(rule)
         return rule
@@ -569,7 +588,17 @@ class FakeMessagesAPI:
             ),
             *extra,
         ]
-        await self._send(conn, status, headers, json.dumps(payload).encode())
+        if rule is not None and rule.headers:
+            headers = [(k, v) for k, v in headers if k not in rule.headers]
+            headers += list(rule.headers.items())
+        body = json.dumps(payload).encode()
+        if fault == "garbage":  # valid JSON, but no Message: no id, no content, no usage
+            body = json.dumps({"type": "message", "note": "a proxy's idea of an answer"}).encode()
+        if fault == "cut":  # the headers promise the whole body; half of it comes, then a reset
+            await self._send(conn, status, headers, body, cut=len(body) // 2)
+            request.status, request.outcome, request.answered = status, fault, self._now()
+            return False
+        await self._send(conn, status, headers, body)
         request.status, request.outcome, request.answered = status, fault, self._now()
         return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
 
@@ -715,8 +744,12 @@ class FakeMessagesAPI:
     def _response(
         self, request: Request, fault: str, rule: Rule | None
     ) -> tuple[int, dict[str, Any], list[tuple[str, str]]]:
-        if fault in ("ok", "slow", "stall"):
+        if fault in ("ok", "slow", "stall", "garbage", "cut"):
             return 200, self._message(request), []
+        if fault == "refusal":
+            refused = self._message(request)
+            refused["content"], refused["stop_reason"] = [], "refusal"
+            return 200, refused, []
         status, error_type, message = _ERRORS[fault]
         if fault == "prompt_too_long":
             message = (
@@ -928,14 +961,28 @@ class FakeMessagesAPI:
             conn.h11.receive_data(data)  # a pipelined request: h11 keeps it for the next cycle
 
     async def _send(
-        self, conn: _Connection, status: int, headers: list[tuple[str, str]], body: bytes
+        self,
+        conn: _Connection,
+        status: int,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        cut: int | None = None,
     ) -> None:
+        """Write a whole response; with `cut`, only its first `cut` bytes of body, then reset
+        the connection (the client reads a truncated body)."""
         response = h11.Response(
             status_code=status,
             headers=[*headers, ("content-length", str(len(body)))],
             reason=_REASONS.get(status, b""),
         )
         out = conn.h11.send(response) or b""
+        if cut is not None:
+            out += conn.h11.send(h11.Data(data=body[:cut])) or b""
+            conn.writer.write(out)
+            await conn.writer.drain()
+            conn.writer.transport.abort()
+            return
         out += conn.h11.send(h11.Data(data=body)) or b""
         out += conn.h11.send(h11.EndOfMessage()) or b""
         conn.writer.write(out)

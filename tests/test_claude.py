@@ -310,6 +310,48 @@ class TestErrors:
         # Only the successful answer's tokens are counted; the 529 recorded zero.
         assert result.metadata.tokens["input_tokens"] == _input_tokens(api.requests[1])
 
+    async def test_a_200_that_is_no_message_is_retried_with_a_clear_error(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("garbage")  # a proxy's 200 with JSON that is not a Message
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert [r.outcome for r in api.requests] == ["garbage"] * 3  # retried
+        attempt = error.attempts[-1]
+        assert [a.error_type for a in error.attempts] == ["APIResponseValidationError"] * 3
+        assert attempt.status_code == 200
+        assert attempt.request_id is not None
+        assert "not a Message" in attempt.message
+
+    async def test_a_body_cut_mid_way_is_a_connection_error_and_retried(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("cut", times=2)
+        result = await run(api, [research(account)], [clause()])
+        assert result.status == "success"
+        assert [r.outcome for r in api.requests] == ["cut", "cut", "ok"]
+        assert result.metadata.retries == 2
+
+    async def test_x_should_retry_false_makes_a_500_permanent(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("server_error", times=1, headers={"x-should-retry": "false"})
+        result = await run(api, [research(account)], [clause()])
+        assert result.status == "failed"
+        assert len(api.requests) == 1
+
+    async def test_an_invalid_key_fails_at_once_and_is_not_retried(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("authentication")
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert len(api.requests) == 1
+        assert error.status_code == 401
+        assert error.attempts[0].api_error_type == "authentication_error"
+
 
 class TestAccounting:
     async def test_usage_and_cost_of_every_attempt_are_recorded(
@@ -383,6 +425,46 @@ class TestRateLimits:
         spent = sum(n for _, n in tokens)
         ideal = (spent - itpm / 60) / itpm * 60
         assert ideal * 0.99 <= times[-1] - times[0] <= ideal / 0.95
+
+    @pytest.mark.parametrize(
+        ("known", "count"),
+        [("configured", False), ("from the headers", False), ("configured", True)],
+    )
+    async def test_a_prompt_over_the_whole_minutes_budget_fails_unsent_and_holds_nobody(
+        self, clock: FakeClock, account: ClaudeAccount, known: str, count: bool
+    ) -> None:
+        # The API answers such a request 429 every time, and each 429's Retry-After would hold
+        # every agent on the key: it must fail at once, saying why, and cost the others nothing.
+        async with FakeMessagesAPI(enforce_limits=True, input_tokens_per_minute=1_000) as api:
+            fresh = ClaudeAccount(client=account.client.with_options(base_url=api.url))
+            limits = ClaudeLimits(input_tokens_per_minute=1_000 if known == "configured" else None)
+            big = research(fresh, name="big", kinds=["big"], rate_limits=limits, count_tokens=count)
+            small = research(fresh, name="small", kinds=["small"], rate_limits=limits)
+            tasks = [Task("small", "y", id="s0")]  # its answer's headers tell the limit
+            tasks += [Task("big", "x" * 8_000, id="big", depends_on=["s0"])]  # ~2,000 tokens
+            tasks += [Task("small", "y", id=f"s{i}") for i in (1, 2)]
+            result = await run(api, [big, small], tasks)
+            requests = api.requests
+        error = result.error_for("big")
+        assert error is not None
+        assert error.error_type == "PermanentError"
+        assert "1000 input tokens per minute" in error.message
+        assert len(error.attempts) == 1
+        assert not [r for r in requests if r.status == 429]
+        assert all("x" * 100 not in r.prompt for r in requests if r.path == "/v1/messages")
+        assert result.metadata.tokens["input_tokens"] == sum(
+            _input_tokens(r) for r in requests if r.status == 200 and r.path == "/v1/messages"
+        )  # the refused call gave its reservation back
+
+    async def test_a_prompt_estimated_over_the_budget_but_counted_within_it_is_sent(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        limits = ClaudeLimits(input_tokens_per_minute=1_000)
+        # 3,800 characters: about 1,090 tokens by the local estimate, 950 by the count.
+        result = await run(api, [research(account, rate_limits=limits)], [clause(0, "x" * 3_800)])
+        assert result.status == "success"
+        assert len(api.counted()) == 1
+        assert api.answered(200)[-1].path == "/v1/messages"
 
     def test_headers_retune_a_default_budget_and_lower_a_configured_one(self) -> None:
         clock = fake_clock()

@@ -165,6 +165,20 @@ class TestOutcomes:
         assert any(r.path.endswith("/cancel") for r in api.requests)
         assert all(b.canceled for b in api.batches.values())
 
+    async def test_closing_the_agent_cancels_its_open_batches(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.batch_latency = 1_000.0
+        agent = batcher(account, batch_size=2, poll_interval=5.0)
+        async with Orchestrator(agents=[agent]) as orch:
+            handle = orch.start(tasks=clauses(2))
+            while not agent.batches:
+                await anyio.sleep(1)
+            (first,) = agent.batches
+            await agent.aclose()  # returns once its pollers have ended
+            assert api.batches[first].canceled  # not left running (and billed) at the API
+            await handle.stop(0, reason="closed")
+
 
 class TestOptions:
     def test_bad_options_are_config_errors(self, account: ClaudeAccount) -> None:

@@ -15,7 +15,6 @@ attempt of a batch cancelled: the batch is cancelled on the API too).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from typing import TYPE_CHECKING, Any, Final
 
@@ -23,6 +22,7 @@ import anyio
 
 from orchestra._config import check_int, check_number
 from orchestra._exceptions import PermanentError, RetryableError
+from orchestra._log import get_logger
 from orchestra._retry import classify
 
 from ._claude_calls import DEFAULT_RETRY
@@ -39,9 +39,14 @@ if TYPE_CHECKING:
 
 __all__ = ("BATCH_DISCOUNT", "BatchRequestFailed", "ClaudeBatchAgent")
 
+log = get_logger("orchestra")
+
 _POLL_TRIES: Final = 8
 """How many times in a row a look at a submitted batch may fail (429, 529, 5xx, the network)
 before its attempts fail with the error and the batch is cancelled."""
+
+_CANCEL_TIMEOUT: Final = 30.0
+"""Seconds a cancelled poller may take to cancel its batch on the API."""
 
 BATCH_DISCOUNT: Final = 0.5
 """A batched request costs half the price of the same request through the Messages API."""
@@ -156,7 +161,8 @@ class ClaudeBatchAgent(ClaudeAgent):
         raise BatchRequestFailed(f"agent {self.name!r}: a batched request was {result.type}")
 
     async def aclose(self) -> None:
-        """Stop polling the batches still open (their waiting attempts are cancelled)."""
+        """Stop polling the batches still open and cancel them on the API (else they would run
+        on, and be paid for, with nobody to read them); their waiting attempts are cancelled."""
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
@@ -177,6 +183,7 @@ class ClaudeBatchAgent(ClaudeAgent):
 
     async def _run(self, batch: list[_Pending]) -> None:
         batches = self.account.client.messages.batches
+        created = None
         try:
             created = await batches.create(
                 requests=[{"custom_id": p.custom_id, "params": p.params} for p in batch]  # type: ignore[typeddict-item]
@@ -196,8 +203,7 @@ class ClaudeBatchAgent(ClaudeAgent):
                 with anyio.move_on_after(wait):
                     await abandoned.wait()
                 if abandoned.is_set():
-                    with anyio.CancelScope(shield=True):
-                        await batches.cancel(created.id)
+                    await self._cancel(created.id)
                     return
                 status = await self._look(lambda: batches.retrieve(created.id), created.id)
                 if status.processing_status == "ended":
@@ -227,7 +233,18 @@ class ClaudeBatchAgent(ClaudeAgent):
                     else:
                         pending.future.cancel()
             if not isinstance(exc, Exception):
+                if created is not None:  # the poller was cancelled (`aclose`): so is the batch
+                    await self._cancel(created.id)
                 raise
+
+    async def _cancel(self, batch_id: str) -> None:
+        """Cancel the batch on the API, shielded and bounded (a dead API must not hold a close);
+        a failure is logged, not raised: the caller is already ending."""
+        with anyio.move_on_after(_CANCEL_TIMEOUT, shield=True):
+            try:
+                await self.account.client.messages.batches.cancel(batch_id)
+            except Exception as exc:
+                log.warning("could not cancel a batch", batch=batch_id, error=type(exc).__name__)
 
     async def _look(self, call: Callable[[], Awaitable[Any]], batch_id: str) -> Any:
         """`call()` (a poll, the results), again after a failure that deserves it: the batch
@@ -241,8 +258,7 @@ class ClaudeBatchAgent(ClaudeAgent):
                 retryable, retry_after = classify(exc, DEFAULT_RETRY)
                 failures += 1
                 if not retryable or failures >= _POLL_TRIES:
-                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                        await self.account.client.messages.batches.cancel(batch_id)
+                    await self._cancel(batch_id)
                     raise
                 wait = min(self.poll_interval * 2 ** (failures - 1), self.max_poll_interval)
                 await anyio.sleep(wait if retry_after is None else max(wait, retry_after))

@@ -78,7 +78,14 @@ class ClaudeLimits:
         concurrent_requests: the most requests in flight at once (None: no such cap).
     """
 
-    __slots__ = ("_ceilings", "concurrency", "input_tokens", "output_tokens", "requests")
+    __slots__ = (
+        "_ceilings",
+        "_observed",
+        "concurrency",
+        "input_tokens",
+        "output_tokens",
+        "requests",
+    )
 
     def __init__(
         self,
@@ -102,6 +109,7 @@ class ClaudeLimits:
             ):
                 raise ConfigError(f"ClaudeLimits: {unit} per minute must be > 0, got {value!r}")
         self._ceilings: dict[str, float | None] = given
+        self._observed: set[str] = set()  # the budgets a server's `-limit` header has told
         self.requests = Rate(given["requests"] or DEFAULT_LIMITS["requests"], per=_MINUTE)
         self.input_tokens = _token_rate("input_tokens", given["input_tokens"])
         self.output_tokens = _token_rate("output_tokens", given["output_tokens"])
@@ -118,6 +126,13 @@ class ClaudeLimits:
         rate: Rate = getattr(self, unit)
         return rate
 
+    def known(self, unit: str) -> float | None:
+        """The per-minute budget of `unit` if the user set it or a response told it; None while
+        it is only the assumed default (a request over that may well fit the key's real one)."""
+        if self._ceilings[unit] is None and unit not in self._observed:
+            return None
+        return self.rate(unit).limit
+
     def observe_headers(self, headers: Mapping[str, str], clock: Clock) -> None:
         """Adapt to a response's `anthropic-ratelimit-*` headers (any response: 200, 429, 529).
 
@@ -128,6 +143,7 @@ class ClaudeLimits:
             rate = self.rate(unit)
             limit = _number(headers.get(f"{prefix}-limit"))
             if limit is not None and limit > 0:
+                self._observed.add(unit)
                 ceiling = self._ceilings[unit]
                 _retune(rate, limit if ceiling is None else min(limit, ceiling), clock.now())
             remaining = _number(headers.get(f"{prefix}-remaining"))

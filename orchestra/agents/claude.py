@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import anyio
 
 try:
-    from anthropic import APIError, APIStatusError, AsyncAnthropic
+    from anthropic import APIError, APIResponseValidationError, APIStatusError, AsyncAnthropic
     from anthropic.lib._parse._transform import transform_schema
 except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError(
@@ -511,14 +511,24 @@ class ClaudeAgent:
     async def send(self, params: dict[str, Any], ctx: Context) -> Message:
         """One call: the answer, its rate-limit headers observed and its usage recorded. API errors
         are the SDK's own, raised after their headers were observed."""
-        if self.count_tokens:
-            await self._count(params, ctx)
+        counted = await self._count(params, ctx) if self.count_tokens else None
+        await self._check_fits(params, ctx, counted)
         try:
             if self.stream:
                 return await self._stream(params, ctx)
             raw = await self.account.client.messages.with_raw_response.create(**params)
             self._observe(raw.headers)
             message: Message = await raw.parse()
+            if not _is_message(message):
+                # The client validates leniently: a proxy's 200 that is no Message would fail
+                # later as an AttributeError. It is a retryable glitch of the answer, as the
+                # SDK itself would raise it with strict validation, carrying its request id.
+                raise APIResponseValidationError(
+                    raw.http_response,
+                    bound(raw.http_response.text, 200),
+                    message=f"agent {self.name!r}: the API answered 200 with a body that is"
+                    " not a Message (no content or usage)",
+                )
         except APIStatusError as exc:
             self._observe(exc.response.headers)
             # An error answer costs no tokens: the reserved estimate is given back.
@@ -605,19 +615,34 @@ class ClaudeAgent:
         self._record(message.usage, ctx)
         return message
 
-    async def _count(self, params: dict[str, Any], ctx: Context) -> None:
-        """True the attempt's input-token reservation up to what `count_tokens` says the request
-        holds, before it is sent: a prompt much longer than the local estimate waits for room on
-        the input-token budget instead of overrunning it (`Context.reserve`).
+    async def _check_fits(self, params: dict[str, Any], ctx: Context, counted: int | None) -> None:
+        """Refuse, unsent, a request whose input tokens alone exceed the key's whole known
+        input-token budget per minute: the API answers it 429 however long it waits, and each
+        429's Retry-After would hold every agent on the key. Permanent, with the reservation
+        given back. The local estimate is generous, so an estimate over the budget is confirmed
+        by `count_tokens` (free) first; a request with a cache mark is let through, as cache
+        reads do not count against the budget on current models and cannot be known before."""
+        limit = self.rate_limits.known("input_tokens")
+        if limit is None or self.cache_system:
+            return
+        tokens = counted
+        if tokens is None:
+            chars = len(str(params.get("system", "")))
+            chars += sum(len(str(message["content"])) for message in params["messages"])
+            if chars / _CHARS_PER_TOKEN <= limit:
+                return
+            tokens = await self._count_request(params, ctx)
+        if tokens is None or tokens <= limit:
+            return
+        ctx.record_usage(model=self.model, input_tokens=0, output_tokens=0)  # nothing was spent
+        raise PermanentError(
+            f"agent {self.name!r}: the request holds {tokens} input tokens, more than the key's"
+            f" whole budget of {limit:g} input tokens per minute for {model_family(self.model)}:"
+            " the API would refuse it every time; shorten the prompt or raise the limit"
+        )
 
-        Token counting has its own requests-per-minute limit at the API, apart from the Messages
-        budget, and it is free: its calls are not metered here, and their failures (a 429 of
-        that separate limit included) are no reason to fail or delay the attempt: the local
-        estimate stays, and the call goes on. Its headers describe that other budget and are not
-        observed."""
-        held = ctx.reserved.get("input_tokens")
-        if held is None:
-            return  # nothing reserved (a limiter-free setup): nothing to true up
+    async def _count_request(self, params: dict[str, Any], ctx: Context) -> int | None:
+        """The request's input tokens by `count_tokens`, or None when counting failed."""
         try:
             counted = await self.account.client.messages.count_tokens(
                 **{key: value for key, value in params.items() if key in _COUNTED}
@@ -626,8 +651,28 @@ class ClaudeAgent:
             ctx.log.info(
                 "count_tokens failed; keeping the local estimate", error=type(exc).__name__
             )
-            return
-        await ctx.reserve(input_tokens=counted.input_tokens - held)
+            return None
+        return counted.input_tokens
+
+    async def _count(self, params: dict[str, Any], ctx: Context) -> int | None:
+        """True the attempt's input-token reservation up to what `count_tokens` says the request
+        holds, before it is sent: a prompt much longer than the local estimate waits for room on
+        the input-token budget instead of overrunning it (`Context.reserve`). Returns the count
+        (None: not counted).
+
+        Token counting has its own requests-per-minute limit at the API, apart from the Messages
+        budget, and it is free: its calls are not metered here, and their failures (a 429 of
+        that separate limit included) are no reason to fail or delay the attempt: the local
+        estimate stays, and the call goes on. Its headers describe that other budget and are not
+        observed."""
+        held = ctx.reserved.get("input_tokens")
+        if held is None:
+            return None  # nothing reserved (a limiter-free setup): nothing to true up
+        counted = await self._count_request(params, ctx)
+        if counted is not None and counted <= (self.rate_limits.known("input_tokens") or counted):
+            # (one over the whole budget is refused by `_check_fits`: no wait for its room)
+            await ctx.reserve(input_tokens=counted - held)
+        return counted
 
     def _observe(self, headers: Any) -> None:
         try:
@@ -664,6 +709,14 @@ class ClaudeAgent:
 
     def __repr__(self) -> str:
         return f"ClaudeAgent(name={self.name!r}, kinds={list(self.kinds)!r}, model={self.model!r})"
+
+
+def _is_message(message: Any) -> bool:
+    """Whether a leniently parsed answer has what `read` and the accounting need."""
+    usage = getattr(message, "usage", None)
+    return isinstance(getattr(message, "content", None), list) and isinstance(
+        getattr(usage, "input_tokens", None), int
+    )
 
 
 class _Usage:
