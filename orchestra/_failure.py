@@ -115,7 +115,7 @@ def describe(exc: BaseException) -> Failure:
         message,
         format_traceback(exc),
         status,
-        _api_error_type(exc) if status is not None else None,
+        api_error_type(exc) if status is not None else None,
         _request_id(exc) if status is not None else None,
     )
 
@@ -247,7 +247,7 @@ def response_header(exc: BaseException, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _api_error_type(exc: BaseException) -> str | None:
+def api_error_type(exc: BaseException) -> str | None:
     # anthropic's APIStatusError reads `error.type` of the body into `.type`; other clients' errors
     # may only carry the body.
     try:

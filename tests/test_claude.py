@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+import anyio
 import pytest
 from anthropic import AsyncAnthropic
 from anthropic.types import Model
@@ -351,6 +352,26 @@ class TestErrors:
         assert len(api.requests) == 1
         assert error.status_code == 401
         assert error.attempts[0].api_error_type == "authentication_error"
+
+    async def test_a_refused_key_sends_nothing_more_until_its_hold_ends(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, clock: FakeClock
+    ) -> None:
+        # A 401 is about the key: 30 tasks sent 30 requests, each paid for and failed. Now the
+        # first answer holds the key, and the tasks after it fail unsent.
+        api.fail("authentication", duration=30)  # the key is refused for a while
+        agent = research(account, concurrency=3)
+        result = await run(api, [agent], [clause(i) for i in range(30)])
+        assert result.metadata.counts["failed"] == 30
+        sent = len(api.requests)
+        assert 1 <= sent <= 3  # those in flight when the first answer came
+        unsent = [e for e in result.errors if "not sent" in e.message]
+        assert len(unsent) == 30 - sent
+        assert "refused this key (401 authentication_error" in unsent[0].message
+        assert {e.error_type for e in unsent} == {"PermanentError"}
+        # After the hold, a request tries the key again (the API takes it by then).
+        await anyio.sleep(61)  # virtual time
+        again = await run(api, [agent], [clause(99)])
+        assert (again.status, len(api.requests)) == ("success", sent + 1)
 
 
 class TestAccounting:

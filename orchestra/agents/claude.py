@@ -61,7 +61,7 @@ from orchestra._agent import check_options
 from orchestra._clock import current_clock
 from orchestra._config import check_int, check_number
 from orchestra._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
-from orchestra._failure import bound
+from orchestra._failure import api_error_type, bound
 from orchestra._log import get_logger
 
 from ._claude_limits import ClaudeLimits, model_family
@@ -95,6 +95,7 @@ __all__ = (
 Prompt = str | Callable[["Task", "Context"], str]
 """A `str.format` template over ``payload``, ``deps`` and ``task``, or a function of both."""
 
+_REFUSAL_HOLD: Final = 60.0  # seconds a key the API answered 401 sends nothing (`ClaudeAccount`)
 _TOOL: Final = "answer"  # the one tool a model without structured outputs answers through
 _CHARS_PER_TOKEN: Final = 3.5  # a cheap, slightly generous local estimate of a prompt's tokens
 _MAX_ANSWER: Final = 1_500  # characters of a rejected answer carried into the next conversation
@@ -140,7 +141,7 @@ class ClaudeAccount:
         prices: price rows that override or extend `PRICES`.
     """
 
-    __slots__ = ("__weakref__", "_limits", "client", "prices")
+    __slots__ = ("__weakref__", "_limits", "_refused", "client", "prices")
 
     def __init__(
         self,
@@ -181,6 +182,28 @@ class ClaudeAccount:
         check_prices("ClaudeAccount: prices", prices)
         self.client = client
         self.prices: Mapping[str, Price] = {**PRICES, **(prices or {})}
+        # (until when, why): the API answered 401 to this key. A 401 is about the key, not the
+        # request: every other request on it would be paid for nothing (a run of 10,000 tasks
+        # sent 10,000), so they fail unsent for `_REFUSAL_HOLD` seconds, then one tries again
+        # (a client's credentials provider may have renewed an expired token meanwhile).
+        self._refused: tuple[float, str] | None = None
+
+    def refusal(self, now: float) -> str | None:
+        """Why a request on this key is not sent now: the API refused the key within the last
+        `_REFUSAL_HOLD` seconds (None: send it)."""
+        refused = self._refused
+        if refused is None or now >= refused[0]:
+            return None
+        return refused[1]
+
+    def refused(self, exc: APIStatusError, now: float) -> None:
+        """The API answered `exc` (a 401): hold the key's other requests."""
+        self._refused = (
+            now + _REFUSAL_HOLD,
+            f"the API refused this key ({exc.status_code} {api_error_type(exc)}, request"
+            f" {exc.request_id or '?'}); requests on it are not sent for {_REFUSAL_HOLD:g}s"
+            " after a refusal",
+        )
 
     @classmethod
     def shared(cls, *, api_key: str | None = None, base_url: str | None = None) -> ClaudeAccount:
@@ -511,6 +534,10 @@ class ClaudeAgent:
     async def send(self, params: dict[str, Any], ctx: Context) -> Message:
         """One call: the answer, its rate-limit headers observed and its usage recorded. API errors
         are the SDK's own, raised after their headers were observed."""
+        refusal = self.account.refusal(current_clock().now())
+        if refusal is not None:
+            ctx.record_usage(model=self.model, input_tokens=0, output_tokens=0)  # nothing spent
+            raise PermanentError(f"agent {self.name!r}: not sent: {refusal}")
         counted = await self._count(params, ctx) if self.count_tokens else None
         await self._check_fits(params, ctx, counted)
         try:
@@ -531,6 +558,8 @@ class ClaudeAgent:
                 )
         except APIStatusError as exc:
             self._observe(exc.response.headers)
+            if exc.status_code == 401:
+                self.account.refused(exc, current_clock().now())
             # An error answer costs no tokens: the reserved estimate is given back.
             ctx.record_usage(model=self.model, input_tokens=0, output_tokens=0)
             raise
