@@ -496,12 +496,14 @@ class _WorkerRun(MemoryRun):
 
     def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
         # The coordinator checks references (it knows the run's tasks); here: the task's own
-        # fields and that its payload can be stored. A task spawned without an id gets one from
-        # its parent's (`<parent id>/<kind>#<n>`), unique in the run and the same on a retry:
-        # a worker cannot draw from the coordinator's `<kind>#<n>` counter.
+        # fields and that its payload can be stored. A task spawned without an id is named after
+        # its parent, as the coordinator names it (`MemoryRun.check_spawn`).
         given: str | None = task.id  # typed `str`: None until an id is given it
-        if given is None:
-            task.id = f"{parent.id}/{task.kind}#{len(pending) + 1}"
+        if given is None and isinstance(task.kind, str):
+            n = len(pending) + 1
+            while f"{parent.id}/{task.kind}#{n}" in pending:
+                n += 1
+            task.id = f"{parent.id}/{task.kind}#{n}"
         self._admission.check(task, f"task spawned by {parent.id!r}", None, lambda i: i in pending)
         if task.id in pending:
             raise InputError(

@@ -354,22 +354,27 @@ class TestSpawn:
         assert result.status == "success"
         assert seen == {"c1": {"p": "parent-output"}, "c2": {"c1": "c1-output"}}
 
-    async def test_spawn_gives_the_task_an_id(self) -> None:
+    async def test_spawn_names_the_task_after_its_parent(self) -> None:
+        # `<parent id>/<kind>#<n>`, n counting the attempt's spawns (one it names itself too),
+        # skipping an id taken: the same ids in every run, whatever order the attempts end in
+        # (they were `<kind>#<n>` from the run's counter, in the order the spawns were made).
         ids: list[str | None] = []
 
         @agent(kinds=["parent"])
         async def parent(task: Task, ctx: Context) -> None:
+            await anyio.sleep(0.01 if task.id == "p" else 0.0)  # "q" spawns first
+            ids.append(ctx.spawn(Task("child", None)).id)
+            ids.append(ctx.spawn(Task("child", None, id=f"{task.id}/child#2")).id)
             ids.append(ctx.spawn(Task("child", None)).id)
 
         @agent(kinds=["child"])
         async def child(task: Task, ctx: Context) -> None:
             return None
 
-        result = await Orchestrator(agents=[parent, child]).run(tasks=[Task("parent", id="p")])
-        [child_id] = ids
-        assert child_id is not None
-        assert child_id.startswith("child#")
-        assert set(result.data) == {"p", child_id}
+        tasks = [Task("parent", id="p"), Task("parent", id="q")]
+        result = await Orchestrator(agents=[parent, child]).run(tasks=tasks)
+        assert ids == [f"{p}/child#{n}" for p in "qp" for n in (1, 2, 3)]
+        assert list(result.data) == ["p", *ids[3:], "q", *ids[:3]]
 
 
 class TestChunked:

@@ -581,6 +581,14 @@ class MemoryRun:
             self._maybe_close(tag, group)
 
     def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
+        if getattr(task, "id", 0) is None and isinstance(getattr(task, "kind", None), str):
+            # Named after its parent (`<parent id>/<kind>#<n>`, n counting the attempt's spawns):
+            # the same in every run and on a retry, whatever order attempts end in, and the same
+            # on a worker process, which cannot draw from the run's `<kind>#<n>` counter.
+            n = len(pending) + 1
+            while (given := f"{parent.id}/{task.kind}#{n}") in pending or self._taken(given):
+                n += 1
+            task.id = given
         self._admission.check(
             task,
             f"task spawned by {parent.id!r}",
