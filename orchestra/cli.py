@@ -113,9 +113,11 @@ def demo() -> None:
     five seconds.
     """
     try:
-        asyncio.run(run_demo())
+        result = asyncio.run(run_demo())
     except KeyboardInterrupt:
         raise _fail("interrupted", INTERRUPTED) from None
+    if result.status == "cancelled":  # a signal or a key stopped it: exit as `orchestra run` does
+        raise _fail("interrupted", INTERRUPTED)
 
 
 async def run_demo() -> RunResult:
