@@ -231,6 +231,8 @@ class TestRunUsageErrors:
             ("{job}:a_string", "returned a str, not an Orchestrator"),
             ("{job}:a_coroutine", "not a coroutine"),
             ("missing.py:build", "no such file: missing.py"),
+            # Shown as typed, not read as rich markup (a MarkupError traceback before).
+            ("missing[/x].py:build", "no such file: missing[/x].py"),
         ],
     )
     def test_a_factory_that_does_not_load(
