@@ -390,7 +390,6 @@ class TestDemo:
         # The live view, plain (stderr is not a terminal here): nothing else.
         assert all(line.startswith("run ") for line in done.stderr.splitlines()), done.stderr
 
-
     @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
     @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
     def test_a_signal_ends_the_demo_and_exits_130(
