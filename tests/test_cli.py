@@ -233,6 +233,9 @@ class TestRunUsageErrors:
             ("missing.py:build", "no such file: missing.py"),
             # Shown as typed, not read as rich markup (a MarkupError traceback before).
             ("missing[/x].py:build", "no such file: missing[/x].py"),
+            # A path without .py, a bad name: no traceback of pkgutil's ValueError.
+            ("jobs/contracts:build", "cannot import 'jobs/contracts': not a dotted module name"),
+            ("{job}:build()", "'build()' in "),
         ],
     )
     def test_a_factory_that_does_not_load(
