@@ -52,6 +52,11 @@ def _rich() -> Any:
     return rich
 
 
+def _error_text(error_type: str, message: str) -> str:
+    # A task's message most often begins with its error's type already ("ValueError: ...").
+    return message if message.startswith(f"{error_type}:") else f"{error_type}: {message}"
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
@@ -197,7 +202,7 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
                 Text(error.task_id),
                 Text(error.kind),
                 Text(error.agent or "-"),
-                Text(f"{error.error_type}: {error.message}"[:100], style="red"),
+                Text(_error_text(error.error_type, error.message)[:100], style="red"),
             )
         parts.append(recent)
     return Group(*parts)

@@ -76,6 +76,7 @@ class TestRender:
         assert "recent errors" in text
         assert "doomed" in text
         assert "PermanentError" in text
+        assert "PermanentError: PermanentError" not in text  # the type said once
 
     async def test_names_and_ids_are_shown_as_they_are_not_read_as_markup(
         self, make_orchestrator: Callable[..., Orchestrator]
