@@ -172,9 +172,13 @@ async def default_run(orch: Orchestrator, contracts: Any) -> RunResult:
 
 async def main(run: Runner = default_run) -> RunResult:
     """Analyse the contracts sequentially, then in parallel with faults, print both and the speed-up;
-    return the parallel run's result."""
+    return the parallel run's result (or the sequential one's, when it was stopped)."""
     sequential, t_seq = await analyse(build(1, faults=False), run)
     show("sequential (concurrency 1)", sequential, t_seq)
+    if sequential.status == "cancelled":
+        # Stopped (Ctrl-C, SIGTERM, the s key): the user asked the demo to end, not to go on
+        # with the second run and compare it with a half-done first one.
+        return sequential
     parallel, t_par = await analyse(build(20, faults=True), run)
     show("parallel (concurrency 20, an agent rate limited, another down mid-run)", parallel, t_par)
     summary = parallel.data["contract-0/summary"]

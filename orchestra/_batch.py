@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import pkgutil
+import re
 import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
@@ -73,6 +74,10 @@ class TaskSpec(pydantic.BaseModel):
         return Task(self.kind, self.payload, **fields)
 
 
+_DOTTED: Final = re.compile(r"(?!\d)\w+(\.(?!\d)\w+)*")
+"""A dotted Python name (`jobs.contracts`, `build`): what `pkgutil.resolve_name` accepts."""
+
+
 def load_orchestrator(target: str) -> Orchestrator:
     """The orchestrator `target` names: ``package.module:factory`` or ``path/to/file.py:factory``,
     where `factory` is an `Orchestrator` or a function returning one (called with no arguments),
@@ -94,6 +99,14 @@ def load_orchestrator(target: str) -> Orchestrator:
         module = path.stem
     else:
         _importable(Path.cwd())
+    # Checked here: pkgutil's ValueError would look like a bug of the user's module.
+    if not _DOTTED.fullmatch(module):
+        raise ConfigError(
+            f"cannot import {module!r}: not a dotted module name (give package.module:name, "
+            "or path/to/file.py:name for a file)"
+        )
+    if not _DOTTED.fullmatch(attr):
+        raise ConfigError(f"{attr!r} in {target!r} is not a Python name")
     try:
         # pkgutil.resolve_name is the standard library's "module:attr.path" resolver.
         obj = pkgutil.resolve_name(f"{module}:{attr}")

@@ -184,6 +184,12 @@ class Orchestrator:
                         f"instruments[{i}] must be an orchestra.Instrument (an object with "
                         f"on_attempt_end, on_task_end, ... hooks), got {instrument!r}"
                     )
+                if any(other is instrument for other in instruments[:i]):
+                    # It would hear every hook twice: its counters would count double.
+                    raise ConfigError(
+                        f"instruments[{i}] is instruments[{instruments.index(instrument)}] again "
+                        f"({instrument!r}): give each instrument once"
+                    )
         aggregator = aggregator_of(aggregate)
         self.registry = Registry(agents, breaker, fallbacks)
         kinds = set(self.registry.by_kind)

@@ -52,6 +52,11 @@ def _rich() -> Any:
     return rich
 
 
+def _error_text(error_type: str, message: str) -> str:
+    # A task's message most often begins with its error's type already ("ValueError: ...").
+    return message if message.startswith(f"{error_type}:") else f"{error_type}: {message}"
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
@@ -161,7 +166,7 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
         if agent.paused_for > 0:
             state += f" (paused {agent.paused_for:.0f}s)"
         agents.add_row(
-            agent.name,
+            Text(agent.name),  # a Text, not a str: names and ids are never read as rich markup
             Text(state, style=style.get(agent.state, "")),
             f"{agent.in_flight}/{agent.limit if agent.limit is not None else '∞'}",
             f"{agent.utilisation:.0%}",
@@ -178,7 +183,7 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
             kinds.add_column(column, justify="left" if column == "kind" else "right")
         for kind in status.kinds:
             kinds.add_row(
-                kind.kind,
+                Text(kind.kind),
                 f"{kind.total - kind.remaining:,}/{kind.total:,}",
                 f"{kind.remaining:,}",
                 "-" if kind.mean is None else f"{kind.mean:.2f}s",
@@ -194,10 +199,10 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
         for error in list(status.errors)[-errors:]:
             recent.add_row(
                 _duration(error.at),
-                error.task_id,
-                error.kind,
-                error.agent or "-",
-                Text(f"{error.error_type}: {error.message}"[:100], style="red"),
+                Text(error.task_id),
+                Text(error.kind),
+                Text(error.agent or "-"),
+                Text(_error_text(error.error_type, error.message)[:100], style="red"),
             )
         parts.append(recent)
     return Group(*parts)

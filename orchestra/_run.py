@@ -34,7 +34,7 @@ from ._log import get_logger
 from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
-from ._task import CANCELLED, CLAIMED, SUCCEEDED, Task
+from ._task import CANCELLED, CLAIMED, RUNNING, SUCCEEDED, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -360,7 +360,14 @@ class Run:
         store = self.store
         # Claimed or running ones come back flagged: their workers are gone, so end them here.
         for record in store.cancel(Selector(), reason, error_type):
-            store.settle(record, record.token, CANCELLED, error=reason, error_type=error_type)
+            store.settle(
+                record,
+                record.token,
+                CANCELLED,
+                agent=_running_on(record),
+                error=reason,
+                error_type=error_type,
+            )
 
     def _emit_finished(self, status: str, elapsed: float) -> None:
         if self.instruments is not None:
@@ -433,7 +440,14 @@ class Run:
             for record in flagged:
                 # Ended here, not by its worker: the cancel is done when this call returns, and
                 # what the attempt still does (returns, raises) is refused by the store.
-                store.settle(record, record.token, CANCELLED, error=reason, error_type="Cancelled")
+                store.settle(
+                    record,
+                    record.token,
+                    CANCELLED,
+                    agent=_running_on(record),
+                    error=reason,
+                    error_type="Cancelled",
+                )
         finally:
             self._ended = None
         if flagged:
@@ -654,3 +668,9 @@ async def _close(source: object) -> None:
 def _debug_enabled() -> bool:
     """Whether per-task DEBUG lines are wanted: asked once per run, so a run at INFO builds none."""
     return logging.getLogger("orchestra").isEnabledFor(logging.DEBUG)
+
+
+def _running_on(record: Any) -> str | None:
+    """The agent a task cancelled mid-attempt was running on: its result's agent, so that "the last
+    one tried" (metrics labels, `orchestra run`'s lines) names it (no failure of its does)."""
+    return record.target if record.state == RUNNING else None

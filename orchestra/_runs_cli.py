@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ._exceptions import InputError, StoreError
@@ -51,12 +52,14 @@ def _stdout() -> Console:
     # Piped (not a terminal), a table is not cut to rich's default of 80 columns: lines stay whole
     # for grep.
     width = None if sys.stdout.isatty() else 200
-    return Console(highlight=False, soft_wrap=True, width=width)
+    # No markup: what is printed is the user's (run and task ids, error messages, tracebacks), and
+    # rich would eat "[redacted]" or fail on a "[/x]" in it.
+    return Console(highlight=False, soft_wrap=True, width=width, markup=False)
 
 
 def _fail(message: str) -> typer.Exit:
     Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"[bold red]orchestra:[/] {message}", markup=True
+        f"[bold red]orchestra:[/] {escape(message)}", markup=True
     )
     return typer.Exit(USAGE)
 
@@ -199,8 +202,8 @@ def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
         if error_type and not error.startswith(f"{error_type}:"):
             error = f"{error_type}: {error}"  # most errors begin with their type already
         console.print(
-            f"[bold]{letter['task_id']}[/] ({letter['kind']}): {error} after "
-            f"{letter['attempts']} attempt(s)",
+            f"[bold]{escape(letter['task_id'])}[/] ({escape(letter['kind'])}): {escape(error)} "
+            f"after {letter['attempts']} attempt(s)",
             markup=True,
         )
         for attempt in letter["attempts_list"]:

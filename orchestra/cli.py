@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch, summary
@@ -63,7 +64,8 @@ def _stderr() -> Console:
 
 
 def _fail(message: str, code: int = USAGE) -> typer.Exit:
-    _stderr().print(f"[bold red]orchestra:[/] {message}", markup=True)
+    # The message holds the user's text (paths, exception messages): escaped, never read as markup.
+    _stderr().print(f"[bold red]orchestra:[/] {escape(message)}", markup=True)
     return typer.Exit(code)
 
 
@@ -113,9 +115,11 @@ def demo() -> None:
     five seconds.
     """
     try:
-        asyncio.run(run_demo())
+        result = asyncio.run(run_demo())
     except KeyboardInterrupt:
         raise _fail("interrupted", INTERRUPTED) from None
+    if result.status == "cancelled":  # a signal or a key stopped it: exit as `orchestra run` does
+        raise _fail("interrupted", INTERRUPTED)
 
 
 async def run_demo() -> RunResult:

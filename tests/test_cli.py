@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import orchestra
 from orchestra.cli import _how_to_bench, _missing_bench_extra, app
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, run_python, spawn
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -231,6 +231,11 @@ class TestRunUsageErrors:
             ("{job}:a_string", "returned a str, not an Orchestrator"),
             ("{job}:a_coroutine", "not a coroutine"),
             ("missing.py:build", "no such file: missing.py"),
+            # Shown as typed, not read as rich markup (a MarkupError traceback before).
+            ("missing[/x].py:build", "no such file: missing[/x].py"),
+            # A path without .py, a bad name: no traceback of pkgutil's ValueError.
+            ("jobs/contracts:build", "cannot import 'jobs/contracts': not a dotted module name"),
+            ("{job}:build()", "'build()' in "),
         ],
     )
     def test_a_factory_that_does_not_load(
@@ -387,6 +392,41 @@ class TestDemo:
         assert "speed-up:" in done.stdout
         # The live view, plain (stderr is not a terminal here): nothing else.
         assert all(line.startswith("run ") for line in done.stderr.splitlines()), done.stderr
+
+    @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+    @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+    def test_a_signal_ends_the_demo_and_exits_130(
+        self, tmp_path: Path, sig: signal.Signals
+    ) -> None:
+        # Was: the first run stopped, then the demo went on with its second run and exited 0.
+        process = spawn(
+            [sys.executable, "-m", "orchestra", "demo"],
+            cwd=tmp_path,
+            env=THIS_CHECKOUT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        catching(process.pid, signal.SIGTERM)  # the first run's signal receiver is open
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        assert "sequential (concurrency 1): cancelled" in stdout
+        assert "parallel" not in stdout
+        assert "interrupted" in stderr
+        assert "Traceback" not in stderr
+
+
+def catching(pid: int, sig: signal.Signals, timeout: float = 30.0) -> None:
+    """Wait until process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (sig - 1) & 1:
+                    return
+        time.sleep(0.02)
+    pytest.fail(f"process {pid} never caught {sig.name}")
 
 
 class TestBench:

@@ -30,11 +30,13 @@ from orchestra import (
     status_line,
 )
 from orchestra._store import Selector
+from orchestra.stores import SQLiteStore
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import fake_clock
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
+    from pathlib import Path
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -237,6 +239,26 @@ class TestCancel:
             "not needed",
         )
         assert result.status == "failed"  # a cancelled task is not a success; the run went on
+
+    @pytest.mark.parametrize("durable", [False, True], ids=["memory", "sqlite"])
+    async def test_a_task_cancelled_or_stopped_mid_attempt_ends_on_its_agent(
+        self, make: Callable[..., Orchestrator], tmp_path: Path, durable: bool
+    ) -> None:
+        # Was: agent None, so "the last one tried" (a Prometheus label, `orchestra run`'s JSON
+        # line) was empty for a task that had run on one. A task that never ran has none.
+        store = {"store": SQLiteStore(tmp_path / "runs.db")} if durable else {}
+        async with make(concurrency=2, **store) as orch:
+            handle = orch.start(tasks=work(3, seconds=10))
+            results = handle.results()
+            await anyio.sleep(1)
+            handle.cancel(task_id="w0")
+            await handle.stop(grace=0)
+            ended = {r.task_id: (r.status, r.attempts, r.agent) async for r in results}
+        assert ended == {
+            "w0": ("cancelled", 1, "sleeper"),
+            "w1": ("cancelled", 1, "sleeper"),
+            "w2": ("cancelled", 0, None),
+        }
 
     async def test_waiting_tasks_are_removed_and_dependents_skipped_with_the_reason(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper

@@ -279,6 +279,12 @@ class TestOff:
         with pytest.raises(ConfigError, match=r"instruments\[0\]"):
             Orchestrator(agents=[scripted("a", ["work"])], instruments=[object()])  # type: ignore[list-item]
 
+    def test_the_same_instrument_twice_is_refused(self) -> None:
+        # Was accepted: it heard every hook twice, and a Prometheus counter counted double.
+        log = Log()
+        with pytest.raises(ConfigError, match=r"instruments\[2\] is instruments\[0\] again"):
+            Orchestrator(agents=[scripted("a", ["work"])], instruments=[log, Log(), log])
+
     def test_a_base_instrument_overriding_nothing_is_refused(self) -> None:
         with pytest.raises(ConfigError, match=r"instruments\[1\]"):
             Orchestrator(agents=[scripted("a", ["work"])], instruments=[Log(), Instrument()])

@@ -76,6 +76,21 @@ class TestRender:
         assert "recent errors" in text
         assert "doomed" in text
         assert "PermanentError" in text
+        assert "PermanentError: PermanentError" not in text  # the type said once
+
+    async def test_names_and_ids_are_shown_as_they_are_not_read_as_markup(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # Was: a "[/b]" in an agent's name or a task id raised rich's MarkupError mid-run.
+        bad = scripted("ag[/b]", ["k[/i]"], then="permanent", latency=0.5)
+        orch = make_orchestrator(agents=[worker, bad])
+        tasks = [Task("work", i) for i in range(4)] + [Task("k[/i]", 0, id="t[/x]")]
+        status = await mid_run_status(orch, tasks, at=1.5)
+        console = recording(terminal=True)
+        console.print(orchestra.render_status(status))
+        text = console.export_text()
+        for shown in ("ag[/b]", "k[/i]", "t[/x]"):
+            assert shown in text
 
     async def test_the_bar_grows_with_progress(
         self, make_orchestrator: Callable[..., Orchestrator]

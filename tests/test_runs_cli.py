@@ -217,6 +217,48 @@ class TestUsageErrors:
         assert "not a SQLite database" in result.stderr
 
 
+class TestBracketsInUserText:
+    """Ids, messages and tracebacks are printed as they are: rich markup in them (a "[/x]") used
+    to crash every command with a MarkupError, and "[redacted]" was eaten as a style tag."""
+
+    @pytest.fixture
+    async def bracketed(self, tmp_path: Path) -> Path:
+        @agent(kinds=["work"], name="ag[/b]")
+        async def work(task: Task, ctx: Context) -> Any:
+            raise PermanentError("closing [/bold] tag, api_key=sk-ant-api03-abcdefghijkl")
+
+        db = tmp_path / "runs.db"
+        orch = Orchestrator(agents=[work], store=SQLiteStore(db))
+        result = await orch.run([Task("work", 1, id="t[/x]")], run_id="r[/2]")
+        assert result.status == "failed"
+        return db
+
+    @pytest.mark.parametrize(
+        ("command", "shown"),
+        [
+            (("list",), ["r[/2]"]),
+            (("show", "r[/2]"), ["run r[/2]"]),
+            (("show", "r[/2]", "--events"), ["t[/x]", "ag[/b]", "[/bold] tag, api_key=[redacted]"]),
+            (("dead", "r[/2]"), ["t[/x] (work)", "[/bold] tag, api_key=[redacted]", "on ag[/b]"]),
+            (("retry", "r[/2]"), ["(t[/x])"]),
+        ],
+        ids=["list", "show", "show --events", "dead", "retry"],
+    )
+    async def test_they_are_shown_as_they_are(
+        self, bracketed: Path, command: tuple[str, ...], shown: list[str]
+    ) -> None:
+        result = invoke("runs", *command, "--db", str(bracketed))
+        assert result.exit_code == 0, result.output
+        for text in shown:
+            assert text in result.stdout, result.stdout
+        assert "sk-ant-api03" not in result.stdout
+
+    async def test_in_a_usage_error_too(self, bracketed: Path) -> None:
+        result = invoke("runs", "show", "nope", "--db", str(bracketed))
+        assert result.exit_code == 2, result.output
+        assert "(its runs: 'r[/2]')" in result.stderr
+
+
 class TestCoordinatorColumn:
     def test_a_coordinator_whose_process_ended_is_not_shown_running_it(self) -> None:
         # `kill -9` leaves the run's lease standing for its length: on this host, the pid says.
