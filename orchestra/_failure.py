@@ -50,14 +50,17 @@ MAX_CHAIN: Final = 4
 """Exceptions of a `__cause__` / `__context__` chain shown in a traceback."""
 _MAX_ID: Final = 200
 
-# An Anthropic key (`sk-ant-api03-...`, `sk-ant-admin01-...`), and the value after a header or
+# An Anthropic key (`sk-ant-api03-...`, `sk-ant-admin01-...`), the value after a header or
 # argument name that holds a credential (`x-api-key: ...`, `'authorization': 'Bearer ...'`,
-# `api_key="..."`), wherever they appear in a message or a traceback's source lines.
+# `api_key="..."`, `access_token=...`), and a bearer token wherever it stands, in a message or a
+# traceback's source lines.
 _KEY = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}")
 _CREDENTIAL = re.compile(
-    r"(?i)(x-api-key|authorization|api[_-]?key|auth[_-]?token)"
+    r"(?i)(x-api-key|authorization|api[_-]?key|(?:auth|access|refresh|id)[_-]?token"
+    r"|client[_-]?secret)"
     r"""(['"]?\s*[:=]\s*['"]?)(bearer\s+|basic\s+)?(?!\[redacted\])[^\s'",;)}\]]+"""
 )
+_BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/\-]+=*")
 _REDACTED: Final = "[redacted]"
 
 
@@ -134,13 +137,19 @@ def scrub(text: str) -> str:
         text = _KEY.sub(_REDACTED, text)
     # The case-insensitive pattern costs ~80 ns a character; most texts name no credential at all.
     lowered = text.lower()
-    if "key" in lowered or "auth" in lowered:
+    if "key" in lowered or "auth" in lowered or "token" in lowered or "secret" in lowered:
         text = _CREDENTIAL.sub(_redact_value, text)
+    if "bearer" in lowered:
+        text = _BEARER.sub(_redact_bearer, text)
     return text
 
 
 def _redact_value(match: re.Match[str]) -> str:
     return f"{match[1]}{match[2]}{match[3] or ''}{_REDACTED}"
+
+
+def _redact_bearer(match: re.Match[str]) -> str:
+    return f"{match[1]}{_REDACTED}"
 
 
 def _type_name(exc: BaseException) -> str:

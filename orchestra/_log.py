@@ -85,6 +85,10 @@ SECRET_FIELDS: Final = frozenset(
         "api_key",
         "apikey",
         "auth_token",
+        "access_token",
+        "refresh_token",
+        "id_token",
+        "client_secret",
         "password",
         "secret",
     }

@@ -194,6 +194,12 @@ class TestSecrets:
             ("Authorization: Bearer abc.def.ghi", "Authorization: Bearer [redacted]"),
             ('client(api_key="hunter2hunter2")', 'api_key="[redacted]"'),
             ("auth_token=t0ps3cr3t&x=1", "auth_token=[redacted]"),
+            ('{"access_token": "ya29.a0Af-secret"}', '"access_token": "[redacted]"'),
+            ("refresh_token=1//0g-secret", "refresh_token=[redacted]"),
+            ("client_secret: GOCSPX-secret", "client_secret: [redacted]"),
+            # A bearer token alone, with no header name before it.
+            ("sent with bearer eyJhbGciOi.secret.sig== to the proxy", "bearer [redacted] to"),
+            ("curl -H 'Bearer abc-secret'", "'Bearer [redacted]'"),
         ],
     )
     def test_credential_values_are_redacted_and_their_names_kept(
@@ -201,7 +207,8 @@ class TestSecrets:
     ) -> None:
         message = describe(RuntimeError(text)).message
         assert kept in message
-        assert not any(s in message for s in ("abc123secret", "abc.def", "hunter2", "t0ps3cr3t"))
+        leaks = ("abc123secret", "abc.def", "hunter2", "t0ps3cr3t", "-secret", ".secret", "eyJ")
+        assert not any(s in message for s in leaks)
 
 
 class TestHTTPErrors:

@@ -159,6 +159,18 @@ class TestRedaction:
         (call, _) = [e for e in logs.entries if e["event"] == "calling the api"]
         assert call["headers"] == {"x-api-key": "[redacted]", "accept": "json"}
 
+    def test_token_fields_are_redacted_whole(self, logs: LogLines) -> None:
+        log = get_logger("orchestra")
+        log.info("oauth", access_token="ya29.tok", refresh_token="1//ref", client_secret="cs")
+        log.info("proxy", note="forwarded with Bearer eyJabc.def", token_count=12)
+        oauth, proxy = logs.entries
+        for name in ("access_token", "refresh_token", "client_secret"):
+            assert oauth[name] == "[redacted]"
+        assert proxy["note"] == "forwarded with Bearer [redacted]"
+        assert proxy["token_count"] == 12  # a count, not a credential
+        assert "ya29" not in logs.text()
+        assert "eyJabc" not in logs.text()
+
     def test_an_exception_traceback_is_scrubbed(self, logs: LogLines) -> None:
         try:
             raise PermissionError(f"Authorization: Bearer {KEY}")
