@@ -302,6 +302,7 @@ class RunHandle:
                 )
             run = self._run
             if self._open and run is not None:
+                run.stopping = True
                 run.dispatcher.pause()
             with anyio.move_on_after(math.inf if grace is None else grace):
                 await self._until_settled()

@@ -69,7 +69,7 @@ def _duration(seconds: float | None) -> str:
 def status_line(status: RunStatus) -> str:
     """One plain line: what a non-terminal gets every few seconds."""
     counts = status.counts
-    paused = " (paused)" if status.state == "paused" else ""
+    paused = f" ({status.state})" if status.state in ("paused", "stopping") else ""
     line = (
         f"run {status.run_id}{paused}: {status.progress:5.1f}% {status.completed}/{status.total} "
         f"| running {status.active} queued {counts['queued'] + counts['waiting']} "

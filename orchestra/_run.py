@@ -158,6 +158,7 @@ class Run:
         self._input_error: Exception | None = None
         self._streamed = False
         self._stop_reason: str | None = None
+        self.stopping = False  # a run handle's `stop()` is waiting out its grace period
         self._budget = config.budget
         self._spent: str | None = None  # why the budget ended the run
         self._ended: list[Record] | None = None  # the tasks that end during a `cancel` call

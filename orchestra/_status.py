@@ -68,7 +68,7 @@ _STATES = (
 )
 
 AgentState = Literal["idle", "busy", "failing", "open"]
-RunState = Literal["starting", "running", "paused", "finished"]
+RunState = Literal["starting", "running", "paused", "stopping", "finished"]
 
 
 # -- what a snapshot shows ---------------------------------------------------------------------
@@ -244,11 +244,20 @@ def snapshot(run: Run) -> RunStatus:
     ended_w, failed_w, span = report.window(now, WINDOW)
     slots = config.registry.slots
     kinds = _kinds(report, unfinished, limit, config.registry.by_kind)
-    eta = _eta(kinds, limit, unfinished)
+    # A paused (or stopping) run is not heading for an end: no time to it can be told.
+    eta = None if dispatcher.paused else _eta(kinds, limit, unfinished)
     agents = _agents(slots.values(), lanes, limit, dispatcher.now())
     return RunStatus(
         run_id=run.run_id,
-        state="finished" if ended else "paused" if dispatcher.paused else "running",
+        state=(
+            "finished"
+            if ended
+            else "stopping"
+            if run.stopping
+            else "paused"
+            if dispatcher.paused
+            else "running"
+        ),
         elapsed=now,
         total=total,
         completed=completed,

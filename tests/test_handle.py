@@ -845,10 +845,25 @@ class TestStatus:
         work = scripted("w", ["work"], latency=1.0)
         async with Orchestrator(agents=[work], concurrency=2) as orch:
             handle = orch.start(tasks=[Task("work", i) for i in range(4)])
-            await anyio.sleep(0.5)
+            await anyio.sleep(1.5)  # two ended at 1 s: there is an ETA
+            assert handle.status().eta is not None
             handle.pause()
             assert handle.status().state == "paused"
             assert "(paused)" in status_line(handle.status())
+            assert handle.status().eta is None
             handle.resume()
             assert handle.status().state == "running"
+            assert handle.status().eta is not None
             await handle
+
+    async def test_a_stopping_run_says_so(self, clock: FakeClock) -> None:
+        work = scripted("w", ["work"], latency=1.0)
+        async with Orchestrator(agents=[work], concurrency=2) as orch:
+            handle = orch.start(tasks=[Task("work", i) for i in range(4)])
+            await anyio.sleep(0.5)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(handle.stop, 10.0)  # the two running attempts end at 1 s
+                await anyio.sleep(0.1)
+                assert (handle.status().state, handle.status().eta) == ("stopping", None)
+                assert "(stopping)" in status_line(handle.status())
+        assert handle.status().state == "finished"
