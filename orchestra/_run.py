@@ -34,7 +34,7 @@ from ._log import get_logger
 from ._report import Report
 from ._result import CancelRecord
 from ._store import Selector
-from ._task import CANCELLED, CLAIMED, RUNNING, SUCCEEDED, Task
+from ._task import CANCELLED, CLAIMED, RUNNING, SUCCEEDED, Attempt, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -368,7 +368,26 @@ class Run:
                 agent=_running_on(record),
                 error=reason,
                 error_type=error_type,
+                attempt=self._cut(record, reason, error_type),
             )
+
+    def _cut(self, record: Record, reason: str, error_type: str) -> Attempt | None:
+        """The attempt of `record` a cancel cuts short, for its record of attempts (its error
+        record lists every attempt made); None when it was not running (claimed only)."""
+        if record.state != RUNNING or record.target is None:
+            return None
+        start = getattr(record, "t_retry", None) if record.attempts > 1 else record.t_start
+        now = self.dispatcher.now()
+        if start is None:
+            start = now
+        return Attempt(
+            number=record.attempts,
+            agent=record.target,
+            error_type=error_type,
+            message=reason,
+            started=start - self.t0,
+            duration=max(0.0, now - start),
+        )
 
     def _emit_finished(self, status: str, elapsed: float) -> None:
         if self.instruments is not None:
@@ -448,6 +467,7 @@ class Run:
                     agent=_running_on(record),
                     error=reason,
                     error_type="Cancelled",
+                    attempt=self._cut(record, reason, "Cancelled"),
                 )
         finally:
             self._ended = None

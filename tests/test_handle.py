@@ -260,6 +260,37 @@ class TestCancel:
             "w2": ("cancelled", 0, None),
         }
 
+    @pytest.mark.parametrize("durable", [False, True], ids=["memory", "sqlite"])
+    async def test_the_attempt_a_cancel_cuts_short_is_in_the_tasks_attempts(
+        self, make: Callable[..., Orchestrator], tmp_path: Path, durable: bool
+    ) -> None:
+        # Was: counted in `attempts` and by the metrics, missing from the error record's list of
+        # attempts (which DESIGN says lists every one).
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def flaky(task: Task, ctx: Context) -> None:
+            calls.append(task.id)
+            if len(calls) == 1:
+                raise RetryableError("once")
+            await anyio.sleep(10)
+
+        store = {"store": SQLiteStore(tmp_path / "runs.db")} if durable else {}
+        policy = RetryPolicy(max_attempts=3, base=1.0, cap=1.0, jitter="none")
+        async with make(agents=[flaky], retry=policy, **store) as orch:
+            handle = orch.start(tasks=[Task("work", id="t")])
+            await anyio.sleep(3)  # failed at 0, retried at 1, running for 2 s
+            handle.cancel(task_id="t")
+            result = await handle
+        [error] = result.errors
+        assert [(a.number, a.error_type, a.agent) for a in error.attempts] == [
+            (1, "RetryableError", "flaky"),
+            (2, "Cancelled", "flaky"),
+        ]
+        cut = error.attempts[1]
+        assert cut.started == pytest.approx(1.0, abs=0.01)
+        assert cut.duration == pytest.approx(2.0, abs=0.01)
+
     async def test_waiting_tasks_are_removed_and_dependents_skipped_with_the_reason(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:

@@ -68,12 +68,15 @@ class Record(TaskResult):
         "qseq",
         "rank",
         "state",
+        "t_retry",
         "t_start",
         "target",
         "token",
         "tried",
         "waiting",
     )
+
+    t_retry: float  # when its current attempt started, from its second on (unset before)
 
     def __init__(self, task: Task, index: int, parent: Record | None, named: bool = True) -> None:
         self.task = task
@@ -670,6 +673,8 @@ class MemoryRun:
         record.agent_tries += 1
         if record.t_start is None:
             record.t_start = self._now()
+        else:  # a later attempt: when it started, for the record of it if a cancel cuts it short
+            record.t_retry = self._now()  # (left unset until then: nothing to build per task)
         return True
 
     def fail(
