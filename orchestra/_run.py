@@ -361,32 +361,35 @@ class Run:
         store = self.store
         # Claimed or running ones come back flagged: their workers are gone, so end them here.
         for record in store.cancel(Selector(), reason, error_type):
-            store.settle(
-                record,
-                record.token,
-                CANCELLED,
-                agent=_running_on(record),
-                error=reason,
-                error_type=error_type,
-                attempt=self._cut(record, reason, error_type),
-            )
+            self._end_flagged(record, reason, error_type)
 
-    def _cut(self, record: Record, reason: str, error_type: str) -> Attempt | None:
-        """The attempt of `record` a cancel cuts short, for its record of attempts (its error
-        record lists every attempt made); None when it was not running (claimed only)."""
-        if record.state != RUNNING or record.target is None:
-            return None
-        start = getattr(record, "t_retry", None) if record.attempts > 1 else record.t_start
-        now = self.dispatcher.now()
-        if start is None:
-            start = now
-        return Attempt(
-            number=record.attempts,
-            agent=record.target,
+    def _end_flagged(self, record: Record, reason: str, error_type: str) -> None:
+        """End a claimed or running task a cancel flagged, here: what its attempt still does
+        (returns, raises) is refused by the store from now on. A running one ends on the agent
+        it ran on ("the last one tried": a metrics label, `orchestra run`'s line), the attempt
+        the cancel cut short listed last in its attempts (its error record lists every one)."""
+        cut = None
+        if record.state == RUNNING and record.target is not None:
+            start = getattr(record, "t_retry", None) if record.attempts > 1 else record.t_start
+            now = self.dispatcher.now()
+            if start is None:
+                start = now
+            cut = Attempt(
+                number=record.attempts,
+                agent=record.target,
+                error_type=error_type,
+                message=reason,
+                started=start - self.t0,
+                duration=max(0.0, now - start),
+            )
+        self.store.settle(
+            record,
+            record.token,
+            CANCELLED,
+            agent=None if cut is None else cut.agent,
+            error=reason,
             error_type=error_type,
-            message=reason,
-            started=start - self.t0,
-            duration=max(0.0, now - start),
+            attempt=cut,
         )
 
     def _emit_finished(self, status: str, elapsed: float) -> None:
@@ -457,18 +460,8 @@ class Run:
         ended = self._ended = []
         try:
             flagged = store.cancel(selector, reason, "Cancelled")
-            for record in flagged:
-                # Ended here, not by its worker: the cancel is done when this call returns, and
-                # what the attempt still does (returns, raises) is refused by the store.
-                store.settle(
-                    record,
-                    record.token,
-                    CANCELLED,
-                    agent=_running_on(record),
-                    error=reason,
-                    error_type="Cancelled",
-                    attempt=self._cut(record, reason, "Cancelled"),
-                )
+            for record in flagged:  # ended here: the cancel is done when this call returns
+                self._end_flagged(record, reason, "Cancelled")
         finally:
             self._ended = None
         if flagged:
@@ -689,9 +682,3 @@ async def _close(source: object) -> None:
 def _debug_enabled() -> bool:
     """Whether per-task DEBUG lines are wanted: asked once per run, so a run at INFO builds none."""
     return logging.getLogger("orchestra").isEnabledFor(logging.DEBUG)
-
-
-def _running_on(record: Any) -> str | None:
-    """The agent a task cancelled mid-attempt was running on: its result's agent, so that "the last
-    one tried" (metrics labels, `orchestra run`'s lines) names it (no failure of its does)."""
-    return record.target if record.state == RUNNING else None
