@@ -51,6 +51,12 @@ async def main() -> None:
         store = SQLiteStore(db)
         store.runs()  # the file, before the workers open it
         workers = [start_worker(db) for _ in range(2)]
+        # Both have joined before the run starts: a run this short could end before a worker
+        # slow to start (a loaded machine) claimed anything.
+        while len(store.workers()) < len(workers):
+            if any(w.poll() is not None for w in workers):
+                raise SystemExit("a worker exited before it joined")
+            await asyncio.sleep(0.05)
         orch = Orchestrator(agents=[summarize], store=store, concurrency=2)
         result = await orch.run(tasks=[Task("summarize", i) for i in range(60)], run_id="contracts")
         for worker in workers:
