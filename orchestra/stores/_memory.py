@@ -469,7 +469,7 @@ class MemoryRun:
 
     def _wire_all(self, records: Sequence[Record]) -> None:
         skipped = []
-        reused = []
+        keyed = []
         for record in records:
             task = record.task
             if task.depends_on or task.tags or task.depends_on_tags or task.key is not None:
@@ -477,9 +477,14 @@ class MemoryRun:
                 if reason is not None:
                     skipped.append((record, reason))
                 elif task.key is not None and self._keys[task.key] != record.id:
-                    result = self._follow(record)
-                    if result is not None:
-                        reused.append((record, result))
+                    keyed.append(record)
+        # Followed once the whole batch is wired: whether the holder waits for a follower (through
+        # a task or a group of the batch) is known only then (`_follow`).
+        reused = []
+        for record in keyed:
+            result = self._follow(record)
+            if result is not None:
+                reused.append((record, result))
         for record, reason in skipped:
             self._end(record, SKIPPED, None, None, reason, "DependencyFailed", False)
         for record, (output, agent) in reused:
@@ -542,6 +547,17 @@ class MemoryRun:
         if holder.state in TERMINAL:  # it failed, or was cancelled or skipped: this one runs
             self._keys[key] = record.id
             return None
+        if holder.state is PENDING and self._waits_for(holder, record):
+            # The holder waits (through its dependencies or groups) for this task: were this one
+            # to wait for it, neither would ever run. This one holds the key; the holder (and its
+            # followers) follow it, and end with its output.
+            self._keys[key] = record.id
+            theirs = self._followers.pop(holder_id, None) or []
+            self._followers[record.id] = [holder, *theirs]
+            if record.dependents is None:
+                record.dependents = []
+            holder.waiting += 1
+            return None
         followers = self._followers.get(holder_id)
         if followers is None:
             self._followers[holder_id] = [record]
@@ -551,6 +567,33 @@ class MemoryRun:
             followers.append(record)
         record.waiting += 1
         return None
+
+    def _waits_for(self, waiter: Record, record: Record) -> bool:
+        """Whether `waiter` waits, through its unfinished dependencies, the members of the groups
+        it waits for and the holders of the keys it follows, for `record` (just wired). Free when
+        nothing can wait for `record` (no dependent, no group): the common follower."""
+        if record.dependents is None and not record.task.tags:
+            return False
+        records, groups, keys = self._records, self._groups, self._keys
+        seen = {waiter.id}
+        stack = [waiter]
+        while stack:
+            task = stack.pop().task
+            above = [records.get(d) for d in task.depends_on]
+            for tag in task.depends_on_tags:
+                group = groups.get(tag)
+                if group is not None and not group.closed:
+                    above.extend(group.members)
+            if task.key is not None and keys.get(task.key) != task.id:
+                above.append(records.get(keys[task.key]))
+            for dep in above:
+                if dep is None or dep.state in TERMINAL or dep.id in seen:
+                    continue
+                if dep is record:
+                    return True
+                seen.add(dep.id)
+                stack.append(dep)
+        return False
 
     def _followed(
         self, record: Record, status: str, followers: list[Record], cascade: list[Any]
