@@ -1017,6 +1017,22 @@ class TestAdmission:
         assert h.run.unfinished == 0
         assert sorted(h.heard.ended) == sorted(t.id for t in batch)
 
+    def test_a_streamed_member_that_depends_on_a_follower_of_its_groups_waiter_is_refused(
+        self, h: Harness
+    ) -> None:
+        # k2 follows k1 (the same work), and k1 waits for group g: a later member of g that
+        # depends on k2 would wait for k1 through it, a cycle nothing would ever end.
+        h.run.admit_one(Task("a", id="k1", key="same", depends_on_tags=["g"]), 0)
+        h.run.admit_one(Task("a", id="k2", key="same"), 1)
+        with pytest.raises(InputError, match="cycle") as caught:
+            h.run.admit_one(Task("a", id="m", tags=["g"], depends_on=["k2"]), 2)
+        assert caught.value.task_id == "m"
+        assert h.run.state_of("m") is None
+        h.run.close_input()
+        h.succeed("k1", "once")
+        assert h.heard.results["k2"].output == "once"
+        assert h.run.unfinished == 0
+
     def test_a_streamed_task_follows_a_key_whose_holder_was_forgotten(
         self, make_run: Callable[..., Harness]
     ) -> None:

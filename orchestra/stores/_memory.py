@@ -326,6 +326,8 @@ class MemoryRun:
             raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
         if task.depends_on:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
+            if task.tags:
+                self._reject_group_cycles((task,))
         record = Record(task, index, None, named)
         self._records[record.id] = record
         if "#" in record.id:
@@ -439,33 +441,67 @@ class MemoryRun:
                 )
 
     def _reject_group_cycles(self, batch: Sequence[Task]) -> None:
-        """A streamed or spawned member of a group must not depend (transitively) on a task that
-        waits for that group. Each record is visited once per group over the whole run."""
+        """A streamed or spawned member of a group must not depend (transitively, or through a
+        task that follows the holder of its key) on a task that waits for that group, admitted
+        before it or in its batch. Each record is visited once per group over the whole run."""
+        if not any(task.tags and task.depends_on for task in batch):
+            return
+        new: dict[str, Task] = {}
+        new_waiters: dict[str, set[str]] = {}  # tag -> the tasks of the batch waiting for it
+        if len(batch) > 1:
+            for task in batch:
+                new[task.id] = task
+                for tag in task.depends_on_tags:
+                    new_waiters.setdefault(tag, set()).add(task.id)
+        records, keys = self._records, self._keys
         for task in batch:
-            if not task.tags or not (task.depends_on or task.depends_on_tags):
+            if not task.tags or not task.depends_on:
                 continue
             for tag in task.tags:
                 group = self._groups.get(tag)
-                if group is None or not group.waiters:
+                waiters = new_waiters.get(tag, set())
+                if group is not None and group.waiters:
+                    waiters = waiters | {w.id for w in group.waiters}
+                if not waiters:
                     continue
-                waiters = {w.id for w in group.waiters}
-                checked = group.checked
+                checked = set() if group is None else group.checked
                 if checked is None:
-                    checked = group.checked = set()
-                stack = [d for d in task.depends_on if d in self._records]
+                    checked = group.checked = set()  # type: ignore[union-attr]
+                stack = list(task.depends_on)
+                seen: set[str] = set()
+                follows: dict[str, str] = {}  # a key's holder -> a follower that led to it
                 while stack:
-                    dep = self._records.get(stack.pop())
-                    if dep is None or dep.id in checked:
-                        continue  # compacted (it waited for nothing open), or known clean
-                    if dep.id in waiters:
+                    dep_id = stack.pop()
+                    if dep_id in checked or dep_id in seen:
+                        continue  # known clean
+                    if dep_id in waiters:
+                        how = (
+                            f"{dep_id!r}, which waits for that group"
+                            if dep_id not in follows
+                            else f"{follows[dep_id]!r}, the same work (key) as {dep_id!r}, which "
+                            "waits for that group"
+                        )
                         raise InputError(
                             f"dependency cycle: task {task.id!r} joins group {tag!r} but depends "
-                            f"on {dep.id!r}, which waits for that group",
+                            f"on {how}",
                             task_id=task.id,
                             field="tags",
                         )
-                    checked.add(dep.id)
+                    dep = records.get(dep_id)
+                    if dep is None:
+                        upstream = new.get(dep_id)
+                        if upstream is not None:  # of this batch (not cached: it may be refused)
+                            seen.add(dep_id)
+                            stack.extend(upstream.depends_on)
+                        continue  # or compacted: it waited for nothing open
+                    checked.add(dep_id)
                     stack.extend(dep.task.depends_on)
+                    key = dep.task.key
+                    if key is not None and dep.state not in TERMINAL:
+                        holder = keys.get(key, dep_id)
+                        if holder != dep_id:  # it follows the task that holds its key
+                            follows.setdefault(holder, dep_id)
+                            stack.append(holder)
 
     def _wire_all(self, records: Sequence[Record]) -> None:
         skipped = []
