@@ -297,6 +297,7 @@ class SQLiteRun:
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False
         self._keys = Keys(self)  # idempotency keys (`_sqlite_keys`)
+        self._closing = False
         # Tasks held back and now to run here (a key's wait ended in a claim; the file granted a
         # claim), for `claim` to hand out first.
         self._runnable: list[Record] = []
@@ -828,7 +829,7 @@ class SQLiteRun:
             or ended.attempts != 1
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
-        claimed = self._keys.rows(keys)
+        claimed = self._keys.rows(keys, closing=self._closing)
         self._new = []
         self._dirty = {}
         self._attempts = []
@@ -896,6 +897,7 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
         self._keys.close()
+        self._closing = True  # the claims of its keys left are released (`Keys.rows`)
         self.flush()
         self._closed = True
         if self._timer is not None:  # a shared run's flush arms the next window: none comes now
