@@ -129,6 +129,24 @@ class TestOneProcess:
         assert (resumed.status, resumed.data) == ("success", {"a": "b"})
         assert calls == ["a", "b"]
 
+    async def test_a_streamed_task_the_keys_holder_waits_for_takes_the_runs_claim(
+        self, tmp_path: Path
+    ) -> None:
+        # "a" holds the key in the file from its admission, and waits for group g; "b", streamed
+        # later, has the key and joins g: it takes the key over in the run (else neither runs),
+        # and with it the run's claim in the file (it waited for "a"'s claim: a deadlock).
+        async def source() -> Any:
+            yield Task("work", 1, id="a", key="k", depends_on_tags=["g"])
+            await asyncio.sleep(0.05)  # "a"'s claim is in the file
+            yield Task("work", 2, id="b", key="k", tags=["g"])
+
+        work = Agent()
+        async with work.orchestrator(SQLiteStore(tmp_path / "runs.db", window=0.01)) as orch:
+            with anyio.fail_after(30):
+                result = await orch.run(tasks=source(), run_id="one")
+        assert (result.status, result.data) == ("success", {"a": {"answer": 4}, "b": {"answer": 4}})
+        assert work.calls == ["b"]
+
 
 class TestProcesses:
     def test_two_processes_submitting_one_key_execute_it_once(self, tmp_path: Path) -> None:

@@ -512,7 +512,18 @@ class SQLiteRun:
                 keyed.append(record)
         self._arm()
         if keyed:
-            self._keys.reuse(keyed)
+            keys = self._keys
+            # One that took the key over from a task of the run (which waits for it: `_follow`)
+            # takes over the run's claim on it, or its wait, too.
+            fresh = []
+            for record in keyed:
+                key = record.task.key
+                if key in keys.claims or key in keys.waiting:
+                    keys.took_over(record)
+                else:
+                    fresh.append(record)
+            if fresh:
+                keys.reuse(fresh)
 
     # -- resume ----------------------------------------------------------------------------------
 
