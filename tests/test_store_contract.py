@@ -1038,9 +1038,10 @@ class TestAdmission:
     ) -> None:
         h = make_run(compact=True)
         h.run.admit_one(Task("a", {"n": 1}, key="same"), 0)  # a generated id, compacted
-        h.succeed("a#1", "once")
+        h.succeed("a#1", "once", agent="y")
         h.run.admit_one(Task("a", {"n": 1}, key="same"), 1)
-        assert h.heard.results["a#2"].output == "once"
+        # As a follower of a holder still held ends: its output, and the agent that made it.
+        assert (h.heard.results["a#2"].output, h.heard.results["a#2"].agent) == ("once", "y")
         assert h.run.unfinished == 0
 
     @pytest.mark.parametrize(

@@ -194,6 +194,9 @@ class MemoryRun:
         # Tasks with a key another task of the run holds, by that task's id: the same work, run
         # once. They end with its result, or one of them takes the key if it does not succeed.
         self._followers: dict[str, list[Record]] = {}
+        # The agent of a key's holder that succeeded and was compacted (its output is `_settled`):
+        # a task with the key admitted later ends with both, as with a holder still held.
+        self._key_agents: dict[str, str | None] = {}
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
         self._timers: list[
@@ -575,7 +578,7 @@ class MemoryRun:
         holder = self._records.get(holder_id)
         if holder is None:  # forgotten: compacted once it succeeded (its output is kept)
             if holder_id in self._settled:
-                return self._settled[holder_id], None
+                return self._settled[holder_id], self._key_agents.get(key)
             self._keys[key] = record.id  # (a worker's run forgets ended tasks whole)
             return None
         if holder.state is SUCCEEDED:
@@ -963,8 +966,11 @@ class MemoryRun:
             # was given: its output stays (id -> output, untracked by the GC). A generated id
             # nobody waits for is forgotten whole, so memory stays flat however long the stream.
             del self._records[record.id]
-            if record.named or dependents or record.task.key is not None:
+            key = record.task.key
+            if record.named or dependents or key is not None:
                 self._settled[record.id] = record.output
+            if key is not None and self._keys.get(key) == record.id:
+                self._key_agents[key] = record.agent
 
     def _closable(self, tag: str, group: Group) -> bool:
         """Whether no more members of `tag` can appear and every member is done."""
