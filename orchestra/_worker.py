@@ -441,6 +441,9 @@ class _WorkerRun(MemoryRun):
     ) -> None:
         super().__init__(run_id, admission, listener, clock, task_timeout, compact)
         self._worker = worker
+        # The ids this worker gave spawns of the running attempt of each task (by its id): the
+        # coordinator names them again, as it names its own, since only it knows the run's ids.
+        self._named_here: dict[str, set[str]] = {}
         worker._t0 = self._t0
         worker._wall0 = time.time()
 
@@ -497,13 +500,17 @@ class _WorkerRun(MemoryRun):
     def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
         # The coordinator checks references (it knows the run's tasks); here: the task's own
         # fields and that its payload can be stored. A task spawned without an id is named after
-        # its parent, as the coordinator names it (`MemoryRun.check_spawn`).
+        # its parent, as the coordinator names it (`MemoryRun.check_spawn`), but without the
+        # run's ids: the coordinator names it again when it admits it (`_sqlite_share._name`).
         given: str | None = task.id  # typed `str`: None until an id is given it
+        if not pending:  # the attempt's first spawn
+            self._named_here.pop(parent.id, None)
         if given is None and isinstance(task.kind, str):
             n = len(pending) + 1
             while f"{parent.id}/{task.kind}#{n}" in pending:
                 n += 1
             task.id = f"{parent.id}/{task.kind}#{n}"
+            self._named_here.setdefault(parent.id, set()).add(task.id)
         self._admission.check(task, f"task spawned by {parent.id!r}", None, lambda i: i in pending)
         if task.id in pending:
             raise InputError(
@@ -531,8 +538,9 @@ class _WorkerRun(MemoryRun):
         spawned: Sequence[Task] = (),
         **rest: Any,
     ) -> bool:
+        named_here = self._named_here.pop(record.id, ())
         if spawned and record.token == token and record.state not in TERMINAL:
-            self._worker.spawned[record.id] = [_spawned(t) for t in spawned]
+            self._worker.spawned[record.id] = [_spawned(t, t.id in named_here) for t in spawned]
         ended = super().settle(record, token, status, output, **rest)
         if ended:  # heard by the run already: a worker keeps nothing of an ended task
             self._records.pop(record.id, None)
@@ -543,11 +551,12 @@ class _WorkerRun(MemoryRun):
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
 
 
-def _spawned(task: Task) -> dict[str, Any]:
+def _spawned(task: Task, named_here: bool) -> dict[str, Any]:
     return {
         "kind": task.kind,
         "payload": task.payload,
         "id": task.id,
+        "named_here": named_here,  # the id is the worker's guess: the coordinator names it
         "priority": task.priority,
         "depends_on": list(task.depends_on),
         "depends_on_tags": list(task.depends_on_tags),

@@ -373,6 +373,23 @@ class TestErrors:
         again = await run(api, [agent], [clause(99)])
         assert (again.status, len(api.requests)) == ("success", sent + 1)
 
+    async def test_a_refusal_seen_on_another_clock_holds_nothing(
+        self, api: FakeMessagesAPI, account: ClaudeAccount, clock: FakeClock
+    ) -> None:
+        # An account outlives a test (`ClaudeAccount.shared()`): a refusal seen on a FakeClock,
+        # whose virtual time runs ahead of the loop's, held the next test's requests on the real
+        # clock for as long as that lead. A time well before the refusal is another clock's, as
+        # for limits and breakers (`CLOCK_SLIP`).
+        api.fail("authentication", times=1)
+        await run(api, [research(account)], [clause()])
+        now = clock.now()
+        assert account.refusal(now) is not None
+        assert account.refusal(now - 30) is None  # another clock, far behind this one
+        assert account.refusal(now + 61) is None  # the hold is over
+        again = await run(api, [research(account)], [clause(1)])
+        assert again.status == "failed"  # this clock: still held, unsent
+        assert len(api.requests) == 1
+
 
 class TestAccounting:
     async def test_usage_and_cost_of_every_attempt_are_recorded(

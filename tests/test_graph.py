@@ -571,3 +571,22 @@ class TestStreamedInputErrors:
         assert rec.calls == ["first"]  # it had started; it was cancelled, not awaited
         assert rec.done == []
         assert anyio.current_time() - t0 < 100.0
+
+    @pytest.mark.parametrize("how", ["async", "sync"])
+    async def test_a_streamed_cycle_through_a_group_is_refused(
+        self, how: str, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # "member" joins g and depends on "waiter", which waits for g: streamed one at a time (an
+        # async generator) or in one chunk (a plain one), it waited forever.
+        rec = RecordingAgent()
+        tasks = _group_cycle()[::-1]  # the waiter first: a streamed task depends backwards
+
+        async def source() -> AsyncIterator[Task]:
+            for task in tasks:
+                yield task
+
+        async with make_orchestrator(agents=[rec]) as orch:
+            with pytest.raises(InputError, match="cycle") as info:
+                await orch.run(tasks=source() if how == "async" else iter(tasks))
+        assert info.value.task_id == "member"
+        assert rec.done == []

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from orchestra import Context, Orchestrator, PermanentError, Task, agent
@@ -94,6 +95,57 @@ class TestOneProcess:
         assert result.data == {"b": {"answer": 2}}
         first.close()
         second.close()
+
+    async def test_a_stopped_run_releases_its_keys_to_the_runs_waiting_for_them(
+        self, tmp_path: Path
+    ) -> None:
+        # A stopped run writes its tasks down as they were, to resume them; its key claims stayed
+        # too, live in the file with nobody to end them, so a run waiting for such a key waited
+        # out the whole `key_lease` (in virtual time, as the fuzzer runs it: for ever). Now the
+        # stop releases them: the waiter takes the key at once, and the resumed run follows it.
+        db = tmp_path / "runs.db"
+        store = SQLiteStore(db, window=0.01, key_lease=3600)
+        hold = asyncio.Event()
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.id == "a":
+                await hold.wait()  # until the stop cancels it
+            return task.id
+
+        async with Orchestrator(agents=[work], store=store) as orch:
+            stopped = orch.start(tasks=[Task("work", 1, id="a", key="k")], run_id="one")
+            while calls != ["a"]:
+                await asyncio.sleep(0.01)
+            waiter = orch.start(tasks=[Task("work", 1, id="b", key="k")], run_id="two")
+            await asyncio.sleep(0.05)  # "two" waits for the key "one" holds
+            assert (await stopped.stop(grace=0)).status == "cancelled"
+            with anyio.fail_after(30):  # far shorter than the key's lease
+                result = await waiter
+            assert (result.status, result.data) == ("success", {"b": "b"})
+            resumed = await orch.run(tasks=[Task("work", 1, id="a", key="k")], run_id="one")
+        assert (resumed.status, resumed.data) == ("success", {"a": "b"})
+        assert calls == ["a", "b"]
+
+    async def test_a_streamed_task_the_keys_holder_waits_for_takes_the_runs_claim(
+        self, tmp_path: Path
+    ) -> None:
+        # "a" holds the key in the file from its admission, and waits for group g; "b", streamed
+        # later, has the key and joins g: it takes the key over in the run (else neither runs),
+        # and with it the run's claim in the file (it waited for "a"'s claim: a deadlock).
+        async def source() -> Any:
+            yield Task("work", 1, id="a", key="k", depends_on_tags=["g"])
+            await asyncio.sleep(0.05)  # "a"'s claim is in the file
+            yield Task("work", 2, id="b", key="k", tags=["g"])
+
+        work = Agent()
+        async with work.orchestrator(SQLiteStore(tmp_path / "runs.db", window=0.01)) as orch:
+            with anyio.fail_after(30):
+                result = await orch.run(tasks=source(), run_id="one")
+        assert (result.status, result.data) == ("success", {"a": {"answer": 4}, "b": {"answer": 4}})
+        assert work.calls == ["b"]
 
 
 class TestProcesses:

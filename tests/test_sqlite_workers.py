@@ -149,6 +149,34 @@ class TestInOneProcess:
         assert spawned == {"a": "split", "a.0": 0, "a.1": 2, "a.2": 4, "a/work#4": 200}
         assert sorted(t for _, t in calls) == [*sorted(spawned), "b", "c"]
 
+    @pytest.mark.parametrize("where", ["here", "on a worker"])
+    async def test_a_spawned_task_is_named_alike_on_a_worker_when_its_name_is_taken(
+        self, tmp_path: Path, where: str
+    ) -> None:
+        # The run has a task named as "a"'s first unnamed spawn would be: the coordinator skips
+        # to the next name; a worker, which does not know the run's ids, took it, and the
+        # coordinator refused the spawn as a duplicate, failing "a" (only on a worker).
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+        tasks = [Task("split", 0, id="a"), Task("work", 1, id="a/work#1")]
+        coordinator = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        helper = Orchestrator(agents=[recorder("there", calls)], store=SQLiteStore(db))
+        async with coordinator, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.results()
+            if where != "here":
+                handle.pause()  # every task is the worker's
+                tg.start_soon(helper.work, None)
+            result, ended = await finish(handle)
+            tg.cancel_scope.cancel()
+        assert {name for name, _ in calls} == {"here" if where == "here" else "there"}
+        assert result.status == "success", result.errors
+        assert {i: r.output for i, r in ended.items()} == {
+            "a": "split",
+            "a/work#1": 2,
+            "a/work#2": 200,
+        }
+
     async def test_a_worker_takes_only_its_kinds(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
         calls: list[tuple[str, str]] = []

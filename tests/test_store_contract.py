@@ -981,14 +981,67 @@ class TestAdmission:
         h.succeed("k1", 1)
         assert h.heard.ended == ["p", "k2", "k1"]  # each ended once
 
+    @pytest.mark.parametrize(
+        "batch",
+        [
+            (Task("a", id="k1", key="same", depends_on=["k2"]), Task("a", id="k2", key="same")),
+            (
+                Task("a", id="k1", key="same", depends_on=["x"]),
+                Task("a", id="x", depends_on=["k2"]),
+                Task("a", id="k2", key="same"),
+            ),
+            (
+                Task("a", id="k1", key="same", depends_on_tags=["g"]),
+                Task("a", id="k2", key="same", tags=["g"]),
+            ),
+            (
+                Task("a", id="k1", key="same", depends_on_tags=["g"]),
+                Task("a", id="k2", key="same"),
+                Task("a", id="x", tags=["g"], depends_on=["k2"]),
+            ),
+        ],
+        ids=["depends-on-it", "through-a-task", "through-its-group", "through-a-member"],
+    )
+    def test_a_task_with_a_key_that_the_first_waits_for_runs_in_its_place(
+        self, h: Harness, batch: tuple[Task, ...]
+    ) -> None:
+        # k1 waits (through its dependencies or groups) for k2, which has its key: had k2 waited
+        # for k1 as its follower, neither would ever run. k2 runs, k1 ends with its output.
+        h.admit(*batch)
+        h.run.close_input()
+        h.succeed("k2", "once", agent="y")  # the one ready task
+        if h.run.state_of("x") is not None:
+            h.succeed("x", "x")
+        assert h.run.state_of("k1") == SUCCEEDED
+        assert (h.heard.results["k1"].output, h.heard.results["k1"].attempts) == ("once", 0)
+        assert h.run.unfinished == 0
+        assert sorted(h.heard.ended) == sorted(t.id for t in batch)
+
+    def test_a_streamed_member_that_depends_on_a_follower_of_its_groups_waiter_is_refused(
+        self, h: Harness
+    ) -> None:
+        # k2 follows k1 (the same work), and k1 waits for group g: a later member of g that
+        # depends on k2 would wait for k1 through it, a cycle nothing would ever end.
+        h.run.admit_one(Task("a", id="k1", key="same", depends_on_tags=["g"]), 0)
+        h.run.admit_one(Task("a", id="k2", key="same"), 1)
+        with pytest.raises(InputError, match="cycle") as caught:
+            h.run.admit_one(Task("a", id="m", tags=["g"], depends_on=["k2"]), 2)
+        assert caught.value.task_id == "m"
+        assert h.run.state_of("m") is None
+        h.run.close_input()
+        h.succeed("k1", "once")
+        assert h.heard.results["k2"].output == "once"
+        assert h.run.unfinished == 0
+
     def test_a_streamed_task_follows_a_key_whose_holder_was_forgotten(
         self, make_run: Callable[..., Harness]
     ) -> None:
         h = make_run(compact=True)
         h.run.admit_one(Task("a", {"n": 1}, key="same"), 0)  # a generated id, compacted
-        h.succeed("a#1", "once")
+        h.succeed("a#1", "once", agent="y")
         h.run.admit_one(Task("a", {"n": 1}, key="same"), 1)
-        assert h.heard.results["a#2"].output == "once"
+        # As a follower of a holder still held ends: its output, and the agent that made it.
+        assert (h.heard.results["a#2"].output, h.heard.results["a#2"].agent) == ("once", "y")
         assert h.run.unfinished == 0
 
     @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ from orchestra._clock import current_clock
 from orchestra._config import check_int, check_number
 from orchestra._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
 from orchestra._failure import api_error_type, bound
+from orchestra._limits import CLOCK_SLIP
 from orchestra._log import get_logger
 
 from ._claude_limits import ClaudeLimits, model_family
@@ -182,24 +183,26 @@ class ClaudeAccount:
         check_prices("ClaudeAccount: prices", prices)
         self.client = client
         self.prices: Mapping[str, Price] = {**PRICES, **(prices or {})}
-        # (until when, why): the API answered 401 to this key. A 401 is about the key, not the
+        # (when, why): the API answered 401 to this key. A 401 is about the key, not the
         # request: every other request on it would be paid for nothing (a run of 10,000 tasks
         # sent 10,000), so they fail unsent for `_REFUSAL_HOLD` seconds, then one tries again
-        # (a client's credentials provider may have renewed an expired token meanwhile).
+        # (a client's credentials provider may have renewed an expired token meanwhile). One
+        # seen at a time more than `CLOCK_SLIP` ahead of the asker's is another clock's (a
+        # FakeClock's, of an earlier test on a shared account): it holds nothing.
         self._refused: tuple[float, str] | None = None
 
     def refusal(self, now: float) -> str | None:
         """Why a request on this key is not sent now: the API refused the key within the last
         `_REFUSAL_HOLD` seconds (None: send it)."""
         refused = self._refused
-        if refused is None or now >= refused[0]:
+        if refused is None or not refused[0] - CLOCK_SLIP <= now < refused[0] + _REFUSAL_HOLD:
             return None
         return refused[1]
 
     def refused(self, exc: APIStatusError, now: float) -> None:
         """The API answered `exc` (a 401): hold the key's other requests."""
         self._refused = (
-            now + _REFUSAL_HOLD,
+            now,
             f"the API refused this key ({exc.status_code} {api_error_type(exc)}, request"
             f" {exc.request_id or '?'}); requests on it are not sent for {_REFUSAL_HOLD:g}s"
             " after a refusal",

@@ -194,6 +194,9 @@ class MemoryRun:
         # Tasks with a key another task of the run holds, by that task's id: the same work, run
         # once. They end with its result, or one of them takes the key if it does not succeed.
         self._followers: dict[str, list[Record]] = {}
+        # The agent of a key's holder that succeeded and was compacted (its output is `_settled`):
+        # a task with the key admitted later ends with both, as with a holder still held.
+        self._key_agents: dict[str, str | None] = {}
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
         self._timers: list[
@@ -326,6 +329,8 @@ class MemoryRun:
             raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
         if task.depends_on:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
+            if task.tags:
+                self._reject_group_cycles((task,))
         record = Record(task, index, None, named)
         self._records[record.id] = record
         if "#" in record.id:
@@ -439,37 +444,71 @@ class MemoryRun:
                 )
 
     def _reject_group_cycles(self, batch: Sequence[Task]) -> None:
-        """A streamed or spawned member of a group must not depend (transitively) on a task that
-        waits for that group. Each record is visited once per group over the whole run."""
+        """A streamed or spawned member of a group must not depend (transitively, or through a
+        task that follows the holder of its key) on a task that waits for that group, admitted
+        before it or in its batch. Each record is visited once per group over the whole run."""
+        if not any(task.tags and task.depends_on for task in batch):
+            return
+        new: dict[str, Task] = {}
+        new_waiters: dict[str, set[str]] = {}  # tag -> the tasks of the batch waiting for it
+        if len(batch) > 1:
+            for task in batch:
+                new[task.id] = task
+                for tag in task.depends_on_tags:
+                    new_waiters.setdefault(tag, set()).add(task.id)
+        records, keys = self._records, self._keys
         for task in batch:
-            if not task.tags or not (task.depends_on or task.depends_on_tags):
+            if not task.tags or not task.depends_on:
                 continue
             for tag in task.tags:
                 group = self._groups.get(tag)
-                if group is None or not group.waiters:
+                waiters = new_waiters.get(tag, set())
+                if group is not None and group.waiters:
+                    waiters = waiters | {w.id for w in group.waiters}
+                if not waiters:
                     continue
-                waiters = {w.id for w in group.waiters}
-                checked = group.checked
+                checked = set() if group is None else group.checked
                 if checked is None:
-                    checked = group.checked = set()
-                stack = [d for d in task.depends_on if d in self._records]
+                    checked = group.checked = set()  # type: ignore[union-attr]
+                stack = list(task.depends_on)
+                seen: set[str] = set()
+                follows: dict[str, str] = {}  # a key's holder -> a follower that led to it
                 while stack:
-                    dep = self._records.get(stack.pop())
-                    if dep is None or dep.id in checked:
-                        continue  # compacted (it waited for nothing open), or known clean
-                    if dep.id in waiters:
+                    dep_id = stack.pop()
+                    if dep_id in checked or dep_id in seen:
+                        continue  # known clean
+                    if dep_id in waiters:
+                        how = (
+                            f"{dep_id!r}, which waits for that group"
+                            if dep_id not in follows
+                            else f"{follows[dep_id]!r}, the same work (key) as {dep_id!r}, which "
+                            "waits for that group"
+                        )
                         raise InputError(
                             f"dependency cycle: task {task.id!r} joins group {tag!r} but depends "
-                            f"on {dep.id!r}, which waits for that group",
+                            f"on {how}",
                             task_id=task.id,
                             field="tags",
                         )
-                    checked.add(dep.id)
+                    dep = records.get(dep_id)
+                    if dep is None:
+                        upstream = new.get(dep_id)
+                        if upstream is not None:  # of this batch (not cached: it may be refused)
+                            seen.add(dep_id)
+                            stack.extend(upstream.depends_on)
+                        continue  # or compacted: it waited for nothing open
+                    checked.add(dep_id)
                     stack.extend(dep.task.depends_on)
+                    key = dep.task.key
+                    if key is not None and dep.state not in TERMINAL:
+                        holder = keys.get(key, dep_id)
+                        if holder != dep_id:  # it follows the task that holds its key
+                            follows.setdefault(holder, dep_id)
+                            stack.append(holder)
 
     def _wire_all(self, records: Sequence[Record]) -> None:
         skipped = []
-        reused = []
+        keyed = []
         for record in records:
             task = record.task
             if task.depends_on or task.tags or task.depends_on_tags or task.key is not None:
@@ -477,9 +516,14 @@ class MemoryRun:
                 if reason is not None:
                     skipped.append((record, reason))
                 elif task.key is not None and self._keys[task.key] != record.id:
-                    result = self._follow(record)
-                    if result is not None:
-                        reused.append((record, result))
+                    keyed.append(record)
+        # Followed once the whole batch is wired: whether the holder waits for a follower (through
+        # a task or a group of the batch) is known only then (`_follow`).
+        reused = []
+        for record in keyed:
+            result = self._follow(record)
+            if result is not None:
+                reused.append((record, result))
         for record, reason in skipped:
             self._end(record, SKIPPED, None, None, reason, "DependencyFailed", False)
         for record, (output, agent) in reused:
@@ -534,13 +578,24 @@ class MemoryRun:
         holder = self._records.get(holder_id)
         if holder is None:  # forgotten: compacted once it succeeded (its output is kept)
             if holder_id in self._settled:
-                return self._settled[holder_id], None
+                return self._settled[holder_id], self._key_agents.get(key)
             self._keys[key] = record.id  # (a worker's run forgets ended tasks whole)
             return None
         if holder.state is SUCCEEDED:
             return holder.output, holder.agent
         if holder.state in TERMINAL:  # it failed, or was cancelled or skipped: this one runs
             self._keys[key] = record.id
+            return None
+        if holder.state is PENDING and self._waits_for(holder, record):
+            # The holder waits (through its dependencies or groups) for this task: were this one
+            # to wait for it, neither would ever run. This one holds the key; the holder (and its
+            # followers) follow it, and end with its output.
+            self._keys[key] = record.id
+            theirs = self._followers.pop(holder_id, None) or []
+            self._followers[record.id] = [holder, *theirs]
+            if record.dependents is None:
+                record.dependents = []
+            holder.waiting += 1
             return None
         followers = self._followers.get(holder_id)
         if followers is None:
@@ -551,6 +606,33 @@ class MemoryRun:
             followers.append(record)
         record.waiting += 1
         return None
+
+    def _waits_for(self, waiter: Record, record: Record) -> bool:
+        """Whether `waiter` waits, through its unfinished dependencies, the members of the groups
+        it waits for and the holders of the keys it follows, for `record` (just wired). Free when
+        nothing can wait for `record` (no dependent, no group): the common follower."""
+        if record.dependents is None and not record.task.tags:
+            return False
+        records, groups, keys = self._records, self._groups, self._keys
+        seen = {waiter.id}
+        stack = [waiter]
+        while stack:
+            task = stack.pop().task
+            above = [records.get(d) for d in task.depends_on]
+            for tag in task.depends_on_tags:
+                group = groups.get(tag)
+                if group is not None and not group.closed:
+                    above.extend(group.members)
+            if task.key is not None and keys.get(task.key) != task.id:
+                above.append(records.get(keys[task.key]))
+            for dep in above:
+                if dep is None or dep.state in TERMINAL or dep.id in seen:
+                    continue
+                if dep is record:
+                    return True
+                seen.add(dep.id)
+                stack.append(dep)
+        return False
 
     def _followed(
         self, record: Record, status: str, followers: list[Record], cascade: list[Any]
@@ -884,8 +966,11 @@ class MemoryRun:
             # was given: its output stays (id -> output, untracked by the GC). A generated id
             # nobody waits for is forgotten whole, so memory stays flat however long the stream.
             del self._records[record.id]
-            if record.named or dependents or record.task.key is not None:
+            key = record.task.key
+            if record.named or dependents or key is not None:
                 self._settled[record.id] = record.output
+            if key is not None and self._keys.get(key) == record.id:
+                self._key_agents[key] = record.agent
 
     def _closable(self, tag: str, group: Group) -> bool:
         """Whether no more members of `tag` can appear and every member is done."""

@@ -297,6 +297,7 @@ class SQLiteRun:
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False
         self._keys = Keys(self)  # idempotency keys (`_sqlite_keys`)
+        self._closing = False
         # Tasks held back and now to run here (a key's wait ended in a claim; the file granted a
         # claim), for `claim` to hand out first.
         self._runnable: list[Record] = []
@@ -511,7 +512,18 @@ class SQLiteRun:
                 keyed.append(record)
         self._arm()
         if keyed:
-            self._keys.reuse(keyed)
+            keys = self._keys
+            # One that took the key over from a task of the run (which waits for it: `_follow`)
+            # takes over the run's claim on it, or its wait, too.
+            fresh = []
+            for record in keyed:
+                key = record.task.key
+                if key in keys.claims or key in keys.waiting:
+                    keys.took_over(record)
+                else:
+                    fresh.append(record)
+            if fresh:
+                keys.reuse(fresh)
 
     # -- resume ----------------------------------------------------------------------------------
 
@@ -828,7 +840,7 @@ class SQLiteRun:
             or ended.attempts != 1
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
-        claimed = self._keys.rows(keys)
+        claimed = self._keys.rows(keys, closing=self._closing)
         self._new = []
         self._dirty = {}
         self._attempts = []
@@ -896,6 +908,7 @@ class SQLiteRun:
         if self._timer is not None:
             self._timer.cancel()
         self._keys.close()
+        self._closing = True  # the claims of its keys left are released (`Keys.rows`)
         self.flush()
         self._closed = True
         if self._timer is not None:  # a shared run's flush arms the next window: none comes now

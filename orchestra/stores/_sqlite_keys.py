@@ -154,11 +154,15 @@ class Keys:
             self._poller = None
 
     def rows(
-        self, keys: list[str]
+        self, keys: list[str], *, closing: bool = False
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None]:
         """What this window writes of the keys this run claimed: the results of the ones whose
         task ended (a success for the waiters, a failure for the next submitter to take over),
-        and a heartbeat for the ones still running."""
+        and a heartbeat for the ones still running. `closing`: the run is over (stopped, its
+        unfinished tasks written down to resume): the claims left are released, as a failure
+        would, so another run waiting for one takes it at once instead of waiting out the
+        lease (the resumed run claims it again, or follows the run that took it), except the
+        ones of tasks a worker process holds (its completion is the key's)."""
         run = self._run
         claims = self.claims
         if not claims:
@@ -178,4 +182,10 @@ class Keys:
                 succeeded.append((hit[0], hit[1], key, owner))
             else:
                 failed.append((f"{record.state}: {record.error}", now, key, owner))
+        if closing:
+            remote = run._sharing.remote
+            for key, record in list(claims.items()):
+                if record.state is not SUCCEEDED and record.id not in remote:
+                    del claims[key]
+                    failed.append(("released: its run ended first", now, key, owner))
         return succeeded, failed, (now, owner) if claims else None

@@ -204,6 +204,8 @@ class Sharing:
             value = None if output is None else json.loads(output)
             tasks = [] if spawned is None else [_task(d) for d in json.loads(spawned)]
             try:
+                if any(task.id is None for task in tasks):
+                    _name(run, record, tasks)
                 run.settle(record, token, STATES[outcome], value, spawned=tasks, agent=agent,
                            error=error, error_type=error_type, defaulted=bool(defaulted))  # fmt: skip
             except InputError as exc:
@@ -249,11 +251,12 @@ def _heard(record: Record, more: list[Attempt] | None) -> None:
 
 
 def _task(data: dict[str, Any]) -> Task:
-    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in orchestra/_worker.py)."""
+    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in orchestra/_worker.py),
+    without the id the worker gave one it spawned unnamed (`_name` names it)."""
     return Task(
         data["kind"],
         data["payload"],
-        id=data.get("id"),
+        id=None if data.get("named_here") else data.get("id"),
         priority=data.get("priority", 0),
         depends_on=data.get("depends_on", ()),
         depends_on_tags=data.get("depends_on_tags", ()),
@@ -263,3 +266,13 @@ def _task(data: dict[str, Any]) -> Task:
         critical=data.get("critical", False),
         metadata=data.get("metadata"),
     )
+
+
+def _name(run: SQLiteRun, parent: Record, tasks: list[Task]) -> None:
+    """Name the tasks a worker's attempt of `parent` spawned unnamed as the attempt would have
+    here (`<parent id>/<kind>#<n>`, skipping an id the run has: only this process knows them),
+    checking them as it would; raises `InputError` as a spawn here does."""
+    pending: dict[str, Task] = {}
+    for task in tasks:
+        run.check_spawn(task, parent, pending)
+        pending[task.id] = task
