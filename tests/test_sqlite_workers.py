@@ -515,9 +515,11 @@ def start_worker(
     lease: float = 30.0,
     concurrency: int = 8,
     agents: str = "tests/worker_job.py:agents",
+    hold: Path | None = None,
 ) -> subprocess.Popen[str]:
     env = {
         **os.environ,
+        "WORKER_HOLD": "" if hold is None else str(hold),
         "WORKER_CALLS": str(calls),
         "WORKER_DELAY": str(delay),
         "WORKER_CONCURRENCY": str(concurrency),
@@ -790,9 +792,13 @@ class TestCrashes:
         calls = tmp_path / "calls"
         SQLiteStore(db).runs()
         coordinator = start_coordinator(db, 300)
-        worker = start_worker(db, calls, delay=0.01)
+        hold = tmp_path / "hold"
+        worker = start_worker(db, calls, delay=0.01, hold=hold)
         try:
             await until(lambda: len(ran(calls)) >= 50, 30)
+            # The worker's calls wait until the coordinator is killed: else, on a loaded machine,
+            # it could finish the run (and the coordinator settle it all) before the kill.
+            hold.touch()
             second = Orchestrator(agents=[recorder("here", [])], store=SQLiteStore(db))
             with pytest.raises(
                 StoreError, match=rf"already being run by another process \(pid {coordinator.pid} "
@@ -800,6 +806,7 @@ class TestCrashes:
                 await second.run(tasks=[Task("work", i) for i in range(300)], run_id="r")
             coordinator.send_signal(signal.SIGKILL)  # the worker goes on: its tasks are leased
             coordinator.wait()
+            hold.unlink()
             await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
             done = rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'")[0][0]
             assert done > 0  # completed while no coordinator ran: to be settled on resume

@@ -37,6 +37,9 @@ async def double(task: Task, ctx: Context) -> Any:
     _record(task.id)
     if task.payload == "poison":  # it kills the worker that runs it
         os.kill(os.getpid(), signal.SIGKILL)
+    hold = os.environ.get("WORKER_HOLD")
+    while hold and await anyio.Path(hold).exists():  # the test holds the calls for a while
+        await anyio.sleep(0.01)
     delay = float(os.environ.get("WORKER_DELAY", "0"))
     if delay:
         await anyio.sleep(delay)
