@@ -40,7 +40,8 @@ class Task:
     Args:
         kind: the routing key; an agent that serves this kind handles the task.
         payload: the agent's input. Validated against the agent's declared `input` model, if any.
-        id: unique within a run; generated as ``"<kind>#<n>"`` from the admission order when absent.
+        id: unique within a run; generated as ``"<kind>#<n>"`` from the admission order when absent
+            (``"<parent id>/<kind>#<n>"`` for a task an attempt spawns, n counting its spawns).
         priority: smaller runs first; FIFO among equal priorities.
         depends_on: ids of tasks that must succeed before this one starts; their outputs are in `ctx.deps`.
         depends_on_tags: groups this task waits for: every task carrying the tag must have succeeded
