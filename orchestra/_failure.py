@@ -144,6 +144,14 @@ def scrub(text: str) -> str:
     return text
 
 
+def with_type(error_type: str | None, message: str) -> str:
+    """``"<error_type>: <message>"`` for a display, unless the message begins with its type already
+    (as most do: a task's error is its failed attempt's "ValueError: ...")."""
+    if not error_type or message.startswith(f"{error_type}:"):
+        return message
+    return f"{error_type}: {message}"
+
+
 def _redact_value(match: re.Match[str]) -> str:
     return f"{match[1]}{match[2]}{match[3] or ''}{_REDACTED}"
 

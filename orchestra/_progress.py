@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import anyio
 
 from ._exceptions import ConfigError
+from ._failure import with_type
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -50,11 +51,6 @@ def _rich() -> Any:
             "the live view needs rich: install the `cli` extra (pip install 'orchestra[cli]')"
         ) from None
     return rich
-
-
-def _error_text(error_type: str, message: str) -> str:
-    # A task's message most often begins with its error's type already ("ValueError: ...").
-    return message if message.startswith(f"{error_type}:") else f"{error_type}: {message}"
 
 
 def _duration(seconds: float | None) -> str:
@@ -202,7 +198,7 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
                 Text(error.task_id),
                 Text(error.kind),
                 Text(error.agent or "-"),
-                Text(_error_text(error.error_type, error.message)[:100], style="red"),
+                Text(with_type(error.error_type, error.message)[:100], style="red"),
             )
         parts.append(recent)
     return Group(*parts)

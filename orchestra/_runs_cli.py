@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ._exceptions import InputError, StoreError
+from ._failure import with_type
 from .stores import SQLiteStore
 from .stores._sqlite_work import is_alive
 
@@ -198,9 +199,7 @@ def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
     if not letters:
         console.print(f"run {run_id}: no dead letters")
     for letter in letters:
-        error, error_type = letter["error"] or "", letter["error_type"]
-        if error_type and not error.startswith(f"{error_type}:"):
-            error = f"{error_type}: {error}"  # most errors begin with their type already
+        error = with_type(letter["error_type"], letter["error"] or "")
         console.print(
             f"[bold]{escape(letter['task_id'])}[/] ({escape(letter['kind'])}): {escape(error)} "
             f"after {letter['attempts']} attempt(s)",
