@@ -511,19 +511,11 @@ class SQLiteRun:
             if memory.holds_key(record):  # (the others with its key follow it in the run)
                 keyed.append(record)
         self._arm()
-        if keyed:
-            keys = self._keys
-            # One that took the key over from a task of the run (which waits for it: `_follow`)
-            # takes over the run's claim on it, or its wait, too.
-            fresh = []
-            for record in keyed:
-                key = record.task.key
-                if key in keys.claims or key in keys.waiting:
-                    keys.took_over(record)
-                else:
-                    fresh.append(record)
-            if fresh:
-                keys.reuse(fresh)
+        # One that took the key over from a task of the run (which waits for it: `_follow`) takes
+        # over the run's claim on it, or its wait; the others claim theirs in one transaction.
+        fresh = [record for record in keyed if not self._keys.inherit(record)]
+        if fresh:
+            self._keys.reuse(fresh)
 
     # -- resume ----------------------------------------------------------------------------------
 

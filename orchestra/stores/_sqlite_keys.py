@@ -87,22 +87,28 @@ class Keys:
         if self.waiting and self._poller is None and run._loop is not None:
             self._poller = run._loop.create_task(self._poll())
 
-    def took_over(self, record: Record) -> None:
-        """`record` holds its key in the run now (made ready holding it): if it took the key over
-        from a task of the run that did not succeed, the run's claim (or wait) passes to it, and
-        without either it claims the key as a new submission would."""
+    def inherit(self, record: Record) -> bool:
+        """`record` holds its key in the run now: if it took the key over from another task of
+        the run (one that did not succeed, or that waits for it), the run's claim in the file (or
+        its wait for another run's) passes to it. False when the run has neither: `record` claims
+        the key as a new submission would (`reuse`)."""
         key: str = record.task.key  # type: ignore[assignment]
-        claims, waiting = self.claims, self.waiting
-        if claims.get(key) is record or waiting.get(key) is record:
-            return
-        if key in claims:  # the failed holder's, live in the file: this task's end is the key's
-            claims[key] = record
-        elif key in waiting:  # the failed holder waited for another run's task: so does this one
-            waiting[key] = record
-        elif self._run._loop is None:
-            self.reuse([record])
-        else:  # after this step of the memory run (`reuse` may end the task at once)
-            self._run._loop.call_soon(self.reuse, [record])
+        if key in self.claims:  # live in the file: this task's end is the key's
+            self.claims[key] = record
+        elif key in self.waiting:  # another run's task holds it: this one waits for it too
+            self.waiting[key] = record
+        else:
+            return False
+        return True
+
+    def took_over(self, record: Record) -> None:
+        """`record` was made ready holding its key (a retry holds it already): `inherit`, or
+        claim it in the file after this step of the memory run (`reuse` may end the task)."""
+        if not self.inherit(record):
+            if self._run._loop is None:
+                self.reuse([record])
+            else:
+                self._run._loop.call_soon(self.reuse, [record])
 
     def _reused(self, record: Record, text: str, agent: str | None) -> None:
         run = self._run
