@@ -75,7 +75,7 @@ async def main(svg: str | None) -> None:
             agents=[researcher, backup_researcher, summarizer, classifier],
             concurrency=16,
             retry=RetryPolicy(max_attempts=2, base=1, cap=5),
-            breaker=BreakerPolicy(failures=3, cooldown=20),
+            breaker=BreakerPolicy(min_calls=3, cooldown=5, max_cooldown=20),
             seed=7,
         ) as orch,
     ):

@@ -37,6 +37,7 @@ class Context:
     """
 
     __slots__ = (
+        "_judging",
         "_node",
         "_on_end",
         "_reserved",
@@ -50,6 +51,11 @@ class Context:
         "run_id",
         "task",
     )
+
+    # Set by the dispatcher once the call returned and its output is being judged (the output
+    # model, the verifier): what raises then is not the agent's failure. Unset until then, and
+    # read with a default, so building a context costs nothing more.
+    _judging: bool
 
     def __init__(
         self, run: Run, node: Record, agent: str, attempt: int, feedback: Sequence[str]

@@ -363,12 +363,7 @@ class Dispatcher:
                             check_returned(output, slot.name)
                         if self.cancelled:
                             pass  # the agent finished after the run's cancel: the run ends it
-                        elif (
-                            ctx._spawned is None
-                            and (breaker := slot.breaker).state is CLOSED
-                            and not breaker.consecutive
-                            and breaker.recent is None
-                        ):
+                        elif ctx._spawned is None and slot.breaker.state is CLOSED:
                             # Nothing spawned, no breaker to tell: one call. (Refused when the
                             # task was cancelled meanwhile: then it is not the agent's success.)
                             if succeed(record, token, output, slot.name):
@@ -594,7 +589,8 @@ class Dispatcher:
                 if self.cancelled:
                     return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
-                self.recovery.failed(record, token, slot, exc, start)
+                judged = getattr(ctx, "_judging", False)
+                self.recovery.failed(record, token, slot, exc, start, judged)
         finally:
             self._finished(slot, cost, ctx, probe)
 
@@ -619,13 +615,7 @@ class Dispatcher:
                 slot.succeeded += 1
             self._succeeded(record, slot, start, bus)
             return
-        breaker = slot.breaker
-        if (
-            bus is not None
-            or breaker.consecutive
-            or breaker.state is not CLOSED
-            or breaker.recent is not None
-        ):
+        if bus is not None or slot.breaker.state is not CLOSED:
             self._succeeded(record, slot, start, bus)
         # Counted when the store takes it (it refuses a task cancelled meanwhile).
         if self.store.settle(record, token, SUCCEEDED, output, agent=slot.name):
@@ -682,10 +672,11 @@ class Dispatcher:
 
     def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
         breaker = slot.breaker
-        if breaker.consecutive or breaker.state is not CLOSED or breaker.recent is not None:
+        if breaker.state is not CLOSED:
             previous = breaker.state
-            self.recovery.breaker_changed(slot, previous, breaker.on_success())
-            if previous is not CLOSED:
+            state = breaker.on_success()
+            if state is not None:  # the probe succeeded: the agent is back
+                self.recovery.breaker_changed(slot, previous, state)
                 self.recovery.recovered(slot)
         if bus is not None and bus.wants(AttemptSucceeded):
             end = self._time()
@@ -725,10 +716,16 @@ class Dispatcher:
                 raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
         if type(output) not in _PLAIN:
             check_returned(output, slot.name)  # before a verifier sees it
+        check = self._verify.get(record.kind) if self._verify else None
+        if slot.output is None and check is None:
+            return output
+        # What raises from here on is the output model's or the verifier's, never a health
+        # failure of the agent (a verifier that calls a service which is down, say). Set only
+        # here: the slot stays unset, and reads as False, for the attempts that judge nothing.
+        ctx._judging = True
         if slot.output is not None:
             output = check_output(slot.output, output)
             check_returned(output, slot.name)  # the model instance, as the result will dump it
-        check = self._verify.get(record.kind) if self._verify else None
         if check is not None:
             await verify(check, record.task, output, ctx)
         return output

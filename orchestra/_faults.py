@@ -24,7 +24,15 @@ if TYPE_CHECKING:
 __all__ = ("GARBAGE", "Fault", "FaultMode", "SimulatedAPIError", "raise_fault")
 
 FaultMode = Literal[
-    "error", "rate_limit", "overloaded", "server_error", "hang", "garbage", "permanent", "slow"
+    "error",
+    "rate_limit",
+    "overloaded",
+    "server_error",
+    "hang",
+    "garbage",
+    "permanent",
+    "slow",
+    "bug",
 ]
 MODES: Final = (
     "error",
@@ -35,6 +43,7 @@ MODES: Final = (
     "garbage",
     "permanent",
     "slow",
+    "bug",
 )
 
 
@@ -118,6 +127,8 @@ async def raise_fault(
     if mode == "slow":
         await anyio.sleep(latency)
         return None
+    if mode == "bug":  # the agent's own code fails on this payload: not an outage
+        raise ValueError(f"simulated bug in {who}")
     raise ConfigError(f"unknown fault mode {mode!r}; use one of {', '.join(MODES)}")
 
 

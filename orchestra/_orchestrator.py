@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 import uuid
 from collections.abc import (
     AsyncIterable,
@@ -635,8 +636,13 @@ class Orchestrator:
         return False
 
     def agents_status(self) -> list[dict[str, Any]]:
-        """Every agent's status (idle / busy / failing / open), breaker, load and counters."""
-        return self.registry.snapshot()
+        """Every agent's status (idle / busy / failing / open), breaker (and when an open one
+        lets its next probe through: `next_probe_in` seconds), load and counters."""
+        try:
+            now = asyncio.get_running_loop().time()  # the clock breakers run on (a FakeClock's)
+        except RuntimeError:
+            now = time.monotonic()  # an event loop's own clock, outside one
+        return self.registry.snapshot(now)
 
     # -- the fault kit ---------------------------------------------------------------------------
 
@@ -652,7 +658,8 @@ class Orchestrator:
         """Take a live agent down: its calls fail in `mode` for `duration` seconds (None: until
         `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
         Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
-        "garbage", "permanent", "slow" (adds `latency`)."""
+        "garbage", "permanent", "slow" (adds `latency`), "bug" (a `ValueError`: the agent's own
+        failure, which no breaker counts)."""
         slot = self._slot(agent)
         if mode not in MODES:
             raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")

@@ -159,6 +159,9 @@ def render_status(status: RunStatus, *, errors: int = 5) -> RenderableType:
     style = {"idle": "grey50", "busy": "green", "failing": "yellow", "open": "bold red"}
     for agent in status.agents:
         state: str = "breaker open" if agent.state == "open" else agent.state
+        if agent.next_probe_in is not None:
+            probe = agent.next_probe_in
+            state += f" (probe in {probe:.1f}s)" if probe > 0 else " (probing)"
         if agent.paused_for > 0:
             state += f" (paused {agent.paused_for:.0f}s)"
         agents.add_row(

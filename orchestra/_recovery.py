@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._breaker import CLOSED
+from ._breaker import CLOSED, HALF_OPEN, OPEN, is_outage
 from ._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
 from ._exceptions import RateLimited, Rejected, TaskTimeout, VerificationError
 from ._failure import describe
@@ -39,8 +39,16 @@ class Recovery:
         self._d = dispatcher
 
     def failed(
-        self, record: Record, token: int, slot: AgentSlot, exc: BaseException, start: float
+        self,
+        record: Record,
+        token: int,
+        slot: AgentSlot,
+        exc: BaseException,
+        start: float,
+        judged: bool = False,
     ) -> None:
+        """An attempt of `record` on `slot` raised `exc` (from the output check or the verifier
+        when `judged`: never the agent's health failure)."""
         end = self._d.now()
         policy = (
             slot.retry or self._d.config.retry_per_kind.get(record.kind) or self._d.config.retry
@@ -52,21 +60,26 @@ class Recovery:
         slot.last_error = f"{error_type}: {message}"
         breaker = slot.breaker
         previous = breaker.state
-        if retryable and not isinstance(exc, VerificationError | TaskTimeout):
-            # A health failure (timeout, connection error, 429/5xx, an agent's crash): it counts.
-            self.breaker_changed(slot, previous, breaker.on_failure(end))
-            if (
-                retry_after is not None
-                and slot.limiters
-                and (isinstance(exc, RateLimited) or _is_rate_limit(failure.status_code))
-            ):
-                # Every task that shares this agent's rate limits waits with it, not only this one.
-                self._d.router.pause(slot, end + retry_after)
-        elif previous is not CLOSED:
-            # The agent answered (a permanent error, a rejected output): it is up. A half-open
-            # probe always reports back, whatever its outcome.
-            self.breaker_changed(slot, previous, breaker.on_success())
+        if not judged and is_outage(exc, breaker.policy):
+            # The service behind the agent is unwell (a timeout, a connection error, a 5xx): it
+            # counts towards the breaker. A bug in the agent's code does not.
+            state = breaker.on_failure(end, record.id, slot.succeeded)
+            self.breaker_changed(slot, previous, state)
+            if state is OPEN and previous is HALF_OPEN:
+                self.probe_failed(slot, f"{error_type}: {message}")
+        elif previous is not CLOSED and breaker.on_success() is CLOSED:
+            # The probe ended and the service answered (a permanent error, a rejected output, a
+            # bug of the agent's own): it is up. A probe always reports back, however it ends.
+            self.breaker_changed(slot, previous, CLOSED)
             self.recovered(slot)
+        if (
+            retryable
+            and retry_after is not None
+            and slot.limiters
+            and (isinstance(exc, RateLimited) or _is_rate_limit(failure.status_code))
+        ):
+            # Every task that shares this agent's rate limits waits with it, not only this one.
+            self._d.router.pause(slot, end + retry_after)
         attempt = Attempt(
             number=record.attempts,
             agent=slot.name,
@@ -152,6 +165,72 @@ class Recovery:
             self._d.schedule()
             return
         self.fall_back(record, token, slot, attempt, reason)
+
+    def probe_failed(self, slot: AgentSlot, error: str) -> None:
+        """`slot`'s probe failed (its breaker opened again): every task, in every run, that waits
+        for it with nowhere else to go spends an attempt there (`CircuitOpen`, carrying the
+        probe's error), so an agent down for good fails its tasks after their attempts — a few
+        probes, not a call per task — and one back within their retry budget loses nothing."""
+        for dispatcher in self._d._capacity.runs:
+            dispatcher.recovery.charge_waiting(slot, error)
+
+    def charge_waiting(self, slot: AgentSlot, error: str) -> None:
+        """`probe_failed` for this run's tasks waiting for `slot`."""
+        d = self._d
+        waiting = d.router.stranded(slot)
+        if not waiting:
+            return
+        store = d.store
+        breaker = slot.breaker
+        now = d.now()
+        message = f"circuit breaker open: the probe failed with {error}"
+        for record, token in waiting:
+            if not store.start(record, token, slot.name):
+                continue  # it ended while it waited
+            policy = slot.retry or d.config.retry_per_kind.get(record.kind) or d.config.retry
+            attempt = Attempt(
+                number=record.attempts,
+                agent=slot.name,
+                error_type="CircuitOpen",
+                message=message,
+                started=now - d.run.t0,
+                duration=0.0,
+            )
+            if d.bus.active:
+                d.bus.emit(
+                    AttemptFailed(
+                        now, d.run_id, record.id, record.kind, slot.name, record.attempts,
+                        "CircuitOpen", message, True, 0.0,
+                    )
+                )  # fmt: skip
+            if record.cancelling is not None:
+                store.settle(
+                    record, token, CANCELLED, error=record.cancelling, error_type="Cancelled",
+                    attempt=attempt,
+                )  # fmt: skip
+                continue
+            if record.agent_tries >= policy.max_attempts:
+                self.fall_back(
+                    record, token, slot, attempt, f"{policy.max_attempts} attempts failed"
+                )
+                continue
+            retry_at = breaker.recovers_at(now)  # when the next probe may go
+            if record.deadline is not None and retry_at >= record.deadline:
+                self.fall_back(
+                    record, token, slot, attempt,
+                    "the next probe would come after the task's deadline", "TaskTimeout",
+                )  # fmt: skip
+                continue
+            attempt.retry_in = delay = retry_at - now
+            d.report.retries += 1
+            if d.bus.active:
+                d.bus.emit(
+                    RetryScheduled(
+                        now, d.run_id, record.id, record.kind, slot.name, record.attempts, delay
+                    )
+                )
+            store.fail(record, token, attempt, retry_at=retry_at)
+        d.schedule()
 
     def fall_back(
         self,

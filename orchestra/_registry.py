@@ -107,7 +107,7 @@ class AgentSlot:
     def status(self) -> AgentStatus:
         if self.breaker.state is OPEN:
             return "open"
-        if self.breaker.state is not CLOSED or self.breaker.consecutive:
+        if self.breaker.state is not CLOSED or self.breaker.failing:
             return "failing"
         return "busy" if self.in_flight else "idle"
 
@@ -126,12 +126,22 @@ class AgentSlot:
         """In-flight tasks over the agent's limit (0 for an agent without a limit and nothing running)."""
         return self.in_flight / self.limit if self.limit != UNLIMITED else float(self.in_flight)
 
-    def snapshot(self) -> dict[str, Any]:
+    def next_probe_in(self, now: float) -> float | None:
+        """Seconds until its open breaker lets a probe through (0: due, or under way); None
+        while the breaker is closed."""
+        breaker = self.breaker
+        if breaker.state is CLOSED:
+            return None
+        return breaker.reopens_in(now)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
         return {
             "name": self.name,
             "kinds": list(self.kinds),
             "status": self.status(),
             "breaker": self.breaker.state,
+            "next_probe_in": self.next_probe_in(now),
+            "health_failures": self.breaker.health_failures,
             "in_flight": self.in_flight,
             "limit": None if self.limit == UNLIMITED else self.limit,
             "attempts": self.attempts,
@@ -205,6 +215,6 @@ class Registry:
     def serves(self, kind: str) -> bool:
         return bool(self.by_kind.get(kind))
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every agent's status, load and counters (for `Orchestrator.agents_status`)."""
-        return [slot.snapshot() for slot in self.slots.values()]
+    def snapshot(self, now: float) -> list[dict[str, Any]]:
+        """Every agent's `AgentSlot.snapshot` at loop time `now`."""
+        return [slot.snapshot(now) for slot in self.slots.values()]

@@ -654,6 +654,8 @@ def remediation(status: str, error_type: str, message: str) -> str:
         return "The agent is rate limited: lower concurrency or the agent's limit, or raise your API quota."
     if error_type in ("ValidationError", "PermanentError") or "400" in message:
         return "The request is invalid for this agent: fix the payload; retrying will not help."
+    if error_type == "CircuitOpen":
+        return "The agent was down (its circuit breaker open) through every attempt: check the service behind it, add a fallback agent for this kind, or raise max_attempts to wait longer for it."
     if error_type == "NoAgentLeft":
         return (
             "No agent of the chain could take the task: add an agent for this kind or a fallback."

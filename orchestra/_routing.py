@@ -184,31 +184,31 @@ class Router:
                     return self._route_unwell(record, token, self._slots[name])
             self._owner.chain_end(record, token, "every agent of the chain was used up")
             return None
+        tried = record.tried
         lane = self._lanes.get(kind)
-        if join and lane is not None and lane.heap:  # others wait already: join them (O(1))
-            self._hold(record, token, lane)
+        if join and tried is None and lane is not None and lane.heap:
+            self._hold(record, token, lane)  # others wait already: join them (O(1))
             return None
         slots = self.kind_slots[kind]
         n = len(slots)
         first = self._cursor.get(kind, 0)
-        tried = record.tried
         slot = slots[first]
         if tried is None and slot.breaker.state is CLOSED and slot.in_flight < slot.limit:
             self._cursor[kind] = (first + 1) % n  # the common case: the next in turn has room
             return slot
         now = self._now()
-        usable = False
+        usable: AgentSlot | None = None
         for i in range(n):
             slot = slots[(first + i) % n]
             if tried is not None and slot.name in tried:
                 continue
             if not self.usable(slot, now):
                 continue
-            usable = True
+            usable = usable or slot
             if slot.in_flight < slot.limit:
                 self._cursor[kind] = (first + i + 1) % n
                 return slot
-        if usable:
+        if usable is not None:
             self._hold(record, token, self.lane(None, kind))
             return None
         left = [s for s in slots if not _used(record, s)]
@@ -276,6 +276,30 @@ class Router:
             self._owner.schedule()
         return None
 
+    def stranded(self, slot: AgentSlot) -> list[tuple[Record, int]]:
+        """The tasks waiting in `slot`'s lane that have no other usable agent to go to, best
+        first, taken out of the lane (its probe just failed: they spend an attempt on it); those
+        that have one are routed to it."""
+        lane = self._lanes.get(slot)
+        if lane is None or not lane.heap:
+            return []
+        waiting = sorted(lane.heap)
+        lane.heap = []
+        self.held -= len(waiting)
+        now = self._now()
+        out = []
+        for _, _, record, token in waiting:
+            if record.token != token or record.state is not CLAIMED:
+                continue
+            if any(
+                other is not slot and self.usable(other, now)
+                for other in self._untried(record, slot)
+            ):
+                self._route_again(record, token)
+            else:
+                out.append((record, token))
+        return out
+
     def waiting(self) -> list[tuple[AgentSlot | None, str | None, int]]:
         """The non-empty lanes as (agent or None, kind or None, tasks held): for the run's status.
         O(lanes); a task that ended while it waited is counted until its lane is looked at."""
@@ -331,6 +355,9 @@ class Router:
         """The best task of `lane` if its agent has room now (the task is routed again: its agent
         may have changed while it waited)."""
         heap = lane.heap
+        slot = lane.slot
+        if slot is None:
+            return self._from_kind_lane(lane)
         now = self._now()
         while heap:
             _, _, record, token = heap[0]
@@ -338,26 +365,57 @@ class Router:
                 heappop(heap)  # it ended (deadline, cancel) while it waited
                 self.held -= 1
                 continue
-            slot = lane.slot
-            if slot is not None:
-                if not self.usable(slot, now):
-                    self._unwell(lane, slot, now)  # its agent went down while they waited
-                    return None
-                if slot.in_flight >= slot.limit:
-                    return None
-            elif not any(
-                s.in_flight < s.limit and self.usable(s, now) and not _used(record, s)
-                for s in self.kind_slots[lane.kind]  # type: ignore[index]
-            ):
+            if not self.usable(slot, now):
+                self._unwell(lane, slot, now)  # its agent went down while they waited
+                return None
+            if slot.in_flight >= slot.limit:
                 return None
             heappop(heap)
             self.held -= 1
-            if slot is not None:
-                return record, token, slot
-            slot = self._route_kind(record, token, join=False)
-            if slot is not None:
-                return record, token, slot
+            return record, token, slot
         return None
+
+    def _from_kind_lane(self, lane: Lane) -> tuple[Record, int, AgentSlot] | None:
+        """`from_lane` for a kind's lane, whose tasks may go to any agent of the kind they have
+        not used up. A task at its head that cannot go now does not hold back the tasks behind
+        it when they could: one whose agents are all down waits for the first to recover (on a
+        timer), and one whose agents are full steps aside while an agent it used up has room
+        for the others. Each such look is O(tasks stepped aside + agents of the kind)."""
+        heap = lane.heap
+        slots = self.kind_slots[lane.kind]  # type: ignore[index]
+        now = self._now()
+        aside: list[tuple[int, int, Record, int]] = []
+        picked: tuple[Record, int, AgentSlot] | None = None
+        while heap:
+            _, _, record, token = heap[0]
+            if record.token != token or record.state is not CLAIMED:
+                heappop(heap)  # it ended (deadline, cancel) while it waited
+                self.held -= 1
+                continue
+            if not any(
+                s.in_flight < s.limit and self.usable(s, now) and not _used(record, s)
+                for s in slots
+            ):
+                if not any(self.usable(s, now) and not _used(record, s) for s in slots):
+                    heappop(heap)  # its agents are all down: it waits for a probe
+                    self.held -= 1
+                    self._route_kind(record, token, join=False)
+                    continue
+                if record.tried is not None and any(
+                    s.in_flight < s.limit and self.usable(s, now) for s in slots
+                ):
+                    aside.append(heappop(heap))  # full where it may go: others may go
+                    continue
+                break  # its agents are full: the lane is looked at again when one frees
+            heappop(heap)
+            self.held -= 1
+            chosen = self._route_kind(record, token, join=False)
+            if chosen is not None:
+                picked = record, token, chosen
+                break
+        for entry in aside:
+            heappush(heap, entry)
+        return picked
 
     def _others_of(self, slot: AgentSlot) -> list[AgentSlot]:
         """The other agents a task waiting in `slot`'s lane may go to: those of its kinds, and of
@@ -437,15 +495,19 @@ class Router:
         lane.heap = []
         self.held -= len(waiting)
         for _, _, record, token in waiting:
-            if record.token != token or record.state is not CLAIMED:
-                continue
-            slot = self.route(record, token)
-            if slot is not None:  # room now: it waits at the head of that agent's lane
-                other = self.lane(slot, None)
-                self._hold(record, token, other)
-                if not other.queued:
-                    other.queued = True
-                    self.recheck.append(other)
+            if record.token == token and record.state is CLAIMED:
+                self._route_again(record, token)
+
+    def _route_again(self, record: Record, token: int) -> None:
+        """Route a waiting task again: to another agent's lane, or to wait for the first of its
+        agents to recover."""
+        slot = self.route(record, token)
+        if slot is not None:  # room now: it waits at the head of that agent's lane
+            other = self.lane(slot, None)
+            self._hold(record, token, other)
+            if not other.queued:
+                other.queued = True
+                self.recheck.append(other)
 
     def room(self, slot: AgentSlot) -> None:
         """`slot` may have room now (a slot freed, its breaker closed): look at its lanes again."""

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._aggregate import percentile
-from ._breaker import OPEN
+from ._breaker import CLOSED, OPEN
 from ._report import ErrorSample, KindTally, Report, dollars
 from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
@@ -112,6 +112,7 @@ class AgentStatus:
     failures: int
     last_error: str | None
     paused_for: float  # seconds left of a Retry-After that pauses it (0: none)
+    next_probe_in: float | None = None  # its breaker is open: seconds to the next probe (0: due)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,8 +245,13 @@ def snapshot(run: Run) -> RunStatus:
     ended_w, failed_w, span = report.window(now, WINDOW)
     slots = config.registry.slots
     kinds = _kinds(report, unfinished, limit, config.registry.by_kind)
-    # A paused (or stopping) run is not heading for an end: no time to it can be told.
-    eta = None if dispatcher.paused else _eta(kinds, limit, unfinished)
+    # A paused (or stopping) run is not heading for an end, and one whose tasks wait for an
+    # agent's breaker to close heads for it at the outage's pace: no time to it can be told.
+    eta = (
+        None
+        if dispatcher.paused or _unwell(slots.values(), kinds)
+        else _eta(kinds, limit, unfinished)
+    )
     agents = _agents(slots.values(), lanes, limit, dispatcher.now())
     return RunStatus(
         run_id=run.run_id,
@@ -390,6 +396,12 @@ def _parallelism(slots: Iterable[AgentSlot], limit: int) -> int:
     return max(1, min(limit, room)) if usable else limit
 
 
+def _unwell(slots: Iterable[AgentSlot], kinds: tuple[KindStatus, ...]) -> bool:
+    """Whether an agent of a kind with tasks left has its breaker open (or probing). O(agents)."""
+    left = {k.kind for k in kinds if k.remaining}
+    return any(s.breaker.state is not CLOSED and not left.isdisjoint(s.kinds) for s in slots)
+
+
 def _eta(kinds: tuple[KindStatus, ...], limit: int, unfinished: int) -> float | None:
     if not unfinished:
         return 0.0
@@ -437,6 +449,7 @@ def _agents(
                 failures=slot.failures,
                 last_error=slot.last_error,
                 paused_for=max(0.0, slot.paused_until - now),
+                next_probe_in=slot.next_probe_in(now),
             )
         )
     return tuple(out)

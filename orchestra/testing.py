@@ -137,7 +137,8 @@ class ScriptedAgent:
 
     Outcomes: "ok", "error" (connection error), "rate_limit" (HTTP 429 with Retry-After
     `retry_after`), "overloaded" (529), "server_error" (500), "hang" (never returns: set a timeout),
-    "garbage" (returns `GARBAGE`), "permanent" (`PermanentError`), "slow" (`latency` more).
+    "garbage" (returns `GARBAGE`), "permanent" (`PermanentError`), "slow" (`latency` more),
+    "bug" (`ValueError`: a bug of the agent's own code, which no breaker counts).
 
     Args:
         fail_first: shorthand for a script of that many "error"s.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from orchestra import Task
+from orchestra import BreakerPolicy, Task
 from orchestra.stores import SQLiteStore
 from orchestra.testing import GARBAGE, FakeClock, Recorder
 
@@ -180,3 +180,15 @@ class AppLines:
         self.lines.append(json.loads(message))
 
     info = msg
+
+
+def trips_after(tasks: int, cooldown: float = 30.0) -> BreakerPolicy:
+    """A breaker that opens once `tasks` distinct tasks failed with a health failure and none
+    succeeded in between (a rate of 1 over a window longer than any test), for a fixed `cooldown`."""
+    return BreakerPolicy(
+        min_calls=tasks, failure_rate=1.0, window=3600.0, cooldown=cooldown, max_cooldown=cooldown
+    )
+
+
+# A breaker that never opens, for tests whose failures are the scenario's, not an outage.
+NEVER_OPENS = BreakerPolicy(min_calls=1_000_000)

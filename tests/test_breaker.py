@@ -1,29 +1,44 @@
-"""Circuit breakers: per agent; open after N consecutive failures or a failure rate over a window,
-half-open after the cool-down with ONE probe, close on its success, re-open on its failure. While
-open, tasks go straight to the next agent of their chain. The 30 s cool-downs run in fake time."""
+"""Circuit breakers: per agent, for outages and not for bugs; open on a rate of health failures over
+a time window (each task once), half-open after the cool-down with ONE probe, close when it ends
+without an outage, re-open for a longer cool-down when it fails. While open, tasks go straight to
+the next agent of their chain; a task with nowhere else to go spends an attempt on each failed
+probe. The cool-downs run in fake time."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from pydantic import BaseModel
+from rich.console import Console
 
 from orchestra import (
+    AttemptFailed,
+    AttemptTimeout,
     BreakerChanged,
     BreakerPolicy,
     ConfigError,
     Context,
     FallbackUsed,
+    PermanentError,
+    RateLimited,
+    RetryableError,
     RetryPolicy,
+    RunStatus,
     Task,
+    VerificationError,
     agent,
+    render_status,
 )
-from orchestra._breaker import Breaker
+from orchestra._breaker import Breaker, is_outage
+from orchestra._faults import SimulatedAPIError
 from orchestra._routing import Router
 from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
-from tests.helpers import not_garbage
+from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -69,7 +84,7 @@ def chain_of_two(
 ) -> tuple[Orchestrator, ScriptedAgent, ScriptedAgent, Recorder]:
     primary = scripted("primary", ["k"], script=primary_script, latency=1)
     backup = scripted("backup", ["k"], latency=1)
-    options.setdefault("breaker", BreakerPolicy(failures=2, cooldown=30))
+    options.setdefault("breaker", trips_after(2, cooldown=30))
     orch = make_orchestrator(
         agents=[primary, backup],
         fallbacks={"k": ["primary", "backup"]},
@@ -101,7 +116,7 @@ class TestOpening:
         assert (seen["status"], seen["breaker"]) == ("open", "open")
         assert timeline.snapshots[5]["backup"]["breaker"] == "closed"
 
-    async def test_a_success_resets_the_consecutive_count(
+    async def test_a_success_in_the_window_keeps_a_rate_of_one_from_being_reached(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         flaky = scripted("flaky", ["k"], script=["error", "error", "ok", "error", "error", "ok"])
@@ -109,7 +124,7 @@ class TestOpening:
             agents=[flaky],
             concurrency=1,
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=3),
+            breaker=trips_after(3),
         )
         rec = Recorder()
         orch.subscribe(rec, BreakerChanged)
@@ -123,7 +138,7 @@ class TestOpening:
     ) -> None:
         flaky = scripted("flaky", ["k"], script=["error"])
         orch = make_orchestrator(
-            agents=[flaky], retry=RetryPolicy(max_attempts=1), breaker=BreakerPolicy(failures=3)
+            agents=[flaky], retry=RetryPolicy(max_attempts=1), breaker=trips_after(3)
         )
         async with orch:
             await orch.run(tasks=[make_task("k")])
@@ -141,7 +156,7 @@ class TestOpening:
             agents=[broken, healthy],
             concurrency=1,
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=2),
+            breaker=trips_after(2),
         )
         rec = Recorder()
         orch.subscribe(rec, BreakerChanged)
@@ -160,12 +175,13 @@ class TestOpening:
     async def test_opens_on_a_failure_rate_over_the_window(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
-        # ok, error, ok, error: half of the last 4 attempts failed -> open (never 2 in a row).
+        # ok, error, ok, error: 2 of the 3 calls since the first failure failed -> open (never
+        # 2 in a row).
         orch, primary, _, rec = chain_of_two(
             make_orchestrator,
             ["ok", "error", "ok", "error"],
             concurrency=1,
-            breaker=BreakerPolicy(failures=100, failure_rate=0.5, window=4),
+            breaker=BreakerPolicy(min_calls=3, failure_rate=0.5, window=3600),
         )
         result = await orch.run(tasks=[make_task("k", id=f"t{i}") for i in range(1, 6)])
         assert result.status == "success"
@@ -182,18 +198,17 @@ class TestOpening:
             make_orchestrator,
             script,
             concurrency=1,
-            breaker=BreakerPolicy(failures=100, failure_rate=0.5, window=4),
+            breaker=BreakerPolicy(min_calls=3, failure_rate=0.5, window=3600),
         )
         await orch.run(tasks=[make_task("k") for _ in range(len(script))])
         assert transitions(rec, "primary") == []
         assert len(primary.calls) == len(script)
 
-    def test_failure_rate_waits_for_a_full_window(self) -> None:
-        breaker = Breaker(BreakerPolicy(failures=100, failure_rate=0.5, window=4))
-        assert breaker.on_failure(0.0) is None
-        assert breaker.on_failure(1.0) is None  # 2 of 2 failed, but the window is not full
-        breaker.on_success()
-        assert breaker.on_failure(2.0) == "open"  # 3 of 4 failed
+    def test_failure_rate_waits_for_the_fewest_calls(self) -> None:
+        breaker = Breaker(BreakerPolicy(min_calls=4, failure_rate=0.5, window=3600))
+        assert breaker.on_failure(0.0, "t1", successes=0) is None
+        assert breaker.on_failure(1.0, "t2", successes=0) is None  # 2 of 2 failed: too few
+        assert breaker.on_failure(2.0, "t3", successes=1) == "open"  # 3 of 4 failed
 
 
 class TestHalfOpen:
@@ -239,7 +254,7 @@ class TestHalfOpen:
         orch = make_orchestrator(
             agents=[only],
             retry=RetryPolicy(max_attempts=2, base=0.01, cap=0.01, jitter="none"),
-            breaker=BreakerPolicy(failures=1, cooldown=0.1),
+            breaker=trips_after(1, cooldown=0.1),
         )
         result = await orch.run(tasks=[Task("work", {}, id="t")])
         assert result.status == "success"
@@ -254,7 +269,7 @@ class TestHalfOpen:
         orch, primary, backup, rec = chain_of_two(
             make_orchestrator,
             ["error", "error", "error", "slow"],  # "slow": twice the latency, then ok
-            breaker=BreakerPolicy(failures=3, cooldown=30),
+            breaker=trips_after(3, cooldown=30),
         )
         timeline = Timeline(clock, orch)
         result = await orch.run(tasks=timeline.play([(0, ["a1", "a2", "a3", "a4"]), (10, ["b1"])]))
@@ -333,7 +348,7 @@ class TestAcrossRuns:
             agents=[a, b],
             fallbacks={"k": ["a", "b"]},
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=30),
+            breaker=trips_after(1, cooldown=30),
         )
         async with orch:
             first = await orch.run(tasks=[make_task("k", id="first")])
@@ -357,7 +372,7 @@ class TestAcrossRuns:
         orch = make_orchestrator(
             agents=[a],
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=30),
+            breaker=trips_after(1, cooldown=30),
         )
         async with orch:
             await orch.run(tasks=[make_task("k")])
@@ -379,7 +394,7 @@ class TestAcrossRuns:
         orch = make_orchestrator(
             agents=[a],
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=30),
+            breaker=trips_after(1, cooldown=30),
             defaults={"k": "cached"},
         )
         async with orch:
@@ -413,7 +428,7 @@ class TestHealth:
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         a = scripted("a", ["k"], then="permanent")
-        orch = make_orchestrator(agents=[a], breaker=BreakerPolicy(failures=2))
+        orch = make_orchestrator(agents=[a], breaker=trips_after(2))
         rec = Recorder()
         orch.subscribe(rec, BreakerChanged)
         async with orch:
@@ -432,7 +447,7 @@ class TestHealth:
         orch = make_orchestrator(
             agents=[a],
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=10),
+            breaker=trips_after(1, cooldown=10),
             safety=lambda task: task.payload != "refused",
         )
         async with orch:
@@ -457,7 +472,7 @@ class TestHealth:
         orch = make_orchestrator(
             agents=[a],
             retry=RetryPolicy(max_attempts=3, base=0.1),
-            breaker=BreakerPolicy(failures=1, cooldown=10),
+            breaker=trips_after(1, cooldown=10),
             verify={"k": not_garbage},
         )
         async with orch:
@@ -473,7 +488,7 @@ class TestPolicy:
     @pytest.mark.parametrize(
         "options",
         [
-            {"failures": 0},
+            {"min_calls": 0},
             {"cooldown": -1},
             {"failure_rate": 0},
             {"failure_rate": 1.5},
@@ -493,16 +508,16 @@ class TestPolicy:
         # 559893.2372771676 + 0.1 rounds so that subtracting the opening time again gives less
         # than 0.1: "available" and "reopens at" computed apart disagreed there (a task woken
         # for the reopening found it still closed to it, and was woken again at once: a hang).
-        breaker = Breaker(BreakerPolicy(failures=1, cooldown=cooldown))
-        breaker.on_failure(opened)
+        breaker = Breaker(trips_after(1, cooldown=cooldown))
+        breaker.on_failure(opened, "t", 0)
         at = opened + breaker.reopens_in(opened)
         assert at == breaker.reopens_at
         assert breaker.available(at)
         assert not breaker.available(math.nextafter(at, 0.0))
 
     def test_half_open_admits_a_single_probe(self) -> None:
-        breaker = Breaker(BreakerPolicy(failures=1, cooldown=30))
-        assert breaker.on_failure(10.0) == "open"
+        breaker = Breaker(trips_after(1, cooldown=30))
+        assert breaker.on_failure(10.0, "t", 0) == "open"
         assert not breaker.available(39.9)
         assert breaker.reopens_in(39.9) == pytest.approx(0.1)
         assert breaker.available(40.0)
@@ -524,6 +539,7 @@ class TestScale:
         # probe through, reopens, ... while the others wait in the agent's lane. Routing every
         # waiting task again at each attempt's end was O(n) per attempt: O(n^2) over the run (a
         # CPU-bound minute for 25,000 tasks). Counted: routes per task, bounded whatever n is.
+        # (A task waiting for a probe spends an attempt on each failed one: four leave room.)
         routes = 0
         route = Router.route
 
@@ -534,17 +550,355 @@ class TestScale:
 
         monkeypatch.setattr(Router, "route", counted)
 
-        @agent(kinds=["k"], retry=RetryPolicy(max_attempts=2, base=1, jitter="none"))
+        @agent(kinds=["k"], retry=RetryPolicy(max_attempts=4, base=1, jitter="none"))
         async def flaky(task: Task, ctx: Context) -> int:
             if ctx.attempt == 1:
-                raise RuntimeError("first attempt")
+                raise ConnectionError("first attempt")
             return 1
 
         n = 400
         orch = make_orchestrator(
-            agents=[flaky], concurrency=20, breaker=BreakerPolicy(failures=5, cooldown=30)
+            agents=[flaky], concurrency=20, breaker=trips_after(5, cooldown=30)
         )
         async with orch:
             result = await orch.run(tasks=[make_task("k") for _ in range(n)])
         assert result.status == "success"
         assert routes <= 4 * n
+
+
+def http_error(status: int, message: str) -> SimulatedAPIError:
+    body = {"type": "error", "error": {"type": "simulated", "message": message}}
+    return SimulatedAPIError(message, status_code=status, headers={}, body=body)
+
+
+class TestOutagesNotBugs:
+    @pytest.mark.parametrize(
+        "exc",
+        [
+            ConnectionError("refused"),
+            TimeoutError(),
+            AttemptTimeout("attempt timeout after 1s"),
+            RetryableError("the service says: later"),
+            http_error(500, "internal error"),
+            http_error(503, "unavailable"),
+            http_error(529, "overloaded"),
+        ],
+        ids=type,
+    )
+    def test_what_says_the_service_is_unwell_is_an_outage(self, exc: BaseException) -> None:
+        assert is_outage(exc, BreakerPolicy())
+
+    @pytest.mark.parametrize(
+        "exc",
+        [
+            ValueError("bad payload"),
+            KeyError("clause"),
+            TypeError("NoneType"),
+            RuntimeError("assertion in the agent"),
+            PermanentError("no"),
+            RateLimited("slow down", retry_after=1),
+            VerificationError("wrong", output=1),
+            http_error(400, "bad request"),
+            http_error(429, "rate limited"),
+        ],
+        ids=type,
+    )
+    def test_what_the_agent_itself_fails_at_is_not(self, exc: BaseException) -> None:
+        assert not is_outage(exc, BreakerPolicy())
+
+    def test_a_type_the_policy_lists_is_an_outage(self) -> None:
+        class Down(Exception):
+            pass
+
+        assert not is_outage(Down(), BreakerPolicy())
+        assert is_outage(Down(), BreakerPolicy(outages=(Down,)))
+
+    async def test_a_few_buggy_payloads_cost_those_payloads_not_the_run(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # 400 tasks of 50 ms, 11 of which hit a bug: with the default breaker and retry policy,
+        # the run takes what it takes without them plus their retries' backoff (<= 0.5 + 1 s).
+        buggy = {f"t{i}" for i in range(0, 400, 37)}
+
+        @agent(kinds=["k"], concurrency=50)
+        async def work(task: Task, ctx: Context) -> str:
+            await anyio.sleep(0.05)
+            if task.id in buggy:
+                raise ValueError(f"cannot parse {task.id}")
+            return task.id
+
+        orch = make_orchestrator(agents=[work])
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        result = await orch.run(tasks=[Task("k", i, id=f"t{i}") for i in range(400)])
+        assert len(buggy) == 11
+        assert result.metadata.counts["succeeded"] == 389
+        assert {e.task_id for e in result.errors} == buggy
+        assert all(len(e.attempts) == 3 for e in result.errors)  # retried as before
+        assert rec.of(BreakerChanged) == []
+        assert result.metadata.elapsed <= 2 * (400 / 50 * 0.05) + 1.5 + 0.1
+
+    async def test_a_kind_whose_agent_always_raises_a_bug_ends_in_seconds(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        broken = scripted("broken", ["k"], then="bug")
+        orch = make_orchestrator(agents=[broken])
+        result = await orch.run(tasks=[make_task("k") for _ in range(40)])
+        assert result.status == "failed"
+        assert len(broken.calls) == 40 * 3  # each task its three attempts, nobody waited
+        assert result.metadata.elapsed < 2.0  # the backoff of two retries: <= 0.5 + 1 s
+        assert orch.agents_status()[0]["breaker"] == "closed"
+
+    async def test_a_task_retrying_an_outage_counts_once(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        # One task's ten connection errors are one task failing, not ten: the breaker needs
+        # `min_calls` distinct tasks before it judges.
+        down = scripted("down", ["k"], then="error")
+        orch = make_orchestrator(
+            agents=[down], retry=RetryPolicy(max_attempts=10, base=0.01), breaker=BreakerPolicy()
+        )
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        result = await orch.run(tasks=[make_task("k", id="alone")])
+        assert result.status == "failed"
+        assert len(down.calls) == 10
+        assert rec.of(BreakerChanged) == []
+
+    @pytest.mark.parametrize("raised", [KeyError("verdict"), ConnectionError("judge is down")])
+    async def test_a_verifier_that_raises_is_never_the_agents_failure(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        raised: Exception,
+    ) -> None:
+        echo = scripted("echo", ["k"])
+
+        def judge(task: Task, output: Any) -> bool:
+            raise raised
+
+        orch = make_orchestrator(
+            agents=[echo],
+            retry=RetryPolicy(max_attempts=2, base=0.01),
+            breaker=trips_after(1),
+            verify={"k": judge},
+        )
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        result = await orch.run(tasks=[make_task("k") for _ in range(10)])
+        assert result.status == "failed"
+        assert len(echo.calls) == 20  # every task its two attempts: the agent never failed
+        assert {e.error_type for e in result.errors} == {type(raised).__name__}
+        assert rec.of(BreakerChanged) == []
+
+    async def test_the_output_models_failure_is_never_the_agents(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        class Out(BaseModel):
+            value: int
+
+        @agent(kinds=["k"], output=Out)
+        async def wrong(task: Task, ctx: Context) -> dict[str, str]:
+            return {"value": "not a number"}
+
+        orch = make_orchestrator(agents=[wrong], breaker=trips_after(1))
+        result = await orch.run(tasks=[make_task("k") for _ in range(5)])
+        assert result.status == "failed"
+        assert orch.agents_status()[0]["breaker"] == "closed"
+
+
+class TestCooldown:
+    def test_grows_while_probes_fail_up_to_the_maximum_and_resets_on_close(self) -> None:
+        breaker = Breaker(BreakerPolicy(min_calls=1, cooldown=1, max_cooldown=5))
+        assert breaker.on_failure(0.0, "t", 0) == "open"
+        seen = []
+        now = 0.0
+        for _ in range(5):
+            now = breaker.reopens_at
+            seen.append(breaker.reopens_at - breaker.opened_at)
+            assert breaker.on_dispatch(now) == "half_open"
+            assert breaker.on_failure(now, "probe", 0) == "open"
+        assert seen == [1, 2, 4, 5, 5]
+        now = breaker.reopens_at
+        breaker.on_dispatch(now)
+        assert breaker.on_success() == "closed"
+        assert breaker.on_failure(now, "t", 0) == "open"
+        assert breaker.reopens_at - now == 1  # from the start again
+
+    def test_the_default_starts_near_a_second_and_stops_at_thirty(self) -> None:
+        policy = BreakerPolicy()
+        assert (policy.cooldown, policy.longest) == (1.0, 30.0)
+        assert BreakerPolicy(cooldown=60).longest == 60  # a longer first one is the ceiling
+        with pytest.raises(ConfigError, match="max_cooldown"):
+            BreakerPolicy(cooldown=10, max_cooldown=5)
+
+    def test_failures_that_left_the_window_do_not_count(self) -> None:
+        breaker = Breaker(BreakerPolicy(min_calls=3, failure_rate=1.0, window=10))
+        assert breaker.on_failure(0.0, "a", 0) is None
+        assert breaker.on_failure(5.0, "b", 0) is None
+        assert breaker.on_failure(10.5, "c", 0) is None  # "a" left the window: 2 of 2
+        assert breaker.health_failures == 2
+        assert breaker.on_failure(11.0, "d", 0) == "open"
+
+    def test_successes_since_the_first_failure_lower_the_rate(self) -> None:
+        breaker = Breaker(BreakerPolicy(min_calls=4, failure_rate=0.5, window=10))
+        assert breaker.on_failure(0.0, "a", successes=100) is None
+        assert breaker.on_failure(1.0, "b", successes=103) is None  # 2 of 5
+        assert breaker.on_failure(2.0, "c", successes=103) == "open"  # 3 of 6
+
+
+class TestWaitingForAProbe:
+    async def test_an_agent_down_for_a_few_seconds_loses_nothing(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # Down for 3 s from the start, the default policies: the breaker opens, probes at 1 s,
+        # 3 s (and closes): no task runs out of attempts while it waits.
+        service = scripted("service", ["k"], latency=0.1)
+        orch = make_orchestrator(agents=[service], concurrency=10)
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        async with orch:
+            orch.simulate_agent_failure("service", mode="error", duration=3)
+            result = await orch.run(tasks=[Task("k", i) for i in range(100)])
+        assert result.status == "success"
+        assert ("closed", "open") in transitions(rec, "service")
+        assert transitions(rec, "service")[-1] == ("half_open", "closed")
+        failed_calls = [c for c in service.calls if c.outcome != "ok"]
+        assert len(failed_calls) <= 20  # what was in flight when it opened, and the probes
+        assert result.metadata.elapsed < 10
+
+    async def test_an_agent_down_for_good_fails_its_tasks_after_a_few_probes(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        down = scripted("down", ["k"], then="error", latency=0.1)
+        orch = make_orchestrator(agents=[down], concurrency=10)
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        result = await orch.run(tasks=[Task("k", i) for i in range(200)])
+        assert result.status == "failed"
+        assert result.metadata.counts["failed"] == 200
+        # The calls: the first tasks in flight and their retries, then one probe per cool-down.
+        probes = [e for e in rec.of(BreakerChanged) if e.state == "half_open"]
+        assert len(probes) <= 4
+        assert len(down.calls) <= 10 * 3 + len(probes)
+        # Each task that waited spent an attempt on each failed probe, and failed with it.
+        waited = [e for e in result.errors if e.error_type == "CircuitOpen"]
+        assert len(waited) >= 150
+        for record in waited:
+            assert len(record.attempts) == 3
+            last = record.attempts[-1]
+            assert last.error_type == "CircuitOpen"
+            assert last.agent == "down"
+            assert "the probe failed with ConnectionError" in last.message
+            assert "3 attempts failed" in record.message
+        assert result.metadata.elapsed < 1 + 2 + 4 + 1
+
+    async def test_a_task_that_can_go_elsewhere_is_not_charged_for_a_probe(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        down = scripted("down", ["k"], then="error", latency=0.1)
+        backup = scripted("backup", ["k"], latency=0.1)
+        orch = make_orchestrator(
+            agents=[down, backup], fallbacks={"k": ["down", "backup"]}, concurrency=10
+        )
+        rec = Recorder()
+        orch.subscribe(rec, AttemptFailed)
+        result = await orch.run(tasks=[Task("k", i) for i in range(100)])
+        assert result.status == "success"
+        assert rec.of(AttemptFailed)  # "down" did fail them, and they went on to the backup
+        assert all(e.error_type == "ConnectionError" for e in rec.of(AttemptFailed))
+
+
+class TestLanes:
+    @pytest.mark.timeout(20)
+    async def test_a_task_waiting_for_an_open_breaker_does_not_block_its_kind(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # a1's breaker is open; t fails for good on a0, so it may only go to a1 now, while u1
+        # and u2 wait in the kind's lane for a0. t waits for a1's probe on a timer; w, streamed
+        # later, runs on idle a0 at once. (t sat at the head of the kind's lane, with no timer
+        # and no probe, and w waited behind it: the run never ended.)
+        @agent(kinds=["k"], name="a0", concurrency=1)
+        async def a0(task: Task, ctx: Context) -> str:
+            await anyio.sleep(0.02)
+            if task.id == "t":
+                raise PermanentError("a0 cannot do t")
+            return "a0"
+
+        a1 = scripted("a1", ["k", "x"], script=["error"], output="a1", concurrency=1)
+        orch = make_orchestrator(
+            agents=[a0, a1],
+            concurrency=8,
+            retry=RetryPolicy(max_attempts=1),
+            breaker=trips_after(1, cooldown=0.2),
+        )
+
+        async def source() -> AsyncIterator[Task]:
+            for name in ("t", "u1", "u2"):
+                yield Task("k", id=name)
+            await anyio.sleep(0.5)
+            yield Task("k", id="w")
+
+        async with orch:
+            await orch.run(tasks=[Task("x", id="opens-a1")])
+            assert status_of(orch, "a1")["breaker"] == "open"
+            t0 = clock.time()
+            result = await orch.run(tasks=source())
+        assert result.status == "success"
+        assert result.data["t"] == "a1"  # its probe, once the cool-down was over
+        assert ids(a1)[:2] == ["opens-a1", "t"]
+        assert clock.time() - t0 < 1.0
+
+
+class TestAttemptsPerAgent:
+    async def test_a_task_that_comes_back_to_an_agent_goes_on_with_its_attempts_there(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # Two agents that always fail, two attempts each, breakers that open at once: the task
+        # left each for the other's open breaker and came back with a fresh budget, forever.
+        a0 = scripted("a0", ["k"], then="error", latency=0.01)
+        a1 = scripted("a1", ["k"], then="error", latency=0.01)
+        orch = make_orchestrator(
+            agents=[a0, a1],
+            retry=RetryPolicy(max_attempts=2, base=0.005, jitter="none"),
+            breaker=trips_after(1, cooldown=0.01),
+        )
+        rec = Recorder()
+        orch.subscribe(rec)
+        with anyio.fail_after(60):
+            result = await orch.run(tasks=[Task("k", id="t")])
+        assert result.status == "failed"
+        record = result.error_for("t")
+        assert record is not None
+        assert len(a0.calls) + len(a1.calls) == 4
+        assert sorted(a.agent for a in record.attempts) == ["a0", "a0", "a1", "a1"]
+        # Every change of agent is reported as a fallback.
+        agents = [a.agent for a in record.attempts]
+        changes = sum(1 for x, y in itertools.pairwise(agents) if x != y)
+        moves = [e for e in rec.of(FallbackUsed) if e.to_agent is not None]
+        assert len(moves) >= changes
+
+
+class TestVisibility:
+    async def test_status_says_which_breaker_is_open_and_when_it_probes(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        down = scripted("down", ["k"], then="error", latency=0.1)
+        orch = make_orchestrator(agents=[down], concurrency=5)
+        seen: list[RunStatus] = []
+        async with orch:
+            handle = orch.start(tasks=[Task("k", i) for i in range(20)])
+            await anyio.sleep(0.5)
+            seen.append(handle.status())
+            agents = orch.agents_status()
+            await handle
+        status = seen[0]
+        assert agents[0]["breaker"] == "open"
+        assert 0 < agents[0]["next_probe_in"] <= 1.0
+        (shown,) = status.agents
+        assert shown.state == "open"
+        assert shown.next_probe_in == pytest.approx(agents[0]["next_probe_in"])
+        assert status.eta is None  # it cannot know: not 00:00
+        console = Console(record=True, file=io.StringIO(), width=120)
+        console.print(render_status(status))
+        assert "probe in" in console.export_text()

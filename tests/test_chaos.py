@@ -24,7 +24,6 @@ import pydantic
 import pytest
 
 from orchestra import (
-    BreakerPolicy,
     Context,
     Orchestrator,
     RetryPolicy,
@@ -34,7 +33,7 @@ from orchestra import (
     TaskResult,
 )
 from orchestra.testing import FakeClock, Probe, ScriptedAgent, scripted
-from tests.helpers import not_garbage
+from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -133,7 +132,7 @@ async def chaos_run(seed: int, n_tasks: int, clock: FakeClock) -> Chaos:
         concurrency=CONCURRENCY,
         fallbacks={"alpha": ["a1", "a2", "a3"], "beta": ["b1", "b2", "b3"]},
         retry=RetryPolicy(max_attempts=3, base=0.2, cap=5),
-        breaker=BreakerPolicy(failures=5, cooldown=30),
+        breaker=trips_after(5, cooldown=30),
         timeouts={"attempt": 5},
         verify={"beta": not_garbage},
         seed=seed,

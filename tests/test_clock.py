@@ -16,7 +16,6 @@ import anyio.to_thread
 import pytest
 
 from orchestra import (
-    BreakerPolicy,
     ConfigError,
     Context,
     Orchestrator,
@@ -27,7 +26,7 @@ from orchestra import (
 )
 from orchestra._clock import Clock, current_clock, loop_time
 from orchestra.testing import FakeClock, scripted
-from tests.helpers import fake_clock, run_recorded, tasks_of
+from tests.helpers import fake_clock, run_recorded, tasks_of, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -480,7 +479,7 @@ class TestStateKeptAcrossClocks:
         orch = Orchestrator(
             agents=[flaky],
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=30),
+            breaker=trips_after(1, cooldown=30),
         )
         async with FakeClock():
             failed = await orch.run(tasks=tasks_of(1))  # fails at virtual +10 s: open

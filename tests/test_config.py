@@ -135,10 +135,10 @@ RETRY: list[tuple[str, Any, str | None]] = [
 ]
 
 BREAKER: list[tuple[str, Any, str | None]] = [
-    ("failures", "5", None),
-    ("failures", 2.5, None),
-    ("failures", True, None),
-    ("failures", 0, None),
+    ("min_calls", "5", None),
+    ("min_calls", 2.5, None),
+    ("min_calls", True, None),
+    ("min_calls", 0, None),
     ("cooldown", NAN, None),
     ("cooldown", INF, None),
     ("cooldown", "30", None),
@@ -149,10 +149,14 @@ BREAKER: list[tuple[str, Any, str | None]] = [
     ("failure_rate", NAN, None),
     ("failure_rate", "0.5", None),
     ("failure_rate", True, None),
-    ("window", 2.5, None),
     ("window", "20", None),
     ("window", 0, None),
     ("window", True, None),
+    ("window", INF, None),
+    ("max_cooldown", -1, None),
+    ("max_cooldown", "30", None),
+    ("outages", "ValueError", None),
+    ("outages", (ValueError, 3), None),
 ]
 
 TIMEOUTS: list[tuple[str, Any, str | None]] = [
@@ -302,7 +306,8 @@ class TestPolicies:
 
     def test_right_values_pass(self) -> None:
         RetryPolicy(max_attempts=1, base=0, cap=0, jitter="none")
-        BreakerPolicy(failures=1, cooldown=0, failure_rate=1, window=1)
+        BreakerPolicy(min_calls=1, cooldown=0, failure_rate=1, window=0.5, max_cooldown=0)
+        BreakerPolicy(outages=ConnectionRefusedError)  # type: ignore[arg-type]
         Timeouts(attempt=0.001, task=10, run=None)
 
 

@@ -17,7 +17,6 @@ from orchestra import (
     AttemptStarted,
     AttemptSucceeded,
     BreakerChanged,
-    BreakerPolicy,
     Context,
     Event,
     FallbackUsed,
@@ -32,7 +31,7 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import FakeClock, scripted
-from tests.helpers import tasks_of
+from tests.helpers import tasks_of, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -90,7 +89,7 @@ class TestEventStream:
             agents=[flaky, backup],
             fallbacks={"work": ["flaky", "backup"]},
             retry=RetryPolicy(max_attempts=3, base=1.0),
-            breaker=BreakerPolicy(failures=2, cooldown=100.0),
+            breaker=trips_after(2, cooldown=100.0),
         )
         orch.subscribe(events.append)
         result = await orch.run(tasks=[Task("work", None, id="x")])

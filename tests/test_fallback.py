@@ -14,7 +14,6 @@ from orchestra import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
-    BreakerPolicy,
     ConfigError,
     Event,
     FallbackUsed,
@@ -28,7 +27,7 @@ from orchestra import (
     TaskReady,
 )
 from orchestra.testing import Recorder, ScriptedAgent, scripted
-from tests.helpers import run_recorded
+from tests.helpers import run_recorded, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -216,7 +215,7 @@ class TestChain:
         orch = make_orchestrator(
             agents=[a, b, c],
             retry=RetryPolicy(max_attempts=1),
-            breaker=BreakerPolicy(failures=1, cooldown=60),
+            breaker=trips_after(1, cooldown=60),
         )
         rec = Recorder()
         orch.subscribe(rec, FallbackUsed)

@@ -15,7 +15,6 @@ import pytest
 
 from orchestra import (
     AttemptFailed,
-    BreakerPolicy,
     ConfigError,
     Context,
     Orchestrator,
@@ -29,7 +28,7 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
-from tests.helpers import not_garbage, run_recorded
+from tests.helpers import not_garbage, run_recorded, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -442,7 +441,7 @@ class TestSimulatedFailure:
         orch = make_orchestrator(
             agents=[main, spare],
             retry=RetryPolicy(max_attempts=2, base=0.5),
-            breaker=BreakerPolicy(failures=3, cooldown=60),
+            breaker=trips_after(3, cooldown=60),
         )
         tasks = [make_task("k", id=f"t{i}") for i in range(10)]
         async with orch:

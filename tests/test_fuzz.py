@@ -53,7 +53,14 @@ from orchestra import (
 )
 from orchestra._faults import raise_fault
 from orchestra.testing import GARBAGE
-from tests.helpers import assert_no_leaks, fake_clock, live_tasks, not_garbage, sqlite_store
+from tests.helpers import (
+    assert_no_leaks,
+    fake_clock,
+    live_tasks,
+    not_garbage,
+    sqlite_store,
+    trips_after,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -92,7 +99,10 @@ OUTCOMES = (
     "coroutine",  # returns a coroutine: a forgotten await
     "garbage",  # the verifier rejects it: a retryable failure
     "retry_after",  # RetryableError(retry_after=...), raised by the agent itself
+    "bug",  # a ValueError from the agent's own code: retried, never a health failure
+    "judge_raises",  # the verifier raises on its output (KeyError): never the agent's failure
 )
+JUDGE_RAISES = "the verifier raises on this"
 RETRY_AFTER = 1.5
 ATTEMPT_TIMEOUT = 4.0
 EPS = 1e-6
@@ -129,7 +139,7 @@ class Scenario:
     agents: list[AgentSpec]
     concurrency: int
     max_attempts: int
-    breaker: bool
+    breaker: str  # "off", "quick" (opens on 2 tasks, 2 s cool-down) or "default"
     shared_slots: int
     rate: int  # requests per second of the shared Rate
     task_timeout: float | None
@@ -173,6 +183,7 @@ class World:
     stopped: tuple[float, float | None] | None = None  # (when, grace) of the first stop
     cancelled_at: dict[str, float] = field(default_factory=dict)  # by a handle's cancel
     started: float = 0.0
+    ended: float = 0.0
     bystander: RunResult | None = None  # the result of the run nobody steers
     raised: BaseException | None = None  # what the steered run raised
     streamed: list[str] = field(default_factory=list)  # what its handle's results() gave
@@ -241,6 +252,10 @@ class FuzzAgent:
                 return task_id
             if outcome == "garbage":
                 return GARBAGE
+            if outcome == "judge_raises":
+                return JUDGE_RAISES
+            if outcome == "bug":
+                raise ValueError(f"{task_id}: a bug in the agent")
             if outcome == "coroutine":
                 return _forgotten()
             if outcome == "permanent":
@@ -331,7 +346,7 @@ def scenarios(draw: st.DrawFn, *, streamed: bool | None = None) -> Scenario:
         agents=agents,
         concurrency=draw(st.integers(1, 4)),
         max_attempts=draw(st.integers(1, 3)),
-        breaker=draw(st.booleans()),
+        breaker=draw(st.sampled_from(("off", "quick", "default"))),
         shared_slots=draw(st.integers(1, 3)),
         rate=draw(st.sampled_from((2, 5, 50))),
         task_timeout=draw(st.sampled_from((None, None, 6.0, 15.0))),
@@ -394,6 +409,36 @@ class SourceBroke(Exception):
     """What a broken streamed input raises."""
 
 
+BREAKERS: dict[str, BreakerPolicy | None] = {
+    "off": None,
+    "quick": trips_after(2, cooldown=2.0),
+    "default": BreakerPolicy(),
+}
+
+
+def judge(task: Task, output: Any) -> bool:
+    """The verifier: rejects garbage, and raises (a bug of its own) on `JUDGE_RAISES`."""
+    if output == JUDGE_RAISES:
+        raise KeyError("the verifier broke")
+    return not_garbage(task, output)
+
+
+def bound(scenario: Scenario) -> float:
+    """The longest a run may take in virtual time, from its policies: each task (and child), one
+    after another, spends its attempts on every agent of its kind, each attempt as long as it can
+    be (a hang to the attempt timeout, a swallowed cancel, a slow call) followed by the longest
+    wait (a backoff, a Retry-After, a breaker's cool-down); plus the input's and the controls'
+    own waits."""
+    policy = BREAKERS[scenario.breaker]
+    cooldown = 0.0 if policy is None else policy.longest
+    attempt = ATTEMPT_TIMEOUT + 3.0 + 2.5 + 1.0  # + slow latency, swallow, task latency
+    wait = max(1.0, RETRY_AFTER) + cooldown
+    chain = max(Counter(a.kind for a in scenario.agents).values())
+    per_task = chain * scenario.max_attempts * (attempt + wait)
+    inputs = 0.3 * len(scenario.specs) + sum(delay for delay, _, _ in scenario.actions)
+    return 2 * len(scenario.specs) * per_task + inputs + 3.0 + EPS
+
+
 def build(scenario: Scenario, world: World) -> tuple[Orchestrator, Orchestrator]:
     """The steered run's orchestrator, and the bystander's: the same one, or another sharing its
     agents and its global limit."""
@@ -413,12 +458,12 @@ def build(scenario: Scenario, world: World) -> tuple[Orchestrator, Orchestrator]
             agents=agents,
             concurrency=everyone,
             retry=RetryPolicy(max_attempts=scenario.max_attempts, base=0.2, cap=1.0),
-            breaker=BreakerPolicy(failures=2, cooldown=2.0) if scenario.breaker else None,
+            breaker=BREAKERS[scenario.breaker],
             timeouts=Timeouts(
                 attempt=ATTEMPT_TIMEOUT, task=scenario.task_timeout, run=scenario.run_timeout
             ),
             success_threshold=0.0,
-            verify=dict.fromkeys(KINDS, not_garbage),
+            verify=dict.fromkeys(KINDS, judge),
             safety=lambda task: not task.payload["refused"],
             window=scenario.window,
             seed=0,
@@ -475,8 +520,8 @@ async def play(scenario: Scenario) -> tuple[World, RunResult | None, list[Event]
     )
     result: RunResult | None = None
     world.started = anyio.current_time()
-    # Virtual time: a deadlock (nothing left to wake anyone) jumps straight to this bound.
-    with anyio.fail_after(10_000):
+    # Virtual time: a deadlock (nothing left to wake anyone) jumps straight past the bound.
+    with anyio.fail_after(bound(scenario) + 1.0):
         if scenario.caller_cancel is not None:
             async with anyio.create_task_group() as tg:
                 if scenario.bystander:
@@ -504,6 +549,7 @@ async def play(scenario: Scenario) -> tuple[World, RunResult | None, list[Event]
                     world.raised = exc
                 if other is not None:
                     world.bystander = await other
+    world.ended = anyio.current_time()
     return world, result, events
 
 
@@ -515,6 +561,8 @@ async def read(results: AsyncIterator[TaskResult], world: World) -> None:
 def check(scenario: Scenario, world: World, result: RunResult | None, events: list[Event]) -> None:
     assert not world.violations, world.violations
     assert world.running == 0
+    # Every run ends, within what its policies allow.
+    assert world.ended - world.started <= bound(scenario), world.ended - world.started
     # A broken input is raised to the caller: nothing else is.
     if world.raised is not None:
         assert scenario.streamed
@@ -614,7 +662,9 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
     for task_id, r in by_id.items():
         if r.status != "failed" or r.error_type in ("TaskTimeout", "Rejected"):
             continue
+        # (An agent it waited for spent its attempts there on failed probes: no call.)
         tried = {c.agent for c in world.calls if c.task_id == task_id}
+        tried.update(a.agent for a in r.failures or ())
         kind_agents = {a.name for a in scenario.agents if a.kind == r.kind}
         assert tried == kind_agents, ("failed with agents untried", task_id, tried, r)
 

@@ -14,9 +14,10 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestra import BreakerPolicy, ConfigError, Context, Orchestrator, Task, agent
+from orchestra import ConfigError, Context, Orchestrator, Task, agent
 from orchestra.metrics import PrometheusMetrics
 from orchestra.testing import scripted
+from tests.helpers import trips_after
 from tests.test_instruments import scenario, scenario_tasks
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ class TestGauges:
     ) -> None:
         orch = make_orchestrator(
             agents=[scripted("down", ["work"], then="error"), scripted("up", ["work"])],
-            breaker=BreakerPolicy(failures=1, cooldown=60),
+            breaker=trips_after(1, cooldown=60),
             instruments=[metrics],
         )
         assert value(registry, "orchestra_breaker_state", agent="down", state="closed") == 1

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from orchestra import (
     AttemptStarted,
-    BreakerPolicy,
     Context,
     Event,
     Orchestrator,
@@ -27,7 +26,7 @@ from orchestra import (
     TaskFinished,
 )
 from orchestra.testing import Probe
-from tests.helpers import assert_no_leaks, fake_clock, live_tasks
+from tests.helpers import NEVER_OPENS, assert_no_leaks, fake_clock, live_tasks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -174,7 +173,7 @@ def build(scenario: Scenario, probe: Probe) -> Orchestrator:
         concurrency=scenario.concurrency,
         window=scenario.window,
         retry=RetryPolicy(max_attempts=2, base=0.05, cap=0.1),
-        breaker=BreakerPolicy(failures=1_000),  # failures here are the scenario's, not an outage
+        breaker=NEVER_OPENS,  # failures here are the scenario's, not an outage
         success_threshold=0.0,
         seed=0,
     )

@@ -25,7 +25,6 @@ from anthropic.types import TextBlock
 from orchestra import (
     Agent,
     BreakerChanged,
-    BreakerPolicy,
     Concurrency,
     Context,
     Limiter,
@@ -37,6 +36,7 @@ from orchestra import (
 )
 from orchestra.testing import Recorder
 from tests.fake_messages_api import RATE_LIMIT_MESSAGE, FakeMessagesAPI, prompt_of
+from tests.helpers import trips_after
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,7 +50,7 @@ MODEL = "claude-test-1"
 # The default policy (failures=5, cooldown=30) with its cool-down scaled to 1 s: the runs
 # used the default, and once the fix makes a task wait for the half-open probe, 30 s is too long
 # for a test: a task whose chain is all open waits for the probe.
-SCALED_BREAKER = BreakerPolicy(failures=5, cooldown=1.0)
+SCALED_BREAKER = trips_after(5, cooldown=1.0)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from orchestra import (
     AttemptFailed,
     AttemptStarted,
-    BreakerPolicy,
     Context,
     InputError,
     PermanentError,
@@ -28,7 +27,7 @@ from orchestra import (
 )
 from orchestra._retry import MAX_RETRY_AFTER, backoff, classify, retry_after_from
 from orchestra.testing import FakeClock, Recorder, scripted
-from tests.helpers import run_recorded
+from tests.helpers import NEVER_OPENS, run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -172,7 +171,7 @@ class TestBackoffSchedule:
         orch = make_orchestrator(
             agents=[flaky],
             retry=RetryPolicy(max_attempts=1100, base=0.001, cap=0.01),
-            breaker=BreakerPolicy(failures=5000),
+            breaker=NEVER_OPENS,
         )
         result = await orch.run(tasks=[make_task("work")])
         assert result.status == "success"
@@ -204,9 +203,7 @@ class TestBackoffSchedule:
     ) -> None:
         policy = RetryPolicy(max_attempts=6, base=0.5, cap=4, jitter="full")
         flaky = scripted("flaky", ["work"], fail_first=5, latency=0.25)
-        orch = make_orchestrator(
-            agents=[flaky], retry=policy, seed=2024, breaker=BreakerPolicy(failures=10)
-        )
+        orch = make_orchestrator(agents=[flaky], retry=policy, seed=2024, breaker=NEVER_OPENS)
         result, _, rec = await run_recorded(orch, [make_task("work", id="t")])
         assert result.status == "success"
 
@@ -227,7 +224,8 @@ class TestBackoffSchedule:
     ) -> None:
         policy = RetryPolicy(max_attempts=5, base=1, cap=8, jitter="full")
         flaky = scripted("flaky", ["work"], failure_rate=0.5, seed=11, latency=0.5, jitter=0.4)
-        orch = make_orchestrator(agents=[flaky], retry=policy, seed=99)
+        # Half the calls fail: an outage the default breaker would answer with its own waits.
+        orch = make_orchestrator(agents=[flaky], retry=policy, seed=99, breaker=NEVER_OPENS)
         _, _, rec = await run_recorded(orch, [make_task("work") for _ in range(20)])
         scheduled = rec.of(RetryScheduled)
         assert len(scheduled) >= 10
@@ -301,9 +299,7 @@ class TestRetryAfter:
         # shorter (the hint wins), some longer (the backoff wins); the schedule is recomputed.
         policy = RetryPolicy(max_attempts=7, base=1, cap=8, jitter="full")
         limited = scripted("limited", ["work"], script=["rate_limit"] * 6, retry_after=0.6)
-        orch = make_orchestrator(
-            agents=[limited], retry=policy, seed=4, breaker=BreakerPolicy(failures=10)
-        )
+        orch = make_orchestrator(agents=[limited], retry=policy, seed=4, breaker=NEVER_OPENS)
         _, _, rec = await run_recorded(orch, [make_task("work")])
         rng = Random(4)
         expected = [backoff(policy, n, rng, 0.6) for n in range(6)]

@@ -10,7 +10,6 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import (
-    BreakerPolicy,
     Concurrency,
     Context,
     Orchestrator,
@@ -23,6 +22,7 @@ from orchestra import (
 from orchestra._run import Run
 from orchestra._status import snapshot
 from orchestra.testing import scripted
+from tests.helpers import trips_after
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -386,7 +386,7 @@ class TestAgentsAndQueue:
         down = scripted("down", ["work"], then="error", latency=0.5)
         orch = make_orchestrator(
             agents=[down],
-            breaker=BreakerPolicy(failures=2, cooldown=60),
+            breaker=trips_after(2, cooldown=60),
             retry=RetryPolicy(max_attempts=5, base=0.1, cap=0.1),
             timeouts={"task": 100},
         )

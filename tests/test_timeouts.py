@@ -10,7 +10,6 @@ import pytest
 
 from orchestra import (
     AttemptFailed,
-    BreakerPolicy,
     ConfigError,
     Context,
     RetryPolicy,
@@ -20,7 +19,7 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import scripted
-from tests.helpers import run_recorded
+from tests.helpers import NEVER_OPENS, run_recorded
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.usefixtures("clock")
 
-NO_BREAKER = BreakerPolicy(failures=1000)
+NO_BREAKER = NEVER_OPENS
 
 
 class TestAttemptTimeout:

@@ -43,7 +43,15 @@ if TYPE_CHECKING:
     from .._store import Listener
     from .._task import Attempt
 
-__all__ = ("MemoryStore", "Record")
+__all__ = ("MemoryStore", "Record", "tries_on")
+
+
+def tries_on(record: Record, agent: str) -> int:
+    """The attempts `record` made on `agent` so far: `max_attempts` holds per task and agent over
+    every visit, so a task that comes back to an agent it left (for an open breaker, say) goes on
+    with the attempts it had there. O(attempts), once per change of agent."""
+    failures = record.failures
+    return 0 if failures is None else sum(1 for a in failures if a.agent == agent)
 
 
 class Record(TaskResult):
@@ -749,7 +757,7 @@ class MemoryRun:
             return False
         if record.target != agent:
             record.target = agent
-            record.agent_tries = 0
+            record.agent_tries = 0 if record.failures is None else tries_on(record, agent)
         record.state = RUNNING
         record.attempts += 1
         record.agent_tries += 1
@@ -785,7 +793,7 @@ class MemoryRun:
             elif attempt.agent not in tried:
                 tried.append(attempt.agent)
             record.target = next_agent
-            record.agent_tries = 0
+            record.agent_tries = 0 if next_agent is None else tries_on(record, next_agent)
         if retry_at is not None:
             record.state = RETRY_WAIT
             record.due = retry_at
