@@ -15,10 +15,12 @@ shows the event and its fields, and structlog's `ProcessorFormatter` (the applic
 `configure_logging` installs) sees the record exactly as `ProcessorFormatter.wrap_for_formatter`
 makes it and renders every field as structured data (JSON, console).
 
-Secrets never reach a record: string values are scrubbed of API keys and credential values (the
-scrubber `_failure.scrub` applies to failure texts), values of fields named like credentials
-(``authorization``, ``x-api-key``, ``api_key``, ...) are replaced whole, and a traceback is
-formatted and scrubbed here (`_failure.format_traceback`) rather than left to the handler.
+Secrets never reach a record: every value is scrubbed of API keys, credential values and URL
+passwords (the scrubber `_failure.scrub` applies to failure texts): strings as they are, containers
+rebuilt `MAX_DEPTH` levels deep, anything else (and anything deeper) as its scrubbed repr. Values
+of fields named like credentials (``authorization``, ``x-api-key``, ``api_key``, ...) are replaced
+whole, and a traceback is formatted and scrubbed here (`_failure.format_traceback`) rather than
+left to the handler.
 `configure_logging(redact=...)` redacts more fields by name.
 """
 
