@@ -139,18 +139,31 @@ def _importable(folder: Path) -> None:
 
 
 class _NotJSON(InputError):
-    """A line that is not JSON; `before` holds the lines read before it."""
+    """A line that is not JSON (or not UTF-8); `before` holds the lines read before it."""
 
     def __init__(self, message: str, *, field: str, before: list[tuple[int, Any]]) -> None:
         super().__init__(message, field=field)
         self.before = before
 
 
-def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[tuple[int, Any]]:
+def read_jsonl(stream: Iterable[str | bytes], *, source: str = "input") -> list[tuple[int, Any]]:
     """The line number and JSON value of every non-blank line of `stream`; `InputError` names a
-    bad line."""
+    bad line. Lines as bytes are decoded as UTF-8 one by one, so the error names the line that
+    is not (a text stream would fail somewhere in a block of lines, naming none)."""
     items: list[tuple[int, Any]] = []
-    for number, line in enumerate(stream, 1):
+    for number, read in enumerate(stream, 1):
+        if isinstance(read, bytes):
+            try:
+                line = read.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _NotJSON(
+                    f"{source}, line {number}: not UTF-8 (byte 0x{read[exc.start]:02x} at "
+                    f"column {exc.start + 1}): JSON lines are UTF-8 text",
+                    field=f"line {number}",
+                    before=items,
+                ) from None
+        else:
+            line = read
         if not line.strip():
             continue
         try:
@@ -164,7 +177,9 @@ def read_jsonl(stream: Iterable[str], *, source: str = "input") -> list[tuple[in
     return items
 
 
-def read_batch(orch: Orchestrator, stream: Iterable[str], *, source: str = "input") -> Batch:
+def read_batch(
+    orch: Orchestrator, stream: Iterable[str | bytes], *, source: str = "input"
+) -> Batch:
     """The JSONL `stream` as a `Batch` for `orch`. `InputError` names the first bad line, whether
     it is not JSON or not a task (a task's field is checked only once every line is read)."""
     try:

@@ -52,15 +52,20 @@ _MAX_ID: Final = 200
 
 # An Anthropic key (`sk-ant-api03-...`, `sk-ant-admin01-...`), the value after a header or
 # argument name that holds a credential (`x-api-key: ...`, `'authorization': 'Bearer ...'`,
-# `api_key="..."`, `access_token=...`), and a bearer token wherever it stands, in a message or a
-# traceback's source lines.
+# `api_key="..."`, `access_token=...`, `password=...`), a bearer token wherever it stands, and the
+# password of a URL's userinfo (`postgresql://user:password@host`), in a message or a traceback's
+# source lines.
 _KEY = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}")
 _CREDENTIAL = re.compile(
     r"(?i)(x-api-key|authorization|api[_-]?key|(?:auth|access|refresh|id)[_-]?token"
-    r"|client[_-]?secret)"
-    r"""(['"]?\s*[:=]\s*['"]?)(bearer\s+|basic\s+)?(?!\[redacted\])[^\s'",;)}\]]+"""
+    r"|client[_-]?secret|passw(?:or)?d)"
+    r"""(['"]?\s*[:=]\s*['"]?)(?!(?:bearer\s+|basic\s+)?\[redacted\])(bearer\s+|basic\s+)?"""
+    r"""[^\s'",;)}\]]+"""
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/\-]+=*")
+# From the literal `://` (which the search skips to), user and password bounded in length: every
+# match attempt costs at most a few hundred steps, so scrubbing stays linear in the text.
+_USERINFO = re.compile(r"""(://[^\s:/@'"]{0,256}:)(?!\[redacted\]@)[^\s/@'"]{1,256}@""")
 _REDACTED: Final = "[redacted]"
 
 
@@ -111,7 +116,7 @@ class Failure:
 def describe(exc: BaseException) -> Failure:
     """The `Failure` of `exc`. Never raises, whatever `exc` does when asked about itself."""
     error_type = _type_name(exc)
-    message = scrub(bound(_text(exc) or error_type, MAX_MESSAGE))
+    message = scrubbed(_text(exc) or error_type, MAX_MESSAGE)
     status = http_status(exc)
     return Failure(
         error_type,
@@ -123,24 +128,41 @@ def describe(exc: BaseException) -> Failure:
     )
 
 
-def bound(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters, its end replaced by a marker that says how much was cut."""
-    if len(text) <= limit:
+def bound(text: str, limit: int, *, more: int = 0) -> str:
+    """`text` cut to `limit` characters, its end replaced by a marker that says how much was cut
+    (`more`: characters of the original already cut off before `text`)."""
+    if len(text) <= limit and not more:
         return text
-    marker = f" [... {len(text) - limit} more characters cut]"
+    marker = f" [... {len(text) + more - limit} more characters cut]"
     return text[: max(0, limit - len(marker))] + marker
 
 
+def scrubbed(text: str, limit: int) -> str:
+    """`text` scrubbed, then cut to `limit` characters: scrubbed first, so that a cut never parts a
+    secret from what marks it as one (a URL's password from its ``@``, a key from its name). Only
+    twice `limit` is scrubbed, so the cost is bounded however long `text` is."""
+    head = text[: 2 * limit]
+    return bound(scrub(head), limit, more=len(text) - len(head))
+
+
 def scrub(text: str) -> str:
-    """`text` with API keys and credential values replaced by ``[redacted]``."""
+    """`text` with API keys, credential values and URL passwords replaced by ``[redacted]``."""
     if "sk-ant-" in text:
         text = _KEY.sub(_REDACTED, text)
     # The case-insensitive pattern costs ~80 ns a character; most texts name no credential at all.
     lowered = text.lower()
-    if "key" in lowered or "auth" in lowered or "token" in lowered or "secret" in lowered:
+    if (
+        "key" in lowered
+        or "auth" in lowered
+        or "token" in lowered
+        or "secret" in lowered
+        or "passw" in lowered
+    ):
         text = _CREDENTIAL.sub(_redact_value, text)
     if "bearer" in lowered:
         text = _BEARER.sub(_redact_bearer, text)
+    if "://" in text and "@" in text:
+        text = _USERINFO.sub(_redact_password, text)
     return text
 
 
@@ -158,6 +180,10 @@ def _redact_value(match: re.Match[str]) -> str:
 
 def _redact_bearer(match: re.Match[str]) -> str:
     return f"{match[1]}{_REDACTED}"
+
+
+def _redact_password(match: re.Match[str]) -> str:
+    return f"{match[1]}{_REDACTED}@"
 
 
 def _type_name(exc: BaseException) -> str:
@@ -206,9 +232,10 @@ def format_traceback(exc: BaseException) -> str | None:
                 current = current.__context__
             else:
                 current = None
-        # The root cause first, as Python prints it. Scrubbed before the cut: a cut that keeps the
-        # end could part a credential's name from its value.
-        text = scrub("".join(reversed(parts)))
+        # The root cause first, as Python prints it. Its messages and source lines were scrubbed
+        # as they were formatted, before this cut, which could part a credential's name from its
+        # value.
+        text = "".join(reversed(parts))
         if len(text) > MAX_TRACEBACK:
             text = "[... traceback cut]\n" + text[-MAX_TRACEBACK + 20 :]
         return text
@@ -232,8 +259,8 @@ def _format_one(exc: BaseException) -> str:
         lines.append(f'  File "{filename}", line {lineno}, in {code.co_qualname}\n')
         source = linecache.getline(filename, lineno).strip()
         if source:
-            lines.append(f"    {bound(source, 300)}\n")
-    lines.append(f"{_type_name(exc)}: {bound(_text(exc), MAX_MESSAGE)}\n")
+            lines.append(f"    {scrubbed(source, 300)}\n")
+    lines.append(f"{_type_name(exc)}: {scrubbed(_text(exc), MAX_MESSAGE)}\n")
     return "".join(lines)
 
 
@@ -275,7 +302,7 @@ def api_error_type(exc: BaseException) -> str | None:
             kind = error.get("type") if isinstance(error, dict) else None
     except Exception:
         return None
-    return bound(kind, _MAX_ID) if isinstance(kind, str) else None
+    return scrubbed(kind, _MAX_ID) if isinstance(kind, str) else None
 
 
 def _request_id(exc: BaseException) -> str | None:
@@ -285,7 +312,7 @@ def _request_id(exc: BaseException) -> str | None:
         request_id = None
     if not isinstance(request_id, str):
         request_id = response_header(exc, "request-id")
-    return bound(request_id, _MAX_ID) if request_id else None
+    return scrubbed(request_id, _MAX_ID) if request_id else None
 
 
 # -- outputs ---------------------------------------------------------------------------------------

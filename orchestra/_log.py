@@ -15,10 +15,12 @@ shows the event and its fields, and structlog's `ProcessorFormatter` (the applic
 `configure_logging` installs) sees the record exactly as `ProcessorFormatter.wrap_for_formatter`
 makes it and renders every field as structured data (JSON, console).
 
-Secrets never reach a record: string values are scrubbed of API keys and credential values (the
-scrubber `_failure.scrub` applies to failure texts), values of fields named like credentials
-(``authorization``, ``x-api-key``, ``api_key``, ...) are replaced whole, and a traceback is
-formatted and scrubbed here (`_failure.format_traceback`) rather than left to the handler.
+Secrets never reach a record: every value is scrubbed of API keys, credential values and URL
+passwords (the scrubber `_failure.scrub` applies to failure texts): strings as they are, containers
+rebuilt `MAX_DEPTH` levels deep, anything else (and anything deeper) as its scrubbed repr. Values
+of fields named like credentials (``authorization``, ``x-api-key``, ``api_key``, ...) are replaced
+whole, and a traceback is formatted and scrubbed here (`_failure.format_traceback`) rather than
+left to the handler.
 `configure_logging(redact=...)` redacts more fields by name.
 """
 
@@ -34,7 +36,7 @@ import structlog
 from structlog.stdlib import BoundLogger, ProcessorFormatter
 
 from ._exceptions import ConfigError
-from ._failure import format_traceback, scrub
+from ._failure import describe, format_traceback, scrub, with_type
 
 if TYPE_CHECKING:
     from structlog.typing import EventDict, Processor
@@ -93,7 +95,11 @@ SECRET_FIELDS: Final = frozenset(
         "secret",
     }
 )
-_MAX_DEPTH: Final = 4  # nested mappings and lists scrubbed this deep (headers, request options)
+# Containers are rebuilt with their values scrubbed this many levels deep (headers, request
+# options, configurations); below that a value is logged as its scrubbed repr, which bounds the
+# work and the recursion for a cyclic or absurdly deep structure.
+MAX_DEPTH: Final = 16
+_EXACT_CONTAINERS: Final = frozenset((list, tuple, set, frozenset))
 
 logging.getLogger(ROOT).addHandler(logging.NullHandler())
 
@@ -103,24 +109,46 @@ def _normal(name: str) -> str:
 
 
 def _clean(value: Any, secret: frozenset[str], depth: int) -> Any:
-    """`value` with secrets scrubbed out of strings and credential fields replaced, recursively."""
+    """`value` safe to log: strings scrubbed, credential fields replaced, containers rebuilt
+    `MAX_DEPTH` levels deep, and anything else (an exception, an object, a deeper structure)
+    replaced by its scrubbed repr, the text a renderer would print for it."""
     if isinstance(value, str):
         return scrub(value)
-    if depth >= _MAX_DEPTH:
+    if value is None or isinstance(value, int | float):  # bool and int enums too
         return value
-    if isinstance(value, Mapping):
-        return {
-            k: REDACTED if _normal(str(k)) in secret else _clean(v, secret, depth + 1)
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return type(value)(_clean(v, secret, depth + 1) for v in value)
-    return value
+    if depth < MAX_DEPTH:
+        depth += 1
+        if isinstance(value, Mapping):
+            return {
+                _clean(k, secret, depth): REDACTED
+                if isinstance(k, str) and _normal(k) in secret
+                else _clean(v, secret, depth)
+                for k, v in value.items()
+            }
+        cls = type(value)
+        if cls in _EXACT_CONTAINERS:  # a subclass (a namedtuple) may not rebuild from items
+            return cls(_clean(v, secret, depth) for v in value)
+    return _as_text(value)
+
+
+def _as_text(value: Any) -> str:
+    """What structlog's renderers print for `value` (its `__structlog__()`, else its repr),
+    scrubbed; a placeholder when that raises (a repr too deep for the stack, a broken one)."""
+    try:
+        hook = getattr(value, "__structlog__", None)
+        text = hook() if callable(hook) else repr(value)
+        if not isinstance(text, str):
+            text = repr(text)
+    except Exception as exc:
+        return f"<{type(value).__name__}: its repr raised {type(exc).__name__}>"
+    return scrub(text)
 
 
 def _redact(event_dict: EventDict, secret: frozenset[str]) -> EventDict:
     for key, value in event_dict.items():
-        if key.startswith("_"):  # ProcessorFormatter's own `_record`, `_from_structlog`
+        # ProcessorFormatter's own `_record`, `_from_structlog`; `exc_info`, which `_to_record`
+        # formats and scrubs.
+        if key.startswith("_") or key == "exc_info":
             continue
         if _normal(key) in secret:
             event_dict[key] = REDACTED
@@ -193,8 +221,13 @@ def _to_record(logger: Any, method: str, event_dict: EventDict) -> Any:
         exc = _exception(exc_info)
         if exc is not None:
             # Formatted here, bounded and scrubbed, rather than by the handler, which would not.
-            event_dict["exception"] = format_traceback(exc) or f"{type(exc).__name__}: {exc}"
+            event_dict["exception"] = format_traceback(exc) or _one_line(exc)
     return (_EventMessage(event_dict),), {"extra": {"_logger": logger, "_name": method}}
+
+
+def _one_line(exc: BaseException) -> str:
+    failure = describe(exc)  # an exception never raised: no traceback to format
+    return with_type(failure.error_type, failure.message)
 
 
 _PROCESSORS: Final[list[Processor]] = [

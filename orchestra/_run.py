@@ -28,6 +28,7 @@ from ._budget import BUDGET_EXCEEDED, BudgetGate
 from ._clock import loop_time
 from ._dispatch import Dispatcher
 from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
+from ._failure import describe, with_type
 from ._gc import paused, running
 from ._instruments import RunInfo
 from ._log import get_logger
@@ -430,7 +431,8 @@ class Run:
     def _aggregator_failed(self, exc: BaseException) -> None:
         """A user's aggregator raised: the run goes on; `data` is None and `metadata.reason` says why."""
         log.error("aggregator raised; data will be None", exc_info=True)
-        self._agg_error = f"aggregator raised {type(exc).__name__}: {exc}"
+        failure = describe(exc)  # its text bounded and scrubbed: it becomes the result's reason
+        self._agg_error = f"aggregator raised {with_type(failure.error_type, failure.message)}"
 
     def _finish(self) -> None:
         self._done.set()

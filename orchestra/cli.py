@@ -19,7 +19,6 @@ import re
 import runpy
 import signal
 import sys
-import traceback
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
@@ -31,12 +30,13 @@ from . import __version__
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch, summary
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError, StoreError
+from ._failure import describe, format_traceback, scrub, with_type
 from ._runs_cli import runs_app
 from ._worker import Worker
 from .stores import SQLiteStore
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterable, Iterator
 
     from ._orchestrator import Orchestrator
     from ._result import RunResult
@@ -64,9 +64,21 @@ def _stderr() -> Console:
 
 
 def _fail(message: str, code: int = USAGE) -> typer.Exit:
-    # The message holds the user's text (paths, exception messages): escaped, never read as markup.
-    _stderr().print(f"[bold red]orchestra:[/] {escape(message)}", markup=True)
+    # The message holds the user's text (paths, exception messages): scrubbed of secrets, and
+    # escaped, never read as markup.
+    _stderr().print(f"[bold red]orchestra:[/] {escape(scrub(message))}", markup=True)
     return typer.Exit(code)
+
+
+def _crashed(exc: BaseException) -> str:
+    """Print the traceback of `exc` on stderr, bounded and scrubbed of secrets (neither Python's
+    nor rich's would be), and return its type and message, scrubbed, for the closing line."""
+    tb = format_traceback(exc)
+    if tb:
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+    failure = describe(exc)
+    return with_type(failure.error_type, failure.message)
 
 
 def _load(target: str) -> Orchestrator:
@@ -77,8 +89,7 @@ def _load(target: str) -> Orchestrator:
     except (ConfigError, InputError) as exc:
         raise _fail(str(exc)) from None
     except Exception as exc:
-        traceback.print_exception(exc, file=sys.stderr)
-        raise _fail(f"{target} did not load: {type(exc).__name__}: {exc}") from None
+        raise _fail(f"{target} did not load: {_crashed(exc)}") from None
 
 
 def _show_version(value: bool) -> None:
@@ -232,11 +243,12 @@ def _keys() -> IO[str] | None:
 
 
 @contextlib.contextmanager
-def _reading(path: Path) -> Iterator[IO[str]]:
+def _reading(path: Path) -> Iterator[Iterable[bytes]]:
+    # Bytes: `read_jsonl` decodes each line, so a line that is not UTF-8 is named.
     if str(path) == "-":
-        yield sys.stdin
+        yield sys.stdin.buffer
         return
-    with path.open(encoding="utf-8") as stream:
+    with path.open("rb") as stream:
         yield stream
 
 
@@ -430,5 +442,14 @@ app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (orchestra/_runs_
 
 
 def main() -> None:
-    """Entry point of the `orchestra` command."""
-    app(prog_name="orchestra")
+    """Entry point of the `orchestra` command.
+
+    An error no command turned into a message (the user's decomposer raising, say) exits 1 with
+    its traceback and a closing line, both scrubbed of secrets, instead of typer's traceback,
+    which would show them.
+    """
+    try:
+        app(prog_name="orchestra")
+    except Exception as exc:
+        _stderr().print(f"[bold red]orchestra:[/] {escape(_crashed(exc))}", markup=True)
+        raise SystemExit(1) from None

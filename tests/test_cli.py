@@ -63,7 +63,19 @@ def a_string() -> str:
 
 async def a_coroutine() -> Orchestrator:
     return build()
+
+KEY = "sk-ant-api03-" + "Zq9" * 10
+
+def leaky() -> Orchestrator:
+    raise RuntimeError("cannot create client: " + KEY)
+
+def refuse(items):
+    raise RuntimeError("upstream said: invalid x-api-key " + KEY)
+
+def leaky_decomposer() -> Orchestrator:
+    return build(decomposer=refuse)
 """
+KEY = "sk-ant-api03-" + "Zq9" * 10  # as the job module builds it
 
 
 @pytest.fixture
@@ -277,6 +289,18 @@ class TestRunUsageErrors:
             in process.stderr
         )
 
+    def test_a_factory_that_raises_a_key_shows_it_scrubbed(
+        self, job: str, jsonl: Callable[..., Path]
+    ) -> None:
+        result = invoke("run", f"{job}:leaky", str(jsonl({"kind": "double"})))
+        assert result.exit_code == 2
+        assert "Traceback (most recent call last)" in result.stderr
+        assert "in leaky" in result.stderr
+        assert f"{job}:leaky did not load: RuntimeError: cannot create client: [redacted]" in (
+            result.stderr
+        )
+        assert KEY not in result.output
+
     @pytest.mark.parametrize(
         ("lines", "message"),
         [
@@ -296,6 +320,24 @@ class TestRunUsageErrors:
         assert message in result.stderr
         assert result.stdout == ""  # no task ran
 
+    @pytest.mark.parametrize("where", ["file", "stdin"])
+    def test_an_input_that_is_not_utf8_is_named_by_its_line(
+        self, job: str, tmp_path: Path, where: str
+    ) -> None:
+        data = '{"kind": "double", "payload": 1}\n{"kind": "double", "id": "caf\xe9"}\n'
+        path = tmp_path / "latin1.jsonl"
+        path.write_bytes(data.encode("latin-1"))
+        if where == "file":
+            result = invoke("run", f"{job}:build", str(path))
+        else:
+            result = CliRunner().invoke(
+                app, ["run", f"{job}:build", "-"], input=path.read_bytes(), prog_name="orchestra"
+            )
+        assert result.exit_code == 2, result.output
+        assert "line 2: not UTF-8" in result.stderr
+        assert "Traceback" not in result.output
+        assert result.stdout == ""  # no task ran
+
     def test_a_missing_input_file(self, job: str) -> None:
         result = invoke("run", f"{job}:build", "nowhere.jsonl")
         assert result.exit_code == 2
@@ -305,6 +347,28 @@ class TestRunUsageErrors:
         result = invoke("run", "x:y")
         assert result.exit_code == 2
         assert "Missing argument" in result.output
+
+
+class TestUnexpectedErrors:
+    def test_a_decomposer_that_raises_exits_1_with_its_traceback_scrubbed(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        process = subprocess.run(
+            [sys.executable, "-m", "orchestra", "run", f"{job}:leaky_decomposer", str(jsonl(1))],
+            cwd=tmp_path,
+            env=THIS_CHECKOUT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert process.returncode == 1, process.stderr
+        assert "Traceback (most recent call last)" in process.stderr
+        assert "in refuse" in process.stderr
+        assert (
+            "orchestra: RuntimeError: upstream said: invalid x-api-key [redacted]\n"
+            in process.stderr
+        )
+        assert "Zq9" * 5 not in process.stdout + process.stderr
 
 
 class TestInterrupt:

@@ -14,7 +14,17 @@ import httpx2
 import pydantic
 import pytest
 
-from orchestra import InvalidOutput, RunMetadata, RunResult
+from orchestra import (
+    Context,
+    InvalidOutput,
+    Orchestrator,
+    Reduce,
+    RetryPolicy,
+    RunMetadata,
+    RunResult,
+    Task,
+    agent,
+)
 from orchestra._failure import (
     MAX_CHAIN,
     MAX_FRAMES,
@@ -200,6 +210,13 @@ class TestSecrets:
             # A bearer token alone, with no header name before it.
             ("sent with bearer eyJhbGciOi.secret.sig== to the proxy", "bearer [redacted] to"),
             ("curl -H 'Bearer abc-secret'", "'Bearer [redacted]'"),
+            # The password of a URL's userinfo, user, host and path kept.
+            (
+                "connect to postgresql://orchestra:s3cret-pw@db.internal:5432/runs failed",
+                "postgresql://orchestra:[redacted]@db.internal:5432/runs failed",
+            ),
+            ("redis://:hunter2-pw@cache:6379/0", "redis://:[redacted]@cache:6379/0"),
+            ("dsn='host=db user=app password=pa55-secret'", "password=[redacted]'"),
         ],
     )
     def test_credential_values_are_redacted_and_their_names_kept(
@@ -208,7 +225,72 @@ class TestSecrets:
         message = describe(RuntimeError(text)).message
         assert kept in message
         leaks = ("abc123secret", "abc.def", "hunter2", "t0ps3cr3t", "-secret", ".secret", "eyJ")
-        assert not any(s in message for s in leaks)
+        assert not any(s in message for s in (*leaks, "s3cret"))
+
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "POST https://api.anthropic.com:443/v1/messages failed",
+            "mail ann@example.com about http://host:8080/path",
+            "ssh://git@github.com/org/repo.git",
+        ],
+    )
+    def test_a_url_without_a_password_is_kept_whole(self, text: str) -> None:
+        assert describe(RuntimeError(text)).message == text
+
+    def test_a_cut_message_keeps_no_part_of_a_secret(self) -> None:
+        # The cut falls inside the password: scrubbed first, then cut, nothing of it is kept.
+        url = "postgresql://app:" + "pw-secret-" * 20 + "@db/runs"
+        failure = describe(RuntimeError("x" * (MAX_MESSAGE - 100) + f" {url} " + "y" * 500))
+        assert len(failure.message) == MAX_MESSAGE
+        assert "pw-secret" not in failure.message
+        assert failure.message.endswith("more characters cut]")
+
+    def test_the_request_id_and_the_api_error_type_are_scrubbed(self) -> None:
+        class ProxyError(Exception):
+            status_code = 401
+            request_id = f"req_1 for authorization: Bearer {FAKE_KEY}"
+            body: ClassVar = {"error": {"type": f"invalid x-api-key {FAKE_KEY}"}}
+
+        failure = describe(ProxyError("unauthorized"))
+        assert failure.request_id == "req_1 for authorization: Bearer [redacted]"
+        assert failure.api_error_type == "invalid x-api-key [redacted]"
+
+
+class TestNothingLeaksIntoAResult:
+    async def test_errors_events_and_the_json_of_a_result_hold_no_secret(self) -> None:
+        dsn = "postgresql://app:s3cret-pw@db.internal/runs"
+
+        class ProxyError(Exception):
+            status_code = 401
+            request_id = f"req_1 {FAKE_KEY}"
+            body: ClassVar = {"error": {"type": f"key {FAKE_KEY}"}}
+
+        @agent(kinds=["w"])
+        async def leaky(task: Task, ctx: Context) -> int:
+            if task.payload == 2:
+                return 2
+            raise ProxyError(f"cannot reach {dsn} with x-api-key {FAKE_KEY}")
+
+        def boom(acc: Any, x: Any) -> Any:
+            raise ValueError(f"aggregating with {dsn}")
+
+        events: list[Any] = []
+        orch = Orchestrator(
+            agents=[leaky],
+            retry=RetryPolicy(max_attempts=2, base=0),
+            breaker=None,
+            aggregate=Reduce(boom, 0),
+        )
+        orch.subscribe(events.append)
+        result = await orch.run(tasks=[Task("w", 1), Task("w", 2)])
+        assert result.status == "failed"
+        assert "aggregator raised ValueError" in str(result.metadata.reason)
+        [attempt, *_] = result.errors[0].attempts
+        assert attempt.request_id == "req_1 [redacted]"
+        dumped = result.model_dump_json() + repr(result) + repr(events)
+        assert FAKE_KEY[13:] not in dumped
+        assert "s3cret" not in dumped
 
 
 class TestHTTPErrors:

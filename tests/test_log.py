@@ -192,6 +192,106 @@ class TestRedaction:
         assert call["headers"] == {"x-api-key": "[redacted]", "accept": "[redacted]"}
 
 
+class Client:
+    """An object whose repr shows its key, as many clients' do."""
+
+    def __init__(self) -> None:
+        self.api_key = KEY
+
+    def __repr__(self) -> str:
+        return f"Client(api_key={self.api_key!r})"
+
+
+def nested(depth: int, leaf: Any) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = {"next": [value]}
+    return value
+
+
+class TestRedactionOfEveryValue:
+    @pytest.mark.parametrize(
+        "value",
+        [
+            PermissionError(f"invalid x-api-key {KEY}"),
+            {KEY},
+            frozenset({("key", KEY)}),
+            Client(),
+            {"a": {"b": {"c": {"d": {"e": {"f": f"using {KEY}"}}}}}},
+            nested(50, KEY),
+            [[[[[[[[(KEY,)]]]]]]]],
+            {KEY: 1},
+        ],
+        ids=[
+            "an exception",
+            "a set",
+            "a frozenset of tuples",
+            "an object's repr",
+            "a dict six levels deep",
+            "fifty levels deep",
+            "a tuple in lists",
+            "a dict key",
+        ],
+    )
+    @pytest.mark.usefixtures("restore_logging")
+    @pytest.mark.parametrize("format", ["json", "console"])
+    def test_a_key_inside_any_value_never_reaches_a_record_or_a_line(
+        self, logs: LogLines, value: Any, format: Any
+    ) -> None:
+        stream = io.StringIO()
+        configure_logging(format, level="DEBUG", stream=stream)
+        logging.getLogger("orchestra").addHandler(logs.caplog.handler)
+        get_logger("orchestra").warning("call failed", error=value)
+        assert "call failed" in stream.getvalue()
+        assert KEY not in stream.getvalue()
+        assert KEY not in logs.text()
+        assert KEY not in repr([r.__dict__ for r in logs.caplog.records])
+
+    def test_a_credential_field_is_redacted_at_any_depth(self, logs: LogLines) -> None:
+        secret = {"api_key": "plain-secret-value"}
+        get_logger("orchestra").info("cfg", shallow=nested(7, secret), deep=nested(40, secret))
+        assert "plain-secret-value" not in logs.text()
+        [entry] = logs.entries
+        assert entry["shallow"] == nested(7, {"api_key": "[redacted]"})
+        assert "'api_key': '[redacted]'" in repr(entry["deep"])  # its repr, scrubbed, so deep
+
+    def test_a_value_that_is_neither_text_nor_a_container_is_logged_as_its_scrubbed_repr(
+        self, logs: LogLines
+    ) -> None:
+        get_logger("orchestra").info("call", client=Client(), attempts=3, ok=True, ratio=0.5)
+        [entry] = logs.entries
+        assert entry["client"] == "Client(api_key='[redacted]')"
+        assert (entry["attempts"], entry["ok"], entry["ratio"]) == (3, True, 0.5)
+
+    def test_a_cyclic_or_very_deep_value_is_logged_without_hanging_or_raising(
+        self, logs: LogLines
+    ) -> None:
+        cyclic: list[Any] = [KEY]
+        cyclic.append(cyclic)
+        mapping: dict[str, Any] = {"token": KEY}
+        mapping["self"] = mapping
+        get_logger("orchestra").info(
+            "odd", cyclic=cyclic, mapping=mapping, deep=nested(100_000, KEY)
+        )
+        [entry] = logs.entries
+        assert entry["event"] == "odd"
+        assert KEY not in logs.text()
+
+    def test_an_exception_never_raised_given_as_exc_info_is_scrubbed(self, logs: LogLines) -> None:
+        get_logger("orchestra").error("refused", exc_info=PermissionError(f"bad key {KEY}"))
+        [entry] = logs.entries
+        assert entry["exception"] == "PermissionError: bad key [redacted]"
+        assert KEY not in logs.text()
+
+    def test_a_urls_password_is_redacted_and_the_rest_kept(self, logs: LogLines) -> None:
+        get_logger("orchestra").info(
+            "store", dsn="postgresql://orchestra:s3cret-pw@db.internal:5432/runs", port=5432
+        )
+        [entry] = logs.entries
+        assert entry["dsn"] == "postgresql://orchestra:[redacted]@db.internal:5432/runs"
+        assert "s3cret" not in logs.text()
+
+
 @pytest.mark.usefixtures("restore_logging")
 class TestConfigureLogging:
     async def test_json_lines_carry_level_logger_time_and_ids(self) -> None:
