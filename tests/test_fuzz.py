@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 from collections import Counter
@@ -38,6 +39,7 @@ from orchestra import (
     Concurrency,
     Context,
     Event,
+    FallbackUsed,
     InputError,
     Orchestrator,
     PermanentError,
@@ -516,7 +518,13 @@ async def play(scenario: Scenario) -> tuple[World, RunResult | None, list[Event]
     events: list[Event] = []
     orch, elsewhere = build(scenario, world)
     orch.subscribe(
-        events.append, AttemptStarted, TaskFinished, TaskReady, BreakerChanged, buffer=1_000_000
+        events.append,
+        AttemptStarted,
+        TaskFinished,
+        TaskReady,
+        BreakerChanged,
+        FallbackUsed,
+        buffer=1_000_000,
     )
     result: RunResult | None = None
     world.started = anyio.current_time()
@@ -703,6 +711,18 @@ def check(scenario: Scenario, world: World, result: RunResult | None, events: li
                 continue
             assert sources, ("a task with a key succeeded with nothing run", task_id)
             assert r.output in [by_id[i].output for i in sources], (task_id, r.output)
+
+    # Every change of agent is a fallback, reported as one: between two attempts of a task on
+    # different agents, a FallbackUsed moved it.
+    moves = Counter(
+        e.task_id for e in events if isinstance(e, FallbackUsed) and e.to_agent is not None
+    )
+    for task_id, r in by_id.items():
+        agents = [a.agent for a in r.failures or ()]
+        if r.status == "succeeded" and r.agent is not None and r.attempts > len(agents):
+            agents.append(r.agent)
+        changes = sum(1 for x, y in itertools.pairwise(agents) if x != y)
+        assert moves[task_id] >= changes, ("a silent change of agent", task_id, agents, moves)
 
     # The safety check refuses a task before any call.
     refused = {s.id for s in scenario.specs if s.refused}
