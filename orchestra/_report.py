@@ -15,8 +15,6 @@ from operator import attrgetter
 from random import Random
 from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_json
-
 from ._aggregate import percentile
 from ._result import (
     AttemptRecord,
@@ -582,7 +580,7 @@ def _error_record(node: Node) -> ErrorRecord:
         ],
         remediation=remediation(result.status, error_type, message),
         critical=node.task.critical,
-        partial_output=_keepable(node.output) if result.status == FAILED else None,
+        partial_output=node.output if result.status == FAILED else None,
         status_code=None if last is None else last.status_code,
         api_error_type=None if last is None else last.api_error_type,
         request_id=None if last is None else last.request_id,
@@ -611,18 +609,6 @@ def dollars(cost: float) -> float:
     return round(cost, 9)
 
 
-def _keepable(output: Any) -> Any:
-    """`output` if the result can dump it to JSON, else None: a verifier's `VerificationError` may
-    carry anything as its output, and a result that cannot be dumped is worse than a missing one."""
-    if output is None or type(output) in (str, int, float, bool):
-        return output
-    try:
-        to_json(output)
-    except Exception:
-        return None
-    return output
-
-
 def remediation(status: str, error_type: str, message: str) -> str:
     """A suggestion for the user, from what went wrong."""
     if status == SKIPPED:
@@ -647,7 +633,7 @@ def remediation(status: str, error_type: str, message: str) -> str:
     if error_type == "VerificationError":
         return "The output kept failing verification: improve the agent or its prompt, or relax the verifier."
     if error_type == "InvalidOutput":
-        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`, a JSON-serialisable output)."
+        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`; for a store that keeps outputs as JSON, a JSON value)."
     if error_type == "InputError":
         return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
     if "429" in message or "rate limit" in lowered:

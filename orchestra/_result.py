@@ -1,7 +1,10 @@
 """The structured answer of a run: `RunResult` with status, data, metadata and errors.
 
 Pydantic models, built once per run (never on the hot path), so a result round-trips through JSON:
-`RunResult.model_validate_json(result.model_dump_json()) == result`.
+`RunResult.model_validate_json(result.model_dump_json()) == result` when its outputs are JSON values.
+Outputs (`data`, `partial_output`) are the agents' own objects, kept as returned; the JSON dump writes
+what JSON cannot hold of them (an object, an array, an iterator) as its repr, and never reads an
+iterator (`orchestra._output.jsonable`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from ._output import jsonable
 
 __all__ = (
     "AttemptRecord",
@@ -68,6 +73,10 @@ class ErrorRecord(BaseModel):
     status_code: int | None = None
     api_error_type: str | None = None
     request_id: str | None = None
+
+    @field_serializer("partial_output", when_used="json")
+    def _dump_partial_output(self, output: Any) -> Any:
+        return jsonable(output)
 
 
 class CancelRecord(BaseModel):
@@ -150,6 +159,10 @@ class RunResult(BaseModel):
     data: Any
     metadata: RunMetadata
     errors: list[ErrorRecord] = Field(default_factory=list)
+
+    @field_serializer("data", when_used="json")
+    def _dump_data(self, data: Any) -> Any:
+        return jsonable(data)
 
     @property
     def ok(self) -> bool:

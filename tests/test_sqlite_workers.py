@@ -302,6 +302,8 @@ class TestInOneProcess:
                 raise PermanentError("bad payload")
             if task.payload == "odd":
                 return object()  # cannot be stored as JSON
+            if task.payload == "lazy":
+                return map(str, [1])  # an iterator: never stored as []
             if ctx.attempt == 1:
                 raise RetryableError("flaky")
             return "fine"
@@ -310,7 +312,7 @@ class TestInOneProcess:
         helper = Orchestrator(
             agents=[picky], store=SQLiteStore(db), retry=RetryPolicy(max_attempts=3, base=0.0)
         )
-        tasks = [Task("work", p, id=p) for p in ("bad", "odd", "flaky")]
+        tasks = [Task("work", p, id=p) for p in ("bad", "odd", "lazy", "flaky")]
         async with coordinator, helper, anyio.create_task_group() as tg:
             handle = coordinator.start(tasks=tasks, run_id="r")
             handle.results()
@@ -327,7 +329,11 @@ class TestInOneProcess:
         odd = result.error_for("odd")
         assert odd is not None
         assert odd.error_type == "InvalidOutput"
-        assert "cannot be serialised to JSON" in odd.message
+        assert "task 'odd': agent 'picky' returned an object that cannot be stored" in odd.message
+        assert [a.error_type for a in odd.attempts] == ["InvalidOutput"]  # the attempt failed
+        lazy = result.error_for("lazy")
+        assert lazy is not None
+        assert "returned a map that cannot be stored as JSON (a map is an iterator" in lazy.message
 
     async def test_a_payload_the_workers_agents_refuse_fails_its_task_not_the_worker(
         self, tmp_path: Path
