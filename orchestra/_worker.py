@@ -177,6 +177,11 @@ class Worker:
                     tg.start_soon(self._write_ends)
                     async for result in results:
                         claimed = self.held.get(result.task_id)
+                        if result.error_type == "Stopped":
+                            # The local run stopped (a KeyboardInterrupt in an agent): the
+                            # worker stops as on Ctrl-C, handing the task back (`_leave`),
+                            # not ending it in the coordinator's run.
+                            continue
                         if claimed is not None:
                             self.ends.append((claimed, result))
                             self._ended.set()

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anthropic
@@ -133,6 +134,71 @@ class TestAnAgentsExceptions:
 
 _BAD_HEADERS = ["soon", "", "-1", "nan", "inf"]
 _BAD_NUMBERS = [-1, math.nan, math.inf, 10**400]
+
+
+class TestAnAgentThatExitsOrIsInterrupted:
+    @pytest.mark.parametrize(
+        "options",
+        [{}, {"timeouts": {"attempt": 5}}, {"verify": {"work": lambda task, output: True}}],
+        ids=["common-attempt", "timed-attempt", "verified-attempt"],
+    )
+    async def test_sys_exit_fails_the_attempt_never_the_run(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        options: dict[str, Any],
+    ) -> None:
+        @agent(kinds=["work"])
+        async def quitter(task: Task, ctx: Context) -> Any:
+            if task.id == "bad":
+                sys.exit(3)  # a library that exits on a bad config, say
+            return task.id
+
+        orch = make_orchestrator(agents=[quitter], retry=ONCE, success_threshold=0.5, **options)
+        tasks = [make_task("work", id=i) for i in ("a", "bad", "b")]
+        result = await orch.run(tasks=tasks)
+        assert result.status == "partial"
+        assert result.data == {"a": "a", "b": "b"}
+        error = only_error(result)
+        assert (error.task_id, error.error_type) == ("bad", "SystemExit")
+        assert [a.agent for a in error.attempts] == ["quitter"]
+
+    @pytest.mark.parametrize(
+        "options", [{}, {"timeouts": {"attempt": 5}}], ids=["common-attempt", "timed-attempt"]
+    )
+    async def test_a_keyboard_interrupt_stops_the_run_and_returns_its_partial_result(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        options: dict[str, Any],
+    ) -> None:
+        started: list[str] = []
+
+        @agent(kinds=["work"])
+        async def interrupted(task: Task, ctx: Context) -> Any:
+            started.append(task.id)
+            if task.id == "slow":
+                await asyncio.sleep(60)
+            if task.id == "ctrl-c":
+                await asyncio.sleep(1)  # "done" has succeeded by now; "slow" still runs
+                raise KeyboardInterrupt
+            return task.id
+
+        orch = make_orchestrator(agents=[interrupted], **options)
+        tasks = [make_task("work", id=i) for i in ("done", "slow", "ctrl-c")]
+        tasks.append(make_task("work", id="later", depends_on=["ctrl-c"]))
+        result = await orch.run(tasks=tasks)  # returned, as `run_main` returns on Ctrl-C
+        assert result.status == "cancelled"
+        assert result.data == {"done": "done"}
+        assert result.metadata.reason == (
+            "stopped by KeyboardInterrupt in agent 'interrupted' (task 'ctrl-c')"
+        )
+        assert {e.task_id: e.error_type for e in result.errors} == {
+            "slow": "Stopped",
+            "ctrl-c": "Stopped",
+            "later": "Stopped",
+        }
+        assert started == ["done", "slow", "ctrl-c"]  # nothing ran after it
 
 
 class TestMalformedRetryAfter:
