@@ -394,8 +394,13 @@ class Report:
         data: Any,
         events_dropped: int,
         resumed: int = 0,
+        input_complete: bool = True,
+        input_unread: int | None = 0,
     ) -> RunResult:
-        """The `RunResult` of what was counted, by DESIGN.md's rules."""
+        """The `RunResult` of what was counted, by DESIGN.md's rules. A run that ended before the
+        end of its input (`input_complete` False: a run timeout, a budget, a stop) is never ok:
+        the threshold is a promise about the whole input, which it cannot show it kept. Its
+        `input_unread` items, when known, count in the success rate as not succeeded."""
         if self.batch:
             self.fold()
         kinds, per_agent, not_ok = self.kinds, self.per_agent, self.not_ok
@@ -407,11 +412,17 @@ class Report:
                 by_status[name] += n
         total = sum(by_status.values())
         succeeded = by_status[SUCCEEDED]
-        rate = succeeded / total if total else 1.0
+        counted = total + (input_unread or 0)
+        rate = succeeded / counted if counted else 1.0
         critical = [n.id for n in not_ok if n.task.critical]
+        if not input_complete and self.reason is not None:
+            left = "an unknown number of" if input_unread is None else str(input_unread)
+            self.reason += f", before the end of the input ({left} items unread)"
         status: Outcome
         if self.cancelled:
             status = "cancelled"
+        elif not input_complete:
+            status = "failed"
         elif succeeded == total and not self.cut_short:
             status = "success"
         elif rate >= threshold and not critical:
@@ -450,6 +461,8 @@ class Report:
             usage_per_model=_sorted_usage(self.usage_per_model),
             events_dropped=events_dropped,
             resumed=resumed,
+            input_complete=input_complete,
+            input_unread=input_unread,
             reason=self.reason,
             cancellations=self.cancellations,
         )

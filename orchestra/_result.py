@@ -111,6 +111,11 @@ class RunMetadata(BaseModel):
     `RunHandle.cancel(...)` made during the run; `resumed` counts the tasks whose results a durable
     store kept from an earlier process running the same run id (0 for a fresh run).
 
+    `input_complete` is False when the run ended (a run timeout, a budget, a stop) before the end
+    of a streamed input; `input_unread` is how many of its items were never read: 0 when it was
+    read to its end, None when the rest's length is unknown (a generator). Such a run is never
+    ok, and the unread items it knows of count in `success_rate` as not succeeded.
+
     `tokens` and `cost` are what agents reported (`ctx.record_usage`; a Claude agent reports
     every answer's input, output, cache-write and cache-read tokens and its USD cost, failed
     attempts included); `usage_per_agent` and `usage_per_model` split them by agent name and by
@@ -142,6 +147,8 @@ class RunMetadata(BaseModel):
     usage_per_model: dict[str, dict[str, float]] = Field(default_factory=dict)
     events_dropped: int = 0
     resumed: int = 0
+    input_complete: bool = True
+    input_unread: int | None = 0
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)
 
