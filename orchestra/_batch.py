@@ -28,6 +28,7 @@ from ._console import watch
 from ._exceptions import ConfigError, InputError
 from ._instruments import last_agent
 from ._orchestrator import Orchestrator
+from ._output import jsonable
 from ._task import Task, TaskResult
 
 if TYPE_CHECKING:
@@ -226,8 +227,8 @@ def result_line(result: TaskResult) -> str:
     if result.error is not None:
         record["error_type"] = result.error_type
         record["error"] = result.error
-    # An output the runtime kept always serialises (check_returned); `fallback` is a last resort.
-    return to_json(record, fallback=repr).decode()
+    # What JSON cannot hold of an output is written as its repr, an iterator unread.
+    return to_json(jsonable(record)).decode()
 
 
 class Batch:

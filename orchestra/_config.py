@@ -13,9 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic_core import to_json
-
 from ._exceptions import ConfigError
+from ._output import json_text
 
 __all__ = (
     "check_callable",
@@ -162,8 +161,8 @@ def check_exception_types(name: str, value: Any) -> tuple[type[BaseException], .
 
 
 def check_json(name: str, value: Any) -> None:
-    """`value` serialises to JSON as `RunResult.model_dump_json()` will serialise it."""
+    """`value` serialises to JSON, as a store that persists it writes it."""
     try:
-        to_json(value)
-    except Exception as exc:
+        json_text(value)
+    except ValueError as exc:
         raise _fail(name, f"JSON-serialisable ({exc})", value) from None

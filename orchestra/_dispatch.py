@@ -377,9 +377,11 @@ class Dispatcher:
                             raise  # ours: the run is cancelled (its end ends the task)
                         # else `cancel_attempts` cancelled this attempt alone (its task is ended
                         # already): the worker goes on
-                    except Exception as exc:
+                    except (Exception, SystemExit) as exc:  # `sys.exit()` in an agent too
                         if not self.cancelled:  # else raised over the run's cancel: cancelled
                             self.recovery.failed(record, token, slot, exc, start)
+                    except KeyboardInterrupt:
+                        self._interrupted(record, slot)
                     finally:
                         if (
                             ctx._threads
@@ -585,14 +587,23 @@ class Dispatcher:
                     return
                 probe = False
                 self.recovery.failed(record, token, slot, exc, start)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # `sys.exit()` in an agent too
                 if self.cancelled:
                     return  # raised over the run's cancel (say, from a `finally`): cancelled
                 probe = False
                 judged = getattr(ctx, "_judging", False)
                 self.recovery.failed(record, token, slot, exc, start, judged)
+        except KeyboardInterrupt:
+            self._interrupted(record, slot)
         finally:
             self._finished(slot, cost, ctx, probe)
+
+    def _interrupted(self, record: Record, slot: AgentSlot) -> None:
+        """A `KeyboardInterrupt` inside an attempt (the agent, its checks): the run stops at once,
+        as a second Ctrl-C stops `run_main`'s, and returns its partial result. Raised on, it would
+        leave the event loop and take the run's results with it."""
+        log.warning("KeyboardInterrupt in an agent: stopping the run", task_id=record.id)
+        self.run.stop(f"stopped by KeyboardInterrupt in agent {slot.name!r} (task {record.id!r})")
 
     def _settle(
         self,

@@ -14,7 +14,7 @@ OrchestraError
     └── PermanentError     do not retry on this agent; go to the next agent of the fallback chain
         ├── TaskTimeout        the task ran past its own timeout (all attempts together): no fallback
         ├── Rejected           the safety check refused the task before dispatch
-        └── InvalidOutput      the agent returned what no result can hold (a coroutine, non-JSON)
+        └── InvalidOutput      a coroutine (a forgotten `await`), or what a JSON store cannot keep
 ```
 """
 
@@ -124,5 +124,5 @@ class Rejected(PermanentError):
 
 
 class InvalidOutput(PermanentError):
-    """An agent returned what no result can hold: a coroutine (a forgotten `await`) or a value that
-    does not serialise to JSON. A bug of the agent, so it is not retried on it."""
+    """An agent returned a coroutine (a forgotten `await`), or an output a store that keeps
+    outputs as JSON cannot keep (the message names the type). Not retried on that agent."""

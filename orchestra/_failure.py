@@ -5,11 +5,11 @@ and, for an HTTP error, the status code, the API's error type and the request id
 even for an exception whose `__str__` or `__repr__` does, bounds every text, and scrubs secrets (API
 keys, `authorization` / `x-api-key` values) out of them, so a failure record is safe to store and log.
 
-`check_returned(output, agent)` fails an attempt whose output the runtime could not keep: a coroutine
-(a forgotten `await`) or a value `RunResult.model_dump_json()` would fail on later. Both are bugs of
-the agent, so the error is permanent (`InvalidOutput`): the task moves down its fallback chain.
+`check_returned(output, agent)` fails an attempt whose agent returned an awaitable (a forgotten
+`await`): a bug of the agent, so the error is permanent (`InvalidOutput`) and the task moves down its
+fallback chain. Any other output is kept as returned.
 
-A leaf module: it imports only `_exceptions`, pydantic_core and the standard library.
+A leaf module: it imports only `_exceptions`, `_output` and the standard library.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import re
 from types import NoneType
 from typing import TYPE_CHECKING, Any, Final
 
-from pydantic_core import to_json
-
 from ._exceptions import InvalidOutput
+from ._output import type_name
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -317,37 +316,25 @@ def _request_id(exc: BaseException) -> str | None:
 
 # -- outputs ---------------------------------------------------------------------------------------
 
-_SCALARS: Final = frozenset((str, int, float, bool, NoneType))
-_CONTAINERS: Final = frozenset((dict, list, tuple))  # never awaitable: straight to `to_json`
+# Never awaitable.
+_KEPT: Final = frozenset((str, int, float, bool, NoneType, dict, list, tuple))
 
 
 def check_returned(output: Any, agent: str) -> None:
-    """Raise `InvalidOutput` if the runtime cannot keep `output`, what agent `agent` returned.
+    """Raise `InvalidOutput` if `output`, what agent `agent` returned, is an awaitable: a
+    forgotten `await`, never a result.
 
-    A coroutine (a forgotten `await`) is closed, so Python never warns that it was not awaited; an
-    asyncio task or future is cancelled. Anything else must serialise to JSON exactly as
-    `RunResult.model_dump_json()` will serialise it (pydantic_core's `to_json`, the serialiser of
-    the `Any` fields `data` and `partial_output`), so a run never succeeds with a result that
-    fails when it is dumped. Plain JSON scalars cost one set lookup.
+    A coroutine is closed, so Python never warns that it was not awaited; an asyncio task or
+    future is cancelled. Anything else is the agent's to return and is kept as it is (an object,
+    an iterator: `orchestra._output` says what JSON makes of it). Plain JSON scalars and the
+    usual containers cost one set lookup.
     """
     cls = type(output)
-    if cls in _SCALARS:
+    if cls in _KEPT or not inspect.isawaitable(output):
         return
-    if cls not in _CONTAINERS and inspect.isawaitable(output):
-        _discard(output)
-        what = (
-            "a coroutine"
-            if inspect.iscoroutine(output)
-            else f"an awaitable {_type_name_of(output)}"
-        )
-        raise InvalidOutput(f"agent {agent!r} returned {what}: did you forget `await`?")
-    try:
-        to_json(output)
-    except Exception as exc:
-        raise InvalidOutput(
-            f"agent {agent!r} returned a {_type_name_of(output)} that cannot be serialised to JSON "
-            f"(RunResult.model_dump_json() would fail on it): {describe(exc).message}"
-        ) from exc
+    _discard(output)
+    what = "a coroutine" if inspect.iscoroutine(output) else f"an awaitable {type_name(output)}"
+    raise InvalidOutput(f"agent {agent!r} returned {what}: did you forget `await`?")
 
 
 def _discard(awaitable: Awaitable[Any]) -> None:
@@ -358,10 +345,3 @@ def _discard(awaitable: Awaitable[Any]) -> None:
             awaitable.close()
         elif asyncio.isfuture(awaitable):
             awaitable.cancel()
-
-
-def _type_name_of(value: Any) -> str:
-    cls = type(value)
-    module = getattr(cls, "__module__", "")
-    name = getattr(cls, "__qualname__", "object")
-    return name if module in ("builtins", "", None) else f"{module}.{name}"

@@ -587,7 +587,10 @@ class Orchestrator:
         if (
             hook is None
             or result.status != "failed"
-            or result.metadata.success_rate >= result.metadata.success_threshold
+            or (
+                result.metadata.success_rate >= result.metadata.success_threshold
+                and result.metadata.input_complete  # else unread input missed it
+            )
         ):
             return result
         try:

@@ -15,8 +15,6 @@ from operator import attrgetter
 from random import Random
 from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_json
-
 from ._aggregate import percentile
 from ._result import (
     AttemptRecord,
@@ -396,8 +394,13 @@ class Report:
         data: Any,
         events_dropped: int,
         resumed: int = 0,
+        input_complete: bool = True,
+        input_unread: int | None = 0,
     ) -> RunResult:
-        """The `RunResult` of what was counted, by DESIGN.md's rules."""
+        """The `RunResult` of what was counted, by DESIGN.md's rules. A run that ended before the
+        end of its input (`input_complete` False: a run timeout, a budget, a stop) is never ok:
+        the threshold is a promise about the whole input, which it cannot show it kept. Its
+        `input_unread` items, when known, count in the success rate as not succeeded."""
         if self.batch:
             self.fold()
         kinds, per_agent, not_ok = self.kinds, self.per_agent, self.not_ok
@@ -409,11 +412,17 @@ class Report:
                 by_status[name] += n
         total = sum(by_status.values())
         succeeded = by_status[SUCCEEDED]
-        rate = succeeded / total if total else 1.0
+        counted = total + (input_unread or 0)
+        rate = succeeded / counted if counted else 1.0
         critical = [n.id for n in not_ok if n.task.critical]
+        if not input_complete and self.reason is not None:
+            left = "an unknown number of" if input_unread is None else str(input_unread)
+            self.reason += f", before the end of the input ({left} items unread)"
         status: Outcome
         if self.cancelled:
             status = "cancelled"
+        elif not input_complete:
+            status = "failed"
         elif succeeded == total and not self.cut_short:
             status = "success"
         elif rate >= threshold and not critical:
@@ -452,6 +461,8 @@ class Report:
             usage_per_model=_sorted_usage(self.usage_per_model),
             events_dropped=events_dropped,
             resumed=resumed,
+            input_complete=input_complete,
+            input_unread=input_unread,
             reason=self.reason,
             cancellations=self.cancellations,
         )
@@ -582,7 +593,7 @@ def _error_record(node: Node) -> ErrorRecord:
         ],
         remediation=remediation(result.status, error_type, message),
         critical=node.task.critical,
-        partial_output=_keepable(node.output) if result.status == FAILED else None,
+        partial_output=node.output if result.status == FAILED else None,
         status_code=None if last is None else last.status_code,
         api_error_type=None if last is None else last.api_error_type,
         request_id=None if last is None else last.request_id,
@@ -611,18 +622,6 @@ def dollars(cost: float) -> float:
     return round(cost, 9)
 
 
-def _keepable(output: Any) -> Any:
-    """`output` if the result can dump it to JSON, else None: a verifier's `VerificationError` may
-    carry anything as its output, and a result that cannot be dumped is worse than a missing one."""
-    if output is None or type(output) in (str, int, float, bool):
-        return output
-    try:
-        to_json(output)
-    except Exception:
-        return None
-    return output
-
-
 def remediation(status: str, error_type: str, message: str) -> str:
     """A suggestion for the user, from what went wrong."""
     if status == SKIPPED:
@@ -647,7 +646,7 @@ def remediation(status: str, error_type: str, message: str) -> str:
     if error_type == "VerificationError":
         return "The output kept failing verification: improve the agent or its prompt, or relax the verifier."
     if error_type == "InvalidOutput":
-        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`, a JSON-serialisable output)."
+        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`; for a store that keeps outputs as JSON, a JSON value)."
     if error_type == "InputError":
         return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
     if "429" in message or "rate limit" in lowered:

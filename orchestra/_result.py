@@ -1,7 +1,10 @@
 """The structured answer of a run: `RunResult` with status, data, metadata and errors.
 
 Pydantic models, built once per run (never on the hot path), so a result round-trips through JSON:
-`RunResult.model_validate_json(result.model_dump_json()) == result`.
+`RunResult.model_validate_json(result.model_dump_json()) == result` when its outputs are JSON values.
+Outputs (`data`, `partial_output`) are the agents' own objects, kept as returned; the JSON dump writes
+what JSON cannot hold of them (an object, an array, an iterator) as its repr, and never reads an
+iterator (`orchestra._output.jsonable`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from ._output import jsonable
 
 __all__ = (
     "AttemptRecord",
@@ -69,6 +74,10 @@ class ErrorRecord(BaseModel):
     api_error_type: str | None = None
     request_id: str | None = None
 
+    @field_serializer("partial_output", when_used="json")
+    def _dump_partial_output(self, output: Any) -> Any:
+        return jsonable(output)
+
 
 class CancelRecord(BaseModel):
     """One `RunHandle.cancel(...)` of a run: when (seconds since the run started), why, what it
@@ -102,6 +111,11 @@ class RunMetadata(BaseModel):
     `RunHandle.cancel(...)` made during the run; `resumed` counts the tasks whose results a durable
     store kept from an earlier process running the same run id (0 for a fresh run).
 
+    `input_complete` is False when the run ended (a run timeout, a budget, a stop) before the end
+    of a streamed input; `input_unread` is how many of its items were never read: 0 when it was
+    read to its end, None when the rest's length is unknown (a generator). Such a run is never
+    ok, and the unread items it knows of count in `success_rate` as not succeeded.
+
     `tokens` and `cost` are what agents reported (`ctx.record_usage`; a Claude agent reports
     every answer's input, output, cache-write and cache-read tokens and its USD cost, failed
     attempts included); `usage_per_agent` and `usage_per_model` split them by agent name and by
@@ -133,6 +147,8 @@ class RunMetadata(BaseModel):
     usage_per_model: dict[str, dict[str, float]] = Field(default_factory=dict)
     events_dropped: int = 0
     resumed: int = 0
+    input_complete: bool = True
+    input_unread: int | None = 0
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)
 
@@ -150,6 +166,10 @@ class RunResult(BaseModel):
     data: Any
     metadata: RunMetadata
     errors: list[ErrorRecord] = Field(default_factory=list)
+
+    @field_serializer("data", when_used="json")
+    def _dump_data(self, data: Any) -> Any:
+        return jsonable(data)
 
     @property
     def ok(self) -> bool:

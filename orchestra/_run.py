@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Iterator
 from datetime import UTC, datetime
 from itertools import islice
+from operator import length_hint
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -156,6 +157,9 @@ class Run:
         self._window_free: anyio.Event | None = None
         self._done = anyio.Event()
         self._input_done = False
+        # Items of a streamed input never read when the run ended before its end: known for an
+        # iterator with a length hint, else None (a generator's rest is unknown).
+        self._input_left: int | None = None
         self._input_error: Exception | None = None
         self._streamed = False
         self._stop_reason: str | None = None
@@ -426,6 +430,8 @@ class Run:
             data=data,
             events_dropped=dropped,
             resumed=self.store.resumed,
+            input_unread=0 if self._input_done else self._input_left,
+            input_complete=self._input_done,
         )
 
     def _aggregator_failed(self, exc: BaseException) -> None:
@@ -576,6 +582,7 @@ class Run:
         run and reaches the caller as it is; the source is closed however the run ends."""
         pulled = 0
         store = self.store
+        iterator: Iterator[Task] | None = None
         try:
             if isinstance(source, AsyncIterable):
                 async for task in source:  # each item admitted as soon as it arrives
@@ -605,6 +612,9 @@ class Run:
             self._finish()
             return
         finally:
+            if iterator is not None:  # read before `_close`, which may end a generator
+                hint = length_hint(iterator, -1)
+                self._input_left = hint if hint >= 0 else None
             with anyio.CancelScope(shield=True):
                 await _close(source)
         self._close_input()

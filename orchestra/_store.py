@@ -242,7 +242,9 @@ class RunStore(Protocol):
     ) -> bool:
         """End a task (with the tasks its attempt spawned, and the dependents and groups this makes
         ready or skips), as one step; `attempt` is the failed attempt that ended it, if one did.
-        Refused (False) with a stale token or an ended task."""
+        Refused (False) with a stale token or an ended task. A store that persists outputs raises
+        `InvalidOutput` for a success whose output it cannot keep, before any change: the
+        attempt that returned it fails (the memory store keeps every output as it is)."""
 
     def succeed(self, record: Any, token: int, output: Any, agent: str) -> bool:
         """`settle(record, token, "succeeded", output, agent=agent)`: the common end of an attempt

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
-from ._exceptions import ConfigError, InputError, StoreError
+from ._exceptions import ConfigError, InputError, InvalidOutput, StoreError
 from ._log import get_logger
+from ._output import jsonable, stored_json
 from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
 from .stores import _sqlite_work as sharing
 from .stores._memory import MemoryRun
@@ -176,6 +177,11 @@ class Worker:
                     tg.start_soon(self._write_ends)
                     async for result in results:
                         claimed = self.held.get(result.task_id)
+                        if result.error_type == "Stopped":
+                            # The local run stopped (a KeyboardInterrupt in an agent): the
+                            # worker stops as on Ctrl-C, handing the task back (`_leave`),
+                            # not ending it in the coordinator's run.
+                            continue
                         if claimed is not None:
                             self.ends.append((claimed, result))
                             self._ended.set()
@@ -340,15 +346,16 @@ class Worker:
         output = None
         error, error_type = result.error, result.error_type
         spawned = self.spawned.get(claimed.id)
-        if status == SUCCEEDED or result.output is not None:
+        if status == SUCCEEDED:
             try:
-                output = to_json(result.output).decode()
-            except PydanticSerializationError as exc:
-                if status == SUCCEEDED:
-                    status = "failed"
-                    error_type = "InvalidOutput"
-                    error = f"the output of task {claimed.id!r} cannot be stored as JSON: {exc}"
+                output = stored_json(result.output, claimed.id, result.agent)
+            except InvalidOutput as exc:  # checked when it settled: this is a last resort
+                status = "failed"
+                error_type = "InvalidOutput"
+                error = str(exc)
                 spawned = None
+        elif result.output is not None:  # a rejected output, kept for the record as JSON can
+            output = to_json(jsonable(result.output)).decode()
         started = None if result.started is None else self._wall0 + result.started
         return (
             status,
@@ -538,6 +545,10 @@ class _WorkerRun(MemoryRun):
         spawned: Sequence[Task] = (),
         **rest: Any,
     ) -> bool:
+        if status is SUCCEEDED and record.token == token and record.state not in TERMINAL:
+            # The file keeps outputs as JSON: one it cannot keep fails the attempt here, on the
+            # worker, so the task moves down its chain as on the coordinator (`SQLiteRun.settle`).
+            stored_json(output, record.id, rest.get("agent"))
         named_here = self._named_here.pop(record.id, ())
         if spawned and record.token == token and record.state not in TERMINAL:
             self._worker.spawned[record.id] = [_spawned(t, t.id in named_here) for t in spawned]

@@ -210,10 +210,11 @@ class TestRunTimeout:
             with anyio.fail_after(1000):
                 result = await orch.run(tasks=endless())
         assert result.metadata.counts["succeeded"] == 6
-        assert result.status == "partial"
+        assert result.status == "failed"  # the unread input: never ok (tests/test_timeouts.py)
+        assert not result.metadata.input_complete
         assert result.metadata.reason is not None
         assert "run timeout" in result.metadata.reason
-        assert [e.status for e in rec.of(RunFinished)] == ["partial"]
+        assert [e.status for e in rec.of(RunFinished)] == ["failed"]
 
     async def test_an_endless_plain_iterable_is_cut_too(self, clock: FakeClock) -> None:
         def endless() -> Any:

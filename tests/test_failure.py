@@ -1,17 +1,15 @@
 """Failures: `describe` takes any exception down safely (bounded, scrubbed, never raising), and
-`check_returned` refuses exactly the outputs a `RunResult` could not hold."""
+`check_returned` refuses an awaitable (a forgotten `await`) and keeps any other output."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import inspect
-from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 import anthropic
 import httpx2
-import pydantic
 import pytest
 
 from orchestra import (
@@ -20,8 +18,6 @@ from orchestra import (
     Orchestrator,
     Reduce,
     RetryPolicy,
-    RunMetadata,
-    RunResult,
     Task,
     agent,
 )
@@ -353,79 +349,16 @@ class TestHTTPErrors:
         )
 
 
-def dumps_in_a_result(output: Any) -> bool:
-    """Whether a `RunResult` holding `output` as its data dumps to JSON."""
-    now = datetime.now(UTC)
-    metadata = RunMetadata(
-        run_id="r", started_at=now, finished_at=now, elapsed=0.0, total=1, counts={},
-        counts_by_kind={}, success_rate=1.0, success_threshold=0.8, attempts=1, retries=0,
-        fallbacks=0, agents_used=[], tasks_per_agent={}, time_per_kind={}, peak_concurrency=1,
-    )  # fmt: skip
-    try:
-        RunResult(status="success", data={"t": output}, metadata=metadata).model_dump_json()
-    except Exception:
-        return False
-    return True
-
-
-class Answer(pydantic.BaseModel):
-    title: str
-
-
-class Loose(pydantic.BaseModel):
-    anything: Any
-
-
-def circular() -> list[Any]:
-    items: list[Any] = []
-    items.append(items)
-    return items
-
-
-OUTPUTS: list[tuple[str, Any]] = [
-    ("str", "text"),
-    ("int", 3),
-    ("float", 2.5),
-    ("nan", float("nan")),
-    ("bool", True),
-    ("None", None),
-    ("dict", {"a": [1, 2, {"b": None}]}),
-    ("tuple-keys", {(1, 2): "pydantic writes the key as a string"}),
-    ("set", {1, 2}),
-    ("model", Answer(title="Q3")),
-    ("datetime", datetime(2024, 1, 1, tzinfo=UTC)),
-    ("bytes", b"utf-8 text"),
-    ("object", object()),
-    ("bad-bytes", b"\xff\xfe"),
-    ("circular", circular()),
-    ("frozenset-key", {frozenset(): 1}),
-    ("model-with-object", Loose(anything=object())),
-    ("a-class", int),
-    ("nested-object", {"ok": 1, "bad": [object()]}),
-]
-
-
 class TestCheckReturned:
-    @pytest.mark.parametrize(("name", "output"), OUTPUTS, ids=[o[0] for o in OUTPUTS])
-    def test_refuses_exactly_what_a_run_result_cannot_dump(self, name: str, output: Any) -> None:
-        if dumps_in_a_result(output):
-            check_returned(output, "writer")
-        else:
-            with pytest.raises(
-                InvalidOutput, match=r"agent 'writer' returned a .* cannot be serialised"
-            ):
-                check_returned(output, "writer")
-
-    def test_the_error_names_the_type(self) -> None:
-        class Draft:
-            pass
-
-        with pytest.raises(InvalidOutput, match=r"returned a tests\.test_failure\..*Draft"):
-            check_returned(Draft(), "writer")
-
-    def test_both_outcomes_are_covered(self) -> None:
-        verdicts = {dumps_in_a_result(output) for _, output in OUTPUTS}
-        assert verdicts == {True, False}
+    @pytest.mark.parametrize(
+        "output",
+        [object(), {"a": object()}, iter([1]), map(str, [1]), {1, 2}, b"\xff", None],
+        ids=["object", "nested-object", "iterator", "map", "set", "bad-bytes", "None"],
+    )
+    def test_keeps_what_is_not_awaitable_without_reading_it(self, output: Any) -> None:
+        check_returned(output, "writer")  # no InvalidOutput
+        if isinstance(output, map):
+            assert list(output) == ["1"]  # unread
 
     async def test_a_coroutine_is_refused_and_closed(self) -> None:
         async def summarize() -> str:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anthropic
@@ -25,6 +27,13 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.usefixtures("clock")
 
 ONCE = RetryPolicy(max_attempts=1)
+
+
+class Opaque:
+    """An output JSON cannot hold, with a repr of its own."""
+
+    def __repr__(self) -> str:
+        return "Opaque(7)"
 
 
 class Unprintable(Exception):
@@ -127,6 +136,71 @@ _BAD_HEADERS = ["soon", "", "-1", "nan", "inf"]
 _BAD_NUMBERS = [-1, math.nan, math.inf, 10**400]
 
 
+class TestAnAgentThatExitsOrIsInterrupted:
+    @pytest.mark.parametrize(
+        "options",
+        [{}, {"timeouts": {"attempt": 5}}, {"verify": {"work": lambda task, output: True}}],
+        ids=["common-attempt", "timed-attempt", "verified-attempt"],
+    )
+    async def test_sys_exit_fails_the_attempt_never_the_run(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        options: dict[str, Any],
+    ) -> None:
+        @agent(kinds=["work"])
+        async def quitter(task: Task, ctx: Context) -> Any:
+            if task.id == "bad":
+                sys.exit(3)  # a library that exits on a bad config, say
+            return task.id
+
+        orch = make_orchestrator(agents=[quitter], retry=ONCE, success_threshold=0.5, **options)
+        tasks = [make_task("work", id=i) for i in ("a", "bad", "b")]
+        result = await orch.run(tasks=tasks)
+        assert result.status == "partial"
+        assert result.data == {"a": "a", "b": "b"}
+        error = only_error(result)
+        assert (error.task_id, error.error_type) == ("bad", "SystemExit")
+        assert [a.agent for a in error.attempts] == ["quitter"]
+
+    @pytest.mark.parametrize(
+        "options", [{}, {"timeouts": {"attempt": 5}}], ids=["common-attempt", "timed-attempt"]
+    )
+    async def test_a_keyboard_interrupt_stops_the_run_and_returns_its_partial_result(
+        self,
+        make_orchestrator: Callable[..., Orchestrator],
+        make_task: Callable[..., Task],
+        options: dict[str, Any],
+    ) -> None:
+        started: list[str] = []
+
+        @agent(kinds=["work"])
+        async def interrupted(task: Task, ctx: Context) -> Any:
+            started.append(task.id)
+            if task.id == "slow":
+                await asyncio.sleep(60)
+            if task.id == "ctrl-c":
+                await asyncio.sleep(1)  # "done" has succeeded by now; "slow" still runs
+                raise KeyboardInterrupt
+            return task.id
+
+        orch = make_orchestrator(agents=[interrupted], **options)
+        tasks = [make_task("work", id=i) for i in ("done", "slow", "ctrl-c")]
+        tasks.append(make_task("work", id="later", depends_on=["ctrl-c"]))
+        result = await orch.run(tasks=tasks)  # returned, as `run_main` returns on Ctrl-C
+        assert result.status == "cancelled"
+        assert result.data == {"done": "done"}
+        assert result.metadata.reason == (
+            "stopped by KeyboardInterrupt in agent 'interrupted' (task 'ctrl-c')"
+        )
+        assert {e.task_id: e.error_type for e in result.errors} == {
+            "slow": "Stopped",
+            "ctrl-c": "Stopped",
+            "later": "Stopped",
+        }
+        assert started == ["done", "slow", "ctrl-c"]  # nothing ran after it
+
+
 class TestMalformedRetryAfter:
     @pytest.mark.parametrize(
         "first",
@@ -202,31 +276,46 @@ class TestWhatAnAgentReturns:
         assert result.data == {"t": "on time"}
         gc.collect()
 
-    async def test_an_output_that_cannot_be_serialised_fails_the_attempt(
+    async def test_an_output_json_cannot_hold_is_kept_as_returned(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        odd = Opaque()
+
+        @agent(kinds=["work"])
+        async def anything(task: Task, ctx: Context) -> Any:
+            return odd if task.id == "object" else {"ok": task.id}
+
+        orch = make_orchestrator(agents=[anything])
+        result = await orch.run(tasks=[make_task("work", id="object"), make_task("work", id="t")])
+        assert result.status == "success"
+        assert result.data["object"] is odd  # the agent's own object, not a copy or a refusal
+        dumped = json.loads(result.model_dump_json())
+        assert dumped["data"] == {"object": "Opaque(7)", "t": {"ok": "t"}}  # written as its repr
+
+    async def test_an_iterator_output_is_never_consumed(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         @agent(kinds=["work"])
-        async def odd(task: Task, ctx: Context) -> Any:
-            return object() if task.id == "bad" else {"ok": task.id}
+        async def names(task: Task, ctx: Context) -> Any:
+            return map(str.upper, task.payload)
 
-        orch = make_orchestrator(agents=[odd], success_threshold=0.5)
-        result = await orch.run(tasks=[make_task("work", id="good"), make_task("work", id="bad")])
-        assert result.status == "partial"
-        assert result.data == {"good": {"ok": "good"}}
-        error = only_error(result)
-        assert error.task_id == "bad"
-        assert error.error_type == "InvalidOutput"
-        assert "returned a object that cannot be serialised to JSON" in error.message
-        assert error.remediation.startswith("The agent returned what a result cannot hold")
-        assert_dumps(result)
+        orch = make_orchestrator(agents=[names])
+        result = await orch.run(tasks=[make_task("work", ["a", "b"], id="t")])
+        assert result.status == "success"
+        output = result.data["t"]
+        dumped = json.loads(result.model_dump_json())["data"]["t"]
+        assert dumped.startswith("<map object at ")  # its repr: JSON cannot hold an iterator
+        assert list(output) == ["A", "B"]  # dumping the result did not read it
 
-    async def test_a_verifier_rejecting_an_unserialisable_output_still_dumps(
+    async def test_a_rejected_output_json_cannot_hold_is_kept_and_dumps_as_its_repr(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:
         from orchestra import VerificationError
 
+        odd = Opaque()
+
         def strict(task: Task, output: Any) -> bool:
-            raise VerificationError("no", output=object())
+            raise VerificationError("no", output=odd)
 
         @agent(kinds=["work"])
         async def fine(task: Task, ctx: Context) -> Any:
@@ -234,5 +323,6 @@ class TestWhatAnAgentReturns:
 
         orch = make_orchestrator(agents=[fine], verify={"work": strict}, retry=ONCE)
         result = await orch.run(tasks=[make_task("work", id="t")])
-        assert only_error(result).partial_output is None
-        assert_dumps(result)
+        assert only_error(result).partial_output is odd
+        dumped = json.loads(result.model_dump_json())
+        assert dumped["errors"][0]["partial_output"] == "Opaque(7)"

@@ -303,12 +303,46 @@ class TestBadValues:
             result = await handle
         assert result.status == "success"
 
-    async def test_an_output_that_cannot_be_stored_fails_its_task(self, orch: Orchestrator) -> None:
+    async def test_an_output_that_cannot_be_stored_fails_its_attempt_naming_the_type(
+        self, orch: Orchestrator
+    ) -> None:
         result = await orch.run([Task("work", "unstorable", id="u")])
         error = result.error_for("u")
         assert error is not None
         assert error.error_type == "InvalidOutput"
-        assert "JSON" in error.message  # the dispatcher's check, or the store's behind it
+        assert "task 'u': agent 'work' returned an object that cannot be stored as JSON" in (
+            error.message
+        )
+        assert [a.error_type for a in error.attempts] == ["InvalidOutput"]  # the attempt's
+
+    async def test_an_iterator_output_is_refused_not_stored_empty(
+        self, store: SQLiteStore, tmp_path: Path
+    ) -> None:
+        @agent(kinds=["work"])
+        async def lazy(task: Task, ctx: Context) -> Any:
+            return map(str.upper, task.payload)
+
+        @agent(kinds=["work"])
+        async def eager(task: Task, ctx: Context) -> Any:
+            return [s.upper() for s in task.payload]
+
+        alone = Orchestrator(agents=[lazy], store=store)
+        result = await alone.run([Task("work", ["a"], id="t")], run_id="lazy")
+        error = result.error_for("t")
+        assert error is not None
+        assert error.error_type == "InvalidOutput"
+        assert "returned a map that cannot be stored as JSON" in error.message
+        assert "iterator" in error.message
+        chained = Orchestrator(
+            agents=[lazy, eager], fallbacks={"work": ["lazy", "eager"]}, store=store
+        )
+        result = await chained.run([Task("work", ["a", "b"], id="t")], run_id="chained")
+        assert result.data == {"t": ["A", "B"]}  # the next agent of the chain took it
+        assert result.metadata.fallbacks == 1
+        store.close()
+        with closing(sqlite3.connect(tmp_path / "runs.db")) as db:
+            rows = dict(db.execute("SELECT run_id, output FROM tasks").fetchall())
+        assert rows == {"lazy": None, "chained": '["A","B"]'}
 
 
 class TestKeys:

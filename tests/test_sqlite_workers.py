@@ -302,6 +302,8 @@ class TestInOneProcess:
                 raise PermanentError("bad payload")
             if task.payload == "odd":
                 return object()  # cannot be stored as JSON
+            if task.payload == "lazy":
+                return map(str, [1])  # an iterator: never stored as []
             if ctx.attempt == 1:
                 raise RetryableError("flaky")
             return "fine"
@@ -310,7 +312,7 @@ class TestInOneProcess:
         helper = Orchestrator(
             agents=[picky], store=SQLiteStore(db), retry=RetryPolicy(max_attempts=3, base=0.0)
         )
-        tasks = [Task("work", p, id=p) for p in ("bad", "odd", "flaky")]
+        tasks = [Task("work", p, id=p) for p in ("bad", "odd", "lazy", "flaky")]
         async with coordinator, helper, anyio.create_task_group() as tg:
             handle = coordinator.start(tasks=tasks, run_id="r")
             handle.results()
@@ -327,7 +329,51 @@ class TestInOneProcess:
         odd = result.error_for("odd")
         assert odd is not None
         assert odd.error_type == "InvalidOutput"
-        assert "cannot be serialised to JSON" in odd.message
+        assert "task 'odd': agent 'picky' returned an object that cannot be stored" in odd.message
+        assert [a.error_type for a in odd.attempts] == ["InvalidOutput"]  # the attempt failed
+        lazy = result.error_for("lazy")
+        assert lazy is not None
+        assert "returned a map that cannot be stored as JSON (a map is an iterator" in lazy.message
+
+    async def test_a_keyboard_interrupt_in_an_agent_stops_the_worker_and_hands_its_task_back(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        others_ended = anyio.Event()
+        ended: list[str] = []
+
+        @agent(kinds=["work"], name="picky")
+        async def on_worker(task: Task, ctx: Context) -> Any:
+            if task.id == "ctrl-c":
+                await others_ended.wait()
+                raise KeyboardInterrupt
+            ended.append(task.id)
+            if len(ended) == 2:
+                others_ended.set()
+            if task.id == "exit":
+                sys.exit(2)  # fails this attempt only
+            return "worker"
+
+        @agent(kinds=["work"], name="picky")
+        async def on_coordinator(task: Task, ctx: Context) -> Any:
+            return "coordinator"
+
+        coordinator = Orchestrator(agents=[on_coordinator], store=SQLiteStore(db))
+        helper = Orchestrator(
+            agents=[on_worker], store=SQLiteStore(db), retry=RetryPolicy(max_attempts=1)
+        )
+        tasks = [Task("work", None, id=i) for i in ("ctrl-c", "exit", "fine")]
+        async with coordinator, helper:
+            handle = coordinator.start(tasks=tasks, run_id="r")
+            handle.pause()
+            report = await helper.work(run_id="r")  # returns, as on Ctrl-C
+            handle.resume()
+            result = await handle
+        assert (report.claimed, report.completed, report.released) == (3, 2, 1)
+        assert result.data == {"ctrl-c": "coordinator", "fine": "worker"}  # handed back, run here
+        error = result.error_for("exit")
+        assert error is not None
+        assert error.error_type == "SystemExit"
 
     async def test_a_payload_the_workers_agents_refuse_fails_its_task_not_the_worker(
         self, tmp_path: Path

@@ -22,7 +22,7 @@ from orchestra.testing import scripted
 from tests.helpers import NEVER_OPENS, run_recorded
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
     from orchestra import Orchestrator
 
@@ -353,6 +353,71 @@ class TestRunTimeout:
         tasks = [make_task("quick") for _ in range(9)] + [make_task("stuck", critical=True)]
         result, _, _ = await run_recorded(orch, tasks)
         assert result.status == "failed"
+
+
+class TestRunTimeoutBeforeTheInputEnds:
+    """A run timeout that fires while a streamed input still has items: the unread input counts
+    against the run, which is never ok, and the metadata says how much was left."""
+
+    @staticmethod
+    async def planner(n: int) -> AsyncIterator[Task]:
+        for i in range(n):
+            yield Task("q", id=f"q{i}")
+            await anyio.sleep(5)  # one item every 5 s: 3 read when the run times out at 12 s
+
+    @pytest.mark.parametrize("threshold", [0.2, 0.8, 1.0])
+    async def test_an_async_generator_left_unread_fails_the_run_and_misses_the_threshold(
+        self, make_orchestrator: Callable[..., Orchestrator], threshold: float
+    ) -> None:
+        missed: list[int] = []
+        orch = make_orchestrator(
+            agents=[scripted("quick", ["q"])],
+            timeouts={"run": 12},
+            success_threshold=threshold,
+            on_threshold_missed=lambda result, failed: missed.append(len(failed)),
+        )
+        result = await orch.run(tasks=self.planner(10))
+        meta = result.metadata
+        assert meta.counts["succeeded"] == 3  # every task that was read succeeded
+        assert result.status == "failed"
+        assert not result.ok
+        assert not meta.input_complete
+        assert meta.input_unread is None  # a generator: how many were left is unknown
+        assert meta.reason == (
+            "run timeout after 12s, before the end of the input (an unknown number of items unread)"
+        )
+        assert missed == [0]
+
+    async def test_an_iterator_of_known_length_counts_its_unread_items(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        gate = anyio.Event()  # never set: every task waits, so the window stays full
+
+        @agent(kinds=["q"])
+        async def waits(task: Task, ctx: Context) -> Any:
+            if task.id != "q0":
+                await gate.wait()
+            return 1
+
+        orch = make_orchestrator(
+            agents=[waits], timeouts={"run": 12}, window=4, success_threshold=0.1
+        )
+        result = await orch.run(tasks=iter([Task("q", id=f"q{i}") for i in range(10)]))
+        meta = result.metadata
+        assert result.status == "failed"
+        assert not meta.input_complete
+        assert meta.input_unread == 5  # 5 admitted (the window's 4, and 1 more as q0 ended)
+        assert meta.success_rate == pytest.approx(1 / 10)  # the unread count as not succeeded
+        assert meta.reason == "run timeout after 12s, before the end of the input (5 items unread)"
+
+    async def test_an_input_read_to_its_end_says_so(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        orch = make_orchestrator(agents=[scripted("quick", ["q"])], timeouts={"run": 60})
+        result = await orch.run(tasks=self.planner(3))
+        assert result.status == "success"
+        assert result.metadata.input_complete
+        assert result.metadata.input_unread == 0
 
 
 class TestConfiguration:

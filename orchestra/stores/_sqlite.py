@@ -81,9 +81,9 @@ from pydantic_core import PydanticSerializationError, to_json
 from .._admission import PRIORITY_MAX, PRIORITY_MIN
 from .._config import finite
 from .._exceptions import ConfigError, InputError, StoreError
+from .._output import stored_json
 from .._store import KEEP
 from .._task import (
-    FAILED,
     READY,
     SUCCEEDED,
     TERMINAL,
@@ -665,18 +665,8 @@ class SQLiteRun:
         if status is SUCCEEDED:
             if record.token != token or record.state in TERMINAL:
                 return False
-            try:
-                text = to_json(output).decode()
-            except PydanticSerializationError as exc:
-                return memory.settle(
-                    record,
-                    token,
-                    FAILED,
-                    agent=agent,
-                    error=f"the output of task {record.id!r} cannot be stored as JSON: {exc}",
-                    error_type="InvalidOutput",
-                    attempt=attempt,
-                )
+            # Raised where the attempt ends, before any change: it fails that attempt.
+            text = stored_json(output, record.id, agent)
             if spawned:
                 payloads = self._encode(spawned, f"tasks spawned by {record.id!r}", None)
                 self._spawning = frozenset(map(id, spawned))

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic_core import to_json
 
+from .._output import jsonable
 from .._task import (
     CANCELLED,
     CLAIMED,
@@ -124,7 +125,7 @@ class Rows:
             agent = error = error_type = output = None
             defaulted = 0
         if output is None and record.output is not None:  # a partial output kept on failure
-            output = to_json(record.output, fallback=repr).decode()
+            output = to_json(jsonable(record.output)).decode()
         due = record.due
         deadline = record.deadline
         tried = record.tried
