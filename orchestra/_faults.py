@@ -11,7 +11,7 @@ headers and body.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 import anyio
 
@@ -34,17 +34,7 @@ FaultMode = Literal[
     "slow",
     "bug",
 ]
-MODES: Final = (
-    "error",
-    "rate_limit",
-    "overloaded",
-    "server_error",
-    "hang",
-    "garbage",
-    "permanent",
-    "slow",
-    "bug",
-)
+MODES: Final[tuple[str, ...]] = get_args(FaultMode)
 
 
 class _Garbage(str):
