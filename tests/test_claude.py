@@ -503,6 +503,25 @@ class TestRateLimits:
         ideal = (spent - itpm / 60) / itpm * 60
         assert ideal * 0.99 <= times[-1] - times[0] <= ideal / 0.95
 
+    async def test_agents_sharing_a_budget_send_in_the_runs_order(
+        self, clock: FakeClock, api: FakeMessagesAPI, client: AsyncAnthropic
+    ) -> None:
+        budget = ClaudeLimits(requests_per_minute=60)
+        account = ClaudeAccount(client=client, limits={SONNET: budget})
+        agents = [research(account, name=kind, kinds=[kind], prompt="{payload}") for kind in "ab"]
+        assert agents[0].rate_limits is agents[1].rate_limits is budget
+        # Tasks of the two agents alternate in the input; priority 0 before priority 1.
+        tasks = [
+            Task(kind, f"{kind}{i}", id=f"{kind}{i}", priority=i // 3)
+            for i in range(6)
+            for kind in "ab"
+        ]
+        t0 = clock.time()
+        result = await run(api, agents, tasks)
+        assert result.status == "success"
+        assert [r.prompt for r in api.requests] == [t.id for t in tasks]
+        assert [round(r.received - t0) for r in api.requests] == list(range(12))
+
     @pytest.mark.parametrize(
         ("known", "count"),
         [("configured", False), ("from the headers", False), ("configured", True)],
