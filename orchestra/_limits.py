@@ -18,6 +18,20 @@ watch(wake)                             call `wake()` once, on the next release 
 `reserve_all` reserves over several limiters at once, all or nothing. `Rate.observe(remaining, reset)`
 takes a server's rate-limit headers into account (it only ever slows the meter down).
 
+**Turns.** Room that several askers wait for goes to the best of them, not to whichever asks
+first. A dispatcher that reserves for a task passes its *turn* (priority, then input order) to
+`reserve_all`; a refused asker joins the limiter's `Line` with its turn, the time it was told and
+a callback. Until a better waiter whose time has come has taken the room (or let its chance pass:
+`LAPSE` after its time), a worse asker is refused and told to ask again when that chance ends; the
+better one's reservation calls the next waiter whose time has come. Units given back (a call
+that cost less than it reserved) or a higher limit tell every waiter at once, since room may come
+before the time they were told. Several agents that share a rate each wait in their own lane,
+woken by their own timers in no set order: the line, not the order of the wake-ups, decides who
+goes. A better waiter whose time has not come (it waits for another limiter, say) holds nobody
+back. A limit used by one lane has one waiter at a time in its line, and a limit nobody waits on
+has none: askers without a turn (a planner's call, `ctx.reserve`) neither wait in line nor are
+held back by it.
+
 Every limiter is per object: the orchestrator's `concurrency` and an agent's own limit are new objects
 made from ints, private to their owner; a limiter object handed to several agents or orchestrators (one
 API key, one budget) is shared by all of them, its holds and its 429s included.
@@ -42,7 +56,9 @@ and giving back or taking more is a shift of that one float.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from heapq import heappop, heappush
 from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
 
 from ._config import finite
@@ -54,6 +70,7 @@ __all__ = (
     "Concurrency",
     "Cost",
     "Limiter",
+    "Line",
     "Rate",
     "as_concurrency",
     "reserve_all",
@@ -72,6 +89,12 @@ _NO_HOLD: Final = -math.inf
 # loop's real one, and would make the next test wait out that lead. It forgets its times instead.
 # (One clock never goes back; the dispatcher's readings may, by a timer's early firing: far less.)
 CLOCK_SLIP: Final = 1.0
+# Seconds a waiter whose time has come keeps its turn (see `Line`): its own timer fires at that
+# time, so a live one asks within a loop turn or two; one that does not ask by then has gone
+# (cancelled, paused, its run busy) and the room goes to the next.
+LAPSE: Final = 0.05
+Turn: TypeAlias = tuple[Any, ...]
+"""A waiter's place: smaller goes first (the dispatcher's is (priority, input order))."""
 
 
 @runtime_checkable
@@ -114,6 +137,7 @@ def reserve_all(
     now: float,
     cost: Cost,
     wake: Callable[[], None] | None = None,
+    turn: Turn | None = None,
 ) -> float:
     """Reserve `cost` on every limiter, or on none.
 
@@ -122,7 +146,36 @@ def reserve_all(
     them needs a release). Given `wake`, it then watches every limiter that answered math.inf, so a
     dispatcher that sleeps on math.inf is woken when any of them frees (it may be woken more than
     once: `wake` must be idempotent).
+
+    Given a `turn` and `wake`, the asker waits in line (see `Line`), known by its `wake`: it is
+    refused while a better waiter whose time has come has not taken its room yet (the answer is
+    then when that waiter's chance ends, or later), joins the lines of the limiters when refused,
+    and leaves them when it reserves; `wake` is then also called when its time has come and the
+    room is its turn.
     """
+    lines: list[Line] | None = None
+    if turn is not None and wake is not None:
+        held = 0.0
+        for limiter in limiters:
+            line = limiter.line if isinstance(limiter, _LINED) else None
+            if line is not None and line.waiting:
+                lines = [line] if lines is None else [*lines, line]
+                until = line.ahead(wake, turn, now)
+                if until > held:
+                    held = until
+        if held:  # a better waiter's turn: take nothing
+            room = 0.0
+            blocked = []
+            for limiter in limiters:
+                later = limiter.peek(now, cost)
+                if later == math.inf:
+                    blocked.append(limiter)
+                room = max(room, later)
+            _join(blocked if room == math.inf else limiters, turn, room or now, wake)
+            if room == math.inf:
+                for limiter in blocked:
+                    limiter.watch(wake)
+            return max(room, held)
     taken = 0
     for limiter in limiters:
         room = limiter.reserve(now, cost)
@@ -130,6 +183,9 @@ def reserve_all(
             break
         taken += 1
     else:
+        if lines is not None and wake is not None:
+            for line in lines:
+                line.leave(wake, now)
         return 0.0
     for limiter in limiters[:taken]:  # the slow path: give back, then find the latest room
         limiter.reconcile(cost, 0, now)
@@ -140,10 +196,128 @@ def reserve_all(
         if later == math.inf:
             blocked.append(limiter)
         room = max(room, later)
+    if turn is not None and wake is not None:
+        # One told "at a release" waits in the lines of those that will say when it comes.
+        _join(blocked if room == math.inf else limiters, turn, room, wake)
     if wake is not None and room == math.inf:
         for limiter in blocked:
             limiter.watch(wake)
     return room
+
+
+def _join(limiters: Sequence[Limiter], turn: Turn, at: float, wake: Callable[[], None]) -> None:
+    """`wake`'s asker waits in the line of each of `limiters` that keeps one, told loop time `at`."""
+    for limiter in limiters:
+        if isinstance(limiter, _LINED):
+            line = limiter.line
+            if line is None:
+                line = limiter.line = Line()
+            line.join(turn, at, wake)
+
+
+class Line:
+    """The askers one limiter refused, in turn order: who gets the room when it comes.
+
+    A waiter is known by the callback that makes it ask again (a dispatcher's, for one agent's
+    lane of waiting tasks: only the lane's first task asks, so a lane waits as one, with the turn
+    of the task that asked last), and has its turn and the loop time it was told to ask again
+    (math.inf: at a release). `ahead` answers whether a better waiter whose time has come
+    stands before an asker; `leave` takes a waiter out once it has its room, and calls the next
+    one whose time has come. A waiter that has not asked `LAPSE` after its time has gone, and is
+    forgotten: nobody waits for it.
+
+    Kept by `Concurrency` and `Rate` (made at the first refusal of an asker with a turn) and used
+    by `reserve_all`; not thread-safe (one event loop).
+    """
+
+    __slots__ = ("_heap", "_n", "waiting")
+
+    def __init__(self) -> None:
+        # id(wake) -> [turn, told (loop time), entry number, weak reference to wake]. Held weakly:
+        # a limiter may outlive the runs that waited on it (one API key's, kept by the process),
+        # and must not keep them. An entry of `_heap` whose number is not its waiter's is stale
+        # (the waiter left, or joined again with another turn).
+        self.waiting: dict[int, list[Any]] = {}
+        self._heap: list[tuple[Turn, int, int]] = []
+        self._n = 0
+
+    def _entry(self, wake: Callable[[], None]) -> list[Any] | None:
+        entry = self.waiting.get(id(wake))
+        return entry if entry is not None and entry[3]() is wake else None
+
+    def join(self, turn: Turn, at: float, wake: Callable[[], None]) -> None:
+        entry = self._entry(wake)
+        if entry is not None and entry[0] == turn:
+            entry[1] = at
+            return
+        self._n += 1
+        self.waiting[id(wake)] = [turn, at, self._n, weakref.ref(wake)]
+        heappush(self._heap, (turn, self._n, id(wake)))
+
+    def _first(self, now: float) -> tuple[Callable[[], None], list[Any]] | None:
+        """The best waiter still waiting (stale, lapsed and forgotten ones are dropped)."""
+        heap = self._heap
+        waiting = self.waiting
+        while heap:
+            _, n, key = heap[0]
+            entry = waiting.get(key)
+            if entry is not None and entry[2] == n:
+                wake = entry[3]()
+                if wake is not None and entry[1] + LAPSE > now:
+                    return wake, entry
+                del waiting[key]
+            heappop(heap)
+        return None
+
+    def ahead(self, wake: Callable[[], None], turn: Turn, now: float) -> float:
+        """0.0 if `wake`'s asker, of `turn`, may take room now; else until when a better waiter
+        whose time has come keeps it."""
+        first = self._first(now)
+        if first is None:
+            return 0.0
+        other, (best, at, _, _) = first
+        if other is wake or at > now or not best < turn:
+            return 0.0
+        until: float = at + LAPSE
+        return until
+
+    def leave(self, wake: Callable[[], None], now: float) -> None:
+        """`wake`'s asker has its room: the next waiter whose time has come is told."""
+        if self._entry(wake) is None:
+            return
+        del self.waiting[id(wake)]
+        first = self._first(now)
+        if first is not None and first[1][1] <= now:
+            first[0]()
+
+    def opened(self, now: float) -> None:
+        """A release made room: those told to wait for one are due now (the limiter's watchers
+        wake them)."""
+        for entry in self.waiting.values():
+            if entry[1] == math.inf:
+                entry[1] = now
+
+    def sooner(self, now: float) -> None:
+        """Room may come sooner than the waiters were told (units given back, a higher limit):
+        every one of them is due now, and told to ask again (the best one gets the room)."""
+        wakes = []
+        for entry in self.waiting.values():
+            if entry[1] > now:
+                entry[1] = now
+            wake = entry[3]()
+            if wake is not None:
+                wakes.append(wake)
+        errors: list[BaseException] = []
+        for wake in wakes:  # every waiter is told even if one raises: no lost wake-ups
+            try:
+                wake()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __len__(self) -> int:
+        return len(self.waiting)
 
 
 class _Watchers:
@@ -173,7 +347,7 @@ class Concurrency:
     `watch` is told of it). Shared by everybody it is given to; not thread-safe (one event loop).
     """
 
-    __slots__ = ("_hold", "_seen", "in_use", "limit", "watchers")
+    __slots__ = ("_hold", "_seen", "in_use", "limit", "line", "watchers")
 
     def __init__(self, limit: int) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -185,11 +359,13 @@ class Concurrency:
         # Who waits for room (None until somebody watched: a release is then only the count, which
         # a dispatcher does inline).
         self.watchers: _Watchers | None = None
+        self.line: Line | None = None  # who waits for room, in turn order (see `Line`)
 
     def _asked(self, now: float) -> None:
         """Note the time it is asked at; a hold of another clock's (see `CLOCK_SLIP`) is gone."""
         if now < self._seen - CLOCK_SLIP:
             self._hold = _NO_HOLD
+            self.line = None
         self._seen = now
 
     def reserve(self, now: float, cost: Cost = 1) -> float:
@@ -212,6 +388,8 @@ class Concurrency:
         if self.in_use <= 0:
             raise RuntimeError(f"{self!r}: released more slots than were reserved")
         self.in_use -= 1
+        if self.line is not None and self.line.waiting:
+            self.line.opened(now)
         if self.watchers is not None and self.watchers.waiting:
             self.watchers.wake_all()
 
@@ -263,6 +441,7 @@ class Rate:
         "burst",
         "interval",
         "limit",
+        "line",
         "per",
         "unit",
     )
@@ -285,6 +464,7 @@ class Rate:
         self._hold = _NO_HOLD
         self._seen = _NO_HOLD  # the latest time it was asked at (see `CLOCK_SLIP`)
         self._watchers: _Watchers | None = None
+        self.line: Line | None = None  # who waits for room, in turn order (see `Line`)
 
     def amount(self, cost: Cost) -> float:
         """How many of this limiter's units `cost` is."""
@@ -297,6 +477,7 @@ class Rate:
         empty meter."""
         if now < self._seen - CLOCK_SLIP:
             self._tat = self._hold = _NO_HOLD
+            self.line = None
         self._seen = now
 
     def reserve(self, now: float, cost: Cost = 1) -> float:
@@ -334,6 +515,8 @@ class Rate:
         if tat <= now:  # drained already: giving back changes nothing and wakes nobody
             return
         self._tat = tat + more * self.interval
+        if self.line is not None and self.line.waiting:
+            self.line.sooner(now)
         if self._watchers is not None and self._watchers.waiting:
             self._watchers.wake_all()
 
@@ -364,8 +547,11 @@ class Rate:
         tat = self._tat
         if tat > now:
             self._tat = now + (tat - now) * interval / self.interval
+        faster = interval < self.interval
         self.limit = limit
         self.interval = interval
+        if faster and self.line is not None and self.line.waiting:
+            self.line.sooner(now)
 
     def watch(self, wake: Callable[[], None]) -> None:
         """Room comes with time (`reserve` never says math.inf); `wake` runs on the next give-back."""
@@ -410,6 +596,8 @@ def _check_positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, _NUMBER) or not finite(value) or value <= 0:
         raise ConfigError(f"{field} must be a finite number > 0, got {value!r}")
 
+
+_LINED: Final = (Concurrency, Rate)  # the limiters that keep a `Line`
 
 for _public in (Concurrency, Rate, Limiter):
     _public.__module__ = "orchestra"

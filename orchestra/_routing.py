@@ -452,7 +452,9 @@ class Router:
         its watcher)."""
         cost = _REQUEST if slot.estimate is None else _estimate(slot, record)
         now = self._now()
-        room = reserve_all(self.limiters(slot), now, cost, self._waker(slot))
+        # The task's turn on limits other agents share: the run's order, across their lanes.
+        turn = (record.priority, record.order)
+        room = reserve_all(self.limiters(slot), now, cost, self._waker(slot), turn)
         if not room:
             return cost
         lane = self.lane(slot, None)

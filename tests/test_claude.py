@@ -290,6 +290,45 @@ class TestErrors:
         assert after, "nothing was sent after the 429"
         assert all(r.received >= limited.received + 2 for r in after)
 
+    async def test_agents_given_one_client_share_its_account_and_a_429s_hold(
+        self, api: FakeMessagesAPI, client: AsyncAnthropic
+    ) -> None:
+        api.fail("rate_limit", times=1, retry_after=2)
+        first = ClaudeAgent(name="a", kinds=["a"], model=SONNET, client=client)
+        second = ClaudeAgent(name="b", kinds=["b"], model=SONNET, client=client)
+        tasks = [Task("a", "x", id="x")] + [Task("b", f"y{i}", id=f"y{i}") for i in range(3)]
+        result = await run(api, [first, second], tasks)
+        assert result.status == "success"
+        limited = api.answered(429)[0]
+        after = [r for r in api.requests if r.received > limited.received]
+        assert after, "nothing was sent after the 429"
+        assert all(r.received >= limited.received + 2 for r in after)
+        assert first.account is second.account  # one client, one key: one account
+
+    async def test_agents_given_one_client_share_a_401s_hold(
+        self, api: FakeMessagesAPI, client: AsyncAnthropic
+    ) -> None:
+        api.fail("authentication", duration=30)
+        first = ClaudeAgent(name="a", kinds=["a"], model=SONNET, client=client)
+        second = ClaudeAgent(name="b", kinds=["b"], model=HAIKU, client=client)
+        first_result = await run(api, [first], [Task("a", "x", id="x")])
+        assert first_result.status == "failed"
+        # The key was refused on the first agent's call: the second's are not sent.
+        result = await run(api, [second], [Task("b", "y", id="y")])
+        error = result.error_for("y")
+        assert error is not None
+        assert "refused this key (401 authentication_error" in error.message
+        assert len(api.requests) == 1
+
+    async def test_agents_given_different_clients_have_their_own_accounts(
+        self, api: FakeMessagesAPI, client: AsyncAnthropic
+    ) -> None:
+        async with AsyncAnthropic(api_key="sk-ant-other", base_url=api.url) as other:
+            first = ClaudeAgent(name="a", kinds=["a"], model=SONNET, client=client)
+            second = ClaudeAgent(name="b", kinds=["b"], model=SONNET, client=other)
+            assert first.account is not second.account
+            assert first.rate_limits is not second.rate_limits
+
     async def test_a_429_with_only_the_reset_headers_waits_for_the_reset(
         self, api: FakeMessagesAPI, account: ClaudeAccount
     ) -> None:
@@ -463,6 +502,25 @@ class TestRateLimits:
         spent = sum(n for _, n in tokens)
         ideal = (spent - itpm / 60) / itpm * 60
         assert ideal * 0.99 <= times[-1] - times[0] <= ideal / 0.95
+
+    async def test_agents_sharing_a_budget_send_in_the_runs_order(
+        self, clock: FakeClock, api: FakeMessagesAPI, client: AsyncAnthropic
+    ) -> None:
+        budget = ClaudeLimits(requests_per_minute=60)
+        account = ClaudeAccount(client=client, limits={SONNET: budget})
+        agents = [research(account, name=kind, kinds=[kind], prompt="{payload}") for kind in "ab"]
+        assert agents[0].rate_limits is agents[1].rate_limits is budget
+        # Tasks of the two agents alternate in the input; priority 0 before priority 1.
+        tasks = [
+            Task(kind, f"{kind}{i}", id=f"{kind}{i}", priority=i // 3)
+            for i in range(6)
+            for kind in "ab"
+        ]
+        t0 = clock.time()
+        result = await run(api, agents, tasks)
+        assert result.status == "success"
+        assert [r.prompt for r in api.requests] == [t.id for t in tasks]
+        assert [round(r.received - t0) for r in api.requests] == list(range(12))
 
     @pytest.mark.parametrize(
         ("known", "count"),

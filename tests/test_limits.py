@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestra import ConfigError
-from orchestra._limits import REQUESTS, Concurrency, Limiter, Rate, as_concurrency, reserve_all
+from orchestra._limits import (
+    LAPSE,
+    REQUESTS,
+    Concurrency,
+    Limiter,
+    Rate,
+    as_concurrency,
+    reserve_all,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -384,6 +392,108 @@ class TestSharing:
         own = as_concurrency(3, "concurrency")
         assert own is not as_concurrency(3, "concurrency")
         assert own.limit == 3
+
+
+class TestTurns:
+    """Room that several askers wait for goes to the best turn among those whose time has come,
+    whoever asks first; a waiter that does not come for it in time loses it."""
+
+    def test_the_better_turn_gets_the_refill_whoever_asks_first(self) -> None:
+        rate = Rate(1, per=1)
+        first, second = Counter(), Counter()
+        assert reserve_all([rate], 0.0, 1, first, (0, 0)) == 0.0
+        assert reserve_all([rate], 0.0, 1, second, (0, 1)) == 1.0
+        assert reserve_all([rate], 0.0, 1, first, (0, 2)) == 1.0
+        # At 1.0 the worse turn asks first: it is told to wait for the better one's chance.
+        assert reserve_all([rate], 1.0, 1, first, (0, 2)) == 1.0 + LAPSE
+        assert reserve_all([rate], 1.0, 1, second, (0, 1)) == 0.0
+        assert first.calls == 1, "the better one's reservation tells the next in line"
+        assert reserve_all([rate], 1.0, 1, first, (0, 2)) == 2.0
+
+    def test_a_smaller_priority_number_is_a_better_turn(self) -> None:
+        rate = Rate(1, per=1)
+        low, high = Counter(), Counter()
+        rate.reserve(0.0, 1)
+        assert reserve_all([rate], 0.0, 1, low, (1, 0)) == 1.0
+        assert reserve_all([rate], 0.0, 1, high, (0, 5)) == 1.0
+        assert reserve_all([rate], 1.0, 1, low, (1, 0)) == 1.0 + LAPSE
+        assert reserve_all([rate], 1.0, 1, high, (0, 5)) == 0.0
+
+    def test_a_waiter_that_does_not_come_loses_its_turn(self) -> None:
+        rate = Rate(1, per=1)
+        gone, other = Counter(), Counter()
+        rate.reserve(0.0, 1)
+        reserve_all([rate], 0.0, 1, gone, (0, 0))
+        reserve_all([rate], 0.0, 1, other, (0, 1))
+        assert reserve_all([rate], 1.0, 1, other, (0, 1)) == 1.0 + LAPSE
+        assert reserve_all([rate], 1.0 + LAPSE, 1, other, (0, 1)) == 0.0
+
+    def test_a_better_waiter_whose_time_has_not_come_holds_nobody_back(self) -> None:
+        requests = Rate(10, per=1, burst=10)
+        tokens = Rate(10, per=1, unit="tokens", burst=10)
+        big, small = Counter(), Counter()
+        tokens.reserve(0.0, {"tokens": 10})
+        # The big one needs 5 tokens: room at 0.5 s. The small one needs none, and goes now.
+        assert reserve_all([requests, tokens], 0.0, {"tokens": 5}, big, (0, 0)) == 0.5
+        assert reserve_all([requests, tokens], 0.0, {"tokens": 0}, small, (0, 1)) == 0.0
+        assert reserve_all([requests, tokens], 0.5, {"tokens": 5}, big, (0, 0)) == 0.0
+
+    def test_the_best_waiter_gets_the_slot_a_release_frees(self) -> None:
+        slots = Concurrency(1)
+        first, second = Counter(), Counter()
+        assert reserve_all([slots], 0.0, 1) == 0.0
+        assert reserve_all([slots], 0.0, 1, second, (0, 1)) == math.inf
+        assert reserve_all([slots], 0.0, 1, first, (0, 0)) == math.inf
+        slots.release(1, 1.0)
+        assert (first.calls, second.calls) == (1, 1)  # both watched; the worse one asks first
+        assert reserve_all([slots], 1.0, 1, second, (0, 1)) == 1.0 + LAPSE
+        assert reserve_all([slots], 1.0, 1, first, (0, 0)) == 0.0
+        assert second.calls == 2, "its turn now: the better one's reservation tells it"
+        assert reserve_all([slots], 1.0, 1, second, (0, 1)) == math.inf  # the slot is taken
+        slots.release(1, 2.0)
+        assert reserve_all([slots], 2.0, 1, second, (0, 1)) == 0.0
+
+    def test_units_given_back_tell_every_waiter_and_the_best_goes(self) -> None:
+        tokens = Rate(10, per=1, unit="tokens", burst=10)
+        first, second = Counter(), Counter()
+        assert reserve_all([tokens], 0.0, {"tokens": 10}) == 0.0
+        assert reserve_all([tokens], 0.0, {"tokens": 5}, second, (0, 1)) == 0.5
+        assert reserve_all([tokens], 0.0, {"tokens": 5}, first, (0, 0)) == 0.5
+        tokens.reconcile({"tokens": 10}, {"tokens": 0}, 0.1)  # the call cost nothing after all
+        assert (first.calls, second.calls) == (1, 1)
+        assert reserve_all([tokens], 0.1, {"tokens": 5}, second, (0, 1)) == 0.1 + LAPSE
+        assert reserve_all([tokens], 0.1, {"tokens": 5}, first, (0, 0)) == 0.0
+
+    def test_a_higher_limit_tells_every_waiter(self) -> None:
+        rate = Rate(1, per=10)
+        waiter = Counter()
+        rate.reserve(0.0, 1)
+        assert reserve_all([rate], 0.0, 1, waiter, (0, 0)) == 10.0
+        rate.retune(10, 1.0)  # a server's header: the budget is ten times larger
+        assert waiter.calls == 1
+        assert reserve_all([rate], 1.0, 1, waiter, (0, 0)) == pytest.approx(1.9)
+
+    def test_askers_without_a_turn_neither_wait_in_line_nor_are_held_back(self) -> None:
+        rate = Rate(1, per=1)
+        waiting = Counter()
+        rate.reserve(0.0, 1)
+        assert reserve_all([rate], 0.0, 1, waiting, (0, 0)) == 1.0
+        assert reserve_all([rate], 1.0, 1) == 0.0  # a planner's call, say
+        assert rate.line is not None
+        assert len(rate.line) == 1
+
+    def test_a_waiter_whose_dispatcher_is_gone_is_forgotten(self) -> None:
+        rate = Rate(1, per=1)
+        rate.reserve(0.0, 1)
+        reserve_all([rate], 0.0, 1, Counter(), (0, 0))  # nobody keeps the callback
+        assert reserve_all([rate], 1.0, 1, Counter(), (0, 1)) == 0.0
+
+    def test_a_line_seen_on_another_clock_is_forgotten(self) -> None:
+        rate = Rate(1, per=1)
+        waiter = Counter()
+        rate.reserve(1000.0, 1)
+        reserve_all([rate], 1000.0, 1, waiter, (0, 0))
+        assert reserve_all([rate], 5.0, 1, Counter(), (0, 1)) == 0.0
 
 
 class TestOnAnEventLoop:

@@ -31,15 +31,27 @@ class Timed:
     """An agent that records the (virtual) time each call starts; tasks in `fail_once` get one
     `RetryableError(retry_after=...)` (a 429 stand-in with the status code of one)."""
 
-    def __init__(self, name: str, *, limits: Any = (), usage: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        limits: Any = (),
+        usage: int = 0,
+        kind: str = "work",
+        latency: float = 0.0,
+        starts: list[tuple[str, float]] | None = None,
+    ) -> None:
         self.name = name
-        self.kinds = ("work",)
+        self.kinds = (kind,)
         self.limits = limits
         self.usage = usage
-        self.starts: list[tuple[str, float]] = []
+        self.latency = latency
+        self.starts: list[tuple[str, float]] = [] if starts is None else starts
 
     async def __call__(self, task: Task, ctx: Context) -> Any:
         self.starts.append((task.id, anyio.current_time()))
+        if self.latency:
+            await anyio.sleep(self.latency)
         if self.usage:
             ctx.record_usage(input_tokens=self.usage)
         return task.payload
@@ -105,6 +117,76 @@ class TestRate:
         assert starts == [0, 0.5, 1, 1.5, 2, 2.5]
         assert a.starts
         assert b.starts
+
+
+def interleaved(n: int, priorities: Callable[[int], int] = lambda i: 0) -> list[Task]:
+    """``a0, b0, a1, b1, ...``: `n` tasks of kind "a" and `n` of kind "b", alternating in the input;
+    the i-th of each kind has priority ``priorities(i)``."""
+    return [
+        Task(kind, i, id=f"{kind}{i}", priority=priorities(i)) for i in range(n) for kind in "ab"
+    ]
+
+
+def run_order(tasks: list[Task]) -> list[str]:
+    """The ids of `tasks` in the run's order: priority, then input order."""
+    return [t.id for _, t in sorted(enumerate(tasks), key=lambda it: (it[1].priority, it[0]))]
+
+
+class TestSharedLimitOrder:
+    """A limit shared by several agents grants room in the run's order (priority, then input
+    order) across them, not to whichever agent's waiting tasks happen to be looked at first."""
+
+    @pytest.mark.parametrize(
+        "priorities",
+        [lambda i: 0, lambda i: 0 if i < 3 else 1, lambda i: i % 2, lambda i: 2 - i // 2],
+        ids=["one priority", "two priorities", "alternating", "falling"],
+    )
+    async def test_a_shared_rate_grants_room_in_the_runs_order(
+        self,
+        clock: FakeClock,
+        make_orchestrator: Callable[..., Orchestrator],
+        priorities: Callable[[int], int],
+    ) -> None:
+        key = [Rate(60, per=60)]
+        starts: list[tuple[str, float]] = []
+        a = Timed("a", kind="a", limits=key, starts=starts)
+        b = Timed("b", kind="b", limits=key, starts=starts)
+        orch = make_orchestrator(agents=[a, b], concurrency=10)
+        tasks = interleaved(6, priorities)
+        t0 = clock.time()
+        result = await orch.run(tasks=tasks)
+        assert result.status == "success"
+        assert [i for i, _ in starts] == run_order(tasks)
+        assert [round(t - t0, 6) for _, t in starts] == list(range(12))  # one a second
+
+    async def test_a_shared_concurrency_grants_room_in_the_runs_order(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        key = [Concurrency(1)]
+        starts: list[tuple[str, float]] = []
+        a = Timed("a", kind="a", limits=key, latency=1.0, starts=starts)
+        b = Timed("b", kind="b", limits=key, latency=1.0, starts=starts)
+        orch = make_orchestrator(agents=[a, b], concurrency=10)
+        tasks = interleaved(5, lambda i: i % 2)
+        t0 = clock.time()
+        await orch.run(tasks=tasks)
+        assert [i for i, _ in starts] == run_order(tasks)
+        assert [round(t - t0, 6) for _, t in starts] == list(range(10))
+
+    async def test_a_rate_shared_by_two_orchestrators_goes_by_priority_across_them(
+        self, clock: FakeClock
+    ) -> None:
+        key = [Rate(60, per=60)]
+        starts: list[tuple[str, float]] = []
+        first = Orchestrator(agents=[Timed("a", kind="a", limits=key, starts=starts)])
+        second = Orchestrator(agents=[Timed("b", kind="b", limits=key, starts=starts)])
+        t0 = clock.time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first.run, [Task("a", i, id=f"a{i}", priority=1) for i in range(4)])
+            tg.start_soon(second.run, [Task("b", i, id=f"b{i}") for i in range(4)])
+        # a0 went at once, before b's tasks were admitted; then priority 0 (b) before 1 (a).
+        assert [i for i, _ in starts] == ["a0", "b0", "b1", "b2", "b3", "a1", "a2", "a3"]
+        assert [round(t - t0, 6) for _, t in starts] == list(range(8))
 
 
 class TestSharedConcurrency:

@@ -129,8 +129,9 @@ class ClaudeAccount:
 
     `ClaudeAccount.shared(...)` is the account of a key in this process: an agent built without
     `account=` or `client=` uses it, so every agent on one key shares one client and one budget per
-    family by default. (This is the one registry kept per process on purpose: the API's budget is
-    per key, not per orchestrator; two orchestrators on one key really do share it.)
+    family by default; `ClaudeAccount.of(client)` is the account of one client, which agents given
+    that `client=` share. (These are the registries kept per process on purpose: the API's budget
+    is per key, not per orchestrator; two orchestrators on one key really do share it.)
 
     Args:
         api_key: the key; default: the ``ANTHROPIC_API_KEY`` environment variable.
@@ -142,7 +143,7 @@ class ClaudeAccount:
         prices: price rows that override or extend `PRICES`.
     """
 
-    __slots__ = ("__weakref__", "_limits", "_refused", "client", "prices")
+    __slots__ = ("__weakref__", "_given", "_limits", "_refused", "client", "prices")
 
     def __init__(
         self,
@@ -153,6 +154,9 @@ class ClaudeAccount:
         limits: Mapping[str, ClaudeLimits] | None = None,
         prices: Mapping[str, Price] | None = None,
     ) -> None:
+        # The client it was made around (None: its own); `of` finds the account by it, and the
+        # account keeps it alive so that no other object takes its id meanwhile.
+        self._given = client
         if client is None:
             client = AsyncAnthropic(api_key=api_key, base_url=base_url, max_retries=0)
             if not _has_credentials(client):
@@ -220,6 +224,17 @@ class ClaudeAccount:
             account = _ACCOUNTS[ident] = cls(api_key=api_key, base_url=base_url)
         return account
 
+    @classmethod
+    def of(cls, client: AsyncAnthropic) -> ClaudeAccount:
+        """The account of `client` in this process, made on first use: every agent given the
+        same `client=` shares it (its limits, its 429 and 401 holds). Kept while some agent
+        holds it."""
+        account = _CLIENT_ACCOUNTS.get(id(client))
+        if account is None or account._given is not client:
+            account = cls(client=client)
+            _CLIENT_ACCOUNTS[id(client)] = account
+        return account
+
     def limits(self, model: str) -> ClaudeLimits:
         """The limits of `model`'s family on this key (made with the defaults on first use)."""
         family = model_family(model)
@@ -268,6 +283,9 @@ _OUTPUT_PARAMS: Final = frozenset(("output_config", "tools", "tool_choice"))
 _ACCOUNTS: weakref.WeakValueDictionary[tuple[str, str], ClaudeAccount] = (
     weakref.WeakValueDictionary()
 )
+# By the id of the client an account was made around (`ClaudeAccount.of`): an entry lives as long
+# as its account, which holds the client, so the id is that client's for as long.
+_CLIENT_ACCOUNTS: weakref.WeakValueDictionary[int, ClaudeAccount] = weakref.WeakValueDictionary()
 
 
 class ClaudeAgent:
@@ -284,9 +302,10 @@ class ClaudeAgent:
         output: a pydantic model: the answer is asked for as that JSON schema and validated; the
             agent returns the model instance. None: the answer's text.
         max_tokens: the answer's token limit, reserved on the output-token budget before the call.
-        account: the API key's `ClaudeAccount` (default: `ClaudeAccount.shared()`, or one made
-            around `client`).
-        client: an `AsyncAnthropic` (used with `max_retries=0`) instead of `account`.
+        account: the API key's `ClaudeAccount` (default: `ClaudeAccount.shared()`, or
+            `ClaudeAccount.of(client)`).
+        client: an `AsyncAnthropic` (used with `max_retries=0`) instead of `account`: agents
+            given the same client share one account (`ClaudeAccount.of`).
         rate_limits: the `ClaudeLimits` to reserve on (default: the account's for the model's
             family).
         cache_system: mark the system prompt for prompt caching (`cache_control` ephemeral).
@@ -378,7 +397,7 @@ class ClaudeAgent:
         if account is not None and client is not None:
             raise ConfigError(f"{where}give account= or client=, not both")
         if account is None:
-            account = ClaudeAccount.shared() if client is None else ClaudeAccount(client=client)
+            account = ClaudeAccount.shared() if client is None else ClaudeAccount.of(client)
         if rate_limits is None:
             rate_limits = account.limits(model)
         elif not isinstance(rate_limits, ClaudeLimits):
