@@ -187,6 +187,7 @@ class Recovery:
         for record, token in waiting:
             if not store.start(record, token, slot.name):
                 continue  # it ended while it waited
+            d.report.attempts += 1  # an attempt of the task's, not a call: `slot.attempts` is not
             policy = slot.retry or d.config.retry_per_kind.get(record.kind) or d.config.retry
             attempt = Attempt(
                 number=record.attempts,

@@ -792,6 +792,12 @@ class TestWaitingForAProbe:
             assert "the probe failed with ConnectionError" in last.message
             assert "3 attempts failed" in record.message
         assert result.metadata.elapsed < 1 + 2 + 4 + 1
+        # The attempts add up: each failed probe's charge is an attempt of the task's (and a
+        # retry when one is left), but not a call of the agent's.
+        recorded = sum(len(e.attempts) for e in result.errors)
+        assert result.metadata.attempts == recorded
+        assert result.metadata.retries == recorded - 200
+        assert orch.agents_status()[0]["attempts"] == len(down.calls)
 
     async def test_a_task_that_can_go_elsewhere_is_not_charged_for_a_probe(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
@@ -902,3 +908,4 @@ class TestVisibility:
         console = Console(record=True, file=io.StringIO(), width=120)
         console.print(render_status(status))
         assert "probe in" in console.export_text()
+

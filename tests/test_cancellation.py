@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -589,3 +590,29 @@ class TestPlainRunCancelled:
         finished = rec.of(TaskFinished)
         assert sorted(e.result.task_id for e in finished) == ["t0", "t1", "t2"]
         assert {e.result.status for e in finished} == {"cancelled"}
+
+
+class TestThreadAgentsAndTheBreaker:
+    @pytest.mark.timeout(60)
+    async def test_attempt_timeouts_of_thread_agents_cost_a_few_probes_not_minutes(self) -> None:
+        # Real time: a thread agent's call sleeps in its thread, which a FakeClock cannot skip.
+        # Each call overruns its 0.05 s timeout: health failures, so the breaker opens, and the
+        # run ends after a few probes (a 1 s, then 2 s cool-down) — it waited out 30 s
+        # cool-downs, one probe at a time, for minutes.
+        calls = 0
+
+        def slow(task: Task) -> int:
+            nonlocal calls
+            calls += 1
+            time.sleep(0.3)
+            return 1
+
+        cpu = agent(slow, kinds=["cpu"], executor="thread", concurrency=2, timeout=0.05)
+        async with Orchestrator(
+            agents=[cpu], concurrency=2, retry=RetryPolicy(max_attempts=2, base=0)
+        ) as orch:
+            with anyio.fail_after(30):
+                result = await orch.run(tasks=[Task("cpu", i) for i in range(8)])
+        assert result.status == "failed"
+        assert calls <= 8 * 2
+        assert {e.error_type for e in result.errors} <= {"AttemptTimeout", "CircuitOpen"}
