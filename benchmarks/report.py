@@ -328,6 +328,10 @@ def markdown(
     if rows:
         lines += [f"{h2} {_title(results, 'durable')}", "", *_durable(rows), ""]
 
+    rows = _rows(summary, "failures")
+    if rows:
+        lines += [f"{h2} {_title(results, 'failures')}", "", *_failures(rows), ""]
+
     for image in images:
         lines += [f"![{Path(image).stem}]({image_prefix}{image})", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -561,6 +565,66 @@ def _durable(rows: list[Row]) -> list[str]:
             "the journal (one claim per task).",
         ]
     return lines
+
+
+def _count(s: dict[str, float]) -> str:
+    """A count's median, with its range when the repetitions differ."""
+    low, mid, high = (f"{s[k]:,.0f}" for k in ("min", "median", "max"))
+    return mid if low == high else f"{mid} [{low}-{high}]"
+
+
+def _failures(rows: list[Row]) -> list[str]:
+    shapes = {
+        "clean": "nothing fails",
+        "buggy": "a buggy minority raises ValueError on every attempt",
+        "always_bug": "a kind whose agent always raises ValueError",
+        "outage_3s": "the agent down (connection errors), then back",
+        "down_for_good": "the agent down for good (ConnectionError)",
+    }
+    body = []
+    for r in rows:
+        what = f"`{r['variant']}`: {shapes.get(r['variant'], '')}"
+        if "wall_s" not in r:
+            body.append([what, f"{r['n']:,}", _failed_cell(r), "", "", "", "", ""])
+            continue
+        x = r.get("x_clean_plus_backoff")
+        body.append(
+            [
+                what,
+                f"{r['n']:,}",
+                _spread(r["wall_s"]),
+                "—" if x is None else f"{num(x)}x",
+                f"{_count(r['succeeded'])} / {_count(r['failed'])}",
+                _count(r["calls"]),
+                _count(r["attempts"]),
+                f"{_count(r['breaker_opens'])} / {_count(r['probes'])}",
+            ]
+        )
+    scale = rows[0]["spec"].get("time_scale", 1.0)
+    scaled = "" if scale == 1 else f" (here every time of theirs x {scale:g}, the outage's too)"
+    return [
+        *_table(
+            [
+                "variant",
+                "tasks",
+                "wall (s)",
+                "vs clean + retry backoff",
+                "succeeded / failed",
+                "calls to the agent",
+                "`metadata.attempts`",
+                "breaker opens / probes",
+            ],
+            body,
+        ),
+        "",
+        "orchestra with its default policies (`RetryPolicy()`: 3 attempts, backoff 0.5 s doubling, "
+        "full jitter, so at most 0.5 + 1.0 s between a task's attempts; `BreakerPolicy()`: "
+        f"cool-down 1 s doubling per failed probe){scaled}, one agent sleeping its latency per "
+        "call, in real time. `outage_3s` calls `orch.simulate_agent_failure(agent, "
+        'mode="error", duration=3)` just before the run: its failed calls never reach the agent, '
+        "so they are attempts, not calls. Breaker opens and probes are counted from "
+        "`BreakerChanged` events.",
+    ]
 
 
 def _title(results: Row, name: str) -> str:

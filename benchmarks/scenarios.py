@@ -1,4 +1,4 @@
-"""The ten scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
+"""The eleven scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
 
 A scenario is a list of groups; a group is the variants that measure the same thing at the same
 size and are run one after another in each repetition (their order rotating from one repetition to
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .failures import VARIANTS as FAILURE_VARIANTS
+from .failures import buggy_tasks
 from .spec import LOOPS, Spec
 
 #: Variants of scenario 2 and 3 (LangGraph is added at its own sizes).
@@ -73,6 +75,14 @@ class Sizes:
     #: Scenario 10 in full: no-op and retried runs, each beside MemoryStore. The smoke runs the
     #: retried one on SQLite alone (each child costs about a second, and a smoke is seconds).
     durable_full: bool = True
+    #: Scenario 11: failures with the default policies, in real time, at their own limit.
+    failures_n: int = 400
+    #: Scenario 11's ``always_bug``: a kind whose agent always raises, this many tasks.
+    failures_bug_n: int = 40
+    failures_latency: float = 0.050
+    failures_limit: int = 50
+    #: Scenario 11: the retry backoff, breaker cool-downs and outage times this (1: the defaults).
+    failures_time_scale: float = 1.0
     limit: int = 100
     reps: int = 5
 
@@ -103,6 +113,11 @@ SMOKE = Sizes(
     resume_n=1_000,
     workers_n=300,
     durable_full=False,
+    failures_n=40,
+    failures_bug_n=8,
+    failures_latency=0.005,
+    failures_limit=10,
+    failures_time_scale=0.1,
     limit=10,
     reps=1,
 )
@@ -290,7 +305,34 @@ def plan(sizes: Sizes) -> list[Scenario]:
         ]
     )
 
-    return [speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable]
+    scale = sizes.failures_time_scale
+    failures = Scenario(
+        "failures",
+        f"11. Failures, default policies{'' if scale == 1 else f' (times x {scale:g})'}: {sizes.failures_n} x {sizes.failures_latency * 1e3:g} ms, "
+        f"limit {sizes.failures_limit}, clean, with {len(buggy_tasks(sizes.failures_n))} buggy tasks, an outage, an agent down "
+        f"for good; {sizes.failures_bug_n} tasks of a kind whose agent always raises",
+    )
+    failures.groups.append(
+        [
+            Case(
+                Spec(
+                    "failures",
+                    variant,
+                    sizes.failures_bug_n if variant == "always_bug" else sizes.failures_n,
+                    sizes.failures_limit,
+                    work="sleep",
+                    latency=sizes.failures_latency,
+                    time_scale=sizes.failures_time_scale,
+                )
+            )
+            for variant in FAILURE_VARIANTS
+        ]
+    )
+
+    return [
+        speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable,
+        failures,
+    ]  # fmt: skip
 
 
 SCENARIOS = (
@@ -304,6 +346,7 @@ SCENARIOS = (
     "spawn",
     "claude",
     "durable",
+    "failures",
 )
 
 #: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio;

@@ -37,6 +37,9 @@ class Spec:
     agents: int = 1
     #: Streamed runs report throughput per slice of this many completed tasks (0: no slices).
     slice: int = 0
+    #: Failure scenarios: the retry backoff, the breaker's cool-downs and the outage are scaled
+    #: by this (1: orchestra's defaults, as a user gets them).
+    time_scale: float = 1.0
     seed: int = 20240601
 
     def to_json(self) -> str:

@@ -95,6 +95,15 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
         row["first_attempt_s"] = stats(e["first_attempt_s"] for e in extras)
         row["resumed"] = extras[0]["resumed"]
         row["executed"] = extras[0]["executed"]
+    if "breaker_opens" in extras[0]:  # scenario 11: failures
+        for name in ("succeeded", "failed", "attempts", "calls", "breaker_opens", "probes"):
+            row[name] = stats(float(e[name]) for e in extras)
+        for name in ("max_attempts", "backoff_bound_s", "task_bound_s", "outage_s"):
+            row[name] = extras[0][name]
+        # A bound that depends on how long a repetition lasted: its tightest.
+        for name in ("time_bound_s", "in_flight_bound", "probes_bound", "calls_bound"):
+            if name in extras[0]:
+                row[name] = min(e[name] for e in extras)
     if "slice_s" in extras[0]:
         size = extras[0]["slice"]
         n_slices = min(len(e["slice_s"]) for e in extras)
@@ -187,6 +196,13 @@ def _add_derived(rows: list[Row]) -> None:
             memory = median(find(rows, scenario="durable", variant=twin, n=spec.n), "run_s")
             if memory is not None:
                 row["x_memory_store"] = row["run_s"]["median"] / memory
+        if spec.scenario == "failures" and spec.variant != "clean":
+            # Read against the clean run: the buggy minority's target, the outage's time.
+            clean = median(find(rows, scenario="failures", variant="clean"))
+            if clean is not None:
+                row["clean_s"] = clean
+                if spec.variant == "buggy":  # the clean run plus the longest retry backoff
+                    row["x_clean_plus_backoff"] = wall["median"] / (clean + row["backoff_bound_s"])
         if spec.scenario == "memory":
             gather = median(find(rows, scenario="memory", variant="gather"), "bytes_per_task")
             if gather:

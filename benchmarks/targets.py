@@ -20,6 +20,9 @@ STREAM_FLAT = 0.9
 #: Issue 16 (durable runs): SQLite task transitions per second, and durability's cost when latency-bound.
 SQLITE_TRANSITIONS = 20_000
 DURABLE_LATENCY_MAX = 1.05
+#: Issue 24 (failures): a buggy minority ends within this many times the clean run plus its retry
+#: backoff; a kind whose agent always raises within this many times one task's longest path alone.
+FAILURES_SLACK = 2.0
 
 
 def _target(
@@ -41,7 +44,97 @@ def targets(rows: list[Row]) -> list[Row]:
         *_stream(rows),
         *_claude(rows),
         *_durable(rows),
+        *_failures(rows),
     ]
+
+
+def _failures(rows: list[Row]) -> list[Row]:
+    """Issue 24: a buggy minority, a kind always failing, an outage, an agent down for good."""
+    out: list[Row] = []
+    buggy = find(rows, scenario="failures", variant="buggy")
+    if buggy is not None and "x_clean_plus_backoff" in buggy:
+        x = buggy["x_clean_plus_backoff"]
+        out.append(
+            _target(
+                f"{buggy['failed']['median']:,.0f} buggy tasks of {buggy['n']:,} (ValueError): "
+                "time / (clean run + retry backoff)",
+                f"≤ {FAILURES_SLACK:g}x",
+                x,
+                x <= FAILURES_SLACK,
+                f"{num(buggy['wall_s']['median'])} s against a clean {num(buggy['clean_s'])} s "
+                f"+ at most {num(buggy['backoff_bound_s'])} s of backoff; "
+                f"breaker opened {buggy['breaker_opens']['max']:,.0f} times",
+            )
+        )
+    always = find(rows, scenario="failures", variant="always_bug")
+    if always is not None:
+        wall = always["wall_s"]["median"]
+        limit = FAILURES_SLACK * always["task_bound_s"]
+        out.append(
+            _target(
+                f"a kind whose agent always raises a bug ({always['n']:,} tasks): time (s)",
+                f"≤ {num(limit)} s",
+                wall,
+                wall <= limit,
+                f"{FAILURES_SLACK:g} x one task alone ({always['max_attempts']} attempts and "
+                f"their backoff: {num(always['task_bound_s'])} s); "
+                f"{always['calls']['median']:,.0f} calls, "
+                f"breaker opened {always['breaker_opens']['max']:,.0f} times",
+            )
+        )
+    outage = find(rows, scenario="failures", variant="outage_3s")
+    if outage is not None:
+        failed = outage["failed"]["max"]
+        what = f"an agent down {num(outage['outage_s'])} s, then back ({outage['n']:,} tasks)"
+        out.append(
+            _target(
+                f"{what}: tasks failed",
+                "0",
+                failed,
+                failed == 0,
+                f"max over repetitions; {outage['probes']['median']:,.0f} probes",
+            )
+        )
+        clean = outage.get("clean_s")
+        out.append(
+            _target(
+                f"{what}: time (s)",
+                "not set",
+                outage["wall_s"]["median"],
+                None,
+                ""
+                if clean is None
+                else f"the outage + a clean run: {num(outage['outage_s'] + clean)} s",
+            )
+        )
+    down = find(rows, scenario="failures", variant="down_for_good")
+    if down is not None:
+        wall = down["wall_s"]["median"]
+        what = f"an agent down for good ({down['n']:,} tasks)"
+        out.append(
+            _target(
+                f"{what}: time (s)",
+                f"≤ {num(down['time_bound_s'])} s",
+                wall,
+                wall <= down["time_bound_s"],
+                f"{down['max_attempts']} cool-downs (one failed probe each), a backoff and the "
+                "calls",
+            )
+        )
+        calls = down["calls"]["max"]
+        bound = down["calls_bound"]
+        out.append(
+            _target(
+                f"{what}: calls to the agent",
+                f"≤ {bound:,}",
+                calls,
+                calls <= bound,
+                f"max over repetitions; bound: {down['in_flight_bound']} first attempts in flight "
+                f"x {down['max_attempts']} attempts + {down['probes_bound']} probes (one per "
+                f"cool-down); {down['probes']['median']:,.0f} probes seen",
+            )
+        )
+    return out
 
 
 def _durable(rows: list[Row]) -> list[Row]:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
-from . import claude, durable, spawning
+from . import claude, durable, failures, spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -472,6 +472,7 @@ VARIANTS: dict[str, Builder] = {
         f"sqlite_workers_{k}": functools.partial(durable.claim_complete, workers=k)
         for k in (1, 2, 3)
     },
+    **dict.fromkeys(failures.VARIANTS, failures.failures),
 }
 
 
