@@ -32,7 +32,8 @@ changed) made both threads slower (they share the GIL: 0.65 s against 0.55 s the
 **Durable before acknowledged.** `close()` (called by the run whatever its end) commits what is
 buffered and waits for it, so a `RunResult` is returned only once every result in it is on disk.
 A result streamed (`Orchestrator.stream`) while the run goes on is handed over at once and is
-durable within the window: a process killed inside the window loses those results, and their
+durable within a few windows (at most two wait for the writer: `_BEHIND`, backpressure on
+dispatch and admission): a process killed before their commit loses those results, and their
 tasks run again on resume with the attempt counted (execution is at least once; a result is
 recorded once). Holding each streamed result back until its commit would delay every result by up
 to a window; a stream reader that needs it can wait for the run's end.
@@ -117,8 +118,9 @@ class SQLiteStore:
 
     Args:
         path: the database file (created, with its schema, when missing).
-        window: seconds between commits; a killed process loses at most this window's results
-            (their tasks run again on resume).
+        window: seconds between commits; a killed process loses at most the results of the
+            window being gathered and of the two (at most) waiting for the writer thread, whose
+            backlog holds the run back (their tasks run again on resume).
         key_lease: seconds after which an idempotency key claimed by a store that stopped
             committing (a killed process) is taken over by another submitter of the key.
         lease: seconds a worker process's claim of a task lasts without being renewed (its
