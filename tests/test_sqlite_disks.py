@@ -311,6 +311,20 @@ class TestMidRun:
                 names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
             assert names == ["notes"]
 
+    async def test_a_relative_path_names_its_file_after_the_working_directory_changes(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path)
+        store = SQLiteStore("runs.db")
+        orch = Orchestrator(agents=[counting([])], store=store)
+        first = await orch.run([Task("work", 1)], run_id="a")
+        monkeypatch.chdir(tmp_path / "elsewhere")  # not a file replaced: the same one, found
+        second = await orch.run([Task("work", 1)], run_id="b")
+        store.close()
+        assert first.status == second.status == "success"
+        assert not (tmp_path / "elsewhere" / "runs.db").exists()
+
     def test_a_full_disk_mid_run_is_a_store_error_and_keeps_what_was_committed(
         self, tmp_path: Path
     ) -> None:

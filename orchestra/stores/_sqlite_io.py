@@ -58,7 +58,9 @@ class Writer:
         )
         self._thread: threading.Thread | None = None
         self.closed = False
-        self._file: tuple[int, int] | None = None  # (device, inode) of the file it opened
+        # The file it opened, as SQLite resolved it (a relative path against the working
+        # directory then), and its (device, inode); None: no file (":memory:").
+        self._file: tuple[str, int, int] | None = None
 
     def submit(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         future: Future[Any] = Future()
@@ -119,23 +121,31 @@ class Writer:
             _wal(conn, self.busy_timeout)
             conn.execute("PRAGMA synchronous = NORMAL")
             migrate(conn, str(self.path))
-            found = os.stat(self.path)
         except BaseException:
             conn.close()
             raise
-        self._file = (found.st_dev, found.st_ino)
+        where = os.path.abspath(self.path)
+        try:
+            found = os.stat(where)
+        except FileNotFoundError:  # an in-memory database
+            self._file = None
+        else:
+            self._file = (where, found.st_dev, found.st_ino)
         return conn
 
     def _same_file(self) -> None:
         """Refuse to go on when the path no longer names the file the connection has open: SQLite
         keeps writing to a deleted file (and its deleted WAL) without an error, and all of it is
         gone once the connection closes. One `stat` a job (a window): about a microsecond."""
+        if self._file is None:
+            return
+        where, device, inode = self._file
         try:
-            found = os.stat(self.path)
+            found = os.stat(where)
         except FileNotFoundError:
             how = "deleted"
         else:
-            if (found.st_dev, found.st_ino) == self._file:
+            if found.st_ino == inode and found.st_dev == device:
                 return
             how = "replaced"
         raise StoreError(
