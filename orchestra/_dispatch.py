@@ -92,6 +92,8 @@ class Dispatcher:
         self._running: dict[asyncio.Task[None], CurrentTask] = {}
         self.closing = False
         self.paused = False  # `pause()`: workers take nothing new (see `_take`)
+        self.held = False  # `hold()`: the store's writes are behind; nothing new either
+        self.halted = False  # paused or held: the one flag the workers read
         self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
         self.running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -187,7 +189,7 @@ class Dispatcher:
 
     def pause(self) -> None:
         """No new attempt starts; running ones finish. Costs one flag check per take."""
-        self.paused = True
+        self.paused = self.halted = True
         if not self.running and self.on_drained is not None:
             self.on_drained()
 
@@ -196,6 +198,21 @@ class Dispatcher:
         if not self.paused:
             return
         self.paused = False
+        self._go_on()
+
+    def hold(self, held: bool) -> None:
+        """The store's writes are behind (True): like `pause`, no new attempt starts until they
+        caught up (False). A run the user paused stays paused."""
+        self.held = held
+        if held:
+            self.halted = True
+        else:
+            self._go_on()
+
+    def _go_on(self) -> None:
+        if self.paused or self.held:
+            return
+        self.halted = False
         while self._parked:
             self.wake_one()
         if self._pool is not None and self._loop is not None and not self.closing:
@@ -287,7 +304,7 @@ class Dispatcher:
         try:
             while not self.closing:
                 if (
-                    self.paused
+                    self.halted
                     or router.recheck
                     or limiter.in_use >= limit
                     or router.gate is not None
@@ -423,7 +440,7 @@ class Dispatcher:
     def _take(self) -> tuple[Record, int, AgentSlot, Cost | None] | None:
         """The best task an agent has room for now, with its lease token, its agent and what it
         reserved on the agent's limits (or None: nothing can start now)."""
-        if self.paused:
+        if self.halted:
             if not self.running and self.on_drained is not None:
                 self.on_drained()
             return None

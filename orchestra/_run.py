@@ -200,6 +200,9 @@ class Run:
     def wake(self) -> None:
         self.dispatcher.wake()
 
+    def hold(self, held: bool) -> None:
+        self.dispatcher.hold(held)
+
     def finished(self, record: Record) -> None:
         status = record.status
         if status is SUCCEEDED and self._plain and record.started is not None:
@@ -576,7 +579,8 @@ class Run:
 
     async def _feed(self, source: Iterable[Task] | AsyncIterable[Task]) -> None:
         """Admit a streamed input, with backpressure (at most `window` tasks unfinished, unless
-        none can progress without more input: see `_wait_for_window`).
+        none can progress without more input: see `_wait_for_window`; and none while the store's
+        writes are behind: `RunStore.backpressure`).
 
         What the input raises (an `InputError` for a bad task, or the source's own error) ends the
         run and reaches the caller as it is; the source is closed however the run ends."""
@@ -588,6 +592,8 @@ class Run:
                 async for task in source:  # each item admitted as soon as it arrives
                     if store.unfinished >= self._window or self._results is not None:
                         await self._wait_for_window()
+                    while (behind := store.backpressure()) is not None:
+                        await behind
                     store.admit_one(task, pulled)
                     self.report.admitted_one(task.kind)
                     pulled += 1
@@ -597,6 +603,8 @@ class Run:
                 iterator = iter(source)
                 while True:
                     await self._wait_for_window()
+                    while (behind := store.backpressure()) is not None:
+                        await behind
                     room = max(1, min(_CHUNK, self._window - store.unfinished - self._unread()))
                     chunk = list(islice(iterator, room))
                     if not chunk:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     from ._admission import Admission
     from ._task import Attempt, Task, TaskResult
@@ -93,6 +93,10 @@ class Listener(Protocol):
     def stop(self, reason: str) -> None:
         """The store cannot go on (its file failed): end the run now; the store's `close` then
         raises what went wrong."""
+
+    def hold(self, held: bool) -> None:
+        """The store's writes are behind the run (True: a durable store's writer thread): start
+        no new attempt until it says they caught up (False). Attempts running go on."""
 
 
 class Selector:
@@ -194,6 +198,10 @@ class RunStore(Protocol):
 
     def close_input(self) -> None:
         """No more input will come: groups whose members are all done can close."""
+
+    def backpressure(self) -> Awaitable[None] | None:
+        """What a streamed input waits for before more is admitted (a durable store whose writes
+        are behind the run), or None: admit now."""
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
         """Check a task an attempt spawns (admitted later, by `settle`); raises `InputError`."""

@@ -193,6 +193,32 @@ class TestPause:
         assert sleeper.peak == 2
         assert len(sleeper.started) == 4
 
+    async def test_a_store_catching_up_never_ends_a_pause_and_resume_waits_for_the_store(
+        self, make: Callable[..., Orchestrator], sleeper: Sleeper
+    ) -> None:
+        # A durable store holds dispatch while its writes are behind (`Listener.hold`): the end of
+        # its hold is not a resume, and a resume does not end its hold.
+        async with make() as orch:
+            handle = orch.start(tasks=work(4))
+            await anyio.sleep(0.5)
+            run = handle._run
+            assert run is not None
+            handle.pause()
+            run.hold(True)
+            run.hold(False)
+            await anyio.sleep(5)
+            assert len(sleeper.started) == 2  # still paused
+            assert handle.status().state == "paused"
+            run.hold(True)
+            handle.resume()
+            await anyio.sleep(5)
+            assert len(sleeper.started) == 2  # still held by the store
+            assert handle.status().state == "running"
+            run.hold(False)
+            result = await handle
+        assert result.status == "success"
+        assert len(sleeper.started) == 4
+
     async def test_a_retry_that_comes_due_while_paused_waits_for_resume(
         self, make: Callable[..., Orchestrator]
     ) -> None:

@@ -43,6 +43,9 @@ class _Listener:
     def stop(self, reason: str) -> None:
         pass
 
+    def hold(self, held: bool) -> None:
+        pass
+
 
 class Payload:
     """A payload a weak reference can follow."""

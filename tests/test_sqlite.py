@@ -15,10 +15,12 @@ from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import pytest
 
 from orchestra import (
     Context,
+    Discard,
     InputError,
     Orchestrator,
     PermanentError,
@@ -35,7 +37,9 @@ from orchestra.stores._schema import MIGRATIONS
 from tests.test_store_contract import Heard
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
+
+    from orchestra.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -223,6 +227,119 @@ def seen() -> list[str]:
 @pytest.fixture
 def orch(store: SQLiteStore, seen: list[str]) -> Orchestrator:
     return orchestrator(store, seen)
+
+
+class TestBackpressure:
+    """While the writer thread is behind, the run waits for it: at most two windows are handed
+    to the writer uncommitted, and nothing more is claimed or admitted until one is committed."""
+
+    async def test_a_stalled_writer_holds_a_fast_streamed_run_within_three_windows(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        path = tmp_path / "runs.db"
+        concurrency, pause, window, total = 4, 0.001, 0.05, 4_000
+
+        @agent(kinds=["work"], concurrency=concurrency)
+        async def quick(task: Task, ctx: Context) -> Any:
+            await anyio.sleep(pause)
+            return task.payload
+
+        # A window gathers what ends in `window` seconds: each worker ends a task every `pause`.
+        per_window = concurrency * (round(window / pause) + 1)
+        store = SQLiteStore(path, window=window, busy_timeout=3)
+        orch = Orchestrator(agents=[quick], store=store, aggregate=Discard())
+
+        async def source() -> AsyncIterator[Task]:
+            for i in range(total):
+                yield Task("work", i, id=f"t{i}")
+
+        holder = sqlite3.connect(path, isolation_level=None, timeout=30)  # another writer
+        seen = deepest = at_lock = read_in_lock = 0
+        released = anyio.Event()
+
+        async def release() -> None:
+            await anyio.sleep(10)  # virtual: comes once nothing but the writer can go on
+            holder.execute("ROLLBACK")
+            released.set()
+
+        try:
+            async with orch, anyio.create_task_group() as tg:
+                async for _ in orch.stream(tasks=source(), run_id="r"):
+                    seen += 1
+                    deepest = max(deepest, store._writer.jobs.qsize())
+                    if seen == 1_000:  # the file is locked: the writer thread waits for it
+                        holder.execute("BEGIN IMMEDIATE")
+                        at_lock = _succeeded(holder)
+                        tg.start_soon(release)
+                    elif at_lock and not released.is_set():
+                        read_in_lock = seen
+        finally:
+            holder.close()
+        store.close()
+        # The window being written and at most one more waited in the queue behind it.
+        assert deepest <= 1
+        # Every result read was committed, or in the two windows handed to the writer, or in the
+        # one being gathered.
+        assert 0 < read_in_lock - at_lock <= 3 * per_window
+        with closing(sqlite3.connect(path)) as conn:
+            assert _succeeded(conn) == seen == total
+
+    async def test_a_streamed_input_is_not_pulled_while_the_writer_is_behind(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        path = tmp_path / "runs.db"
+        every, window, total = 0.0005, 0.05, 4_000  # the input is slower than the agents
+
+        @agent(kinds=["work"], concurrency=4)
+        async def quick(task: Task, ctx: Context) -> Any:
+            await anyio.sleep(0.001)
+            return task.payload
+
+        store = SQLiteStore(path, window=window, busy_timeout=3)
+        orch = Orchestrator(agents=[quick], store=store, aggregate=Discard())
+        holder = sqlite3.connect(path, isolation_level=None, timeout=30)  # another writer
+        pulled = pulled_in_lock = 0
+        locked = released = False
+
+        async def source() -> AsyncIterator[Task]:
+            nonlocal pulled, pulled_in_lock, locked
+            for i in range(total):
+                await anyio.sleep(every)  # a page of a slow API, say
+                pulled += 1
+                if pulled == 1_000:  # the file is locked: the writer thread waits for it
+                    holder.execute("BEGIN IMMEDIATE")
+                    locked = True
+                elif locked and not released:
+                    pulled_in_lock += 1
+                yield Task("work", i, id=f"t{i}")
+
+        async def release() -> None:
+            nonlocal released
+            while not locked:
+                await anyio.sleep(window)
+            await anyio.sleep(10)  # virtual: the input would have been pulled to its end by now
+            released = True
+            holder.execute("ROLLBACK")
+
+        try:
+            async with orch, anyio.create_task_group() as tg:
+                tg.start_soon(release)
+                result = await orch.run(tasks=source(), run_id="r")
+        finally:
+            holder.close()
+        store.close()
+        assert result.status == "success"
+        # Pulled while the windows before the writer stopped (two, and the one gathered): at
+        # most an item every `every` seconds for each.
+        assert 0 < pulled_in_lock <= 3 * (window / every + 1)
+
+
+def _succeeded(conn: sqlite3.Connection) -> int:
+    return int(
+        conn.execute(
+            "SELECT count(*) FROM tasks WHERE run_id = 'r' AND state = 'succeeded'"
+        ).fetchone()[0]
+    )
 
 
 class TestChangedInput:

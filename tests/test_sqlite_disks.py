@@ -213,6 +213,21 @@ class TestFromTheStart:
         assert result.exit_code == 2
         assert "not a SQLiteStore file" in result.output
 
+    @pytest.mark.parametrize("content", [b"x", b"notes", b"x" * 5000], ids=len)
+    def test_a_file_without_sqlites_header_is_refused_and_left_as_it_was(
+        self, tmp_path: Path, content: bytes
+    ) -> None:
+        path = tmp_path / "runs.db"
+        path.write_bytes(content)
+        calls: list[str] = []
+        orch = Orchestrator(agents=[counting(calls)], store=SQLiteStore(path))
+        with pytest.raises(StoreError, match="not a SQLite database") as err:
+            anyio.run(lambda: orch.run([Task("work", 1)], run_id="r"))
+        assert str(path) in str(err.value)
+        assert calls == []
+        assert path.read_bytes() == content  # not overwritten with a new database
+        assert not Path(f"{path}-wal").exists()
+
     def test_busy_timeout_is_a_number_of_seconds(self, tmp_path: Path) -> None:
         for bad in (-1, 0, "1", True, float("nan")):
             with pytest.raises(ConfigError, match="busy_timeout"):
@@ -259,6 +274,56 @@ class TestMidRun:
         )
         assert resumed.status == "success"
         assert resumed.metadata.resumed >= kept
+
+    @pytest.mark.parametrize("how", ["deleted", "replaced"])
+    async def test_the_file_deleted_or_replaced_mid_run_stops_it_with_a_store_error(
+        self, tmp_path: Path, how: str
+    ) -> None:
+        path = tmp_path / "runs.db"
+        calls: list[str] = []
+        store = SQLiteStore(path, window=0.02)
+        orch = Orchestrator(agents=[counting(calls, 0.01)], store=store, concurrency=2)
+        tasks = [Task("work", i, id=f"t{i}") for i in range(400)]
+        async with orch:
+            handle = orch.start(tasks=tasks, run_id="r")
+            with anyio.fail_after(20):
+                while _succeeded(path) < 10:
+                    await anyio.sleep(0.02)
+            for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                name.unlink(missing_ok=True)
+            if how == "replaced":  # another database at the path (an old backup put back)
+                with closing(sqlite3.connect(tmp_path / "other.db")) as conn:
+                    conn.execute("CREATE TABLE notes (x)")
+                    conn.commit()
+                (tmp_path / "other.db").replace(path)
+            with pytest.raises(StoreError) as err:
+                with anyio.fail_after(20):
+                    await handle
+            ran = len(calls)
+        store.close()
+        assert ran < 400  # it stopped at the next window: no attempt spent on what cannot be kept
+        message = str(err.value)
+        assert str(path) in message
+        assert f"was {how}" in message  # what happened
+        assert "resume" in message  # and what to do
+        if how == "replaced":  # the file now at the path is left as it is
+            with closing(sqlite3.connect(path)) as conn:
+                names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
+            assert names == ["notes"]
+
+    async def test_a_relative_path_names_its_file_after_the_working_directory_changes(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path)
+        store = SQLiteStore("runs.db")
+        orch = Orchestrator(agents=[counting([])], store=store)
+        first = await orch.run([Task("work", 1)], run_id="a")
+        monkeypatch.chdir(tmp_path / "elsewhere")  # not a file replaced: the same one, found
+        second = await orch.run([Task("work", 1)], run_id="b")
+        store.close()
+        assert first.status == second.status == "success"
+        assert not (tmp_path / "elsewhere" / "runs.db").exists()
 
     def test_a_full_disk_mid_run_is_a_store_error_and_keeps_what_was_committed(
         self, tmp_path: Path

@@ -22,8 +22,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import sqlite3
 import subprocess
 import sys
+import textwrap
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from orchestra import RunResult
+from tests.helpers import spawn
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -244,3 +249,85 @@ class TestKilledAndResumed:
         assert result.metadata.counts_by_kind == whole.metadata.counts_by_kind
         assert result.metadata.total == whole.metadata.total == len(EXPECTED)
         assert result.metadata.resumed == sum(s in TERMINAL for s, _ in last.values())
+
+
+# A long fast streamed run that writes one byte to a side file for each result it reads: a SIGKILL
+# cannot lose it (the kernel has it), so the side file's size is what the caller had read.
+BEHIND = textwrap.dedent("""
+    import os, sys
+    import anyio
+    from orchestra import Discard, Orchestrator, Task, agent
+    from orchestra.stores import SQLiteStore
+
+    db, read, concurrency, pause, window = sys.argv[1], sys.argv[2], *map(float, sys.argv[3:])
+    fd = os.open(read, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+    @agent(kinds=["work"], concurrency=int(concurrency))
+    async def quick(task, ctx):
+        await anyio.sleep(pause)
+        return task.payload
+
+    async def source():
+        for i in range(20_000):
+            yield Task("work", i, id=f"t{i}")
+
+    async def main():
+        store = SQLiteStore(db, window=window, busy_timeout=600)
+        async with Orchestrator(agents=[quick], store=store, aggregate=Discard()) as orch:
+            async for _ in orch.stream(tasks=source(), run_id="behind"):
+                os.write(fd, b".")
+
+    anyio.run(main)
+""")
+
+
+def _committed_successes(conn: sqlite3.Connection) -> int:
+    try:
+        (n,) = conn.execute(
+            "SELECT count(*) FROM tasks WHERE run_id = 'behind' AND state = 'succeeded'"
+        ).fetchone()
+    except sqlite3.OperationalError:  # no schema yet
+        return 0
+    return int(n)
+
+
+class TestKilledWhileTheWriterIsBehind:
+    def test_a_kill_loses_at_most_the_results_of_three_windows(self, tmp_path: Path) -> None:
+        db, read = tmp_path / "runs.db", tmp_path / "read.txt"
+        concurrency, pause, window = 8, 0.002, 0.05
+        child = spawn(
+            [sys.executable, "-c", BEHIND, str(db), str(read), str(concurrency), str(pause),
+             str(window)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        holder = sqlite3.connect(db, isolation_level=None, timeout=60)  # another writer
+        try:
+            deadline = time.monotonic() + 60
+            while _committed_successes(holder) < 1_000:  # the run is under way
+                assert child.poll() is None
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            # The file is locked from here: the child's writer thread waits for it, for good.
+            holder.execute("BEGIN IMMEDIATE")
+            at_lock = _committed_successes(holder)
+            # The child runs on until it waits for its writer: what it read stops growing.
+            seen, still = -1, 0
+            while still < 5:
+                assert child.poll() is None
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+                size = read.stat().st_size
+                seen, still = size, still + 1 if size == seen else 0
+            child.send_signal(signal.SIGKILL)
+            assert child.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            if holder.in_transaction:
+                holder.execute("ROLLBACK")
+            holder.close()
+        # What the caller had read and the file does not hold runs again on resume: the results
+        # of the window being gathered and the two handed to the writer, no more. Each worker ends
+        # a task at most every `pause`; a window gathers for `window` seconds (twice that allows
+        # for its timer firing late on a busy machine).
+        per_window = concurrency * (2 * window / pause + 1)
+        assert 0 < seen - at_lock <= 3 * per_window, (seen, at_lock)

@@ -459,6 +459,9 @@ class TestInOneProcess:
             def stop(self, reason: str) -> None:
                 pass
 
+            def hold(self, held: bool) -> None:
+                pass
+
         run = _WorkerStore(worker).open_run(
             "local",
             admission=Admission(["work"], {}),

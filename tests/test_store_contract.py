@@ -99,6 +99,9 @@ class Heard:
     def stop(self, reason: str) -> None:
         self.events.append(("stop", reason))
 
+    def hold(self, held: bool) -> None:
+        pass
+
     def since(self, mark: int) -> list[tuple[str, str]]:
         return self.events[mark:]
 

@@ -242,6 +242,9 @@ class _Nobody:
     def stop(self, reason: str) -> None:
         pass
 
+    def hold(self, held: bool) -> None:
+        pass
+
 
 def _plan_model(
     kinds: Sequence[str], payloads: Mapping[str, type[BaseModel]], max_tasks: int

@@ -668,6 +668,9 @@ class MemoryRun:
         if heir.waiting == 0 and heir.state is PENDING:
             self._ready(heir)
 
+    def backpressure(self) -> None:
+        """Nothing to wait for: memory keeps up."""
+
     def close_input(self) -> None:
         self._input_done = True
         for tag, group in list(self._groups.items()):

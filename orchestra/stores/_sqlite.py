@@ -32,7 +32,8 @@ changed) made both threads slower (they share the GIL: 0.65 s against 0.55 s the
 **Durable before acknowledged.** `close()` (called by the run whatever its end) commits what is
 buffered and waits for it, so a `RunResult` is returned only once every result in it is on disk.
 A result streamed (`Orchestrator.stream`) while the run goes on is handed over at once and is
-durable within the window: a process killed inside the window loses those results, and their
+durable within a few windows (at most two wait for the writer: `_BEHIND`, backpressure on
+dispatch and admission): a process killed before their commit loses those results, and their
 tasks run again on resume with the attempt counted (execution is at least once; a result is
 recorded once). Holding each streamed result back until its commit would delay every result by up
 to a window; a stream reader that needs it can wait for the run's end.
@@ -106,14 +107,20 @@ if TYPE_CHECKING:
 
 __all__ = ("SQLiteRun", "SQLiteStore")
 
+# Windows a run may have with the writer thread uncommitted (one being written, one waiting): at
+# this many it starts no attempt and admits nothing until one is committed, so a kill loses at most
+# these and the one being gathered, and memory stays flat however far the disk is behind.
+_BEHIND = 2
+
 
 class SQLiteStore:
     """Keeps runs in a SQLite database file: a run survives its process and resumes by run id.
 
     Args:
         path: the database file (created, with its schema, when missing).
-        window: seconds between commits; a killed process loses at most this window's results
-            (their tasks run again on resume).
+        window: seconds between commits; a killed process loses at most the results of the
+            window being gathered and of the two (at most) waiting for the writer thread, whose
+            backlog holds the run back (their tasks run again on resume).
         key_lease: seconds after which an idempotency key claimed by a store that stopped
             committing (a killed process) is taken over by another submitter of the key.
         lease: seconds a worker process's claim of a task lasts without being renewed (its
@@ -288,6 +295,12 @@ class SQLiteRun:
         self._attempts: list[tuple[Any, ...]] = []
         self._events: list[tuple[Any, ...]] = []  # (task id, loop time, event, agent, n, detail)
         self._writes: list[Future[Any]] = []
+        # Backpressure: `_BEHIND` windows are with the writer; the next one, due meanwhile, waits
+        # for it (`_deferred`); dispatch (`Listener.hold`) and admission (`backpressure`) go on
+        # when one is committed (`_caught_up`).
+        self._behind = False
+        self._deferred = False
+        self._writer_free: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
         try:
@@ -362,6 +375,9 @@ class SQLiteRun:
 
     def stop(self, reason: str) -> None:
         self._listener.stop(reason)
+
+    def hold(self, held: bool) -> None:
+        self._listener.hold(held)
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,
@@ -762,6 +778,9 @@ class SQLiteRun:
             self._timer = None
         if self._error is not None:  # the run is stopping on it: nothing more is written
             return None
+        if self._behind and not self._closing:  # gathered on, written once the writer has room
+            self._deferred = self._armed = True  # (no timer, no heartbeat write meanwhile)
+            return None
         now = time.time()
         beating = self._loop is not None and (
             self._sharing.active or now - self._beat_at >= self._beat_every
@@ -844,11 +863,47 @@ class SQLiteRun:
         write.add_done_callback(lambda done: self._written(done, keys))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
+        if len(self._writes) >= _BEHIND and self._loop is not None and not self._closing:
+            self._behind = True
+            self._listener.hold(True)
         return write
+
+    def backpressure(self) -> asyncio.Future[None] | None:
+        """What admission waits for while the writer is `_BEHIND` windows behind (None: admit)."""
+        if not self._behind:
+            return None
+        if self._writer_free is None or self._writer_free.done():  # (a cancelled waiter's)
+            assert self._loop is not None  # (never behind without one)
+            self._writer_free = self._loop.create_future()
+        return self._writer_free
+
+    def _caught_up(self) -> None:
+        """On the loop, after each window the writer committed: once fewer than `_BEHIND` are
+        left with it, attempts start and input is admitted again, and the window gathered
+        meanwhile is given its timer. Every write asks, not only one made while behind: a flag
+        read across the two threads could miss the one that ends the wait."""
+        if not self._behind or self._error is not None:  # (a failed write stops the run)
+            return
+        self._writes = [w for w in self._writes if not w.done()]
+        if len(self._writes) >= _BEHIND:
+            return
+        self._behind = False
+        if self._deferred:
+            self._deferred = self._armed = False
+            self._arm()
+        if self._beat_timer is None and self._loop is not None and not self._closed:
+            self._beat_timer = self._loop.call_later(self._beat_every, self._beat)
+        free, self._writer_free = self._writer_free, None
+        if free is not None and not free.done():
+            free.set_result(None)
+        self._listener.hold(False)
 
     def _written(self, write: Future[Any], keys: list[str]) -> None:
         if write.cancelled():  # a window queued behind a failed one (below)
             return
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
+                self._loop.call_soon_threadsafe(self._caught_up)
         error = write.exception()
         if error is not None:
             first = self._error is None
@@ -877,7 +932,7 @@ class SQLiteRun:
         """Every `_beat_every` seconds: the coordinator's heartbeat (and a look for workers),
         written with the window's changes if there are any."""
         self._beat_timer = None
-        if self._closed or self._loop is None:
+        if self._closed or self._loop is None or self._behind:  # (`_caught_up` beats again)
             return
         if not self._armed:
             self.flush()

@@ -9,6 +9,7 @@ that says what is wrong with the file (`explain`).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -57,6 +58,9 @@ class Writer:
         )
         self._thread: threading.Thread | None = None
         self.closed = False
+        # The file it opened, as SQLite resolved it (a relative path against the working
+        # directory then), and its (device, inode); None: no file (":memory:").
+        self._file: tuple[str, int, int] | None = None
 
     def submit(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         future: Future[Any] = Future()
@@ -92,6 +96,8 @@ class Writer:
                 try:
                     if conn is None:
                         conn = self._connect()
+                    else:
+                        self._same_file()
                     result = job(conn, *args)
                 except sqlite3.Error as exc:
                     error = StoreError(explain(exc, self.path))
@@ -106,6 +112,7 @@ class Writer:
                 conn.close()
 
     def _connect(self) -> sqlite3.Connection:
+        _refuse_tiny(self.path)
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=self.busy_timeout
         )
@@ -117,7 +124,55 @@ class Writer:
         except BaseException:
             conn.close()
             raise
+        where = os.path.abspath(self.path)
+        try:
+            found = os.stat(where)
+        except FileNotFoundError:  # an in-memory database
+            self._file = None
+        else:
+            self._file = (where, found.st_dev, found.st_ino)
         return conn
+
+    def _same_file(self) -> None:
+        """Refuse to go on when the path no longer names the file the connection has open: SQLite
+        keeps writing to a deleted file (and its deleted WAL) without an error, and all of it is
+        gone once the connection closes. One `stat` a job (a window): about a microsecond."""
+        if self._file is None:
+            return
+        where, device, inode = self._file
+        try:
+            found = os.stat(where)
+        except FileNotFoundError:
+            how = "deleted"
+        else:
+            if found.st_ino == inode and found.st_dev == device:
+                return
+            how = "replaced"
+        raise StoreError(
+            f"database {str(self.path)!r}: the file was {how} while this SQLiteStore had it open "
+            "(what it wrote since is not in the file at that path, and is lost when the store "
+            "closes): nothing more is written. Put the run's file back at the path (from a "
+            "backup) and open a new SQLiteStore on it to resume the run from what it holds; or "
+            "start the run again on a new file"
+        )
+
+
+def _refuse_tiny(path: Path) -> None:
+    """Refuse a non-empty file too short to be a SQLite database (a page is at least 512 bytes):
+    SQLite takes a one-byte file for an empty database and writes a new one over it (a longer
+    file without its header it refuses itself, "not a database"). A file that short is read by
+    no SQLite connection, so this look at it cannot drop one's locks (closing any descriptor of a
+    file drops the process's POSIX locks on it)."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:  # missing (created now), or not a file: SQLite says what is wrong
+        return
+    if 0 < size < 512:
+        raise StoreError(
+            f"database {str(path)!r}: it is not a SQLite database ({size} bytes, without "
+            "SQLite's header): left as it is. Give a SQLiteStore a new path, or the path of "
+            "its database file"
+        )
 
 
 def _wal(conn: sqlite3.Connection, busy_timeout: float) -> None:
