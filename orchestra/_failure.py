@@ -55,11 +55,16 @@ _MAX_ID: Final = 200
 # password of a URL's userinfo (`postgresql://user:password@host`), in a message or a traceback's
 # source lines.
 _KEY = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}")
+# A quoted value is redacted up to its closing quote (a passphrase has spaces); an `authorization`
+# value keeps its scheme (`Token`, `Digest`, ...) and loses the rest; a quote escaped by a backslash
+# (JSON inside a JSON string) counts as a quote.
+_SCHEME = r"(?:bearer|basic|token|digest|negotiate|ntlm|apikey|dpop)\s+"
 _CREDENTIAL = re.compile(
-    r"(?i)(x-api-key|authorization|api[_-]?key|(?:auth|access|refresh|id)[_-]?token"
+    r"(?i)(?P<name>x-api-key|authorization|api[_-]?key|(?:auth|access|refresh|id)[_-]?token"
     r"|client[_-]?secret|passw(?:or)?d)"
-    r"""(['"]?\s*[:=]\s*['"]?)(?!(?:bearer\s+|basic\s+)?\[redacted\])(bearer\s+|basic\s+)?"""
-    r"""[^\s'",;)}\]]+"""
+    r"""(?P<sep>\\?['"]?\s*[:=]\s*)(?:(?P<sq>\\?')|(?P<dq>\\?"))?"""
+    rf"(?!(?:{_SCHEME})?\[redacted\])(?P<scheme>{_SCHEME})?"
+    r"""(?(sq)[^'\n\\]+|(?(dq)[^"\n\\]+|[^\s'",;)}\]\\]+))"""
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/\-]+=*")
 # From the literal `://` (which the search skips to), user and password bounded in length: every
@@ -174,7 +179,8 @@ def with_type(error_type: str | None, message: str) -> str:
 
 
 def _redact_value(match: re.Match[str]) -> str:
-    return f"{match[1]}{match[2]}{match[3] or ''}{_REDACTED}"
+    name, sep, sq, dq, scheme = match.group("name", "sep", "sq", "dq", "scheme")
+    return f"{name}{sep}{sq or dq or ''}{scheme or ''}{_REDACTED}"
 
 
 def _redact_bearer(match: re.Match[str]) -> str:

@@ -108,6 +108,13 @@ def _normal(name: str) -> str:
     return name.lower().replace("-", "_")
 
 
+def _is_secret(name: Any, secret: frozenset[str]) -> bool:
+    """Whether `name`, a field's or a header's name (str or bytes), names a credential."""
+    if isinstance(name, bytes):
+        name = name.decode("latin-1")
+    return isinstance(name, str) and _normal(name) in secret
+
+
 def _clean(value: Any, secret: frozenset[str], depth: int) -> Any:
     """`value` safe to log: strings scrubbed, credential fields replaced, containers rebuilt
     `MAX_DEPTH` levels deep, and anything else (an exception, an object, a deeper structure)
@@ -121,11 +128,14 @@ def _clean(value: Any, secret: frozenset[str], depth: int) -> Any:
         if isinstance(value, Mapping):
             return {
                 _clean(k, secret, depth): REDACTED
-                if isinstance(k, str) and _normal(k) in secret
+                if _is_secret(k, secret)
                 else _clean(v, secret, depth)
                 for k, v in value.items()
             }
         cls = type(value)
+        if cls is tuple and len(value) == 2 and _is_secret(value[0], secret):
+            # A header as a (name, value) pair: `Headers.raw`, an ASGI scope's, a list of headers.
+            return (_clean(value[0], secret, depth), REDACTED)
         if cls in _EXACT_CONTAINERS:  # a subclass (a namedtuple) may not rebuild from items
             return cls(_clean(v, secret, depth) for v in value)
     return _as_text(value)

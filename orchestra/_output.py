@@ -135,6 +135,8 @@ def _walk(value: Any, path: set[int], strict: bool) -> Any:
 
 
 def _walk_dict(value: dict[Any, Any], path: set[int], strict: bool) -> Any:
+    if strict and not all(type(key) is str for key in value):
+        _check_keys(value)
     out: dict[Any, Any] | None = None
     for n, (key, item) in enumerate(value.items()):
         new_key = key
@@ -149,3 +151,25 @@ def _walk_dict(value: dict[Any, Any], path: set[int], strict: bool) -> Any:
             out = dict(list(value.items())[:n])  # the unchanged items before the first change
         out[new_key] = new
     return value if out is None else out
+
+
+def _check_keys(value: dict[Any, Any]) -> None:
+    """Raise `_Unstorable` if two keys of `value` are one key in JSON (``1`` and ``"1"``), which
+    would keep one of their values and drop the other without a word."""
+    names: dict[Any, Any] = {}
+    for key in value:
+        name = key if type(key) is str else _key_name(key)
+        if name in names:
+            raise _Unstorable(
+                value,
+                f"its keys {safe_repr(names[name])} and {safe_repr(key)} are both {name!r} in JSON",
+            )
+        names[name] = key
+
+
+def _key_name(key: Any) -> Any:
+    """The object key JSON writes for `key` (pydantic's: ``1`` -> ``"1"``, ``True`` -> ``"true"``)."""
+    try:
+        return next(iter(to_jsonable_python({key: None})))
+    except Exception:  # a key JSON cannot write at all: `to_json` says so
+        return key

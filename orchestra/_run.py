@@ -160,7 +160,7 @@ class Run:
         # Items of a streamed input never read when the run ended before its end: known for an
         # iterator with a length hint, else None (a generator's rest is unknown).
         self._input_left: int | None = None
-        self._input_error: Exception | None = None
+        self._input_error: BaseException | None = None
         self._streamed = False
         self._stop_reason: str | None = None
         self.stopping = False  # a run handle's `stop()` is waiting out its grace period
@@ -615,7 +615,9 @@ class Run:
                     if self._standing or self._priorities:
                         self._admitted(chunk)
                     await anyio.lowlevel.checkpoint()  # let the workers start on it
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            # `sys.exit()` and Ctrl-C from the source too: raised in this task, they would leave the
+            # event loop and abandon the caller's `await`; the caller gets them once the run ends.
             self._input_error = exc
             self._finish()
             return

@@ -21,6 +21,7 @@ from orchestra import (
     by_type,
     chunked,
 )
+from tests.helpers import assert_no_leaks, live_tasks
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -165,6 +166,27 @@ class TestDecomposerShapes:
         except BaseException as exc:
             caught = exc
         assert type(caught) is LookupError
+
+    @pytest.mark.parametrize("stop", [SystemExit, KeyboardInterrupt])
+    async def test_sys_exit_or_ctrl_c_in_a_streamed_input_reaches_the_caller_after_the_run_ends(
+        self, clock: FakeClock, stop: type[BaseException]
+    ) -> None:
+        # Raised in the task that reads the input, it would leave the event loop and abandon the
+        # caller's `await` with the run half torn down.
+        async def exits(x: Any) -> AsyncIterator[Task]:
+            yield Task("work", 1, id="first")
+            await anyio.sleep(1.0)
+            raise stop
+
+        before = live_tasks()
+        orch = Orchestrator(agents=[Doubler(latency=10.0)], decomposer=exits)
+        caught: BaseException | None = None
+        try:
+            await orch.run("x")
+        except BaseException as exc:
+            caught = exc
+        assert type(caught) is stop
+        await assert_no_leaks(before)
 
 
 class TestBackpressure:

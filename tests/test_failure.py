@@ -28,6 +28,7 @@ from orchestra._failure import (
     MAX_TRACEBACK,
     check_returned,
     describe,
+    scrub,
 )
 
 FAKE_KEY = (
@@ -222,6 +223,23 @@ class TestSecrets:
         assert kept in message
         leaks = ("abc123secret", "abc.def", "hunter2", "t0ps3cr3t", "-secret", ".secret", "eyJ")
         assert not any(s in message for s in (*leaks, "s3cret"))
+
+    @pytest.mark.parametrize(
+        ("text", "kept"),
+        [
+            ('login(password="correct horse s3cret staple")', 'password="[redacted]")'),
+            ("{'password': 'my s3cret phrase', 'user': 'ann'}", "'password': '[redacted]', 'user'"),
+            ("Authorization: Token ghp_s3cret", "Authorization: Token [redacted]"),
+            ("{'authorization': 'ApiKey s3cret'}", "'authorization': 'ApiKey [redacted]'"),
+            # JSON inside a JSON string, its quotes escaped.
+            ('{"body": "{\\"api_key\\": \\"s3cret\\"}"}', '\\"api_key\\": \\"[redacted]\\"'),
+        ],
+    )
+    def test_a_value_is_redacted_whole_past_its_first_word(self, text: str, kept: str) -> None:
+        message = describe(RuntimeError(text)).message
+        assert kept in message
+        assert "s3cret" not in message
+        assert scrub(message) == message
 
     @pytest.mark.parametrize(
         "text",

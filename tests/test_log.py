@@ -255,6 +255,19 @@ class TestRedactionOfEveryValue:
         assert entry["shallow"] == nested(7, {"api_key": "[redacted]"})
         assert "'api_key': '[redacted]'" in repr(entry["deep"])  # its repr, scrubbed, so deep
 
+    def test_header_pairs_and_bytes_header_names_are_redacted(self, logs: LogLines) -> None:
+        # Headers as a list of (name, value) pairs (httpx's `Headers.raw`, an ASGI scope) and a
+        # dict keyed by bytes name their credential as plainly as a dict keyed by str does.
+        get_logger("orchestra").info(
+            "request",
+            pairs=[("X-Api-Key", "plain-secret-value"), ("accept", "json")],
+            raw=[(b"x-api-key", b"plain-secret-value")],
+            by_bytes={b"authorization": b"plain-secret-value"},
+        )
+        [entry] = logs.entries
+        assert entry["pairs"] == [("X-Api-Key", "[redacted]"), ("accept", "json")]
+        assert "plain-secret-value" not in logs.text()
+
     def test_a_value_that_is_neither_text_nor_a_container_is_logged_as_its_scrubbed_repr(
         self, logs: LogLines
     ) -> None:

@@ -147,3 +147,10 @@ class TestAStoreKeepsOnlyWhatJsonHolds:
         ):
             stored_json({"names": names}, "t", "writer")
         assert list(names) == ["A"]
+
+    def test_a_dict_whose_keys_collide_as_json_keys_is_refused_naming_the_keys(self) -> None:
+        # JSON object keys are strings: 1 and "1" would both become "1" and one value would be
+        # lost without a word, on resume or in a worker's result.
+        with pytest.raises(InvalidOutput, match=r"returned a dict .*keys 1 and '1'"):
+            stored_json({"scores": {1: "a", "1": "b"}}, "t", "writer")
+        assert json.loads(stored_json({1: "a", 2: "b"}, "t", "writer")) == {"1": "a", "2": "b"}
