@@ -280,6 +280,52 @@ class TestHalfOpen:
         assert "b1" in ids(backup)
         assert transitions(rec, "primary") == [("closed", "open")]
 
+    async def test_a_call_from_before_the_opening_that_ends_during_the_probe_decides_nothing(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # The service is down for its first second. t0-t4 fail at t=0.1 and open the breaker;
+        # "slow", sent at t=0, fails at t=1.3, while t0 is the probe (t=1.1 to 1.6, which
+        # succeeds). Taken for the probe's verdict, slow's failure reopened the breaker, charged
+        # t1-t4 their last attempt (CircuitOpen) and dropped t0's success: four tasks lost to an
+        # outage shorter than their retry budget.
+        t0 = clock.time()
+
+        @agent(kinds=["k"], name="svc", retry=RetryPolicy(max_attempts=2, base=0.1, jitter="none"))
+        async def svc(task: Task, ctx: Context) -> str:
+            if task.id == "slow":
+                await anyio.sleep(1.3)
+                raise ConnectionError("slow to fail")
+            if clock.time() - t0 < 1.0:
+                await anyio.sleep(0.1)
+                raise ConnectionError("down")
+            await anyio.sleep(0.5)
+            return "up"
+
+        orch = make_orchestrator(
+            agents=[svc], breaker=BreakerPolicy(min_calls=3, window=10, cooldown=1)
+        )
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        with anyio.fail_after(60):
+            result = await orch.run(tasks=[Task("k", id=i) for i in ("slow", "t0", "t1", "t2")])
+        assert [e.task_id for e in result.errors] == ["slow"]  # its own two attempts
+        assert transitions(rec, "svc")[:3] == [
+            ("closed", "open"),
+            ("open", "half_open"),
+            ("half_open", "closed"),
+        ]
+        assert rec.of(BreakerChanged)[2].at - t0 == pytest.approx(1.6)  # t0's success closed it
+
+    def test_only_the_probe_closes_or_reopens_a_half_open_breaker(self) -> None:
+        breaker = Breaker(trips_after(1, cooldown=30))
+        assert breaker.on_failure(10.0, "t", 0) == "open"
+        assert breaker.on_dispatch(40.0) == "half_open"
+        assert breaker.on_failure(41.0, "sent-before", 0) is None
+        assert breaker.on_success(probe=False) is None
+        assert breaker.state == "half_open"
+        assert not breaker.available(41.0)  # the probe is still out
+        assert breaker.on_failure(42.0, "probe", 0, probe=True) == "open"
+
     async def test_a_failed_probe_reopens_for_another_cooldown(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
     ) -> None:
@@ -523,7 +569,7 @@ class TestPolicy:
         assert breaker.available(40.0)
         assert breaker.on_dispatch(40.0) == "half_open"
         assert not breaker.available(40.0)  # the probe is out: nobody else
-        assert breaker.on_success() == "closed"
+        assert breaker.on_success(probe=True) == "closed"
         assert breaker.available(40.0)
 
 
@@ -717,11 +763,11 @@ class TestCooldown:
             now = breaker.reopens_at
             seen.append(breaker.reopens_at - breaker.opened_at)
             assert breaker.on_dispatch(now) == "half_open"
-            assert breaker.on_failure(now, "probe", 0) == "open"
+            assert breaker.on_failure(now, "probe", 0, probe=True) == "open"
         assert seen == [1, 2, 4, 5, 5]
         now = breaker.reopens_at
         breaker.on_dispatch(now)
-        assert breaker.on_success() == "closed"
+        assert breaker.on_success(probe=True) == "closed"
         assert breaker.on_failure(now, "t", 0) == "open"
         assert breaker.reopens_at - now == 1  # from the start again
 
