@@ -924,6 +924,34 @@ class TestAttemptsPerAgent:
         moves = [e for e in rec.of(FallbackUsed) if e.to_agent is not None]
         assert len(moves) >= changes
 
+    async def test_a_task_that_waits_for_another_agents_probe_is_reported_as_moved(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # b's breaker opens first (run 1), then t's first attempt opens a's. Bound for a, t
+        # waits for b's probe, which comes first, then for a's: each probe is its next attempt,
+        # on the other agent, and each such change of agent is a fallback, told as one.
+        a = scripted("a", ["k"], then="error", latency=0.5)
+        b = scripted("b", ["k", "y"], then="error", latency=0.1)
+        orch = make_orchestrator(
+            agents=[a, b],
+            retry=RetryPolicy(max_attempts=3, base=0.1, jitter="none"),
+            retry_per_kind={"y": RetryPolicy(max_attempts=1)},
+            breaker=trips_after(1, cooldown=5),
+        )
+        rec = Recorder()
+        orch.subscribe(rec, FallbackUsed)
+        async with orch:
+            await orch.run(tasks=[Task("y", id="opens-b")])
+            with anyio.fail_after(60):
+                result = await orch.run(tasks=[Task("k", id="t")])
+        record = result.error_for("t")
+        assert record is not None
+        agents = [a.agent for a in record.attempts]
+        assert agents == ["a", "b", "a", "b", "a", "b"]
+        moves = [(e.from_agent, e.to_agent) for e in rec.of(FallbackUsed) if e.task_id == "t"]
+        assert moves[:-1] == list(itertools.pairwise(agents))
+        assert moves[-1] == ("b", None)  # the chain's end
+
 
 class TestVisibility:
     async def test_status_says_which_breaker_is_open_and_when_it_probes(
