@@ -69,6 +69,10 @@ class Recovery:
             self.breaker_changed(slot, previous, state)
             if state is OPEN and previous is HALF_OPEN:
                 self.probe_failed(slot, f"{error_type}: {message}")
+        elif probe and isinstance(exc, TaskTimeout):
+            # The task's own deadline cut the probe short: the service has not answered yet,
+            # which says nothing either way. Another probe may go.
+            breaker.on_abandon()
         elif probe and breaker.on_success(probe) is CLOSED:
             # The probe ended and the service answered (a permanent error, a rejected output, a
             # bug of the agent's own): it is up. A probe always reports back, however it ends.

@@ -346,6 +346,25 @@ class TestHalfOpen:
             ("half_open", "closed"),
         ]
 
+    async def test_a_probe_cut_short_by_its_tasks_deadline_does_not_close_the_breaker(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # The service hangs; the probe's task ends at its own timeout, before any answer.
+        # Taken for "the service answered", it closed the breaker and let every task through.
+        svc = scripted("svc", ["k"], script=["error"], then="hang")
+        orch = make_orchestrator(
+            agents=[svc], retry=RetryPolicy(max_attempts=1), breaker=trips_after(1, cooldown=1)
+        )
+        rec = Recorder()
+        orch.subscribe(rec, BreakerChanged)
+        async with orch:
+            await orch.run(tasks=[Task("k", id="opens")])
+            with anyio.fail_after(60):
+                result = await orch.run(tasks=[Task("k", id="probe", timeout=3)])
+            assert status_of(orch, "svc")["breaker"] == "half_open"  # the next call probes
+        assert result.error_for("probe") is not None
+        assert transitions(rec, "svc") == [("closed", "open"), ("open", "half_open")]
+
     async def test_a_probe_cancelled_without_a_verdict_lets_another_probe_through(
         self,
         make_orchestrator: Callable[..., Orchestrator],
