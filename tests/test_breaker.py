@@ -972,6 +972,53 @@ class TestAttemptsPerAgent:
         assert moves[-1] == ("b", None)  # the chain's end
 
 
+class TestFallbackReports:
+    @pytest.mark.xfail(
+        strict=True,
+        reason="without a chain, FallbackUsed.to_agent is next_agent's guess (least loaded), "
+        "while the task goes to whichever agent the kind's rotation gives room first",
+    )
+    async def test_to_agent_names_the_agent_the_task_goes_to_without_a_chain(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        # t fails for good on a while u still runs on b and c is idle: the event says c, the
+        # rotation (back at a, used up, then b) sends t to b.
+        a = scripted("a", ["k"], then="permanent", latency=0.5)
+        b = scripted("b", ["k"], latency=2)
+        c = scripted("c", ["k"], latency=0.1)
+        orch = make_orchestrator(agents=[a, b, c])
+        rec = Recorder()
+        orch.subscribe(rec)
+        with anyio.fail_after(60):
+            await orch.run(tasks=[Task("k", id=i) for i in ("t", "u", "v")])
+        [moved] = [e for e in rec.of(FallbackUsed) if e.task_id == "t"]
+        assert moved.to_agent == rec.results()["t"].agent
+
+
+class TestPausedRuns:
+    @pytest.mark.xfail(
+        strict=True,
+        reason="probe_failed charges every run's waiting tasks, a paused run's too: "
+        "an attempt while paused",
+    )
+    async def test_a_paused_run_spends_no_attempt_on_another_runs_failed_probe(
+        self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
+    ) -> None:
+        down = scripted("down", ["k"], then="error", latency=0.1)
+        orch = make_orchestrator(agents=[down], concurrency=5)
+        async with orch:
+            with anyio.fail_after(600):
+                other = orch.start(tasks=[Task("k", i, id=f"a{i}") for i in range(10)])
+                paused = orch.start(tasks=[Task("k", i, id=f"b{i}") for i in range(10)])
+                await anyio.sleep(0.5)
+                paused.pause()
+                before = paused.status().attempts + paused.status().retries
+                await other  # its probes fail while `paused` is paused
+                after = paused.status().attempts + paused.status().retries
+                await paused.stop(0)
+        assert after == before
+
+
 class TestVisibility:
     async def test_status_says_which_breaker_is_open_and_when_it_probes(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
