@@ -156,11 +156,12 @@ class Breaker:
         self.probing = True
         return None
 
-    def on_success(self) -> BreakerState | None:
-        """An attempt ended without a health failure. Only the probe's closes the breaker: a
-        call sent before it opened says nothing of now. (While closed, successes are not told:
-        `on_failure` reads them off the agent's counter.)"""
-        if self.state is not HALF_OPEN:
+    def on_success(self, probe: bool) -> BreakerState | None:
+        """An attempt ended without a health failure; `probe`: it was sent while the breaker was
+        not closed (it is the probe). Only the probe's closes the breaker: a call sent before it
+        opened says nothing of now, even when it ends while the probe is out. (While closed,
+        successes are not told: `on_failure` reads them off the agent's counter.)"""
+        if self.state is not HALF_OPEN or not probe:
             return None
         self.state = CLOSED
         self.probing = False
@@ -168,16 +169,21 @@ class Breaker:
             self.cooldown = self.policy.cooldown
         return CLOSED
 
-    def on_failure(self, now: float, task_id: str, successes: int) -> BreakerState | None:
+    def on_failure(
+        self, now: float, task_id: str, successes: int, probe: bool = False
+    ) -> BreakerState | None:
         """A health failure of task `task_id`'s attempt; `successes` is the agent's count of
-        calls that succeeded so far. Returns the new state if it changed."""
+        calls that succeeded so far; `probe`: the attempt is the probe (see `on_success`).
+        Returns the new state if it changed."""
         policy = self.policy
         if policy is None:
             return None  # turned off
-        if self.state is HALF_OPEN:
-            return self._open(now, min(self.cooldown * 2, policy.longest))
-        if self.state is OPEN:
-            return None  # a call sent before it opened
+        if self.state is not CLOSED:
+            if self.state is HALF_OPEN and probe:
+                return self._open(now, min(self.cooldown * 2, policy.longest))
+            # A call sent before it opened: it says nothing of now, and the probe, still out
+            # when the breaker half-opened, is the verdict.
+            return None
         failing = self.failing
         failing[task_id] = now
         failing.move_to_end(task_id)

@@ -544,9 +544,10 @@ class Dispatcher:
         if self.running > report.peak:
             report.peak = self.running
         breaker = slot.breaker
-        probe = False
-        if breaker.state is not CLOSED:
-            probe = True
+        # Sent while the breaker is not closed, the attempt is its probe: its end alone is the
+        # verdict. `unjudged` until a verdict is told (else `_finished` lets another probe out).
+        probe = unjudged = breaker.state is not CLOSED
+        if probe:
             self.recovery.breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
         store = self.store
         task = record.task
@@ -589,9 +590,9 @@ class Dispatcher:
                     output = await self._bounded_call(record, slot, ctx, start)
                 if self.cancelled:
                     return  # the agent finished after the run's cancel: the run ends the task
-                probe = False
+                unjudged = False
                 # Inside the `try`: a spawn the store refuses now fails the attempt.
-                self._settle(record, token, slot, output, ctx, start, bus)
+                self._settle(record, token, slot, output, ctx, start, bus, probe)
             except asyncio.CancelledError as exc:
                 # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
                 # raised by itself (no cancellation pending on this task): a failed attempt.
@@ -602,18 +603,18 @@ class Dispatcher:
                     # `cancel_attempts` cancelled this attempt alone (its task is already
                     # ended): the worker goes on.
                     return
-                probe = False
-                self.recovery.failed(record, token, slot, exc, start)
+                unjudged = False
+                self.recovery.failed(record, token, slot, exc, start, probe=probe)
             except (Exception, SystemExit) as exc:  # `sys.exit()` in an agent too
                 if self.cancelled:
                     return  # raised over the run's cancel (say, from a `finally`): cancelled
-                probe = False
+                unjudged = False
                 judged = getattr(ctx, "_judging", False)
-                self.recovery.failed(record, token, slot, exc, start, judged)
+                self.recovery.failed(record, token, slot, exc, start, judged, probe)
         except KeyboardInterrupt:
             self._interrupted(record, slot)
         finally:
-            self._finished(slot, cost, ctx, probe)
+            self._finished(slot, cost, ctx, unjudged)
 
     def _interrupted(self, record: Record, slot: AgentSlot) -> None:
         """A `KeyboardInterrupt` inside an attempt (the agent, its checks): the run stops at once,
@@ -631,20 +632,21 @@ class Dispatcher:
         ctx: Context,
         start: float,
         bus: Any = None,
+        probe: bool = False,
     ) -> None:
         """The attempt succeeded: the task ends with `output`, and what the attempt spawned as one
         step (a spawn the store refuses now — its group closed meanwhile — raises `InputError`,
-        which fails the attempt instead)."""
+        which fails the attempt instead). `probe`: the attempt was the breaker's probe."""
         spawned = ctx._spawned
         if spawned:
             if self.store.settle(
                 record, token, SUCCEEDED, output, spawned=list(spawned.values()), agent=slot.name
             ):
                 slot.succeeded += 1
-            self._succeeded(record, slot, start, bus)
+            self._succeeded(record, slot, start, bus, probe)
             return
-        if bus is not None or slot.breaker.state is not CLOSED:
-            self._succeeded(record, slot, start, bus)
+        if bus is not None or probe:
+            self._succeeded(record, slot, start, bus, probe)
         # Counted when the store takes it (it refuses a task cancelled meanwhile).
         if self.store.settle(record, token, SUCCEEDED, output, agent=slot.name):
             slot.succeeded += 1
@@ -698,11 +700,13 @@ class Dispatcher:
             run.router.room(slot)
             run.wake_one()
 
-    def _succeeded(self, record: Record, slot: AgentSlot, start: float, bus: Any) -> None:
+    def _succeeded(
+        self, record: Record, slot: AgentSlot, start: float, bus: Any, probe: bool = False
+    ) -> None:
         breaker = slot.breaker
-        if breaker.state is not CLOSED:
+        if probe:
             previous = breaker.state
-            state = breaker.on_success()
+            state = breaker.on_success(probe)
             if state is not None:  # the probe succeeded: the agent is back
                 self.recovery.breaker_changed(slot, previous, state)
                 self.recovery.recovered(slot)

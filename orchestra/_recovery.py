@@ -46,9 +46,11 @@ class Recovery:
         exc: BaseException,
         start: float,
         judged: bool = False,
+        probe: bool = False,
     ) -> None:
         """An attempt of `record` on `slot` raised `exc` (from the output check or the verifier
-        when `judged`: never the agent's health failure)."""
+        when `judged`: never the agent's health failure); `probe`: the attempt was the breaker's
+        probe (sent while it was not closed), whose end alone closes or reopens it."""
         end = self._d.now()
         policy = (
             slot.retry or self._d.config.retry_per_kind.get(record.kind) or self._d.config.retry
@@ -63,11 +65,15 @@ class Recovery:
         if not judged and is_outage(exc, breaker.policy):
             # The service behind the agent is unwell (a timeout, a connection error, a 5xx): it
             # counts towards the breaker. A bug in the agent's code does not.
-            state = breaker.on_failure(end, record.id, slot.succeeded)
+            state = breaker.on_failure(end, record.id, slot.succeeded, probe)
             self.breaker_changed(slot, previous, state)
             if state is OPEN and previous is HALF_OPEN:
                 self.probe_failed(slot, f"{error_type}: {message}")
-        elif previous is not CLOSED and breaker.on_success() is CLOSED:
+        elif probe and isinstance(exc, TaskTimeout):
+            # The task's own deadline cut the probe short: the service has not answered yet,
+            # which says nothing either way. Another probe may go.
+            breaker.on_abandon()
+        elif probe and breaker.on_success(probe) is CLOSED:
             # The probe ended and the service answered (a permanent error, a rejected output, a
             # bug of the agent's own): it is up. A probe always reports back, however it ends.
             self.breaker_changed(slot, previous, CLOSED)

@@ -244,7 +244,7 @@ class Router:
             self._owner.emit_fallback(record, slot, usable, "circuit breaker open")
             self._hold(record, token, self.lane(None, record.kind))
             return None
-        return self.wait_for_recovery(record, token, candidates or [slot])
+        return self.wait_for_recovery(record, token, candidates or [slot], slot)
 
     def _untried(self, record: Record, slot: AgentSlot) -> list[AgentSlot]:
         """The agents `record` may still go to, `slot` first, in chain (or registry) order."""
@@ -261,12 +261,15 @@ class Router:
         return slot.breaker.state is CLOSED or slot.breaker.available(now)
 
     def wait_for_recovery(
-        self, record: Record, token: int, slots: list[AgentSlot]
+        self, record: Record, token: int, slots: list[AgentSlot], origin: AgentSlot | None = None
     ) -> AgentSlot | None:
         """Every agent the task may go to is unwell: it waits (within its deadline) in the lane of
-        the one that recovers first, never fails for it."""
+        the one that recovers first, never fails for it. Another agent than `origin` (the one it
+        was bound for) is a fallback, told as one: the task's next attempt is there."""
         now = self._now()
         best = min(slots, key=lambda s: _recovers_at(s, now))
+        if origin is not None and best is not origin:
+            self._owner.emit_fallback(record, origin, best, "circuit breaker open")
         lane = self.lane(best, None)
         self._hold(record, token, lane)
         at = _recovers_at(best, now)

@@ -462,6 +462,40 @@ class TestBadValues:
         assert rows == {"lazy": None, "chained": '["A","B"]'}
 
 
+class TestRetryFailed:
+    @pytest.mark.xfail(
+        strict=True,
+        reason="tries_on counts the attempts made before SQLiteStore.retry reopened the task: "
+        "it resumes with one attempt on the agent, not a fresh max_attempts",
+    )
+    async def test_a_reopened_task_gets_its_agents_attempts_again(self, tmp_path: Path) -> None:
+        db = tmp_path / "runs.db"
+        down_for = {"calls": 5}  # three attempts of the first run, two of the second
+
+        @agent(kinds=["work"], name="svc")
+        async def svc(task: Task, ctx: Context) -> str:
+            if down_for["calls"]:
+                down_for["calls"] -= 1
+                raise ConnectionError("down")
+            return "up"
+
+        def orchestrator() -> Orchestrator:
+            return Orchestrator(
+                agents=[svc],
+                store=SQLiteStore(db, window=0.01),
+                breaker=None,
+                retry=RetryPolicy(max_attempts=3, base=0.001, jitter="none"),
+            )
+
+        first = await orchestrator().run([Task("work", 1, id="d")], run_id="r")
+        assert first.status == "failed"
+        store = SQLiteStore(db)
+        assert store.retry("r") == ["d"]
+        store.close()
+        again = await orchestrator().run([Task("work", 1, id="d")], run_id="r")
+        assert again.status == "success"
+
+
 class TestKeys:
     async def test_a_key_that_succeeded_in_another_run_returns_its_result_without_executing(
         self, orch: Orchestrator, seen: list[str]
