@@ -795,6 +795,9 @@ class Dispatcher:
     def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
         self.recovery.emit_fallback(record, slot, nxt, reason)
 
+    def moved(self, record: Record, slot: AgentSlot) -> None:
+        self.recovery.moved(record, slot)
+
 
 def _actual(cost: Cost, ctx: Context | None) -> Cost:
     """What an attempt really cost: its request, and the units the agent recorded

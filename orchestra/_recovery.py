@@ -33,10 +33,13 @@ log = get_logger("orchestra")
 class Recovery:
     """The failure half of one run's dispatcher."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_moving")
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._d = dispatcher
+        # Tasks that left an agent for any other of their kind (no explicit chain), with that
+        # agent and why: the fallback is told once the router picks where they go (`moved`).
+        self._moving: dict[Record, tuple[AgentSlot, str]] = {}
 
     def failed(
         self,
@@ -178,7 +181,12 @@ class Recovery:
         probe's error), so an agent down for good fails its tasks after their attempts — a few
         probes, not a call per task — and one back within their retry budget loses nothing."""
         for dispatcher in self._d._capacity.runs:
-            dispatcher.recovery.charge_waiting(slot, error)
+            if dispatcher.paused:
+                # A paused run starts no attempt, so it spends none: its waiting tasks are looked
+                # at again when it resumes (and wait for the next probe then, on a timer).
+                dispatcher.router.room(slot)
+            else:
+                dispatcher.recovery.charge_waiting(slot, error)
 
     def charge_waiting(self, slot: AgentSlot, error: str) -> None:
         """`probe_failed` for this run's tasks waiting for `slot`."""
@@ -250,13 +258,22 @@ class Recovery:
     ) -> None:
         """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
         nxt = self._d.router.next_agent(record, slot)
-        self.emit_fallback(record, slot, nxt, reason)
         if nxt is NONE_LEFT:
+            self.emit_fallback(record, slot, nxt, reason)
             self.chain_end(record, token, reason, error_type, attempt)
         elif record.kind in self._d.router.chains:
+            self.emit_fallback(record, slot, nxt, reason)
             self._d.store.fail(record, token, attempt, next_agent=nxt)
         else:  # no explicit chain: whichever agent of the kind not used up has room first
+            self._moving[record] = (slot, reason)
             self._d.store.fail(record, token, attempt, next_agent=None)
+
+    def moved(self, record: Record, slot: AgentSlot) -> None:
+        """The router picked `slot` for `record`: if it is leaving another agent (`fall_back`
+        without a chain), that is the fallback, told now that where it goes is known."""
+        moving = self._moving.pop(record, None)
+        if moving is not None:
+            self.emit_fallback(record, moving[0], slot, moving[1])
 
     def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
         """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""

@@ -50,6 +50,7 @@ class Owner(Protocol):
         self, record: Any, token: int, reason: str, error_type: str | None = None
     ) -> None: ...
     def emit_fallback(self, record: Any, slot: AgentSlot, nxt: Any, reason: str) -> None: ...
+    def moved(self, record: Any, slot: AgentSlot) -> None: ...
 
 
 class Lane:
@@ -207,6 +208,8 @@ class Router:
             usable = usable or slot
             if slot.in_flight < slot.limit:
                 self._cursor[kind] = (first + i + 1) % n
+                if tried is not None:  # it left an agent: this is where it goes
+                    self._owner.moved(record, slot)
                 return slot
         if usable is not None:
             self._hold(record, token, self.lane(None, kind))
@@ -270,6 +273,8 @@ class Router:
         best = min(slots, key=lambda s: _recovers_at(s, now))
         if origin is not None and best is not origin:
             self._owner.emit_fallback(record, origin, best, "circuit breaker open")
+        elif origin is None and record.tried is not None:
+            self._owner.moved(record, best)  # it left an agent: it goes to this one next
         lane = self.lane(best, None)
         self._hold(record, token, lane)
         at = _recovers_at(best, now)

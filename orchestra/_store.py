@@ -59,7 +59,7 @@ class StoredTask(Protocol):
     target: str | None  # the agent it goes to next, or None: any agent of its kind
     tried: list[str] | None  # agents whose attempts it used up
     attempts: int  # every attempt so far, on every agent
-    agent_tries: int  # attempts on its current agent
+    agent_tries: int  # attempts on its current agent (with none: failures before a reopen)
     deadline: float | None
     feedback: list[str] | None
     failures: list[Attempt] | None

@@ -979,11 +979,6 @@ class TestAttemptsPerAgent:
 
 
 class TestFallbackReports:
-    @pytest.mark.xfail(
-        strict=True,
-        reason="without a chain, FallbackUsed.to_agent is next_agent's guess (least loaded), "
-        "while the task goes to whichever agent the kind's rotation gives room first",
-    )
     async def test_to_agent_names_the_agent_the_task_goes_to_without_a_chain(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
     ) -> None:
@@ -1002,11 +997,6 @@ class TestFallbackReports:
 
 
 class TestPausedRuns:
-    @pytest.mark.xfail(
-        strict=True,
-        reason="probe_failed charges every run's waiting tasks, a paused run's too: "
-        "an attempt while paused",
-    )
     async def test_a_paused_run_spends_no_attempt_on_another_runs_failed_probe(
         self, make_orchestrator: Callable[..., Orchestrator], clock: FakeClock
     ) -> None:
@@ -1021,8 +1011,10 @@ class TestPausedRuns:
                 before = paused.status().attempts + paused.status().retries
                 await other  # its probes fail while `paused` is paused
                 after = paused.status().attempts + paused.status().retries
-                await paused.stop(0)
+                paused.resume()  # its waiting tasks go on: they wait for the next probe
+                result = await paused
         assert after == before
+        assert result.metadata.counts["failed"] == 10  # down for good: each after its attempts
 
 
 class TestVisibility:
@@ -1048,4 +1040,3 @@ class TestVisibility:
         console = Console(record=True, file=io.StringIO(), width=120)
         console.print(render_status(status))
         assert "probe in" in console.export_text()
-

@@ -463,11 +463,6 @@ class TestBadValues:
 
 
 class TestRetryFailed:
-    @pytest.mark.xfail(
-        strict=True,
-        reason="tries_on counts the attempts made before SQLiteStore.retry reopened the task: "
-        "it resumes with one attempt on the agent, not a fresh max_attempts",
-    )
     async def test_a_reopened_task_gets_its_agents_attempts_again(self, tmp_path: Path) -> None:
         db = tmp_path / "runs.db"
         down_for = {"calls": 5}  # three attempts of the first run, two of the second

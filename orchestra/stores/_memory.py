@@ -46,12 +46,15 @@ if TYPE_CHECKING:
 __all__ = ("MemoryStore", "Record", "tries_on")
 
 
-def tries_on(record: Record, agent: str) -> int:
-    """The attempts `record` made on `agent` so far: `max_attempts` holds per task and agent over
-    every visit, so a task that comes back to an agent it left (for an open breaker, say) goes on
-    with the attempts it had there. O(attempts), once per change of agent."""
+def tries_on(record: Record, agent: str, since: int = 0) -> int:
+    """The attempts `record` made on `agent` so far (from its failure number `since`: a reopened
+    task starts its chain again): `max_attempts` holds per task and agent over every visit, so a
+    task that comes back to an agent it left (for an open breaker, say) goes on with the attempts
+    it had there. O(attempts), once per change of agent."""
     failures = record.failures
-    return 0 if failures is None else sum(1 for a in failures if a.agent == agent)
+    if failures is None:
+        return 0
+    return sum(1 for a in (failures[since:] if since else failures) if a.agent == agent)
 
 
 class Record(TaskResult):
@@ -211,6 +214,9 @@ class MemoryRun:
             tuple[float, int, Record]
         ] = []  # (time, seq, record): retries, deadlines
         self._timer_seq = 0
+        # Tasks a durable store reopened (`SQLiteStore.retry`), with how many of their failures
+        # came before: those do not count against an agent's attempts any more (`tries_on`).
+        self._reopened: dict[Record, int] = {}
         self._compact = compact
         self._input_done = False
         self._cascade: list[tuple[Record, str]] = []  # what to skip next; empty between steps
@@ -760,7 +766,11 @@ class MemoryRun:
             return False
         if record.target != agent:
             record.target = agent
-            record.agent_tries = 0 if record.failures is None else tries_on(record, agent)
+            record.agent_tries = (
+                0
+                if record.failures is None
+                else tries_on(record, agent, self._reopened.get(record, 0))
+            )
         record.state = RUNNING
         record.attempts += 1
         record.agent_tries += 1
@@ -796,7 +806,11 @@ class MemoryRun:
             elif attempt.agent not in tried:
                 tried.append(attempt.agent)
             record.target = next_agent
-            record.agent_tries = 0 if next_agent is None else tries_on(record, next_agent)
+            record.agent_tries = (
+                0
+                if next_agent is None
+                else tries_on(record, next_agent, self._reopened.get(record, 0))
+            )
         if retry_at is not None:
             record.state = RETRY_WAIT
             record.due = retry_at
@@ -1157,6 +1171,11 @@ class MemoryRun:
         self._unranked = True
         for record in records:
             self._records[record.id] = record
+            if record.target is None and record.agent_tries:
+                # Reopened: a durable store keeps, in an agent_tries with no agent, how many
+                # failures came before (see `tries_on`).
+                self._reopened[record] = record.agent_tries
+                record.agent_tries = 0
             if "#" in record.id:
                 self._lookalike = True
             task = record.task

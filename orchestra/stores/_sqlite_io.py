@@ -590,8 +590,13 @@ _KEEP_ENDED = """
             SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
             AND e.event = t.state AND e.attempt = t.attempts)
 """
+# A reopened task starts its chain of agents again: with no agent to go to (`target` NULL), its
+# `agent_tries` keeps how many failed attempts came before, which count against no agent any more
+# (`MemoryRun.restore`, `tries_on`). With a target, it is the attempts made on that agent.
 _REOPEN = """
-    UPDATE tasks SET state = 'pending', agent_tries = 0, target = NULL, tried = NULL,
+    UPDATE tasks SET state = 'pending', target = NULL, tried = NULL,
+        agent_tries = (SELECT count(*) FROM attempts a WHERE a.run_id = tasks.run_id
+                       AND a.task_id = tasks.id),
         feedback = NULL, due = NULL, deadline = NULL, started = NULL, finished = NULL,
         output = NULL, agent = NULL, error = NULL, error_type = NULL, defaulted = 0
     WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids))
