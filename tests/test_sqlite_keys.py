@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,62 @@ class TestOneProcess:
         assert work.calls == ["b"]
 
 
+class TestASuccessDuringItsWindowsCommit:
+    """A keyed task that succeeds while the window that wrote it running is being committed: its
+    key is written succeeded by the next window, never released as a failure."""
+
+    async def test_the_key_is_stored_succeeded_and_neither_a_waiter_nor_a_later_run_executes_it(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        holder, other = SQLiteStore(db, window=0.2), SQLiteStore(db, window=0.01)
+        calls: list[str] = []
+        called = {"a": asyncio.Event(), "b": asyncio.Event()}
+        go = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.id in go:
+                called[task.id].set()
+                await go[task.id].wait()
+            return task.payload * 2
+
+        async with Orchestrator(agents=[work], store=holder) as orch:
+            first = orch.start(
+                tasks=[Task("work", 21, id="a", key="k"), Task("work", 1, id="b")], run_id="one"
+            )
+            await called["a"].wait()
+            await called["b"].wait()
+            waiter = asyncio.ensure_future(
+                Orchestrator(agents=[work], store=other).run(
+                    [Task("work", 21, id="w", key="k")], run_id="two"
+                )
+            )
+            await asyncio.sleep(0.05)  # "two" waits for the key "one" holds
+            # Another connection takes the file's write lock: the window that writes "a" running
+            # (and the waiter's next look at the key) waits for it, as a busy file makes them wait.
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            await asyncio.sleep(0.4)  # that window is being committed
+            go["a"].set()  # "a" succeeds before that window is committed
+            await asyncio.sleep(0.05)
+            lock.rollback()
+            lock.close()
+            await asyncio.sleep(0.6)  # the next windows: "a"'s key is written
+            go["b"].set()
+            assert (await first).status == "success"
+            with anyio.fail_after(30):
+                waited = await waiter
+            later = await orch.run(tasks=[Task("work", 21, id="c", key="k")], run_id="three")
+        other.close()
+        with sqlite3.connect(db) as con:
+            assert con.execute("SELECT state, output FROM keys").fetchall() == [("succeeded", "42")]
+        assert (waited.status, waited.data) == ("success", {"w": 42})
+        assert (later.status, later.data) == ("success", {"c": 42})
+        assert calls == ["a", "b"]
+
+
 class TestProcesses:
     def test_two_processes_submitting_one_key_execute_it_once(self, tmp_path: Path) -> None:
         db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
@@ -161,6 +218,24 @@ class TestProcesses:
         [call] = calls.read_text().splitlines()
         winner = int(call.split()[0])
         assert outputs == [{"answer": 42, "pid": winner}] * 20
+
+    def test_two_processes_submitting_the_same_150_keys_execute_each_once(
+        self, tmp_path: Path
+    ) -> None:
+        # Keys end at every point of a window, some while the window that wrote them running
+        # is being committed.
+        db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
+        SQLiteStore(db).runs()  # the schema, before the race
+        jobs = [start(db, calls, 150, "--many") for _ in range(2)]
+        outputs = []
+        for process in jobs:
+            out, err = process.communicate(timeout=60)
+            assert process.returncode == 0, err
+            outputs.append(json.loads(out))
+        executed = [line.split() for line in calls.read_text().splitlines()]
+        assert sorted(task_id for _, task_id in executed) == sorted(f"t{i}" for i in range(150))
+        by = {task_id: int(pid) for pid, task_id in executed}
+        assert outputs == [by, by]
 
     async def test_a_key_left_by_a_killed_process_is_taken_over_after_the_lease(
         self, tmp_path: Path

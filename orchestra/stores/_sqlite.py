@@ -842,6 +842,7 @@ class SQLiteRun:
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
         claimed = self._keys.rows(keys, closing=self._closing)
+        results = self._keys.results(keys) if keys else []
         self._new = []
         self._dirty = {}
         self._attempts = []
@@ -860,7 +861,7 @@ class SQLiteRun:
         )
         if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
-        write.add_done_callback(lambda done: self._written(done, keys))
+        write.add_done_callback(lambda done: self._written(done, results))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
         if len(self._writes) >= _BEHIND and self._loop is not None and not self._closing:
@@ -898,7 +899,7 @@ class SQLiteRun:
             free.set_result(None)
         self._listener.hold(False)
 
-    def _written(self, write: Future[Any], keys: list[str]) -> None:
+    def _written(self, write: Future[Any], results: list[tuple[str, Any]]) -> None:
         if write.cancelled():  # a window queued behind a failed one (below)
             return
         if self._loop is not None:
@@ -920,7 +921,8 @@ class SQLiteRun:
                         self._listener.stop, f"the store failed: {error}"
                     )
             return
-        self._keys.written(keys)
+        if results:
+            self._keys.written(results)
         polled = write.result()
         if polled is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the run is over

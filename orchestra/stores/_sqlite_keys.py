@@ -41,11 +41,19 @@ class Keys:
         if self._poller is not None:
             self._poller.cancel()
 
-    def written(self, keys: list[str]) -> None:
-        """The window that ended the tasks of `keys` is committed: their results are in the file."""
+    def results(self, keys: list[str]) -> list[tuple[str, tuple[str, str | None]]]:
+        """The successes of `keys` that the window being written holds, for `written`."""
         unwritten = self._run._store.unwritten_keys
-        for key in keys:
-            unwritten.pop(key, None)
+        return [(key, unwritten[key]) for key in keys if key in unwritten]
+
+    def written(self, results: list[tuple[str, tuple[str, str | None]]]) -> None:
+        """The window that held `results` is committed: they are in the file. Only those: a task
+        that window wrote running may have succeeded while it was being committed, and its
+        result waits for the next window (dropped here, the key would be released as failed)."""
+        unwritten = self._run._store.unwritten_keys
+        for key, result in results:
+            if unwritten.get(key) is result:
+                del unwritten[key]
 
     def reuse(self, records: list[Record]) -> None:
         """New tasks with keys: a key that succeeded before in this file (any run, any store
