@@ -399,14 +399,21 @@ class SQLiteRun:
         self._resume()
         payloads = self._encode(tasks, where, first_index)
         gone: list[int] = []
+        generated: set[int] = set()
         if self._stored:
-            self._match(tasks, first_index)
+            generated = self._match(tasks, first_index)
             gone = [i for i, task in enumerate(tasks) if self._gone(task)]
         memory = self._memory
         self._admitting = True
         try:
             if not gone:
-                added = memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+                added = memory.admit(
+                    tasks,
+                    where=where,
+                    forward=forward,
+                    first_index=first_index,
+                    generated=generated,
+                )
             else:
                 # Admitted around the tasks that are gone, a stretch at a time. Only a streamed
                 # input's chunk has such tasks (a whole list is never compacted), and it may only
@@ -419,6 +426,7 @@ class SQLiteRun:
                             where=where,
                             forward=forward,
                             first_index=first_index + start,
+                            generated=generated,
                         )
                     start = stop + 1
         finally:
@@ -429,13 +437,14 @@ class SQLiteRun:
     def admit_one(self, task: Any, index: int) -> None:
         self._resume()
         payloads = self._encode((task,), "input item", index)
+        generated = False
         if self._stored:
-            self._match((task,), index)
+            generated = bool(self._match((task,), index))
             if self._gone(task):
                 return
         self._admitting = True
         try:
-            self._memory.admit_one(task, index)
+            self._memory.admit_one(task, index, generated=generated)
         finally:
             self._admitting = False
         self._added((task,), payloads)
@@ -559,12 +568,15 @@ class SQLiteRun:
             self._listener.finished(record)
         self.resumed += self._sharing.resume(records, rows)
 
-    def _match(self, tasks: Sequence[Any], first: int) -> None:
+    def _match(self, tasks: Sequence[Any], first: int) -> set[int]:
         """Input admitted again on resume: the stored task with its id (generated ids are
-        generated again, in the same order) must be the same task; it takes the caller's object."""
+        generated again, in the same order) must be the same task; it takes the caller's object.
+        Returns the tasks (by `id()`) whose ids it generated: the memory run takes them as
+        generated, not given (the rows say so, for the next resume to generate them again)."""
         stored = self._stored
         assert stored is not None
         admission = self._admission
+        generated: set[int] = set()
         for i, task in enumerate(tasks, first):
             if not isinstance(task, Task):
                 continue
@@ -580,12 +592,20 @@ class SQLiteRun:
                 # next one of the batch is generated after it, as in the first run).
                 admission.auto = auto
                 task.id = f"{task.kind}#{auto}"
+                generated.add(id(task))
                 if found is None:
                     continue
             else:
                 found = stored.get(task.id)
                 if found is None:
                     continue
+                if not found[0].named:  # generated for a task given no id: its own is matched
+                    raise InputError(
+                        f"duplicate task id {task.id!r} (input item {i}): run {self.run_id!r} "
+                        "generated it for an earlier task given no id",
+                        task_id=task.id,
+                        field="id",
+                    )
             record, payload = found
             old = record.task
             if old is task:
@@ -607,6 +627,7 @@ class SQLiteRun:
                     field="payload",
                 )
             record.task = task
+        return generated
 
     # -- dispatch --------------------------------------------------------------------------------
 
