@@ -325,7 +325,17 @@ class SQLiteRun:
                 f"run {run_id!r} is already being run by this process, on this {store!r}: a run "
                 "has one coordinator (more processes join it as workers: `orch.work(...)`)"
             )
-        rows, attempts, seq = store.call(io.open_run, run_id, self._wall0, self._name, store.lease)
+        # Known to this process as its run until `close`, so that a hold the file keeps in its
+        # name after it (one a failed run could not let go of) does not lock the process out.
+        work.coordinating(self._name, run_id, True)
+        self._let_go = weakref.finalize(self, work.coordinating, self._name, run_id, False)
+        try:
+            rows, attempts, seq = store.call(
+                io.open_run, run_id, self._wall0, self._name, store.lease
+            )
+        except BaseException:
+            self._let_go()
+            raise
         store.open_runs[run_id] = self
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
@@ -989,6 +999,7 @@ class SQLiteRun:
             self._store.call(io.close_run, self.run_id, time.time(), done, self._name)
         except StoreError as exc:
             self._error = self._error or exc
+        self._let_go()  # over: a resume here need not wait for the hold to lapse
         if self._error is not None:
             error = self._error
             if isinstance(error, StoreError):
