@@ -454,7 +454,7 @@ class _WorkerRun(MemoryRun):
         worker._t0 = self._t0
         worker._wall0 = time.time()
 
-    def admit_one(self, task: Any, index: int) -> None:
+    def admit_one(self, task: Any, index: int, *, generated: bool = False) -> None:
         worker = self._worker
         claimed = worker.held.get(task.id)
         # A task claimed again (its lease was lost here once, it came back): a record of its end
@@ -469,7 +469,7 @@ class _WorkerRun(MemoryRun):
             # tasks with the key follow it there), whatever this worker ran with that key before.
             self._keys.pop(task.key, None)
         try:
-            super().admit_one(task, index)
+            super().admit_one(task, index, generated=generated)
         except InputError as exc:
             if claimed is None:
                 raise

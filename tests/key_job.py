@@ -1,9 +1,11 @@
-"""A script for tests/test_sqlite_keys.py: N concurrent runs submitting one idempotency key.
+"""A script for tests/test_sqlite_keys.py: concurrent submissions of idempotency keys.
 
-Usage: ``python tests/key_job.py DB CALLS N [--die]``. Every agent call appends its task id to the
-file CALLS (flushed before the agent sleeps 0.3 s); the outputs of the N runs are written to stdout
-as one JSON list. With ``--die`` the agent kills its process with SIGKILL instead of returning
-(its claim on the key is left behind).
+Usage: ``python tests/key_job.py DB CALLS N [--die | --many]``. N concurrent runs submit one key;
+every agent call appends its task id to the file CALLS (flushed before the agent sleeps 0.3 s); the
+outputs of the N runs are written to stdout as one JSON list. With ``--die`` the agent kills its
+process with SIGKILL instead of returning (its claim on the key is left behind). With ``--many``
+one run submits N tasks with N keys, in a shuffled order, each taking 1 to 30 ms (so that they end
+at every point of a window), and its output by task id is written to stdout as one JSON object.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 from typing import Any
@@ -40,6 +43,28 @@ async def main(db: str, calls: str, n: int, die: bool) -> list[Any]:
     return [next(iter(r.data.values())) for r in results]
 
 
+async def many(db: str, calls: str, n: int) -> dict[str, Any]:
+    @agent(kinds=["work"], concurrency=20)
+    async def work(task: Task, ctx: Context) -> int:
+        record_call(calls, task.id)
+        await asyncio.sleep(random.uniform(0.001, 0.03))
+        return os.getpid()
+
+    numbers = list(range(n))
+    random.shuffle(numbers)
+    tasks = [Task("work", i, id=f"t{i}", key=f"k{i}") for i in numbers]
+    store = SQLiteStore(db)
+    try:
+        result = await Orchestrator(agents=[work], store=store).run(tasks, run_id=str(os.getpid()))
+    finally:
+        store.close()
+    return dict(result.data)
+
+
 if __name__ == "__main__":
-    outputs = asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), "--die" in sys.argv))
-    sys.stdout.write(json.dumps(outputs) + "\n")
+    db, calls, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if "--many" in sys.argv:
+        output: Any = asyncio.run(many(db, calls, n))
+    else:
+        output = asyncio.run(main(db, calls, n, "--die" in sys.argv))
+    sys.stdout.write(json.dumps(output) + "\n")

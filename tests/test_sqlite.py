@@ -197,6 +197,87 @@ class TestResumeStreamed:
         run.close()
         store.close()
 
+    @pytest.mark.parametrize("how", ["admit_one", "admit"], ids=["async input", "sync input"])
+    def test_ids_generated_on_a_resume_are_generated_again_on_the_next_one(
+        self, tmp_path: Path, how: str
+    ) -> None:
+        # The input's tail first admitted by a resumed run gets its generated ids there; a
+        # second resume must give them the same ids, not take them for ids the user gave (and
+        # generate others: every such task a second time, under a new id).
+        def resume(n: int) -> list[str]:
+            store = SQLiteStore(tmp_path / "runs.db")
+            run = store.open_run(
+                "r",
+                admission=Admission(["a"], {}),
+                listener=Heard(),
+                clock=lambda: 0.0,
+                task_timeout=None,
+                compact=True,  # a streamed input
+            )
+            tasks = [Task("a", i) for i in range(n)]
+            for i, task in enumerate(tasks):
+                if how == "admit_one":
+                    run.admit_one(task, i)
+                else:
+                    run.admit([task], where="input item", forward=False, first_index=i)
+            assert run.unfinished == n
+            run.close()  # the process "dies" before the input's end
+            store.close()
+            return [task.id for task in tasks]
+
+        assert resume(1) == ["a#1"]
+        assert resume(3) == ["a#1", "a#2", "a#3"]
+        assert resume(3) == ["a#1", "a#2", "a#3"]
+        assert resume(4) == ["a#1", "a#2", "a#3", "a#4"]
+        assert committed(tmp_path / "runs.db") == {f"a#{n}": ("ready", 0) for n in range(1, 5)}
+
+    async def test_a_given_id_equal_to_a_forgotten_generated_one_is_refused_and_the_run_resumes(
+        self, tmp_path: Path
+    ) -> None:
+        # "w#1" is generated, succeeds and is forgotten; a task given that id later would be a
+        # second task under it, overwriting the first one's row (and the run could not resume).
+        given = "w#1"
+
+        def decompose(_: Any) -> Any:
+            yield Task("w", "generated")
+            for i in range(5):
+                yield Task("w", i, id=f"x{i}")
+            yield Task("w", "given", id=given)
+
+        @agent(kinds=["w"])
+        async def echo(task: Task, ctx: Context) -> Any:
+            return task.payload
+
+        db = tmp_path / "runs.db"
+        store = SQLiteStore(db, window=0.01)
+        seen = []
+
+        async def read(orch: Orchestrator) -> None:
+            async for result in orch.stream([None], run_id="r"):
+                seen.append((result.task_id, result.output))
+
+        async with Orchestrator(agents=[echo], decomposer=decompose, window=1, store=store) as orch:
+            with pytest.raises(InputError, match="'w#1'") as caught:
+                await read(orch)
+        assert (caught.value.task_id, caught.value.field) == ("w#1", "id")
+        assert seen[0] == ("w#1", "generated")
+        assert [task_id for task_id, _ in seen].count("w#1") == 1
+        with closing(sqlite3.connect(db)) as con:
+            rows = con.execute("SELECT payload, output FROM tasks WHERE id = 'w#1'").fetchall()
+        assert rows == [('"generated"', '"generated"')]
+        async with Orchestrator(agents=[echo], decomposer=decompose, window=1, store=store) as orch:
+            with pytest.raises(InputError, match="duplicate task id 'w#1'") as caught:
+                await orch.run([None], run_id="r")  # resumed: refused again
+        assert (caught.value.task_id, caught.value.field) == ("w#1", "id")
+        given = "mine"  # the input fixed: the run resumes, and "w#1" is the generated task's
+        async with Orchestrator(agents=[echo], decomposer=decompose, window=1, store=store) as orch:
+            resumed = await orch.run([None], run_id="r")
+        assert (resumed.status, resumed.data["w#1"], resumed.data["mine"]) == (
+            "success",
+            "generated",
+            "given",
+        )
+
 
 # -- in process --------------------------------------------------------------------------------
 

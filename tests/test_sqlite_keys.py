@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +152,197 @@ class TestOneProcess:
         assert work.calls == ["b"]
 
 
+def _holder(db: Path, key: str) -> str | None:
+    """The task that holds `key` in the file, or last held it."""
+    with closing(sqlite3.connect(db)) as conn:
+        row = conn.execute("SELECT task_id FROM keys WHERE key = ?", (key,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+class TestASuccessDuringItsWindowsCommit:
+    """A keyed task that succeeds while the window that wrote it running is being committed: its
+    key is written succeeded by the next window, never released as a failure."""
+
+    async def test_the_key_is_stored_succeeded_and_neither_a_waiter_nor_a_later_run_executes_it(
+        self, tmp_path: Path
+    ) -> None:
+        db = tmp_path / "runs.db"
+        holder, other = SQLiteStore(db, window=0.2), SQLiteStore(db, window=0.01)
+        calls: list[str] = []
+        called = {"a": asyncio.Event(), "b": asyncio.Event()}
+        go = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.id in go:
+                called[task.id].set()
+                await go[task.id].wait()
+            return task.payload * 2
+
+        async with Orchestrator(agents=[work], store=holder) as orch:
+            first = orch.start(
+                tasks=[Task("work", 21, id="a", key="k"), Task("work", 1, id="b")], run_id="one"
+            )
+            await called["a"].wait()
+            await called["b"].wait()
+            waiter = asyncio.ensure_future(
+                Orchestrator(agents=[work], store=other).run(
+                    [Task("work", 21, id="w", key="k")], run_id="two"
+                )
+            )
+            await asyncio.sleep(0.05)  # "two" waits for the key "one" holds
+            # Another connection takes the file's write lock: the window that writes "a" running
+            # (and the waiter's next look at the key) waits for it, as a busy file makes them wait.
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            await asyncio.sleep(0.4)  # that window is being committed
+            go["a"].set()  # "a" succeeds before that window is committed
+            await asyncio.sleep(0.05)
+            lock.rollback()
+            lock.close()
+            await asyncio.sleep(0.6)  # the next windows: "a"'s key is written
+            go["b"].set()
+            assert (await first).status == "success"
+            with anyio.fail_after(30):
+                waited = await waiter
+            later = await orch.run(tasks=[Task("work", 21, id="c", key="k")], run_id="three")
+        other.close()
+        with sqlite3.connect(db) as con:
+            assert con.execute("SELECT state, output FROM keys").fetchall() == [("succeeded", "42")]
+        assert (waited.status, waited.data) == ("success", {"w": 42})
+        assert (later.status, later.data) == ("success", {"c": 42})
+        assert calls == ["a", "b"]
+
+
+class TestAWaitersLookAtTheFile:
+    async def test_a_waiting_task_is_never_handed_out_while_its_key_is_being_asked_for(
+        self, tmp_path: Path
+    ) -> None:
+        # "w" waits for the key "one" holds, ready behind "x" (one slot). Its run asks the file
+        # for the key every window; "x" ends while one of those questions waits for the file:
+        # "w" must stay held, not be handed to the freed slot and run the key a second time.
+        db = tmp_path / "runs.db"
+        holder, other = SQLiteStore(db, window=0.01), SQLiteStore(db, window=0.01)
+        calls: list[str] = []
+        called = {"a": asyncio.Event(), "x": asyncio.Event()}
+        go = {"a": asyncio.Event(), "x": asyncio.Event()}
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.id in go:
+                called[task.id].set()
+                await go[task.id].wait()
+            return task.payload * 2
+
+        first = asyncio.ensure_future(
+            Orchestrator(agents=[work], store=holder).run(
+                [Task("work", 21, id="a", key="k")], run_id="one"
+            )
+        )
+        await called["a"].wait()
+        second = asyncio.ensure_future(
+            Orchestrator(agents=[work], store=other, concurrency=1).run(
+                [Task("work", 1, id="x"), Task("work", 21, id="w", key="k")], run_id="two"
+            )
+        )
+        await called["x"].wait()
+        await asyncio.sleep(0.1)  # "w" waits for the key
+        locked = threading.Event()
+
+        def lock() -> None:  # the next question waits for the file, for 0.4 s
+            with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                locked.set()
+                time.sleep(0.4)
+                conn.rollback()
+
+        locking = threading.Thread(target=lock)
+        locking.start()
+        await anyio.to_thread.run_sync(locked.wait)
+        await asyncio.sleep(0.1)
+        go["x"].set()  # the slot is free while it waits
+        await anyio.to_thread.run_sync(locking.join)
+        await asyncio.sleep(0.1)
+        go["a"].set()
+        with anyio.fail_after(30):
+            assert (await first).status == "success"
+            result = await second
+        assert (result.status, result.data) == ("success", {"x": 2, "w": 42})
+        assert calls == ["a", "x"]
+        holder.close()
+        other.close()
+
+    @pytest.mark.parametrize("end", ["the run stops", "the task is cancelled"])
+    async def test_a_task_that_ends_while_the_file_answers_lets_go_of_the_key_it_was_given(
+        self, tmp_path: Path, end: str
+    ) -> None:
+        # "s" waits for the key "b" holds; "b" fails, and the file gives the key to "s" in
+        # answer to a question asked just before "s" ended: its run releases the key, so that
+        # "t", submitted later, runs at once instead of waiting out the lease.
+        db = tmp_path / "runs.db"
+        steered = SQLiteStore(db, window=0.5, key_lease=3600)
+        other = SQLiteStore(db, window=0.01, key_lease=3600)
+        calls: list[str] = []
+        holding = asyncio.Event()
+        fail = asyncio.Event()
+        done = asyncio.Event()
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.id == "b":
+                holding.set()
+                await fail.wait()
+                raise PermanentError("no")
+            if task.id == "keep":  # the run goes on after "s" is cancelled
+                await done.wait()
+            return task.id
+
+        async with (
+            Orchestrator(agents=[work], store=steered) as orch,
+            Orchestrator(agents=[work], store=other) as elsewhere,
+        ):
+            holder = elsewhere.start(tasks=[Task("work", 1, id="b", key="k")], run_id="b")
+            await holding.wait()
+            steered_run = orch.start(
+                tasks=[Task("work", 1, id="s", key="k"), Task("work", 1, id="keep")], run_id="s"
+            )
+            await asyncio.sleep(0.1)  # "s" waits for the key; its next question in 0.4 s
+            fail.set()
+            assert (await holder).status == "failed"
+            await asyncio.sleep(0.05)  # the key is released in the file
+            locked = threading.Event()
+
+            def lock() -> None:  # the question waits for the file until "s" ended, and the
+                # window that writes its end is built
+                with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+                    conn.execute("BEGIN IMMEDIATE")
+                    locked.set()
+                    time.sleep(1.5)
+                    conn.rollback()
+
+            locking = threading.Thread(target=lock)
+            locking.start()
+            await anyio.to_thread.run_sync(locked.wait)
+            await asyncio.sleep(0.5)  # asked
+            if end == "the run stops":
+                assert (await steered_run.stop(grace=0)).status == "cancelled"
+            else:
+                assert steered_run.cancel(task_id="s").cancelled == ("s",)
+            await anyio.to_thread.run_sync(locking.join)
+            with anyio.fail_after(30):  # the file has answered: the key is "s"'s
+                while _holder(db, "k") != "s":
+                    await asyncio.sleep(0.01)
+            with anyio.fail_after(30):  # far shorter than the key's lease
+                later = await elsewhere.run(tasks=[Task("work", 1, id="t", key="k")], run_id="t")
+            done.set()
+            await steered_run
+        assert (later.status, later.data) == ("success", {"t": "t"})
+        assert sorted(calls) == ["b", "keep", "t"]
+
+
 class TestProcesses:
     def test_two_processes_submitting_one_key_execute_it_once(self, tmp_path: Path) -> None:
         db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
@@ -161,6 +356,24 @@ class TestProcesses:
         [call] = calls.read_text().splitlines()
         winner = int(call.split()[0])
         assert outputs == [{"answer": 42, "pid": winner}] * 20
+
+    def test_two_processes_submitting_the_same_150_keys_execute_each_once(
+        self, tmp_path: Path
+    ) -> None:
+        # Keys end at every point of a window, some while the window that wrote them running
+        # is being committed.
+        db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
+        SQLiteStore(db).runs()  # the schema, before the race
+        jobs = [start(db, calls, 150, "--many") for _ in range(2)]
+        outputs = []
+        for process in jobs:
+            out, err = process.communicate(timeout=60)
+            assert process.returncode == 0, err
+            outputs.append(json.loads(out))
+        executed = [line.split() for line in calls.read_text().splitlines()]
+        assert sorted(task_id for _, task_id in executed) == sorted(f"t{i}" for i in range(150))
+        by = {task_id: int(pid) for pid, task_id in executed}
+        assert outputs == [by, by]
 
     async def test_a_key_left_by_a_killed_process_is_taken_over_after_the_lease(
         self, tmp_path: Path

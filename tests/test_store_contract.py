@@ -1122,6 +1122,30 @@ class TestAdmission:
         assert len({t.id for t in tasks} | {"a#1"}) == 4
         assert h.run.unfinished == 4
 
+    def test_a_compacting_run_refuses_a_given_id_that_may_be_a_forgotten_generated_one(
+        self, make_run: Callable[..., Harness]
+    ) -> None:
+        # A streamed run forgets a generated id once its task succeeds (nothing can name it):
+        # a given id of that form, within the numbers generated so far, cannot be told apart.
+        h = make_run(compact=True)
+        h.run.admit_one(Task("a", "generated"), 0)
+        h.succeed("a#1", "generated")
+        mark = len(h.heard.events)
+        with pytest.raises(InputError, match="'a#1'") as caught:
+            h.run.admit_one(Task("a", "given", id="a#1"), 1)
+        assert (caught.value.task_id, caught.value.field) == ("a#1", "id")
+        with pytest.raises(InputError, match="'a#1'"):
+            h.admit(Task("a", "given", id="a#1"), forward=False)
+        assert (h.run.unfinished, h.heard.since(mark)) == (0, [])
+        # Past the numbers generated, or of another form, an id is the user's own.
+        h.run.admit_one(Task("a", "given", id="a#2"), 1)
+        h.run.admit_one(Task("a", "given", id="a#01"), 2)
+        h.admit(Task("b", "given", id="b#x"), Task("a", "again"), forward=False)
+        h.admit(Task("a", "generated"), Task("a", "given", id="a#4"), forward=False)
+        assert h.claim_all() == ["a#2", "a#01", "b#x", "a#3", "a#5", "a#4"]
+        with pytest.raises(InputError, match="'a#1'"):  # a spawn too
+            h.run.check_spawn(Task("b", id="a#1"), h.heard.records["a#2"], {})
+
     def test_a_typed_payload_is_validated_into_its_model(self, h: Harness) -> None:
         h.admit(Task("typed", {"n": 3}, id="t1"))
         assert h.claim().task.payload == Typed(n=3)

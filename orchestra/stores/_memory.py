@@ -37,7 +37,7 @@ from .._task import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Collection, Iterator, Sequence
 
     from .._admission import Admission
     from .._store import Listener
@@ -234,6 +234,28 @@ class MemoryRun:
     def _taken(self, task_id: str) -> bool:
         return task_id in self._records or task_id in self._settled
 
+    def _refuse_lookalike(self, task_id: str, auto: int) -> None:
+        """Refuse a given id with a "#", not held by a compacting run, that may be one the run
+        generated and forgot: a streamed run forgets a generated id whole once its task succeeds
+        (memory stays flat however long the stream), so it cannot tell ``<kind>#<n>``, n up to
+        `auto` (the last number generated before this input), from one of its own. Admitted, it
+        would be a second task under that id, in the results and in a durable store's rows."""
+        kind, _, n = task_id.rpartition("#")
+        if (
+            kind in self._admission.kinds
+            and n.isascii()
+            and n.isdigit()
+            and n[0] != "0"
+            and int(n) <= auto
+        ):
+            raise InputError(
+                f"task id {task_id!r} may be a duplicate: this streamed run names a task given no "
+                f"id '<kind>#<n>' (n up to {auto} so far), and forgets that id once the task "
+                "succeeds, so it cannot tell. Give your ids another form, or every task an id",
+                task_id=task_id,
+                field="id",
+            )
+
     def admit(
         self,
         tasks: Sequence[Any],
@@ -242,14 +264,17 @@ class MemoryRun:
         forward: bool,
         first_index: int = 0,
         parent: Record | None = None,
+        generated: Collection[int] = (),
     ) -> int:
+        """`generated`: the tasks (by `id()`) whose ids the caller generated as admission would
+        (a resumed durable run generates them again, in order): they are not given ids."""
         # A whole-list run keeps its records to its end: they are frozen out of the GC's sight
         # (`orchestra._gc`). A streamed one forgets them as they end: its chunks are not frozen,
         # nor what the application allocated meanwhile (its garbage cycles stay collectable).
         with paused(len(tasks), keep=not self._compact):
             plain = None if parent is not None else self._admit_plain(tasks, first_index)
             if plain is None:
-                new = self._check_batch(tasks, where, forward, first_index, parent)
+                new = self._check_batch(tasks, where, forward, first_index, parent, generated)
                 records = self._insert(new, first_index, parent)
         if plain is not None:
             self._ready_all(plain)
@@ -332,15 +357,17 @@ class MemoryRun:
         self._queue.push_all(records)
         self._listener.ready_all(records)
 
-    def admit_one(self, task: Any, index: int) -> None:
+    def admit_one(self, task: Any, index: int, *, generated: bool = False) -> None:
         """`admit` for one item of a streamed input: the same checks, without a batch's bookkeeping."""
         admission = self._admission
-        named = getattr(task, "id", None) is not None
+        named = not generated and getattr(task, "id", None) is not None
         admission.check(task, "input item", index, self._taken)
         if self._taken(task.id):
             if self._same(task):
                 return
             raise InputError(f"duplicate task id {task.id!r}", task_id=task.id, field="id")
+        if named and self._compact and "#" in task.id:
+            self._refuse_lookalike(task.id, admission.auto)
         if task.depends_on:
             self._known_deps(task, (), " (a streamed task may only depend on tasks before it)")
             if task.tags:
@@ -376,6 +403,7 @@ class MemoryRun:
         forward: bool,
         first_index: int,
         parent: Record | None,
+        generated: Collection[int] = (),
     ) -> list[Task]:
         batch: list[Task] = []
         ids: dict[str, Task] = {}
@@ -390,7 +418,10 @@ class MemoryRun:
             return self._taken(task_id) or task_id in given or task_id in ids
 
         check = self._admission.check
+        compact = self._compact
+        auto = self._admission.auto  # (the batch's own generated ids step around its given ones)
         self._generated.clear()
+        self._generated.update(generated)
         for i, task in enumerate(tasks, first_index):
             if getattr(task, "id", 0) is None:
                 self._generated.add(id(task))
@@ -404,6 +435,8 @@ class MemoryRun:
                 if parent is None and self._same(task):
                     continue  # admitted before, identical: idempotent
                 raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
+            if compact and "#" in task_id and id(task) not in self._generated:
+                self._refuse_lookalike(task_id, auto)
             if not forward and task.depends_on:
                 self._known_deps(
                     task, ids, " (a streamed or spawned task may only depend on tasks before it)"
@@ -703,6 +736,8 @@ class MemoryRun:
                 task_id=task.id,
                 field="id",
             )
+        if self._compact and "#" in task.id:
+            self._refuse_lookalike(task.id, self._admission.auto)
         for dep in task.depends_on:
             if not self._taken(dep) and dep not in pending:
                 raise InputError(

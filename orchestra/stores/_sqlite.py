@@ -325,7 +325,17 @@ class SQLiteRun:
                 f"run {run_id!r} is already being run by this process, on this {store!r}: a run "
                 "has one coordinator (more processes join it as workers: `orch.work(...)`)"
             )
-        rows, attempts, seq = store.call(io.open_run, run_id, self._wall0, self._name, store.lease)
+        # Known to this process as its run until `close`, so that a hold the file keeps in its
+        # name after it (one a failed run could not let go of) does not lock the process out.
+        work.coordinating(self._name, run_id, True)
+        self._let_go = weakref.finalize(self, work.coordinating, self._name, run_id, False)
+        try:
+            rows, attempts, seq = store.call(
+                io.open_run, run_id, self._wall0, self._name, store.lease
+            )
+        except BaseException:
+            self._let_go()
+            raise
         store.open_runs[run_id] = self
         self._rows = Rows(run_id, self._wall0, self._offset, self._outputs, seq)
         self._stored: dict[str, tuple[Record, str]] | None = None  # id -> (record, payload JSON)
@@ -399,14 +409,21 @@ class SQLiteRun:
         self._resume()
         payloads = self._encode(tasks, where, first_index)
         gone: list[int] = []
+        generated: set[int] = set()
         if self._stored:
-            self._match(tasks, first_index)
+            generated = self._match(tasks, first_index)
             gone = [i for i, task in enumerate(tasks) if self._gone(task)]
         memory = self._memory
         self._admitting = True
         try:
             if not gone:
-                added = memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+                added = memory.admit(
+                    tasks,
+                    where=where,
+                    forward=forward,
+                    first_index=first_index,
+                    generated=generated,
+                )
             else:
                 # Admitted around the tasks that are gone, a stretch at a time. Only a streamed
                 # input's chunk has such tasks (a whole list is never compacted), and it may only
@@ -419,6 +436,7 @@ class SQLiteRun:
                             where=where,
                             forward=forward,
                             first_index=first_index + start,
+                            generated=generated,
                         )
                     start = stop + 1
         finally:
@@ -429,13 +447,14 @@ class SQLiteRun:
     def admit_one(self, task: Any, index: int) -> None:
         self._resume()
         payloads = self._encode((task,), "input item", index)
+        generated = False
         if self._stored:
-            self._match((task,), index)
+            generated = bool(self._match((task,), index))
             if self._gone(task):
                 return
         self._admitting = True
         try:
-            self._memory.admit_one(task, index)
+            self._memory.admit_one(task, index, generated=generated)
         finally:
             self._admitting = False
         self._added((task,), payloads)
@@ -559,12 +578,15 @@ class SQLiteRun:
             self._listener.finished(record)
         self.resumed += self._sharing.resume(records, rows)
 
-    def _match(self, tasks: Sequence[Any], first: int) -> None:
+    def _match(self, tasks: Sequence[Any], first: int) -> set[int]:
         """Input admitted again on resume: the stored task with its id (generated ids are
-        generated again, in the same order) must be the same task; it takes the caller's object."""
+        generated again, in the same order) must be the same task; it takes the caller's object.
+        Returns the tasks (by `id()`) whose ids it generated: the memory run takes them as
+        generated, not given (the rows say so, for the next resume to generate them again)."""
         stored = self._stored
         assert stored is not None
         admission = self._admission
+        generated: set[int] = set()
         for i, task in enumerate(tasks, first):
             if not isinstance(task, Task):
                 continue
@@ -580,12 +602,20 @@ class SQLiteRun:
                 # next one of the batch is generated after it, as in the first run).
                 admission.auto = auto
                 task.id = f"{task.kind}#{auto}"
+                generated.add(id(task))
                 if found is None:
                     continue
             else:
                 found = stored.get(task.id)
                 if found is None:
                     continue
+                if not found[0].named:  # generated for a task given no id: its own is matched
+                    raise InputError(
+                        f"duplicate task id {task.id!r} (input item {i}): run {self.run_id!r} "
+                        "generated it for an earlier task given no id",
+                        task_id=task.id,
+                        field="id",
+                    )
             record, payload = found
             old = record.task
             if old is task:
@@ -607,6 +637,7 @@ class SQLiteRun:
                     field="payload",
                 )
             record.task = task
+        return generated
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -842,6 +873,7 @@ class SQLiteRun:
         ]
         keys: list[str] = [r.task.key for r in self._dirty.values() if r.task.key is not None]
         claimed = self._keys.rows(keys, closing=self._closing)
+        results = self._keys.results(keys) if keys else []
         self._new = []
         self._dirty = {}
         self._attempts = []
@@ -860,7 +892,7 @@ class SQLiteRun:
         )
         if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
-        write.add_done_callback(lambda done: self._written(done, keys))
+        write.add_done_callback(lambda done: self._written(done, results))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
         if len(self._writes) >= _BEHIND and self._loop is not None and not self._closing:
@@ -898,7 +930,7 @@ class SQLiteRun:
             free.set_result(None)
         self._listener.hold(False)
 
-    def _written(self, write: Future[Any], keys: list[str]) -> None:
+    def _written(self, write: Future[Any], results: list[tuple[str, Any]]) -> None:
         if write.cancelled():  # a window queued behind a failed one (below)
             return
         if self._loop is not None:
@@ -920,7 +952,8 @@ class SQLiteRun:
                         self._listener.stop, f"the store failed: {error}"
                     )
             return
-        self._keys.written(keys)
+        if results:
+            self._keys.written(results)
         polled = write.result()
         if polled is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
@@ -966,6 +999,7 @@ class SQLiteRun:
             self._store.call(io.close_run, self.run_id, time.time(), done, self._name)
         except StoreError as exc:
             self._error = self._error or exc
+        self._let_go()  # over: a resume here need not wait for the hold to lapse
         if self._error is not None:
             error = self._error
             if isinstance(error, StoreError):

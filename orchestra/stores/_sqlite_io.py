@@ -289,8 +289,14 @@ def open_run(
                 and holder != name
                 and seen is not None
                 and now - seen < held_for
-                and work.is_alive(holder)
+                and work.is_alive(holder, run_id)
             ):
+                if work.here(holder):
+                    raise StoreError(
+                        f"run {run_id!r} is already being run by this process, on another "
+                        "SQLiteStore object of the file: a run has one coordinator (more "
+                        "processes join it as workers: `orch.work(...)`)"
+                    )
                 host, _, rest = holder.partition(":")
                 raise StoreError(
                     f"run {run_id!r} is already being run by another process (pid "

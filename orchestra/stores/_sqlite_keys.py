@@ -20,6 +20,8 @@ from .._task import CLAIMED, FAILED, SUCCEEDED, TERMINAL
 from . import _sqlite_io as io
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ._memory import Record
     from ._sqlite import SQLiteRun
 
@@ -36,16 +38,39 @@ class Keys:
         self.claims: dict[str, Record] = {}
         self.waiting: dict[str, Record] = {}
         self._poller: asyncio.Task[None] | None = None
+        # `_poll`'s question to the file while it waits for the answer: its tasks, its answer.
+        self._asking: tuple[list[Record], Future[Any]] | None = None
 
     def close(self) -> None:
+        """The run ends (`SQLiteRun.close`, before its last window): no more waiting. A key the
+        file gave in answer to a question still open is the run's claim, for that window to
+        release (else nobody would: another run of the key would wait out `key_lease`)."""
         if self._poller is not None:
             self._poller.cancel()
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            records, answer = asking
+            try:
+                answers = answer.result()
+            except Exception:  # the file failed: the run's close reports it
+                return
+            for record, (verdict, _, _) in zip(records, answers, strict=True):
+                if verdict == "mine":
+                    self.claims[record.task.key] = record  # type: ignore[index]
 
-    def written(self, keys: list[str]) -> None:
-        """The window that ended the tasks of `keys` is committed: their results are in the file."""
+    def results(self, keys: list[str]) -> list[tuple[str, tuple[str, str | None]]]:
+        """The successes of `keys` that the window being written holds, for `written`."""
         unwritten = self._run._store.unwritten_keys
-        for key in keys:
-            unwritten.pop(key, None)
+        return [(key, unwritten[key]) for key in keys if key in unwritten]
+
+    def written(self, results: list[tuple[str, tuple[str, str | None]]]) -> None:
+        """The window that held `results` is committed: they are in the file. Only those: a task
+        that window wrote running may have succeeded while it was being committed, and its
+        result waits for the next window (dropped here, the key would be released as failed)."""
+        unwritten = self._run._store.unwritten_keys
+        for key, result in results:
+            if unwritten.get(key) is result:
+                del unwritten[key]
 
     def reuse(self, records: list[Record]) -> None:
         """New tasks with keys: a key that succeeded before in this file (any run, any store
@@ -53,6 +78,8 @@ class Keys:
         nobody holds is claimed in the file, and its task runs; a key another live task holds
         makes this one wait for that task's result (`_poll`)."""
         run = self._run
+        if run._closed:  # (a key taken over in a step that ended the run): nothing to claim
+            return
         store = run._store
         unwritten = store.unwritten_keys
         rest: list[Record] = []
@@ -80,6 +107,8 @@ class Keys:
                 if record.state is CLAIMED:  # held by `claim` while it waited: run it now
                     run._runnable.append(record)
                     run._listener.wake()
+                elif record.state in TERMINAL:  # ended (cancelled) while the file answered:
+                    run._touch(record)  # the next window releases the claim
             else:
                 self.waiting[key] = record
         if self.claims:
@@ -130,22 +159,22 @@ class Keys:
                 unwritten = store.unwritten_keys
                 for key in [k for k in waiting if k in unwritten]:  # this store's own runs
                     self._reused(waiting.pop(key), *unwritten[key])
-                records = [r for r in waiting.values() if r.state not in TERMINAL]
-                waiting.clear()
+                for key in [k for k, r in waiting.items() if r.state in TERMINAL]:
+                    del waiting[key]
+                records = list(waiting.values())
                 if not records:
                     continue
+                # They stay in `waiting` while the file answers: held back from `claim`.
                 wanted = [(r.task.key, r.id) for r in records]
-                answers = await asyncio.wrap_future(
-                    store.submit(
-                        io.claim_keys,
-                        store.owner,
-                        run.run_id,
-                        wanted,
-                        time.time(),
-                        store.key_lease,
-                    )
+                asking = store.submit(
+                    io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
                 )
-                self._answered(records, answers)
+                self._asking = (records, asking)
+                answers = await asyncio.wrap_future(asking)
+                self._asking = None
+                # Each answer is for the task that waits for its key now: another may have
+                # taken the key over in the run meanwhile (`inherit`).
+                self._answered([waiting.pop(r.task.key, r) for r in records], answers)  # type: ignore[arg-type]
         except Exception as exc:  # the file failed: the waiting tasks fail, the run goes on
             for record in list(waiting.values()):
                 run._memory.settle(

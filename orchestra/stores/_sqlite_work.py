@@ -44,6 +44,8 @@ __all__ = (
     "claim",
     "claim_offered",
     "complete",
+    "coordinating",
+    "here",
     "identity",
     "is_alive",
     "poll",
@@ -65,16 +67,38 @@ def identity(owner: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{owner}"
 
 
-def is_alive(name: str) -> bool:
+# The runs this process coordinates now, as (coordinator name, run id). The file's hold on a run
+# names a process, and only that process can tell whether a hold in its name is live: another
+# `SQLiteStore` object's run, or one that ended but could not let go of it (its file locked or
+# full then). Process-wide, as the pid in the name is.
+_COORDINATING: set[tuple[str, str]] = set()
+
+
+def coordinating(name: str, run_id: str, live: bool) -> None:
+    """This process starts (`live`) or stops coordinating run `run_id` as `name`."""
+    if live:
+        _COORDINATING.add((name, run_id))
+    else:
+        _COORDINATING.discard((name, run_id))
+
+
+def here(name: str) -> bool:
+    """Whether `name` (from `identity`) is this process's."""
+    host, _, rest = name.partition(":")
+    return host == socket.gethostname() and rest.partition(":")[0] == str(os.getpid())
+
+
+def is_alive(name: str, run_id: str | None = None) -> bool:
     """Whether the process `name` (from `identity`) may still be running: False only when it ran
-    on this host and its pid is gone (another host's process cannot be checked: its heartbeat says)."""
+    on this host and its pid is gone (another host's process cannot be checked: its heartbeat
+    says). With `run_id`, whether it still coordinates that run: in this process, known here."""
     host, _, rest = name.partition(":")
     pid_text = rest.partition(":")[0]
     if host != socket.gethostname() or not pid_text.isdigit():
         return True
     pid = int(pid_text)
     if pid == os.getpid():
-        return True
+        return run_id is None or (name, run_id) in _COORDINATING
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
