@@ -24,6 +24,7 @@ from orchestra import (
     InputError,
     Orchestrator,
     PermanentError,
+    Rate,
     RetryPolicy,
     RunResult,
     StoreError,
@@ -314,6 +315,25 @@ class TestBackpressure:
     """While the writer thread is behind, the run waits for it: at most two windows are handed
     to the writer uncommitted, and nothing more is claimed or admitted until one is committed."""
 
+    async def test_waiting_for_the_writer_under_a_fake_clock_does_not_jump_virtual_time(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        # The run waits on the writer's thread, which the FakeClock cannot see: with nothing
+        # else to run, it jumped to the next timer (this guard, a task's deadline) while the disk
+        # worked, and a run of a few rate-limited tasks timed out in virtual time.
+        @agent(kinds=["work"], limits=[Rate(2, per=1.0)])
+        async def spawner(task: Task, ctx: Context) -> Any:
+            if "/" not in (task.id or ""):
+                ctx.spawn(Task("work", 0, id=f"{task.id}/c"))
+            return task.payload
+
+        store = SQLiteStore(tmp_path / "runs.db")
+        orch = Orchestrator(agents=[spawner], store=store, concurrency=1)
+        async with orch:
+            with anyio.fail_after(60):  # virtual: 8 tasks at 2 a second take 4 s
+                result = await orch.run(tasks=[Task("work", i, id=f"t{i}") for i in range(4)])
+        assert result.metadata.counts["succeeded"] == 8
+
     async def test_a_stalled_writer_holds_a_fast_streamed_run_within_three_windows(
         self, tmp_path: Path, clock: FakeClock
     ) -> None:
@@ -339,7 +359,9 @@ class TestBackpressure:
         released = anyio.Event()
 
         async def release() -> None:
-            await anyio.sleep(10)  # virtual: comes once nothing but the writer can go on
+            # While the run waits for the writer, the FakeClock does not jump (the writer is
+            # real work): this second passes at the real pace, well within the busy timeout.
+            await anyio.sleep(1)
             holder.execute("ROLLBACK")
             released.set()
 
@@ -398,7 +420,9 @@ class TestBackpressure:
             nonlocal released
             while not locked:
                 await anyio.sleep(window)
-            await anyio.sleep(10)  # virtual: the input would have been pulled to its end by now
+            await anyio.sleep(
+                1
+            )  # (real pace, as above) the input would be pulled to its end by now
             released = True
             holder.execute("ROLLBACK")
 

@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import PydanticSerializationError, to_json
 
 from .._admission import PRIORITY_MAX, PRIORITY_MIN
+from .._clock import current_clock
 from .._config import finite
 from .._exceptions import ConfigError, InputError, StoreError
 from .._output import stored_json
@@ -301,6 +302,10 @@ class SQLiteRun:
         self._behind = False
         self._deferred = False
         self._writer_free: asyncio.Future[None] | None = None
+        # While behind, the run waits on the writer's thread, which a `FakeClock` cannot see: it
+        # is told (`real_work`), so virtual time passes at the real pace instead of jumping to
+        # the next timer (a deadline, a test's guard) before the disk answers.
+        self._real_work: contextlib.ExitStack | None = None
         self._error: BaseException | None = None
         self._closed = False
         try:
@@ -897,6 +902,10 @@ class SQLiteRun:
         self._writes.append(write)
         if len(self._writes) >= _BEHIND and self._loop is not None and not self._closing:
             self._behind = True
+            real_work = getattr(current_clock(), "real_work", None)
+            if real_work is not None and self._real_work is None:
+                self._real_work = contextlib.ExitStack()
+                self._real_work.enter_context(real_work())
             self._listener.hold(True)
         return write
 
@@ -920,6 +929,7 @@ class SQLiteRun:
         if len(self._writes) >= _BEHIND:
             return
         self._behind = False
+        self._no_real_work()
         if self._deferred:
             self._deferred = self._armed = False
             self._arm()
@@ -929,6 +939,11 @@ class SQLiteRun:
         if free is not None and not free.done():
             free.set_result(None)
         self._listener.hold(False)
+
+    def _no_real_work(self) -> None:
+        if self._real_work is not None:
+            self._real_work.close()
+            self._real_work = None
 
     def _written(self, write: Future[Any], results: list[tuple[str, Any]]) -> None:
         if write.cancelled():  # a window queued behind a failed one (below)
@@ -991,6 +1006,7 @@ class SQLiteRun:
             except BaseException as exc:  # recorded by `_written`; raised once, below
                 self._error = self._error or exc
         self._writes = []
+        self._no_real_work()
         # Let go of the run (a later process may resume it at once), even after a failed write:
         # best effort then (a file still locked or full refuses this too, and the hold lapses
         # `lease` seconds after the last heartbeat), and never closed as done.
