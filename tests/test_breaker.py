@@ -908,4 +908,3 @@ class TestVisibility:
         console = Console(record=True, file=io.StringIO(), width=120)
         console.print(render_status(status))
         assert "probe in" in console.export_text()
-

@@ -749,6 +749,18 @@ class TestPackaging:
         )
         subprocess.run([sys.executable, "-c", code], check=True)
 
+    def test_without_the_sdk_the_import_error_names_the_extra(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import importlib
+
+        monkeypatch.setitem(sys.modules, "anthropic", None)  # import anthropic raises ImportError
+        monkeypatch.delitem(sys.modules, "orchestra.agents.claude")
+        with pytest.raises(ModuleNotFoundError) as info:
+            importlib.import_module("orchestra.agents.claude")
+        assert "pip install 'orchestra-runtime[claude]'" in str(info.value)
+        assert info.value.name == "anthropic"
+
     async def test_the_fault_kit_raises_equivalent_errors_without_the_sdk(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
