@@ -133,7 +133,7 @@ class Recovery:
                 attempt=attempt,
             )
             return
-        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
+        reason = _attempts_failed(record.agent_tries) if retryable else "permanent error"
         if retryable and record.agent_tries < policy.max_attempts:
             delay = backoff(policy, record.agent_tries - 1, self._d.rng, retry_after)
             retry_at = self._d.now() + delay
@@ -164,7 +164,7 @@ class Recovery:
             self._d.store.fail(record, token, attempt, retry_at=retry_at)
             self._d.schedule()
             return
-        self.fall_back(record, token, slot, attempt, reason)
+        self.fall_back(record, token, slot, attempt, reason, exhausted=retryable)
 
     def probe_failed(self, slot: AgentSlot, error: str) -> None:
         """`slot`'s probe failed (its breaker opened again): every task, in every run, that waits
@@ -212,8 +212,9 @@ class Recovery:
                 continue
             if record.agent_tries >= policy.max_attempts:
                 self.fall_back(
-                    record, token, slot, attempt, f"{policy.max_attempts} attempts failed"
-                )
+                    record, token, slot, attempt, _attempts_failed(record.agent_tries),
+                    exhausted=True,
+                )  # fmt: skip
                 continue
             retry_at = breaker.recovers_at(now)  # when the next probe may go
             if record.deadline is not None and retry_at >= record.deadline:
@@ -241,11 +242,17 @@ class Recovery:
         attempt: Attempt,
         reason: str,
         error_type: str | None = None,
+        *,
+        exhausted: bool = False,
     ) -> None:
-        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
+        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends.
+        `reason` says why, on `slot`; `exhausted` when its retries were used up, so the task's
+        error counts its attempts on every agent, not on the last one only."""
         nxt = self._d.router.next_agent(record, slot)
         self.emit_fallback(record, slot, nxt, reason)
         if nxt is NONE_LEFT:
+            if exhausted:
+                reason = _task_attempts_failed(record, attempt)
             self.chain_end(record, token, reason, error_type, attempt)
         elif record.kind in self._d.router.chains:
             self._d.store.fail(record, token, attempt, next_agent=nxt)
@@ -313,6 +320,17 @@ class Recovery:
             self._d.bus.emit(
                 BreakerChanged(self._d.now(), self._d.run_id, slot.name, state, previous)
             )
+
+
+def _attempts_failed(count: int) -> str:
+    return f"{count} attempt failed" if count == 1 else f"{count} attempts failed"
+
+
+def _task_attempts_failed(record: Record, last: Attempt) -> str:
+    """How many attempts `record` spent in all, and on which agents when on more than one."""
+    agents = dict.fromkeys([*(a.agent for a in record.failures or ()), last.agent])
+    where = f" on {', '.join(agents)}" if len(agents) > 1 else ""
+    return f"{_attempts_failed(record.attempts)}{where}"
 
 
 def _is_rate_limit(status: int | None) -> bool:

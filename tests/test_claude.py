@@ -260,6 +260,18 @@ class TestErrors:
         api.assert_no_key_in(logs.text())
         api.assert_no_key_in(json.dumps(logs.entries, default=str))
 
+    async def test_a_rejected_key_is_not_retried_and_its_remediation_names_the_api_key(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("authentication", times=1)
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert len(api.requests) == 1
+        assert error.status_code == 401
+        assert "API key" in error.remediation
+        assert "payload" not in error.remediation
+
     @pytest.mark.parametrize("fault", ["server_error", "overloaded"])
     async def test_5xx_and_529_are_retried(
         self, api: FakeMessagesAPI, account: ClaudeAccount, fault: Literal["server_error"]
