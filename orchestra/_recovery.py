@@ -97,16 +97,6 @@ class Recovery:
             self._d.store.note(record, token, exc.feedback, partial=exc.output)
         else:
             self._d.store.note(record, token, f"{error_type}: {message}")
-        if self._d.run.debug:
-            log.debug(
-                "attempt failed",
-                task_id=record.id,
-                agent=slot.name,
-                attempt=record.attempts,
-                error_type=error_type,
-                error=message,
-                traceback=failure.traceback,
-            )
         if self._d.bus.active:
             self._d.bus.emit(
                 AttemptFailed(
@@ -120,6 +110,18 @@ class Recovery:
                 attempt=attempt,
             )  # fmt: skip
             return
+        # A failure path only, so it may cost a log line: a WARNING an application sees with
+        # logging's defaults, the traceback too when DEBUG is on.
+        log.warning(
+            "attempt failed",
+            task_id=record.id,
+            kind=record.kind,
+            agent=slot.name,
+            attempt=record.attempts,
+            error_type=error_type,
+            error=message,
+            **({"traceback": failure.traceback} if self._d.run.debug else {}),
+        )
         if isinstance(exc, TaskTimeout):
             self.chain_end(record, token, message, "TaskTimeout", attempt)
             return
@@ -150,6 +152,14 @@ class Recovery:
                 return
             attempt.retry_in = delay
             self._d.report.retries += 1
+            log.info(
+                "retry scheduled",
+                task_id=record.id,
+                kind=record.kind,
+                agent=slot.name,
+                attempt=record.attempts,
+                delay=round(delay, 3),
+            )
             if self._d.instruments is not None:
                 self._d.instruments.retried(
                     self._d.run.info, record.task, slot.name, record.attempts, delay
@@ -263,6 +273,14 @@ class Recovery:
         """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
         if nxt is not NONE_LEFT:
             self._d.report.fallbacks += 1
+            log.info(
+                "fallback used",
+                task_id=record.id,
+                kind=record.kind,
+                agent=slot.name,
+                to_agent=getattr(nxt, "name", nxt),
+                reason=reason,
+            )
         if self._d.instruments is not None:
             self._d.instruments.fell_back(
                 self._d.run.info,

@@ -256,7 +256,7 @@ class TestErrors:
         assert attempt.request_id is not None
         assert attempt.request_id.startswith("req_")
         assert error.status_code == 400
-        assert any(e["event"] == "attempt failed" for e in logs.entries)  # DEBUG lines, read
+        assert any(e["event"] == "attempt failed" for e in logs.entries)  # the WARNING lines, read
         api.assert_no_key_in(logs.text())
         api.assert_no_key_in(json.dumps(logs.entries, default=str))
 
