@@ -19,6 +19,7 @@ import re
 import runpy
 import signal
 import sys
+import tomllib
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ("app", "main", "run_demo", "run_job")
 
-DISTRIBUTION: Final = "orchestra-runtime"
 INTERRUPTED: Final = 130
 USAGE: Final = 2
 
@@ -365,17 +365,28 @@ async def _work(
 # -- bench ----------------------------------------------------------------------------------------
 
 
+def _checkout() -> Path | None:
+    """The source checkout with the benchmarks: the current directory or the package's parent."""
+    for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (candidate / "benchmarks" / "__main__.py").is_file():
+            return candidate
+    return None
+
+
+# Listed in the help only where it can work: an installed copy has no benchmarks package (called
+# anyway, it says how to get a checkout).
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,
+    hidden=_checkout() is None,
 )
 def bench(ctx: typer.Context) -> None:
-    """Run the benchmarks of a source checkout (needs the bench extra).
+    """Run the benchmarks of a source checkout (needs its bench dependency group).
 
     Every argument, --help included, goes to `python -m benchmarks`.
     """
     root = _checkout()
-    missing = _missing_bench_extra()
+    missing = [] if root is None else _missing_bench_group(root)
     if root is None or missing:
         asked_help = any(a in ("--help", "-h") for a in ctx.args)
         if asked_help:
@@ -390,25 +401,18 @@ def bench(ctx: typer.Context) -> None:
         raise _fail("interrupted", INTERRUPTED) from None
 
 
-def _checkout() -> Path | None:
-    """The source checkout with the benchmarks: the current directory or the package's parent."""
-    for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (candidate / "benchmarks" / "__main__.py").is_file():
-            return candidate
-    return None
-
-
-def _missing_bench_extra() -> list[str]:
-    """The distributions of the `bench` extra that are not installed, read from our own metadata
-    (so the list follows pyproject.toml); empty when orchestra is not installed as a distribution."""
+def _missing_bench_group(root: Path) -> list[str]:
+    """The distributions of the checkout's `bench` dependency group that are not installed, read
+    from its pyproject.toml (so the list follows it); empty when it has no such group."""
     try:
-        requires = importlib.metadata.requires(DISTRIBUTION) or []
-    except importlib.metadata.PackageNotFoundError:
+        with (root / "pyproject.toml").open("rb") as file:
+            groups = tomllib.load(file).get("dependency-groups", {})
+    except (OSError, tomllib.TOMLDecodeError):
         return []
     missing = []
-    for requirement in requires:
-        if not re.search(r"""extra\s*==\s*['"]bench['"]""", requirement):
-            continue
+    for requirement in groups.get("bench", []):
+        if not isinstance(requirement, str):
+            continue  # an include of another group
         name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0]
         try:
             importlib.metadata.version(name)
@@ -425,15 +429,15 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
             f"{Path(__file__).resolve().parent.parent}.",
             "Get one, then run it from its root:",
             "  git clone <the orchestra repository> orchestra && cd orchestra",
-            "  make bench            # installs the bench extra with uv, then runs the suite",
-            "  # or: uv sync --extra bench --extra cli && uv run orchestra bench",
+            "  make bench            # installs the bench group with uv, then runs the suite",
+            "  # or: uv sync --group bench --extra cli && uv run orchestra bench",
         ]
     if missing:
         where = f" in {root}" if root is not None else ""
         lines += [
-            f"The bench extra is not installed (missing: {', '.join(missing)}). Install it{where}:",
-            "  uv sync --extra bench --extra cli",
-            f"  # or: pip install -e '.[bench,cli]'   (an installed copy: pip install '{DISTRIBUTION}[bench]')",
+            f"The bench dependency group is not installed (missing: {', '.join(missing)}). "
+            f"Install it{where}:",
+            "  uv sync --group bench --extra cli     # or: make bench",
         ]
     return "\n".join(lines)
 

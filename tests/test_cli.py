@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 import orchestra
-from orchestra.cli import _how_to_bench, _missing_bench_extra, app
+from orchestra.cli import _how_to_bench, _missing_bench_group, app
 from tests.helpers import REPO, run_python, spawn
 
 if TYPE_CHECKING:
@@ -517,8 +518,18 @@ class TestBench:
         assert help_.exit_code == 0
         assert "Usage: orchestra bench" in help_.stdout
 
-    def test_the_bench_extra_is_read_from_the_package_metadata(self) -> None:
-        assert _missing_bench_extra() == []  # the test environment has it
-        text = _how_to_bench(REPO, ["aiometer", "langgraph"])
+    def test_the_bench_group_is_read_from_the_checkouts_pyproject(self, tmp_path: Path) -> None:
+        (tmp_path / "pyproject.toml").write_text(
+            '[dependency-groups]\nbench = ["anyio>=4", "no-such-peer-installed>=1"]\n'
+        )
+        assert _missing_bench_group(tmp_path) == ["no-such-peer-installed"]
+        text = _how_to_bench(tmp_path, ["aiometer", "langgraph"])
         assert "missing: aiometer, langgraph" in text
-        assert "uv sync --extra bench" in text
+        assert "uv sync --group bench" in text
+
+    def test_the_benchmark_peers_are_a_dependency_group_not_a_published_extra(self) -> None:
+        with (REPO / "pyproject.toml").open("rb") as file:
+            project = tomllib.load(file)
+        assert "bench" not in project["project"]["optional-dependencies"]
+        peers = project["dependency-groups"]["bench"]
+        assert any(peer.startswith("aiometer") for peer in peers)
