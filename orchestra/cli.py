@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch, summary
+from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch, summary
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError, StoreError
 from ._failure import describe, format_traceback, scrub, with_type
@@ -188,12 +188,44 @@ def run(
             min=0,
         ),
     ] = 10.0,
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            "--db",
+            metavar="FILE",
+            help="Keep the run in this SQLite file (SQLiteStore, created if missing), so that it "
+            "can be resumed after a crash or a stop, and its failed tasks retried: run the same "
+            "command again with its --run-id.",
+            show_default=False,
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            metavar="ID",
+            help="The run's id (a fresh one by default, printed at the end). With --db, an id "
+            "the file already holds resumes that run: what succeeded is not run again, what "
+            "`orchestra runs retry` reopened runs again.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
+
+    With --db the run is kept in a SQLite file: the same command with --run-id resumes it (give
+    the same input again) or runs the tasks `orchestra runs retry` reopened.
 
     Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
     """
     orch = _load(target)
+    store = None
+    if db is not None:
+        try:
+            store = SQLiteStore(db)
+        except (ConfigError, StoreError) as exc:
+            raise _fail(str(exc)) from None
+        keep_runs_in(orch, store)
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
@@ -205,7 +237,7 @@ def run(
     keys = _keys() if str(input) != "-" else None  # stdin is the input: no keys
     try:
         with _writing(output) as out:
-            result = run_job(batch, out, keys=keys, grace=grace)
+            result = run_job(batch, out, keys=keys, grace=grace, run_id=run_id)
     except OSError as exc:
         raise _fail(f"cannot write {output}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:  # where signals cannot be caught (Windows)
@@ -213,25 +245,51 @@ def run(
         raise _fail(
             f"interrupted: {batch.written} task results written to {where}", INTERRUPTED
         ) from None
-    except InputError as exc:  # a streamed input's bad task, or the decomposer's
+    # A streamed input's bad task, or the decomposer's; a bad --run-id; a file that fails.
+    except (InputError, ConfigError, StoreError) as exc:
         raise _fail(str(exc)) from None
+    finally:
+        if store is not None:
+            store.close()
     console = _stderr()
     for line in summary(result):
         console.print(line, markup=False)
     if result.status == "cancelled":
         where = "stdout" if output is None or str(output) == "-" else str(output)
         console.print(f"{batch.written} task results written to {where}", markup=False)
+    if db is not None:
+        for line in _resume_hints(result, target, input, db):
+            console.print(line, markup=False)
     raise typer.Exit(EXIT_CODES[result.status])
 
 
+def _resume_hints(result: RunResult, target: str, input: Path, db: Path) -> list[str]:
+    """What to type to resume the run kept in `db`, or to retry its failed tasks."""
+    rid = result.metadata.run_id
+    again = f"orchestra run {target} {input} --db {db} --run-id {rid}"
+    lines = [f"run {rid} is kept in {db}"]
+    if result.status == "cancelled":
+        lines.append(f"  resume it: {again}")
+    elif result.errors:
+        lines.append(
+            f"  retry its failed tasks: orchestra runs retry {rid} --db {db}, then {again}"
+        )
+    return lines
+
+
 def run_job(
-    batch: Batch, out: IO[str], *, keys: IO[str] | None = None, grace: float | None = 10.0
+    batch: Batch,
+    out: IO[str],
+    *,
+    keys: IO[str] | None = None,
+    grace: float | None = 10.0,
+    run_id: str | None = None,
 ) -> RunResult:
-    """Run `batch`, its results to `out`, with the live view on stderr, SIGINT / SIGTERM as a
-    graceful stop (a second one cancels at once) and control keys from `keys`."""
+    """Run `batch` as `run_id`, its results to `out`, with the live view on stderr, SIGINT /
+    SIGTERM as a graceful stop (a second one cancels at once) and control keys from `keys`."""
     if keys is not None:
         _stderr().print(f"keys: {KEYS}", markup=False)
-    return asyncio.run(batch.run(out, keys=keys, grace=grace))
+    return asyncio.run(batch.run(out, keys=keys, grace=grace, run_id=run_id))
 
 
 def _keys() -> IO[str] | None:

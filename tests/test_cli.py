@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import orchestra
 from orchestra.cli import _how_to_bench, _missing_bench_group, app
+from orchestra.stores import SQLiteStore
 from tests.helpers import REPO, run_python, spawn
 
 if TYPE_CHECKING:
@@ -75,6 +76,17 @@ def refuse(items):
 
 def leaky_decomposer() -> Orchestrator:
     return build(decomposer=refuse)
+
+import os
+
+@agent(kinds=["flaky"])
+async def flaky(task: Task, ctx: Context) -> int:
+    if not os.path.exists("healed"):
+        raise ValueError("not yet")
+    return task.payload
+
+def with_flaky() -> Orchestrator:
+    return Orchestrator(agents=[double, flaky], retry=RetryPolicy(max_attempts=1))
 """
 KEY = "sk-ant-api03-" + "Zq9" * 10  # as the job module builds it
 
@@ -231,6 +243,58 @@ class TestRun:
     def test_a_script_path_as_the_module(self, job: str, jsonl: Callable[..., Path]) -> None:
         result = invoke("run", f"{job}.py:build", str(jsonl({"kind": "double", "payload": 1})))
         assert result.exit_code == 0, result.output
+
+
+class TestDurableRun:
+    def test_a_failed_run_is_retried_by_running_the_command_again_with_its_run_id(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "ok"}, {"kind": "flaky", "payload": 2, "id": "f"}
+        )
+        db = tmp_path / "runs.db"
+        command = ("run", f"{job}:with_flaky", str(source), "--db", str(db), "--run-id", "r1")
+        first = invoke(*command)
+        assert first.exit_code == 1, first.output
+        assert "run r1 is kept in" in first.stderr
+        assert f"orchestra runs retry r1 --db {db}" in first.stderr
+
+        retried = invoke("runs", "retry", "r1", "--db", str(db))
+        assert retried.exit_code == 0, retried.output
+        assert f"--db {db} --run-id r1" in retried.stdout.replace("\n", "")
+
+        (tmp_path / "healed").touch()
+        again = invoke(*command)
+        assert again.exit_code == 0, again.output
+        records = {r["task_id"]: r for r in lines_of(again.stdout)}
+        assert records["f"]["status"] == "succeeded"
+        assert records["f"]["attempts"] == 2  # the failed attempt of the first run is kept
+        store = SQLiteStore(db)
+        events = [e["event"] for e in store.events("r1", "ok")]
+        store.close()
+        assert events.count("started") == 1  # what succeeded was not run again
+
+    def test_without_a_run_id_the_fresh_one_is_printed(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl({"kind": "double", "payload": 1, "id": "ok"})
+        db = tmp_path / "runs.db"
+        result = invoke("run", f"{job}:build", str(source), "--db", str(db))
+        assert result.exit_code == 0, result.output
+        store = SQLiteStore(db)
+        [run] = store.runs()
+        store.close()
+        assert f"run {run['id']} is kept in {db}" in result.stderr
+
+    def test_an_empty_run_id_is_a_usage_error(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl({"kind": "double", "payload": 1})
+        result = invoke(
+            "run", f"{job}:build", str(source), "--db", str(tmp_path / "r.db"), "--run-id", ""
+        )
+        assert result.exit_code == 2, result.output
+        assert "run_id" in result.stderr
 
 
 class TestRunUsageErrors:
