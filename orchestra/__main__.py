@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from orchestra._extras import missing_extra
+
 __all__ = ("main",)
 
 _CLI_PACKAGES = frozenset({"typer", "rich", "click"})
@@ -20,11 +22,7 @@ def main() -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in _CLI_PACKAGES:
             raise
-        print(
-            f"orchestra: the command needs the cli extra ({exc.name} is not installed):\n"
-            "  pip install 'orchestra-runtime[cli]'    # or: uv add 'orchestra-runtime[cli]'",
-            file=sys.stderr,
-        )
+        print(f"orchestra: {missing_extra('the command', 'cli', exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     cli()
 

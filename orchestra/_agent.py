@@ -128,7 +128,9 @@ class Agent:
             raise ConfigError(
                 f"agent {label!r}: executor={executor!r} runs sync functions; this one is async"
             )
-        if executor is not None and not _takes_one(fn):
+        if executor is None:
+            check_call(label, fn)
+        elif not _takes(fn, 1):
             raise ConfigError(
                 f"agent {label!r}: executor={executor!r} calls `fn(task)`, with no ctx "
                 "(it runs off the loop); this one does not take one argument"
@@ -247,17 +249,41 @@ class _Gate:
 _WAITING, _RUNNING, _DONE, _ABANDONED = "waiting", "running", "done", "abandoned"
 
 
-def _takes_one(fn: Callable[..., Any]) -> bool:
-    """Whether `fn(task)` binds (a signature Python cannot read, as some builtins', passes)."""
+def check_call(label: str, agent: Callable[..., Any]) -> None:
+    """`ConfigError` unless `agent(task, ctx)` binds: checked when the agent is made, since a
+    wrong signature would otherwise fail every attempt with a TypeError, each one retried."""
+    if not _takes(agent, 2):
+        raise ConfigError(
+            f"agent {label!r}: an agent is called as `agent(task, ctx)` and must take those two "
+            f"arguments (`async def {_called(agent)}(task: Task, ctx: Context)`); "
+            f"its signature is {_signature(agent)}"
+        )
+
+
+def _takes(fn: Callable[..., Any], count: int) -> bool:
+    """Whether `fn` can be called with `count` positional arguments (a signature Python cannot
+    read, as some builtins', passes)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return True
     try:
-        signature.bind(None)
+        signature.bind(*(None,) * count)
     except TypeError:
         return False
     return True
+
+
+def _called(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and name.isidentifier() else "__call__"
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):  # pragma: no cover - `_takes` passed it
+        return "unknown"
 
 
 def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:

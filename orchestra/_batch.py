@@ -37,11 +37,13 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ._result import RunResult
+    from ._store import Store
 
 __all__ = (
     "EXIT_CODES",
     "Batch",
     "TaskSpec",
+    "keep_runs_in",
     "load_orchestrator",
     "read_batch",
     "read_jsonl",
@@ -255,9 +257,11 @@ class Batch:
         console: Console | None = None,
         keys: IO[str] | None = None,
         grace: float | None = 10.0,
+        run_id: str | None = None,
     ) -> RunResult:
-        """Run the input, writing each `TaskResult` to `out` as a JSON line as it finishes, with
-        the live view on `console` and control keys from `keys` (see `orchestra._console`)."""
+        """Run the input as `run_id` (a fresh id by default), writing each `TaskResult` to `out`
+        as a JSON line as it finishes, with the live view on `console` and control keys from
+        `keys` (see `orchestra._console`)."""
 
         def write(result: TaskResult) -> None:
             out.write(result_line(result) + "\n")
@@ -265,7 +269,22 @@ class Batch:
             self.written += 1
 
         args: dict[str, Any] = {"input": self.input} if self.decomposed else {"tasks": self.input}
-        return await watch(self.orch, write=write, console=console, keys=keys, grace=grace, **args)
+        return await watch(
+            self.orch,
+            write=write,
+            console=console,
+            keys=keys,
+            grace=grace,
+            run_id=run_id,
+            **args,
+        )
+
+
+def keep_runs_in(orch: Orchestrator, store: Store) -> None:
+    """Make `orch`'s runs keep their tasks in `store` (``orchestra run --db FILE``), whatever
+    store its factory gave it: the factory built it for this one command, so no one else sees
+    the change."""
+    orch._config.store = store
 
 
 def summary(result: RunResult) -> list[str]:

@@ -256,6 +256,7 @@ class Orchestrator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Orchestrator:
+        _check_asyncio("async with Orchestrator(...)")
         me = anyio.get_current_task().id
         if self._entered:
             self._entered += 1
@@ -362,6 +363,7 @@ class Orchestrator:
         Bad input raises `InputError` before any agent is called (for a streamed input: when the bad
         task arrives, cancelling what runs). Cancelling the caller cancels every attempt.
         """
+        _check_asyncio("run()")
         _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
         if self._entered and self._host is None:  # inside an `async with` of it
             return await self._run(input, tasks, run_id)
@@ -567,6 +569,7 @@ class Orchestrator:
         Raises:
             ConfigError: no SQLite store, or kinds no agent here serves.
         """
+        _check_asyncio("work()")
         store = store if store is not None else self._config.store
         if not isinstance(store, SQLiteStore):
             raise ConfigError(
@@ -737,6 +740,20 @@ class Orchestrator:
             if state is not None:
                 return state
         return None
+
+
+def _check_asyncio(what: str) -> None:
+    """`ConfigError` unless an asyncio event loop runs this: the runtime is written on anyio but
+    relies on asyncio (its loop's clock and call_at, its tasks), so another anyio backend
+    (trio) is refused here, before anything starts, rather than failing inside."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise ConfigError(
+            f"{what} needs an asyncio event loop: orchestra runs on asyncio only "
+            "(asyncio.run(...), or anyio.run(..., backend='asyncio')); trio and other "
+            "event loops are not supported"
+        ) from None
 
 
 def _check_run_id(run_id: Any) -> None:

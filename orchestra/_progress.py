@@ -6,7 +6,7 @@ terminal (CI, a pipe, a file), writes one plain line every few seconds instead, 
 readable. The view goes to stderr unless given another console: a library leaves stdout to the
 application (``python job.py > out.json`` stays valid JSON).
 
-rich is the `cli` extra's; it is imported when a view is made, and its absence is a `ConfigError`
+rich is the `cli` extra's; it is imported when a view is made, and its absence is an `ImportError`
 that names the extra. rich's own `Progress` is not used: it drives its own clock and tasks, while
 here every number comes from the run's snapshot (virtual time under a `FakeClock` included).
 """
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import anyio
 
 from ._exceptions import ConfigError
+from ._extras import missing_extra
 from ._failure import with_type
 
 if TYPE_CHECKING:
@@ -46,10 +47,8 @@ class Watchable(Protocol):
 def _rich() -> Any:
     try:
         import rich
-    except ImportError:
-        raise ConfigError(
-            "the live view needs rich: install the `cli` extra (pip install 'orchestra[cli]')"
-        ) from None
+    except ImportError as exc:
+        raise missing_extra("the live view", "cli", exc) from exc
     return rich
 
 

@@ -106,16 +106,6 @@ class Recovery:
             self._d.store.note(record, token, exc.feedback, partial=exc.output)
         else:
             self._d.store.note(record, token, f"{error_type}: {message}")
-        if self._d.run.debug:
-            log.debug(
-                "attempt failed",
-                task_id=record.id,
-                agent=slot.name,
-                attempt=record.attempts,
-                error_type=error_type,
-                error=message,
-                traceback=failure.traceback,
-            )
         if self._d.bus.active:
             self._d.bus.emit(
                 AttemptFailed(
@@ -129,6 +119,18 @@ class Recovery:
                 attempt=attempt,
             )  # fmt: skip
             return
+        # A failure path only, so it may cost a log line: a WARNING an application sees with
+        # logging's defaults, the traceback too when DEBUG is on.
+        log.warning(
+            "attempt failed",
+            task_id=record.id,
+            kind=record.kind,
+            agent=slot.name,
+            attempt=record.attempts,
+            error_type=error_type,
+            error=message,
+            **({"traceback": failure.traceback} if self._d.run.debug else {}),
+        )
         if isinstance(exc, TaskTimeout):
             self.chain_end(record, token, message, "TaskTimeout", attempt)
             return
@@ -142,7 +144,7 @@ class Recovery:
                 attempt=attempt,
             )
             return
-        reason = f"{policy.max_attempts} attempts failed" if retryable else "permanent error"
+        reason = _attempts_failed(record.agent_tries) if retryable else "permanent error"
         if retryable and record.agent_tries < policy.max_attempts:
             delay = backoff(policy, record.agent_tries - 1, self._d.rng, retry_after)
             retry_at = self._d.now() + delay
@@ -159,6 +161,14 @@ class Recovery:
                 return
             attempt.retry_in = delay
             self._d.report.retries += 1
+            log.info(
+                "retry scheduled",
+                task_id=record.id,
+                kind=record.kind,
+                agent=slot.name,
+                attempt=record.attempts,
+                delay=round(delay, 3),
+            )
             if self._d.instruments is not None:
                 self._d.instruments.retried(
                     self._d.run.info, record.task, slot.name, record.attempts, delay
@@ -173,7 +183,7 @@ class Recovery:
             self._d.store.fail(record, token, attempt, retry_at=retry_at)
             self._d.schedule()
             return
-        self.fall_back(record, token, slot, attempt, reason)
+        self.fall_back(record, token, slot, attempt, reason, exhausted=retryable)
 
     def probe_failed(self, slot: AgentSlot, error: str) -> None:
         """`slot`'s probe failed (its breaker opened again): every task, in every run, that waits
@@ -226,8 +236,9 @@ class Recovery:
                 continue
             if record.agent_tries >= policy.max_attempts:
                 self.fall_back(
-                    record, token, slot, attempt, f"{policy.max_attempts} attempts failed"
-                )
+                    record, token, slot, attempt, _attempts_failed(record.agent_tries),
+                    exhausted=True,
+                )  # fmt: skip
                 continue
             retry_at = breaker.recovers_at(now)  # when the next probe may go
             if record.deadline is not None and retry_at >= record.deadline:
@@ -255,11 +266,17 @@ class Recovery:
         attempt: Attempt,
         reason: str,
         error_type: str | None = None,
+        *,
+        exhausted: bool = False,
     ) -> None:
-        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends."""
+        """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends.
+        `reason` says why, on `slot`; `exhausted` when its retries were used up, so the task's
+        error counts its attempts on every agent, not on the last one only."""
         nxt = self._d.router.next_agent(record, slot)
         if nxt is NONE_LEFT:
             self.emit_fallback(record, slot, nxt, reason)
+            if exhausted:
+                reason = _task_attempts_failed(record, attempt)
             self.chain_end(record, token, reason, error_type, attempt)
         elif record.kind in self._d.router.chains:
             self.emit_fallback(record, slot, nxt, reason)
@@ -279,6 +296,14 @@ class Recovery:
         """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
         if nxt is not NONE_LEFT:
             self._d.report.fallbacks += 1
+            log.info(
+                "fallback used",
+                task_id=record.id,
+                kind=record.kind,
+                agent=slot.name,
+                to_agent=getattr(nxt, "name", nxt),
+                reason=reason,
+            )
         if self._d.instruments is not None:
             self._d.instruments.fell_back(
                 self._d.run.info,
@@ -336,6 +361,17 @@ class Recovery:
             self._d.bus.emit(
                 BreakerChanged(self._d.now(), self._d.run_id, slot.name, state, previous)
             )
+
+
+def _attempts_failed(count: int) -> str:
+    return f"{count} attempt failed" if count == 1 else f"{count} attempts failed"
+
+
+def _task_attempts_failed(record: Record, last: Attempt) -> str:
+    """How many attempts `record` spent in all, and on which agents when on more than one."""
+    agents = dict.fromkeys([*(a.agent for a in record.failures or ()), last.agent])
+    where = f" on {', '.join(agents)}" if len(agents) > 1 else ""
+    return f"{_attempts_failed(record.attempts)}{where}"
 
 
 def _is_rate_limit(status: int | None) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._agent import Agent, AgentLike, check_options
+from ._agent import Agent, AgentLike, check_call, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
 from ._config import shown
 from ._exceptions import ConfigError
@@ -178,6 +178,8 @@ class Registry:
                     f"{shown(agent)} is not an agent: decorate a function with @agent(kinds=[...]) "
                     "or give the object `name`, `kinds` and `async def __call__(task, ctx)`"
                 )
+            if not isinstance(agent, Agent):  # `@agent` checked its function when it was made
+                check_call(agent.name, agent)
             if agent.name in self.slots:
                 raise ConfigError(f"two agents are named {agent.name!r}; give one another name=")
             slot = AgentSlot(agent, breaker)

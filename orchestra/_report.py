@@ -7,6 +7,7 @@ percentiles, error records with remediations, the pydantic models — happens on
 from __future__ import annotations
 
 import math
+import re
 from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ _GROUP = 16  # a batch of several kinds is counted kind by kind when they averag
 _RING = 16  # one-second buckets of ended tasks kept (a power of two above the status's window)
 RECENT_ERRORS = 20  # failed tasks kept for the live status
 _MESSAGE = 300  # characters of an error message kept there
+# A 401 an agent reports in its own words (an HTTP client's message, a PermanentError of its own).
+_HTTP_401 = re.compile(r"\b401\b|\bunauthori[sz]ed\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,7 +594,14 @@ def _error_record(node: Node) -> ErrorRecord:
             )
             for a in failures
         ],
-        remediation=remediation(result.status, error_type, message),
+        remediation=remediation(
+            result.status,
+            error_type,
+            message,
+            agents=len({a.agent for a in failures}),
+            status_code=None if last is None else last.status_code,
+            api_error_type=None if last is None else last.api_error_type,
+        ),
         critical=node.task.critical,
         partial_output=node.output if result.status == FAILED else None,
         status_code=None if last is None else last.status_code,
@@ -622,8 +632,18 @@ def dollars(cost: float) -> float:
     return round(cost, 9)
 
 
-def remediation(status: str, error_type: str, message: str) -> str:
-    """A suggestion for the user, from what went wrong."""
+def remediation(
+    status: str,
+    error_type: str,
+    message: str,
+    *,
+    agents: int = 1,
+    status_code: int | None = None,
+    api_error_type: str | None = None,
+) -> str:
+    """A suggestion for the user, from what went wrong: `agents` is how many agents the task was
+    tried on (a fallback is advised only when it had none), `status_code` and `api_error_type`
+    the last attempt's HTTP error, if it was one."""
     if status == SKIPPED:
         return f"Fix what failed first ({message}); this task runs once its dependencies succeed."
     if status == CANCELLED:
@@ -649,16 +669,28 @@ def remediation(status: str, error_type: str, message: str) -> str:
         return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`; for a store that keeps outputs as JSON, a JSON value)."
     if error_type == "InputError":
         return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
+    if (
+        status_code == 401
+        or api_error_type == "authentication_error"
+        or error_type == "AuthenticationError"
+        or _HTTP_401.search(message)
+    ):
+        return "The API rejected the credentials (HTTP 401): check the API key the agent uses (ANTHROPIC_API_KEY for Claude agents); retrying will not help."
+    if status_code == 403 or api_error_type == "permission_error":
+        return "The API key is not allowed to do this (HTTP 403): check the key's permissions and the model it may use; retrying will not help."
     if "429" in message or "rate limit" in lowered:
         return "The agent is rate limited: lower concurrency or the agent's limit, or raise your API quota."
     if error_type in ("ValidationError", "PermanentError") or "400" in message:
         return "The request is invalid for this agent: fix the payload; retrying will not help."
     if error_type == "CircuitOpen":
-        return "The agent was down (its circuit breaker open) through every attempt: check the service behind it, add a fallback agent for this kind, or raise max_attempts to wait longer for it."
+        fallback = " add a fallback agent for this kind," if agents <= 1 else ""
+        return f"The agent was down (its circuit breaker open) through every attempt: check the service behind it,{fallback} or raise max_attempts to wait longer for it."
     if error_type == "NoAgentLeft":
         return (
             "No agent of the chain could take the task: add an agent for this kind or a fallback."
         )
+    if agents > 1:
+        return "Every agent of its chain failed: check the last agent's error above and the earlier attempts, or raise max_attempts."
     return (
         "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
     )

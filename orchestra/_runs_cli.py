@@ -231,5 +231,7 @@ def retry(
         return
     console.print(
         f"run {run_id}: {len(reopened)} failed task(s) runnable again ({', '.join(reopened)}); "
-        f"run it again (orch.run(..., run_id={run_id!r}) on this file) to run them"
+        f"run them with the run's command and input again: orchestra run MODULE:FACTORY "
+        f"INPUT.jsonl --db {db} --run-id {run_id} (from Python: orch.run(..., "
+        f"run_id={run_id!r}) on this file)"
     )

@@ -19,6 +19,7 @@ import re
 import runpy
 import signal
 import sys
+import tomllib
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Final
 
@@ -27,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch, summary
+from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch, summary
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError, StoreError
 from ._failure import describe, format_traceback, scrub, with_type
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ("app", "main", "run_demo", "run_job")
 
-DISTRIBUTION: Final = "orchestra-runtime"
 INTERRUPTED: Final = 130
 USAGE: Final = 2
 
@@ -188,12 +188,44 @@ def run(
             min=0,
         ),
     ] = 10.0,
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            "--db",
+            metavar="FILE",
+            help="Keep the run in this SQLite file (SQLiteStore, created if missing), so that it "
+            "can be resumed after a crash or a stop, and its failed tasks retried: run the same "
+            "command again with its --run-id.",
+            show_default=False,
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            metavar="ID",
+            help="The run's id (a fresh one by default, printed at the end). With --db, an id "
+            "the file already holds resumes that run: what succeeded is not run again, what "
+            "`orchestra runs retry` reopened runs again.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
+
+    With --db the run is kept in a SQLite file: the same command with --run-id resumes it (give
+    the same input again) or runs the tasks `orchestra runs retry` reopened.
 
     Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
     """
     orch = _load(target)
+    store = None
+    if db is not None:
+        try:
+            store = SQLiteStore(db)
+        except (ConfigError, StoreError) as exc:
+            raise _fail(str(exc)) from None
+        keep_runs_in(orch, store)
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
@@ -205,7 +237,7 @@ def run(
     keys = _keys() if str(input) != "-" else None  # stdin is the input: no keys
     try:
         with _writing(output) as out:
-            result = run_job(batch, out, keys=keys, grace=grace)
+            result = run_job(batch, out, keys=keys, grace=grace, run_id=run_id)
     except OSError as exc:
         raise _fail(f"cannot write {output}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:  # where signals cannot be caught (Windows)
@@ -213,25 +245,51 @@ def run(
         raise _fail(
             f"interrupted: {batch.written} task results written to {where}", INTERRUPTED
         ) from None
-    except InputError as exc:  # a streamed input's bad task, or the decomposer's
+    # A streamed input's bad task, or the decomposer's; a bad --run-id; a file that fails.
+    except (InputError, ConfigError, StoreError) as exc:
         raise _fail(str(exc)) from None
+    finally:
+        if store is not None:
+            store.close()
     console = _stderr()
     for line in summary(result):
         console.print(line, markup=False)
     if result.status == "cancelled":
         where = "stdout" if output is None or str(output) == "-" else str(output)
         console.print(f"{batch.written} task results written to {where}", markup=False)
+    if db is not None:
+        for line in _resume_hints(result, target, input, db):
+            console.print(line, markup=False)
     raise typer.Exit(EXIT_CODES[result.status])
 
 
+def _resume_hints(result: RunResult, target: str, input: Path, db: Path) -> list[str]:
+    """What to type to resume the run kept in `db`, or to retry its failed tasks."""
+    rid = result.metadata.run_id
+    again = f"orchestra run {target} {input} --db {db} --run-id {rid}"
+    lines = [f"run {rid} is kept in {db}"]
+    if result.status == "cancelled":
+        lines.append(f"  resume it: {again}")
+    elif result.errors:
+        lines.append(
+            f"  retry its failed tasks: orchestra runs retry {rid} --db {db}, then {again}"
+        )
+    return lines
+
+
 def run_job(
-    batch: Batch, out: IO[str], *, keys: IO[str] | None = None, grace: float | None = 10.0
+    batch: Batch,
+    out: IO[str],
+    *,
+    keys: IO[str] | None = None,
+    grace: float | None = 10.0,
+    run_id: str | None = None,
 ) -> RunResult:
-    """Run `batch`, its results to `out`, with the live view on stderr, SIGINT / SIGTERM as a
-    graceful stop (a second one cancels at once) and control keys from `keys`."""
+    """Run `batch` as `run_id`, its results to `out`, with the live view on stderr, SIGINT /
+    SIGTERM as a graceful stop (a second one cancels at once) and control keys from `keys`."""
     if keys is not None:
         _stderr().print(f"keys: {KEYS}", markup=False)
-    return asyncio.run(batch.run(out, keys=keys, grace=grace))
+    return asyncio.run(batch.run(out, keys=keys, grace=grace, run_id=run_id))
 
 
 def _keys() -> IO[str] | None:
@@ -365,17 +423,28 @@ async def _work(
 # -- bench ----------------------------------------------------------------------------------------
 
 
+def _checkout() -> Path | None:
+    """The source checkout with the benchmarks: the current directory or the package's parent."""
+    for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (candidate / "benchmarks" / "__main__.py").is_file():
+            return candidate
+    return None
+
+
+# Listed in the help only where it can work: an installed copy has no benchmarks package (called
+# anyway, it says how to get a checkout).
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,
+    hidden=_checkout() is None,
 )
 def bench(ctx: typer.Context) -> None:
-    """Run the benchmarks of a source checkout (needs the bench extra).
+    """Run the benchmarks of a source checkout (needs its bench dependency group).
 
     Every argument, --help included, goes to `python -m benchmarks`.
     """
     root = _checkout()
-    missing = _missing_bench_extra()
+    missing = [] if root is None else _missing_bench_group(root)
     if root is None or missing:
         asked_help = any(a in ("--help", "-h") for a in ctx.args)
         if asked_help:
@@ -390,25 +459,18 @@ def bench(ctx: typer.Context) -> None:
         raise _fail("interrupted", INTERRUPTED) from None
 
 
-def _checkout() -> Path | None:
-    """The source checkout with the benchmarks: the current directory or the package's parent."""
-    for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (candidate / "benchmarks" / "__main__.py").is_file():
-            return candidate
-    return None
-
-
-def _missing_bench_extra() -> list[str]:
-    """The distributions of the `bench` extra that are not installed, read from our own metadata
-    (so the list follows pyproject.toml); empty when orchestra is not installed as a distribution."""
+def _missing_bench_group(root: Path) -> list[str]:
+    """The distributions of the checkout's `bench` dependency group that are not installed, read
+    from its pyproject.toml (so the list follows it); empty when it has no such group."""
     try:
-        requires = importlib.metadata.requires(DISTRIBUTION) or []
-    except importlib.metadata.PackageNotFoundError:
+        with (root / "pyproject.toml").open("rb") as file:
+            groups = tomllib.load(file).get("dependency-groups", {})
+    except (OSError, tomllib.TOMLDecodeError):
         return []
     missing = []
-    for requirement in requires:
-        if not re.search(r"""extra\s*==\s*['"]bench['"]""", requirement):
-            continue
+    for requirement in groups.get("bench", []):
+        if not isinstance(requirement, str):
+            continue  # an include of another group
         name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0]
         try:
             importlib.metadata.version(name)
@@ -425,15 +487,15 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
             f"{Path(__file__).resolve().parent.parent}.",
             "Get one, then run it from its root:",
             "  git clone <the orchestra repository> orchestra && cd orchestra",
-            "  make bench            # installs the bench extra with uv, then runs the suite",
-            "  # or: uv sync --extra bench --extra cli && uv run orchestra bench",
+            "  make bench            # installs the bench group with uv, then runs the suite",
+            "  # or: uv sync --group bench --extra cli && uv run orchestra bench",
         ]
     if missing:
         where = f" in {root}" if root is not None else ""
         lines += [
-            f"The bench extra is not installed (missing: {', '.join(missing)}). Install it{where}:",
-            "  uv sync --extra bench --extra cli",
-            f"  # or: pip install -e '.[bench,cli]'   (an installed copy: pip install '{DISTRIBUTION}[bench]')",
+            f"The bench dependency group is not installed (missing: {', '.join(missing)}). "
+            f"Install it{where}:",
+            "  uv sync --group bench --extra cli     # or: make bench",
         ]
     return "\n".join(lines)
 

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from ._exceptions import ConfigError
+from ._extras import missing_extra
 from ._instruments import Instrument, last_agent
 
 try:
@@ -44,11 +45,8 @@ try:
         HistogramMetricFamily,
     )
     from prometheus_client.utils import floatToGoString
-except ImportError:  # pragma: no cover - exercised by a test that hides the package
-    raise ConfigError(
-        "orchestra.metrics needs prometheus-client: install the `metrics` extra "
-        "(pip install prometheus-client)"
-    ) from None
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
+    raise missing_extra("orchestra.metrics", "metrics", exc) from exc
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

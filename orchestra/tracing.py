@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from ._exceptions import ConfigError
+from ._extras import missing_extra
 from ._failure import describe
 from ._instruments import CANCELLED, FAILED, Instrument, last_agent
 
@@ -35,11 +36,9 @@ try:
     from opentelemetry import context as otel_context
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
-except ImportError:  # pragma: no cover - exercised by a test that hides the package
-    raise ConfigError(
-        "orchestra.tracing needs opentelemetry-api: install the `otel` extra "
-        "(pip install opentelemetry-api, and an SDK to export spans)"
-    ) from None
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
+    # An SDK (opentelemetry-sdk) is the application's choice, to export the spans.
+    raise missing_extra("orchestra.tracing", "otel", exc) from exc
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider

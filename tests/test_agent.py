@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -122,6 +123,45 @@ class TestDecorator:
 
         assert agent(optional_ctx, kinds=["work"], executor=executor).executor == executor
 
+    def test_an_agent_that_does_not_take_task_and_ctx_is_refused_at_once(self) -> None:
+        # Without the check, every attempt failed with a TypeError, retried three times.
+        async def one(task: Task) -> str:
+            return "never"
+
+        async def three(task: Task, ctx: Context, extra: int) -> str:
+            return "never"
+
+        async def keyword_ctx(task: Task, *, ctx: Context) -> str:
+            return "never"
+
+        for fn in (one, three, keyword_ctx):
+            with pytest.raises(ConfigError, match=r"\(task, ctx\)") as info:
+                agent(fn, kinds=["work"])
+            assert repr(fn.__name__) in str(info.value)
+
+    def test_every_callable_that_takes_task_and_ctx_is_accepted(self) -> None:
+        async def with_options(task: Task, ctx: Context, extra: int = 0) -> int:
+            return extra
+
+        async def variadic(*args: Any) -> None:
+            return None
+
+        async def payload_first(options: str, task: Task, ctx: Context) -> str:
+            return options
+
+        class Holder:
+            async def handle(self, task: Task, ctx: Context) -> None:
+                return None
+
+        for fn in (
+            plain,
+            with_options,
+            variadic,
+            functools.partial(payload_first, "fast"),
+            Holder().handle,
+        ):
+            assert agent(fn, kinds=["work"], name="ok").kinds == ("work",)
+
     def test_a_process_function_must_be_importable_by_name(self) -> None:
         # A lambda or a nested function cannot be found in the worker process: every attempt
         # failed with an AttributeError (retried, then the task failed).
@@ -194,6 +234,17 @@ class TestAgentLikeObjects:
             setattr(obj, key, value)
         with pytest.raises(ConfigError):
             Orchestrator(agents=[obj])
+
+    def test_an_object_whose_call_does_not_take_task_and_ctx_is_refused_at_once(self) -> None:
+        class OneArgument:
+            name = "one-argument"
+            kinds = ("work",)
+
+            async def __call__(self, task: Task) -> None:
+                return None
+
+        with pytest.raises(ConfigError, match=r"'one-argument'.*\(task, ctx\)"):
+            Orchestrator(agents=[OneArgument()])  # type: ignore[list-item]
 
     async def test_a_declared_output_model_validates_and_converts(self, clock: FakeClock) -> None:
         @agent(kinds=["work"], output=Answer)

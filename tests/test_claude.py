@@ -256,9 +256,21 @@ class TestErrors:
         assert attempt.request_id is not None
         assert attempt.request_id.startswith("req_")
         assert error.status_code == 400
-        assert any(e["event"] == "attempt failed" for e in logs.entries)  # DEBUG lines, read
+        assert any(e["event"] == "attempt failed" for e in logs.entries)  # the WARNING lines, read
         api.assert_no_key_in(logs.text())
         api.assert_no_key_in(json.dumps(logs.entries, default=str))
+
+    async def test_a_rejected_key_is_not_retried_and_its_remediation_names_the_api_key(
+        self, api: FakeMessagesAPI, account: ClaudeAccount
+    ) -> None:
+        api.fail("authentication", times=1)
+        result = await run(api, [research(account)], [clause()])
+        error = result.error_for("c0")
+        assert error is not None
+        assert len(api.requests) == 1
+        assert error.status_code == 401
+        assert "API key" in error.remediation
+        assert "payload" not in error.remediation
 
     @pytest.mark.parametrize("fault", ["server_error", "overloaded"])
     async def test_5xx_and_529_are_retried(
@@ -748,6 +760,18 @@ class TestPackaging:
             "assert 'anthropic' in sys.modules\n"
         )
         subprocess.run([sys.executable, "-c", code], check=True)
+
+    def test_without_the_sdk_the_import_error_names_the_extra(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import importlib
+
+        monkeypatch.setitem(sys.modules, "anthropic", None)  # import anthropic raises ImportError
+        monkeypatch.delitem(sys.modules, "orchestra.agents.claude")
+        with pytest.raises(ModuleNotFoundError) as info:
+            importlib.import_module("orchestra.agents.claude")
+        assert "pip install 'orchestra-runtime[claude]'" in str(info.value)
+        assert info.value.name == "anthropic"
 
     async def test_the_fault_kit_raises_equivalent_errors_without_the_sdk(
         self, monkeypatch: pytest.MonkeyPatch

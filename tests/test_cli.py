@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 import orchestra
-from orchestra.cli import _how_to_bench, _missing_bench_extra, app
+from orchestra.cli import _how_to_bench, _missing_bench_group, app
+from orchestra.stores import SQLiteStore
 from tests.helpers import REPO, run_python, spawn
 
 if TYPE_CHECKING:
@@ -74,6 +76,17 @@ def refuse(items):
 
 def leaky_decomposer() -> Orchestrator:
     return build(decomposer=refuse)
+
+import os
+
+@agent(kinds=["flaky"])
+async def flaky(task: Task, ctx: Context) -> int:
+    if not os.path.exists("healed"):
+        raise ValueError("not yet")
+    return task.payload
+
+def with_flaky() -> Orchestrator:
+    return Orchestrator(agents=[double, flaky], retry=RetryPolicy(max_attempts=1))
 """
 KEY = "sk-ant-api03-" + "Zq9" * 10  # as the job module builds it
 
@@ -230,6 +243,58 @@ class TestRun:
     def test_a_script_path_as_the_module(self, job: str, jsonl: Callable[..., Path]) -> None:
         result = invoke("run", f"{job}.py:build", str(jsonl({"kind": "double", "payload": 1})))
         assert result.exit_code == 0, result.output
+
+
+class TestDurableRun:
+    def test_a_failed_run_is_retried_by_running_the_command_again_with_its_run_id(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl(
+            {"kind": "double", "payload": 1, "id": "ok"}, {"kind": "flaky", "payload": 2, "id": "f"}
+        )
+        db = tmp_path / "runs.db"
+        command = ("run", f"{job}:with_flaky", str(source), "--db", str(db), "--run-id", "r1")
+        first = invoke(*command)
+        assert first.exit_code == 1, first.output
+        assert "run r1 is kept in" in first.stderr
+        assert f"orchestra runs retry r1 --db {db}" in first.stderr
+
+        retried = invoke("runs", "retry", "r1", "--db", str(db))
+        assert retried.exit_code == 0, retried.output
+        assert f"--db {db} --run-id r1" in retried.stdout.replace("\n", "")
+
+        (tmp_path / "healed").touch()
+        again = invoke(*command)
+        assert again.exit_code == 0, again.output
+        records = {r["task_id"]: r for r in lines_of(again.stdout)}
+        assert records["f"]["status"] == "succeeded"
+        assert records["f"]["attempts"] == 2  # the failed attempt of the first run is kept
+        store = SQLiteStore(db)
+        events = [e["event"] for e in store.events("r1", "ok")]
+        store.close()
+        assert events.count("started") == 1  # what succeeded was not run again
+
+    def test_without_a_run_id_the_fresh_one_is_printed(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl({"kind": "double", "payload": 1, "id": "ok"})
+        db = tmp_path / "runs.db"
+        result = invoke("run", f"{job}:build", str(source), "--db", str(db))
+        assert result.exit_code == 0, result.output
+        store = SQLiteStore(db)
+        [run] = store.runs()
+        store.close()
+        assert f"run {run['id']} is kept in {db}" in result.stderr
+
+    def test_an_empty_run_id_is_a_usage_error(
+        self, job: str, jsonl: Callable[..., Path], tmp_path: Path
+    ) -> None:
+        source = jsonl({"kind": "double", "payload": 1})
+        result = invoke(
+            "run", f"{job}:build", str(source), "--db", str(tmp_path / "r.db"), "--run-id", ""
+        )
+        assert result.exit_code == 2, result.output
+        assert "run_id" in result.stderr
 
 
 class TestRunUsageErrors:
@@ -500,6 +565,9 @@ class TestBench:
         monkeypatch.chdir(REPO)
         monkeypatch.setattr(sys, "argv", list(sys.argv))
         monkeypatch.setattr(sys, "path", list(sys.path))
+        # The peers are the bench group's, which the tests' environment leaves out; --help needs
+        # none of them.
+        monkeypatch.setattr("orchestra.cli._missing_bench_group", lambda root: [])
         result = invoke("bench", "--help")
         assert result.exit_code == 0, result.output
         assert "--smoke" in result.stdout
@@ -517,8 +585,18 @@ class TestBench:
         assert help_.exit_code == 0
         assert "Usage: orchestra bench" in help_.stdout
 
-    def test_the_bench_extra_is_read_from_the_package_metadata(self) -> None:
-        assert _missing_bench_extra() == []  # the test environment has it
-        text = _how_to_bench(REPO, ["aiometer", "langgraph"])
+    def test_the_bench_group_is_read_from_the_checkouts_pyproject(self, tmp_path: Path) -> None:
+        (tmp_path / "pyproject.toml").write_text(
+            '[dependency-groups]\nbench = ["anyio>=4", "no-such-peer-installed>=1"]\n'
+        )
+        assert _missing_bench_group(tmp_path) == ["no-such-peer-installed"]
+        text = _how_to_bench(tmp_path, ["aiometer", "langgraph"])
         assert "missing: aiometer, langgraph" in text
-        assert "uv sync --extra bench" in text
+        assert "uv sync --group bench" in text
+
+    def test_the_benchmark_peers_are_a_dependency_group_not_a_published_extra(self) -> None:
+        with (REPO / "pyproject.toml").open("rb") as file:
+            project = tomllib.load(file)
+        assert "bench" not in project["project"]["optional-dependencies"]
+        peers = project["dependency-groups"]["bench"]
+        assert any(peer.startswith("aiometer") for peer in peers)

@@ -131,6 +131,41 @@ class TestChain:
         assert "haiku" in record.message
         assert rec.of(FallbackUsed)[-1].to_agent is None  # the chain ran out
 
+    async def test_an_exhausted_chain_counts_every_attempt_of_the_task(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        # One attempt each on two agents: the error says two attempts failed, on both, and
+        # does not advise a fallback the task already had.
+        s = scripted("sonnet", ["research"], then="error", latency=1)
+        h = scripted("haiku", ["research"], then="error", latency=1)
+        orch = make_orchestrator(
+            agents=[s, h],
+            fallbacks={"research": ["sonnet", "haiku"]},
+            retry=RetryPolicy(max_attempts=1),
+        )
+        result, _, rec = await run_recorded(orch, [make_task("research", id="q")])
+        record = result.error_for("q")
+        assert record is not None
+        assert [a.agent for a in record.attempts] == ["sonnet", "haiku"]
+        assert record.message.endswith("(2 attempts failed on sonnet, haiku)")
+        assert "fallback" not in record.remediation.lower()
+        hops = [(e.from_agent, e.to_agent, e.reason) for e in rec.of(FallbackUsed)]
+        assert hops == [
+            ("sonnet", "haiku", "1 attempt failed"),
+            ("haiku", None, "1 attempt failed"),
+        ]
+
+    async def test_an_agent_without_a_fallback_is_advised_one(
+        self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
+    ) -> None:
+        alone = scripted("alone", ["research"], then="error", latency=1)
+        orch = make_orchestrator(agents=[alone], retry=RetryPolicy(max_attempts=2, base=1))
+        result, _, _ = await run_recorded(orch, [make_task("research", id="q")])
+        record = result.error_for("q")
+        assert record is not None
+        assert record.message.endswith("(2 attempts failed)")
+        assert "add a fallback agent" in record.remediation.lower()
+
     async def test_a_default_closes_the_chain(
         self, make_orchestrator: Callable[..., Orchestrator], make_task: Callable[..., Task]
     ) -> None:

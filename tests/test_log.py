@@ -141,10 +141,60 @@ class TestStandardLoggingGoverns:
     async def test_per_task_debug_lines_only_when_logging_asks_for_debug(
         self, logs: LogLines
     ) -> None:
+        logs.level(logging.INFO)
+        await run_talker("ok", "fail")
+        assert not [e for e in logs.entries if e["event"] == "task finished"]
+        logs.caplog.clear()
         logs.level(logging.DEBUG)
         await run_talker("ok", "fail")
-        failed = [e for e in logs.entries if e["event"] == "attempt failed"]
-        assert [(e["task_id"], e["log_level"]) for e in failed] == [("t1", "debug")]
+        finished = [e for e in logs.entries if e["event"] == "task finished"]
+        assert [(e["task_id"], e["log_level"]) for e in finished] == [
+            ("t0", "debug"),
+            ("t1", "debug"),
+        ]
+
+
+class TestFailuresAreLogged:
+    async def test_failed_attempts_retries_and_fallbacks_name_the_task_agent_and_error(
+        self, logs: LogLines
+    ) -> None:
+        @agent(kinds=["work"], retry=RetryPolicy(max_attempts=2, base=0.001))
+        async def flaky(task: Task, ctx: Context) -> int:
+            raise ConnectionError(f"refused with api_key={KEY}")
+
+        @agent(kinds=["work"])
+        async def steady(task: Task, ctx: Context) -> int:
+            return 1
+
+        logs.level(logging.INFO)
+        orch = Orchestrator(agents=[flaky, steady], fallbacks={"work": ["flaky", "steady"]})
+        result = await orch.run(tasks=[Task("work", id="t")])
+        assert result.status == "success"
+        lines = [e for e in logs.entries if e["event"] not in ("run started", "run finished")]
+        assert [(e["event"], e["log_level"]) for e in lines] == [
+            ("attempt failed", "warning"),
+            ("retry scheduled", "info"),
+            ("attempt failed", "warning"),
+            ("fallback used", "info"),
+        ]
+        for line in lines:
+            assert (line["task_id"], line["kind"], line["agent"]) == ("t", "work", "flaky")
+            assert line["run_id"] == result.metadata.run_id
+        failed = lines[0]
+        assert failed["attempt"] == 1
+        assert failed["error_type"] == "ConnectionError"
+        assert failed["error"] == "refused with api_key=[redacted]"
+        assert "traceback" not in failed  # at DEBUG only
+        assert lines[3]["to_agent"] == "steady"
+        assert lines[3]["reason"] == "2 attempts failed"
+
+    async def test_with_logging_unconfigured_a_failure_is_a_warning_an_application_sees(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # No level set anywhere: logging's default (WARNING) lets failed attempts through.
+        await run_talker("fail")
+        warnings = [r for r in caplog.records if r.name == "orchestra"]
+        assert [r.msg["event"] for r in warnings] == ["attempt failed"]  # type: ignore[index]
 
 
 class TestRedaction:

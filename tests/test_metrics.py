@@ -254,8 +254,13 @@ class TestExport:
 
 
 class TestMissingExtra:
-    def test_import_names_the_extra(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_import_is_an_import_error_naming_the_extra(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         monkeypatch.setitem(sys.modules, "prometheus_client", None)
         monkeypatch.delitem(sys.modules, "orchestra.metrics")
-        with pytest.raises(ConfigError, match="`metrics` extra"):
+        with pytest.raises(ModuleNotFoundError) as info:
             importlib.import_module("orchestra.metrics")
+        assert "pip install 'orchestra-runtime[metrics]'" in str(info.value)
+        assert info.value.name == "prometheus_client"
+        assert not isinstance(info.value, ConfigError)

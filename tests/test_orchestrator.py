@@ -33,11 +33,13 @@ from orchestra import (
     VerificationError,
     agent,
 )
+from orchestra.stores import SQLiteStore
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
 
 
 class Hanging:
@@ -135,6 +137,30 @@ class TestConfigErrors:
 
     def test_the_configured_limit_is_readable(self) -> None:
         assert Orchestrator(agents=[ok_agent()], concurrency=7).concurrency == 7
+
+
+class TestAsyncioOnly:
+    @pytest.mark.parametrize("entry", ["async with", "run", "work"])
+    def test_another_anyio_backend_is_a_config_error_before_anything_starts(
+        self, entry: str, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("trio")  # in the dev group: installed wherever the suite runs
+        store = SQLiteStore(tmp_path / "runs.db")
+        orch = Orchestrator(agents=[ok_agent()], store=store)
+
+        async def main() -> None:
+            if entry == "async with":
+                async with orch:
+                    pass
+            elif entry == "run":
+                await orch.run(tasks=[Task("work")])
+            else:
+                await orch.work()
+
+        with pytest.raises(ConfigError, match="asyncio only") as info:
+            anyio.run(main, backend="trio")
+        assert "trio" in str(info.value)
+        store.close()
 
 
 class TestExceptionTree:

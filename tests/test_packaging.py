@@ -62,6 +62,11 @@ class TestInstalledWheel:
         assert demo.returncode == 0, demo.stderr
         assert "speed-up:" in demo.stdout
 
+        help_ = run(command, "--help", cwd=away, env=env)
+        assert help_.returncode == 0, help_.stderr
+        assert "demo" in help_.stdout
+        assert "bench" not in help_.stdout  # it works in a checkout only
+
         bench = run(command, "bench", cwd=away, env=env)
         assert bench.returncode == 2
         assert "No checkout here" in bench.stderr

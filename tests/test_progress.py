@@ -229,7 +229,7 @@ class TestProgress:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.setitem(sys.modules, "rich", None)
-        with pytest.raises(ConfigError, match=r"`cli` extra"):
+        with pytest.raises(ModuleNotFoundError, match=r"pip install 'orchestra-runtime\[cli\]'"):
             orchestra.render_status(_idle())
 
 

@@ -285,7 +285,7 @@ class TestSecrets:
         )
         result, rec = await run(api, orch, questions(10, long=[4], long_chars=8_000))
         entries = logs.entries
-        assert any(e["event"] == "attempt failed" for e in entries)  # the DEBUG lines were on
+        assert any(e["event"] == "attempt failed" for e in entries)  # the WARNING lines, read
         assert failed(result) == 1  # the over-long prompt; the rest recovered
         assert {r.status for r in api.requests} >= {429, 500, 400, 200}
         assert api.api_keys == {API_KEY}

@@ -97,7 +97,7 @@ class TestAnAgentsExceptions:
             assert attempt.traceback.endswith("TypeError: 'NoneType' object is not subscriptable\n")
         assert_dumps(result)
 
-    async def test_the_traceback_is_in_the_debug_log(
+    async def test_the_traceback_is_logged_when_debug_is_on(
         self,
         make_orchestrator: Callable[..., Orchestrator],
         make_task: Callable[..., Task],
@@ -109,7 +109,7 @@ class TestAnAgentsExceptions:
 
         await make_orchestrator(agents=[buggy], retry=ONCE).run(tasks=[make_task("work", id="t")])
         (line,) = [e for e in logs.entries if e["event"] == "attempt failed"]
-        assert line["log_level"] == "debug"
+        assert line["log_level"] == "warning"
         assert (line["task_id"], line["agent"], line["error_type"]) == ("t", "buggy", "ValueError")
         assert line["traceback"].endswith("ValueError: the model said no\n")
 

@@ -265,8 +265,13 @@ class TestConfiguration:
 
 
 class TestMissingExtra:
-    def test_import_names_the_extra(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_import_is_an_import_error_naming_the_extra(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         monkeypatch.setitem(sys.modules, "opentelemetry", None)
         monkeypatch.delitem(sys.modules, "orchestra.tracing")
-        with pytest.raises(ConfigError, match="`otel` extra"):
+        with pytest.raises(ModuleNotFoundError) as info:
             importlib.import_module("orchestra.tracing")
+        assert "pip install 'orchestra-runtime[otel]'" in str(info.value)
+        assert info.value.name == "opentelemetry"
+        assert not isinstance(info.value, ConfigError)

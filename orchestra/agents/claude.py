@@ -1,4 +1,4 @@
-"""Claude agents on the official anthropic SDK (the `claude` extra: ``pip install orchestra[claude]``).
+"""Claude agents on the official anthropic SDK (the `claude` extra: ``pip install 'orchestra-runtime[claude]'``).
 
 ```python
 from orchestra.agents.claude import ClaudeAgent
@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 
+from orchestra._extras import missing_extra
+
 try:
     from anthropic import APIError, APIResponseValidationError, APIStatusError, AsyncAnthropic
     from anthropic.lib._parse._transform import transform_schema
-except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
-    raise ImportError(
-        "orchestra's Claude agents need the anthropic SDK: pip install 'orchestra[claude]'"
-    ) from exc
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
+    raise missing_extra("orchestra's Claude agents", "claude", exc) from exc
 from pydantic import BaseModel, ValidationError
 
 from orchestra._agent import check_options
