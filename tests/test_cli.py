@@ -389,7 +389,7 @@ class TestRunUsageErrors:
     def test_an_input_that_is_not_utf8_is_named_by_its_line(
         self, job: str, tmp_path: Path, where: str
     ) -> None:
-        data = '{"kind": "double", "payload": 1}\n{"kind": "double", "id": "caf\xe9"}\n'
+        data = '{"kind": "double", "payload": 1}\n{"kind": "double", "id": "na\xefve"}\n'
         path = tmp_path / "latin1.jsonl"
         path.write_bytes(data.encode("latin-1"))
         if where == "file":
