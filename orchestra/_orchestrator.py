@@ -87,8 +87,10 @@ class Orchestrator:
         fallbacks: per kind, the ordered chain of agent names to try.
         defaults: per kind, a value that closes the chain: a task whose every agent failed succeeds
             with it (listed in `metadata.defaulted`).
-        breaker: the circuit breaker policy of every agent (default `BreakerPolicy()`: five
-            health failures in a row open it for 30 s); None turns breakers off.
+        breaker: the circuit breaker policy of every agent (default `BreakerPolicy()`: half of
+            the tasks that called it in 10 s, at least five, failed with an outage — never a bug
+            of its own — open it for 1 s, doubled per failed probe up to 30 s); None turns
+            breakers off.
         timeouts: `Timeouts(attempt=, task=, run=)` or a mapping with those keys, in seconds.
         success_threshold: the success rate at or above which a run with failures is "partial".
         verify: per kind, a check of each attempt's output (see `Verdict`).
