@@ -21,16 +21,17 @@ takes a server's rate-limit headers into account (it only ever slows the meter d
 **Turns.** Room that several askers wait for goes to the best of them, not to whichever asks
 first. A dispatcher that reserves for a task passes its *turn* (priority, then input order) to
 `reserve_all`; a refused asker joins the limiter's `Line` with its turn, the time it was told and
-a callback. Until a better waiter whose time has come has taken the room (or let its chance pass:
-`LAPSE` after its time), a worse asker is refused and told to ask again when that chance ends; the
-better one's reservation calls the next waiter whose time has come. Units given back (a call
-that cost less than it reserved) or a higher limit tell every waiter at once, since room may come
-before the time they were told. Several agents that share a rate each wait in their own lane,
-woken by their own timers in no set order: the line, not the order of the wake-ups, decides who
-goes. A better waiter whose time has not come (it waits for another limiter, say) holds nobody
-back. A limit used by one lane has one waiter at a time in its line, and a limit nobody waits on
-has none: askers without a turn (a planner's call, `ctx.reserve`) neither wait in line nor are
-held back by it.
+a `Waiter` callback, and the line, not a watcher list, calls it. A release (or units given back,
+or a higher limit) calls the best waiter alone, so the first to ask is the one whose turn it is
+and, in the common case, nobody asks in vain; its reservation calls the next waiter whose time
+has come. The others are reminded to ask again `LAPSE` later, a timer of their own that matters
+only if the best one does not come (its run paused or busy, its task cancelled): until then a
+worse asker is refused and told when that chance ends. Several agents that share a rate each
+wait in their own lane, woken by their own timers in no set order: the line, not the order of
+the wake-ups, decides who goes. A better waiter whose time has not come (it waits for another
+limiter, say) holds nobody back. A limit nobody waits on has no waiters, and an asker with no
+better waiter due pays a look at the line's first entry; askers without a turn (a planner's
+call, `ctx.reserve`) neither wait in line nor are held back by it, and watch as before.
 
 Every limiter is per object: the orchestrator's `concurrency` and an agent's own limit are new objects
 made from ints, private to their owner; a limiter object handed to several agents or orchestrators (one
@@ -72,6 +73,7 @@ __all__ = (
     "Limiter",
     "Line",
     "Rate",
+    "Waiter",
     "as_concurrency",
     "reserve_all",
 )
@@ -136,7 +138,7 @@ def reserve_all(
     limiters: Sequence[Limiter],
     now: float,
     cost: Cost,
-    wake: Callable[[], None] | None = None,
+    wake: Waiter | Callable[[], None] | None = None,
     turn: Turn | None = None,
 ) -> float:
     """Reserve `cost` on every limiter, or on none.
@@ -147,11 +149,11 @@ def reserve_all(
     dispatcher that sleeps on math.inf is woken when any of them frees (it may be woken more than
     once: `wake` must be idempotent).
 
-    Given a `turn` and `wake`, the asker waits in line (see `Line`), known by its `wake`: it is
-    refused while a better waiter whose time has come has not taken its room yet (the answer is
-    then when that waiter's chance ends, or later), joins the lines of the limiters when refused,
-    and leaves them when it reserves; `wake` is then also called when its time has come and the
-    room is its turn.
+    Given a `turn` and `wake` (then a `Waiter`), the asker waits in line (see `Line`), known by its
+    `wake`: it is refused while a better waiter whose time has come has not taken its room yet
+    (the answer is then when that waiter's chance ends, or later), joins the lines of the limiters
+    when refused (a limiter that keeps a line calls it from there rather than as a watcher), and
+    leaves them when it reserves.
     """
     lines: list[Line] | None = None
     if turn is not None and wake is not None:
@@ -171,10 +173,7 @@ def reserve_all(
                 if later == math.inf:
                     blocked.append(limiter)
                 room = max(room, later)
-            _join(blocked if room == math.inf else limiters, turn, room or now, wake)
-            if room == math.inf:
-                for limiter in blocked:
-                    limiter.watch(wake)
+            _wait(limiters, blocked, room or now, wake, turn)
             return max(room, held)
     taken = 0
     for limiter in limiters:
@@ -196,35 +195,55 @@ def reserve_all(
         if later == math.inf:
             blocked.append(limiter)
         room = max(room, later)
-    if turn is not None and wake is not None:
-        # One told "at a release" waits in the lines of those that will say when it comes.
-        _join(blocked if room == math.inf else limiters, turn, room, wake)
-    if wake is not None and room == math.inf:
-        for limiter in blocked:
-            limiter.watch(wake)
+    if wake is not None:
+        _wait(limiters, blocked, room, wake, turn)
     return room
 
 
-def _join(limiters: Sequence[Limiter], turn: Turn, at: float, wake: Callable[[], None]) -> None:
-    """`wake`'s asker waits in the line of each of `limiters` that keeps one, told loop time `at`."""
-    for limiter in limiters:
+def _wait(
+    limiters: Sequence[Limiter],
+    blocked: Sequence[Limiter],
+    at: float,
+    wake: Waiter | Callable[[], None],
+    turn: Turn | None,
+) -> None:
+    """A refused asker waits for room: told `at`, or (math.inf) a release of one of `blocked`.
+    With a turn, it waits in the lines of those that will say when room comes (every limiter, or
+    the blocked ones), which call it; it watches the others, as an asker without a turn does."""
+    if turn is None:
+        if at == math.inf:
+            for limiter in blocked:
+                limiter.watch(wake)
+        return
+    for limiter in blocked if at == math.inf else limiters:
         if isinstance(limiter, _LINED):
             line = limiter.line
             if line is None:
                 line = limiter.line = Line()
             line.join(turn, at, wake)
+        elif at == math.inf:
+            limiter.watch(wake)
+
+
+class Waiter(Protocol):
+    """How a `Line` calls a waiter: with no argument, to ask again now; with a loop time, to ask
+    again by then (a timer of its own; one it has that comes sooner does)."""
+
+    def __call__(self, at: float | None = None) -> None: ...
 
 
 class Line:
     """The askers one limiter refused, in turn order: who gets the room when it comes.
 
-    A waiter is known by the callback that makes it ask again (a dispatcher's, for one agent's
-    lane of waiting tasks: only the lane's first task asks, so a lane waits as one, with the turn
-    of the task that asked last), and has its turn and the loop time it was told to ask again
-    (math.inf: at a release). `ahead` answers whether a better waiter whose time has come
-    stands before an asker; `leave` takes a waiter out once it has its room, and calls the next
-    one whose time has come. A waiter that has not asked `LAPSE` after its time has gone, and is
-    forgotten: nobody waits for it.
+    A waiter is known by its `Waiter` callback (a dispatcher's, for one agent's lane of waiting
+    tasks: only the lane's first task asks, so a lane waits as one, with the turn of the task that
+    asked last), and has its turn and the loop time it was told to ask again (math.inf: when the
+    line calls it). `ahead` answers whether a better waiter whose time has come stands before an
+    asker; `leave` takes a waiter out once it has its room, and calls the next one whose time has
+    come. Room that a release or a give-back makes goes to the best waiter first: `opened` and
+    `sooner` call it alone, so it is the first to ask, and remind the others to ask again `LAPSE`
+    later, which matters only if it does not come: a waiter that has not asked `LAPSE` after its
+    time has gone, and is forgotten; nobody waits for it.
 
     Kept by `Concurrency` and `Rate` (made at the first refusal of an asker with a turn) and used
     by `reserve_all`; not thread-safe (one event loop).
@@ -233,84 +252,110 @@ class Line:
     __slots__ = ("_heap", "_n", "waiting")
 
     def __init__(self) -> None:
-        # id(wake) -> [turn, told (loop time), entry number, weak reference to wake]. Held weakly:
-        # a limiter may outlive the runs that waited on it (one API key's, kept by the process),
-        # and must not keep them. An entry of `_heap` whose number is not its waiter's is stale
-        # (the waiter left, or joined again with another turn).
+        # id(wake) -> [turn, told (loop time), entry number, weak reference to wake, reminded
+        # (the loop time it was last reminded to ask again at)]. Held weakly: a limiter may
+        # outlive the runs that waited on it (one API key's, kept by the process), and must not
+        # keep them. An entry of `_heap` whose number is not its waiter's is stale (the waiter
+        # left, or joined again with another turn). An entry found under the id of a live asker
+        # is its own or a dead waiter's (ids are reused only once an object is gone).
         self.waiting: dict[int, list[Any]] = {}
         self._heap: list[tuple[Turn, int, int]] = []
         self._n = 0
 
-    def _entry(self, wake: Callable[[], None]) -> list[Any] | None:
+    def join(self, turn: Turn, at: float, wake: Callable[..., None]) -> None:
         entry = self.waiting.get(id(wake))
-        return entry if entry is not None and entry[3]() is wake else None
-
-    def join(self, turn: Turn, at: float, wake: Callable[[], None]) -> None:
-        entry = self._entry(wake)
-        if entry is not None and entry[0] == turn:
+        if entry is not None and entry[0] == turn and entry[3]() is wake:
             entry[1] = at
             return
         self._n += 1
-        self.waiting[id(wake)] = [turn, at, self._n, weakref.ref(wake)]
+        reminded = _NO_HOLD if entry is None else entry[4]  # a reminder it has still comes
+        self.waiting[id(wake)] = [turn, at, self._n, weakref.ref(wake), reminded]
         heappush(self._heap, (turn, self._n, id(wake)))
 
-    def _first(self, now: float) -> tuple[Callable[[], None], list[Any]] | None:
-        """The best waiter still waiting (stale, lapsed and forgotten ones are dropped)."""
+    def _due(self, now: float, key: int) -> list[Any] | None:
+        """The best waiter if its time has come, it is not the asker known by `key` and it has
+        not lapsed (stale, lapsed and forgotten ones are dropped on the way)."""
         heap = self._heap
         waiting = self.waiting
         while heap:
-            _, n, key = heap[0]
-            entry = waiting.get(key)
+            _, n, first = heap[0]
+            entry = waiting.get(first)
             if entry is not None and entry[2] == n:
-                wake = entry[3]()
-                if wake is not None and entry[1] + LAPSE > now:
-                    return wake, entry
-                del waiting[key]
+                at = entry[1]
+                if at > now or first == key:
+                    return None
+                if at + LAPSE > now and entry[3]() is not None:
+                    return entry
+                del waiting[first]
             heappop(heap)
         return None
 
-    def ahead(self, wake: Callable[[], None], turn: Turn, now: float) -> float:
+    def ahead(self, wake: Callable[..., None], turn: Turn, now: float) -> float:
         """0.0 if `wake`'s asker, of `turn`, may take room now; else until when a better waiter
         whose time has come keeps it."""
-        first = self._first(now)
-        if first is None:
+        entry = self._due(now, id(wake))
+        if entry is None or not entry[0] < turn:
             return 0.0
-        other, (best, at, _, _) = first
-        if other is wake or at > now or not best < turn:
-            return 0.0
-        until: float = at + LAPSE
+        until: float = entry[1] + LAPSE
         return until
 
-    def leave(self, wake: Callable[[], None], now: float) -> None:
+    def leave(self, wake: Callable[..., None], now: float) -> None:
         """`wake`'s asker has its room: the next waiter whose time has come is told."""
-        if self._entry(wake) is None:
+        if self.waiting.pop(id(wake), None) is None:
             return
-        del self.waiting[id(wake)]
-        first = self._first(now)
-        if first is not None and first[1][1] <= now:
-            first[0]()
+        entry = self._due(now, id(wake))
+        if entry is not None:
+            wake = entry[3]()
+            if wake is not None:
+                wake()
 
     def opened(self, now: float) -> None:
-        """A release made room: those told to wait for one are due now (the limiter's watchers
-        wake them)."""
-        for entry in self.waiting.values():
-            if entry[1] == math.inf:
-                entry[1] = now
+        """A release made room for one: the best of the waiters the line is to call is due now."""
+        self._call(now, math.inf)
 
     def sooner(self, now: float) -> None:
         """Room may come sooner than the waiters were told (units given back, a higher limit):
-        every one of them is due now, and told to ask again (the best one gets the room)."""
-        wakes = []
-        for entry in self.waiting.values():
-            if entry[1] > now:
-                entry[1] = now
-            wake = entry[3]()
-            if wake is not None:
-                wakes.append(wake)
+        every one of them is due now; the best is called (and calls the next when it leaves)."""
+        self._call(now, -math.inf)
+
+    def _call(self, now: float, told: float) -> None:
+        """The best waiter told `told` or later is due now, and called; the others so told are
+        reminded to ask again `LAPSE` from now (when its turn lapses, if it does not come), at
+        most once a `LAPSE`. Every one is called even if one raises: no lost wake-ups."""
+        best: list[Any] | None = None
+        key = 0
+        for first, entry in self.waiting.items():
+            if entry[1] >= told:
+                if told < math.inf:
+                    entry[1] = now
+                if best is None or entry[0] < best[0]:
+                    best, key = entry, first
+        if best is None:
+            return
+        wake = best[3]()
+        if wake is None:  # its dispatcher is gone: the next one
+            del self.waiting[key]
+            self._call(now, told)
+            return
+        best[1] = now
+        later = now + LAPSE
+        reminded = [
+            entry
+            for entry in self.waiting.values()
+            if entry[1] >= told and entry[4] <= now and entry is not best
+        ]
         errors: list[BaseException] = []
-        for wake in wakes:  # every waiter is told even if one raises: no lost wake-ups
+        try:
+            wake()
+        except Exception as exc:
+            errors.append(exc)
+        for entry in reminded:
+            entry[4] = later
+            other = entry[3]()
+            if other is None:
+                continue
             try:
-                wake()
+                other(later)
             except Exception as exc:
                 errors.append(exc)
         if errors:

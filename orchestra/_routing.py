@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from ._budget import BudgetGate
-    from ._limits import Limiter
+    from ._limits import Limiter, Waiter
     from ._registry import AgentSlot, Registry
     from .stores._memory import Record
 
@@ -90,7 +90,7 @@ class Router:
         self._front = 0  # lane order of tasks put back at the head (counts down)
         self.held = 0  # tasks waiting in lanes
         self.reached = 0.0  # the time of the last timer that fired (see `reserve`)
-        self._wakers: dict[AgentSlot, Callable[[], None]] = {}
+        self._wakers: dict[AgentSlot, Waiter] = {}
         # For each agent, the others a task waiting in its lane may go to (`_others_of`).
         self._others: dict[AgentSlot, list[AgentSlot]] = {}
         self.gate: BudgetGate | None = None  # the run's budget, a limiter on every agent
@@ -475,14 +475,24 @@ class Router:
             self._owner.schedule()
         return None
 
-    def _waker(self, slot: AgentSlot) -> Callable[[], None]:
-        """What a shared limit of `slot` calls when it frees: look at the agent's lane again."""
+    def _waker(self, slot: AgentSlot) -> Waiter:
+        """What a shared limit of `slot` calls when room may come: look at the agent's lane again
+        now, or at loop time `at` (the run's timer; one still to come does for a later one: the
+        lane asks then, and one refused then is told when to ask again)."""
         waker = self._wakers.get(slot)
         if waker is None:
+            pending = -math.inf
 
-            def waker() -> None:
-                self.room(slot)
-                self._owner.wake_one()
+            def waker(at: float | None = None) -> None:
+                nonlocal pending
+                if at is None:
+                    self.room(slot)
+                    self._owner.wake_one()
+                elif pending <= self._now():
+                    pending = at
+                    self._order += 1
+                    heappush(self.wakeups, (at, self._order, self.lane(slot, None)))
+                    self._owner.schedule()
 
             self._wakers[slot] = waker
         return waker

@@ -51,13 +51,17 @@ def in_window(times: Sequence[float], start: float, length: float) -> int:
 
 
 class Counter:
-    """A wake callback that counts its calls."""
+    """A wake callback that counts its calls (to ask now) and keeps its reminders (to ask at)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.reminders: list[float] = []
 
-    def __call__(self) -> None:
-        self.calls += 1
+    def __call__(self, at: float | None = None) -> None:
+        if at is None:
+            self.calls += 1
+        else:
+            self.reminders.append(at)
 
 
 class TestConcurrency:
@@ -438,31 +442,58 @@ class TestTurns:
         assert reserve_all([requests, tokens], 0.0, {"tokens": 0}, small, (0, 1)) == 0.0
         assert reserve_all([requests, tokens], 0.5, {"tokens": 5}, big, (0, 0)) == 0.0
 
-    def test_the_best_waiter_gets_the_slot_a_release_frees(self) -> None:
+    def test_a_release_calls_the_best_waiter_alone(self) -> None:
         slots = Concurrency(1)
         first, second = Counter(), Counter()
         assert reserve_all([slots], 0.0, 1) == 0.0
         assert reserve_all([slots], 0.0, 1, second, (0, 1)) == math.inf
         assert reserve_all([slots], 0.0, 1, first, (0, 0)) == math.inf
         slots.release(1, 1.0)
-        assert (first.calls, second.calls) == (1, 1)  # both watched; the worse one asks first
-        assert reserve_all([slots], 1.0, 1, second, (0, 1)) == 1.0 + LAPSE
+        # Only the best asks again: nobody is refused. The other is reminded, in case it does
+        # not come.
+        assert (first.calls, second.calls) == (1, 0)
+        assert second.reminders == [1.0 + LAPSE]
         assert reserve_all([slots], 1.0, 1, first, (0, 0)) == 0.0
-        assert second.calls == 2, "its turn now: the better one's reservation tells it"
-        assert reserve_all([slots], 1.0, 1, second, (0, 1)) == math.inf  # the slot is taken
+        assert second.calls == 0, "the slot is taken: nobody else is due"
+        assert reserve_all([slots], 1.0, 1, second, (0, 1)) == math.inf
         slots.release(1, 2.0)
+        assert second.calls == 1
         assert reserve_all([slots], 2.0, 1, second, (0, 1)) == 0.0
 
-    def test_units_given_back_tell_every_waiter_and_the_best_goes(self) -> None:
+    def test_a_waiter_reminded_after_a_release_gets_the_slot_the_best_did_not_take(self) -> None:
+        slots = Concurrency(1)
+        gone, other = Counter(), Counter()
+        slots.reserve(0.0, 1)
+        reserve_all([slots], 0.0, 1, gone, (0, 0))
+        reserve_all([slots], 0.0, 1, other, (0, 1))
+        slots.release(1, 1.0)
+        assert other.reminders == [1.0 + LAPSE]
+        assert reserve_all([slots], 1.0, 1, other, (0, 1)) == 1.0 + LAPSE
+        assert reserve_all([slots], 1.0 + LAPSE, 1, other, (0, 1)) == 0.0
+
+    def test_two_releases_call_the_two_best_waiters(self) -> None:
+        slots = Concurrency(2)
+        waiters = [Counter() for _ in range(3)]
+        slots.reserve(0.0, 1)
+        slots.reserve(0.0, 1)
+        for i, waiter in enumerate(waiters):
+            assert reserve_all([slots], 0.0, 1, waiter, (0, i)) == math.inf
+        slots.release(1, 1.0)
+        slots.release(1, 1.0)
+        assert [w.calls for w in waiters] == [1, 1, 0]
+
+    def test_units_given_back_call_the_best_waiter_and_it_the_next(self) -> None:
         tokens = Rate(10, per=1, unit="tokens", burst=10)
         first, second = Counter(), Counter()
         assert reserve_all([tokens], 0.0, {"tokens": 10}) == 0.0
         assert reserve_all([tokens], 0.0, {"tokens": 5}, second, (0, 1)) == 0.5
         assert reserve_all([tokens], 0.0, {"tokens": 5}, first, (0, 0)) == 0.5
         tokens.reconcile({"tokens": 10}, {"tokens": 0}, 0.1)  # the call cost nothing after all
-        assert (first.calls, second.calls) == (1, 1)
+        assert (first.calls, second.calls) == (1, 0)
         assert reserve_all([tokens], 0.1, {"tokens": 5}, second, (0, 1)) == 0.1 + LAPSE
         assert reserve_all([tokens], 0.1, {"tokens": 5}, first, (0, 0)) == 0.0
+        assert second.calls == 1, "the best one's reservation calls the next"
+        assert reserve_all([tokens], 0.1, {"tokens": 5}, second, (0, 1)) == 0.0
 
     def test_a_higher_limit_tells_every_waiter(self) -> None:
         rate = Rate(1, per=10)
