@@ -2,11 +2,14 @@
 every unfinished task as cancelled, exactly once, seen by `TaskFinished`, `RunFinished` and the
 stream; no attempt starts after it, whatever the agents do with the `CancelledError`; a stray
 `CancelledError` from user code is that code's failure; a thread abandoned by its timeout keeps its
-agent's slot until it really ends; and one caller's cancel never touches another caller's run."""
+agent's slot until it really ends; one caller's cancel never touches another caller's run; and one
+task cancelled through its handle frees its worker for the next."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -19,6 +22,7 @@ from orchestra import (
     Context,
     Orchestrator,
     Reduce,
+    RetryableError,
     RetryPolicy,
     RunFinished,
     RunResult,
@@ -30,7 +34,7 @@ from orchestra import (
 )
 from orchestra._dispatch import Dispatcher
 from orchestra.testing import FakeClock, Recorder, scripted
-from tests.helpers import assert_no_leaks, live_tasks, tasks_of
+from tests.helpers import assert_no_leaks, fake_clock, live_tasks, tasks_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -576,6 +580,90 @@ class TestConcurrentRuns:
             result = await first
         assert result.status == "success"
 
+    @pytest.mark.parametrize("seed", range(6))
+    async def test_runs_at_once_on_one_orchestrator_keep_the_limits_and_each_others_work(
+        self, seed: int
+    ) -> None:
+        """Three runs at once on one orchestrator (the global limit and the agents shared), with
+        retries, an agent limited below the global one, and one caller that cancels its run: the
+        limits hold at every moment, the other runs end with every task succeeded, and every slot is
+        given back."""
+        rng = random.Random(seed)
+        now = {"global": 0, "slow": 0}
+        peak = {"global": 0, "slow": 0}
+        failed_once: set[str] = set()
+
+        def enter(name: str) -> None:
+            now[name] += 1
+            now["global"] += name != "global"
+            for key in {name, "global"}:
+                peak[key] = max(peak[key], now[key])
+
+        def leave(name: str) -> None:
+            now[name] -= 1
+            now["global"] -= name != "global"
+
+        @agent(kinds=["fast"], name="fast")
+        async def fast(task: Task, ctx: Context) -> Any:
+            now["global"] += 1
+            peak["global"] = max(peak["global"], now["global"])
+            try:
+                await anyio.sleep(task.payload)
+            finally:
+                now["global"] -= 1
+            return task.id
+
+        @agent(kinds=["slow"], name="slow", concurrency=2)
+        async def slow(task: Task, ctx: Context) -> Any:
+            enter("slow")
+            try:
+                await anyio.sleep(task.payload * 3)
+            finally:
+                leave("slow")
+            if task.id not in failed_once and rng.random() < 0.3:
+                failed_once.add(task.id)
+                raise RetryableError("once")
+            return task.id
+
+        def tasks(run: int) -> list[Task]:
+            return [
+                Task(rng.choice(["fast", "slow"]), rng.random() / 10, id=f"r{run}-{i}")
+                for i in range(40)
+            ]
+
+        async with fake_clock():
+            orch = Orchestrator(
+                agents=[fast, slow],
+                concurrency=3,
+                retry=RetryPolicy(max_attempts=3, base=0.01),
+                seed=seed,
+            )
+            results: dict[int, Any] = {}
+
+            async def one(run: int) -> None:
+                results[run] = await orch.run(tasks=tasks(run))
+
+            async with orch, anyio.create_task_group() as tg:
+                for run in range(3):
+                    tg.start_soon(one, run)
+                victim = anyio.CancelScope()
+
+                async def cancelled() -> None:
+                    with victim:
+                        await one(3)
+
+                tg.start_soon(cancelled)
+                await anyio.sleep(rng.random())
+                victim.cancel()
+            assert peak["global"] <= 3
+            assert peak["slow"] <= 2
+            assert sorted(results) == [0, 1, 2]
+            for run in range(3):
+                assert results[run].status == "success", results[run].errors
+                assert len(results[run].data) == 40
+            assert orch._config.capacity.limiter.in_use == 0
+            assert now == {"global": 0, "slow": 0}
+
 
 class TestPlainRunCancelled:
     async def test_subscribers_still_hear_how_it_ended(self, clock: FakeClock) -> None:
@@ -616,3 +704,97 @@ class TestThreadAgentsAndTheBreaker:
         assert result.status == "failed"
         assert calls <= 8 * 2
         assert {e.error_type for e in result.errors} <= {"AttemptTimeout", "CircuitOpen"}
+
+
+# -- one running task cancelled through its handle ----------------------------------------------
+
+
+async def cancel_a_then_run_b(orch: Orchestrator, a_under_way: anyio.Event) -> None:
+    """Start tasks a and b on `orch` (one worker), cancel a alone once `a_under_way` is set: the
+    run must go on to b (within 5 s: a hang is the defect) and end with a cancelled, b done."""
+    handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
+    await a_under_way.wait()
+    handle.cancel(task_id="a")
+    with anyio.fail_after(5):
+        result = await handle
+    assert result.data == {"b": "b"}
+    assert [e.task_id for e in result.errors] == ["a"]
+
+
+class TestOneTaskCancelled:
+    """`handle.cancel(task_id=...)` of one running task: it ends cancelled, and the worker that ran
+    it goes on with the run's next task, whatever the agent or the safety check does meanwhile."""
+
+    @pytest.mark.parametrize("inline", [True, False])
+    async def test_a_cancelled_attempt_whose_agent_swallows_it_does_not_lose_its_worker(
+        self, inline: bool
+    ) -> None:
+        """`handle.cancel` of one running task whose agent swallows the `CancelledError` and returns:
+        the task ends cancelled, and its worker goes on with the next task (the run's only worker:
+        the rest of the run must not hang)."""
+        started = anyio.Event()
+
+        @agent(kinds=["work"])
+        async def stubborn(task: Task, ctx: Context) -> Any:
+            if task.id == "a":
+                started.set()
+                try:
+                    await anyio.sleep(10)
+                except asyncio.CancelledError:
+                    return "swallowed"
+            return task.id
+
+        # An attempt timeout takes the attempt off the worker's inline path (`Dispatcher._attempt`).
+        timeouts = None if inline else {"attempt": 60}
+        async with Orchestrator(agents=[stubborn], concurrency=1, timeouts=timeouts) as orch:
+            await cancel_a_then_run_b(orch, started)
+            # a's output came after its cancel: the store refused it, and it is not a success
+            (status,) = orch.agents_status()
+        assert (status["attempts"], status["succeeded"]) == (2, 1)
+
+    async def test_a_task_cancelled_during_its_safety_check_does_not_lose_its_worker(self) -> None:
+        """`handle.cancel` of a task whose (async) safety check is under way: the task ends
+        cancelled and the run's only worker goes on with the next task."""
+        checking = anyio.Event()
+
+        async def safety(task: Task) -> bool:
+            if task.id == "a":
+                checking.set()
+                await anyio.sleep(10)
+            return True
+
+        @agent(kinds=["work"])
+        async def worker(task: Task, ctx: Context) -> Any:
+            return task.id
+
+        async with Orchestrator(agents=[worker], concurrency=1, safety=safety) as orch:
+            await cancel_a_then_run_b(orch, checking)
+
+    async def test_a_cancelled_attempt_whose_agent_swallows_it_once_is_cancelled_again(
+        self,
+    ) -> None:
+        """`handle.cancel` of a running task whose agent swallows the first `CancelledError` and
+        goes on waiting: as for the run's own cancel (and as a cancel scope would), the attempt is
+        cancelled again, so its worker and slots are free for the next task at once, not when the
+        abandoned agent call ends by itself (here 100 s later)."""
+        started = anyio.Event()
+        when: dict[str, float] = {}
+
+        @agent(kinds=["work"])
+        async def stubborn(task: Task, ctx: Context) -> Any:
+            when[task.id] = anyio.current_time()
+            if task.id == "a":
+                started.set()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await anyio.sleep(100)
+                await anyio.sleep(100)  # swallowed once: back to waiting
+            return task.id
+
+        async with fake_clock(), Orchestrator(agents=[stubborn], concurrency=1) as orch:
+            handle = orch.start(tasks=[Task("work", 1, id="a"), Task("work", 2, id="b")])
+            await started.wait()
+            await anyio.sleep(1)
+            handle.cancel(task_id="a")
+            result = await handle
+        assert result.data == {"b": "b"}
+        assert when["b"] - when["a"] < 2
