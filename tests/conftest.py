@@ -1,10 +1,11 @@
 """Shared fixtures: factories for tasks and orchestrators, fake time, a leak check, orchestra's log
-lines captured, and structlog and `logging` left as found. Plain helper functions are in
-`tests/helpers.py`."""
+lines captured, and structlog and `logging` left as found; every test that starts a process marked
+`subprocess`. Plain helper functions are in `tests/helpers.py`."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -63,6 +64,40 @@ async def no_leaks() -> AsyncIterator[None]:
     before = live_tasks()
     yield
     await assert_no_leaks(before)
+
+
+# The ways a process starts, as Python's audit events name them: `subprocess.Popen` (`run_python`,
+# `spawn`, the CLI's tests), `os.fork` (multiprocessing's default start on Linux, a forked child).
+_PROCESS_EVENTS = frozenset(
+    {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system"}
+)
+_started: list[str] = []
+
+
+def _note_process(event: str, args: tuple[Any, ...]) -> None:
+    if event in _PROCESS_EVENTS:
+        _started.append(event)
+
+
+sys.addaudithook(_note_process)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _started.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A test that starts a process (itself, through a fixture of any scope set up for it, or
+    through orchestra) must be marked `subprocess`, so that ``-m "not subprocess"`` is the
+    in-process suite and the mark never lies."""
+    yield
+    if _started and item.get_closest_marker("subprocess") is None:
+        pytest.fail(
+            f"{item.nodeid} starts a process ({_started[0]}): mark it @pytest.mark.subprocess",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -57,6 +57,7 @@ class TestNoShadowing:
                 del sys.modules[name]
             sys.modules.update(saved)
 
+    @pytest.mark.subprocess
     @pytest.mark.parametrize(
         "order",
         ["import agents, orchestra.agents", "import orchestra.agents, agents"],
@@ -112,7 +113,9 @@ class TestSimulated:
 
 
 class TestCpuAgent:
-    @pytest.mark.parametrize("executor", ["thread", "process"])
+    @pytest.mark.parametrize(
+        "executor", ["thread", pytest.param("process", marks=pytest.mark.subprocess)]
+    )
     async def test_runs_a_plain_function(self, executor: str) -> None:
         from orchestra.agents import cpu_agent
 

@@ -752,6 +752,7 @@ class TestConfiguration:
 
 
 class TestPackaging:
+    @pytest.mark.subprocess
     def test_the_core_and_orchestra_agents_do_not_import_the_sdk(self) -> None:
         code = (
             "import sys, orchestra, orchestra.agents, orchestra.testing\n"

@@ -156,10 +156,12 @@ class TestVersionAndHelp:
     def test_an_unknown_command_is_a_usage_error(self) -> None:
         assert invoke("frobnicate").exit_code == 2
 
+    @pytest.mark.subprocess
     def test_python_dash_m_orchestra(self) -> None:
         done = run_python("-m", "orchestra", "--version", cwd=REPO, timeout=60)
         assert (done.returncode, done.stdout) == (0, f"orchestra {orchestra.__version__}\n")
 
+    @pytest.mark.subprocess
     def test_without_the_cli_extra_it_says_which_to_install(self) -> None:
         code = (
             "import sys; sys.modules['typer'] = None; from orchestra.__main__ import main; main()"
@@ -323,6 +325,7 @@ class TestRunUsageErrors:
         assert message in result.stderr
         assert "Traceback" not in result.output
 
+    @pytest.mark.subprocess
     @pytest.mark.parametrize(
         ("source", "where"),
         [
@@ -414,6 +417,7 @@ class TestRunUsageErrors:
         assert "Missing argument" in result.output
 
 
+@pytest.mark.subprocess
 class TestUnexpectedErrors:
     def test_a_decomposer_that_raises_exits_1_with_its_traceback_scrubbed(
         self, job: str, jsonl: Callable[..., Path], tmp_path: Path
@@ -436,6 +440,7 @@ class TestUnexpectedErrors:
         assert "Zq9" * 5 not in process.stdout + process.stderr
 
 
+@pytest.mark.subprocess
 class TestInterrupt:
     def test_ctrl_c_stops_gracefully_keeps_the_results_and_exits_130(
         self, job: str, jsonl: Callable[..., Path], tmp_path: Path
@@ -474,6 +479,7 @@ class TestInterrupt:
         assert records == {"quick": "succeeded", "slow": "cancelled"}
 
 
+@pytest.mark.subprocess
 class TestKeys:
     @pytest.mark.skipif(sys.platform == "win32", reason="a pseudo-terminal")
     def test_in_a_terminal_p_pauses_and_c_cancels(
@@ -514,6 +520,7 @@ class TestKeys:
         assert records == {"quick": "succeeded", "slow": "cancelled"}
 
 
+@pytest.mark.subprocess
 class TestDemo:
     def test_demo_runs_the_bundled_quickstart(self, tmp_path: Path) -> None:
         done = run_python("-m", "orchestra", "demo", cwd=tmp_path, timeout=120)

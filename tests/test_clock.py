@@ -297,7 +297,11 @@ class TestRealWorkOffTheLoop:
     """Threads and worker processes take real time; the clock waits for them instead of jumping."""
 
     @pytest.mark.parametrize(
-        "worker", [sleeps_in_a_thread, sleeps_in_a_process], ids=["thread", "process"]
+        "worker",
+        [
+            pytest.param(sleeps_in_a_thread, id="thread"),
+            pytest.param(sleeps_in_a_process, id="process", marks=pytest.mark.subprocess),
+        ],
     )
     async def test_real_work_under_a_long_attempt_timeout_succeeds(
         self, worker: object, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
@@ -314,7 +318,11 @@ class TestRealWorkOffTheLoop:
         assert 0 < result.metadata.elapsed < 5
 
     @pytest.mark.parametrize(
-        "worker", [sleeps_in_a_thread, sleeps_in_a_process], ids=["thread", "process"]
+        "worker",
+        [
+            pytest.param(sleeps_in_a_thread, id="thread"),
+            pytest.param(sleeps_in_a_process, id="process", marks=pytest.mark.subprocess),
+        ],
     )
     async def test_real_work_under_a_shorter_attempt_timeout_times_out(
         self, worker: object, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
@@ -342,7 +350,7 @@ class TestRealWorkOffTheLoop:
             lambda: anyio.to_thread.run_sync(real_work, abandon_on_cancel=True),
             lambda: asyncio.get_running_loop().run_in_executor(None, real_work),
             lambda: asyncio.to_thread(real_work),
-            in_a_process,
+            pytest.param(in_a_process, marks=pytest.mark.subprocess),
         ],
         ids=["anyio.to_thread", "run_in_executor", "asyncio.to_thread", "anyio.to_process"],
     )

@@ -230,6 +230,7 @@ class TestExecutors:
         assert ident != threading.get_ident()
         assert was_set is True
 
+    @pytest.mark.subprocess
     async def test_a_process_agent_runs_in_another_process(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:

@@ -70,6 +70,7 @@ JOB = textwrap.dedent(
 
 
 class TestSilentByDefault:
+    @pytest.mark.subprocess
     def test_a_job_redirected_to_a_file_writes_only_its_own_json(self, tmp_path: Path) -> None:
         (tmp_path / "job.py").write_text(JOB)
         done = run_python("job.py", cwd=tmp_path, timeout=60)
@@ -79,6 +80,7 @@ class TestSilentByDefault:
         assert done.stdout.count("\n") == 1
         assert done.stderr == ""  # not even logging's last resort: the "orchestra" NullHandler
 
+    @pytest.mark.subprocess
     def test_warnings_reach_stderr_once_the_application_configures_logging(
         self, tmp_path: Path
     ) -> None:

@@ -13,6 +13,8 @@ import pytest
 import orchestra
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.subprocess
+
 
 def uv() -> str:
     found = shutil.which("uv") or str(REPO / ".tools" / "bin" / "uv")

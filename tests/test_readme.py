@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pytest
 
 from tests.helpers import run_python
-
-if TYPE_CHECKING:
-    import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -24,6 +23,7 @@ def block(text: str, language: str) -> str:
 
 
 class TestReadme:
+    @pytest.mark.subprocess
     def test_the_quick_start_runs_as_printed(self, tmp_path: Path) -> None:
         text = README.read_text()
         (tmp_path / "quickstart.py").write_text(block(text, "python"))
@@ -33,6 +33,7 @@ class TestReadme:
         assert "success" in lines
         assert "{'c1': 2, 'c1/c0': {'clause': 'pay within 30 days', 'risk': 'low'}" in done.stdout
 
+    @pytest.mark.subprocess
     def test_the_control_and_durable_snippets_run_on_the_quick_starts_definitions(
         self, tmp_path: Path
     ) -> None:
@@ -68,6 +69,7 @@ class TestReadme:
         assert len(tests) == 1
         asyncio.run(tests[0]())
 
+    @pytest.mark.subprocess
     def test_the_fault_kit_example_passes_under_pytest_as_configured_there(
         self, tmp_path: Path
     ) -> None:

@@ -259,6 +259,7 @@ class TestBracketsInUserText:
         assert "(its runs: 'r[/2]')" in result.stderr
 
 
+@pytest.mark.subprocess
 class TestCoordinatorColumn:
     def test_a_coordinator_whose_process_ended_is_not_shown_running_it(self) -> None:
         # `kill -9` leaves the run's lease standing for its length: on this host, the pid says.

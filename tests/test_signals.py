@@ -54,6 +54,7 @@ def finish(proc: subprocess.Popen[str], seen: list[str]) -> tuple[dict[str, Any]
     return json.loads(out), stderr
 
 
+@pytest.mark.subprocess
 class TestFirstSignal:
     @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
     def test_stops_gracefully_and_prints_the_partial_result(self, sig: signal.Signals) -> None:
@@ -74,6 +75,7 @@ class TestFirstSignal:
         assert "stopping the run gracefully" in stderr
 
 
+@pytest.mark.subprocess
 class TestSecondSignal:
     def test_cancels_at_once_and_still_prints_the_result(self) -> None:
         proc = start(seconds=60, grace=60)

@@ -76,6 +76,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     return RunResult.model_validate_json(done.stdout)
 
 
+@pytest.mark.subprocess
 class TestResumeAfterKill:
     @pytest.mark.parametrize(
         "options",
@@ -819,6 +820,7 @@ class TestSchema:
         assert "bad.db" in str(err.value)
 
 
+@pytest.mark.subprocess
 def test_the_job_script_output_is_json(tmp_path: Path) -> None:
     """The subprocess tests read stdout as the RunResult: nothing else may reach it."""
     done = job(tmp_path / "runs.db", tmp_path / "calls.txt")

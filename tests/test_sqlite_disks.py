@@ -109,6 +109,7 @@ def cli(*args: str) -> Any:
 
 
 class TestFromTheStart:
+    @pytest.mark.subprocess
     async def test_a_locked_file_refuses_the_run_before_any_work(self, locked: Path) -> None:
         calls: list[str] = []
         orch = Orchestrator(agents=[counting(calls)], store=SQLiteStore(locked, busy_timeout=0.2))
@@ -117,6 +118,7 @@ class TestFromTheStart:
         assert str(locked) in str(err.value)
         assert calls == []
 
+    @pytest.mark.subprocess
     def test_a_read_only_file_refuses_a_run_and_says_so(self, read_only: Path) -> None:
         calls: list[str] = []
         orch = Orchestrator(agents=[counting(calls)], store=SQLiteStore(read_only))
@@ -235,6 +237,7 @@ class TestFromTheStart:
 
 
 class TestMidRun:
+    @pytest.mark.subprocess
     async def test_a_lock_held_mid_run_stops_it_and_keeps_what_was_committed(
         self, tmp_path: Path
     ) -> None:
@@ -326,6 +329,7 @@ class TestMidRun:
         assert first.status == second.status == "success"
         assert not (tmp_path / "elsewhere" / "runs.db").exists()
 
+    @pytest.mark.subprocess
     def test_a_full_disk_mid_run_is_a_store_error_and_keeps_what_was_committed(
         self, tmp_path: Path
     ) -> None:
@@ -371,6 +375,7 @@ class TestMidRun:
         kept = _succeeded(path)
         assert 0 < kept < 2000  # what was committed before the disk filled stays readable
 
+    @pytest.mark.subprocess
     async def test_a_worker_whose_disk_fills_stops_with_a_store_error_and_loses_nothing(
         self, tmp_path: Path
     ) -> None:
@@ -431,6 +436,7 @@ class TestTheCommandLine:
         assert "not a SQLite database" in result.output
         assert "Traceback" not in result.output
 
+    @pytest.mark.subprocess
     def test_runs_list_reads_a_read_only_file(self, read_only: Path) -> None:
         result = cli("runs", "list", "--db", str(read_only), "--jsonl")
         assert result.exit_code == 0, result.output

@@ -343,6 +343,7 @@ class TestAWaitersLookAtTheFile:
         assert sorted(calls) == ["b", "keep", "t"]
 
 
+@pytest.mark.subprocess
 class TestProcesses:
     def test_two_processes_submitting_one_key_execute_it_once(self, tmp_path: Path) -> None:
         db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"

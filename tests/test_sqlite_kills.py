@@ -40,7 +40,10 @@ from tests.helpers import spawn
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX fork and signals")
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX fork and signals"),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "tests" / "killed_run.py"
