@@ -24,8 +24,15 @@ BENCH_SYNC = $(UV) sync --locked --group bench --extra claude --extra cli --quie
 demo: | $(UV)
 	$(UV) run --locked --no-dev --extra cli python -m orchestra demo
 
+# The whole suite, in-process and `subprocess`-marked tests alike, over pytest-xdist workers: two per
+# core, as the tests wait more than they compute (real processes, leases, real-time sleeps); with
+# worksteal, a worker that runs out takes tests from one still holding long ones. Every test keeps
+# its files, ports and processes to itself, so any two may run side by side.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * (os.cpu_count() or 1))')
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist worksteal
+
 test: sync
-	$(UV) run --no-sync pytest --cov --cov-report=term
+	$(UV) run --no-sync pytest $(PYTEST_PARALLEL) --cov --cov-report=term
 
 # The suite again on CPython 3.13 when this machine has one (pyenv's): the package says >= 3.11,
 # and 3.13 reports leaks 3.11 keeps quiet (an unclosed sqlite3 connection, a process not reaped).
@@ -35,7 +42,7 @@ PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13
 test-3.13: | $(UV)
 	@if [ -z "$(PYTHON313)" ]; then echo "test-3.13: no CPython 3.13 on this machine: skipped"; exit 0; fi; \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra claude --extra cli --quiet && \
-	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest -q
+	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest $(PYTEST_PARALLEL) -q
 
 lint: sync
 	$(UV) run --no-sync ruff check .
