@@ -5,9 +5,9 @@ clauses (spawning one `research` task per clause), `research` assesses a clause,
 every clause of its contract, `verify` checks the summary. One research agent is rate limited at
 first and another goes down mid-run: retries and the fallback chain carry its tasks.
 
-A copy of examples/quickstart.py below this docstring (tests/test_examples.py keeps them identical),
-so the example stays a plain script to read and the installed package can still run it. It prints
-its report to stdout: it is a program, run by the `orchestra` command, not library code.
+Shipped in the package so that an install can run it; examples/quickstart.py runs it from a
+checkout. It prints its report to stdout: it is a program, run by the `orchestra` command, not
+library code.
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+import pytest
+
 from tests.helpers import REPO, run_python
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-
-def after_docstring(path: str) -> str:
-    text = (REPO / path).read_text()
-    return text[text.index('\n"""\n') :]
+pytestmark = pytest.mark.subprocess
 
 
 class TestQuickstart:
@@ -27,10 +26,6 @@ class TestQuickstart:
         assert match is not None, done.stdout[-3000:]
         assert float(match.group(1)) >= 2.0
         assert "Traceback" not in done.stderr
-
-    def test_the_package_bundles_the_same_code(self) -> None:
-        """`orchestra demo` runs orchestra/_demo.py: the quickstart below its docstring."""
-        assert after_docstring("orchestra/_demo.py") == after_docstring("examples/quickstart.py")
 
 
 class TestLiveView:
