@@ -9,12 +9,11 @@ import json
 import logging
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import pytest
 from anthropic import AsyncAnthropic
-from anthropic.types import Model
 from pydantic import BaseModel
 
 from orchestra import Orchestrator, RetryPolicy, Task
@@ -30,62 +29,32 @@ from orchestra.agents.claude import (
     StructuredOutputError,
     model_family,
 )
+from tests.claude_fixtures import (
+    _IDS,
+    API_KEY,
+    HAIKU,
+    SONNET,
+    account,
+    api,
+    client,
+    research,
+    run,
+)
 from tests.fake_messages_api import FakeMessagesAPI
 from tests.helpers import LogLines, fake_clock
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import Sequence
 
-    from orchestra import RunResult
     from orchestra.testing import FakeClock
     from tests.helpers import LogLines
 
-API_KEY = "sk-ant-test-0123456789abcdefSECRET"
-_IDS = get_args(get_args(Model)[0])
-SONNET = next(m for m in _IDS if m.startswith("claude-sonnet-"))
-HAIKU = next(m for m in _IDS if m.startswith("claude-haiku-"))
+__all__ = ("account", "api", "client")  # fixtures, used by name
 
 
 class ClauseRisk(BaseModel):
     risk: Literal["low", "medium", "high"]
     reason: str
-
-
-@pytest.fixture
-async def api(clock: FakeClock, no_leaks: None) -> AsyncIterator[FakeMessagesAPI]:
-    async with FakeMessagesAPI() as server:
-        yield server
-
-
-@pytest.fixture
-async def client(api: FakeMessagesAPI) -> AsyncIterator[AsyncAnthropic]:
-    async with AsyncAnthropic(api_key=API_KEY, base_url=api.url, max_retries=0) as anthropic:
-        yield anthropic
-
-
-@pytest.fixture
-def account(client: AsyncAnthropic) -> ClaudeAccount:
-    return ClaudeAccount(client=client)
-
-
-def research(account: ClaudeAccount, **options: Any) -> ClaudeAgent:
-    options.setdefault("name", "research")
-    options.setdefault("kinds", ["research"])
-    options.setdefault("model", SONNET)
-    return ClaudeAgent(account=account, **options)
-
-
-async def run(
-    api: FakeMessagesAPI, agents: Sequence[ClaudeAgent], tasks: Sequence[Task], **options: Any
-) -> RunResult:
-    """Run `tasks`; the API key never appears in the result (when a request was sent)."""
-    options.setdefault("retry", RetryPolicy(max_attempts=3, base=0.1))
-    options.setdefault("seed", 7)
-    async with Orchestrator(agents=list(agents), **options) as orch:
-        result = await orch.run(tasks=list(tasks))
-    if api.requests:
-        api.assert_no_key_in(result.model_dump_json())
-    return result
 
 
 def clause(i: int = 0, text: str = "The supplier's liability is unlimited.") -> Task:

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from orchestra import ConfigError, Orchestrator, Rate, RetryPolicy, Task
+from orchestra import ConfigError, Rate, Task
 from orchestra.agents.claude import ClaudeAccount, ClaudeAgent, ClaudeLimits, Price
-from tests.claude_fixtures import SONNET, account, api, client
+from tests.claude_fixtures import SONNET, account, api, client, research
+from tests.claude_fixtures import run as run_claude
 from tests.fake_messages_api import FakeMessagesAPI, _tokens
 
 if TYPE_CHECKING:
@@ -27,22 +28,12 @@ __all__ = ("account", "api", "client")  # fixtures, used by name
 OLD_HAIKU = "claude-3-9-haiku"
 
 
-def claude(account: ClaudeAccount, **options: Any) -> ClaudeAgent:
-    options.setdefault("name", "research")
-    options.setdefault("kinds", ["research"])
-    options.setdefault("model", SONNET)
-    return ClaudeAgent(account=account, **options)
-
-
 async def run(
     api: FakeMessagesAPI, agents: Sequence[ClaudeAgent], tasks: Sequence[Task], **options: Any
 ) -> RunResult:
-    options.setdefault("retry", RetryPolicy(max_attempts=3, base=0.1))
-    options.setdefault("seed", 7)
-    async with Orchestrator(agents=list(agents), **options) as orch:
-        result = await orch.run(tasks=list(tasks))
+    """`claude_fixtures.run`, which must end in success or say why it did not."""
+    result = await run_claude(api, agents, tasks, **options)
     assert result.status == "success" or result.metadata.reason, result.errors
-    api.assert_no_key_in(result.model_dump_json())
     return result
 
 
@@ -79,7 +70,7 @@ class TestCountTokens:
             input_tokens_per_minute=12_000,
             output_tokens_per_minute=6_000_000,
         )
-        agent = claude(
+        agent = research(
             account,
             prompt=long_prompt(10_000),
             rate_limits=limits,
@@ -100,7 +91,7 @@ class TestCountTokens:
     async def test_the_count_is_of_the_request_sent(
         self, api: FakeMessagesAPI, account: ClaudeAccount
     ) -> None:
-        agent = claude(account, system="You assess clauses.", count_tokens=True, max_tokens=64)
+        agent = research(account, system="You assess clauses.", count_tokens=True, max_tokens=64)
         await run(api, [agent], [Task("research", "Clause 7.", id="c0")])
         counted, sent = api.requests
         assert counted.path == "/v1/messages/count_tokens"
@@ -116,7 +107,7 @@ class TestCountTokens:
         # The count's own rate limit (a 429 of count_tokens) neither fails nor delays the call,
         # nor holds the Messages budget.
         api.fail("rate_limit", path="/v1/messages/count_tokens", retry_after=30)
-        agent = claude(account, count_tokens=True)
+        agent = research(account, count_tokens=True)
         result = await run(api, [agent], [Task("research", "Clause 7.", id="c0")])
         assert result.status == "success"
         assert [r.status for r in api.requests] == [429, 200]
@@ -128,7 +119,7 @@ class TestCountTokens:
         # Counted, each call may take 10,000 + 16 tokens: a budget of 15,000 tokens lets one
         # call go at a time, and ends the run after the first (10,000 + a few real tokens
         # spent leave no room for another).
-        agent = claude(account, prompt=long_prompt(10_000), count_tokens=True, max_tokens=16)
+        agent = research(account, prompt=long_prompt(10_000), count_tokens=True, max_tokens=16)
         tasks = [Task("research", i, id=f"c{i}") for i in range(3)]
         result = await run(api, [agent], tasks, max_tokens=15_000, success_threshold=0.1)
         assert len(messages_calls(api)) == 1
@@ -137,7 +128,7 @@ class TestCountTokens:
 
     def test_count_tokens_must_be_a_bool(self, account: ClaudeAccount) -> None:
         with pytest.raises(ConfigError, match="count_tokens"):
-            claude(account, count_tokens="yes")
+            research(account, count_tokens="yes")
 
 
 class TestCacheTokensOnTheInputBudget:
@@ -154,7 +145,7 @@ class TestCacheTokensOnTheInputBudget:
         )
         api.limits = dict.fromkeys(api.limits, 10**10)  # its headers leave the meters as they are
         system = "Rule. " * 1_000  # 1,500 tokens, cached
-        agent = claude(account, model=model, system=system, cache_system=True, rate_limits=limits)
+        agent = research(account, model=model, system=system, cache_system=True, rate_limits=limits)
         meter = limits.input_tokens
         start = taken(meter)
         first = await run(api, [agent], [Task("research", "Clause 1.", id="c0")])
@@ -180,7 +171,7 @@ class TestBudget:
         # uses exactly those (the answers are 10 words): the budget of three such calls lets
         # three go, one after the other, and the fourth never starts.
         price = Price(3, 15)
-        agent = claude(
+        agent = research(
             account,
             prompt=long_prompt(2_000),
             count_tokens=True,
@@ -210,7 +201,7 @@ class TestBudget:
         # All five start on their small local estimates; counted (2,010 tokens a call), no
         # two fit a budget of 3,000 beside the others' estimates: one is called at most, and
         # no call ever goes over the budget.
-        agent = claude(account, prompt=long_prompt(2_000), count_tokens=True, max_tokens=10)
+        agent = research(account, prompt=long_prompt(2_000), count_tokens=True, max_tokens=10)
         tasks = [Task("research", i, id=f"c{i}") for i in range(5)]
         result = await run(api, [agent], tasks, max_tokens=3_000, success_threshold=0.0)
         assert len(messages_calls(api)) <= 1

@@ -35,6 +35,7 @@ from orchestra import (
     agent,
 )
 from orchestra.testing import Recorder
+from tests.claude_fixtures import API_KEY, client
 from tests.fake_messages_api import RATE_LIMIT_MESSAGE, FakeMessagesAPI, prompt_of
 from tests.helpers import trips_after
 
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from orchestra import RunResult
     from tests.helpers import LogLines
 
-API_KEY = "sk-ant-test-0123456789abcdefSECRET"
+# `client` is claude_fixtures' fixture, on this module's `api`: a server in real time.
+__all__ = ("client",)  # a fixture, used by name
 MODEL = "claude-test-1"
 
 # The default policy (failures=5, cooldown=30) with its cool-down scaled to 1 s: the issue's runs
@@ -58,12 +60,6 @@ async def api(no_leaks: None) -> AsyncIterator[FakeMessagesAPI]:
     """The server, started for the test and shut down after it (the leak check runs after that)."""
     async with FakeMessagesAPI() as server:
         yield server
-
-
-@pytest.fixture
-async def client(api: FakeMessagesAPI) -> AsyncIterator[AsyncAnthropic]:
-    async with AsyncAnthropic(api_key=API_KEY, base_url=api.url, max_retries=0) as anthropic:
-        yield anthropic
 
 
 def claude(

@@ -12,7 +12,6 @@ import sqlite3
 import subprocess
 import sys
 from contextlib import closing
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -35,16 +34,17 @@ from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
 from orchestra.stores import SQLiteStore
 from orchestra.stores._schema import MIGRATIONS
+from tests.helpers import REPO
 from tests.test_store_contract import Heard
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
 
     from orchestra.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "tests" / "durable_job.py"
 
 

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from contextlib import closing
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -45,16 +44,15 @@ from orchestra._worker import Worker, _WorkerStore
 from orchestra.cli import app
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._sqlite_work import Claimed
-from tests.helpers import spawn
+from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     from orchestra import RunHandle, RunResult, TaskResult
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def recorder(name: str, calls: list[tuple[str, str]], delay: float = 0.0) -> Any:
