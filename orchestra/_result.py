@@ -222,7 +222,8 @@ class RunResult(BaseModel):
         m = self.metadata
         lines = [
             f"{self.status}: {m.total} tasks ({_counts(m.counts)}) in {m.elapsed:.2f}s; "
-            f"{m.attempts} attempts, {m.retries} retries, {m.fallbacks} fallbacks"
+            f"{_n(m.attempts, 'attempt')}, {_n(m.retries, 'retry', 'retries')}, "
+            f"{_n(m.fallbacks, 'fallback')}"
         ]
         if m.reason and self.status != "success":
             lines.append(f"reason: {m.reason}")
@@ -237,6 +238,10 @@ class RunResult(BaseModel):
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _n(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _counts(counts: dict[str, int]) -> str:
