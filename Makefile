@@ -3,7 +3,7 @@
 PYTHON ?= python3
 UV := $(shell command -v uv 2>/dev/null || echo .tools/bin/uv)
 
-.PHONY: demo test test-3.13 lint bench bench-smoke sync clean
+.PHONY: demo test test-3.13 lint docs bench bench-smoke sync clean
 
 $(UV):
 	$(PYTHON) -m venv .tools
@@ -48,7 +48,14 @@ lint: sync
 	$(UV) run --no-sync ruff check .
 	$(UV) run --no-sync ruff format --check .
 	$(UV) run --no-sync mypy
-	$(UV) run --no-sync codespell orchestra tests examples benchmarks README.md
+	$(UV) run --no-sync codespell orchestra tests examples benchmarks docs README.md CONTRIBUTING.md CHANGELOG.md
+
+# The documentation site, strict (a broken link or a docstring the API reference cannot read
+# fails it), into site/. Its own environment, .venv-docs, with the docs dependency group alone:
+# mkdocstrings reads the package's source, it does not import it.
+docs: | $(UV)
+	UV_PROJECT_ENVIRONMENT=.venv-docs $(UV) sync --locked --only-group docs --quiet
+	NO_MKDOCS_2_WARNING=1 .venv-docs/bin/mkdocs build --strict --quiet
 
 bench: | $(UV)
 	$(BENCH_SYNC)
@@ -59,4 +66,4 @@ bench-smoke: | $(UV)
 	$(UV) run --no-sync python -m benchmarks --smoke
 
 clean:
-	rm -rf .venv .venv-3.13 .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-3.13 .venv-docs site .tools .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""What a no-op task costs with none of orchestra's features: the README's yardstick for issue 13.
+"""What a no-op task costs with none of orchestra's features: the yardstick of the no-op rows of docs/benchmarks.md.
 
 ``python -m benchmarks.featureless [N ...]`` times, in this one process, bare ``Semaphore`` +
 ``gather`` and a loop that does only what any such runtime must: build the caller's `Task`s, give

@@ -1,8 +1,9 @@
 """Batch jobs: one orchestrator over a JSONL input, its task results out as JSONL.
 
 The engine of ``orchestra run``, without the command line: `load_orchestrator` imports the user's
-``module:factory``, `read_jsonl` reads the input (one JSON value per line), `run_batch` runs it and
-writes each `TaskResult` as a JSON line as it finishes, and `summary` says how it went.
+``module:factory``, `read_jsonl` reads the input (one JSON value per line), `run_batch` runs it
+and writes each `TaskResult` as a JSON line as it finishes, and `RunResult.summary()` says how it
+went.
 `Batch.run` is the one seam a caller (the CLI's live view, its pause and cancel keys) wraps.
 
 Without a decomposer every input line is a task (``{"kind": "research", "payload": ..., "id": ...}``,
@@ -48,7 +49,6 @@ __all__ = (
     "read_batch",
     "read_jsonl",
     "result_line",
-    "summary",
 )
 
 EXIT_CODES: Final[Mapping[str, int]] = {"success": 0, "failed": 1, "partial": 3, "cancelled": 130}
@@ -285,18 +285,3 @@ def keep_runs_in(orch: Orchestrator, store: Store) -> None:
     store its factory gave it: the factory built it for this one command, so no one else sees
     the change."""
     orch._config.store = store
-
-
-def summary(result: RunResult) -> list[str]:
-    """A few lines saying how the run went, for people (the CLI prints them on stderr)."""
-    m = result.metadata
-    counts = ", ".join(f"{n} {status}" for status, n in sorted(m.counts.items()) if n)
-    lines = [
-        f"{result.status}: {m.total} tasks ({counts or 'none'}) in {m.elapsed:.2f}s; "
-        f"{m.attempts} attempts, {m.retries} retries, {m.fallbacks} fallbacks"
-    ]
-    shown = result.errors[:10]
-    lines += [f"  {e.task_id} ({e.kind}): {e.message}" for e in shown]
-    if len(result.errors) > len(shown):
-        lines.append(f"  ... and {len(result.errors) - len(shown)} more errors")
-    return lines

@@ -400,7 +400,7 @@ class Report:
         input_complete: bool = True,
         input_unread: int | None = 0,
     ) -> RunResult:
-        """The `RunResult` of what was counted, by DESIGN.md's rules. A run that ended before the
+        """The `RunResult` of what was counted, by the status rules (docs/failures.md). A run that ended before the
         end of its input (`input_complete` False: a run timeout, a budget, a stop) is never ok:
         the threshold is a promise about the whole input, which it cannot show it kept. Its
         `input_unread` items, when known, count in the success rate as not succeeded."""

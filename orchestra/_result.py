@@ -5,10 +5,14 @@ Pydantic models, built once per run (never on the hot path), so a result round-t
 Outputs (`data`, `partial_output`) are the agents' own objects, kept as returned; the JSON dump writes
 what JSON cannot hold of them (an object, an array, an iterator) as its repr, and never reads an
 iterator (`orchestra._output.jsonable`).
+
+`str()` of a result or of its metadata is a few lines for people (`print(result)`); the repr stays
+the full model, for debugging.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
 from typing import Any, Literal
 
@@ -152,12 +156,38 @@ class RunMetadata(BaseModel):
     reason: str | None = None
     cancellations: list[CancelRecord] = Field(default_factory=list)
 
+    def __str__(self) -> str:
+        """A few lines for people: the run, its tasks by status, attempts and agents, and the
+        spend or the reason when there is one (``print(result.metadata)``)."""
+        lines = [
+            f"run {self.run_id}: {self.total} tasks ({_counts(self.counts)}) "
+            f"in {self.elapsed:.2f}s",
+            f"attempts {self.attempts}, retries {self.retries}, fallbacks {self.fallbacks}; "
+            f"peak concurrency {self.peak_concurrency}",
+        ]
+        if self.tasks_per_agent:
+            per_agent = ", ".join(f"{name} {n}" for name, n in self.tasks_per_agent.items())
+            lines.append(f"tasks per agent: {per_agent}")
+        if self.resumed:
+            lines.append(f"resumed: {self.resumed} tasks came back from the store")
+        if self.cost or self.tokens:
+            tokens = ", ".join(f"{n} {unit}" for unit, n in self.tokens.items())
+            lines.append(f"spent: ${self.cost:.4f}" + (f", {tokens}" if tokens else ""))
+        if self.reason:
+            lines.append(f"reason: {self.reason}")
+        return "\n".join(lines)
+
 
 class RunResult(BaseModel):
     """What `Orchestrator.run` returns.
 
     `status` is "success" when every task succeeded, "partial" when the success rate meets the
     threshold and no critical task failed, "failed" otherwise, "cancelled" when the run was cancelled.
+    `data` is the aggregate of the outputs (by default, outputs by task id in input order),
+    `metadata` the statistics, `errors` one record per task that did not succeed.
+
+    `print(result)` shows `summary()`: the status, the counts, the time, the errors by type and
+    the first errors, one line each.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -173,9 +203,46 @@ class RunResult(BaseModel):
 
     @property
     def ok(self) -> bool:
-        """True for "success" and "partial"."""
+        """True when the run met its goal: its status is "success" or "partial" (some tasks did
+        not succeed, but the success rate met `success_threshold` and no critical task failed)."""
         return self.status in ("success", "partial")
 
     def error_for(self, task_id: str) -> ErrorRecord | None:
-        """The error record of `task_id`, if it did not succeed."""
+        """The error record of the task `task_id`, with every failed attempt and a remediation;
+        None when that task succeeded (or the run has no task of that id)."""
         return next((e for e in self.errors if e.task_id == task_id), None)
+
+    def summary(self, *, errors: int = 10) -> str:
+        """How the run went, in a few lines: what `str(result)` and ``orchestra run`` print.
+
+        The first line is the status, the tasks by status, the time and the attempts; then the
+        reason a run did not succeed, the errors counted by type, and the first `errors` error
+        records (task, kind, message).
+        """
+        m = self.metadata
+        lines = [
+            f"{self.status}: {m.total} tasks ({_counts(m.counts)}) in {m.elapsed:.2f}s; "
+            f"{_n(m.attempts, 'attempt')}, {_n(m.retries, 'retry', 'retries')}, "
+            f"{_n(m.fallbacks, 'fallback')}"
+        ]
+        if m.reason and self.status != "success":
+            lines.append(f"reason: {m.reason}")
+        if self.errors:
+            by_type = Counter(e.error_type for e in self.errors).most_common()
+            lines.append("errors: " + ", ".join(f"{n} {name}" for name, n in by_type))
+        shown = self.errors[: max(errors, 0)]
+        lines += [f"  {e.task_id} ({e.kind}): {e.message}" for e in shown]
+        if len(self.errors) > len(shown):
+            lines.append(f"  ... and {len(self.errors) - len(shown)} more")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _n(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()) if n) or "none"

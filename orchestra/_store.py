@@ -3,8 +3,8 @@
 Every task transition goes through a `RunStore`; the dispatcher only chooses (which task, which
 agent, retry or fall back) and tells the store what it chose. The in-memory store
 (`orchestra.stores.MemoryStore`, the default) is synchronous and allocation-light, because it sits on
-the hot path; a durable store (SQLite) or a shared one (PostgreSQL) implements the same protocol,
-so there is one run loop for all of them.
+the hot path; a durable store (SQLite) implements the same protocol, so there is one run loop
+for both.
 
 A task's life in a store::
 

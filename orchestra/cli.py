@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch, summary
+from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._exceptions import ConfigError, InputError, StoreError
 from ._failure import describe, format_traceback, scrub, with_type
@@ -252,8 +252,7 @@ def run(
         if store is not None:
             store.close()
     console = _stderr()
-    for line in summary(result):
-        console.print(line, markup=False)
+    console.print(result.summary(), markup=False)
     if result.status == "cancelled":
         where = "stdout" if output is None or str(output) == "-" else str(output)
         console.print(f"{batch.written} task results written to {where}", markup=False)

@@ -1,5 +1,5 @@
 """The exception tree drawn in `orchestra._exceptions`'s docstring is the tree of the classes, and the
-README's account of errors names only exceptions that exist."""
+documentation's account of errors (README and docs/) names only exceptions that exist."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ EXPORTED = {
     for name in orchestra.__all__
     if isinstance(obj := getattr(orchestra, name), type) and issubclass(obj, BaseException)
 }
+
+
+def documentation() -> str:
+    """The README and every page of docs/, as one text."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return "\n".join(page.read_text() for page in pages)
 
 
 def drawn_tree() -> dict[str, str | None]:
@@ -47,10 +53,10 @@ class TestTheTree:
     def test_every_exported_exception_is_drawn(self) -> None:
         assert set(EXPORTED) == set(drawn_tree())
 
-    def test_the_readme_names_only_exceptions_that_exist(self) -> None:
-        readme = (REPO / "README.md").read_text()
-        named = set(re.findall(r"`(\w+(?:Error|Timeout|Output|Rejected))`", readme))
-        assert named, "the README names no exception"
+    def test_the_docs_name_only_exceptions_that_exist(self) -> None:
+        docs = documentation()
+        named = set(re.findall(r"`(\w+(?:Error|Timeout|Output|Rejected))`", docs))
+        assert named, "the docs name no exception"
         from orchestra.agents import claude
         from orchestra.testing import SimulatedAPIError
 
@@ -59,8 +65,8 @@ class TestTheTree:
         others |= {name for name in named if isinstance(getattr(builtins, name, None), type)}
         assert named <= set(EXPORTED) | others, named - set(EXPORTED) - others
 
-    def test_the_readme_names_every_exception_an_agent_can_end_with(self) -> None:
-        readme = (REPO / "README.md").read_text()
+    def test_the_docs_name_every_exception_an_agent_can_end_with(self) -> None:
+        readme = documentation()
         for name in (
             "ConfigError",
             "InputError",

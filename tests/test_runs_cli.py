@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -122,6 +124,21 @@ class TestDead:
 
 
 class TestRetry:
+    async def test_a_retried_tasks_end_is_kept_after_its_last_failed_attempt(
+        self, failed_run: tuple[Path, Flaky]
+    ) -> None:
+        # The failed attempt's time is made from the attempt's own clock readings, the task's end
+        # from the store's: a hair apart, either way. The journal puts the end last; the end a
+        # retry keeps did too only when its time said so (it failed under load, now and then).
+        db, _ = failed_run
+        with closing(sqlite3.connect(db)) as conn, conn:
+            conn.execute("UPDATE events SET at = at + 0.001 WHERE event = 'attempt_failed'")
+        assert invoke("runs", "retry", "r", "--db", str(db)).exit_code == 0
+        store = SQLiteStore(db)
+        trace = [e["event"] for e in store.events("r", "d")]
+        store.close()
+        assert trace == ["admitted", "started", "attempt_failed", "failed", "retried"]
+
     async def test_a_retried_task_runs_on_the_next_run_with_its_attempts_kept(
         self, failed_run: tuple[Path, Flaky]
     ) -> None:

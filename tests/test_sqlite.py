@@ -380,8 +380,9 @@ class TestBackpressure:
         finally:
             holder.close()
         store.close()
-        # The window being written and at most one more waited in the queue behind it.
-        assert deepest <= 1
+        # At most the two windows handed to the writer wait in its queue (both at once only in
+        # the instant after a commit, before its thread takes the next one).
+        assert deepest <= 2
         # Every result read was committed, or in the two windows handed to the writer, or in the
         # one being gathered.
         assert 0 < read_in_lock - at_lock <= 3 * per_window

@@ -130,6 +130,7 @@ class TestOneProcess:
                 result = await waiter
             assert (result.status, result.data) == ("success", {"b": "b"})
             resumed = await orch.run(tasks=[Task("work", 1, id="a", key="k")], run_id="one")
+        store.close()
         assert (resumed.status, resumed.data) == ("success", {"a": "b"})
         assert calls == ["a", "b"]
 
@@ -145,9 +146,11 @@ class TestOneProcess:
             yield Task("work", 2, id="b", key="k", tags=["g"])
 
         work = Agent()
-        async with work.orchestrator(SQLiteStore(tmp_path / "runs.db", window=0.01)) as orch:
+        store = SQLiteStore(tmp_path / "runs.db", window=0.01)
+        async with work.orchestrator(store) as orch:
             with anyio.fail_after(30):
                 result = await orch.run(tasks=source(), run_id="one")
+        store.close()
         assert (result.status, result.data) == ("success", {"a": {"answer": 4}, "b": {"answer": 4}})
         assert work.calls == ["b"]
 
@@ -208,7 +211,8 @@ class TestASuccessDuringItsWindowsCommit:
                 waited = await waiter
             later = await orch.run(tasks=[Task("work", 21, id="c", key="k")], run_id="three")
         other.close()
-        with sqlite3.connect(db) as con:
+        holder.close()
+        with closing(sqlite3.connect(db)) as con:
             assert con.execute("SELECT state, output FROM keys").fetchall() == [("succeeded", "42")]
         assert (waited.status, waited.data) == ("success", {"w": 42})
         assert (later.status, later.data) == ("success", {"c": 42})
@@ -339,6 +343,8 @@ class TestAWaitersLookAtTheFile:
                 later = await elsewhere.run(tasks=[Task("work", 1, id="t", key="k")], run_id="t")
             done.set()
             await steered_run
+        steered.close()
+        other.close()
         assert (later.status, later.data) == ("success", {"t": "t"})
         assert sorted(calls) == ["b", "keep", "t"]
 
@@ -347,7 +353,7 @@ class TestAWaitersLookAtTheFile:
 class TestProcesses:
     def test_two_processes_submitting_one_key_execute_it_once(self, tmp_path: Path) -> None:
         db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
-        SQLiteStore(db).runs()  # the schema, before the race
+        SQLiteStore(db).close()  # the schema, before the race
         jobs = [start(db, calls, 10) for _ in range(2)]
         outputs = []
         for process in jobs:
@@ -364,7 +370,7 @@ class TestProcesses:
         # Keys end at every point of a window, some while the window that wrote them running
         # is being committed.
         db, calls = tmp_path / "runs.db", tmp_path / "calls.txt"
-        SQLiteStore(db).runs()  # the schema, before the race
+        SQLiteStore(db).close()  # the schema, before the race
         jobs = [start(db, calls, 150, "--many") for _ in range(2)]
         outputs = []
         for process in jobs:

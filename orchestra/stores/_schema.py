@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 __all__ = ("MIGRATIONS", "migrate", "refuse_foreign", "rollback")
 
 _V1 = (
-    # One row per run. `owner` and `heartbeat` are for the next round: a coordinator process holds
-    # its run under a lease, so that a second coordinator of the same run id is refused.
+    # One row per run. `owner` and `heartbeat`: a coordinator process holds its run under a lease,
+    # so that a second coordinator of the same run id is refused.
     """CREATE TABLE runs (
         id TEXT PRIMARY KEY,
         created REAL NOT NULL,
@@ -111,8 +111,8 @@ _V1 = (
 )
 
 _V2 = (
-    # Written for speed (issue 16, round two; `python -m benchmarks.sqlite`): the index a worker
-    # will claim from holds the ready tasks only (in one process a row is mostly written once the
+    # Written for speed (`python -m benchmarks.sqlite`): the index a worker
+    # claims from holds the ready tasks only (in one process a row is mostly written once the
     # task has ended, and then enters no index at all), ...
     "DROP INDEX tasks_ready",
     "CREATE INDEX tasks_ready ON tasks (run_id, kind, priority, seq) WHERE state = 'ready'",
@@ -159,7 +159,7 @@ _V2 = (
 )
 
 _V3 = (
-    # Worker processes (issue 16, round three). A run's coordinator (the process running it) holds
+    # Worker processes. A run's coordinator (the process running it) holds
     # it: `owner` names the process (host, pid, store) and `heartbeat` is refreshed at least once a
     # second; a second coordinator of a live run is refused. `shared` says the coordinator takes
     # its own tasks through the file too, so that workers may claim the ready ones.

@@ -49,7 +49,7 @@ agent gets the caller's payload object again), a different one is refused with `
 **Idempotency keys** are claimed, waited for and reused through the file by the run's `Keys`
 (`_sqlite_keys.py`).
 
-**Several processes (next round).** A worker process will claim with one statement in a
+**Several processes.** A worker process claims with one statement in a
 ``BEGIN IMMEDIATE`` transaction (SQLite's single writer lock makes it atomic)::
 
     UPDATE tasks SET state = 'claimed', token = token + 1, lease_owner = :owner,
@@ -62,7 +62,8 @@ and every later write (heartbeat, start, fail, settle) carries the token:
 ``UPDATE ... WHERE run_id = ? AND id = ? AND token = ?``, refused (no row changed) once the task
 was re-leased; `due` returns the tasks whose ``lease_expires`` passed to ready, attempt counted.
 The schema has the columns (`token`, `lease_owner`, `lease_expires`) and the index
-(`tasks_ready`) for it.
+(`tasks_ready`) for it; the claims are in `_sqlite_work.py`, the coordinator's side in
+`_sqlite_share.py`.
 """
 
 from __future__ import annotations

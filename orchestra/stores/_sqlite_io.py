@@ -588,9 +588,14 @@ _KEEP_STARTED = """
             SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
             AND e.event = 'started' AND e.attempt = t.attempts)
 """
+# A task's end is after every event of it, as the journal tells it (`_JOURNAL`): the end kept
+# here takes the same time, or a reopened task's `failed` could come before its last
+# `attempt_failed` (stamped from the attempt's own clock readings, a hair apart).
 _KEEP_ENDED = """
     INSERT INTO events (run_id, task_id, at, event, agent, attempt, detail)
-    SELECT run_id, id, finished, state, agent, attempts, error FROM tasks t
+    SELECT run_id, id, max(finished, coalesce((
+               SELECT max(e.at) FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
+           ), finished)), state, agent, attempts, error FROM tasks t
     WHERE run_id = :run AND id IN (SELECT value FROM json_each(:ids)) AND finished IS NOT NULL
         AND NOT EXISTS (
             SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
