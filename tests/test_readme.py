@@ -110,6 +110,7 @@ class TestEveryBlock:
     def test_the_block_compiles(self, block: Block) -> None:
         compile(block.code, block.name, "exec", flags=0x2000)  # PyCF_ALLOW_TOP_LEVEL_AWAIT
 
+    @pytest.mark.subprocess
     @pytest.mark.parametrize(
         "block",
         [b for b in python_blocks() if b.how in ("runs", "runs, printing the output below")],
@@ -122,6 +123,7 @@ class TestEveryBlock:
             printed = text.split("```text\n", 1)[1].split("```", 1)[0]
             assert SECONDS.sub("in _s", out) == SECONDS.sub("in _s", printed), out
 
+    @pytest.mark.subprocess
     @pytest.mark.parametrize(
         "block",
         [b for b in python_blocks() if b.how is not None and "after the whole run" in b.how],
@@ -139,11 +141,13 @@ def snippet(page: str, start: str) -> Block:
 
 
 class TestWhatTheBlocksDo:
+    @pytest.mark.subprocess
     def test_the_whole_run_succeeds_and_prints_its_data(self, tmp_path: Path) -> None:
         out = run_script(snippet("concepts.md", "import asyncio").code, tmp_path, "concepts.md")
         assert "success" in out.splitlines()
         assert "{'c1': 2, 'c1/c0': {'clause': 'pay within 30 days', 'risk': 'low'}" in out
 
+    @pytest.mark.subprocess
     def test_the_control_and_durable_snippets_end_as_they_say(self, tmp_path: Path) -> None:
         checks = {
             "control.md": ("async with", "    print(handle.done, result.status)\n", "True failed"),
@@ -170,6 +174,7 @@ class TestWhatTheBlocksDo:
         assert len(tests) == 1
         asyncio.run(tests[0]())
 
+    @pytest.mark.subprocess
     def test_the_fault_kit_example_passes_under_pytest_as_configured_there(
         self, tmp_path: Path
     ) -> None:
