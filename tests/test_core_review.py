@@ -48,7 +48,7 @@ async def test_a_cancelled_attempt_whose_agent_swallows_it_does_not_lose_its_wor
                 return "swallowed"
         return task.id
 
-    # An attempt timeout takes the attempt off the worker's inline path (`Dispatcher._attempt`).
+    # An attempt timeout makes the attempt the full one (`Attempts.run`), not the plain one.
     timeouts = None if inline else {"attempt": 60}
     async with Orchestrator(agents=[stubborn], concurrency=1, timeouts=timeouts) as orch:
         await cancel_a_then_run_b(orch, started)
