@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._attempt import Attempts, started
+from ._attempt import Attempts
 from ._breaker import CLOSED
 from ._clock import loop_time
 from ._log import TASK_ID, CurrentTask
@@ -64,7 +64,6 @@ class Dispatcher:
         self.router = Router(self, config.registry)
         self.recovery = Recovery(self)
         self.parked: list[asyncio.Future[None]] = []
-        self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
         self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -96,6 +95,11 @@ class Dispatcher:
     def running(self) -> int:
         """Attempts under way."""
         return self.attempts.running
+
+    @property
+    def cancelled(self) -> bool:
+        """`cancel_all` was called: what an attempt returns or raises from now on is dropped."""
+        return self.attempts.cancelled
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -159,7 +163,7 @@ class Dispatcher:
         """Cancel every worker, running or parked, until it leaves; no new attempt starts, and
         what an attempt returns or raises from now on is dropped (the run ends its task as
         cancelled)."""
-        self.cancelled = True
+        self.attempts.cancelled = True
         self.stop()
         self._cancel_workers()
 
@@ -324,19 +328,18 @@ class Dispatcher:
                     else:
                         record, token, slot, cost = picked
                 current.record = record
-                if not attempts.plain(record, slot, cost):
+                ctx = attempts.begin(record, token, slot, cost, spare)
+                if ctx is False:
                     await attempts.run(record, token, slot, cost)
-                elif (ctx := attempts.begin(record, token, slot, spare)) is not None:
+                elif ctx is not None:
                     # The plain attempt (see `orchestra._attempt`): the worker awaits the call.
                     spare = None
                     try:
                         output = await slot.call(record.task, ctx)
                         attempts.returned(record, token, slot, output, ctx)
                     except BaseException as exc:
-                        if attempts.raised(record, token, slot, exc, started(record), ctx):
+                        if attempts.threw(record, token, slot, exc, ctx):
                             raise
-                    finally:
-                        attempts.finished(slot, None, ctx)
                     if (
                         getrefcount(ctx) == alone  # only this frame holds it: no one kept it
                         and ctx._spawned is None
