@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ._task import Task
     from .stores._memory import Record
 
-__all__ = ("Attempts", "Owner", "started")
+__all__ = ("Attempts", "Owner")
 
 log = get_logger("orchestra")
 
@@ -71,6 +71,28 @@ class Owner(Protocol):
 
 class Attempts:
     """The attempts of one run: both variants, their endings, and how many run now."""
+
+    __slots__ = (
+        "_attempt_timeout",
+        "_bare",
+        "_bus",
+        "_capacity",
+        "_instruments",
+        "_limiter",
+        "_owner",
+        "_parked",
+        "_recovery",
+        "_report",
+        "_router",
+        "_run",
+        "_safety",
+        "_store",
+        "_task_timeout",
+        "_time",
+        "_verify",
+        "cancelled",
+        "running",
+    )
 
     def __init__(
         self, owner: Owner, run: Run, store: RunStore, router: Router, recovery: Recovery
@@ -168,7 +190,7 @@ class Attempts:
             if self._store.succeed(record, token, output, slot.name):
                 slot.succeeded += 1
         else:
-            self.succeeded(record, token, slot, output, ctx, started(record))
+            self.succeeded(record, token, slot, output, ctx, self._started(record))
         capacity = self._capacity
         limiter = self._limiter
         if (
@@ -193,9 +215,17 @@ class Attempts:
         """The plain attempt's call raised `exc`: `raised`, and the attempt is over. True: the
         worker lets `exc` unwind."""
         try:
-            return self.raised(record, token, slot, exc, started(record), ctx)
+            return self.raised(record, token, slot, exc, self._started(record), ctx)
         finally:
             self.finished(slot, None, ctx)
+
+    def _started(self, record: Record) -> float:
+        """When the plain attempt of `record` started: the store stamped it (`RunStore.start`)
+        on the run's clock, as the task's first start or, when the task had one, its latest."""
+        start = getattr(record, "t_retry", None)
+        if start is None:
+            start = record.t_start
+        return self._time() if start is None else start
 
     # -- the full attempt ------------------------------------------------------------------------
 
@@ -479,12 +509,6 @@ class Attempts:
         for run in capacity.runs:
             run.router.room(slot)
             run.wake_one()
-
-
-def started(record: Record) -> float:
-    """When the running attempt of `record` started, as the store stamped it on the run's
-    clock."""
-    return record.t_start if record.attempts == 1 else record.t_retry  # type: ignore[return-value]
 
 
 def _actual(cost: Cost, ctx: Context | None) -> Cost:

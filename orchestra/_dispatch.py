@@ -275,6 +275,7 @@ class Dispatcher:
         claim = store.claim
         only = router.only
         limit = capacity.limit
+        cancelling = me.cancelling  # (a local: `me.cancelling()` is an unspecialized lookup)
         current = self._running[me] = CurrentTask()
         # Each worker runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
@@ -334,8 +335,9 @@ class Dispatcher:
                 elif ctx is not None:
                     # The plain attempt (see `orchestra._attempt`): the worker awaits the call.
                     spare = None
+                    call = slot.call  # (a local: `slot.call(...)` is an unspecialized lookup)
                     try:
-                        output = await slot.call(record.task, ctx)
+                        output = await call(record.task, ctx)
                         attempts.returned(record, token, slot, output, ctx)
                     except BaseException as exc:
                         if attempts.threw(record, token, slot, exc, ctx):
@@ -350,7 +352,7 @@ class Dispatcher:
                 current.record = None
                 # The run is cancelled, and the agent swallowed it: no new attempt. (Unless
                 # `cancel_attempts` cancelled this attempt alone: the worker goes on.)
-                if me.cancelling() and not self.take_back_cancels(record):
+                if cancelling() and not self.take_back_cancels(record):
                     return
                 done += 1
                 if not done % _YIELD_EVERY:
