@@ -4,8 +4,9 @@ store what came of it. It never changes a task's state itself: the store does.
 No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
 store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
 coroutines. Which agent a task goes to, and where it waits when that agent has no room, is the
-router's (`_routing.py`): the same cost whatever the number of kinds and agents. After a failed
-call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
+router's (`_routing.py`): the same cost whatever the number of kinds and agents. The attempt
+itself, and where its output goes, is `_attempt.py`'s; the worker awaits a plain attempt's call
+in its own frame. After a failed call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
 (a default value or a failure) — is the recovery's (`_recovery.py`).
 
 A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
