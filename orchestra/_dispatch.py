@@ -4,8 +4,9 @@ store what came of it. It never changes a task's state itself: the store does.
 No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
 store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
 coroutines. Which agent a task goes to, and where it waits when that agent has no room, is the
-router's (`_routing.py`): the same cost whatever the number of kinds and agents. After a failed
-call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
+router's (`_routing.py`): the same cost whatever the number of kinds and agents. The attempt
+itself, and where its output goes, is `_attempt.py`'s; the worker awaits a plain attempt's call
+in its own frame. After a failed call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
 (a default value or a failure) — is the recovery's (`_recovery.py`).
 
 A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
@@ -16,43 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import math
-from functools import partial
 from random import Random
 from sys import getrefcount
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._attempt import Attempts
 from ._breaker import CLOSED
 from ._clock import loop_time
-from ._context import Context
-from ._events import (
-    AttemptStarted,
-    AttemptSucceeded,
-)
-from ._exceptions import AttemptTimeout, Rejected, TaskTimeout
-from ._failure import check_returned, describe
-from ._instruments import AttemptInfo
-from ._log import TASK_ID, CurrentTask, get_logger
+from ._log import TASK_ID, CurrentTask
 from ._recovery import Recovery
 from ._routing import Router
-from ._task import FAILED, RUNNING, SUCCEEDED, Attempt
-from ._verify import check_output, check_safety, verify
+from ._task import RUNNING, Attempt
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
 
+    from ._context import Context
     from ._limits import Cost
     from ._registry import AgentSlot
     from ._report import Report
     from ._run import Run
     from ._store import RunStore
-    from ._task import Task
     from .stores._memory import Record
 
 __all__ = ("Dispatcher",)
-
-log = get_logger("orchestra")
 
 _YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
 
@@ -71,12 +61,11 @@ class Dispatcher:
         self.bus = config.bus
         self.rng = Random(config.seed)
         self._capacity = config.capacity
-        self._verify = config.verify
-        self._safety = config.safety
-        self._attempt_timeout = config.timeouts.attempt
         self.instruments = config.instruments  # metrics and tracing hooks (None: none)
         self.router = Router(self, config.registry)
         self.recovery = Recovery(self)
+        self.parked: list[asyncio.Future[None]] = []
+        self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
@@ -84,8 +73,6 @@ class Dispatcher:
         # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.cancelled = False  # `cancel_all` was called: an outcome that arrives after is dropped
-        self._parked: list[asyncio.Future[None]] = []
         self._workers = 0
         # What each worker runs, set around each attempt: read by `cancel_attempts`, and by the
         # log lines of the attempt as their `task_id` (see `CurrentTask`).
@@ -95,7 +82,6 @@ class Dispatcher:
         self.held = False  # `hold()`: the store's writes are behind; nothing new either
         self.halted = False  # paused or held: the one flag the workers read
         self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
-        self.running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = anyio.current_time
 
@@ -105,6 +91,16 @@ class Dispatcher:
         """The run's clock: the event loop's (virtual under a FakeClock). Stores take their times
         on it; a durable store converts them to wall time where it persists them."""
         return self._time()
+
+    @property
+    def running(self) -> int:
+        """Attempts under way."""
+        return self.attempts.running
+
+    @property
+    def cancelled(self) -> bool:
+        """`cancel_all` was called: what an attempt returns or raises from now on is dropped."""
+        return self.attempts.cancelled
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -119,6 +115,7 @@ class Dispatcher:
     def bind_clock(self, loop: asyncio.AbstractEventLoop) -> None:
         self._time = loop_time(loop)
         self.router.bind_clock(self._time)
+        self.attempts.bind_clock(self._time)
 
     def ready(self, record: Record) -> None:
         """The store made a task ready: get a worker to it."""
@@ -128,7 +125,7 @@ class Dispatcher:
 
     def wake(self) -> None:
         """A task can be claimed: wake a parked worker, or start one if the pool has room."""
-        if self._parked:
+        if self.parked:
             self.wake_one()
         elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
             self._workers += 1
@@ -139,7 +136,7 @@ class Dispatcher:
         if records and records[0].deadline is not None:
             self.schedule()
         for _ in range(len(records)):
-            if self._parked:
+            if self.parked:
                 self.wake_one()
             elif (
                 self._pool is not None and self._workers < self._capacity.limit and not self.closing
@@ -160,14 +157,14 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self._parked:
+        while self.parked:
             self.wake_one()
 
     def cancel_all(self) -> None:
         """Cancel every worker, running or parked, until it leaves; no new attempt starts, and
         what an attempt returns or raises from now on is dropped (the run ends its task as
         cancelled)."""
-        self.cancelled = True
+        self.attempts.cancelled = True
         self.stop()
         self._cancel_workers()
 
@@ -213,14 +210,14 @@ class Dispatcher:
         if self.paused or self.held:
             return
         self.halted = False
-        while self._parked:
+        while self.parked:
             self.wake_one()
         if self._pool is not None and self._loop is not None and not self.closing:
             self.start(self._pool, self._loop)
 
     def cancel_attempts(self, records: list[Record]) -> None:
         """Cancel the running attempts of `records` (the caller has ended the tasks in the store),
-        each through its worker; the worker takes the next task (see `_attempt`)."""
+        each through its worker; the worker takes the next task (see `Attempts.raised`)."""
         wanted = set(records)
         hit = [(t, c, c.record) for t, c in self._running.items() if c.record in wanted]
         self._cancel_again(hit)
@@ -231,7 +228,7 @@ class Dispatcher:
         # Cancel each worker still in the attempt it was told to end, and again at each turn of
         # the loop while it is: an agent that swallows one `CancelledError` is cancelled again at
         # its next await, as the run's own cancel does (`_cancel_workers`). The worker counts
-        # them, and takes them all back when the attempt ends (`_take_back_cancels`).
+        # them, and takes them all back when the attempt ends (`take_back_cancels`).
         again = []
         for task, current, record in hit:
             if current.record is record and not task.done():
@@ -241,7 +238,7 @@ class Dispatcher:
         if again and self._loop is not None:
             self._loop.call_soon(self._cancel_again, again)
 
-    def _take_back_cancels(self, record: Record) -> bool:
+    def take_back_cancels(self, record: Record) -> bool:
         """Whether every cancellation pending on this worker is `cancel_attempts`' for `record`
         (its task is ended already): then they are taken back and the worker goes on. False: the
         run's own cancellation (or another), which the worker lets unwind."""
@@ -258,7 +255,7 @@ class Dispatcher:
 
     def wake_one(self) -> None:
         """Wake one parked worker, if any."""
-        parked = self._parked
+        parked = self.parked
         while parked:
             waiter = parked.pop()
             if not waiter.done():
@@ -272,23 +269,14 @@ class Dispatcher:
         me = asyncio.current_task()
         assert me is not None
         store = self.store
-        run = self.run
-        report = self.report
         capacity = self._capacity
         limiter = capacity.limiter
         router = self.router
-        succeed = store.succeed
+        attempts = self.attempts
         claim = store.claim
         only = router.only
         limit = capacity.limit
-        time = self._time
-        # Nothing around any call: no attempt timeout, no verifier, no safety check, no instrument.
-        bare = (
-            self._attempt_timeout is None
-            and not self._verify
-            and self._safety is None
-            and self.instruments is None
-        )
+        cancelling = me.cancelling  # (a local: `me.cancelling()` is an unspecialized lookup)
         current = self._running[me] = CurrentTask()
         # Each worker runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
@@ -316,14 +304,13 @@ class Dispatcher:
                         # ready but through them (a retry, a spawn, a dependent), and `ready`
                         # starts a worker then: leave now rather than be woken at the end only
                         # to leave.
-                        if store.unfinished <= self.running or self.closing:
+                        if store.unfinished <= attempts.running or self.closing:
                             return
                         waiter = loop.create_future()
-                        self._parked.append(waiter)
+                        self.parked.append(waiter)
                         await waiter
                         continue
                     record, token, slot, cost = picked
-                    inline = _unwatched(record, slot, cost)
                 else:
                     # The common choice, inline: the only agent of the kind, healthy, with room,
                     # nobody waiting in a lane, no limits of its own. `_choose` makes the others.
@@ -338,84 +325,24 @@ class Dispatcher:
                         and not slot.limiters
                     ):
                         cost = None
-                        inline = True
                     elif (picked := self._choose(record)) is None:
                         continue  # it waits in a lane (or ended): claim the next one
                     else:
                         record, token, slot, cost = picked
-                        inline = _unwatched(record, slot, cost)
                 current.record = record
-                if not (
-                    inline and bare and slot.bare and slot.fault is None and not self.bus.active
-                ):
-                    await self._attempt(record, token, slot, cost)
-                elif store.start(record, token, slot.name):
-                    # The common attempt, inline (a coroutine per attempt costs as much as the
-                    # rest of a no-op task's dispatch): the agent's call alone, then its
-                    # success or failure. `_attempt` is the whole of it.
-                    limiter.in_use += 1
-                    slot.in_flight += 1
-                    running = self.running = self.running + 1
-                    if running > report.peak:
-                        report.peak = running
-                    slot.attempts += 1
-                    report.attempts += 1
-                    # The store stamped a task's first start on this clock: no second reading.
-                    start = record.t_start if record.attempts == 1 else time()
-                    ctx = spare
-                    if ctx is None:
-                        ctx = Context(
-                            run, record, slot.name, record.attempts, record.feedback or ()
-                        )
-                    else:  # the last attempt's, which nobody kept: its fields are this attempt's
-                        spare = None
-                        ctx._node = record
-                        ctx.task = record.task
-                        ctx.agent = slot.name
-                        ctx.attempt = record.attempts
-                        ctx.feedback = record.feedback or ()
+                ctx = attempts.begin(record, token, slot, cost, spare)
+                if ctx is False:
+                    await attempts.run(record, token, slot, cost)
+                elif ctx is not None:
+                    # The plain attempt (see `orchestra._attempt`): the worker awaits the call.
+                    spare = None
+                    call = slot.call  # (a local: `slot.call(...)` is an unspecialized lookup)
                     try:
-                        output = await slot.call(record.task, ctx)
-                        if type(output) not in _PLAIN:
-                            check_returned(output, slot.name)
-                        if self.cancelled:
-                            pass  # the agent finished after the run's cancel: the run ends it
-                        elif ctx._spawned is None and slot.breaker.state is CLOSED:
-                            # Nothing spawned, no breaker to tell: one call. (Refused when the
-                            # task was cancelled meanwhile: then it is not the agent's success.)
-                            if succeed(record, token, output, slot.name):
-                                slot.succeeded += 1
-                        else:  # inside the `try`: a refused spawn fails the attempt
-                            self._settle(record, token, slot, output, ctx, start)
-                    except asyncio.CancelledError as exc:
-                        if not (me.cancelling() or self.cancelled):
-                            self.recovery.failed(record, token, slot, exc, start)  # the agent's own
-                        elif not self._take_back_cancels(record):
-                            raise  # ours: the run is cancelled (its end ends the task)
-                        # else `cancel_attempts` cancelled this attempt alone (its task is ended
-                        # already): the worker goes on
-                    except (Exception, SystemExit) as exc:  # `sys.exit()` in an agent too
-                        if not self.cancelled:  # else raised over the run's cancel: cancelled
-                            self.recovery.failed(record, token, slot, exc, start)
-                    except KeyboardInterrupt:
-                        self._interrupted(record, slot)
-                    finally:
-                        if (
-                            ctx._threads
-                            or capacity.blocked
-                            or router.held
-                            or len(capacity.runs) > 1
-                        ):
-                            self._finished(slot, None, ctx, False)
-                        else:  # `_finished`'s common case, inline
-                            if limiter.watchers is None:  # nobody to wake: `release` is the count
-                                limiter.in_use -= 1
-                            else:
-                                limiter.release()
-                            slot.in_flight -= 1
-                            self.running -= 1
-                            if self._parked:
-                                self.wake_one()
+                        output = await call(record.task, ctx)
+                        attempts.returned(record, token, slot, output, ctx)
+                    except BaseException as exc:
+                        if attempts.threw(record, token, slot, exc, ctx):
+                            raise
                     if (
                         getrefcount(ctx) == alone  # only this frame holds it: no one kept it
                         and ctx._spawned is None
@@ -426,7 +353,7 @@ class Dispatcher:
                 current.record = None
                 # The run is cancelled, and the agent swallowed it: no new attempt. (Unless
                 # `cancel_attempts` cancelled this attempt alone: the worker goes on.)
-                if me.cancelling() and not self._take_back_cancels(record):
+                if cancelling() and not self.take_back_cancels(record):
                     return
                 done += 1
                 if not done % _YIELD_EVERY:
@@ -525,260 +452,11 @@ class Dispatcher:
         self.schedule()
         # Wake a worker for each lane that may go on (and for retries the store made ready).
         for _ in range(waiting or 1):
-            if self._parked:
+            if self.parked:
                 self.wake_one()
             elif self._pool is not None and self._workers < self._capacity.limit:
                 self._workers += 1
                 self._spawn(self._worker())
-
-    # -- one attempt -----------------------------------------------------------------------------
-
-    async def _attempt(
-        self, record: Record, token: int, slot: AgentSlot, cost: Cost | None
-    ) -> None:
-        capacity = self._capacity
-        capacity.limiter.in_use += 1
-        slot.in_flight += 1
-        self.running += 1
-        report = self.report
-        if self.running > report.peak:
-            report.peak = self.running
-        breaker = slot.breaker
-        # Sent while the breaker is not closed, the attempt is its probe: its end alone is the
-        # verdict. `unjudged` until a verdict is told (else `_finished` lets another probe out).
-        probe = unjudged = breaker.state is not CLOSED
-        if probe:
-            self.recovery.breaker_changed(slot, breaker.state, breaker.on_dispatch(self._time()))
-        store = self.store
-        task = record.task
-        ctx: Context | None = None
-        try:
-            if self._safety is not None and not record.attempts:
-                try:
-                    safe = await self._safe(record, token)
-                except asyncio.CancelledError:
-                    # `cancel_attempts` cancelled the task during its safety check: the worker
-                    # goes on (as below, for a cancel during the call).
-                    if not self._take_back_cancels(record):
-                        raise
-                    return
-                if not safe:
-                    return
-            if not store.start(record, token, slot.name):
-                return  # the lease went stale (the task was cancelled) before the call
-            slot.attempts += 1
-            report.attempts += 1
-            start = self._time()
-            ctx = Context(self.run, record, slot.name, record.attempts, record.feedback or ())
-            if cost is not None:  # what `ctx.reserve` trues up
-                ctx._reserved = (cost, self.router.limiters(slot))
-            bus = self.bus if self.bus.active else None
-            if bus is not None and bus.wants(AttemptStarted):
-                bus.emit(
-                    AttemptStarted(
-                        start, self.run_id, record.id, record.kind, slot.name, record.attempts
-                    )
-                )
-            try:
-                instruments = self.instruments
-                if instruments is not None:  # metrics, tracing: around the whole attempt
-                    output = await instruments.attempt(
-                        self._bounded_call(record, slot, ctx, start),
-                        AttemptInfo(self.run.info, task, slot.name, record.attempts, start, ctx),
-                    )
-                else:
-                    output = await self._bounded_call(record, slot, ctx, start)
-                if self.cancelled:
-                    return  # the agent finished after the run's cancel: the run ends the task
-                unjudged = False
-                # Inside the `try`: a spawn the store refuses now fails the attempt.
-                self._settle(record, token, slot, output, ctx, start, bus, probe)
-            except asyncio.CancelledError as exc:
-                # Ours (the run is cancelled, or a deadline passed): let it unwind. One the agent
-                # raised by itself (no cancellation pending on this task): a failed attempt.
-                current = asyncio.current_task()
-                if current is None or current.cancelling() or self.cancelled:
-                    if not self._take_back_cancels(record):
-                        raise
-                    # `cancel_attempts` cancelled this attempt alone (its task is already
-                    # ended): the worker goes on.
-                    return
-                unjudged = False
-                self.recovery.failed(record, token, slot, exc, start, probe=probe)
-            except (Exception, SystemExit) as exc:  # `sys.exit()` in an agent too
-                if self.cancelled:
-                    return  # raised over the run's cancel (say, from a `finally`): cancelled
-                unjudged = False
-                judged = getattr(ctx, "_judging", False)
-                self.recovery.failed(record, token, slot, exc, start, judged, probe)
-        except KeyboardInterrupt:
-            self._interrupted(record, slot)
-        finally:
-            self._finished(slot, cost, ctx, unjudged)
-
-    def _interrupted(self, record: Record, slot: AgentSlot) -> None:
-        """A `KeyboardInterrupt` inside an attempt (the agent, its checks): the run stops at once,
-        as a second Ctrl-C stops `run_main`'s, and returns its partial result. Raised on, it would
-        leave the event loop and take the run's results with it."""
-        log.warning("KeyboardInterrupt in an agent: stopping the run", task_id=record.id)
-        self.run.stop(f"stopped by KeyboardInterrupt in agent {slot.name!r} (task {record.id!r})")
-
-    def _settle(
-        self,
-        record: Record,
-        token: int,
-        slot: AgentSlot,
-        output: Any,
-        ctx: Context,
-        start: float,
-        bus: Any = None,
-        probe: bool = False,
-    ) -> None:
-        """The attempt succeeded: the task ends with `output`, and what the attempt spawned as one
-        step (a spawn the store refuses now — its group closed meanwhile — raises `InputError`,
-        which fails the attempt instead). `probe`: the attempt was the breaker's probe."""
-        spawned = ctx._spawned
-        if spawned:
-            if self.store.settle(
-                record, token, SUCCEEDED, output, spawned=list(spawned.values()), agent=slot.name
-            ):
-                slot.succeeded += 1
-            self._succeeded(record, slot, start, bus, probe)
-            return
-        if bus is not None or probe:
-            self._succeeded(record, slot, start, bus, probe)
-        # Counted when the store takes it (it refuses a task cancelled meanwhile).
-        if self.store.settle(record, token, SUCCEEDED, output, agent=slot.name):
-            slot.succeeded += 1
-
-    def _finished(
-        self, slot: AgentSlot, cost: Cost | None, ctx: Context | None, probe: bool
-    ) -> None:
-        """An attempt is over, however it ended: give back what it took, and let a worker use it."""
-        if ctx is not None and ctx._threads:
-            # A thread the call abandoned still runs: its slots (global, the agent's, its
-            # limits') stay taken until it ends.
-            ctx._on_released(partial(self._thread_ended, slot, cost, ctx))
-        else:
-            self._release(slot, cost, ctx)
-        self.running -= 1
-        if probe:  # cancelled (or refused before the call): the probe ends unjudged
-            slot.breaker.on_abandon()
-        capacity = self._capacity
-        if capacity.blocked or len(capacity.runs) > 1:
-            # The freed slot (global, or this agent's, which other runs share) may be what
-            # another run's parked worker waits for.
-            capacity.blocked = False
-            for run in capacity.runs:
-                run.router.room(slot)
-                run.wake_one()
-        else:
-            if self.router.held:
-                self.router.room(slot)
-            if self._parked:
-                self.wake_one()
-
-    def _release(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
-        """Give back what an attempt took: the global slot, the agent's, and its limits (trued up
-        with what the attempt really cost)."""
-        self._capacity.limiter.release()
-        slot.in_flight -= 1
-        if cost is not None:
-            now = self._time()
-            actual = _actual(cost, ctx)
-            for limiter in self.router.limiters(slot):
-                limiter.reconcile(cost, actual, now)
-                limiter.release(cost, now)
-
-    def _thread_ended(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
-        """An abandoned thread of `slot` ended (see `Context._keep_slot`): its slots free now, for
-        whichever runs wait for them (this one may be over)."""
-        self._release(slot, cost, ctx)
-        capacity = self._capacity
-        capacity.blocked = False
-        for run in capacity.runs:
-            run.router.room(slot)
-            run.wake_one()
-
-    def _succeeded(
-        self, record: Record, slot: AgentSlot, start: float, bus: Any, probe: bool = False
-    ) -> None:
-        breaker = slot.breaker
-        if probe:
-            previous = breaker.state
-            state = breaker.on_success(probe)
-            if state is not None:  # the probe succeeded: the agent is back
-                self.recovery.breaker_changed(slot, previous, state)
-                self.recovery.recovered(slot)
-        if bus is not None and bus.wants(AttemptSucceeded):
-            end = self._time()
-            bus.emit(
-                AttemptSucceeded(
-                    end, self.run_id, record.id, record.kind, slot.name, record.attempts,
-                    end - start,
-                )
-            )  # fmt: skip
-
-    async def _bounded_call(
-        self, record: Record, slot: AgentSlot, ctx: Context, start: float
-    ) -> Any:
-        """`_call` within the task's deadline, which bounds the whole attempt: the call, the
-        verifier, and what runs around them."""
-        if record.deadline is None:
-            return await self._call(record, slot, ctx, start)
-        with anyio.CancelScope(deadline=record.deadline) as scope:
-            output = await self._call(record, slot, ctx, start)
-        if scope.cancelled_caught:
-            raise TaskTimeout(
-                f"task timeout: {record.task.timeout or self.config.timeouts.task}s passed"
-            )
-        return output
-
-    async def _call(self, record: Record, slot: AgentSlot, ctx: Context, start: float) -> Any:
-        """The agent call with its fault (simulated), its attempt timeout, its output check and
-        the kind's verifier: an exception here is a failed attempt."""
-        call = slot.call if slot.fault is None else slot.fault.wrap(slot.call)
-        timeout = slot.timeout or self._attempt_timeout
-        if timeout is None:
-            output = await call(record.task, ctx)
-        else:
-            with anyio.CancelScope(deadline=start + timeout) as scope:
-                output = await call(record.task, ctx)
-            if scope.cancelled_caught:
-                raise AttemptTimeout(f"attempt timeout after {timeout}s on agent {slot.name!r}")
-        if type(output) not in _PLAIN:
-            check_returned(output, slot.name)  # before a verifier sees it
-        check = self._verify.get(record.kind) if self._verify else None
-        if slot.output is None and check is None:
-            return output
-        # What raises from here on is the output model's or the verifier's, never a health
-        # failure of the agent (a verifier that calls a service which is down, say). Set only
-        # here: the slot stays unset, and reads as False, for the attempts that judge nothing.
-        ctx._judging = True
-        if slot.output is not None:
-            output = check_output(slot.output, output)
-            check_returned(output, slot.name)  # the model instance, as the result will dump it
-        if check is not None:
-            await verify(check, record.task, output, ctx)
-        return output
-
-    async def _safe(self, record: Record, token: int) -> bool:
-        """The safety check, before the task's first attempt (not counted as one). A refusal (or a
-        check that raises or passes the task's deadline) fails the task, unretried."""
-        check: Callable[[Task], Any] = self._safety  # type: ignore[assignment]
-        deadline = math.inf if record.deadline is None else record.deadline
-        try:
-            with anyio.CancelScope(deadline=deadline) as scope:
-                await check_safety(check, record.task)
-            if scope.cancelled_caught:
-                raise Rejected("the safety check did not answer before the task's deadline")
-        except Rejected as exc:
-            message = describe(exc).message
-            self.store.settle(
-                record, token, FAILED, error=f"Rejected: {message}", error_type="Rejected"
-            )
-            return False
-        return True
 
     # -- what a failure leads to (orchestra._recovery) --------------------------------------------
 
@@ -797,23 +475,3 @@ class Dispatcher:
 
     def moved(self, record: Record, slot: AgentSlot) -> None:
         self.recovery.moved(record, slot)
-
-
-def _actual(cost: Cost, ctx: Context | None) -> Cost:
-    """What an attempt really cost: its request, and the units the agent recorded
-    (`ctx.record_usage`); nothing when it never called the agent."""
-    if ctx is None:
-        return 0
-    usage = ctx._usage
-    if usage is None:
-        return cost
-    return {"requests": 1, **usage}
-
-
-_PLAIN: Final = frozenset((str, int, float, bool, type(None)))
-
-
-def _unwatched(record: Record, slot: AgentSlot, cost: Cost | None) -> bool:
-    """Whether a taken task's attempt has nothing of its own to watch (no reservation, no
-    deadline, a closed breaker): the worker's inline attempt may run it."""
-    return cost is None and record.deadline is None and slot.breaker.state is CLOSED

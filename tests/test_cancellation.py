@@ -32,7 +32,7 @@ from orchestra import (
     TaskResult,
     agent,
 )
-from orchestra._dispatch import Dispatcher
+from orchestra._attempt import Attempts
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import assert_no_leaks, fake_clock, live_tasks, tasks_of
 
@@ -186,12 +186,12 @@ class TestRunTimeout:
     async def test_with_no_subscriber_the_inline_attempt_is_cancelled_too(
         self, clock: FakeClock, mode: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # No subscriber, no verifier, no timeout: the workers run the attempts inline (see
-        # `Dispatcher._worker`), which must end the same way `_attempt` does.
+        # No subscriber, no verifier, no timeout: every attempt is the plain one (see
+        # `orchestra._attempt`), which must end the same way the full one does.
         async def not_here(*args: Any) -> None:
-            raise AssertionError("the attempt went through _attempt, not the inline path")
+            raise AssertionError("the attempt was the full one, not the plain one")
 
-        monkeypatch.setattr(Dispatcher, "_attempt", not_here)
+        monkeypatch.setattr(Attempts, "run", not_here)
         orch, tasks, stubborn, backup = scenario(mode, timeouts={"run": 5.0})
         result = await timed_out(orch, tasks, stubborn)
         assert result.metadata.reason == "run timeout after 5.0s"
@@ -744,7 +744,7 @@ class TestOneTaskCancelled:
                     return "swallowed"
             return task.id
 
-        # An attempt timeout takes the attempt off the worker's inline path (`Dispatcher._attempt`).
+        # An attempt timeout makes the attempt the full one (`Attempts.run`), not the plain one.
         timeouts = None if inline else {"attempt": 60}
         async with Orchestrator(agents=[stubborn], concurrency=1, timeouts=timeouts) as orch:
             await cancel_a_then_run_b(orch, started)
