@@ -433,12 +433,16 @@ class TestKeysAcrossReopens:
                 compact=False,
             )
 
-        store = SQLiteStore(tmp_path / "runs.db")
-        run = open_run(store)
-        for tasks in batches:
-            run.admit(tasks, where="tasks", forward=False)
         ids = [task.id for tasks in batches for task in tasks]
-        before = {i: run.state_of(i) for i in ids}
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            run = open_run(store)
+            for tasks in batches:
+                run.admit(tasks, where="tasks", forward=False)
+            before = {i: run.state_of(i) for i in ids}
+            run.close()
+        finally:
+            store.close()
         assert before == {
             "waiter": PENDING,
             "held": PENDING,
@@ -447,8 +451,6 @@ class TestKeysAcrossReopens:
             "later": PENDING,
             "member": READY,
         }
-        run.close()
-        store.close()
         store = SQLiteStore(tmp_path / "runs.db")
         try:
             run = open_run(store)

@@ -1231,11 +1231,11 @@ class MemoryRun:
             task = record.task
             if task.key is not None:
                 # The first task with a key holds it, unless it ended without succeeding; a later
-                # one that took it over at its admission holds it while it has not (the tasks it
+                # one that took it over at its admission holds it while it has not (the ones it
                 # took it from follow it, and take it back in order if it fails, as they did).
-                # Given by order alone, the key could go to a task that waits for it, and that
-                # task's own key, chosen again, could make another key's holder wait for its
-                # follower: that follower would take its key over and run, out of turn.
+                # By order alone the key would go back to a task that waits for its follower,
+                # and another key's holder could then wait for its own follower, which would take
+                # that key over and run out of turn.
                 holder = self._records.get(self._keys.get(task.key, ""))
                 if (
                     holder is None
