@@ -327,9 +327,11 @@ class ModelMachine(RuleBasedStateMachine):
         self.store.close()
         self.store = SQLiteStore(self.folder / "runs.db")
         self.real = self._open(self.store)
-        records = fresh(self.model.run._records.values())  # type: ignore[attr-defined]
+        old = self.model.run
+        records = fresh(old._records.values())  # type: ignore[attr-defined]
+        took_keys = [r.id for r in records if old.took_key(r)]  # type: ignore[attr-defined]
         self.model = self._open(MemoryStore())
-        self.model.run.restore(records)  # type: ignore[attr-defined]
+        self.model.run.restore(records, took_keys)  # type: ignore[attr-defined]
         self.generation += 1
         self.reopened += 1
         for tasks, forward in self.batches:  # the input, given again
@@ -399,3 +401,62 @@ class TestModel:
                 suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
             ),
         )
+
+
+class TestKeysAcrossReopens:
+    def test_a_key_taken_over_at_admission_stays_with_its_task_across_a_reopen(
+        self, tmp_path: Path
+    ) -> None:
+        # `held` (key k) waits for group g; `twin` follows it (same key); `later` (key j) waits
+        # for `twin`; `member` joins g with key j, and takes j over from `later`, which waits for
+        # it. Read back in admission order, `later` would hold j again, `held` would then wait for
+        # `twin` (through g, `member`, `later`), and `twin` would take k over and run.
+        batches = [
+            [
+                Task("a", {}, id="waiter", depends_on_tags=["g"]),
+                Task("a", {}, id="held", depends_on=["waiter"], key="k"),
+                Task("a", {}, id="twin", key="k"),
+            ],
+            [Task("a", {}, id="after", depends_on=["twin"])],
+            [Task("a", {}, id="later", depends_on=["after"], key="j")],
+            [Task("a", {}, id="member", tags=["g"], key="j")],
+        ]
+        t = [0.0]
+
+        def open_run(store: Any) -> Any:
+            return store.open_run(
+                RUN,
+                admission=Admission(KINDS, {}),
+                listener=Heard(),
+                clock=lambda: t[0],
+                task_timeout=None,
+                compact=False,
+            )
+
+        ids = [task.id for tasks in batches for task in tasks]
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            run = open_run(store)
+            for tasks in batches:
+                run.admit(tasks, where="tasks", forward=False)
+            before = {i: run.state_of(i) for i in ids}
+            run.close()
+        finally:
+            store.close()
+        assert before == {
+            "waiter": PENDING,
+            "held": PENDING,
+            "twin": PENDING,
+            "after": PENDING,
+            "later": PENDING,
+            "member": READY,
+        }
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            run = open_run(store)
+            for tasks in batches:
+                assert run.admit(tasks, where="tasks", forward=False) == 0
+            assert {i: run.state_of(i) for i in ids} == before
+            run.close()
+        finally:
+            store.close()

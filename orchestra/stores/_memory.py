@@ -208,6 +208,10 @@ class MemoryRun:
         # The agent of a key's holder that succeeded and was compacted (its output is `_settled`):
         # a task with the key admitted later ends with both, as with a holder still held.
         self._key_agents: dict[str, str | None] = {}
+        # Tasks that took their key over at admission from a task of the run that holds it
+        # (`_follow`): which task holds a key then depends on the order tasks came in, which
+        # `restore` cannot see, so a durable store keeps this and gives it back.
+        self._took_keys: set[str] = set()
         self._groups: dict[str, Group] = {}
         self._queue: ReadyQueue[Record] = ReadyQueue()
         self._timers: list[
@@ -627,17 +631,20 @@ class MemoryRun:
             if holder_id in self._settled:
                 return self._settled[holder_id], self._key_agents.get(key)
             self._keys[key] = record.id  # (a worker's run forgets ended tasks whole)
+            self._took_keys.add(record.id)
             return None
         if holder.state is SUCCEEDED:
             return holder.output, holder.agent
         if holder.state in TERMINAL:  # it failed, or was cancelled or skipped: this one runs
             self._keys[key] = record.id
+            self._took_keys.add(record.id)
             return None
         if holder.state is PENDING and self._waits_for(holder, record):
             # The holder waits (through its dependencies or groups) for this task: were this one
             # to wait for it, neither would ever run. This one holds the key; the holder (and its
             # followers) follow it, and end with its output.
             self._keys[key] = record.id
+            self._took_keys.add(record.id)
             theirs = self._followers.pop(holder_id, None) or []
             self._followers[record.id] = [holder, *theirs]
             if record.dependents is None:
@@ -1181,6 +1188,12 @@ class MemoryRun:
         key = record.task.key
         return key is not None and self._keys.get(key) == record.id
 
+    def took_key(self, record: Record) -> bool:
+        """Whether `record` took its key over at its admission from another task of the run (the
+        one that held it waited for it, or had ended without succeeding): what `restore` needs to
+        give the key back to the task that held it."""
+        return record.id in self._took_keys
+
     def record_of(self, task_id: str) -> Record | None:
         """The record of `task_id`, if the run holds it (not compacted away)."""
         return self._records.get(task_id)
@@ -1196,12 +1209,14 @@ class MemoryRun:
         record.token += 1
         return record.token
 
-    def restore(self, records: Sequence[Record]) -> None:
+    def restore(self, records: Sequence[Record], took_keys: Collection[str] = ()) -> None:
         """Take back the records a durable store kept, in admission order (a spawner before its
         spawns): ended ones as they ended, the others waiting again (a claimed or running one lost
         its worker and runs again, its attempts counted) and ready at once when what they wait for
-        is done. The listener hears the ones made ready, not the ended ones."""
+        is done. The listener hears the ones made ready, not the ended ones. `took_keys`: the ids
+        of the tasks that took their key over at admission (`took_key`)."""
         groups = self._groups
+        self._took_keys.update(took_keys)
         live = []
         self._unranked = True
         for record in records:
@@ -1215,9 +1230,19 @@ class MemoryRun:
                 self._lookalike = True
             task = record.task
             if task.key is not None:
-                # The first task with a key holds it, unless it ended without succeeding.
+                # The first task with a key holds it, unless it ended without succeeding; a later
+                # one that took it over at its admission holds it while it has not (the ones it
+                # took it from follow it, and take it back in order if it fails, as they did).
+                # By order alone the key would go back to a task that waits for its follower,
+                # and another key's holder could then wait for its own follower, which would take
+                # that key over and run out of turn.
                 holder = self._records.get(self._keys.get(task.key, ""))
-                if holder is None or holder is record or holder.state in _LOST:
+                if (
+                    holder is None
+                    or holder is record
+                    or holder.state in _LOST
+                    or (record.id in self._took_keys and record.state not in _LOST)
+                ):
                     self._keys[task.key] = record.id
             if record.parent is not None:
                 self._spawned = True

@@ -188,7 +188,13 @@ _V3 = (
     )""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+_V4 = (
+    # A task that took its key over at its admission from another task of the run (which waited
+    # for it): on resume the key goes back to it, not to the first task with the key.
+    "ALTER TABLE tasks ADD COLUMN took_key INTEGER NOT NULL DEFAULT 0",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

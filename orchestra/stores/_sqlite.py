@@ -577,7 +577,8 @@ class SQLiteRun:
         for record in records:
             if record.state not in TERMINAL and record.kind in admission.kinds:
                 admission.check(record.task, "stored task", None, lambda _: False)  # its model
-        self._memory.restore(records)
+        took_keys = [row[0] for row in rows if row[32]]
+        self._memory.restore(records, took_keys)
         ended = [r for r in records if r.state in TERMINAL]
         self.resumed = len(ended)
         for record in ended:
@@ -837,9 +838,12 @@ class SQLiteRun:
         offered = self._sharing.offered
         waiting = self._keys.waiting  # held back for a key's result: never a worker's to claim
         new: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
+        memory = self._memory
         for record, payload, admitted in self._new:
-            held = bool(waiting) and waiting.get(record.task.key) is record  # type: ignore[arg-type]
-            lean, row = self._rows.new_row(record, payload, admitted, held)
+            key = record.task.key
+            held = bool(waiting) and waiting.get(key) is record  # type: ignore[arg-type]
+            took = key is not None and memory.took_key(record)
+            lean, row = self._rows.new_row(record, payload, admitted, held, took)
             new[lean].append(row)
             if shared and record.state is READY and not held:
                 offered.add(record.id)

@@ -235,7 +235,7 @@ _STATE_LEAN = (
     "output = ?, agent = ?, error = NULL, error_type = NULL, defaulted = 0"
 )
 _HEAD = "run_id, id, seq, idx, named, kind, payload, admitted"
-_STATIC = "parent, depends_on, depends_on_tags, tags, key, timeout, critical, metadata"
+_STATIC = "parent, depends_on, depends_on_tags, tags, key, took_key, timeout, critical, metadata"
 _STATE_COLUMNS = (
     "priority, state, attempts, agent_tries, target, tried, feedback, token, due, deadline, "
     "started, finished, output, agent, error, error_type, defaulted"
@@ -244,7 +244,7 @@ _STATE_COLUMNS_LEAN = (
     "priority, state, attempts, agent_tries, target, token, started, finished, output, agent"
 )
 _INSERT = (
-    f"INSERT INTO tasks ({_HEAD}, {_STATIC}, {_STATE_COLUMNS}) VALUES ({', '.join('?' * 33)}) "
+    f"INSERT INTO tasks ({_HEAD}, {_STATIC}, {_STATE_COLUMNS}) VALUES ({', '.join('?' * 34)}) "
     "ON CONFLICT (run_id, id) DO NOTHING"
 )
 _INSERT_LEAN = (
@@ -266,7 +266,8 @@ LOAD = (
     "SELECT id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key, "
     "timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried, "
     "feedback, token, started, finished, output, agent, error, error_type, defaulted, "
-    "lease_owner, lease_expires, outcome, spawned FROM tasks WHERE run_id = ? ORDER BY seq"
+    "lease_owner, lease_expires, outcome, spawned, took_key FROM tasks WHERE run_id = ? "
+    "ORDER BY seq"
 )
 
 

@@ -56,10 +56,15 @@ class Rows:
         self.seq = seq  # the last admission number written
 
     def new_row(
-        self, record: Record, payload: str, admitted: float, held: bool = False
+        self,
+        record: Record,
+        payload: str,
+        admitted: float,
+        held: bool = False,
+        took_key: bool = False,
     ) -> tuple[bool, tuple[Any, ...]]:
         """The row inserting a new task, and whether it is one for `_INSERT_LEAN` (`held`: see
-        `state_row`)."""
+        `state_row`; `took_key`: see `MemoryRun.took_key`)."""
         task = record.task
         self.seq += 1
         parent = record.parent
@@ -98,6 +103,7 @@ class Rows:
             _json_list(task.depends_on_tags),
             _json_list(task.tags),
             task.key,
+            int(took_key),
             task.timeout,
             int(bool(task.critical)),
             None if task.metadata is None else to_json(task.metadata, fallback=repr).decode(),
