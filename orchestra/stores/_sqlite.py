@@ -689,9 +689,13 @@ class SQLiteRun:
 
     def _failed(self, record: Record, attempt: Attempt) -> None:
         self._attempts.append((record.id, attempt))
-        # At the attempt's end (the memory run's clock), not now: before the task's own end.
+        # At the attempt's end, not now: before the task's own end. Made from the attempt's
+        # start and duration, counted from the run's zero, not the memory run's, a hair earlier:
+        # never later than now, or the task's next event (its retry made ready) came first.
+        end = self._memory._t0 + attempt.started + attempt.duration
+        now = self._now()
         self._events.append(
-            (record.id, self._memory._t0 + attempt.started + attempt.duration, "attempt_failed",
+            (record.id, end if end < now else now, "attempt_failed",
              attempt.agent, attempt.number, f"{attempt.error_type}: {attempt.message}")
         )  # fmt: skip
 
