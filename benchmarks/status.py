@@ -17,10 +17,10 @@ import time
 import timeit
 
 from orchestra import Context, Orchestrator, Task, agent
+from orchestra._record import Record
 from orchestra._report import Report
 from orchestra._status import snapshot
 from orchestra._task import SUCCEEDED
-from orchestra.stores._memory import Record
 
 
 def meter_cost(n: int = 200_000) -> float:

@@ -49,13 +49,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._limits import Cost
+    from ._record import Record
     from ._recovery import Recovery
     from ._registry import AgentSlot
     from ._routing import Router
     from ._run import Run
     from ._store import RunStore
     from ._task import Task
-    from .stores._memory import Record
 
 __all__ = ("Attempts", "Owner")
 
@@ -169,7 +169,7 @@ class Attempts:
         report.attempts += 1
         if spare is None:
             return Context(self._run, record, slot.name, record.attempts, record.feedback or ())
-        spare._node = record
+        spare._record = record
         spare.task = record.task
         spare.agent = slot.name
         spare.attempt = record.attempts

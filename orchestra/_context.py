@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from ._limits import Cost, Limiter
+    from ._record import Record
     from ._run import Run
     from ._task import Task
-    from .stores._memory import Record
 
 __all__ = ("Context",)
 
@@ -38,8 +38,8 @@ class Context:
 
     __slots__ = (
         "_judging",
-        "_node",
         "_on_end",
+        "_record",
         "_reserved",
         "_run",
         "_spawned",
@@ -58,10 +58,10 @@ class Context:
     _judging: bool
 
     def __init__(
-        self, run: Run, node: Record, agent: str, attempt: int, feedback: Sequence[str]
+        self, run: Run, record: Record, agent: str, attempt: int, feedback: Sequence[str]
     ) -> None:
         self._run = run
-        self._node = node
+        self._record = record
         self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
         self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
         self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
@@ -70,7 +70,7 @@ class Context:
         # dispatcher when it reserved anything): `reserve` trues it up.
         self._reserved: tuple[Cost, tuple[Limiter, ...]] | None = None
         self.run_id = run.run_id
-        self.task: Task = node.task
+        self.task: Task = record.task
         self.agent = agent
         self.attempt = attempt
         self.feedback = feedback
@@ -78,7 +78,7 @@ class Context:
     @property
     def deps(self) -> Mapping[str, Any]:
         """The outputs of this task's dependencies (and of the members of the groups it waits for), by id."""
-        return self._run.store.deps_of(self._node)
+        return self._run.store.deps_of(self._record)
 
     def spawn(self, task: Task) -> Task:
         """Add a task to the run. It is checked now (an `InputError` names what is wrong) and admitted
@@ -87,7 +87,7 @@ class Context:
         spawned = self._spawned
         if spawned is None:
             spawned = self._spawned = {}
-        self._run.store.check_spawn(task, self._node, spawned)
+        self._run.store.check_spawn(task, self._record, spawned)
         spawned[task.id] = task
         return task
 

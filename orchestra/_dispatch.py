@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 
     from ._context import Context
     from ._limits import Cost
+    from ._record import Record
     from ._registry import AgentSlot
     from ._report import Report
     from ._run import Run
     from ._store import RunStore
-    from .stores._memory import Record
 
 __all__ = ("Dispatcher",)
 

@@ -22,8 +22,8 @@ from ._task import CANCELLED, FAILED, SUCCEEDED, Attempt
 
 if TYPE_CHECKING:
     from ._dispatch import Dispatcher
+    from ._record import Record
     from ._registry import AgentSlot
-    from .stores._memory import Record
 
 __all__ = ("Recovery",)
 

@@ -31,8 +31,8 @@ from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ._record import Record
     from ._task import Task
-    from .stores._memory import Record as Node
 
 __all__ = ("ErrorSample", "KindTally", "Report", "remediation")
 
@@ -164,9 +164,9 @@ class Report:
         self._kinds: dict[str, KindTally] = {}
         # Succeeded tasks not counted yet: counted `BATCH` at a time (see `finished`), and before
         # anything reads what they change or another task's end is counted.
-        self.batch: list[Node] = []
+        self.batch: list[Record] = []
         self.per_agent: dict[str, int] = {}
-        self.not_ok: list[Node] = []
+        self.not_ok: list[Record] = []
         self.defaulted: list[str] = []
         self.tokens: dict[str, int] = {}
         self.cost = 0.0
@@ -216,12 +216,12 @@ class Report:
     def admitted_one(self, kind: str) -> None:
         self._kind(kind).admitted += 1
 
-    def ready(self, record: Node) -> None:
+    def ready(self, record: Record) -> None:
         """A spawned task became ready: the first time counts it as admitted."""
         if record.attempts == 0:
             self._kind(record.kind).admitted += 1
 
-    def finished(self, record: Node) -> None:
+    def finished(self, record: Record) -> None:
         """Count one ended task (the store has stamped its times and status).
 
         A success is only put aside, and counted with the next `BATCH` of them in one go
@@ -254,7 +254,7 @@ class Report:
             done = done[cut:]
         self._fold_second(done)
 
-    def _fold_second(self, done: list[Node]) -> None:
+    def _fold_second(self, done: list[Record]) -> None:
         """`fold` for successes that all ended within the current second."""
         kinds = {record.kind for record in done}
         if len(kinds) * _GROUP > len(done):  # many kinds, a few tasks each: one at a time
@@ -269,7 +269,7 @@ class Report:
         if len(kinds) == 1:
             self._fold_kind(self._kind(done[0].kind), done)
             return
-        by_kind: dict[str, list[Node]] = {}
+        by_kind: dict[str, list[Record]] = {}
         for record in done:  # tasks of many kinds ending together (in their order, per kind)
             group = by_kind.get(record.kind)
             if group is None:
@@ -279,7 +279,7 @@ class Report:
         for name, group in by_kind.items():
             self._fold_kind(self._kind(name), group)
 
-    def _fold_kind(self, kind: KindTally, done: list[Node]) -> None:
+    def _fold_kind(self, kind: KindTally, done: list[Record]) -> None:
         """Count successes of one kind, all within the current second."""
         n = len(done)
         kind.succeeded += n
@@ -295,7 +295,7 @@ class Report:
         exact = max(0, min(n, _EXACT - timed))
         kind.sample.extend(took[:exact] + took[exact + (-(timed + exact + 1)) % _EVERY :: _EVERY])
 
-    def _one(self, record: Node) -> None:
+    def _one(self, record: Record) -> None:
         kind = self._kinds.get(record.kind)
         if kind is None:
             kind = self._kind(record.kind)
@@ -347,7 +347,7 @@ class Report:
                 failed += self.ring_failed[i]
         return ended, failed, min(now, now - first)
 
-    def _not_ok(self, kind: KindTally, record: Node) -> None:
+    def _not_ok(self, kind: KindTally, record: Record) -> None:
         self.not_ok.append(record)
         status = record.status
         if status is FAILED:
@@ -473,7 +473,7 @@ class Report:
         return RunResult(status=status, data=data, metadata=metadata, errors=errors)
 
 
-def _position(node: Node) -> tuple[int, ...]:
+def _position(node: Record) -> tuple[int, ...]:
     return node.order
 
 
@@ -566,7 +566,7 @@ class Durations:
         self.next = count + int(gap) + 1
 
 
-def _error_record(node: Node) -> ErrorRecord:
+def _error_record(node: Record) -> ErrorRecord:
     result = node
     failures = node.failures or []
     error_type = result.error_type or (failures[-1].error_type if failures else "Error")

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
     from ._budget import BudgetGate
     from ._limits import Limiter, Waiter
+    from ._record import Record
     from ._registry import AgentSlot, Registry
-    from .stores._memory import Record
 
 __all__ = ("NONE_LEFT", "Lane", "Router")
 

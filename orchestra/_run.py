@@ -48,13 +48,13 @@ if TYPE_CHECKING:
     from ._events import EventBus
     from ._instruments import Instruments
     from ._limits import Capacity
+    from ._record import Record
     from ._registry import Registry
     from ._result import RunResult
     from ._retry import RetryPolicy, Timeouts
     from ._store import RunStore
     from ._task import TaskResult
     from ._verify import Check
-    from .stores._memory import Record
 
 __all__ = ("Run", "RunConfig")
 

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from ._admission import Admission
     from ._handle import RunHandle
     from ._orchestrator import Orchestrator
+    from ._record import Record
     from ._store import Listener
-    from .stores._memory import Record
     from .stores._sqlite import SQLiteStore
 
 __all__ = ("WorkReport", "work")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from orchestra import Task
+from orchestra._record import Record
 from orchestra._report import Report
 from orchestra._task import FAILED, SUCCEEDED
-from orchestra.stores._memory import Record
 
 
 def ended(

@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 
 from orchestra import InputError, Task
 from orchestra._admission import Admission
+from orchestra._record import Record
 from orchestra._store import KEEP, Selector
 from orchestra._task import (
     CANCELLED,
@@ -50,7 +51,6 @@ from orchestra._task import (
     TERMINAL,
 )
 from orchestra.stores import MemoryStore, SQLiteStore
-from orchestra.stores._memory import Record
 from tests.test_store_contract import Heard, attempt
 
 if TYPE_CHECKING:

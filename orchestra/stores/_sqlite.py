@@ -95,7 +95,7 @@ from .._task import (
 )
 from . import _sqlite_io as io
 from . import _sqlite_work as work
-from ._memory import MemoryRun, Record
+from ._memory import MemoryRun
 from ._sqlite_keys import Keys
 from ._sqlite_rows import Rows
 from ._sqlite_share import Sharing
@@ -105,6 +105,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from .._admission import Admission
+    from .._record import Record
     from .._store import Listener, Selector
 
 __all__ = ("SQLiteRun", "SQLiteStore")

@@ -22,7 +22,7 @@ from . import _sqlite_io as io
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from ._memory import Record
+    from .._record import Record
     from ._sqlite import SQLiteRun
 
 __all__ = ("Keys",)

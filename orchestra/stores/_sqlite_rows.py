@@ -16,6 +16,7 @@ from typing import Any
 from pydantic_core import to_json
 
 from .._output import jsonable
+from .._record import Record
 from .._task import (
     CANCELLED,
     CLAIMED,
@@ -30,7 +31,6 @@ from .._task import (
     Attempt,
     Task,
 )
-from ._memory import Record
 
 __all__ = ("STATES", "Rows")
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from concurrent.futures import Future
 
-    from ._memory import Record
+    from .._record import Record
     from ._sqlite import SQLiteRun
 
 __all__ = ("Sharing",)
