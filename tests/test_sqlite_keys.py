@@ -286,7 +286,7 @@ class TestAWaitersLookAtTheFile:
         # answer to a question asked just before "s" ended: its run releases the key, so that
         # "t", submitted later, runs at once instead of waiting out the lease.
         db = tmp_path / "runs.db"
-        steered = SQLiteStore(db, window=0.5, key_lease=3600)
+        steered = SQLiteStore(db, window=1.0, key_lease=3600)  # asks the file once a second
         other = SQLiteStore(db, window=0.01, key_lease=3600)
         calls: list[str] = []
         holding = asyncio.Event()
@@ -304,6 +304,12 @@ class TestAWaitersLookAtTheFile:
                 await done.wait()
             return task.id
 
+        async def asking(keys: Any, now: bool) -> None:
+            """Until the steered run's question to the file is (not) under way."""
+            with anyio.fail_after(30):
+                while (keys._asking is not None) != now:
+                    await asyncio.sleep(0.001)
+
         async with (
             Orchestrator(agents=[work], store=steered) as orch,
             Orchestrator(agents=[work], store=other) as elsewhere,
@@ -313,28 +319,35 @@ class TestAWaitersLookAtTheFile:
             steered_run = orch.start(
                 tasks=[Task("work", 1, id="s", key="k"), Task("work", 1, id="keep")], run_id="s"
             )
-            await asyncio.sleep(0.1)  # "s" waits for the key; its next question in 0.4 s
+            with anyio.fail_after(30):
+                while "s" not in steered.open_runs:
+                    await asyncio.sleep(0.001)
+            keys = steered.open_runs["s"]._keys
+            await asking(keys, True)  # "s" waits for the key: a question, answered "b has it"
+            await asking(keys, False)  # the next one comes a second later
             fail.set()
-            assert (await holder).status == "failed"
-            await asyncio.sleep(0.05)  # the key is released in the file
-            locked = threading.Event()
+            assert (await holder).status == "failed"  # the key is released in the file
+            locked, unlock = threading.Event(), threading.Event()
 
-            def lock() -> None:  # the question waits for the file until "s" ended, and the
-                # window that writes its end is built
+            def lock() -> None:  # the next question waits for the file until "s" ended, and
+                # the window that writes its end is built
                 with closing(sqlite3.connect(db, isolation_level=None)) as conn:
                     conn.execute("BEGIN IMMEDIATE")
                     locked.set()
-                    time.sleep(1.5)
+                    unlock.wait(30)
+                    time.sleep(0.2)
                     conn.rollback()
 
             locking = threading.Thread(target=lock)
             locking.start()
             await anyio.to_thread.run_sync(locked.wait)
-            await asyncio.sleep(0.5)  # asked
-            if end == "the run stops":
+            await asking(keys, True)  # asked: the answer waits for the lock
+            if end == "the run stops":  # (its end is written, blocking, once the file is free)
+                threading.Timer(0.3, unlock.set).start()
                 assert (await steered_run.stop(grace=0)).status == "cancelled"
             else:
                 assert steered_run.cancel(task_id="s").cancelled == ("s",)
+            unlock.set()
             await anyio.to_thread.run_sync(locking.join)
             with anyio.fail_after(30):  # the file has answered: the key is "s"'s
                 while _holder(db, "k") != "s":
