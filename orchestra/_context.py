@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._budget import BudgetDoor
 from ._config import finite
@@ -18,10 +18,26 @@ if TYPE_CHECKING:
 
     from ._limits import Cost, Limiter
     from ._record import Record
-    from ._run import Run
+    from ._store import RunStore
     from ._task import Task
 
-__all__ = ("Context",)
+__all__ = ("Context", "Owner")
+
+
+class Owner(Protocol):
+    """What a context asks of its run: its id, its store (for the dependencies' outputs and to
+    check a spawn) and its report (for what the attempt spent)."""
+
+    run_id: str
+    store: RunStore
+
+    def record_usage(
+        self,
+        cost: float,
+        tokens: Mapping[str, int],
+        agent: str | None = None,
+        model: str | None = None,
+    ) -> None: ...
 
 
 class Context:
@@ -58,7 +74,7 @@ class Context:
     _judging: bool
 
     def __init__(
-        self, run: Run, record: Record, agent: str, attempt: int, feedback: Sequence[str]
+        self, run: Owner, record: Record, agent: str, attempt: int, feedback: Sequence[str]
     ) -> None:
         self._run = run
         self._record = record

@@ -2,14 +2,14 @@
 next agent of the task's chain, or the chain's end (the kind's default value, or a failure).
 
 The dispatcher runs attempts; this decides, from the attempt's error and the policies, what comes
-next, and tells the store (`fail` with the next step, or `settle`). It composes the dispatcher (for
-the run's store, router, report, events and clock) rather than being part of it: the run path of an
-attempt reads top to bottom in `orchestra._dispatch`, and what failure means reads here.
+next, and tells the store (`fail` with the next step, or `settle`). It asks its dispatcher for the
+run's store, router, report, events and clock, through `Owner`, rather than being part of it: the
+run path of an attempt reads top to bottom in `orchestra._attempt`, and what failure means here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._breaker import CLOSED, HALF_OPEN, OPEN, is_outage
 from ._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
@@ -21,13 +21,37 @@ from ._routing import NONE_LEFT
 from ._task import CANCELLED, FAILED, SUCCEEDED, Attempt
 
 if TYPE_CHECKING:
-    from ._dispatch import Dispatcher
+    from random import Random
+
+    from ._events import EventBus
+    from ._instruments import Instruments
     from ._record import Record
     from ._registry import AgentSlot
+    from ._report import Report
+    from ._routing import Router
+    from ._run import Run, RunConfig
+    from ._store import RunStore
 
-__all__ = ("Recovery",)
+__all__ = ("Owner", "Recovery")
 
 log = get_logger("orchestra")
+
+
+class Owner(Protocol):
+    """What the recovery asks of its dispatcher: the run's parts, its clock and its timer."""
+
+    run_id: str
+    run: Run
+    config: RunConfig
+    store: RunStore
+    router: Router
+    report: Report
+    bus: EventBus
+    instruments: Instruments | None
+    rng: Random
+
+    def now(self) -> float: ...
+    def schedule(self) -> None: ...
 
 
 class Recovery:
@@ -35,7 +59,7 @@ class Recovery:
 
     __slots__ = ("_d", "_moving")
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Owner) -> None:
         self._d = dispatcher
         # Tasks that left an agent for any other of their kind (no explicit chain), with that
         # agent and why: the fallback is told once the router picks where they go (`moved`).
@@ -190,7 +214,7 @@ class Recovery:
         for it with nowhere else to go spends an attempt there (`CircuitOpen`, carrying the
         probe's error), so an agent down for good fails its tasks after their attempts — a few
         probes, not a call per task — and one back within their retry budget loses nothing."""
-        for dispatcher in self._d._capacity.runs:
+        for dispatcher in self._d.config.capacity.runs:
             if dispatcher.paused:
                 # A paused run starts no attempt, so it spends none: its waiting tasks are looked
                 # at again when it resumes (and wait for the next probe then, on a timer).
@@ -349,7 +373,7 @@ class Recovery:
 
     def recovered(self, slot: AgentSlot) -> None:
         """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
-        for run in self._d._capacity.runs:
+        for run in self._d.config.capacity.runs:
             run.router.room(slot)
             run.wake_one()
 
