@@ -400,7 +400,7 @@ class TestBackpressure:
             await anyio.sleep(0.001)
             return task.payload
 
-        store = SQLiteStore(path, window=window, busy_timeout=3)
+        store = SQLiteStore(path, window=window, busy_timeout=10)  # (a loaded machine: slack)
         orch = Orchestrator(agents=[quick], store=store, aggregate=Discard())
         holder = sqlite3.connect(path, isolation_level=None, timeout=30)  # another writer
         pulled = pulled_in_lock = 0
