@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ._record import Record
     from ._registry import AgentSlot
     from ._report import Report
+    from ._retry import RetryPolicy
     from ._routing import Router
     from ._run import Run, RunConfig
     from ._store import RunStore
@@ -79,9 +80,7 @@ class Recovery:
         when `judged`: never the agent's health failure); `probe`: the attempt was the breaker's
         probe (sent while it was not closed), whose end alone closes or reopens it."""
         end = self._d.now()
-        policy = (
-            slot.retry or self._d.config.retry_per_kind.get(record.kind) or self._d.config.retry
-        )
+        policy = self._policy(slot, record.kind)
         retryable, retry_after = classify(exc, policy)
         failure = describe(exc)
         error_type, message = failure.error_type, failure.message
@@ -209,6 +208,11 @@ class Recovery:
             return
         self.fall_back(record, token, slot, attempt, reason, exhausted=retryable)
 
+    def _policy(self, slot: AgentSlot, kind: str) -> RetryPolicy:
+        """The retry policy of a task of `kind` on `slot`: the agent's own, the kind's, the run's."""
+        config = self._d.config
+        return slot.retry or config.retry_per_kind.get(kind) or config.retry
+
     def probe_failed(self, slot: AgentSlot, error: str) -> None:
         """`slot`'s probe failed (its breaker opened again): every task, in every run, that waits
         for it with nowhere else to go spends an attempt there (`CircuitOpen`, carrying the
@@ -236,7 +240,7 @@ class Recovery:
             if not store.start(record, token, slot.name):
                 continue  # it ended while it waited
             d.report.attempts += 1  # an attempt of the task's, not a call: `slot.attempts` is not
-            policy = slot.retry or d.config.retry_per_kind.get(record.kind) or d.config.retry
+            policy = self._policy(slot, record.kind)
             attempt = Attempt(
                 number=record.attempts,
                 agent=slot.name,
