@@ -17,9 +17,9 @@ import time
 import timeit
 
 from orchestra import Context, Orchestrator, Task, agent
+from orchestra._core._report import Report
+from orchestra._core._status import snapshot
 from orchestra._record import Record
-from orchestra._report import Report
-from orchestra._status import snapshot
 from orchestra._task import SUCCEEDED
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestra._demo import main
+from orchestra._cli._demo import main
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -37,7 +37,30 @@ from ._aggregate import (
     Transform as Transform,
 )
 from ._breaker import BreakerPolicy as BreakerPolicy
-from ._context import Context as Context
+from ._cli._progress import progress as progress
+from ._cli._progress import render_status as render_status
+from ._cli._progress import status_line as status_line
+from ._cli._signals import run_main as run_main
+from ._core._context import Context as Context
+from ._core._handle import Cancellation as Cancellation
+from ._core._handle import RunHandle as RunHandle
+from ._core._instruments import AttemptInfo as AttemptInfo
+from ._core._instruments import Instrument as Instrument
+from ._core._instruments import RunInfo as RunInfo
+from ._core._orchestrator import (
+    Orchestrator as Orchestrator,
+)
+from ._core._orchestrator import (
+    RecoveryStatus as RecoveryStatus,
+)
+from ._core._orchestrator import (
+    ResultStream as ResultStream,
+)
+from ._core._status import AgentStatus as AgentStatus
+from ._core._status import Bottleneck as Bottleneck
+from ._core._status import ErrorSample as ErrorSample
+from ._core._status import KindStatus as KindStatus
+from ._core._status import RunStatus as RunStatus
 from ._decompose import by_priority as by_priority
 from ._decompose import by_type as by_type
 from ._decompose import chunked as chunked
@@ -116,27 +139,10 @@ from ._exceptions import (
 from ._exceptions import (
     VerificationError as VerificationError,
 )
-from ._handle import Cancellation as Cancellation
-from ._handle import RunHandle as RunHandle
-from ._instruments import AttemptInfo as AttemptInfo
-from ._instruments import Instrument as Instrument
-from ._instruments import RunInfo as RunInfo
 from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
 from ._limits import Rate as Rate
 from ._log import configure_logging as configure_logging
-from ._orchestrator import (
-    Orchestrator as Orchestrator,
-)
-from ._orchestrator import (
-    RecoveryStatus as RecoveryStatus,
-)
-from ._orchestrator import (
-    ResultStream as ResultStream,
-)
-from ._progress import progress as progress
-from ._progress import render_status as render_status
-from ._progress import status_line as status_line
 from ._result import (
     AttemptRecord as AttemptRecord,
 )
@@ -157,17 +163,11 @@ from ._result import (
 )
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import Timeouts as Timeouts
-from ._signals import run_main as run_main
-from ._status import AgentStatus as AgentStatus
-from ._status import Bottleneck as Bottleneck
-from ._status import ErrorSample as ErrorSample
-from ._status import KindStatus as KindStatus
-from ._status import RunStatus as RunStatus
 from ._task import Attempt as Attempt
 from ._task import Task as Task
 from ._task import TaskResult as TaskResult
 from ._verify import Verdict as Verdict
-from ._worker import WorkReport as WorkReport
+from .stores._worker import WorkReport as WorkReport
 
 __version__ = "0.1.0"
 

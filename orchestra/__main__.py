@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from orchestra._extras import missing_extra
+from ._extras import missing_extra
 
 __all__ = ("main",)
 
@@ -16,9 +16,9 @@ _CLI_PACKAGES = frozenset({"typer", "rich", "click"})
 
 
 def main() -> None:
-    """Run the `orchestra` command (`orchestra.cli`)."""
+    """Run the `orchestra` command (`orchestra._cli._app`)."""
     try:
-        from orchestra.cli import main as cli
+        from ._cli._app import main as cli
     except ModuleNotFoundError as exc:
         if exc.name not in _CLI_PACKAGES:
             raise

@@ -27,7 +27,7 @@ from ._retry import RetryPolicy
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ._context import Context
+    from ._core._context import Context
     from ._task import Task
 
 __all__ = ("Agent", "AgentLike", "agent")

@@ -33,9 +33,9 @@ from ._log import get_logger
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from ._core._report import Report
     from ._limits import Cost, Limiter
     from ._registry import AgentSlot
-    from ._report import Report
 
 __all__ = ("BUDGET_EXCEEDED", "Budget", "BudgetGate")
 

@@ -18,7 +18,7 @@ import anyio
 from ._exceptions import ConfigError, PermanentError
 
 if TYPE_CHECKING:
-    from ._context import Context
+    from ._core._context import Context
     from ._task import Task
 
 __all__ = ("GARBAGE", "Fault", "FaultMode", "SimulatedAPIError", "raise_fault")

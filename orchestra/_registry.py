@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from pydantic import BaseModel
 
-    from ._context import Context
+    from ._core._context import Context
     from ._retry import RetryPolicy
     from ._task import Task
 

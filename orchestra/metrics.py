@@ -33,9 +33,9 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
+from ._core._instruments import Instrument, last_agent
 from ._exceptions import ConfigError
 from ._extras import missing_extra
-from ._instruments import Instrument, last_agent
 
 try:
     from prometheus_client import REGISTRY, generate_latest, start_http_server
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics_core import Metric
 
-    from ._instruments import AttemptInfo, RunInfo
-    from ._orchestrator import Orchestrator
+    from ._core._instruments import AttemptInfo, RunInfo
+    from ._core._orchestrator import Orchestrator
     from ._task import Task, TaskResult
 
 __all__ = ("DURATION_BUCKETS", "PrometheusMetrics")

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
+from ._core._instruments import CANCELLED, FAILED, Instrument, last_agent
 from ._exceptions import ConfigError
 from ._extras import missing_extra
 from ._failure import describe
-from ._instruments import CANCELLED, FAILED, Instrument, last_agent
 
 try:
     from opentelemetry import context as otel_context
@@ -43,8 +43,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from ._instruments import AttemptInfo, RunInfo
-    from ._orchestrator import Orchestrator
+    from ._core._instruments import AttemptInfo, RunInfo
+    from ._core._orchestrator import Orchestrator
     from ._task import Task, TaskResult
 
 __all__ = ("OpenTelemetryTracing",)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from orchestra import Context, RetryPolicy, Task, agent
-from orchestra._attempt import Attempts
+from orchestra._core._attempt import Attempts
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import tasks_of
 

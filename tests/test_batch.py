@@ -8,7 +8,7 @@ import json
 import pytest
 
 from orchestra import Context, InputError, Orchestrator, Task, agent
-from orchestra._batch import Batch, read_batch, read_jsonl, tasks_of
+from orchestra._cli._batch import Batch, read_batch, read_jsonl, tasks_of
 
 
 @agent(kinds=["echo"])

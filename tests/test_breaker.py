@@ -35,8 +35,8 @@ from orchestra import (
     render_status,
 )
 from orchestra._breaker import Breaker, is_outage
+from orchestra._core._routing import Router
 from orchestra._faults import SimulatedAPIError
-from orchestra._routing import Router
 from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
 from tests.helpers import not_garbage, trips_after
 

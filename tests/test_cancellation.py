@@ -32,7 +32,7 @@ from orchestra import (
     TaskResult,
     agent,
 )
-from orchestra._attempt import Attempts
+from orchestra._core._attempt import Attempts
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import assert_no_leaks, fake_clock, live_tasks, tasks_of
 
@@ -187,7 +187,7 @@ class TestRunTimeout:
         self, clock: FakeClock, mode: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         # No subscriber, no verifier, no timeout: every attempt is the plain one (see
-        # `orchestra._attempt`), which must end the same way the full one does.
+        # `orchestra._core._attempt`), which must end the same way the full one does.
         async def not_here(*args: Any) -> None:
             raise AssertionError("the attempt was the full one, not the plain one")
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 import orchestra
-from orchestra.cli import _how_to_bench, _missing_bench_group, app
+from orchestra._cli._app import _how_to_bench, _missing_bench_group, app
 from orchestra.stores import SQLiteStore
 from tests.helpers import REPO, run_python, spawn
 
@@ -574,7 +574,7 @@ class TestBench:
         monkeypatch.setattr(sys, "path", list(sys.path))
         # The peers are the bench group's, which the tests' environment leaves out; --help needs
         # none of them.
-        monkeypatch.setattr("orchestra.cli._missing_bench_group", lambda root: [])
+        monkeypatch.setattr("orchestra._cli._app._missing_bench_group", lambda root: [])
         result = invoke("bench", "--help")
         assert result.exit_code == 0, result.output
         assert "--smoke" in result.stdout
@@ -583,7 +583,7 @@ class TestBench:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr("orchestra.cli.__file__", str(tmp_path / "orchestra" / "cli.py"))
+        monkeypatch.setattr("orchestra._cli._app.__file__", str(tmp_path / "orchestra" / "cli.py"))
         result = invoke("bench", "--smoke")
         assert result.exit_code == 2
         assert "No checkout here" in result.stderr

@@ -1,4 +1,4 @@
-"""`orchestra._console.watch`: a run with the live view, its results written, steered by keys."""
+"""`orchestra._cli._console.watch`: a run with the live view, its results written, steered by keys."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from orchestra import Context, InputError, Orchestrator, Task, TaskResult, agent
-from orchestra._console import watch
+from orchestra._cli._console import watch
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -29,8 +29,8 @@ from orchestra import (
     agent,
     status_line,
 )
-from orchestra._store import Selector
 from orchestra.stores import SQLiteStore
+from orchestra.stores._protocol import Selector
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import fake_clock
 

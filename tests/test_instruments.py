@@ -271,7 +271,7 @@ class TestOff:
         def refuse(*args: Any) -> None:
             raise AssertionError("an AttemptInfo was built without instruments")
 
-        monkeypatch.setattr("orchestra._attempt.AttemptInfo", refuse)
+        monkeypatch.setattr("orchestra._core._attempt.AttemptInfo", refuse)
         result = await scenario(make_orchestrator).run(tasks=scenario_tasks())
         assert result.metadata.attempts == 6
 

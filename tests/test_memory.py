@@ -12,7 +12,7 @@ import pytest
 
 from orchestra import Context, Orchestrator, Task, agent
 from orchestra._admission import Admission
-from orchestra._report import Durations
+from orchestra._core._report import Durations
 from orchestra._task import SUCCEEDED
 from orchestra.stores import MemoryStore
 

@@ -14,8 +14,8 @@ from rich.console import Console
 
 import orchestra
 from orchestra import ConfigError, Context, Orchestrator, RunStatus, Task, agent, progress
-from orchestra._run import Run
-from orchestra._status import snapshot
+from orchestra._core._run import Run
+from orchestra._core._status import snapshot
 from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from orchestra import Task
+from orchestra._core._report import Report
 from orchestra._record import Record
-from orchestra._report import Report
 from orchestra._task import FAILED, SUCCEEDED
 
 

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
-from orchestra._runs_cli import _coordinator
-from orchestra.cli import app
+from orchestra._cli._app import app
+from orchestra._cli._runs import _coordinator
 from orchestra.stores import SQLiteStore
 
 if TYPE_CHECKING:

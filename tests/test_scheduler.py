@@ -212,7 +212,7 @@ class TestFront:
     def test_taking_from_the_front_is_popping(self, seed: int) -> None:
         import random
 
-        from orchestra._scheduler import ReadyQueue
+        from orchestra.stores._queue import ReadyQueue
 
         rng = random.Random(seed)
         queue: ReadyQueue[_Entry] = ReadyQueue()
@@ -278,7 +278,7 @@ class TestMoveCost:
         # `move` searched the entry's bucket and removed it from there: reprioritizing k of n
         # ready tasks one by one was O(k * n) (2,000 among 100,000: 0.55 s). Counted: the
         # comparisons a move makes; and the order is still the reference's.
-        from orchestra._scheduler import ReadyQueue
+        from orchestra.stores._queue import ReadyQueue
 
         queue: ReadyQueue[_Compared] = ReadyQueue()
         entries = [_Compared(i, 5) for i in range(1_000)]

@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestra import ConfigError, Context, Orchestrator, StoreError, Task, agent
-from orchestra.cli import app
+from orchestra._cli._app import app
 from orchestra.stores import SQLiteStore
 
 if TYPE_CHECKING:

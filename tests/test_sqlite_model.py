@@ -38,7 +38,6 @@ from hypothesis.stateful import (
 from orchestra import InputError, Task
 from orchestra._admission import Admission
 from orchestra._record import Record
-from orchestra._store import KEEP, Selector
 from orchestra._task import (
     CANCELLED,
     CLAIMED,
@@ -51,10 +50,11 @@ from orchestra._task import (
     TERMINAL,
 )
 from orchestra.stores import MemoryStore, SQLiteStore
+from orchestra.stores._protocol import KEEP, Selector
 from tests.test_store_contract import Heard, attempt
 
 if TYPE_CHECKING:
-    from orchestra._store import RunStore
+    from orchestra.stores._protocol import RunStore
 
 KINDS = ("a", "b")
 RUN = "model"

@@ -39,11 +39,11 @@ from orchestra import (
     agent,
 )
 from orchestra._admission import Admission
-from orchestra._store import Selector
-from orchestra._worker import Worker, _WorkerStore
-from orchestra.cli import app
+from orchestra._cli._app import app
 from orchestra.stores import MemoryStore, SQLiteStore
+from orchestra.stores._protocol import Selector
 from orchestra.stores._sqlite_work import Claimed
+from orchestra.stores._worker import Worker, _WorkerStore
 from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The status of a live run (`orchestra._status.snapshot`): every field on small runs in fake time."""
+"""The status of a live run (`orchestra._core._status.snapshot`): every field on small runs in fake time."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra._run import Run
-from orchestra._status import snapshot
+from orchestra._core._run import Run
+from orchestra._core._status import snapshot
 from orchestra.testing import scripted
 from tests.helpers import trips_after
 

@@ -32,7 +32,6 @@ from pydantic import BaseModel
 
 from orchestra import InputError, Task
 from orchestra._admission import Admission
-from orchestra._store import KEEP, Selector
 from orchestra._task import (
     CANCELLED,
     CLAIMED,
@@ -47,12 +46,13 @@ from orchestra._task import (
     Attempt,
 )
 from orchestra.stores import MemoryStore
+from orchestra.stores._protocol import KEEP, Selector
 from tests.helpers import sqlite_store
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from orchestra._store import RunStore, Store
+    from orchestra.stores._protocol import RunStore, Store
 
 # The stores under contract: one factory per store (a durable one builds its store on a fresh file
 # or schema). Adding a store to the suite is adding it here.

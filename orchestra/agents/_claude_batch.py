@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from orchestra._config import check_int, check_number
-from orchestra._exceptions import PermanentError, RetryableError
-from orchestra._log import get_logger
-from orchestra._retry import classify
-
+from .._config import check_int, check_number
+from .._exceptions import PermanentError, RetryableError
+from .._log import get_logger
+from .._retry import classify
 from ._claude_calls import DEFAULT_RETRY
 from ._claude_prices import cost_of
 from .claude import ClaudeAgent
@@ -34,8 +33,8 @@ if TYPE_CHECKING:
 
     from anthropic.types import Message
 
-    from orchestra._context import Context
-    from orchestra._task import Task
+    from .._core._context import Context
+    from .._task import Task
 
 __all__ = ("BATCH_DISCOUNT", "BatchRequestFailed", "ClaudeBatchAgent")
 
@@ -105,7 +104,7 @@ class ClaudeBatchAgent(ClaudeAgent):
         **options: Any,
     ) -> None:
         if options.get("stream"):
-            from orchestra._exceptions import ConfigError
+            from .._exceptions import ConfigError
 
             raise ConfigError("ClaudeBatchAgent: a batch is not streamed (stream=True)")
         super().__init__(**options)

@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import structlog
 
-from orchestra._limits import reserve_all
-from orchestra._retry import RetryPolicy, backoff, classify
+from .._limits import reserve_all
+from .._retry import RetryPolicy, backoff, classify
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from anthropic.types import Message, MessageParam
 
-    from orchestra._context import Context
-
+    from .._core._context import Context
     from .claude import ClaudeAgent
 
 __all__ = ("DEFAULT_RETRY", "Tab", "ask")

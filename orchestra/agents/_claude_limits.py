@@ -24,15 +24,15 @@ import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
-from orchestra._config import finite
-from orchestra._exceptions import ConfigError
-from orchestra._limits import Concurrency, Rate
+from .._config import finite
+from .._exceptions import ConfigError
+from .._limits import Concurrency, Rate
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from orchestra._clock import Clock
-    from orchestra._limits import Limiter
+    from .._clock import Clock
+    from .._limits import Limiter
 
 __all__ = ("DEFAULT_LIMITS", "ClaudeLimits", "model_family")
 

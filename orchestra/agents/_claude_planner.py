@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-from orchestra._admission import Admission
-from orchestra._config import check_instance, check_int, check_mapping, check_names
-from orchestra._exceptions import ConfigError, InputError
-from orchestra._retry import RetryPolicy
-from orchestra._task import Task
-from orchestra.stores._memory import MemoryStore
-
+from .._admission import Admission
+from .._config import check_instance, check_int, check_mapping, check_names
+from .._exceptions import ConfigError, InputError
+from .._retry import RetryPolicy
+from .._task import Task
+from ..stores._memory import MemoryStore
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
 from .claude import StructuredOutputError
 

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from orchestra._config import check_instance
-from orchestra._exceptions import ConfigError, RetryableError
-from orchestra._retry import RetryPolicy
-from orchestra._verify import Verdict
-
+from .._config import check_instance
+from .._exceptions import ConfigError, RetryableError
+from .._retry import RetryPolicy
+from .._verify import Verdict
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
 
 if TYPE_CHECKING:
@@ -28,9 +27,8 @@ if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
     from anthropic.types import Model
 
-    from orchestra._context import Context
-    from orchestra._task import Task
-
+    from .._core._context import Context
+    from .._task import Task
     from ._claude_limits import ClaudeLimits
     from ._claude_prices import Price
     from .claude import ClaudeAccount

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 
-from orchestra._extras import missing_extra
+from .._extras import missing_extra
 
 try:
     from anthropic import APIError, APIResponseValidationError, APIStatusError, AsyncAnthropic
@@ -57,14 +57,13 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
     raise missing_extra("orchestra's Claude agents", "claude", exc) from exc
 from pydantic import BaseModel, ValidationError
 
-from orchestra._agent import check_options
-from orchestra._clock import current_clock
-from orchestra._config import check_int, check_number
-from orchestra._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
-from orchestra._failure import api_error_type, bound
-from orchestra._limits import CLOCK_SLIP
-from orchestra._log import get_logger
-
+from .._agent import check_options
+from .._clock import current_clock
+from .._config import check_int, check_number
+from .._exceptions import ConfigError, PermanentError, RetryableError, VerificationError
+from .._failure import api_error_type, bound
+from .._limits import CLOCK_SLIP
+from .._log import get_logger
 from ._claude_limits import ClaudeLimits, model_family
 from ._claude_prices import PRICES, Price, cost_of, price_of
 
@@ -73,10 +72,10 @@ log = get_logger("orchestra")
 if TYPE_CHECKING:
     from anthropic.types import Message, MessageParam, Model
 
-    from orchestra._context import Context
-    from orchestra._limits import Concurrency, Limiter
-    from orchestra._retry import RetryPolicy
-    from orchestra._task import Task
+    from .._core._context import Context
+    from .._limits import Concurrency, Limiter
+    from .._retry import RetryPolicy
+    from .._task import Task
 
 __all__ = (
     "PRICES",

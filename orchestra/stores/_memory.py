@@ -17,8 +17,6 @@ from .._admission import reject_cycles
 from .._exceptions import InputError
 from .._gc import paused
 from .._record import Record, tries_on
-from .._scheduler import ReadyQueue
-from .._store import KEEP, Selector
 from .._task import (
     CANCELLED,
     CLAIMED,
@@ -32,13 +30,15 @@ from .._task import (
     TERMINAL,
     Task,
 )
+from ._protocol import KEEP, Selector
+from ._queue import ReadyQueue
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterator, Sequence
 
     from .._admission import Admission
-    from .._store import Listener
     from .._task import Attempt
+    from ._protocol import Listener
 
 __all__ = ("MemoryStore",)
 

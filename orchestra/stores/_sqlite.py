@@ -85,7 +85,6 @@ from .._clock import current_clock
 from .._config import finite
 from .._exceptions import ConfigError, InputError, StoreError
 from .._output import stored_json
-from .._store import KEEP
 from .._task import (
     READY,
     SUCCEEDED,
@@ -96,6 +95,7 @@ from .._task import (
 from . import _sqlite_io as io
 from . import _sqlite_work as work
 from ._memory import MemoryRun
+from ._protocol import KEEP
 from ._sqlite_keys import Keys
 from ._sqlite_rows import Rows
 from ._sqlite_share import Sharing
@@ -106,7 +106,7 @@ if TYPE_CHECKING:
 
     from .._admission import Admission
     from .._record import Record
-    from .._store import Listener, Selector
+    from ._protocol import Listener, Selector
 
 __all__ = ("SQLiteRun", "SQLiteStore")
 

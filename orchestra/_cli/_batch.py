@@ -25,20 +25,20 @@ from typing import IO, TYPE_CHECKING, Any, Final
 import pydantic
 from pydantic_core import to_json
 
+from .._core._instruments import last_agent
+from .._core._orchestrator import Orchestrator
+from .._exceptions import ConfigError, InputError
+from .._output import jsonable
+from .._task import Task, TaskResult
 from ._console import watch
-from ._exceptions import ConfigError, InputError
-from ._instruments import last_agent
-from ._orchestrator import Orchestrator
-from ._output import jsonable
-from ._task import Task, TaskResult
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
     from rich.console import Console
 
-    from ._result import RunResult
-    from ._store import Store
+    from .._result import RunResult
+    from ..stores._protocol import Store
 
 __all__ = (
     "EXIT_CODES",
@@ -261,7 +261,7 @@ class Batch:
     ) -> RunResult:
         """Run the input as `run_id` (a fresh id by default), writing each `TaskResult` to `out`
         as a JSON line as it finishes, with the live view on `console` and control keys from
-        `keys` (see `orchestra._console`)."""
+        `keys` (see `orchestra._cli._console`)."""
 
         def write(result: TaskResult) -> None:
             out.write(result_line(result) + "\n")

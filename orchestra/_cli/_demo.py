@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from orchestra import Context, Orchestrator, RetryPolicy, RunResult, Task, Verdict, agent
+from .. import Context, Orchestrator, RetryPolicy, RunResult, Task, Verdict, agent
 
 Runner = Callable[[Orchestrator, Any], Awaitable[RunResult]]
 """How `main` runs one orchestrator over its input: `Orchestrator.run` by default; the `orchestra`
@@ -70,7 +70,7 @@ class Researcher:
         self.calls += 1
         await latency(0.08)
         if self.calls <= self.rate_limited:
-            from orchestra import RetryableError
+            from .. import RetryableError
 
             raise RetryableError("429 rate limited", retry_after=0.05)
         if self.down_after is not None and self.calls > self.down_after:

@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from rich.console import Console
 
-    from ._handle import RunHandle
-    from ._orchestrator import Orchestrator
-    from ._result import RunResult
-    from ._task import Task, TaskResult
+    from .._core._handle import RunHandle
+    from .._core._orchestrator import Orchestrator
+    from .._result import RunResult
+    from .._task import Task, TaskResult
 
 __all__ = ("KEYS", "key_pressed", "watch")
 

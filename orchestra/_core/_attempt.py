@@ -35,27 +35,27 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import anyio
 
-from ._breaker import CLOSED
+from .._breaker import CLOSED
+from .._events import AttemptStarted, AttemptSucceeded
+from .._exceptions import AttemptTimeout, Rejected, TaskTimeout
+from .._failure import check_returned, describe
+from .._log import get_logger
+from .._task import FAILED, SUCCEEDED
+from .._verify import check_output, check_safety, verify
 from ._context import Context
-from ._events import AttemptStarted, AttemptSucceeded
-from ._exceptions import AttemptTimeout, Rejected, TaskTimeout
-from ._failure import check_returned, describe
 from ._instruments import AttemptInfo
-from ._log import get_logger
-from ._task import FAILED, SUCCEEDED
-from ._verify import check_output, check_safety, verify
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._limits import Cost
-    from ._record import Record
+    from .._limits import Cost
+    from .._record import Record
+    from .._registry import AgentSlot
+    from .._task import Task
+    from ..stores._protocol import RunStore
     from ._recovery import Recovery
-    from ._registry import AgentSlot
     from ._routing import Router
     from ._run import Run
-    from ._store import RunStore
-    from ._task import Task
 
 __all__ = ("Attempts", "Owner")
 

@@ -5,7 +5,7 @@ Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that do
 line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
 
 Each command builds what it runs and hands it to one function that runs it and reports
-(`run_demo`, `run_job`), through `orchestra._console.watch`: the live view on stderr, SIGINT /
+(`run_demo`, `run_job`), through `orchestra._cli._console.watch`: the live view on stderr, SIGINT /
 SIGTERM as a graceful stop (a second one cancels at once; the results written so far stay written
 and the command exits 130), and, when stdin is a terminal, keys: p pause, r resume, s stop, c cancel.
 """
@@ -27,21 +27,21 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from . import __version__
+from .. import __version__
+from .._exceptions import ConfigError, InputError, StoreError
+from .._failure import describe, format_traceback, scrub, with_type
+from ..stores import SQLiteStore
+from ..stores._worker import Worker
 from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch
 from ._console import KEYS, watch
-from ._exceptions import ConfigError, InputError, StoreError
-from ._failure import describe, format_traceback, scrub, with_type
-from ._runs_cli import runs_app
-from ._worker import Worker
-from .stores import SQLiteStore
+from ._runs import runs_app
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
-    from ._orchestrator import Orchestrator
-    from ._result import RunResult
-    from ._worker import WorkReport
+    from .._core._orchestrator import Orchestrator
+    from .._result import RunResult
+    from ..stores._worker import WorkReport
 
 __all__ = ("app", "main", "run_demo", "run_job")
 

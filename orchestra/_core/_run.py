@@ -23,38 +23,38 @@ import anyio
 import anyio.lowlevel
 import structlog
 
-from ._admission import Admission
-from ._aggregate import Ordered
-from ._budget import BUDGET_EXCEEDED, BudgetGate
-from ._clock import loop_time
+from .._admission import Admission
+from .._aggregate import Ordered
+from .._budget import BUDGET_EXCEEDED, BudgetGate
+from .._clock import loop_time
+from .._events import RunFinished, RunStarted, TaskFinished, TaskReady
+from .._failure import describe, with_type
+from .._gc import paused, running
+from .._log import get_logger
+from .._result import CancelRecord
+from .._task import CANCELLED, CLAIMED, RUNNING, SUCCEEDED, Attempt, Task
+from ..stores._protocol import Selector
 from ._dispatch import Dispatcher
-from ._events import RunFinished, RunStarted, TaskFinished, TaskReady
-from ._failure import describe, with_type
-from ._gc import paused, running
 from ._instruments import RunInfo
-from ._log import get_logger
 from ._report import Report
-from ._result import CancelRecord
-from ._store import Selector
-from ._task import CANCELLED, CLAIMED, RUNNING, SUCCEEDED, Attempt, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from ._aggregate import Accumulator
-    from ._budget import Budget
-    from ._events import EventBus
+    from .._aggregate import Accumulator
+    from .._budget import Budget
+    from .._events import EventBus
+    from .._limits import Capacity
+    from .._record import Record
+    from .._registry import Registry
+    from .._result import RunResult
+    from .._retry import RetryPolicy, Timeouts
+    from .._task import TaskResult
+    from .._verify import Check
+    from ..stores._protocol import RunStore
     from ._instruments import Instruments
-    from ._limits import Capacity
-    from ._record import Record
-    from ._registry import Registry
-    from ._result import RunResult
-    from ._retry import RetryPolicy, Timeouts
-    from ._store import RunStore
-    from ._task import TaskResult
-    from ._verify import Check
 
 __all__ = ("Run", "RunConfig")
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
-    from ._admission import Admission
-    from ._task import Attempt, Task, TaskResult
+    from .._admission import Admission
+    from .._task import Attempt, Task, TaskResult
 
 __all__ = ("KEEP", "Listener", "RunStore", "Selector", "Store", "StoredTask")
 

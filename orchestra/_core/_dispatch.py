@@ -23,24 +23,24 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._breaker import CLOSED
+from .._clock import loop_time
+from .._log import TASK_ID, CurrentTask
+from .._task import RUNNING, Attempt
 from ._attempt import Attempts
-from ._breaker import CLOSED
-from ._clock import loop_time
-from ._log import TASK_ID, CurrentTask
 from ._recovery import Recovery
 from ._routing import Router
-from ._task import RUNNING, Attempt
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
 
+    from .._limits import Cost
+    from .._record import Record
+    from .._registry import AgentSlot
+    from ..stores._protocol import RunStore
     from ._context import Context
-    from ._limits import Cost
-    from ._record import Record
-    from ._registry import AgentSlot
     from ._report import Report
     from ._run import Run
-    from ._store import RunStore
 
 __all__ = ("Dispatcher",)
 
@@ -334,7 +334,7 @@ class Dispatcher:
                 if ctx is False:
                     await attempts.run(record, token, slot, cost)
                 elif ctx is not None:
-                    # The plain attempt (see `orchestra._attempt`): the worker awaits the call.
+                    # The plain attempt (see `orchestra._core._attempt`): the worker awaits the call.
                     spare = None
                     call = slot.call  # (a local: `slot.call(...)` is an unspecialized lookup)
                     try:
@@ -458,7 +458,7 @@ class Dispatcher:
                 self._workers += 1
                 self._spawn(self._worker())
 
-    # -- what a failure leads to (orchestra._recovery) --------------------------------------------
+    # -- what a failure leads to (orchestra._core._recovery) --------------------------------------------
 
     def chain_end(
         self,

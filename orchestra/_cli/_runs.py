@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ._exceptions import InputError, StoreError
-from ._failure import with_type
-from .stores import SQLiteStore
-from .stores._sqlite_work import is_alive
+from .._exceptions import InputError, StoreError
+from .._failure import with_type
+from ..stores import SQLiteStore
+from ..stores._sqlite_work import is_alive
 
 if TYPE_CHECKING:
     from collections.abc import Callable

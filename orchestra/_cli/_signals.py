@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._config import finite
-from ._exceptions import ConfigError
-from ._log import get_logger
+from .._config import finite
+from .._exceptions import ConfigError
+from .._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
     from anyio.abc import TaskGroup
 
-    from ._handle import RunHandle
-    from ._orchestrator import Orchestrator
-    from ._result import RunResult
-    from ._task import Task
+    from .._core._handle import RunHandle
+    from .._core._orchestrator import Orchestrator
+    from .._result import RunResult
+    from .._task import Task
 
 __all__ = ("run_main",)
 
@@ -55,7 +55,7 @@ def run_main(
     entered and left. `grace` is how long running attempts may take to finish after the first
     signal (None: as long as they take; 0: cancel them at once).
     """
-    from ._orchestrator import Orchestrator  # here: a module below the orchestrator's
+    from .._core._orchestrator import Orchestrator  # here: a module below the orchestrator's
 
     if not isinstance(orch, Orchestrator):  # else a TypeError from inside the run
         raise ConfigError(f"run_main() runs an Orchestrator, got {orch!r}")

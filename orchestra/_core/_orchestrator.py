@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from ._admission import check_new_priority
-from ._aggregate import Aggregator, aggregator_of
-from ._breaker import BreakerPolicy
-from ._budget import Budget
-from ._config import (
+from .._admission import check_new_priority
+from .._aggregate import Aggregator, aggregator_of
+from .._breaker import BreakerPolicy
+from .._budget import Budget
+from .._config import (
     check_callable,
     check_instance,
     check_int,
@@ -35,20 +35,20 @@ from ._config import (
     check_sequence,
     shown,
 )
-from ._events import Event, EventBus
-from ._exceptions import ConfigError, InputError
-from ._failure import cancel_pending
-from ._faults import MODES, Fault, FaultMode
+from .._events import Event, EventBus
+from .._exceptions import ConfigError, InputError
+from .._failure import cancel_pending
+from .._faults import MODES, Fault, FaultMode
+from .._limits import Capacity, Concurrency, as_concurrency
+from .._log import get_logger
+from .._registry import AgentSlot, Registry
+from .._retry import RetryPolicy, Timeouts
+from .._task import SUCCEEDED, TERMINAL, Task, TaskResult
+from ..stores import MemoryStore, SQLiteStore
+from ..stores._worker import WorkReport, work
 from ._handle import RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
-from ._limits import Capacity, Concurrency, as_concurrency
-from ._log import get_logger
-from ._registry import AgentSlot, Registry
-from ._retry import RetryPolicy, Timeouts
 from ._run import Run, RunConfig
-from ._task import SUCCEEDED, TERMINAL, Task, TaskResult
-from ._worker import WorkReport, work
-from .stores import MemoryStore, SQLiteStore
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -56,11 +56,11 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from anyio.streams.memory import MemoryObjectReceiveStream
 
-    from ._agent import AgentLike
-    from ._clock import FakeClock
-    from ._result import RunResult
-    from ._store import Store
-    from ._verify import Check
+    from .._agent import AgentLike
+    from .._clock import FakeClock
+    from .._result import RunResult
+    from .._verify import Check
+    from ..stores._protocol import Store
 
 __all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
 

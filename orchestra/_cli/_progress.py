@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 
-from ._exceptions import ConfigError
-from ._extras import missing_extra
-from ._failure import with_type
+from .._exceptions import ConfigError
+from .._extras import missing_extra
+from .._failure import with_type
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from rich.console import Console, RenderableType
 
-    from ._status import RunStatus
+    from .._core._status import RunStatus
 
 __all__ = ("Watchable", "progress", "render_status", "status_line")
 

@@ -1,6 +1,6 @@
 """The status of a live run: what it has done, what it is doing, what it waits on, when it ends.
 
-The run's `Report` counts as tasks end (`orchestra._report`: a few dict and int updates per task, no
+The run's `Report` counts as tasks end (`orchestra._core._report`: a few dict and int updates per task, no
 clock read — the store already stamped the record). `snapshot(run)` reads the report, the store's
 counters, the registry's agents and the router's lanes and returns a frozen `RunStatus`. The snapshot's cost is O(kinds + agents + priority levels + lanes),
 never O(tasks), so a live view may poll it ten times a second on a run of a million tasks.
@@ -32,15 +32,15 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._aggregate import percentile
-from ._breaker import CLOSED, OPEN
+from .._aggregate import percentile
+from .._breaker import CLOSED, OPEN
+from .._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 from ._report import ErrorSample, KindTally, Report, dollars
-from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from ._registry import AgentSlot
+    from .._registry import AgentSlot
     from ._run import Run
 
 __all__ = (
@@ -120,7 +120,7 @@ class AgentStatus:
 
 @dataclass(frozen=True, slots=True)
 class Bottleneck:
-    """Where the run waits most now (see `orchestra._status` for the rule)."""
+    """Where the run waits most now (see `orchestra._core._status` for the rule)."""
 
     reason: Literal[
         "agent limit", "rate limit", "breaker open", "kind", "concurrency", "slowest kind"

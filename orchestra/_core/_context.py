@@ -6,20 +6,20 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._budget import BudgetDoor
-from ._config import finite
-from ._exceptions import InputError
-from ._limits import REQUESTS, Rate
-from ._log import get_logger
+from .._budget import BudgetDoor
+from .._config import finite
+from .._exceptions import InputError
+from .._limits import REQUESTS, Rate
+from .._log import get_logger
 from ._routing import DEFAULT_COST
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from ._limits import Cost, Limiter
-    from ._record import Record
-    from ._store import RunStore
-    from ._task import Task
+    from .._limits import Cost, Limiter
+    from .._record import Record
+    from .._task import Task
+    from ..stores._protocol import RunStore
 
 __all__ = ("Context", "Owner")
 

@@ -21,22 +21,22 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._admission import check_new_priority
-from ._config import finite
-from ._exceptions import InputError, RunError
+from .._admission import check_new_priority
+from .._config import finite
+from .._exceptions import InputError, RunError
+from ..stores._protocol import Selector
 from ._report import Report
 from ._status import snapshot, starting
-from ._store import Selector
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Generator
 
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-    from ._result import RunResult
+    from .._result import RunResult
+    from .._task import TaskResult
     from ._run import Run
     from ._status import RunStatus
-    from ._task import TaskResult
 
 __all__ = ("Cancellation", "RunHandle")
 

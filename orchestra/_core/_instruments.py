@@ -27,17 +27,17 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ._clock import current_clock
-from ._failure import cancel_pending
-from ._log import get_logger
+from .._clock import current_clock
+from .._failure import cancel_pending
+from .._log import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from .._task import Task, TaskResult
     from ._context import Context
     from ._orchestrator import Orchestrator
     from ._run import Run
-    from ._task import Task, TaskResult
 
 __all__ = ("AttemptInfo", "Instrument", "Instruments", "RunInfo")
 

@@ -4,34 +4,34 @@ next agent of the task's chain, or the chain's end (the kind's default value, or
 The dispatcher runs attempts; this decides, from the attempt's error and the policies, what comes
 next, and tells the store (`fail` with the next step, or `settle`). It asks its dispatcher for the
 run's store, router, report, events and clock, through `Owner`, rather than being part of it: the
-run path of an attempt reads top to bottom in `orchestra._attempt`, and what failure means here.
+run path of an attempt reads top to bottom in `orchestra._core._attempt`, and what failure means here.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._breaker import CLOSED, HALF_OPEN, OPEN, is_outage
-from ._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
-from ._exceptions import RateLimited, Rejected, TaskTimeout, VerificationError
-from ._failure import describe
-from ._log import get_logger
-from ._retry import backoff, classify
+from .._breaker import CLOSED, HALF_OPEN, OPEN, is_outage
+from .._events import AttemptFailed, BreakerChanged, FallbackUsed, RetryScheduled
+from .._exceptions import RateLimited, Rejected, TaskTimeout, VerificationError
+from .._failure import describe
+from .._log import get_logger
+from .._retry import backoff, classify
+from .._task import CANCELLED, FAILED, SUCCEEDED, Attempt
 from ._routing import NONE_LEFT
-from ._task import CANCELLED, FAILED, SUCCEEDED, Attempt
 
 if TYPE_CHECKING:
     from random import Random
 
-    from ._events import EventBus
+    from .._events import EventBus
+    from .._record import Record
+    from .._registry import AgentSlot
+    from .._retry import RetryPolicy
+    from ..stores._protocol import RunStore
     from ._instruments import Instruments
-    from ._record import Record
-    from ._registry import AgentSlot
     from ._report import Report
-    from ._retry import RetryPolicy
     from ._routing import Router
     from ._run import Run, RunConfig
-    from ._store import RunStore
 
 __all__ = ("Owner", "Recovery")
 

@@ -16,18 +16,18 @@ from collections import deque
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from ._breaker import CLOSED, HALF_OPEN
-from ._limits import Cost, reserve_all
-from ._log import get_logger
-from ._task import CLAIMED
+from .._breaker import CLOSED, HALF_OPEN
+from .._limits import Cost, reserve_all
+from .._log import get_logger
+from .._task import CLAIMED
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._budget import BudgetGate
-    from ._limits import Limiter, Waiter
-    from ._record import Record
-    from ._registry import AgentSlot, Registry
+    from .._budget import BudgetGate
+    from .._limits import Limiter, Waiter
+    from .._record import Record
+    from .._registry import AgentSlot, Registry
 
 __all__ = ("NONE_LEFT", "Lane", "Router")
 

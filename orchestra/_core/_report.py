@@ -16,8 +16,8 @@ from operator import attrgetter
 from random import Random
 from typing import TYPE_CHECKING, Any
 
-from ._aggregate import percentile
-from ._result import (
+from .._aggregate import percentile
+from .._result import (
     AttemptRecord,
     CancelRecord,
     ErrorRecord,
@@ -26,13 +26,13 @@ from ._result import (
     RunResult,
     TimingStats,
 )
-from ._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+from .._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ._record import Record
-    from ._task import Task
+    from .._record import Record
+    from .._task import Task
 
 __all__ = ("ErrorSample", "KindTally", "Report", "remediation")
 
@@ -117,7 +117,7 @@ class ErrorSample:
 
 
 class Report:
-    """What a run counts, as it goes: the live status reads it (`orchestra._status`), and the
+    """What a run counts, as it goes: the live status reads it (`orchestra._core._status`), and the
     `RunResult` is built from it at the end.
 
     Ending a task costs a list append (a success, counted with the next batch of them in a few

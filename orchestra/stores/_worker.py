@@ -31,22 +31,22 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic_core import PydanticSerializationError, to_json
 
-from ._exceptions import ConfigError, InputError, InvalidOutput, StoreError
-from ._log import get_logger
-from ._output import jsonable, stored_json
-from ._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
-from .stores import _sqlite_work as sharing
-from .stores._memory import MemoryRun
+from .._exceptions import ConfigError, InputError, InvalidOutput, StoreError
+from .._log import get_logger
+from .._output import jsonable, stored_json
+from .._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
+from . import _sqlite_work as sharing
+from ._memory import MemoryRun
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
-    from ._admission import Admission
-    from ._handle import RunHandle
-    from ._orchestrator import Orchestrator
-    from ._record import Record
-    from ._store import Listener
-    from .stores._sqlite import SQLiteStore
+    from .._admission import Admission
+    from .._core._handle import RunHandle
+    from .._core._orchestrator import Orchestrator
+    from .._record import Record
+    from ._protocol import Listener
+    from ._sqlite import SQLiteStore
 
 __all__ = ("WorkReport", "work")
 
