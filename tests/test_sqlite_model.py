@@ -321,14 +321,14 @@ class ModelMachine(RuleBasedStateMachine):
     def reopen(self) -> None:
         """Close the SQLite run, reopen the run id from the file with a new store, admit the input
         again; move the model as a resume is documented to."""
-        held = self.model.run._records  # type: ignore[attr-defined]
+        held = {r.id for r in self.model.run.records()}  # type: ignore[attr-defined]
         before = {i: (self.model.run.state_of(i), self._record(i)) for i in self.ids if i in held}
         self.real.run.close()
         self.store.close()
         self.store = SQLiteStore(self.folder / "runs.db")
         self.real = self._open(self.store)
         old = self.model.run
-        records = fresh(old._records.values())  # type: ignore[attr-defined]
+        records = fresh(old.records())  # type: ignore[attr-defined]
         took_keys = [r.id for r in records if old.took_key(r)]  # type: ignore[attr-defined]
         self.model = self._open(MemoryStore())
         self.model.run.restore(records, took_keys)  # type: ignore[attr-defined]
@@ -365,7 +365,7 @@ class ModelMachine(RuleBasedStateMachine):
             assert self._record(task_id) == (attempts, target), task_id
 
     def _record(self, task_id: str) -> tuple[int, Any]:
-        record = self.model.run._records[task_id]  # type: ignore[attr-defined]
+        record = self.model.run.record_of(task_id)  # type: ignore[attr-defined]
         return record.attempts, record.target
 
     # -- what must be the same

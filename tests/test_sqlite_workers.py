@@ -43,7 +43,8 @@ from orchestra._cli._app import app
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.stores._sqlite_work import Claimed
-from orchestra.stores._worker import Worker, _WorkerStore
+from orchestra.stores._worker import Worker
+from orchestra.stores._worker_run import WorkerStore
 from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
@@ -464,7 +465,7 @@ class TestInOneProcess:
             def hold(self, held: bool) -> None:
                 pass
 
-        run = _WorkerStore(worker).open_run(
+        run = WorkerStore(worker).open_run(
             "local",
             admission=Admission(["work"], {}),
             listener=Listener(),

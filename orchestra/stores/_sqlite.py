@@ -287,7 +287,7 @@ class SQLiteRun:
         # and `finished` count from it), so that a task's end read from its row and the journal's
         # events are on one clock, in order.
         self._wall0 = time.time()
-        self._offset = self._wall0 - self._memory._t0
+        self._offset = self._wall0 - self._memory.t0
         # Admitted, not written yet: (record, payload JSON, loop time of its admission).
         self._new: list[tuple[Record, str, float]] = []
         self._admitting = False  # inside the memory run's admission: its `ready`s are not events
@@ -693,7 +693,7 @@ class SQLiteRun:
         # At the attempt's end, not now: before the task's own end. Made from the attempt's
         # start and duration, counted from the run's zero, not the memory run's, a hair earlier:
         # never later than now, or the task's next event (its retry made ready) came first.
-        end = self._memory._t0 + attempt.started + attempt.duration
+        end = self._memory.t0 + attempt.started + attempt.duration
         now = self._now()
         self._events.append(
             (record.id, end if end < now else now, "attempt_failed",

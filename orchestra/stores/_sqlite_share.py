@@ -121,7 +121,7 @@ class Sharing:
         run = self._run
         self.shared = True
         dirty = run._dirty
-        for record in run._memory._records.values():
+        for record in run._memory.records():
             if record.state not in TERMINAL:
                 dirty[record.id] = record
         run._arm()
@@ -141,7 +141,7 @@ class Sharing:
             error_type="LeaseExpired",
             message=f"worker {worker} stopped renewing its lease on the task (killed, paused or "
             "cut off): the attempt is counted and the task runs again",
-            started=run._now() - memory._t0,
+            started=run._now() - memory.t0,
             duration=0.0,
         )
         record.attempts = attempts
@@ -178,7 +178,7 @@ class Sharing:
             return
         record.token += 1  # whatever was heard under the old claim is stale
         self.offered.add(task_id)  # its row is ready: a worker may claim it first
-        self._run._memory._ready(record)
+        self._run._memory.ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,

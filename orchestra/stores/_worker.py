@@ -8,11 +8,10 @@ its own agents, limits, retries and fallbacks, and writes back what they came to
 paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
 counted.
 
-There is no second run loop: a worker is an ordinary run of the orchestrator whose input is the
-file's ready queue (an async iterator that claims as the run has room) and whose results go back
-to the file. Its store (`_WorkerRun`) is the memory store with three differences, said where they
-are: a claimed task's dependencies' outputs come from the file, what an attempt spawns is sent to
-the coordinator instead of run here, and an ended task is forgotten (a worker runs for days).
+There is no second run loop: a worker is an ordinary run of its orchestrator whose input
+is the file's ready queue (an async iterator that claims as the run has room) and whose results go
+back to the file. That run's store is a `WorkerRun` (`orchestra.stores._worker_run`): the memory
+store, but for what the file changes.
 """
 
 from __future__ import annotations
@@ -29,26 +28,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from pydantic_core import PydanticSerializationError, to_json
+from pydantic_core import to_json
 
-from .._exceptions import ConfigError, InputError, InvalidOutput, StoreError
+from .._exceptions import ConfigError, InvalidOutput, StoreError
 from .._log import get_logger
 from .._output import jsonable, stored_json
-from .._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
-from . import _sqlite_work as sharing
-from ._memory import MemoryRun
+from .._task import CANCELLED, SUCCEEDED, Attempt, Task, TaskResult
+from . import _sqlite_work
+from ._worker_run import WorkerStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
-    from .._admission import Admission
     from .._core._handle import RunHandle
     from .._core._orchestrator import Orchestrator
-    from .._record import Record
-    from ._protocol import Listener
     from ._sqlite import SQLiteStore
+    from ._sqlite_work import Claimed
 
-__all__ = ("WorkReport", "work")
+__all__ = ("WorkReport", "Worker", "work")
 
 log = get_logger("orchestra")
 
@@ -97,7 +94,8 @@ class Worker:
         kinds: Sequence[str] | None,
         poll: float,
     ) -> None:
-        served = [k for k, slots in orch._config.registry.by_kind.items() if slots]
+        by_kind = orch._config.registry.by_kind
+        served = [k for k, slots in by_kind.items() if slots]
         if kinds is None:
             wanted = sorted(served)
         else:
@@ -129,12 +127,11 @@ class Worker:
         self.run_id = run_id
         self.kinds = wanted
         self.poll = float(poll)
-        self.name = sharing.identity(uuid.uuid4().hex[:12])
+        self.name = _sqlite_work.identity(uuid.uuid4().hex[:12])
         self.report = WorkReport(self.name)
         # What its agents can start at once, in all and per kind: a worker holds no more than
         # that, so tasks waiting for a slot stay in the file for other workers (a worker that
         # claimed up to its global limit held them under leases it renewed while they queued).
-        by_kind = orch._config.registry.by_kind
         agents = {slot.name: slot.concurrent for kind in wanted for slot in by_kind[kind]}
         self.capacity = min(orch._config.capacity.limit, sum(agents.values()))
         self.rooms = {
@@ -142,32 +139,53 @@ class Worker:
             for kind in wanted
         }
         # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
-        self.held: dict[str, sharing.Claimed] = {}
+        self.held: dict[str, Claimed] = {}
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
-        self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
+        self.ends: list[tuple[Claimed, TaskResult]] = []  # ended, to write
         # Attempts that failed here while their tasks go on (a retry), to write as they fail;
         # and the highest attempt number of each held task written (or being written) so.
-        self.failed: list[tuple[sharing.Claimed, Attempt]] = []
+        self.failed: list[tuple[Claimed, Attempt]] = []
         self.noted: dict[str, int] = {}
-        self.writing: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, being written
+        self.writing: list[tuple[Claimed, TaskResult]] = []  # ended, being written
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
         self._finished = False  # the run it serves is over: stop claiming
-        self._wall0 = time.time()
-        self._t0 = 0.0  # loop time of the local run's zero (its records count from it)
+        # The wall time of the local run's zero (its records' times count from it): its store
+        # sets it when the run opens.
+        self.wall0 = time.time()
 
     async def call(self, job: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.store.submit(job, *args))
+
+    # -- what its local run tells it (`_worker_run.Host`) ----------------------------------------
+
+    def claim_of(self, task_id: str) -> Claimed | None:
+        """The claim under which this worker holds `task_id`, if it does."""
+        return self.held.get(task_id)
+
+    def ended(self, claimed: Claimed, result: TaskResult) -> None:
+        """A held task ended here: its end is written with the next group commit."""
+        self.ends.append((claimed, result))
+        self._ended.set()
+
+    def attempt_failed(self, claimed: Claimed, attempt: Attempt) -> None:
+        """A held task's attempt failed and the task goes on: written as it fails."""
+        self.failed.append((claimed, attempt))
+        self._ended.set()
+
+    def spawns(self, task_id: str, spawned: list[dict[str, Any]]) -> None:
+        """What the attempt that ends `task_id` spawned, written with its end."""
+        self.spawned[task_id] = spawned
 
     # -- the worker's life -----------------------------------------------------------------------
 
     async def run(self) -> WorkReport:
         store = self.store
-        await self.call(sharing.register, self.name, self.run_id, self.kinds, time.time())
+        await self.call(_sqlite_work.register, self.name, self.run_id, self.kinds, time.time())
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         config = copy.copy(self.orch._config)
-        config.store = _WorkerStore(self)
+        config.store = WorkerStore(self)
         handle = self.orch._launch(None, self._claims(), f"worker:{self.name}", config)
         results = handle.results()
         try:
@@ -183,8 +201,7 @@ class Worker:
                             # not ending it in the coordinator's run.
                             continue
                         if claimed is not None:
-                            self.ends.append((claimed, result))
-                            self._ended.set()
+                            self.ended(claimed, result)
                     await handle
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -221,9 +238,9 @@ class Worker:
             # Every task the file says it still holds, after the claims already in the writer
             # thread's queue (one a stop cancelled commits all the same, its answer dropped): a
             # claim left leased by a gone worker would wait out the lease and count an attempt.
-            self.report.released += await self.call(sharing.release, self.name, None)
+            self.report.released += await self.call(_sqlite_work.release, self.name, None)
         finally:
-            await self.call(sharing.unregister, self.name)
+            await self.call(_sqlite_work.unregister, self.name)
 
     # -- claims: the local run's input -----------------------------------------------------------
 
@@ -240,7 +257,7 @@ class Worker:
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(
-                sharing.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
+                _sqlite_work.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
             )
             if (
                 self.run_id is not None
@@ -253,7 +270,7 @@ class Worker:
             if not batch:
                 await anyio.sleep(self.poll)
                 continue
-            taking: dict[str, sharing.Claimed] = {}
+            taking: dict[str, Claimed] = {}
             clash = []  # another run's task of the same id is here: handed back, for a while
             for claimed in batch:
                 if claimed.id in self.held or claimed.id in taking:
@@ -266,7 +283,7 @@ class Worker:
             if clash:
                 with anyio.CancelScope(shield=True):
                     await self.call(
-                        sharing.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
+                        _sqlite_work.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
                     )
             for claimed in taking.values():
                 yield Task(
@@ -316,7 +333,7 @@ class Worker:
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
                 accepted = await self.call(
-                    sharing.complete, self.name, time.time(), rows, attempts, notes
+                    _sqlite_work.complete, self.name, time.time(), rows, attempts, notes
                 )
         finally:
             self.writing = []
@@ -336,12 +353,12 @@ class Worker:
                 )
         self._room.set()
 
-    def _attempt_row(self, claimed: sharing.Claimed, a: Attempt) -> tuple[Any, ...]:
+    def _attempt_row(self, claimed: Claimed, a: Attempt) -> tuple[Any, ...]:
         return (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
-                self._wall0 + a.started, a.duration, a.retry_in, a.traceback, a.status_code,
+                self.wall0 + a.started, a.duration, a.retry_in, a.traceback, a.status_code,
                 a.api_error_type, a.request_id)  # fmt: skip
 
-    def _end_row(self, claimed: sharing.Claimed, result: TaskResult) -> tuple[Any, ...]:
+    def _end_row(self, claimed: Claimed, result: TaskResult) -> tuple[Any, ...]:
         status = result.status
         output = None
         error, error_type = result.error, result.error_type
@@ -356,7 +373,7 @@ class Worker:
                 spawned = None
         elif result.output is not None:  # a rejected output, kept for the record as JSON can
             output = to_json(jsonable(result.output)).decode()
-        started = None if result.started is None else self._wall0 + result.started
+        started = None if result.started is None else self.wall0 + result.started
         return (
             status,
             output,
@@ -382,7 +399,7 @@ class Worker:
         store = self.store
         while True:
             await anyio.sleep(store.lease / 3)
-            held, _ = await self.call(sharing.beat, self.name, time.time(), store.lease)
+            held, _ = await self.call(_sqlite_work.beat, self.name, time.time(), store.lease)
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
                 i
@@ -410,170 +427,3 @@ def _store_error(group: BaseExceptionGroup[BaseException]) -> StoreError | None:
 def _closed(conn: Any, run_id: str) -> bool:
     row = conn.execute("SELECT state FROM runs WHERE id = ?", (run_id,)).fetchone()
     return row is not None and row[0] == "closed"
-
-
-class _WorkerStore:
-    """The store of a worker's local run."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-
-    def open_run(
-        self,
-        run_id: str,
-        *,
-        admission: Admission,
-        listener: Listener,
-        clock: Callable[[], float],
-        task_timeout: float | None,
-        compact: bool,
-    ) -> _WorkerRun:
-        return _WorkerRun(self.worker, run_id, admission, listener, clock, task_timeout, compact)
-
-
-class _WorkerRun(MemoryRun):
-    """A memory run with three differences (a subclass says exactly which, where forwarding the
-    whole protocol to a held `MemoryRun` would bury them): dependencies' outputs come from the
-    file, spawned tasks go to the coordinator, and an ended task is forgotten."""
-
-    def __init__(
-        self,
-        worker: Worker,
-        run_id: str,
-        admission: Admission,
-        listener: Listener,
-        clock: Callable[[], float],
-        task_timeout: float | None,
-        compact: bool,
-    ) -> None:
-        super().__init__(run_id, admission, listener, clock, task_timeout, compact)
-        self._worker = worker
-        # The ids this worker gave spawns of the running attempt of each task (by its id): the
-        # coordinator names them again, as it names its own, since only it knows the run's ids.
-        self._named_here: dict[str, set[str]] = {}
-        worker._t0 = self._t0
-        worker._wall0 = time.time()
-
-    def admit_one(self, task: Any, index: int, *, generated: bool = False) -> None:
-        worker = self._worker
-        claimed = worker.held.get(task.id)
-        # A task claimed again (its lease was lost here once, it came back): a record of its end
-        # that `settle` did not forget (a cancel ends a waiting task directly) must not make the
-        # new claim look admitted already.
-        old = self._records.get(task.id)
-        if old is not None and old.state in TERMINAL:
-            del self._records[task.id]
-        self._settled.pop(task.id, None)
-        if task.key is not None:
-            # The coordinator handed this task out to run: it holds its key (the run's other
-            # tasks with the key follow it there), whatever this worker ran with that key before.
-            self._keys.pop(task.key, None)
-        try:
-            super().admit_one(task, index, generated=generated)
-        except InputError as exc:
-            if claimed is None:
-                raise
-            # Its payload does not fit this worker's agents: the task fails (the coordinator
-            # hears why), the worker goes on. Raised, it would end the worker's run, and the
-            # task, handed back, would end the next worker's too.
-            ended = TaskResult(task, index, FAILED, None, None, claimed.attempts, None, None, 0.0,
-                               error=str(exc), error_type="InputError")  # fmt: skip
-            worker.ends.append((claimed, ended))
-            worker._ended.set()
-            return
-        record = self._records.get(task.id)
-        if record is not None and claimed is not None:
-            record.attempts = claimed.attempts  # attempts made elsewhere count here too
-
-    def fail(self, record: Record, token: int, attempt: Attempt, **rest: Any) -> bool:
-        if not super().fail(record, token, attempt, **rest):
-            return False
-        # Written now, not with the task's end: a lease lost before that end (the worker killed
-        # or paused) would otherwise lose this attempt, and the next one, on another worker,
-        # would be numbered as this one.
-        worker = self._worker
-        claimed = worker.held.get(record.id)
-        if claimed is not None:
-            worker.failed.append((claimed, attempt))
-            worker._ended.set()
-        return True
-
-    def deps_of(self, record: Record) -> dict[str, Any]:
-        claimed = self._worker.held.get(record.id)
-        if claimed is None:
-            return {}
-        return {i: None if text is None else json.loads(text) for i, text in claimed.deps.items()}
-
-    def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
-        # The coordinator checks references (it knows the run's tasks); here: the task's own
-        # fields and that its payload can be stored. A task spawned without an id is named after
-        # its parent, as the coordinator names it (`MemoryRun.check_spawn`), but without the
-        # run's ids: the coordinator names it again when it admits it (`_sqlite_share._name`).
-        given: str | None = task.id  # typed `str`: None until an id is given it
-        if not pending:  # the attempt's first spawn
-            self._named_here.pop(parent.id, None)
-        if given is None and isinstance(task.kind, str):
-            n = len(pending) + 1
-            while f"{parent.id}/{task.kind}#{n}" in pending:
-                n += 1
-            task.id = f"{parent.id}/{task.kind}#{n}"
-            self._named_here.setdefault(parent.id, set()).add(task.id)
-        self._admission.check(task, f"task spawned by {parent.id!r}", None, lambda i: i in pending)
-        if task.id in pending:
-            raise InputError(
-                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
-                task_id=task.id,
-                field="id",
-            )
-        try:
-            to_json(task.payload)
-        except PydanticSerializationError as exc:
-            raise InputError(
-                f"task {task.id!r} spawned by {parent.id!r}: payload cannot be stored as JSON: "
-                f"{exc}",
-                task_id=task.id,
-                field="payload",
-            ) from exc
-
-    def settle(
-        self,
-        record: Record,
-        token: int,
-        status: str,
-        output: Any = None,
-        *,
-        spawned: Sequence[Task] = (),
-        **rest: Any,
-    ) -> bool:
-        if status is SUCCEEDED and record.token == token and record.state not in TERMINAL:
-            # The file keeps outputs as JSON: one it cannot keep fails the attempt here, on the
-            # worker, so the task moves down its chain as on the coordinator (`SQLiteRun.settle`).
-            stored_json(output, record.id, rest.get("agent"))
-        named_here = self._named_here.pop(record.id, ())
-        if spawned and record.token == token and record.state not in TERMINAL:
-            self._worker.spawned[record.id] = [_spawned(t, t.id in named_here) for t in spawned]
-        ended = super().settle(record, token, status, output, **rest)
-        if ended:  # heard by the run already: a worker keeps nothing of an ended task
-            self._records.pop(record.id, None)
-            self._settled.pop(record.id, None)
-        return ended
-
-    def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
-        return self.settle(record, token, SUCCEEDED, output, agent=agent)
-
-
-def _spawned(task: Task, named_here: bool) -> dict[str, Any]:
-    return {
-        "kind": task.kind,
-        "payload": task.payload,
-        "id": task.id,
-        "named_here": named_here,  # the id is the worker's guess: the coordinator names it
-        "priority": task.priority,
-        "depends_on": list(task.depends_on),
-        "depends_on_tags": list(task.depends_on_tags),
-        "tags": list(task.tags),
-        "key": task.key,
-        "timeout": task.timeout,
-        "critical": task.critical,
-        "metadata": task.metadata,
-    }

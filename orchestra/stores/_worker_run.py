@@ -1,0 +1,266 @@
+"""The store of a worker process's local run: a memory run with three differences.
+
+A worker (`orchestra.stores._worker`) runs the tasks it claims from a SQLite file as an ordinary
+run of its orchestrator, whose store is a `WorkerRun`: it holds a `MemoryRun` and passes every
+transition to it, but for three differences, each said where it is: a claimed task's dependencies'
+outputs come from the file, what an attempt spawns goes to the coordinator instead of running
+here, and an ended task is forgotten (a worker runs for days). What it tells its worker (an end, a
+failed attempt, spawns to write) goes through `Host`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic_core import PydanticSerializationError, to_json
+
+from .._exceptions import InputError
+from .._output import stored_json
+from .._task import FAILED, SUCCEEDED, TERMINAL, TaskResult
+from ._memory import MemoryRun
+from ._protocol import KEEP
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from .._admission import Admission
+    from .._record import Record
+    from .._task import Attempt, Task
+    from ._protocol import Listener, Selector
+    from ._sqlite_work import Claimed
+
+__all__ = ("Host", "WorkerRun", "WorkerStore")
+
+
+class Host(Protocol):
+    """What a worker's local run asks of its worker: the claim under which it holds a task, and
+    where the file's writes go."""
+
+    # The wall time of the local run's zero (its records' times count from it): set when it opens.
+    wall0: float
+
+    def claim_of(self, task_id: str) -> Claimed | None: ...
+    def ended(self, claimed: Claimed, result: TaskResult) -> None: ...
+    def attempt_failed(self, claimed: Claimed, attempt: Attempt) -> None: ...
+    def spawns(self, task_id: str, spawned: list[dict[str, Any]]) -> None: ...
+
+
+class WorkerStore:
+    """The store of a worker's local run."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def open_run(
+        self,
+        run_id: str,
+        *,
+        admission: Admission,
+        listener: Listener,
+        clock: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> WorkerRun:
+        return WorkerRun(self.host, run_id, admission, listener, clock, task_timeout, compact)
+
+
+class WorkerRun:
+    """A worker's local run: a `MemoryRun`'s transitions, with the file's differences."""
+
+    resumed = 0
+
+    def __init__(
+        self,
+        host: Host,
+        run_id: str,
+        admission: Admission,
+        listener: Listener,
+        clock: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> None:
+        self.run_id = run_id
+        self._host = host
+        self._admission = admission
+        self._memory = memory = MemoryRun(run_id, admission, listener, clock, task_timeout, compact)
+        host.wall0 = time.time()
+        # The ids this worker gave spawns of the running attempt of each task (by its id): the
+        # coordinator names them again, as it names its own, since only it knows the run's ids.
+        self._named_here: dict[str, set[str]] = {}
+        # Unchanged from the memory run, bound once rather than wrapped.
+        self.admit = memory.admit
+        self.close_input = memory.close_input
+        self.backpressure = memory.backpressure
+        self.claim = memory.claim
+        self.heartbeat = memory.heartbeat
+        self.start = memory.start
+        self.note = memory.note
+        self.due = memory.due
+        self.next_due = memory.next_due
+        self.queue_depths = memory.queue_depths
+        self.close = memory.close
+
+    @property
+    def unfinished(self) -> int:
+        return self._memory.unfinished
+
+    @property
+    def pending(self) -> int:
+        return self._memory.pending
+
+    # -- what differs: admission of a claimed task -----------------------------------------------
+
+    def admit_one(self, task: Any, index: int, *, generated: bool = False) -> None:
+        memory = self._memory
+        claimed = self._host.claim_of(task.id)
+        # A task claimed again (its lease was lost here once, it came back): a record of its end
+        # that `settle` did not forget (a cancel ends a waiting task directly) must not make the
+        # new claim look admitted already.
+        memory.forget(task.id)
+        if task.key is not None:
+            # The coordinator handed this task out to run: it holds its key (the run's other
+            # tasks with the key follow it there), whatever this worker ran with that key before.
+            memory.forget_key(task.key)
+        try:
+            memory.admit_one(task, index, generated=generated)
+        except InputError as exc:
+            if claimed is None:
+                raise
+            # Its payload does not fit this worker's agents: the task fails (the coordinator
+            # hears why), the worker goes on. Raised, it would end the worker's run, and the
+            # task, handed back, would end the next worker's too.
+            ended = TaskResult(task, index, FAILED, None, None, claimed.attempts, None, None, 0.0,
+                               error=str(exc), error_type="InputError")  # fmt: skip
+            self._host.ended(claimed, ended)
+            return
+        record = memory.record_of(task.id)
+        if record is not None and claimed is not None:
+            record.attempts = claimed.attempts  # attempts made elsewhere count here too
+
+    # -- what differs: failed attempts written as they fail --------------------------------------
+
+    def fail(
+        self,
+        record: Record,
+        token: int,
+        attempt: Attempt,
+        *,
+        retry_at: float | None = None,
+        next_agent: str | None = KEEP,
+    ) -> bool:
+        if not self._memory.fail(record, token, attempt, retry_at=retry_at, next_agent=next_agent):
+            return False
+        # Written now, not with the task's end: a lease lost before that end (the worker killed
+        # or paused) would otherwise lose this attempt, and the next one, on another worker,
+        # would be numbered as this one.
+        claimed = self._host.claim_of(record.id)
+        if claimed is not None:
+            self._host.attempt_failed(claimed, attempt)
+        return True
+
+    # -- what differs: dependencies from the file, spawns to the coordinator ---------------------
+
+    def deps_of(self, record: Record) -> dict[str, Any]:
+        claimed = self._host.claim_of(record.id)
+        if claimed is None:
+            return {}
+        return {i: None if text is None else json.loads(text) for i, text in claimed.deps.items()}
+
+    def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
+        # The coordinator checks references (it knows the run's tasks); here: the task's own
+        # fields and that its payload can be stored. A task spawned without an id is named after
+        # its parent, as the coordinator names it (`GraphChecks.spawn`), but without the run's
+        # ids: the coordinator names it again when it admits it (`_sqlite_share._name`).
+        given: str | None = task.id  # typed `str`: None until an id is given it
+        if not pending:  # the attempt's first spawn
+            self._named_here.pop(parent.id, None)
+        if given is None and isinstance(task.kind, str):
+            n = len(pending) + 1
+            while f"{parent.id}/{task.kind}#{n}" in pending:
+                n += 1
+            task.id = f"{parent.id}/{task.kind}#{n}"
+            self._named_here.setdefault(parent.id, set()).add(task.id)
+        self._admission.check(task, f"task spawned by {parent.id!r}", None, lambda i: i in pending)
+        if task.id in pending:
+            raise InputError(
+                f"task {parent.id!r} spawns duplicate task id {task.id!r}",
+                task_id=task.id,
+                field="id",
+            )
+        try:
+            to_json(task.payload)
+        except PydanticSerializationError as exc:
+            raise InputError(
+                f"task {task.id!r} spawned by {parent.id!r}: payload cannot be stored as JSON: "
+                f"{exc}",
+                task_id=task.id,
+                field="payload",
+            ) from exc
+
+    # -- what differs: an end kept as JSON, then forgotten ---------------------------------------
+
+    def settle(
+        self,
+        record: Record,
+        token: int,
+        status: str,
+        output: Any = None,
+        *,
+        spawned: Sequence[Task] = (),
+        agent: str | None = None,
+        error: str | None = None,
+        error_type: str | None = None,
+        defaulted: bool = False,
+        attempt: Attempt | None = None,
+    ) -> bool:
+        live = record.token == token and record.state not in TERMINAL
+        if status is SUCCEEDED and live:
+            # The file keeps outputs as JSON: one it cannot keep fails the attempt here, on the
+            # worker, so the task moves down its chain as on the coordinator (`SQLiteRun.settle`).
+            stored_json(output, record.id, agent)
+        named_here = self._named_here.pop(record.id, ())
+        if spawned and live:
+            self._host.spawns(record.id, [_spawned(t, t.id in named_here) for t in spawned])
+        ended = self._memory.settle(
+            record, token, status, output, agent=agent, error=error, error_type=error_type,
+            defaulted=defaulted, attempt=attempt,
+        )  # fmt: skip
+        if ended:  # heard by the run already: a worker keeps nothing of an ended task
+            self._memory.forget(record.id)
+        return ended
+
+    def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
+        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+
+    # -- the rest as in memory -------------------------------------------------------------------
+
+    def cancel(self, selector: Selector, reason: str, error_type: str = "Cancelled") -> list[Any]:
+        return self._memory.cancel(selector, reason, error_type)
+
+    def results(self) -> Iterator[Record]:
+        return self._memory.results()
+
+    def state_of(self, task_id: str) -> str | None:
+        return self._memory.state_of(task_id)
+
+    def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
+        return self._memory.reprioritize(task_id, priority, claimed=claimed)
+
+
+def _spawned(task: Task, named_here: bool) -> dict[str, Any]:
+    return {
+        "kind": task.kind,
+        "payload": task.payload,
+        "id": task.id,
+        "named_here": named_here,  # the id is the worker's guess: the coordinator names it
+        "priority": task.priority,
+        "depends_on": list(task.depends_on),
+        "depends_on_tags": list(task.depends_on_tags),
+        "tags": list(task.tags),
+        "key": task.key,
+        "timeout": task.timeout,
+        "critical": task.critical,
+        "metadata": task.metadata,
+    }
