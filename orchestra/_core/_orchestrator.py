@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import time
@@ -462,8 +463,14 @@ class Orchestrator:
         _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
 
+    def _start_local(self, tasks: AsyncIterable[Task], run_id: str, store: Store) -> RunHandle:
+        """`start` on another store: a worker process's local run (`stores/_worker.Owner`)."""
+        config = copy.copy(self._config)
+        config.store = store
+        return self._launch(None, tasks, run_id, config)
+
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
-        """`start` with `config` (a worker's run has its own store: orchestra/_worker.py)."""
+        """`start` with `config`."""
         tg = self._tg
         assert tg is not None
         handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)

@@ -8,7 +8,7 @@ its own agents, limits, retries and fallbacks, and writes back what they came to
 paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
 counted.
 
-There is no second run loop: a worker is an ordinary run of its orchestrator whose input
+There is no second run loop: a worker is an ordinary run of its orchestrator (`Owner`) whose input
 is the file's ready queue (an async iterator that claims as the run has room) and whose results go
 back to the file. That run's store is a `WorkerRun` (`orchestra.stores._worker_run`): the memory
 store, but for what the file changes.
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import math
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from pydantic_core import to_json
@@ -38,16 +37,47 @@ from . import _sqlite_work
 from ._worker_run import WorkerStore
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Generator, Sequence
 
-    from .._core._handle import RunHandle
-    from .._core._orchestrator import Orchestrator
+    from .._registry import Registry
+    from ._protocol import Store
     from ._sqlite import SQLiteStore
     from ._sqlite_work import Claimed
 
-__all__ = ("WorkReport", "Worker", "work")
+__all__ = ("LocalRun", "Owner", "WorkReport", "Worker", "work")
 
 log = get_logger("orchestra")
+
+
+class Owner(Protocol):
+    """What a worker asks of the orchestrator it works for (`Orchestrator.work`, `orchestra
+    worker`): its agents and its global limit, so that it claims no more than they can start, and
+    a run of its own whose tasks are kept in the worker's store (`WorkerStore`), not the
+    orchestrator's."""
+
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def concurrency(self) -> int: ...
+    def _start_local(self, tasks: AsyncIterator[Task], run_id: str, store: Store) -> LocalRun: ...
+
+
+class LocalRun(Protocol):
+    """The worker's local run, as its orchestrator started it (a `RunHandle`)."""
+
+    @property
+    def done(self) -> bool: ...
+    def results(self) -> Results: ...
+    def cancel(self, *, task_id: list[str]) -> object: ...
+    async def stop(self, grace: float | None = None) -> object: ...
+    def __await__(self) -> Generator[Any, None, object]: ...
+
+
+class Results(Protocol):
+    """The results of a `LocalRun`, as its tasks end."""
+
+    def __aiter__(self) -> AsyncIterator[TaskResult]: ...
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -73,7 +103,7 @@ class WorkReport:
 
 
 async def work(
-    orch: Orchestrator,
+    orch: Owner,
     store: SQLiteStore,
     *,
     run_id: str | None,
@@ -88,13 +118,13 @@ class Worker:
 
     def __init__(
         self,
-        orch: Orchestrator,
+        orch: Owner,
         store: SQLiteStore,
         run_id: str | None,
         kinds: Sequence[str] | None,
         poll: float,
     ) -> None:
-        by_kind = orch._config.registry.by_kind
+        by_kind = orch.registry.by_kind
         served = [k for k, slots in by_kind.items() if slots]
         if kinds is None:
             wanted = sorted(served)
@@ -133,7 +163,7 @@ class Worker:
         # that, so tasks waiting for a slot stay in the file for other workers (a worker that
         # claimed up to its global limit held them under leases it renewed while they queued).
         agents = {slot.name: slot.concurrent for kind in wanted for slot in by_kind[kind]}
-        self.capacity = min(orch._config.capacity.limit, sum(agents.values()))
+        self.capacity = min(orch.concurrency, sum(agents.values()))
         self.rooms = {
             kind: min(self.capacity, sum(agents[slot.name] for slot in by_kind[kind]))
             for kind in wanted
@@ -184,9 +214,7 @@ class Worker:
         store = self.store
         await self.call(_sqlite_work.register, self.name, self.run_id, self.kinds, time.time())
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
-        config = copy.copy(self.orch._config)
-        config.store = WorkerStore(self)
-        handle = self.orch._launch(None, self._claims(), f"worker:{self.name}", config)
+        handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
         results = handle.results()
         try:
             try:
@@ -226,7 +254,7 @@ class Worker:
         del store
         return self.report
 
-    async def _leave(self, handle: RunHandle) -> None:
+    async def _leave(self, handle: LocalRun) -> None:
         """However the worker ends: stop its run, write what ended, hand back the rest."""
         self._stopping = True
         self._room.set()
@@ -394,7 +422,7 @@ class Worker:
 
     # -- leases ----------------------------------------------------------------------------------
 
-    async def _beat(self, handle: RunHandle) -> None:
+    async def _beat(self, handle: LocalRun) -> None:
         """Renew the leases every third of one; cancel the attempts of the tasks no longer held."""
         store = self.store
         while True:
