@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 import orchestra
+import orchestra.stores
 import orchestra.testing
 
 PUBLIC = sorted(orchestra.__all__)
+STORES = sorted(orchestra.stores.__all__)
 
 
 def own_doc(obj: object) -> str:
@@ -45,6 +47,26 @@ class TestExports:
     )
     def test_the_core_names_are_exported(self, name: str) -> None:
         assert name in orchestra.__all__
+
+    @pytest.mark.parametrize("name", STORES)
+    def test_every_name_of_the_stores_imports_and_is_documented(self, name: str) -> None:
+        assert own_doc(getattr(orchestra.stores, name)), f"orchestra.stores.{name} has no docstring"
+
+    def test_the_store_protocol_is_exported(self) -> None:
+        assert {"Store", "RunStore"} <= set(orchestra.stores.__all__)
+
+    @pytest.mark.parametrize("name", ["Store", "RunStore"])
+    def test_every_member_of_the_store_protocol_is_documented(self, name: str) -> None:
+        # The reference for whoever writes a store: mkdocstrings renders these (docs/api.md).
+        protocol = getattr(orchestra.stores, name)
+        undocumented = [
+            member
+            for member, value in vars(protocol).items()
+            if not member.startswith("_")
+            and (callable(value) or isinstance(value, property))
+            and not own_doc(value)
+        ]
+        assert undocumented == []
 
     def test_public_methods_of_the_orchestrator_are_documented(self) -> None:
         undocumented = [
@@ -79,6 +101,13 @@ class TestPublicNamesLookPublic:
     def test_the_module_is_the_package(self, name: str) -> None:
         obj = getattr(orchestra, name)
         assert obj.__module__ == "orchestra", f"orchestra.{name} reports {obj.__module__}"
+
+    @pytest.mark.parametrize("name", STORES)
+    def test_a_store_name_reports_the_stores_package(self, name: str) -> None:
+        obj = getattr(orchestra.stores, name)
+        assert obj.__module__ == "orchestra.stores", (
+            f"orchestra.stores.{name} reports {obj.__module__}"
+        )
 
     def test_reprs_name_the_package(self) -> None:
         assert repr(orchestra.Task) == "<class 'orchestra.Task'>"

@@ -52,7 +52,7 @@ from tests.helpers import sqlite_store
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from orchestra.stores._protocol import RunStore, Store
+    from orchestra.stores import RunStore, Store
 
 # The stores under contract: one factory per store (a durable one builds its store on a fresh file
 # or schema). Adding a store to the suite is adding it here.

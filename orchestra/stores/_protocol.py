@@ -163,7 +163,20 @@ class Selector:
 
 
 class RunStore(Protocol):
-    """The tasks of one run and every transition of their state."""
+    """The tasks of one run, and every change of their state: what `Store.open_run` returns.
+
+    The run calls it on the event loop's thread, synchronously (a method that must wait for I/O
+    queues the write and says so through `backpressure` and `Listener.hold`); every change it
+    makes is told to the run's `Listener` before the call returns. A task is handed around as
+    the store's record of it (a `StoredTask`), which becomes the task's `TaskResult` when it ends.
+
+    Every write about an attempt carries the lease token `claim` gave (`record.token`), and is
+    refused (returns False, changes nothing) when the token is stale: the task was claimed
+    again, handed back by `fail`, or ended.
+
+    Attributes:
+        run_id: the run's id.
+    """
 
     run_id: str
 
@@ -177,12 +190,10 @@ class RunStore(Protocol):
 
     @property
     def resumed(self) -> int:
-        """Tasks that had ended in an earlier process (a durable store's resumed run)."""
+        """Tasks that had ended in an earlier process (a durable store's resumed run); 0 for a
+        store that keeps nothing across processes."""
 
     # -- admission
-    def admit_one(self, task: Any, index: int) -> None:
-        """`admit` for one item of a streamed input."""
-
     def admit(
         self,
         tasks: Sequence[Any],
@@ -191,31 +202,58 @@ class RunStore(Protocol):
         forward: bool,
         first_index: int = 0,
     ) -> int:
-        """Check and admit a batch, all or nothing; returns how many tasks are new. Idempotent by id
-        (a task already admitted, identical, is not admitted again) and by `key`. With `forward`,
-        tasks may depend on later tasks of the same batch (a whole list); else only on tasks
-        admitted before (a streamed input)."""
+        """Check and admit a batch of tasks, all or nothing.
+
+        Each task is checked with the run's `Admission` (its own fields; a task without an id
+        is given one) and against the run (unique ids, known dependencies, no cycle, open
+        groups); a task that waits for nothing is ready at once (`Listener.ready_all`).
+
+        Args:
+            tasks: the batch, in input order.
+            where: where the batch came from, for the error messages ("tasks", "input item").
+            forward: whether a task may depend on a later task of the batch (a whole list), or
+                only on tasks admitted before it (a streamed input).
+            first_index: the input index of the batch's first task.
+
+        Returns:
+            How many tasks are new: a task admitted before, identical, is not admitted again
+                (idempotent by id); one whose `key` another task of the run holds follows it.
+
+        Raises:
+            InputError: a task is refused (naming it and the field); nothing was admitted.
+        """
+
+    def admit_one(self, task: Any, index: int) -> None:
+        """`admit` for one item of a streamed input (it may only depend on tasks before it)."""
 
     def close_input(self) -> None:
-        """No more input will come: groups whose members are all done can close."""
+        """No more input will come: a group whose members are all done can close."""
 
     def backpressure(self) -> Awaitable[None] | None:
         """What a streamed input waits for before more is admitted (a durable store whose writes
         are behind the run), or None: admit now."""
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
-        """Check a task an attempt spawns (admitted later, by `settle`); raises `InputError`."""
+        """Check a task an attempt of `parent` spawns (`ctx.spawn`), before the attempt ends; it
+        is admitted by `settle`. `pending`: the attempt's earlier spawns, by id. A task without
+        an id is given one named after its parent (``<parent id>/<kind>#<n>``).
+
+        Raises:
+            InputError: the task is refused, naming it and the field.
+        """
 
     # -- dispatch
     def claim(self) -> Any:
-        """The best ready task, leased under a fresh token (None when nothing is ready)."""
+        """The best ready task (smallest priority, then first ready), leased to the caller under
+        a fresh token; None when no task is ready."""
 
     def heartbeat(self, record: Any, token: int) -> bool:
-        """The lease holder is alive: extend its lease. False when the lease went stale (re-leased,
-        handed back, ended, or cancelled: `record.cancelling`), so the holder stops."""
+        """The lease holder is alive: extend its lease. False when the lease went stale (claimed
+        again, handed back, ended, or being cancelled: `record.cancelling`): the holder stops."""
 
     def start(self, record: Any, token: int, agent: str) -> bool:
-        """The claimed task's attempt starts now on `agent` (which becomes its target): count it."""
+        """The claimed task's attempt starts now on `agent`, which becomes its target: count the
+        attempt (in all, and on that agent). False with a stale token."""
 
     def fail(
         self,
@@ -226,13 +264,24 @@ class RunStore(Protocol):
         retry_at: float | None = None,
         next_agent: str | None = KEEP,
     ) -> bool:
-        """Record a failed attempt and the next step: ready again at `retry_at`, on the
-        same agent or, with `next_agent`, on that one (None: any agent of the kind not used up);
-        the agent that failed is then used up for this task. Refused with a stale token."""
+        """Record a failed attempt and the task's next step; the lease ends (a fresh token at the
+        next `claim`).
+
+        Args:
+            record, token: the task, and the lease its attempt ran under.
+            attempt: the failed attempt, kept in `record.failures`.
+            retry_at: when the task is ready again (on the run's clock); None: at once.
+            next_agent: the agent it goes to next (None: any agent of its kind that it has not
+                used up), the failed agent then used up for this task; `KEEP`: the same agent.
+
+        Returns:
+            False, changing nothing, with a stale token or an ended task.
+        """
 
     def note(self, record: Any, token: int, feedback: str, *, partial: Any = KEEP) -> bool:
         """What went wrong in the current attempt, for the next one (`ctx.feedback`); with
-        `partial`, the rejected output kept if the task fails in the end."""
+        `partial`, the rejected output kept if the task fails in the end. False with a stale
+        token."""
 
     def settle(
         self,
@@ -248,34 +297,59 @@ class RunStore(Protocol):
         defaulted: bool = False,
         attempt: Attempt | None = None,
     ) -> bool:
-        """End a task (with the tasks its attempt spawned, and the dependents and groups this makes
-        ready or skips), as one step; `attempt` is the failed attempt that ended it, if one did.
-        Refused (False) with a stale token or an ended task. A store that persists outputs raises
-        `InvalidOutput` for a success whose output it cannot keep, before any change: the
-        attempt that returned it fails (the memory store keeps every output as it is)."""
+        """End a task, in one step with what follows from it: the tasks its attempt spawned are
+        admitted, its dependents and groups made ready (or skipped when it did not succeed), and
+        the listener hears each change, causes before effects.
+
+        Args:
+            record, token: the task, and the lease its attempt ran under.
+            status: its terminal status ("succeeded", "failed", "cancelled" or "skipped").
+            output: what it returned (or a default, with `defaulted`).
+            spawned: the tasks its attempt spawned (checked by `check_spawn`).
+            agent: the agent that ended it, if one did.
+            error, error_type: why it did not succeed.
+            defaulted: the output is the kind's default value, not an agent's.
+            attempt: the failed attempt that ended it, if one did.
+
+        Returns:
+            False, changing nothing, with a stale token or an ended task.
+
+        Raises:
+            InvalidOutput: a store that persists outputs cannot keep this one (before any
+                change: the attempt that returned it fails). The memory store keeps every
+                output as it is.
+            InputError: a spawned task is refused (the task is left as it was).
+        """
 
     def succeed(self, record: Any, token: int, output: Any, agent: str) -> bool:
-        """`settle(record, token, "succeeded", output, agent=agent)`: the common end of an attempt
-        (nothing spawned), in the one call the hot path makes per task. Same refusals."""
+        """`settle(record, token, "succeeded", output, agent=agent)`: the common end of an
+        attempt, in the one call the hot path makes per task. Same refusals."""
 
     def cancel(self, selector: Selector, reason: str, error_type: str = "Cancelled") -> list[Any]:
-        """Cancel the matching unfinished tasks that are not running (their dependents are
-        skipped); the running ones are flagged (`record.cancelling`) and returned, for their owner
-        to cancel."""
+        """Cancel the unfinished tasks `selector` matches: the ones not running end cancelled
+        (with `reason` and `error_type`; their dependents are skipped); the running or claimed
+        ones are flagged (`record.cancelling`) and returned, for their lease holder to cancel."""
 
     def due(self, now: float) -> list[Any]:
-        """Make the retries due by `now` ready; return the unfinished tasks whose
-        deadline passed, for the dispatcher to end (a default value or a failure)."""
+        """Make the retries due by `now` ready; return the unfinished tasks whose deadline
+        passed by then, for the run to end (with a default value, or failed)."""
 
     def next_due(self) -> float | None:
-        """The time of the next retry or deadline, if any."""
+        """The time of the next retry or deadline, if any (the run's timer sleeps until it)."""
 
     # -- reading
-    def deps_of(self, record: Any) -> dict[str, Any]: ...
-    def results(self) -> Iterable[TaskResult]:
-        """The results of the tasks the store still holds (to rebuild or count the aggregate)."""
+    def deps_of(self, record: Any) -> dict[str, Any]:
+        """The outputs of what the task waited for, by task id: its dependencies and the members
+        of the groups it waited for (`ctx.deps`)."""
 
-    def state_of(self, task_id: str) -> str | None: ...
+    def results(self) -> Iterable[TaskResult]:
+        """The records the store still holds, in input order (a spawned task right after its
+        spawner): to rebuild or count the aggregate."""
+
+    def state_of(self, task_id: str) -> str | None:
+        """The task's state ("pending", "ready", "claimed", "running", "retry_wait" or a
+        terminal status); None for an id the run does not have."""
+
     def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
         """Give a task that has not started another priority; False if it is not waiting. With
         `claimed`, a claimed task too: the caller holds it waiting (for an agent's slot) and puts
@@ -283,12 +357,19 @@ class RunStore(Protocol):
 
     # -- the end
     def close(self) -> None:
-        """The run is over (however it ended): a durable store writes down what it still holds and
-        returns once it is durable; raises `StoreError` if it cannot."""
+        """The run is over (however it ended): a durable store writes down what it still holds
+        and returns once it is durable.
+
+        Raises:
+            StoreError: it could not.
+        """
 
 
 class Store(Protocol):
-    """Where runs keep their tasks: `open_run` gives one run's `RunStore`."""
+    """Where runs keep their tasks: `Orchestrator(store=...)`. `MemoryStore` (the default) and
+    `SQLiteStore` ship with orchestra; a store of your own implements this and `RunStore`. The
+    repository's contract tests (`tests/test_store_contract.py`) drive any store through the
+    protocol: one line there adds yours."""
 
     def open_run(
         self,
@@ -299,4 +380,17 @@ class Store(Protocol):
         clock: Callable[[], float],
         task_timeout: float | None,
         compact: bool,
-    ) -> RunStore: ...
+    ) -> RunStore:
+        """Open one run's store (a durable store resumes the run if it holds `run_id`).
+
+        Args:
+            run_id: the run's id.
+            admission: the run's checks of a task's own fields (`Admission.check`), the kinds
+                its agents serve and the payload models they declare.
+            listener: the run, told of every task made ready or ended (`Listener`).
+            clock: the run's clock (the event loop's time; virtual under a `FakeClock`): due
+                times and deadlines are taken on it.
+            task_timeout: the default per-task timeout, in seconds (None: none).
+            compact: whether the run is streamed: a succeeded task may then be forgotten but
+                its output (memory stays flat however long the input).
+        """
