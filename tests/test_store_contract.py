@@ -290,7 +290,7 @@ class TestFencing:
         assert h.heard.results["t1"].output == "new"
 
     def test_a_token_is_stale_once_its_attempt_failed(self, h: Harness) -> None:
-        # The failed attempt's worker may write again (late, or twice): the task, back in the
+        # The failed attempt's lease holder may write again (late, or twice): the task, back in the
         # queue, must not be failed or ended by it.
         h.admit(Task("a", id="t1"))
         record = h.running()
@@ -1252,7 +1252,7 @@ class TestCounters:
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """Random operations on one run, as a dispatcher (or a late, confused worker) would send them.
+    """Random operations on one run, as a dispatcher (or a late, confused lease holder) would send them.
 
     The machine keeps its own view of every lease: a lease (task, token) is live from the claim
     that gave it until its attempt failed, the task ended, or the task was claimed again; a write

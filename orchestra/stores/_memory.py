@@ -255,7 +255,7 @@ class MemoryRun:
     ) -> bool:
         if record.token != token or record.state in TERMINAL:
             return False
-        # The failed attempt's lease ends here: its worker's late or repeated writes are refused
+        # The failed attempt's lease ends here: its holder's late or repeated writes are refused
         # (a second `fail` would queue the task twice). The next `claim` hands out a fresh token.
         record.token += 1
         failures = record.failures
@@ -537,7 +537,7 @@ class MemoryRun:
     def restore(self, records: Sequence[Record], took_keys: Collection[str] = ()) -> None:
         """Take back the records a durable store kept, in admission order (a spawner before its
         spawns): ended ones as they ended, the others waiting again (a claimed or running one lost
-        its worker and runs again, its attempts counted) and ready at once when what they wait for
+        its process and runs again, its attempts counted) and ready at once when what they wait for
         is done. The listener hears the ones made ready, not the ended ones. `took_keys`: the ids
         of the tasks that took their key over at admission (`took_key`)."""
         for record in records:

@@ -15,8 +15,9 @@ A task's life in a store::
 - **Leases and fencing.** `claim` hands out the best ready task with a fresh lease token
   (`record.token`). Every later write about that attempt (`start`, `fail`, `settle`) carries the
   token and is refused (returns False) once the task was re-leased, handed back by an accepted
-  `fail`, or ended, so a worker that wakes late never overwrites a newer attempt. The in-memory store has one owner and no expiry, so its
-  leases never expire; the token check still holds.
+  `fail`, or ended, so a lease holder that wakes late never overwrites a newer attempt. The
+  in-memory store has one owner and no expiry, so its leases never expire; the token check still
+  holds.
 - **Time.** A store reads the run's clock (`clock`, the event loop's: virtual under a
   `FakeClock`) and takes every time (a retry's due time, a task's deadline) on it. What must
   survive a process is never kept as a loop time: a durable store converts at its boundary
