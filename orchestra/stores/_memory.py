@@ -144,7 +144,10 @@ class MemoryRun:
         record = self._graph.insert_one(task, index, named)
         self.unfinished += 1
         self.pending += 1
-        self._wire((record,))
+        if task.depends_on or task.tags or task.depends_on_tags or task.key is not None:
+            self._wire((record,))
+        else:  # waits for nothing: the common streamed task, ready without the graph's wiring
+            self.ready(record)
 
     def _wire(self, records: Sequence[Record]) -> None:
         """New pending records into the graph: end the ones that cannot run (something they wait
