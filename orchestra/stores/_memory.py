@@ -366,7 +366,11 @@ class MemoryRun:
             else:
                 self._listener.finished(record)
             return True
-        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+        # Any other success: `settle`'s refusals and general end, without its other arguments.
+        if record.token != token or record.state in TERMINAL:
+            return False
+        self._end(record, SUCCEEDED, output, agent, None, None, False)
+        return True
 
     def _end(
         self,
