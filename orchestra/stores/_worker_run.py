@@ -23,12 +23,12 @@ from ._memory import MemoryRun
 from ._protocol import KEEP
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from .._admission import Admission
     from .._record import Record
     from .._task import Attempt, Task
-    from ._protocol import Listener, Selector
+    from ._protocol import Listener
     from ._sqlite_work import Claimed
 
 __all__ = ("Host", "WorkerRun", "WorkerStore")
@@ -69,7 +69,7 @@ class WorkerStore:
 class WorkerRun:
     """A worker's local run: a `MemoryRun`'s transitions, with the file's differences."""
 
-    resumed = 0
+    resumed = 0  # its tasks come from the file's claims, never from an earlier process
 
     def __init__(
         self,
@@ -97,8 +97,12 @@ class WorkerRun:
         self.heartbeat = memory.heartbeat
         self.start = memory.start
         self.note = memory.note
+        self.cancel = memory.cancel
         self.due = memory.due
         self.next_due = memory.next_due
+        self.results = memory.results
+        self.state_of = memory.state_of
+        self.reprioritize = memory.reprioritize
         self.queue_depths = memory.queue_depths
         self.close = memory.close
 
@@ -233,20 +237,6 @@ class WorkerRun:
 
     def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
-
-    # -- the rest as in memory -------------------------------------------------------------------
-
-    def cancel(self, selector: Selector, reason: str, error_type: str = "Cancelled") -> list[Any]:
-        return self._memory.cancel(selector, reason, error_type)
-
-    def results(self) -> Iterator[Record]:
-        return self._memory.results()
-
-    def state_of(self, task_id: str) -> str | None:
-        return self._memory.state_of(task_id)
-
-    def reprioritize(self, task_id: str, priority: int, *, claimed: bool = False) -> bool:
-        return self._memory.reprioritize(task_id, priority, claimed=claimed)
 
 
 def _spawned(task: Task, named_here: bool) -> dict[str, Any]:
