@@ -41,6 +41,7 @@ from ._cli._progress import progress as progress
 from ._cli._progress import render_status as render_status
 from ._cli._progress import status_line as status_line
 from ._cli._signals import run_main as run_main
+from ._concurrency import Concurrency as Concurrency
 from ._core._context import Context as Context
 from ._core._handle import Cancellation as Cancellation
 from ._core._handle import RunHandle as RunHandle
@@ -139,10 +140,9 @@ from ._exceptions import (
 from ._exceptions import (
     VerificationError as VerificationError,
 )
-from ._limits import Concurrency as Concurrency
 from ._limits import Limiter as Limiter
-from ._limits import Rate as Rate
 from ._log import configure_logging as configure_logging
+from ._rate import Rate as Rate
 from ._result import (
     AttemptRecord as AttemptRecord,
 )

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._agent import Agent, AgentLike, check_call, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
+from ._concurrency import Concurrency
 from ._config import shown
 from ._exceptions import ConfigError
-from ._limits import Concurrency, Limiter
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from ._core._context import Context
+    from ._limits import Limiter
     from ._retry import RetryPolicy
     from ._task import Task
 

@@ -38,8 +38,8 @@ from ._faults import GARBAGE, MODES, SimulatedAPIError, raise_fault
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from ._concurrency import Concurrency
     from ._core._context import Context
-    from ._limits import Concurrency
     from ._retry import RetryPolicy
     from ._task import Task, TaskResult
 

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._budget import BudgetDoor
 from .._config import finite
 from .._exceptions import InputError
-from .._limits import REQUESTS, Rate
+from .._limits import REQUESTS
 from .._log import get_logger
+from .._rate import Rate
 from ._routing import DEFAULT_COST
 
 if TYPE_CHECKING:

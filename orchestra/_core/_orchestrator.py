@@ -24,6 +24,7 @@ from .._admission import check_new_priority
 from .._aggregate import Aggregator, aggregator_of
 from .._breaker import BreakerPolicy
 from .._budget import Budget
+from .._concurrency import Capacity, Concurrency, as_concurrency
 from .._config import (
     check_callable,
     check_instance,
@@ -39,7 +40,6 @@ from .._events import Event, EventBus
 from .._exceptions import ConfigError, InputError
 from .._failure import cancel_pending
 from .._faults import MODES, Fault, FaultMode
-from .._limits import Capacity, Concurrency, as_concurrency
 from .._log import get_logger
 from .._registry import AgentSlot, Registry
 from .._retry import RetryPolicy, Timeouts

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
     from .._aggregate import Accumulator
     from .._budget import Budget
+    from .._concurrency import Capacity
     from .._events import EventBus
-    from .._limits import Capacity
     from .._record import Record
     from .._registry import Registry
     from .._result import RunResult

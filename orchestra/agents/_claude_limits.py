@@ -24,9 +24,10 @@ import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
+from .._concurrency import Concurrency
 from .._config import finite
 from .._exceptions import ConfigError
-from .._limits import Concurrency, Rate
+from .._rate import Rate
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

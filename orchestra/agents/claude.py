@@ -72,8 +72,9 @@ log = get_logger("orchestra")
 if TYPE_CHECKING:
     from anthropic.types import Message, MessageParam, Model
 
+    from .._concurrency import Concurrency
     from .._core._context import Context
-    from .._limits import Concurrency, Limiter
+    from .._limits import Limiter
     from .._retry import RetryPolicy
     from .._task import Task
 
