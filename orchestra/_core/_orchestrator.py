@@ -23,7 +23,7 @@ import anyio
 from .._admission import check_new_priority
 from .._aggregate import Aggregator, aggregator_of
 from .._breaker import BreakerPolicy
-from .._budget import Budget
+from .._budget import BudgetPolicy
 from .._concurrency import Capacity, Concurrency, as_concurrency
 from .._config import (
     check_callable,
@@ -229,7 +229,7 @@ class Orchestrator:
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),
-            budget=Budget.of(max_cost=max_cost, max_tokens=max_tokens),
+            budget=BudgetPolicy.of(max_cost=max_cost, max_tokens=max_tokens),
         )
         if self._config.instruments is not None:
             self._config.instruments.attach(self)
