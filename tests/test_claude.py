@@ -41,7 +41,7 @@ from tests.claude_fixtures import (
     run,
 )
 from tests.fake_messages_api import FakeMessagesAPI
-from tests.helpers import LogLines, fake_clock
+from tests.helpers import REPO, LogLines, fake_clock, run_python
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -721,6 +721,16 @@ class TestConfiguration:
 
 
 class TestPackaging:
+    @pytest.mark.subprocess
+    @pytest.mark.parametrize(
+        "module", sorted(path.stem for path in (REPO / "orchestra" / "agents").glob("*claude*.py"))
+    )
+    def test_every_claude_module_may_be_imported_first(self, module: str) -> None:
+        # The Claude modules import one way (`claude.py` on top): none imports another that
+        # imports it back, so whichever a program imports first loads.
+        done = run_python("-c", f"import orchestra.agents.{module}", cwd=REPO, timeout=60)
+        assert done.returncode == 0, done.stderr
+
     @pytest.mark.subprocess
     def test_the_core_and_orchestra_agents_do_not_import_the_sdk(self) -> None:
         code = (
