@@ -47,9 +47,8 @@ from ._result import RunResult
 from ._retry import RetryPolicy, Timeouts
 from ._task import Attempt, Task, TaskResult
 from ._verify import Verdict
+from ._version import __version__ as __version__
 from .stores._worker import WorkReport
-
-__version__ = "0.1.0"
 
 __all__ = (
     "Agent",
