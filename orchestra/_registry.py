@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from ._retry import RetryPolicy
     from ._task import Task
 
-__all__ = ("AgentSlot", "AgentStatus", "Registry")
+__all__ = ("AgentSlot", "AgentState", "Registry")
 
-AgentStatus = Literal["idle", "busy", "failing", "open"]
+# What an agent is doing now: `AgentStatus.state` of a run's status, `agents_status()`.
+AgentState = Literal["idle", "busy", "failing", "open"]
 UNLIMITED = sys.maxsize
 
 
@@ -105,7 +106,7 @@ class AgentSlot:
         self.last_error: str | None = None
         self.fault: Any = None  # set by Orchestrator.simulate_agent_failure (orchestra.testing)
 
-    def status(self) -> AgentStatus:
+    def status(self) -> AgentState:
         if self.breaker.state is OPEN:
             return "open"
         if self.breaker.state is not CLOSED or self.breaker.failing:

@@ -14,19 +14,17 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import (
-    AttemptFailed,
     ConfigError,
     Context,
     Orchestrator,
     PermanentError,
     RecoveryStatus,
     RetryPolicy,
-    RetryScheduled,
-    RunFinished,
     RunResult,
     Task,
     agent,
 )
+from orchestra.events import AttemptFailed, RetryScheduled, RunFinished
 from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
 from tests.helpers import not_garbage, run_recorded, trips_after
 

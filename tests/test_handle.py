@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from orchestra import (
     Cancellation,
-    CancelRecord,
     ConfigError,
     Context,
     InputError,
@@ -27,8 +26,9 @@ from orchestra import (
     RunHandle,
     Task,
     agent,
-    status_line,
 )
+from orchestra.result import CancelRecord
+from orchestra.status import status_line
 from orchestra.stores import SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.testing import FakeClock, scripted
