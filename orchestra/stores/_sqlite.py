@@ -62,7 +62,7 @@ and every later write (heartbeat, start, fail, settle) carries the token:
 ``UPDATE ... WHERE run_id = ? AND id = ? AND token = ?``, refused (no row changed) once the task
 was re-leased; `due` returns the tasks whose ``lease_expires`` passed to ready, attempt counted.
 The schema has the columns (`token`, `lease_owner`, `lease_expires`) and the index
-(`tasks_ready`) for it; the claims are in `_sqlite_work.py`, the coordinator's side in
+(`tasks_ready`) for it; the claims are in `_sqlite_leases.py`, the coordinator's side in
 `_sqlite_share.py`.
 """
 
@@ -93,7 +93,7 @@ from .._task import (
     Task,
 )
 from . import _sqlite_io as io
-from . import _sqlite_work as work
+from . import _sqlite_leases as leases
 from ._memory import MemoryRun
 from ._protocol import KEEP
 from ._sqlite_keys import Keys
@@ -179,7 +179,7 @@ class SQLiteStore:
         # JSON, agent). A key's stored result is found here first, then in the file.
         self.unwritten_keys: dict[str, tuple[str, str | None]] = {}
         # This store's runs by id while they are open: the file cannot tell two of them apart
-        # (one name, `work.identity(owner)`), so a second one of a run id is refused here.
+        # (one name, `leases.identity(owner)`), so a second one of a run id is refused here.
         self.open_runs: weakref.WeakValueDictionary[str, SQLiteRun] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
@@ -321,7 +321,7 @@ class SQLiteRun:
         # Tasks held back and now to run here (a key's wait ended in a claim; the file granted a
         # claim), for `claim` to hand out first.
         self._runnable: list[Record] = []
-        self._name = work.identity(store.owner)  # this process, as the file knows it
+        self._name = leases.identity(store.owner)  # this process, as the file knows it
         self._sharing = Sharing(self)  # with worker processes (`_sqlite_share`)
         self._beat_timer: asyncio.TimerHandle | None = None
         self._beat_every = min(0.25, store.lease / 3)
@@ -334,8 +334,8 @@ class SQLiteRun:
             )
         # Known to this process as its run until `close`, so that a hold the file keeps in its
         # name after it (one a failed run could not let go of) does not lock the process out.
-        work.coordinating(self._name, run_id, True)
-        self._let_go = weakref.finalize(self, work.coordinating, self._name, run_id, False)
+        leases.coordinating(self._name, run_id, True)
+        self._let_go = weakref.finalize(self, leases.coordinating, self._name, run_id, False)
         try:
             rows, attempts, seq = store.call(
                 io.open_run, run_id, self._wall0, self._name, store.lease
@@ -984,7 +984,7 @@ class SQLiteRun:
             with contextlib.suppress(RuntimeError):  # a closed loop: the run is over
                 self._loop.call_soon_threadsafe(self._sharing.polled, polled)
 
-    # -- sharing the run with worker processes (`_sqlite_work`) ----------------------------------
+    # -- sharing the run with worker processes (`_sqlite_leases`) ----------------------------------
 
     def _beat(self) -> None:
         """Every `_beat_every` seconds: the coordinator's heartbeat (and a look for workers),

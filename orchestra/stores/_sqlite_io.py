@@ -18,7 +18,7 @@ from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError, StoreError
-from . import _sqlite_work as work
+from . import _sqlite_leases as leases
 from ._schema import migrate, refuse_foreign, rollback
 
 if TYPE_CHECKING:
@@ -290,9 +290,9 @@ def open_run(
                 and holder != name
                 and seen is not None
                 and now - seen < held_for
-                and work.is_alive(holder, run_id)
+                and leases.is_alive(holder, run_id)
             ):
-                if work.here(holder):
+                if leases.here(holder):
                     raise StoreError(
                         f"run {run_id!r} is already being run by this process, on another "
                         "SQLiteStore object of the file: a run has one coordinator (more "
@@ -353,12 +353,12 @@ def write(
     shared: list[tuple[Any, ...]] | None = None,
     beat: tuple[str, float, float, bool, bool, list[str]] | None = None,
     owner: str | None = None,
-) -> work.Polled | None:
+) -> leases.Polled | None:
     """One window of a run, in one transaction: new rows, changed rows (`shared`: those of a run
     workers claim from, `_UPDATE_SHARED`), failed attempts, journal events, keys; with `beat`
     (the coordinator's name, now, the lease, whether the run is shared, whether workers may hold
     its rows, the ids of the tasks it takes for workers'), the coordinator's heartbeat and what it learns of the workers
-    (`_sqlite_work.poll`: while workers may hold rows, shared or not, their expired leases and
+    (`_sqlite_leases.poll`: while workers may hold rows, shared or not, their expired leases and
     completions too). With `owner` (the coordinator's name), nothing is written unless it still
     holds the run: one paused past its lease (SIGSTOP, a frozen VM) may have been replaced by
     another coordinator, whose rows it must not overwrite."""
@@ -412,7 +412,7 @@ def write(
                 "UPDATE runs SET heartbeat = ?, shared = ? WHERE id = ? AND owner = ?",
                 (now, int(is_shared), run_id, name),
             )
-            polled = work.poll(conn, run_id, now, lease, watching, remote)
+            polled = leases.poll(conn, run_id, now, lease, watching, remote)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)

@@ -1,4 +1,4 @@
-"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_work.py`).
+"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_leases.py`).
 
 Once a live worker may serve the run (`polled`: a window's look at the `workers` table), the run is
 *shared*: the window that says so writes every unfinished task's row again, and from then on a
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InputError
 from .._task import FAILED, TERMINAL, Attempt, Task
-from . import _sqlite_work as work
+from . import _sqlite_leases as leases
 from ._sqlite_rows import STATES
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Sharing:
         self.claiming.add(record.id)
         loop = run._loop
         assert loop is not None  # a run is shared only with a loop to poll from
-        answer = run._store.submit(work.claim_offered, run.run_id, record.id, run._name)
+        answer = run._store.submit(leases.claim_offered, run.run_id, record.id, run._name)
         answer.add_done_callback(lambda done: loop.call_soon_threadsafe(self.granted, record, done))
 
     def granted(self, record: Record, answer: Future[bool]) -> None:
@@ -91,7 +91,7 @@ class Sharing:
 
     # -- what a window learned ---------------------------------------------------------------------
 
-    def polled(self, polled: work.Polled) -> None:
+    def polled(self, polled: leases.Polled) -> None:
         """What a window learned of the workers, taken in on the loop."""
         if self._run._closed:
             return

@@ -1,4 +1,4 @@
-"""The SQL of a run shared between processes: its coordinator and its worker processes.
+"""The SQL a run's coordinator and its worker processes share: claims, leases, completions.
 
 One process runs a run (its *coordinator*: the `orch.run(..., run_id=...)` that admits the input,
 makes tasks ready, settles them and builds the result); worker processes (`orch.work(...)`,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "Claimed",
+    "Polled",
     "beat",
     "claim",
     "claim_offered",
