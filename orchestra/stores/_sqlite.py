@@ -10,7 +10,7 @@ tasks, the failed attempts and the journal's events. Writing a task's *state* ra
 transition coalesces the several transitions of a task inside one window into one row update.
 
 **Writer.** One connection, owned by one thread fed by a queue (`Writer` in
-`_sqlite_io.py`, with the SQL it runs), stdlib
+`_sqlite_writer.py`; the SQL it runs in `_sqlite_writes.py`), stdlib
 `sqlite3` in WAL mode with ``synchronous=NORMAL`` (a commit survives the process being killed; a
 power cut may lose the last commits). The loop thread builds the rows (plain tuples) and hands them
 over; the thread runs ``executemany`` and commits, with the GIL released inside SQLite. aiosqlite
@@ -21,7 +21,7 @@ dependency and lets a window's batch be one call.
 20 µs per task against 6.6 µs in memory (2.9x to 3.1x over runs; it was 54 µs). What made it so,
 each measured: a task's row is written once it has ended when it ends inside its window (one
 insert, no update); a row with the usual NULLs goes through statements that bind 18 parameters
-instead of 33 (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_io.py`, the rows built in
+instead of 33 (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_writes.py`, the rows built in
 `_sqlite_rows.py`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
 tasks only (a row written ended enters no index but the key); and the journal holds only what a
 task's row cannot say: its admission (`admitted`), its last start and its end are read from the row
@@ -92,13 +92,15 @@ from .._task import (
     Attempt,
     Task,
 )
-from . import _sqlite_io as io
+from . import _sqlite_admin as admin
 from . import _sqlite_leases as leases
+from . import _sqlite_writes as writes
 from ._memory import MemoryRun
 from ._protocol import KEEP
 from ._sqlite_keys import Keys
 from ._sqlite_rows import Rows
 from ._sqlite_share import Sharing
+from ._sqlite_writer import Writer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -173,7 +175,7 @@ class SQLiteStore:
         self.lease = float(lease)
         self.owner = uuid.uuid4().hex  # whose claims of idempotency keys are this store's
         self.busy_timeout = float(busy_timeout)
-        self._writer = io.Writer(self.path, self.busy_timeout)
+        self._writer = Writer(self.path, self.busy_timeout)
         self._closer = weakref.finalize(self, self._writer.stop)
         # Successes of keyed tasks not committed yet, across this store's runs: key -> (output
         # JSON, agent). A key's stored result is found here first, then in the file.
@@ -217,7 +219,7 @@ class SQLiteStore:
 
     def runs(self) -> list[dict[str, Any]]:
         """Every run in the file, oldest first, with its task counts by state."""
-        return self.call(io.runs)  # type: ignore[no-any-return]
+        return self.call(admin.runs)  # type: ignore[no-any-return]
 
     def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
@@ -228,7 +230,7 @@ class SQLiteStore:
         Raises:
             InputError: the file has no such run, or the run no such task.
         """
-        return self.call(io.events, run_id, task_id)  # type: ignore[no-any-return]
+        return self.call(admin.events, run_id, task_id)  # type: ignore[no-any-return]
 
     def workers(self) -> list[dict[str, Any]]:
         """The worker processes of the file (`Orchestrator.work`, ``orchestra worker``), oldest
@@ -236,12 +238,12 @@ class SQLiteStore:
         None), `kinds` (None: every kind it has agents for), `started` and `heartbeat` (wall
         time), `live` (its heartbeat is younger than `lease`), `claimed`, `completed`, and
         `holding` (tasks it holds now). A worker that stopped cleanly is not listed."""
-        return self.call(io.workers, time.time(), self.lease)  # type: ignore[no-any-return]
+        return self.call(admin.workers, time.time(), self.lease)  # type: ignore[no-any-return]
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every attempt (`attempts_list`, with
         its traceback); `InputError` if the file has no such run."""
-        return self.call(io.dead, run_id)  # type: ignore[no-any-return]
+        return self.call(admin.dead, run_id)  # type: ignore[no-any-return]
 
     def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:
         """Make the failed tasks of a run (or those of `task_ids`) runnable again: the next
@@ -258,7 +260,7 @@ class SQLiteStore:
                 "task_ids must be a collection of ids, not one string", field="task_ids"
             )
         ids = None if task_ids is None else [str(i) for i in task_ids]
-        return self.call(io.retry, run_id, ids, time.time())  # type: ignore[no-any-return]
+        return self.call(admin.retry, run_id, ids, time.time())  # type: ignore[no-any-return]
 
 
 class SQLiteRun:
@@ -338,7 +340,7 @@ class SQLiteRun:
         self._let_go = weakref.finalize(self, leases.coordinating, self._name, run_id, False)
         try:
             rows, attempts, seq = store.call(
-                io.open_run, run_id, self._wall0, self._name, store.lease
+                writes.open_run, run_id, self._wall0, self._name, store.lease
             )
         except BaseException:
             self._let_go()
@@ -903,7 +905,16 @@ class SQLiteRun:
             remote = [i for i, r in sharing.remote.items() if r.state not in TERMINAL]
             beat = (self._name, now, self._store.lease, sharing.shared, sharing.active, remote)
         write = self._store.submit(
-            io.write, run_id, new, dirty, attempts, events, claimed, shared_rows, beat, self._name
+            writes.write,
+            run_id,
+            new,
+            dirty,
+            attempts,
+            events,
+            claimed,
+            shared_rows,
+            beat,
+            self._name,
         )
         if self._keys.claims or self._sharing.active:
             self._arm()  # the next heartbeat, the next look at what workers did
@@ -1022,7 +1033,7 @@ class SQLiteRun:
         # `lease` seconds after the last heartbeat), and never closed as done.
         done = self._error is None and not self._memory.unfinished
         try:
-            self._store.call(io.close_run, self.run_id, time.time(), done, self._name)
+            self._store.call(writes.close_run, self.run_id, time.time(), done, self._name)
         except StoreError as exc:
             self._error = self._error or exc
         self._let_go()  # over: a resume here need not wait for the hold to lapse

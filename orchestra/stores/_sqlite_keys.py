@@ -1,7 +1,7 @@
 """A durable run's idempotency keys: claimed, waited for and reused through the file.
 
 A key is a row of the `keys` table, claimed by the first submitter in one ``BEGIN IMMEDIATE``
-transaction (`_sqlite_io.claim_keys`: an insert that does nothing when the key is there, then a
+transaction (`_sqlite_writes.claim_keys`: an insert that does nothing when the key is there, then a
 read of who holds it): the claimer runs the task and writes the result into the row with the task's
 end; a submitter that finds it claimed by a live task waits (the task stays claimed by `claim`,
 never started; `_poll` asks the file every window) and ends with that result. A claim is kept live
@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._task import CLAIMED, FAILED, SUCCEEDED, TERMINAL
-from . import _sqlite_io as io
+from . import _sqlite_writes as writes
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -92,7 +92,7 @@ class Keys:
         if rest:
             wanted = [(r.task.key, r.id) for r in rest]
             answers = store.call(
-                io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
+                writes.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
             )
             self._answered(rest, answers)
 
@@ -167,7 +167,7 @@ class Keys:
                 # They stay in `waiting` while the file answers: held back from `claim`.
                 wanted = [(r.task.key, r.id) for r in records]
                 asking = store.submit(
-                    io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
+                    writes.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
                 )
                 self._asking = (records, asking)
                 answers = await asyncio.wrap_future(asking)

@@ -4,7 +4,7 @@ attempts as rows of `attempts`), and read back on resume.
 `Rows` knows the two clocks (a record counts loop time, a row wall-clock time: loop time + offset,
 or the memory run's zero `wall0` + the record's relative times) and the statement a row is for:
 rows with the usual NULLs (no dependency, tag, key, retry, deadline, feedback or error) go through
-the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_io`:
+the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_writes`:
 binding dominates an insert's cost).
 """
 
