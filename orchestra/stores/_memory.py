@@ -1086,6 +1086,21 @@ class MemoryRun:
 
     # -- for a durable store that keeps its state here (orchestra.stores.SQLiteStore) ------------
 
+    @property
+    def t0(self) -> float:
+        """The loop time the run counts from: its records' `started` and `finished` are after it."""
+        return self._t0
+
+    def records(self) -> Collection[Record]:
+        """The records the run holds (not compacted away), in admission order."""
+        return self._records.values()
+
+    def give_back(self, record: Record) -> None:
+        """Make ready again a task `take` claimed, handed back unrun by the process that held it
+        (a new token: what was heard under that claim is stale)."""
+        record.token += 1
+        self._ready(record)
+
     def holds_key(self, record: Record) -> bool:
         """Whether `record` holds its key in this run (it runs; the others with it follow)."""
         key = record.task.key

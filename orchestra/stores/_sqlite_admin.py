@@ -45,7 +45,7 @@ def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str
 
 
 # The journal as its readers see it: the `events` rows, and the events a task's row says (its
-# admission, its last start, its end), which are not written as rows (see `SQLiteRun.flush`). A
+# admission, its last start, its end), which are not written as rows (see `Window.flush`). A
 # file written before schema v2 has them as rows: they are not added twice. A task's end is dated
 # no earlier than its last journal row: two times of one instant are sums of different floats (an
 # attempt's end is its start plus its duration, its task's end a clock reading), and one unit in

@@ -480,7 +480,7 @@ def poll(
         (run_id, now),
     ).fetchall()
     if expired:  # held by the coordinator (no worker may claim them) until it decides: ready
-        # again, or failed for good (`SQLiteRun._expired`)
+        # again, or failed for good (`Sharing._expired`)
         conn.executemany(
             "UPDATE tasks SET state = 'claimed', token = token + 1, attempts = ?, "
             "lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND id = ?",

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .._core._orchestrator import Orchestrator
     from .._record import Record
     from ._protocol import Listener
-    from ._sqlite import SQLiteStore
+    from ._sqlite_store import SQLiteStore
 
 __all__ = ("WorkReport", "work")
 
