@@ -1095,10 +1095,8 @@ class MemoryRun:
         """The records the run holds (not compacted away), in admission order."""
         return self._records.values()
 
-    def give_back(self, record: Record) -> None:
-        """Make ready again a task `take` claimed, handed back unrun by the process that held it
-        (a new token: what was heard under that claim is stale)."""
-        record.token += 1
+    def ready(self, record: Record) -> None:
+        """Make `record` ready (a durable store's: a task another process handed back unrun)."""
         self._ready(record)
 
     def holds_key(self, record: Record) -> bool:

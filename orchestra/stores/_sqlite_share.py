@@ -222,8 +222,9 @@ class Sharing:
         record = self.remote.pop(task_id, None)
         if record is None or record.state in TERMINAL:
             return
+        record.token += 1  # whatever was heard under the old claim is stale
         self.offered.add(task_id)  # its row is ready: a worker may claim it first
-        self._memory.give_back(record)  # a new token: what was heard under the old claim is stale
+        self._memory.ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,
