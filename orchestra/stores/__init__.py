@@ -2,6 +2,6 @@
 database file, so that a run resumes by its id after a crash."""
 
 from ._memory import MemoryStore as MemoryStore
-from ._sqlite import SQLiteStore as SQLiteStore
+from ._sqlite_store import SQLiteStore as SQLiteStore
 
 __all__ = ("MemoryStore", "SQLiteStore")

@@ -1086,6 +1086,19 @@ class MemoryRun:
 
     # -- for a durable store that keeps its state here (orchestra.stores.SQLiteStore) ------------
 
+    @property
+    def t0(self) -> float:
+        """The loop time the run counts from: its records' `started` and `finished` are after it."""
+        return self._t0
+
+    def records(self) -> Collection[Record]:
+        """The records the run holds (not compacted away), in admission order."""
+        return self._records.values()
+
+    def ready(self, record: Record) -> None:
+        """Make `record` ready (a durable store's: a task another process handed back unrun)."""
+        self._ready(record)
+
     def holds_key(self, record: Record) -> bool:
         """Whether `record` holds its key in this run (it runs; the others with it follow)."""
         key = record.task.key

@@ -2,9 +2,9 @@
 
 A run on a `SQLiteStore` has one coordinator (the process that runs it: it admits the input,
 readies tasks, settles them, builds the result). More processes join it as *workers*: each
-claims ready tasks of its kinds from the file under a lease (`_sqlite_work.claim`), runs them with
+claims ready tasks of its kinds from the file under a lease (`_sqlite_leases.claim`), runs them with
 its own agents, limits, retries and fallbacks, and writes back what they came to
-(`_sqlite_work.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
+(`_sqlite_leases.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
 paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
 counted.
 
@@ -35,7 +35,7 @@ from .._exceptions import ConfigError, InputError, InvalidOutput, StoreError
 from .._log import get_logger
 from .._output import jsonable, stored_json
 from .._task import CANCELLED, FAILED, SUCCEEDED, TERMINAL, Attempt, Task, TaskResult
-from . import _sqlite_work as sharing
+from . import _sqlite_leases as leases
 from ._memory import MemoryRun
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .._core._orchestrator import Orchestrator
     from .._record import Record
     from ._protocol import Listener
-    from ._sqlite import SQLiteStore
+    from ._sqlite_store import SQLiteStore
 
 __all__ = ("WorkReport", "work")
 
@@ -129,7 +129,7 @@ class Worker:
         self.run_id = run_id
         self.kinds = wanted
         self.poll = float(poll)
-        self.name = sharing.identity(uuid.uuid4().hex[:12])
+        self.name = leases.identity(uuid.uuid4().hex[:12])
         self.report = WorkReport(self.name)
         # What its agents can start at once, in all and per kind: a worker holds no more than
         # that, so tasks waiting for a slot stay in the file for other workers (a worker that
@@ -142,14 +142,14 @@ class Worker:
             for kind in wanted
         }
         # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
-        self.held: dict[str, sharing.Claimed] = {}
+        self.held: dict[str, leases.Claimed] = {}
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
-        self.ends: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, to write
+        self.ends: list[tuple[leases.Claimed, TaskResult]] = []  # ended, to write
         # Attempts that failed here while their tasks go on (a retry), to write as they fail;
         # and the highest attempt number of each held task written (or being written) so.
-        self.failed: list[tuple[sharing.Claimed, Attempt]] = []
+        self.failed: list[tuple[leases.Claimed, Attempt]] = []
         self.noted: dict[str, int] = {}
-        self.writing: list[tuple[sharing.Claimed, TaskResult]] = []  # ended, being written
+        self.writing: list[tuple[leases.Claimed, TaskResult]] = []  # ended, being written
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -164,7 +164,7 @@ class Worker:
 
     async def run(self) -> WorkReport:
         store = self.store
-        await self.call(sharing.register, self.name, self.run_id, self.kinds, time.time())
+        await self.call(leases.register, self.name, self.run_id, self.kinds, time.time())
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         config = copy.copy(self.orch._config)
         config.store = _WorkerStore(self)
@@ -221,9 +221,9 @@ class Worker:
             # Every task the file says it still holds, after the claims already in the writer
             # thread's queue (one a stop cancelled commits all the same, its answer dropped): a
             # claim left leased by a gone worker would wait out the lease and count an attempt.
-            self.report.released += await self.call(sharing.release, self.name, None)
+            self.report.released += await self.call(leases.release, self.name, None)
         finally:
-            await self.call(sharing.unregister, self.name)
+            await self.call(leases.unregister, self.name)
 
     # -- claims: the local run's input -----------------------------------------------------------
 
@@ -240,7 +240,7 @@ class Worker:
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(
-                sharing.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
+                leases.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
             )
             if (
                 self.run_id is not None
@@ -253,7 +253,7 @@ class Worker:
             if not batch:
                 await anyio.sleep(self.poll)
                 continue
-            taking: dict[str, sharing.Claimed] = {}
+            taking: dict[str, leases.Claimed] = {}
             clash = []  # another run's task of the same id is here: handed back, for a while
             for claimed in batch:
                 if claimed.id in self.held or claimed.id in taking:
@@ -266,7 +266,7 @@ class Worker:
             if clash:
                 with anyio.CancelScope(shield=True):
                     await self.call(
-                        sharing.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
+                        leases.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
                     )
             for claimed in taking.values():
                 yield Task(
@@ -316,7 +316,7 @@ class Worker:
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
                 accepted = await self.call(
-                    sharing.complete, self.name, time.time(), rows, attempts, notes
+                    leases.complete, self.name, time.time(), rows, attempts, notes
                 )
         finally:
             self.writing = []
@@ -336,12 +336,12 @@ class Worker:
                 )
         self._room.set()
 
-    def _attempt_row(self, claimed: sharing.Claimed, a: Attempt) -> tuple[Any, ...]:
+    def _attempt_row(self, claimed: leases.Claimed, a: Attempt) -> tuple[Any, ...]:
         return (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
                 self._wall0 + a.started, a.duration, a.retry_in, a.traceback, a.status_code,
                 a.api_error_type, a.request_id)  # fmt: skip
 
-    def _end_row(self, claimed: sharing.Claimed, result: TaskResult) -> tuple[Any, ...]:
+    def _end_row(self, claimed: leases.Claimed, result: TaskResult) -> tuple[Any, ...]:
         status = result.status
         output = None
         error, error_type = result.error, result.error_type
@@ -382,7 +382,7 @@ class Worker:
         store = self.store
         while True:
             await anyio.sleep(store.lease / 3)
-            held, _ = await self.call(sharing.beat, self.name, time.time(), store.lease)
+            held, _ = await self.call(leases.beat, self.name, time.time(), store.lease)
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
                 i
