@@ -51,9 +51,6 @@ from ._core._orchestrator import (
     Orchestrator as Orchestrator,
 )
 from ._core._orchestrator import (
-    RecoveryStatus as RecoveryStatus,
-)
-from ._core._orchestrator import (
     ResultStream as ResultStream,
 )
 from ._core._status import AgentStatus as AgentStatus
@@ -210,7 +207,6 @@ __all__ = (
     "PermanentError",
     "Rate",
     "RateLimited",
-    "RecoveryStatus",
     "Reduce",
     "Rejected",
     "ResultStream",

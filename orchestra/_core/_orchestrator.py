@@ -38,12 +38,12 @@ from .._config import (
 from .._events import Event, EventBus
 from .._exceptions import ConfigError, InputError
 from .._failure import cancel_pending
-from .._faults import MODES, Fault, FaultMode
+from .._faults import Faults
 from .._limits import Capacity, Concurrency, as_concurrency
 from .._log import get_logger
-from .._registry import AgentSlot, Registry
+from .._registry import Registry
 from .._retry import RetryPolicy, Timeouts
-from .._task import SUCCEEDED, TERMINAL, Task, TaskResult
+from .._task import TERMINAL, Task, TaskResult
 from ..stores import MemoryStore, SQLiteStore
 from ..stores._worker import WorkReport, work
 from ._handle import RunHandle
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from .._verify import Check
     from ..stores._protocol import Store
 
-__all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
+__all__ = ("Orchestrator", "ResultStream")
 
 log = get_logger("orchestra")
 
@@ -210,7 +210,8 @@ class Orchestrator:
         self._bus = EventBus()
         self._bus.on_change = self._replain
         self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
-        self._faults: dict[str, Fault] = {}
+        self.faults = Faults(changed=self._replain, live_state=self._unfinished_state)
+        """The simulated failures of its agents (see `orchestra.testing.simulate_agent_failure`)."""
         self._config = RunConfig(
             registry=self.registry,
             capacity=self._capacity,
@@ -224,7 +225,7 @@ class Orchestrator:
             safety=safety,
             success_threshold=success_threshold,
             window=window or max(10_000, 10 * self._capacity.limit),
-            faults=self._faults,
+            faults=self.faults,
             aggregate=aggregator,
             seed=seed,
             on_threshold_missed=on_threshold_missed,
@@ -652,96 +653,19 @@ class Orchestrator:
             now = time.monotonic()  # an event loop's own clock, outside one
         return self.registry.snapshot(now)
 
-    # -- the fault kit ---------------------------------------------------------------------------
-
-    def simulate_agent_failure(
-        self,
-        agent: str,
-        *,
-        mode: FaultMode = "error",
-        duration: float | None = None,
-        retry_after: float | None = None,
-        latency: float = 1.0,
-    ) -> None:
-        """Take a live agent down: its calls fail in `mode` for `duration` seconds (None: until
-        `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
-        Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
-        "garbage", "permanent", "slow" (adds `latency`), "bug" (a `ValueError`: the agent's own
-        failure, which no breaker counts)."""
-        slot = self._slot(agent)
-        if mode not in MODES:
-            raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")
-        where = "simulate_agent_failure: "
-        check_number(f"{where}duration", duration, optional=True)
-        check_number(f"{where}retry_after", retry_after, optional=True)
-        check_number(f"{where}latency", latency)
-        try:
-            now = anyio.current_time()
-        except RuntimeError:  # anyio's NoEventLoopError
-            raise ConfigError(
-                "simulate_agent_failure() needs a running event loop: call it from async code"
-            ) from None
-        fault = Fault(
-            agent,
-            mode,
-            started=now,
-            until=None if duration is None else now + duration,
-            retry_after=retry_after,
-            latency=latency,
-        )
-        earlier = self._faults.get(agent)
-        if earlier is not None:  # the agent's earlier failure: its tasks are still to recover
-            fault.affected, fault.ended = earlier.affected, earlier.ended
-        slot.fault = fault
-        self._faults[agent] = fault
-        self._replain()
-        log.warning("simulated agent failure", agent=agent, mode=mode, duration=duration)
+    def _unfinished_state(self, task_id: str) -> str | None:
+        """The state of `task_id` in a run still going, if it is unfinished there."""
+        for run in self._runs:
+            state = run.store.state_of(task_id)
+            if state is not None and state not in TERMINAL:
+                return state
+        return None
 
     def _replain(self) -> None:
         """A subscriber or a simulated fault came or went: each run looks again at whether
         anybody hears of each task's end (`Run.replain`)."""
         for run in self._runs:
             run.replain()
-
-    def _slot(self, agent: str) -> AgentSlot:
-        slot = self.registry.slots.get(agent)
-        if slot is None:
-            raise ConfigError(f"unknown agent {shown(agent)}; known: {sorted(self.registry.slots)}")
-        return slot
-
-    def restore_agent(self, agent: str) -> None:
-        """End a simulated failure now."""
-        slot = self._slot(agent)
-        if slot.fault is not None:
-            slot.fault.until = anyio.current_time()
-            slot.fault = None
-
-    def recovery_status(self) -> RecoveryStatus:
-        """ "recovered" when every task that a simulated failure hit finished successfully through
-        retries or fallbacks; "degraded" while some are unfinished; "failed" if some failed.
-        The returned string carries the details: `.pending`, `.failed`, `.agents`."""
-        pending: list[str] = []
-        failed: list[str] = []
-        for fault in self._faults.values():
-            for task_id in sorted(fault.affected):
-                state = self._state_of(task_id)
-                if state is None or state not in TERMINAL:
-                    pending.append(task_id)
-                elif state != SUCCEEDED:
-                    failed.append(task_id)
-        state = "failed" if failed else "degraded" if pending else "recovered"
-        return RecoveryStatus(state, agents=sorted(self._faults), pending=pending, failed=failed)
-
-    def _state_of(self, task_id: str) -> str | None:
-        for run in self._runs:
-            state = run.store.state_of(task_id)
-            if state is not None and state not in TERMINAL:
-                return state
-        for fault in self._faults.values():
-            state = fault.ended.get(task_id)
-            if state is not None:
-                return state
-        return None
 
 
 def _check_asyncio(what: str) -> None:
@@ -771,32 +695,6 @@ def _spent(decomposer: Any) -> dict[str, float] | None:
     if not isinstance(spent, Mapping):
         return None
     return {k: v for k, v in spent.items() if isinstance(v, int | float)}
-
-
-class RecoveryStatus(str):
-    """A str ("recovered", "degraded" or "failed") with the details of what is not recovered."""
-
-    agents: list[str]
-    pending: list[str]
-    failed: list[str]
-
-    def __new__(
-        cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]
-    ) -> RecoveryStatus:
-        self = super().__new__(cls, state)
-        self.agents = agents
-        self.pending = pending
-        self.failed = failed
-        return self
-
-    def describe(self) -> str:
-        if self == "recovered":
-            if not self.agents:
-                return "recovered: no simulated failure is injected"
-            return f"recovered: every task hit by failures of {self.agents} succeeded"
-        return (
-            f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
-        )
 
 
 class ResultStream:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .._aggregate import Accumulator
     from .._budget import Budget
     from .._events import EventBus
+    from .._faults import Faults
     from .._limits import Capacity
     from .._record import Record
     from .._registry import Registry
@@ -105,14 +106,14 @@ class RunConfig:
         aggregate: Any,
         seed: int | None,
         on_threshold_missed: Callable[..., Any] | None,
-        faults: Mapping[str, Any],
+        faults: Faults,
         instruments: Instruments | None = None,
         budget: Budget | None = None,
     ) -> None:
         self.registry = registry
         self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
         self.budget = budget
-        self.faults = faults  # the simulated failures (fault kit): they hear how their tasks end
+        self.faults = faults  # the simulated failures (the fault kit's): they hear how tasks end
         self.capacity = capacity
         self.bus = bus
         self.store = store
@@ -151,7 +152,9 @@ class Run:
         self._ordered = self._acc if isinstance(self._acc, Ordered) else None
         self._plain = False  # see `replain`
         self.quiet: list[Record] | None = None  # the store's (`Listener.quiet`): see `replain`
-        self._faults = config.faults  # the orchestrator's simulated faults, as they come and go
+        # The orchestrator's simulated faults by agent, as they come and go (a dict: its truth test
+        # is the one cost per task end when there are none).
+        self._faults = config.faults.by_agent
         self._agg_error: str | None = None
         self._window = config.window
         self._window_free: anyio.Event | None = None
@@ -221,11 +224,8 @@ class Run:
             except (Exception, asyncio.CancelledError) as exc:  # a user's reducer (sync code:
                 # a CancelledError from it is its own) must not lose the run's result
                 self._aggregator_failed(exc)
-        faults = self.config.faults
-        if faults:
-            for fault in faults.values():
-                if record.id in fault.affected:
-                    fault.ended[record.id] = status
+        if self._faults:
+            self.config.faults.task_ended(record.id, status)
         if self.debug:
             log.debug(
                 "task finished",
