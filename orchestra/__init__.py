@@ -43,15 +43,13 @@ from ._cli._progress import status_line as status_line
 from ._cli._signals import run_main as run_main
 from ._core._context import Context as Context
 from ._core._handle import Cancellation as Cancellation
+from ._core._handle import ResultStream as ResultStream
 from ._core._handle import RunHandle as RunHandle
 from ._core._instruments import AttemptInfo as AttemptInfo
 from ._core._instruments import Instrument as Instrument
 from ._core._instruments import RunInfo as RunInfo
 from ._core._orchestrator import (
     Orchestrator as Orchestrator,
-)
-from ._core._orchestrator import (
-    ResultStream as ResultStream,
 )
 from ._core._status import AgentStatus as AgentStatus
 from ._core._status import Bottleneck as Bottleneck

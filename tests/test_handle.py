@@ -662,6 +662,21 @@ class TestResults:
             statuses = {r.task_id: r.status async for r in results}
         assert statuses == {"w0": "cancelled", "w1": "cancelled", "w2": "cancelled"}
 
+    async def test_closing_a_handles_stream_stops_the_reading_not_the_run(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make(concurrency=3) as orch:
+            handle = orch.start(tasks=work(3))
+            async with handle.results() as results:
+                first = await anext(results)
+            assert not handle.done
+            assert [r async for r in results] == []
+            assert results.result is None  # not over yet
+            result = await handle
+        assert first.task_id == "w0"
+        assert result.status == "success"
+        assert results.result is result
+
 
 class TestStop:
     async def test_running_attempts_finish_within_the_grace_and_the_rest_is_cancelled(

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
 import uuid
 from collections.abc import (
     AsyncIterable,
-    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
@@ -43,10 +41,10 @@ from .._limits import Capacity, Concurrency, as_concurrency
 from .._log import get_logger
 from .._registry import Registry
 from .._retry import RetryPolicy, Timeouts
-from .._task import TERMINAL, Task, TaskResult
+from .._task import TERMINAL, Task
 from ..stores import MemoryStore, SQLiteStore
 from ..stores._worker import WorkReport, work
-from ._handle import RunHandle
+from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._run import Run, RunConfig
 
@@ -54,7 +52,6 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from anyio.abc import TaskGroup
-    from anyio.streams.memory import MemoryObjectReceiveStream
 
     from .._agent import AgentLike
     from .._clock import FakeClock
@@ -62,7 +59,7 @@ if TYPE_CHECKING:
     from .._verify import Check
     from ..stores._protocol import Store
 
-__all__ = ("Orchestrator", "ResultStream")
+__all__ = ("Orchestrator",)
 
 log = get_logger("orchestra")
 
@@ -441,7 +438,15 @@ class Orchestrator:
         if self._tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
         _check_run_id(run_id)
-        return ResultStream(self, input, tasks, run_id)
+
+        def start() -> RunHandle:  # when the stream is first read
+            if self._tg is None:
+                raise ConfigError(
+                    "stream() needs `async with Orchestrator(...) as orch:` around it"
+                )
+            return self._launch(input, tasks, run_id, self._config)
+
+        return ResultStream(start=start)
 
     def start(
         self,
@@ -480,7 +485,7 @@ class Orchestrator:
         async def body() -> RunResult:
             try:
                 source, planned = await self._source(input, tasks)
-                return await self._execute(source, handle.run_id, None, on_run, planned, config)
+                return await self._execute(source, handle.run_id, on_run, planned, config)
             finally:
                 if not registered:
                     self._starting -= 1
@@ -527,14 +532,13 @@ class Orchestrator:
         self,
         source: Iterable[Task] | AsyncIterable[Task],
         run_id: str | None,
-        results: Any = None,
         on_run: Callable[[Run], None] | None = None,
         planned: dict[str, float] | None = None,
         config: RunConfig | None = None,
     ) -> RunResult:
         """Run `source` to its end; when the run misses its threshold, `on_threshold_missed` may
         replace the result. The orchestrator keeps nothing of a finished run."""
-        run = Run(config or self._config, run_id or uuid.uuid4().hex[:12], results)
+        run = Run(config or self._config, run_id or uuid.uuid4().hex[:12])
         if planned:  # what the decomposer spent is the run's (its metadata, its budget)
             cost = planned.pop("cost", 0.0)
             tokens = {unit: int(n) for unit, n in planned.items()}
@@ -695,86 +699,3 @@ def _spent(decomposer: Any) -> dict[str, float] | None:
     if not isinstance(spent, Mapping):
         return None
     return {k: v for k, v in spent.items() if isinstance(v, int | float)}
-
-
-class ResultStream:
-    """The `TaskResult`s of one run as they finish; `result` is the `RunResult` once it is over."""
-
-    def __init__(self, orch: Orchestrator, input: Any, tasks: Any, run_id: str | None) -> None:
-        self._orch = orch
-        self._args = (input, tasks, run_id)
-        self._receive: MemoryObjectReceiveStream[TaskResult] | None = None
-        self._scope = anyio.CancelScope()
-        self._over = anyio.Event()
-        self._error: BaseException | None = None
-        self._run: Run | None = None
-        self._closed = False
-        self.result: RunResult | None = None
-
-    def _attach(self, run: Run) -> None:
-        self._run = run
-
-    def _start(self) -> None:
-        # Unbounded as a stream (a worker must never wait on the reader), bounded as a run: unread
-        # results count against the run's window, so a slow reader slows admission instead of
-        # the run buffering its results.
-        send, self._receive = anyio.create_memory_object_stream[TaskResult](math.inf)
-        tg = self._orch._tg
-        if tg is None:
-            raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
-        tg.start_soon(self._drive, send)
-
-    async def _drive(self, send: Any) -> None:
-        input, tasks, run_id = self._args
-        try:
-            with self._scope:
-                source, planned = await self._orch._source(input, tasks)
-                self.result = await self._orch._execute(source, run_id, send, self._attach, planned)
-        except Exception as exc:
-            self._error = exc
-        finally:
-            send.close()
-            self._over.set()
-
-    def __aiter__(self) -> AsyncIterator[TaskResult]:
-        return self
-
-    async def __anext__(self) -> TaskResult:
-        if self._receive is None:
-            if self._closed:  # closed before it was read: it never starts
-                raise StopAsyncIteration
-            self._start()
-        assert self._receive is not None
-        try:
-            result = await self._receive.receive()
-            if self._run is not None:
-                self._run.reader_progress()  # room in the window: the input may go on
-            return result
-        except anyio.EndOfStream:
-            self._receive.close()
-            await self._over.wait()
-            if self._error is not None:
-                raise self._error from None
-            raise StopAsyncIteration from None
-        except anyio.ClosedResourceError:  # read again after its end, or after aclose()
-            raise StopAsyncIteration from None
-
-    async def aclose(self) -> None:
-        """Stop the run if it is still going (what runs is cancelled, what waits ends cancelled),
-        and wait for it to end: `result` is then its `RunResult`, status "cancelled". A stream
-        closed before it was read never starts its run (`result` stays None)."""
-        self._closed = True
-        if self._receive is None:
-            return
-        if self._run is not None:
-            self._run.stop("the stream was closed before its end")
-        else:  # the decomposer still runs: there is no run to stop yet
-            self._scope.cancel()
-        await self._over.wait()
-        self._receive.close()
-
-    async def __aenter__(self) -> ResultStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

@@ -133,12 +133,7 @@ class RunConfig:
 class Run:
     """The state of one run: its store, its dispatcher, its report and its aggregate."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        run_id: str,
-        results: MemoryObjectSendStream[TaskResult] | None = None,
-    ) -> None:
+    def __init__(self, config: RunConfig, run_id: str) -> None:
         self.config = config
         self.run_id = run_id
         self.report = Report()
@@ -146,7 +141,8 @@ class Run:
         self.t0 = 0.0
         self.t_end: float | None = None  # loop time when the run ended (for its status)
         self.debug = _debug_enabled()
-        self._results = results
+        # A reader's stream of the results (see `attach_results`).
+        self._results: MemoryObjectSendStream[TaskResult] | None = None
         self._acc: Accumulator = config.aggregate.begin()
         # A built-in aggregate: a whole-list run gives it the store's successes at its end.
         self._ordered = self._acc if isinstance(self._acc, Ordered) else None
