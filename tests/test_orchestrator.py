@@ -22,6 +22,7 @@ from orchestra import (
     Orchestrator,
     PermanentError,
     Rejected,
+    ResultStream,
     RetryableError,
     RetryPolicy,
     RunError,
@@ -426,6 +427,27 @@ class TestStream:
         assert result.metadata.counts["succeeded"] >= 1
         assert result.metadata.total == 3
         assert result.metadata.reason == "the stream was closed before its end"
+
+    async def test_a_stream_closed_while_its_decomposer_works_ends_cancelled(
+        self, clock: FakeClock
+    ) -> None:
+        async def planner(n: int) -> list[Task]:
+            await anyio.sleep(10)  # a slow planner: the run has no tasks yet
+            return tasks_of(n)
+
+        async def read(results: ResultStream) -> None:
+            async for _ in results:
+                pass
+
+        orch = Orchestrator(agents=[ok_agent()], decomposer=planner)
+        async with orch, orch.stream(2) as results, anyio.create_task_group() as tg:
+            tg.start_soon(read, results)  # the first read starts the run
+            await anyio.sleep(1)
+            await results.aclose()
+        assert results.result is not None
+        assert results.result.status == "cancelled"
+        assert results.result.metadata.reason == "the stream was closed before its end"
+        assert results.result.metadata.total == 0
 
     async def test_bad_input_raises_from_the_stream(
         self, make_orchestrator: Callable[..., Orchestrator]
