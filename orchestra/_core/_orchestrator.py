@@ -205,9 +205,9 @@ class Orchestrator:
         self.decomposer = decomposer
         self.clock = clock
         self._bus = EventBus()
-        self._bus.on_change = self._replain
+        self._bus.on_change = self._listeners_changed
         self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
-        self.faults = Faults(changed=self._replain, live_state=self._unfinished_state)
+        self.faults = Faults(changed=self._listeners_changed, live_state=self._unfinished_state)
         """The simulated failures of its agents (see `orchestra.testing.simulate_agent_failure`)."""
         self._config = RunConfig(
             registry=self.registry,
@@ -242,12 +242,13 @@ class Orchestrator:
         self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
-        # The task that holds the lifecycle for callers of run() and work() outside `async with`
-        # (see `_as_guest`), how many such calls are in it, and the event that lets it close.
-        self._host: asyncio.Task[None] | None = None
-        self._opened: asyncio.Future[None] | None = None  # set once `_host` has entered
-        self._guests = 0
-        self._vacated = anyio.Event()
+        # The task that keeps the lifecycle open for callers of run() and work() outside
+        # `async with` (see `_with_lifecycle`), how many such calls use it, and the event that
+        # lets it close once none does.
+        self._keeper: asyncio.Task[None] | None = None
+        self._kept_open: asyncio.Future[None] | None = None  # set once `_keeper` has entered
+        self._lifecycle_users = 0
+        self._unused = anyio.Event()
 
     @property
     def concurrency(self) -> int:
@@ -365,41 +366,41 @@ class Orchestrator:
         """
         _check_asyncio("run()")
         _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
-        if self._entered and self._host is None:  # inside an `async with` of it
+        if self._entered and self._keeper is None:  # inside an `async with` of it
             return await self._run(input, tasks, run_id)
-        return await self._as_guest(lambda: self._run(input, tasks, run_id))
+        return await self._with_lifecycle(lambda: self._run(input, tasks, run_id))
 
     async def _run(self, input: Any, tasks: Any, run_id: str | None) -> RunResult:
         source, planned = await self._source(input, tasks)
         return await self._execute(source, run_id, planned=planned)
 
-    async def _as_guest(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _with_lifecycle(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call` for a caller outside `async with`. The lifecycle it needs (the task group, the
-        event bus) is held by a task of its own (`_hold`), started by the first such caller and
-        closed once the last one's call is over: held in the first caller's task, as an
-        `async with` around its call, it was closed by that caller's cancel under the runs of the
-        others, whose subscribers then heard nothing more of them."""
-        while self._host is not None and self._vacated.is_set():
-            await asyncio.wait((self._host,))  # the last lifecycle is closing: let it close
-        if self._host is None:
+        event bus) is kept open by a task of its own (`_keep_open`), started by the first such
+        caller and closed once the last one's call is over. Not an `async with` in the first
+        caller's task: that caller's cancel would close it under the others' runs, whose
+        subscribers would hear nothing more of them."""
+        while self._keeper is not None and self._unused.is_set():
+            await asyncio.wait((self._keeper,))  # the last lifecycle is closing: let it close
+        if self._keeper is None:
             if self._entered:  # an `async with` of another task's opened it meanwhile
                 return await call()
-            self._vacated = anyio.Event()
-            self._opened = asyncio.get_running_loop().create_future()
-            self._host = asyncio.create_task(self._hold(self._opened, self._vacated))
-        host, opened = self._host, self._opened
-        assert opened is not None
-        self._guests += 1
+            self._unused = anyio.Event()
+            self._kept_open = asyncio.get_running_loop().create_future()
+            self._keeper = asyncio.create_task(self._keep_open(self._kept_open, self._unused))
+        keeper, kept_open = self._keeper, self._kept_open
+        assert kept_open is not None
+        self._lifecycle_users += 1
         try:
-            if not opened.done():
-                await asyncio.wait((opened, host), return_when=asyncio.FIRST_COMPLETED)
-                if not opened.done():
-                    host.result()  # it could not open the lifecycle: its error is the caller's
+            if not kept_open.done():
+                await asyncio.wait((kept_open, keeper), return_when=asyncio.FIRST_COMPLETED)
+                if not kept_open.done():
+                    keeper.result()  # it could not open the lifecycle: its error is the caller's
             return await call()
         finally:
-            self._guests -= 1
-            if not self._guests:
-                self._vacated.set()
+            self._lifecycle_users -= 1
+            if not self._lifecycle_users:
+                self._unused.set()
                 # The lifecycle closes (its subscribers drained, a FakeClock uninstalled) before
                 # the last caller returns, as at the end of its own `async with`; a cancelled
                 # caller waits for that `drain_timeout` at most.
@@ -408,18 +409,19 @@ class Orchestrator:
                     anyio.CancelScope(shield=cancelled),
                     anyio.move_on_after(self._drain_timeout if cancelled else None),
                 ):
-                    await asyncio.wait((host,))
-                if host.done() and not host.cancelled() and (error := host.exception()):
+                    await asyncio.wait((keeper,))
+                if keeper.done() and not keeper.cancelled() and (error := keeper.exception()):
                     raise error
 
-    async def _hold(self, opened: asyncio.Future[None], vacated: anyio.Event) -> None:
+    async def _keep_open(self, kept_open: asyncio.Future[None], unused: anyio.Event) -> None:
+        """The keeper's task: the lifecycle, open until `unused` is set."""
         try:
             async with self:
-                opened.set_result(None)
-                await vacated.wait()
+                kept_open.set_result(None)
+                await unused.wait()
         finally:
-            if self._host is asyncio.current_task():
-                self._host = None
+            if self._keeper is asyncio.current_task():
+                self._keeper = None
 
     def stream(
         self,
@@ -582,9 +584,9 @@ class Orchestrator:
             raise ConfigError(
                 f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
             )
-        if self._entered and self._host is None:  # inside an `async with` of it
+        if self._entered and self._keeper is None:  # inside an `async with` of it
             return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
-        return await self._as_guest(
+        return await self._with_lifecycle(
             lambda: work(self, store, run_id=run_id, kinds=kinds, poll=poll)
         )
 
@@ -665,11 +667,11 @@ class Orchestrator:
                 return state
         return None
 
-    def _replain(self) -> None:
-        """A subscriber or a simulated fault came or went: each run looks again at whether
-        anybody hears of each task's end (`Run.replain`)."""
+    def _listeners_changed(self) -> None:
+        """A subscriber or a simulated fault came or went: each run decides again whether a
+        task's end needs more than a count (`Run.listeners_changed`)."""
         for run in self._runs:
-            run.replain()
+            run.listeners_changed()
 
 
 def _check_asyncio(what: str) -> None:

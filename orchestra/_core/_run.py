@@ -146,8 +146,9 @@ class Run:
         self._acc: Accumulator = config.aggregate.begin()
         # A built-in aggregate: a whole-list run gives it the store's successes at its end.
         self._ordered = self._acc if isinstance(self._acc, Ordered) else None
-        self._plain = False  # see `replain`
-        self.quiet: list[Record] | None = None  # the store's (`Listener.quiet`): see `replain`
+        self._count_only = False  # see `listeners_changed`
+        # The store's (`Listener.quiet`): see `listeners_changed`.
+        self.quiet: list[Record] | None = None
         # The orchestrator's simulated faults by agent, as they come and go (a dict: its truth test
         # is the one cost per task end when there are none).
         self._faults = config.faults.by_agent
@@ -204,7 +205,7 @@ class Run:
 
     def finished(self, record: Record) -> None:
         status = record.status
-        if status is SUCCEEDED and self._plain and record.started is not None:
+        if status is SUCCEEDED and self._count_only and record.started is not None:
             # The common end, when nothing but the counts and a built-in aggregate hear of it
             # (what the in-memory store does itself with all but the last, in `quiet`): the
             # report's batch is counted only when something reads the counts (a status, the
@@ -260,7 +261,7 @@ class Run:
         wall0 = datetime.now(UTC)
         whole = isinstance(source, list | tuple)
         self._streamed = not whole
-        self.replain()
+        self.listeners_changed()
         registry = config.registry
         self.store = config.store.open_run(
             self.run_id,
@@ -553,14 +554,14 @@ class Run:
         """Send every `TaskResult` from now on to `send` (a run handle's reader); closed at the end."""
         if self._results is None:
             self._results = send
-            self.replain()
+            self.listeners_changed()
 
-    def replain(self) -> None:
-        """Whether a success is only counted (`finished`'s inline case, and the store's `quiet`):
-        nobody else hears of each task's end (no debug log, instrument, stream, input window,
-        subscriber or simulated fault). The orchestrator calls it again when a subscriber or a
-        fault comes or goes mid-run."""
-        self._plain = (
+    def listeners_changed(self) -> None:
+        """Decide whether a success is only counted (`finished`'s inline case, and the store's
+        `quiet`): when nobody else hears of each task's end (no debug log, instrument, stream,
+        input window, subscriber or simulated fault). Called at the start, when a reader comes,
+        and by the orchestrator when a subscriber or a fault comes or goes mid-run."""
+        self._count_only = (
             self._ordered is not None
             and not self.debug
             and self.instruments is None
@@ -569,7 +570,7 @@ class Run:
             and not self.bus.active
             and not self._faults
         )
-        self.quiet = self.report.batch if self._plain else None
+        self.quiet = self.report.batch if self._count_only else None
 
     # -- streamed input --------------------------------------------------------------------------
 
