@@ -25,7 +25,7 @@ A hook that raises is logged once (per instrument and hook; later ones are only 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from .._clock import current_clock
 from .._failure import cancel_pending
@@ -37,9 +37,8 @@ if TYPE_CHECKING:
     from .._task import Task, TaskResult
     from ._context import Context
     from ._orchestrator import Orchestrator
-    from ._run import Run
 
-__all__ = ("AttemptInfo", "Instrument", "Instruments", "RunInfo")
+__all__ = ("AttemptInfo", "Instrument", "Instruments", "Owner", "RunInfo")
 
 log = get_logger("orchestra.instruments")
 
@@ -103,22 +102,34 @@ class Instrument:
         """The run ended with `status` ("success", "partial", "failed", "cancelled")."""
 
 
+class Owner(Protocol):
+    """What `RunInfo` reads of its run: its clock and its live counts."""
+
+    def now(self) -> float: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def unfinished(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+
+
 class RunInfo:
     """What an instrument sees of a run: its id, its clock, and its live counts (read them at
     scrape time: each is an attribute read, cheap enough to poll)."""
 
     __slots__ = ("_offset", "_run", "run_id", "started")
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run_id: str, started: float, run: Owner) -> None:
         self._run = run
-        self.run_id: str = run.run_id
-        self.started: float = run.t0
+        self.run_id = run_id
+        self.started = started
         # Loop time -> epoch seconds, fixed at the start (virtual under a FakeClock).
         self._offset = current_clock().to_wall(0.0)
 
     def now(self) -> float:
         """The run's clock (the event loop's, in seconds): the times of `AttemptInfo`."""
-        return self._run.dispatcher._time()
+        return self._run.now()
 
     def to_wall(self, t: float) -> float:
         """Epoch seconds for the run clock's `t` (what exporters want)."""
@@ -127,17 +138,17 @@ class RunInfo:
     @property
     def running(self) -> int:
         """Attempts running now."""
-        return self._run.dispatcher.running
+        return self._run.running
 
     @property
     def unfinished(self) -> int:
         """Admitted tasks not yet terminal."""
-        return self._run.store.unfinished
+        return self._run.unfinished
 
     @property
     def waiting(self) -> int:
         """Admitted tasks waiting for their dependencies (never ready yet)."""
-        return self._run.store.pending
+        return self._run.waiting
 
     @property
     def queued(self) -> int:

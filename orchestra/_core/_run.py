@@ -183,7 +183,7 @@ class Run:
         if self.bus.active and self.bus.wants(TaskReady):
             self.bus.emit(
                 TaskReady(
-                    self.dispatcher._time(), self.run_id, record.id, record.kind, record.priority
+                    self.dispatcher.now(), self.run_id, record.id, record.kind, record.priority
                 )
             )
         if record.parent is not None:
@@ -232,7 +232,7 @@ class Run:
                 agent=record.agent,
             )
         if self.bus.active and self.bus.wants(TaskFinished):
-            self.bus.emit(TaskFinished(self.dispatcher._time(), self.run_id, record))
+            self.bus.emit(TaskFinished(self.dispatcher.now(), self.run_id, record))
         if self._ended is not None:
             self._ended.append(record)
         if self.instruments is not None:
@@ -278,7 +278,7 @@ class Run:
         if self._budget is not None:  # checked before each attempt (see `_budget`)
             dispatcher.router.gate = BudgetGate(self._budget, self.report, self._budget_spent)
         if self.instruments is not None:
-            self.info = RunInfo(self)
+            self.info = RunInfo(self.run_id, self.t0, self)
         dropped = self.bus.dropped
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
@@ -401,7 +401,7 @@ class Run:
         if self.instruments is not None:
             self.instruments.run_ended(self.info, status, elapsed)
         if self.bus.active:
-            self.bus.emit(RunFinished(self.dispatcher._time(), self.run_id, status, elapsed))
+            self.bus.emit(RunFinished(self.dispatcher.now(), self.run_id, status, elapsed))
 
     def _result(self, wall0: datetime, dropped: int) -> RunResult:
         with paused(self.report.attempts):  # a few objects per task, all kept: see `_gc`
@@ -425,7 +425,7 @@ class Run:
         return self.report.result(
             run_id=self.run_id,
             wall0=wall0,
-            elapsed=self.dispatcher._time() - self.t0,
+            elapsed=self.dispatcher.now() - self.t0,
             threshold=self.config.success_threshold,
             data=data,
             events_dropped=dropped,
@@ -652,6 +652,27 @@ class Run:
         if self._window_free is not None:
             self._window_free.set()
             self._window_free = None
+
+    # -- what the instruments read (`RunInfo`) ---------------------------------------------------
+
+    def now(self) -> float:
+        """The run's clock (the event loop's, virtual under a FakeClock)."""
+        return self.dispatcher.now()
+
+    @property
+    def running(self) -> int:
+        """Attempts under way."""
+        return self.dispatcher.running
+
+    @property
+    def unfinished(self) -> int:
+        """Admitted tasks not yet terminal."""
+        return self.store.unfinished
+
+    @property
+    def waiting(self) -> int:
+        """Admitted tasks waiting for their dependencies (never ready yet)."""
+        return self.store.pending
 
     @property
     def input_complete(self) -> bool:
