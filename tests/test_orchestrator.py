@@ -140,6 +140,46 @@ class TestConfigErrors:
         assert Orchestrator(agents=[ok_agent()], concurrency=7).concurrency == 7
 
 
+class TestStore:
+    async def test_runs_started_after_a_change_keep_their_tasks_in_the_new_store(
+        self, tmp_path: Path
+    ) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        first = orch.store
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            orch.store = store
+            assert orch.store is store
+            result = await orch.run(tasks=[Task("work", 1, id="t")], run_id="kept")
+            assert result.status == "success"
+            assert [(run["id"], run["counts"]) for run in store.runs()] == [
+                ("kept", {"succeeded": 1})
+            ]
+        finally:
+            store.close()
+        assert first is not store
+
+    def test_something_that_is_not_a_store_is_refused(self, tmp_path: Path) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        with pytest.raises(ConfigError, match="store must be a store") as info:
+            orch.store = tmp_path / "runs.db"  # type: ignore[assignment]
+        assert "runs.db" in str(info.value)
+
+    async def test_it_cannot_change_under_a_run(self, clock: FakeClock, tmp_path: Path) -> None:
+        orch = Orchestrator(agents=[scripted("slow", ["work"], latency=1)])
+        first = orch.store
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            async with orch:
+                handle = orch.start(tasks=[Task("work")])
+                with pytest.raises(ConfigError, match="no run goes on"):
+                    orch.store = store
+                await handle
+        finally:
+            store.close()
+        assert orch.store is first
+
+
 class TestAsyncioOnly:
     @pytest.mark.parametrize("entry", ["async with", "run", "work"])
     def test_another_anyio_backend_is_a_config_error_before_anything_starts(

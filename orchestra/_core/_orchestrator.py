@@ -170,12 +170,8 @@ class Orchestrator:
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
-        if store is not None and not callable(getattr(store, "open_run", None)):
-            # Else an AttributeError when the first run opens (a path is the usual slip).
-            raise ConfigError(
-                f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
-                f"got {shown(store)}"
-            )
+        if store is not None:
+            _check_store(store)
         if instruments is not None:
             check_sequence("instruments", instruments)
             for i, instrument in enumerate(instruments):
@@ -253,6 +249,24 @@ class Orchestrator:
     @property
     def concurrency(self) -> int:
         return self._capacity.limit
+
+    @property
+    def store(self) -> Store:
+        """Where its runs keep their tasks (`MemoryStore()` unless given; see `orchestra.stores`).
+
+        Settable while no run goes on: the runs started after keep their tasks in the new store
+        (as ``orchestra run --db FILE`` does with the orchestrator its factory made)."""
+        store: Store = self._config.store
+        return store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        _check_store(store)
+        if self._runs or self._starting:
+            raise ConfigError(
+                "store can be changed only while no run goes on: set it before starting runs"
+            )
+        self._config.store = store
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -686,6 +700,16 @@ def _check_asyncio(what: str) -> None:
             "(asyncio.run(...), or anyio.run(..., backend='asyncio')); trio and other "
             "event loops are not supported"
         ) from None
+
+
+def _check_store(store: Any) -> None:
+    """`ConfigError` unless `store` is a store: else an AttributeError when the first run opens
+    (a path is the usual slip)."""
+    if not callable(getattr(store, "open_run", None)):
+        raise ConfigError(
+            f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
+            f"got {shown(store)}"
+        )
 
 
 def _check_run_id(run_id: Any) -> None:
