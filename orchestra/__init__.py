@@ -37,10 +37,10 @@ from ._aggregate import (
     Transform as Transform,
 )
 from ._breaker import BreakerPolicy as BreakerPolicy
+from ._cli._console import run_main as run_main
 from ._cli._progress import progress as progress
 from ._cli._progress import render_status as render_status
 from ._cli._progress import status_line as status_line
-from ._cli._signals import run_main as run_main
 from ._core._context import Context as Context
 from ._core._handle import Cancellation as Cancellation
 from ._core._handle import ResultStream as ResultStream
