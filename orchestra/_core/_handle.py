@@ -240,9 +240,11 @@ class RunHandle:
         if self.done:
             return Cancellation(reason)
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.cancel_standing(selector, reason, described))
+            self._pending.append(
+                lambda run: run.control.cancel_standing(selector, reason, described)
+            )
             return Cancellation(reason, deferred=True)
-        done = self._run.cancel(selector, reason, described)
+        done = self._run.control.cancel(selector, reason, described)
         return Cancellation(reason, tuple(done.cancelled), tuple(done.skipped))
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
@@ -255,9 +257,9 @@ class RunHandle:
         if self.done:
             return False
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.reprioritize_standing(task_id, priority))
+            self._pending.append(lambda run: run.control.reprioritize_standing(task_id, priority))
             return True
-        return self._run.reprioritize(task_id, priority)
+        return self._run.control.reprioritize(task_id, priority)
 
     def results(self) -> ResultStream:
         """The `TaskResult`s of the tasks that finish from now on: ``async for r in
@@ -405,7 +407,7 @@ class ResultStream:
             raise StopAsyncIteration from None
         run = handle._run
         if run is not None:
-            run.reader_progress()  # room in the window: the input may go on
+            run.input.room_freed()  # room in the window: the input may go on
         return result
 
     async def aclose(self) -> None:

@@ -16,8 +16,6 @@ from collections.abc import (
 )
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-
 from .._admission import check_new_priority
 from .._aggregate import Aggregator, aggregator_of
 from .._breaker import BreakerPolicy
@@ -46,12 +44,11 @@ from ..stores import MemoryStore, SQLiteStore
 from ..stores._worker import WorkReport, work
 from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
+from ._lifecycle import Lifecycle
 from ._run import Run, RunConfig
 
 if TYPE_CHECKING:
     from types import TracebackType
-
-    from anyio.abc import TaskGroup
 
     from .._agent import AgentLike
     from .._clock import FakeClock
@@ -227,24 +224,9 @@ class Orchestrator:
         )
         if self._config.instruments is not None:
             self._config.instruments.attach(self)
-        self._drain_timeout = drain_timeout
-        self._tg: TaskGroup | None = None
-        self._idle: anyio.Event | None = None
-        self._entered = 0
-        # The tasks inside an `async with` of it, by anyio task id, with their depth; the first
-        # one entered the task group, and only it can exit it (a cancel scope is left in the
-        # task that entered it).
-        self._holders: dict[int, int] = {}
-        self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
-        # The task that keeps the lifecycle open for callers of run() and work() outside
-        # `async with` (see `_with_lifecycle`), how many such calls use it, and the event that
-        # lets it close once none does.
-        self._keeper: asyncio.Task[None] | None = None
-        self._kept_open: asyncio.Future[None] | None = None  # set once `_keeper` has entered
-        self._lifecycle_users = 0
-        self._unused = anyio.Event()
+        self._lifecycle = Lifecycle(self._bus, clock, drain_timeout, self._busy)
 
     @property
     def concurrency(self) -> int:
@@ -272,20 +254,7 @@ class Orchestrator:
 
     async def __aenter__(self) -> Orchestrator:
         _check_asyncio("async with Orchestrator(...)")
-        me = anyio.get_current_task().id
-        if self._entered:
-            self._entered += 1
-            self._holders[me] = self._holders.get(me, 0) + 1
-            return self
-        if self.clock is not None:
-            self.clock.install()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        self._entered = 1
-        self._holders = {me: 1}
-        self._owner = me
-        self._bus.start(tg)
+        await self._lifecycle.__aenter__()
         return self
 
     async def __aexit__(
@@ -294,75 +263,7 @@ class Orchestrator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        me = anyio.get_current_task().id
-        depth = self._holders.get(me)
-        if depth is None:
-            if self._tg is None:
-                return None  # the lifecycle it entered was ended by its first task's error
-            raise ConfigError(
-                "Orchestrator exited from a task (or event loop) that did not enter it: use "
-                "`async with` in the task that runs the block"
-            )
-        self._entered -= 1
-        if depth > 1:
-            self._holders[me] = depth - 1
-            return None
-        del self._holders[me]
-        if me != self._owner:
-            # Another task entered first: that one exits the task group, once this one is out.
-            if self._idle is not None:
-                self._idle.set()
-            return None
-        tg = self._tg
-        assert tg is not None
-        waited: BaseException | None = None  # a cancellation while waiting for other callers' runs
-        try:
-            if exc is None:
-                # Runs that other callers started in this lifecycle (run() without `async with`,
-                # concurrently) finish first, and other tasks' `async with` blocks end.
-                try:
-                    while self._runs or self._starting or self._holders:
-                        idle = self._idle = anyio.Event()
-                        await idle.wait()
-                except anyio.get_cancelled_exc_class() as cancelled:
-                    # Cancelled while it waits for them (its caller's deadline): it still closes the
-                    # task group it opened, in its own task, as a caller cancelled during its own
-                    # run does (below), then re-raises. Leaving without would keep that group's
-                    # cancel scope open (a RuntimeError at the caller's next scope exit) and its
-                    # delivery tasks running.
-                    waited = cancelled
-                    exc_type, exc, tb = type(cancelled), cancelled, cancelled.__traceback__
-            self._holders.clear()
-            self._entered = 0
-            self._tg = None
-            self._bus.stop()
-            if exc is None:
-                # Subscribers get what is buffered for them, for `drain_timeout` at most.
-                with anyio.move_on_after(self._drain_timeout):
-                    await self._bus.drained()
-                self._bus.cancel()
-                tg.cancel_scope.cancel()
-                return await tg.__aexit__(None, None, None)
-            if isinstance(exc, Exception):
-                # An error from the body (say, an InputError from run()) reaches the caller as it
-                # is, not wrapped in an ExceptionGroup by our background task group.
-                self._bus.cancel()
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-                return None
-            # Cancelled (the caller's `run()` without `async with`, say): the subscribers still
-            # get what is buffered for them — `RunFinished` of the cancelled run included — for
-            # `drain_timeout` at most, shielded from the cancellation that is unwinding us.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
-                await self._bus.drained()
-            self._bus.cancel()
-            suppressed = await tg.__aexit__(exc_type, exc, tb)
-            if waited is not None and not suppressed:
-                raise waited
-            return suppressed
-        finally:
-            if self.clock is not None:
-                self.clock.uninstall()
+        return await self._lifecycle.__aexit__(exc_type, exc, tb)
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -380,62 +281,13 @@ class Orchestrator:
         """
         _check_asyncio("run()")
         _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
-        if self._entered and self._keeper is None:  # inside an `async with` of it
+        if self._lifecycle.in_async_with:
             return await self._run(input, tasks, run_id)
-        return await self._with_lifecycle(lambda: self._run(input, tasks, run_id))
+        return await self._lifecycle.around(lambda: self._run(input, tasks, run_id))
 
     async def _run(self, input: Any, tasks: Any, run_id: str | None) -> RunResult:
         source, planned = await self._source(input, tasks)
         return await self._execute(source, run_id, planned=planned)
-
-    async def _with_lifecycle(self, call: Callable[[], Awaitable[T]]) -> T:
-        """`call` for a caller outside `async with`. The lifecycle it needs (the task group, the
-        event bus) is kept open by a task of its own (`_keep_open`), started by the first such
-        caller and closed once the last one's call is over. Not an `async with` in the first
-        caller's task: that caller's cancel would close it under the others' runs, whose
-        subscribers would hear nothing more of them."""
-        while self._keeper is not None and self._unused.is_set():
-            await asyncio.wait((self._keeper,))  # the last lifecycle is closing: let it close
-        if self._keeper is None:
-            if self._entered:  # an `async with` of another task's opened it meanwhile
-                return await call()
-            self._unused = anyio.Event()
-            self._kept_open = asyncio.get_running_loop().create_future()
-            self._keeper = asyncio.create_task(self._keep_open(self._kept_open, self._unused))
-        keeper, kept_open = self._keeper, self._kept_open
-        assert kept_open is not None
-        self._lifecycle_users += 1
-        try:
-            if not kept_open.done():
-                await asyncio.wait((kept_open, keeper), return_when=asyncio.FIRST_COMPLETED)
-                if not kept_open.done():
-                    keeper.result()  # it could not open the lifecycle: its error is the caller's
-            return await call()
-        finally:
-            self._lifecycle_users -= 1
-            if not self._lifecycle_users:
-                self._unused.set()
-                # The lifecycle closes (its subscribers drained, a FakeClock uninstalled) before
-                # the last caller returns, as at the end of its own `async with`; a cancelled
-                # caller waits for that `drain_timeout` at most.
-                cancelled = cancel_pending()
-                with (
-                    anyio.CancelScope(shield=cancelled),
-                    anyio.move_on_after(self._drain_timeout if cancelled else None),
-                ):
-                    await asyncio.wait((keeper,))
-                if keeper.done() and not keeper.cancelled() and (error := keeper.exception()):
-                    raise error
-
-    async def _keep_open(self, kept_open: asyncio.Future[None], unused: anyio.Event) -> None:
-        """The keeper's task: the lifecycle, open until `unused` is set."""
-        try:
-            async with self:
-                kept_open.set_result(None)
-                await unused.wait()
-        finally:
-            if self._keeper is asyncio.current_task():
-                self._keeper = None
 
     def stream(
         self,
@@ -451,12 +303,12 @@ class Orchestrator:
         immediate; otherwise it happens when the stream is closed or the orchestrator exits), and
         `.result` is then its `RunResult`, status "cancelled", with what finished before.
         """
-        if self._tg is None:
+        if self._lifecycle.tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
         _check_run_id(run_id)
 
         def start() -> RunHandle:  # when the stream is first read
-            if self._tg is None:
+            if self._lifecycle.tg is None:
                 raise ConfigError(
                     "stream() needs `async with Orchestrator(...) as orch:` around it"
                 )
@@ -479,14 +331,14 @@ class Orchestrator:
         `run_id` names the run (by default a fresh one): with a durable store, starting the same
         run id again is how a stopped or crashed run will resume from its checkpoint.
         """
-        if self._tg is None:
+        if self._lifecycle.tg is None:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
         _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
 
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
         """`start` with `config` (a worker's run has its own store: orchestra/_worker.py)."""
-        tg = self._tg
+        tg = self._lifecycle.tg
         assert tg is not None
         handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)
         self._starting += 1
@@ -505,7 +357,7 @@ class Orchestrator:
             finally:
                 if not registered:
                     self._starting -= 1
-                    self._maybe_idle()
+                    self._lifecycle.maybe_idle()
 
         tg.start_soon(handle._drive, body)
         return handle
@@ -571,7 +423,7 @@ class Orchestrator:
                 await self._bus.synced()
         finally:
             self._runs.remove(run)
-            self._maybe_idle()
+            self._lifecycle.maybe_idle()
         return await self._threshold_hook(result, [r.task for r in run.report.not_ok])
 
     async def work(
@@ -598,15 +450,15 @@ class Orchestrator:
             raise ConfigError(
                 f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
             )
-        if self._entered and self._keeper is None:  # inside an `async with` of it
+        if self._lifecycle.in_async_with:
             return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
-        return await self._with_lifecycle(
+        return await self._lifecycle.around(
             lambda: work(self, store, run_id=run_id, kinds=kinds, poll=poll)
         )
 
-    def _maybe_idle(self) -> None:
-        if not self._runs and not self._starting and self._idle is not None:
-            self._idle.set()
+    def _busy(self) -> bool:
+        """Whether a run of it is starting or going on (its lifecycle closes only after)."""
+        return bool(self._runs or self._starting)
 
     async def _threshold_hook(self, result: RunResult, failed: list[Task]) -> RunResult:
         hook = self._config.on_threshold_missed
@@ -661,7 +513,7 @@ class Orchestrator:
             state = run.store.state_of(task_id)
             if state is None or state in TERMINAL:
                 continue
-            return run.reprioritize(task_id, priority)
+            return run.control.reprioritize(task_id, priority)
         return False
 
     def agents_status(self) -> list[dict[str, Any]]:
