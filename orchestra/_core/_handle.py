@@ -271,11 +271,12 @@ class RunHandle:
         closing it stops the reading, not the run.
         """
         if self._results is None:
-            self._results = ResultStream(self)
+            return ResultStream(self)  # it opens itself on this handle (`_open_results`)
         return self._results
 
-    def _open_results(self) -> MemoryObjectReceiveStream[TaskResult]:
-        """The receiving end of the run's `TaskResult`s from now on."""
+    def _open_results(self, stream: ResultStream) -> MemoryObjectReceiveStream[TaskResult]:
+        """`stream` is this run's reader from now on: the receiving end of its `TaskResult`s."""
+        self._results = stream
         # Unbounded as a stream (the run must never wait for its reader), bounded as a run: unread
         # results count against the run's window, so a slow reader slows admission instead of
         # the run buffering its results.
@@ -367,7 +368,7 @@ class ResultStream:
     ) -> None:
         self._handle = handle
         self._start = start  # `orch.stream(...)`'s: starts the run this stream owns
-        self._receive = handle._open_results() if handle is not None else None
+        self._receive = handle._open_results(self) if handle is not None else None
         self._closed = False
 
     @property
@@ -391,8 +392,7 @@ class ResultStream:
             if self._closed or self._start is None:  # closed before it was read: never starts
                 raise StopAsyncIteration
             handle = self._handle = self._start()
-            handle._results = self
-            self._receive = handle._open_results()
+            self._receive = handle._open_results(self)
         assert self._receive is not None  # opened with the handle
         try:
             result = await self._receive.receive()
