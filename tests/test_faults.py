@@ -315,7 +315,7 @@ class TestRecorder:
     async def test_a_run_does_not_wait_for_the_events_of_another_run(self) -> None:
         # Another run on the orchestrator emits events without a pause until this one has
         # returned: waiting for the recorder's buffer to empty would wait for ever, and taking
-        # one event per turn of the loop took seconds behind the other run's workers.
+        # one event per turn of the loop took seconds behind the other run's runners.
         this_one_returned = anyio.Event()
 
         @agent(kinds=["k"])

@@ -251,7 +251,7 @@ class TestPause:
 
 
 class TestCancel:
-    async def test_a_running_attempt_is_cancelled_and_its_worker_goes_on(
+    async def test_a_running_attempt_is_cancelled_and_its_runner_goes_on(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:
         async with make(concurrency=1) as orch:
@@ -566,7 +566,7 @@ class TestReprioritize:
     async def test_a_task_waiting_for_its_agents_slot_moves_ahead(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:
-        # The run's limit is 10 but the agent's is 1: the workers claimed w1-w4, which wait in
+        # The run's limit is 10 but the agent's is 1: the runners claimed w1-w4, which wait in
         # the agent's lane (the status's "waiting"), not in the queue.
         sleeper.concurrency = 1
         async with make(concurrency=10) as orch:

@@ -8,7 +8,7 @@ store give the same control over a run another process started.
 
 Every control call is safe at any moment and idempotent: before the run has its tasks (the
 decomposer still runs) a pause, a cancel or a priority change is kept and applied the moment the
-tasks are admitted, before any worker starts; after the end it does nothing.
+tasks are admitted, before any attempt starts; after the end it does nothing.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class RunHandle:
     ) -> Cancellation:
         """Cancel the unfinished tasks that match every selector given (at least one).
 
-        Running attempts are cancelled through their own cancel scopes (the worker goes on with
+        Running attempts are cancelled through their own cancel scopes (the run goes on with
         the next task), waiting tasks are removed, and the dependents of all of them are skipped
         with the reason. `agent` selects the tasks running on that agent, waiting for room at it
         (its lane) or bound to it by a retry or a fallback chain. Returns what it did; the run

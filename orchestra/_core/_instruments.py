@@ -8,10 +8,11 @@ and every task end, synchronously, from the code that makes them happen. The eve
   a progress bar, wrong for a counter that must be exact (`orchestra_attempts_total` must equal
   `metadata.attempts`, whatever the load).
 - It delivers later, from another task. A tracing span must be the *current* context while the
-  agent runs, in the worker's own task, so that the spans the agent's code makes (an httpx or
-  anthropic instrumentation) nest under the attempt's span. Only a hook that runs in the worker,
-  around the agent call, can do that (as `_dispatch.py` sets the structlog task id: each worker
-  runs in its own copy of the context, so what a hook attaches there never leaks out).
+  agent runs, in the dispatcher's runner that awaits the call, so that the spans the agent's code
+  makes (an httpx or anthropic instrumentation) nest under the attempt's span. Only a hook that
+  runs in the runner, around the agent call, can do that (as `_dispatch.py` sets the structlog
+  task id: each runner runs in its own copy of the context, so what a hook attaches there never
+  leaks out).
 
 Zero cost when off: an orchestrator without instruments has `instruments=None` in its run config,
 and the dispatcher reads that one attribute per attempt (and the run once per task end); nothing
@@ -67,8 +68,8 @@ class Instrument:
     overrides are called (a hook left as the base's no-op costs nothing).
 
     Every hook is called synchronously by the run, in the order things happen: `on_attempt_start`
-    and `on_attempt_end` in the worker's own task, around the agent call (the attempt's context is
-    the agent's), `on_attempt_end` before the retry, fallback or task end it leads to. Hooks must
+    and `on_attempt_end` in the task that awaits the agent call, around it (the attempt's context
+    is the agent's), `on_attempt_end` before the retry, fallback or task end it leads to. Hooks must
     be quick (they run on the run's path) and must not block; what they raise is logged once and
     ignored.
     """
@@ -80,7 +81,7 @@ class Instrument:
         """A run started (after a whole input was admitted: an input error starts no run)."""
 
     def on_attempt_start(self, attempt: AttemptInfo) -> None:
-        """An agent is about to be called on a task, in the worker that will await the call."""
+        """An agent is about to be called on a task, in the task that will await the call."""
 
     def on_attempt_end(self, attempt: AttemptInfo) -> None:
         """The attempt ended: `attempt.outcome` is "succeeded", "failed" (`attempt.error` says

@@ -337,7 +337,8 @@ class Orchestrator:
         return self._launch(input, tasks, run_id, self._config)
 
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
-        """`start` with `config` (a worker's run has its own store: orchestra/_worker.py)."""
+        """`start` with `config` (a worker process's run has its own store:
+        orchestra/stores/_worker.py)."""
         tg = self._lifecycle.tg
         assert tg is not None
         handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)
@@ -439,7 +440,8 @@ class Orchestrator:
         lease, run them with this orchestrator's agents, limits, retries and fallbacks, and write
         back what they came to. With `run_id`, serve that run only and return once it is over;
         without, serve every run of the file until cancelled (a cancel hands back the tasks not
-        started). `store` defaults to this orchestrator's. See the README's "Worker processes".
+        started). `store` defaults to this orchestrator's. See "Durable runs and workers" in the
+        documentation.
 
         Raises:
             ConfigError: no SQLite store, or kinds no agent here serves.
