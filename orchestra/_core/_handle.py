@@ -1,8 +1,10 @@
-"""`RunHandle`: a run that goes on in the background, steered while it runs.
+"""`RunHandle`: a run that goes on in the background, steered while it runs; `ResultStream`: its
+results as they finish.
 
 ``handle = orch.start(input)`` starts a run in the orchestrator's task group and returns at once;
 the handle pauses and resumes it, cancels some of its tasks, changes priorities, streams its
-results, stops it gracefully, and is awaited for its `RunResult`. It holds no state of the run
+results (`handle.results()`, a `ResultStream`; `orch.stream(input)` is a run read that way), stops
+it gracefully, and is awaited for its `RunResult`. It holds no state of the run
 itself: every change goes through the run (and so through its store), which is what lets a durable
 store give the same control over a run another process started.
 
