@@ -138,7 +138,8 @@ def bounds(
 
 def failures(spec: Spec) -> Workload:
     """Scenario 11's variant ``spec.variant`` (see the module's docstring)."""
-    from orchestra import BreakerChanged, Orchestrator, Task, agent
+    from orchestra import Orchestrator, Task, agent
+    from orchestra.events import BreakerChanged
     from orchestra.testing import simulate_agent_failure
 
     variant = spec.variant if spec.work == "sleep" else "clean"  # the warm-up: see the docstring

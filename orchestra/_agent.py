@@ -18,9 +18,10 @@ import anyio.to_process
 import anyio.to_thread
 from pydantic import BaseModel
 
+from ._concurrency import Concurrency
 from ._config import check_instance, check_int, check_names, check_number
 from ._exceptions import ConfigError
-from ._limits import Concurrency, Limiter
+from ._limits import Limiter
 from ._log import TASK_ID
 from ._retry import RetryPolicy
 

@@ -41,8 +41,8 @@ from ._task import SUCCEEDED, TERMINAL
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from ._concurrency import Concurrency
     from ._core._context import Context
-    from ._limits import Concurrency
     from ._registry import AgentSlot, Registry
     from ._retry import RetryPolicy
     from ._task import Task, TaskResult

@@ -71,7 +71,7 @@ class OpenTelemetryTracing(Instrument):
     """
 
     def __init__(self, *, tracer_provider: TracerProvider | None = None) -> None:
-        from . import __version__
+        from ._version import __version__
 
         if tracer_provider is not None and not callable(
             getattr(tracer_provider, "get_tracer", None)

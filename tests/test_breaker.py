@@ -17,33 +17,24 @@ from pydantic import BaseModel
 from rich.console import Console
 
 from orchestra import (
-    AttemptFailed,
     AttemptTimeout,
-    BreakerChanged,
     BreakerPolicy,
     ConfigError,
     Context,
-    FallbackUsed,
     PermanentError,
     RateLimited,
     RetryableError,
     RetryPolicy,
-    RunStatus,
     Task,
     VerificationError,
     agent,
-    render_status,
 )
 from orchestra._breaker import Breaker, is_outage
 from orchestra._core._routing import Router
 from orchestra._faults import SimulatedAPIError
-from orchestra.testing import (
-    FakeClock,
-    Recorder,
-    ScriptedAgent,
-    scripted,
-    simulate_agent_failure,
-)
+from orchestra.events import AttemptFailed, BreakerChanged, FallbackUsed
+from orchestra.status import RunStatus, render_status
+from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted, simulate_agent_failure
 from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:

@@ -23,15 +23,8 @@ import anyio
 import pydantic
 import pytest
 
-from orchestra import (
-    Context,
-    Orchestrator,
-    RetryPolicy,
-    RunResult,
-    Task,
-    TaskFinished,
-    TaskResult,
-)
+from orchestra import Context, Orchestrator, RetryPolicy, RunResult, Task, TaskResult
+from orchestra.events import TaskFinished
 from orchestra.testing import (
     FakeClock,
     Probe,

@@ -14,18 +14,16 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import (
-    AttemptFailed,
     ConfigError,
     Context,
     Orchestrator,
     PermanentError,
     RetryPolicy,
-    RetryScheduled,
-    RunFinished,
     RunResult,
     Task,
     agent,
 )
+from orchestra.events import AttemptFailed, RetryScheduled, RunFinished
 from orchestra.testing import (
     GARBAGE,
     FakeClock,

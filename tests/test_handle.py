@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from orchestra import (
     Cancellation,
-    CancelRecord,
     ConfigError,
     Context,
     InputError,
@@ -32,8 +31,9 @@ from orchestra import (
     Task,
     TaskResult,
     agent,
-    status_line,
 )
+from orchestra.result import CancelRecord
+from orchestra.status import status_line
 from orchestra.stores import SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.testing import FakeClock, scripted

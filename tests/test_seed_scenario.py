@@ -14,17 +14,8 @@ from typing import TYPE_CHECKING
 import anyio
 import pytest
 
-from orchestra import (
-    AttemptFailed,
-    Event,
-    FallbackUsed,
-    Orchestrator,
-    RetryPolicy,
-    RunResult,
-    Task,
-    TaskFinished,
-    TaskResult,
-)
+from orchestra import Orchestrator, RetryPolicy, RunResult, Task, TaskResult
+from orchestra.events import AttemptFailed, Event, FallbackUsed, TaskFinished
 from orchestra.testing import (
     FakeClock,
     RecoveryStatus,

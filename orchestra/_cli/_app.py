@@ -27,9 +27,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .. import __version__
 from .._exceptions import ConfigError, InputError, StoreError
 from .._failure import describe, format_traceback, scrub, with_type
+from .._version import __version__
 from ..stores import SQLiteStore
 from ..stores._worker import Worker
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch

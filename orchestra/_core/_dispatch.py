@@ -297,7 +297,7 @@ class Dispatcher:
                     self.halted
                     or router.recheck
                     or limiter.in_use >= limit
-                    or router.gate is not None
+                    or router.budget is not None
                     or (record := claim()) is None
                 ):
                     picked = self._take()  # paused, full, tasks in lanes first, or none ready
@@ -402,7 +402,7 @@ class Dispatcher:
         routed = router.route(record, token)
         if routed is None:
             return None
-        if not routed.limiters and router.gate is None:
+        if not routed.limiters and router.budget is None:
             return record, token, routed, None
         cost = router.reserve(record, token, routed)
         return None if cost is None else (record, token, routed, cost)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._admission import check_new_priority
 from .._aggregate import Aggregator, aggregator_of
 from .._breaker import BreakerPolicy
-from .._budget import Budget
+from .._budget import BudgetPolicy
+from .._concurrency import Capacity, Concurrency, as_concurrency
 from .._config import (
     check_callable,
     check_instance,
@@ -35,7 +36,6 @@ from .._events import Event, EventBus
 from .._exceptions import ConfigError, InputError
 from .._failure import cancel_pending
 from .._faults import Faults
-from .._limits import Capacity, Concurrency, as_concurrency
 from .._log import get_logger
 from .._registry import Registry
 from .._retry import RetryPolicy, Timeouts
@@ -220,7 +220,7 @@ class Orchestrator:
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),
-            budget=Budget.of(max_cost=max_cost, max_tokens=max_tokens),
+            budget=BudgetPolicy.of(max_cost=max_cost, max_tokens=max_tokens),
         )
         if self._config.instruments is not None:
             self._config.instruments.attach(self)

@@ -22,7 +22,7 @@ import structlog
 
 from .._admission import Admission
 from .._aggregate import Ordered
-from .._budget import BUDGET_EXCEEDED, BudgetGate
+from .._budget import BUDGET_EXCEEDED, BudgetAccount
 from .._clock import loop_time
 from .._events import RunFinished, RunStarted, TaskFinished, TaskReady
 from .._failure import describe, with_type
@@ -42,10 +42,10 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
     from .._aggregate import Accumulator
-    from .._budget import Budget
+    from .._budget import BudgetPolicy
+    from .._concurrency import Capacity
     from .._events import EventBus
     from .._faults import Faults
-    from .._limits import Capacity
     from .._record import Record
     from .._registry import Registry
     from .._result import RunResult
@@ -104,7 +104,7 @@ class RunConfig:
         on_threshold_missed: Callable[..., Any] | None,
         faults: Faults,
         instruments: Instruments | None = None,
-        budget: Budget | None = None,
+        budget: BudgetPolicy | None = None,
     ) -> None:
         self.registry = registry
         self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
@@ -263,7 +263,7 @@ class Run:
         dispatcher = self.dispatcher = Dispatcher(self, self.store)
         dispatcher.bind_clock(loop)
         if self._budget is not None:  # checked before each attempt (see `_budget`)
-            dispatcher.router.gate = BudgetGate(self._budget, self.report, self._budget_spent)
+            dispatcher.router.budget = BudgetAccount(self._budget, self.report, self._budget_spent)
         if self.instruments is not None:
             self.info = RunInfo(self.run_id, self.t0, self)
         dropped = self.bus.dropped

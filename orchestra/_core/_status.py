@@ -40,7 +40,7 @@ from ._report import ErrorSample, KindTally, Report, dollars
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from .._registry import AgentSlot
+    from .._registry import AgentSlot, AgentState
     from ._run import Run
 
 __all__ = (
@@ -67,7 +67,6 @@ _STATES = (
     CANCELLED,
 )
 
-AgentState = Literal["idle", "busy", "failing", "open"]
 RunState = Literal["starting", "running", "paused", "stopping", "finished"]
 
 
@@ -481,7 +480,3 @@ def _bottleneck(
         return None
     slowest = max(left, key=lambda k: math.inf if k.eta is None else k.eta)
     return Bottleneck("slowest kind", kind=slowest.kind)
-
-
-for _public in (AgentStatus, Bottleneck, ErrorSample, KindStatus, RunStatus):
-    _public.__module__ = "orchestra"
