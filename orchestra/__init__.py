@@ -19,12 +19,12 @@ from . import status as status
 from ._agent import Agent, AgentLike, agent
 from ._aggregate import Aggregator, ByKind, Collect, Discard, Merge, Reduce, Transform
 from ._breaker import BreakerPolicy
+from ._cli._console import run_main
 from ._cli._progress import progress
-from ._cli._signals import run_main
 from ._concurrency import Concurrency
 from ._core._context import Context
-from ._core._handle import Cancellation, RunHandle
-from ._core._orchestrator import Orchestrator, RecoveryStatus, ResultStream
+from ._core._handle import Cancellation, ResultStream, RunHandle
+from ._core._orchestrator import Orchestrator
 from ._decompose import by_priority, by_type, chunked
 from ._exceptions import (
     AgentError,
@@ -76,7 +76,6 @@ __all__ = (
     "PermanentError",
     "Rate",
     "RateLimited",
-    "RecoveryStatus",
     "Reduce",
     "Rejected",
     "ResultStream",

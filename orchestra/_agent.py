@@ -290,7 +290,7 @@ def _signature(fn: Callable[..., Any]) -> str:
 def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:
     if not gate.begin():
         return None  # the attempt was abandoned before the thread took it up
-    # The thread runs in a copy of its worker's context, which goes on to other tasks: its log
+    # The thread runs in a copy of its runner's context, which goes on to other tasks: its log
     # lines keep this task's id.
     TASK_ID.set(task.id)
     try:

@@ -104,7 +104,7 @@ class AgentSlot:
         self.succeeded = 0
         self.failures = 0
         self.last_error: str | None = None
-        self.fault: Any = None  # set by Orchestrator.simulate_agent_failure (orchestra.testing)
+        self.fault: Any = None  # set by orchestra.testing.simulate_agent_failure
 
     def status(self) -> AgentState:
         if self.breaker.state is OPEN:

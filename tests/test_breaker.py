@@ -34,7 +34,7 @@ from orchestra._core._routing import Router
 from orchestra._faults import SimulatedAPIError
 from orchestra.events import AttemptFailed, BreakerChanged, FallbackUsed
 from orchestra.status import RunStatus, render_status
-from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
+from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted, simulate_agent_failure
 from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:
@@ -820,7 +820,7 @@ class TestWaitingForAProbe:
         rec = Recorder()
         orch.subscribe(rec, BreakerChanged)
         async with orch:
-            orch.simulate_agent_failure("service", mode="error", duration=3)
+            simulate_agent_failure(orch, "service", mode="error", duration=3)
             result = await orch.run(tasks=[Task("k", i) for i in range(100)])
         assert result.status == "success"
         assert ("closed", "open") in transitions(rec, "service")

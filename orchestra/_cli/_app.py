@@ -32,7 +32,7 @@ from .._failure import describe, format_traceback, scrub, with_type
 from .._version import __version__
 from ..stores import SQLiteStore
 from ..stores._worker import Worker
-from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch
+from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._runs import runs_app
 
@@ -225,7 +225,7 @@ def run(
             store = SQLiteStore(db)
         except (ConfigError, StoreError) as exc:
             raise _fail(str(exc)) from None
-        keep_runs_in(orch, store)
+        orch.store = store  # the factory made it for this command: its runs go to the file
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
