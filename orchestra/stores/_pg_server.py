@@ -147,6 +147,9 @@ def embedded_server(
     path = path.expanduser().absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        # PostgreSQL refuses to run as root (a server process that may write anywhere is one bug
+        # away from the whole machine), and a container's test run is often root: run it then as
+        # a system user of its own, who owns the data directory and nothing else.
         user = _system_user() if os.geteuid() == 0 else None
         with _locked(path):
             running = _running_port(path)
@@ -192,7 +195,11 @@ def _system_user() -> int:
             return pwd.getpwnam(SYSTEM_USER).pw_uid
         useradd = shutil.which("useradd")
         if useradd is None:
-            break
+            raise StoreError(
+                f"running as root, the embedded PostgreSQL server runs as the system user "
+                f"{SYSTEM_USER!r}, which does not exist, and there is no useradd to create it: "
+                "create that user, or run as another user"
+            )
         # Exit 9: another process created it first; 10: another holds /etc/passwd's lock.
         done = subprocess.run(
             [useradd, "--system", "--user-group", "--no-create-home", "--home-dir",
@@ -208,8 +215,8 @@ def _system_user() -> int:
         time.sleep(0.05)
     raise StoreError(
         f"running as root, the embedded PostgreSQL server runs as the system user "
-        f"{SYSTEM_USER!r}, which does not exist and could not be created (no useradd): create "
-        "that user, or run as another user"
+        f"{SYSTEM_USER!r}, which could not be created (/etc/passwd stayed locked): create that "
+        "user, or run as another user"
     )
 
 
@@ -317,7 +324,15 @@ def _running_port(path: Path) -> int | None:
         return None
     except PermissionError:  # alive, another user's
         pass
-    return int(lines[3]) if lines[7].strip() == "ready" else None
+    if lines[7].strip() != "ready":
+        return None
+    port = int(lines[3])
+    # The pid may have been reused since a server was killed: attach only to one that answers.
+    try:
+        with socket.create_connection(("127.0.0.1", port), 1):
+            return port
+    except OSError:
+        return None
 
 
 def _status(pid_file: Path, pid: int) -> str | None:
