@@ -7,9 +7,11 @@ way, and every step is one statement (one round trip, atomic on its own):
 - **Claim**: the best ready tasks of a run, by kinds (each kind at most its room: what the
   process's agents of that kind can start now), priority, then admission order, locked with
   ``FOR UPDATE SKIP LOCKED`` so that concurrent claimers take different rows without waiting for
-  each other. Each row claimed gets a fresh lease: the claimer's name, a fencing token from the
-  sequence ``lease_tokens`` and an expiry on the database's clock (``now() + lease``). The claim
-  counts the attempt the lease is for: a lease that expires has used it.
+  each other (an empty claim while others claim at once does not prove that nothing is ready: a
+  claimer looks again when woken, or at its next poll). Each row claimed gets a fresh lease: the
+  claimer's name, a fencing token from the sequence ``lease_tokens`` and an expiry on the
+  database's clock (``now() + lease``). The claim counts the attempt the lease is for: a lease
+  that expires has used it.
 - **Heartbeat**: extends the leases the caller still holds (owner and token match), and says which
   it lost.
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
@@ -156,10 +158,14 @@ async def claim(
     kinds = [kind for kind, room in rooms.items() if room > 0]
     if not kinds:
         return []
-    room = [rooms[kind] for kind in kinds]
-    total = sum(room) if limit is None else min(limit, sum(room))
+    total = sum(rooms[kind] for kind in kinds)
+    if limit is not None:
+        total = min(total, limit)
     if total <= 0:
         return []
+    # Each kind's best rows are locked before the best of all are kept: a kind is asked for no
+    # more than the whole claim can take, so that few rows are locked and let go untaken.
+    room = [min(rooms[kind], total) for kind in kinds]
     rows = await conn.fetch(_CLAIM, run_id, kinds, room, total, owner, float(lease))
     claimed = sorted(
         (Claimed._make((*row, {})) for row in rows), key=lambda task: (task.priority, task.seq)
