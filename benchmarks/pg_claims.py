@@ -9,7 +9,8 @@ then that many fresh processes (``--child``) connect, wait for a common start, a
 until none is left. Timed: from the start to the last process's exit; the median is reported.
 
 - **orchestra**: `claim` of up to 100 tasks of a kind (each a fresh lease: owner, token, expiry on
-  the database's clock; the attempt counted), then `complete` of the batch (fenced by the tokens).
+  the database's clock; the attempt counted), then `complete` of the batch (fenced by the tokens),
+  on a connection with `SERVER_SETTINGS`.
 - **pgqueuer**: its own queue (jobs written with its batch `enqueue`), a `QueueManager` in drain
   mode with a no-op entrypoint and batches of 100.
 - **raw**: the floor, ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 100)
@@ -31,7 +32,7 @@ from typing import Any
 
 import asyncpg
 
-from orchestra.stores._pg_claims import End, claim, complete
+from orchestra.stores._pg_claims import SERVER_SETTINGS, End, claim, complete
 from orchestra.stores._pg_schema import migrate
 from orchestra.stores._pg_server import embedded_server
 
@@ -105,7 +106,10 @@ async def fill(contender: str, dsn: str, n: int) -> None:
 
 async def work(contender: str, dsn: str, name: str) -> int:
     """Take tasks until none is left; returns how many this process completed."""
-    conn = await asyncpg.connect(dsn)
+    # orchestra's settings for orchestra (statements planned for their batch); the others as
+    # they come.
+    settings = SERVER_SETTINGS if contender == "orchestra" else None
+    conn = await asyncpg.connect(dsn, server_settings=settings)
     print("ready", flush=True)
     sys.stdin.readline()  # the common start
     done = 0

@@ -20,6 +20,7 @@ from orchestra.stores._pg_claims import (
     End,
     claim,
     complete,
+    connect,
     fail,
     heartbeat,
     release,
@@ -394,3 +395,31 @@ class TestClocks:
         assert 55 < left.total_seconds() <= 60
         await expire(conn, "t")
         assert [back.id for back in await take_back_expired(conn)] == ["t"]
+
+
+class TestConnections:
+    async def test_every_run_of_a_statement_is_planned_for_its_batch(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # asyncpg prepares each statement once; left to itself, PostgreSQL plans the sixth run
+        # and later ones generically, for an array of 10 rows and whatever the statistics said.
+        await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(400)])
+        await conn.execute("ANALYZE orchestra.tasks")  # while nothing is leased
+        worker = await connect(pg_dsn)
+        try:
+            for _ in range(8):
+                batch = await claim(worker, "r", {"a": 50}, owner="w", lease=30)
+                held = [("r", task.id, task.token) for task in batch]
+                assert await heartbeat(worker, "w", held, lease=30) == set()
+                ends = [End(task.id, task.token, "succeeded", "null") for task in batch]
+                assert all(await complete(worker, "r", "w", ends))
+            plans = await worker.fetchrow(
+                "SELECT sum(generic_plans) AS generic, sum(custom_plans) AS custom "
+                "FROM pg_prepared_statements WHERE statement LIKE '%orchestra.tasks%' "
+                "AND statement NOT LIKE '%pg_prepared_statements%'"
+            )
+        finally:
+            await worker.close()
+        assert plans is not None
+        assert plans["generic"] == 0
+        assert plans["custom"] >= 3 * 8

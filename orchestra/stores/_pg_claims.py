@@ -26,11 +26,20 @@ way, and every step is one statement (one round trip, atomic on its own):
 
 No time comes from the caller: leases, expiries and timestamps are the database's ``now()``, so a
 process whose clock is off changes nothing.
+
+**Connections** for these statements are made with `SERVER_SETTINGS` (`connect` does): each
+statement is planned for the batch it is given. asyncpg prepares a statement once and PostgreSQL
+then settles on a generic plan after five runs, one that assumes an array parameter holds 10 rows
+and, costed with the statistics of a run whose tasks were not leased yet, walks every lease of the
+owner against every row of the batch: a completion of 100 took 2.5 ms planned so, 1.3 ms planned
+for its batch (the planning itself costs a few hundredths of that).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+import asyncpg
 
 from ._protocol import KEEP
 
@@ -38,14 +47,14 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from datetime import datetime
 
-    import asyncpg
-
 __all__ = (
+    "SERVER_SETTINGS",
     "Claimed",
     "End",
     "TakenBack",
     "claim",
     "complete",
+    "connect",
     "fail",
     "heartbeat",
     "release",
@@ -54,6 +63,15 @@ __all__ = (
 
 MAX_LOST = 3
 """A task whose lease expires this many times fails (`take_back_expired`)."""
+
+SERVER_SETTINGS: Final = {"plan_cache_mode": "force_custom_plan"}
+"""The session settings of a connection these statements run on (``server_settings=`` of
+``asyncpg.connect`` and ``asyncpg.create_pool``)."""
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    """A connection to `dsn` with `SERVER_SETTINGS`."""
+    return await asyncpg.connect(dsn, server_settings=SERVER_SETTINGS)
 
 
 class Claimed(NamedTuple):
