@@ -48,6 +48,7 @@ lint: sync
 	$(UV) run --no-sync ruff check .
 	$(UV) run --no-sync ruff format --check .
 	$(UV) run --no-sync mypy
+	$(UV) run --no-sync lint-imports --no-cache
 	$(UV) run --no-sync codespell orchestra tests examples benchmarks docs README.md CONTRIBUTING.md CHANGELOG.md
 
 # The documentation site, strict (a broken link or a docstring the API reference cannot read

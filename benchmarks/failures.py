@@ -10,7 +10,7 @@ returns (or raises), under ``concurrency=spec.limit``:
   the run should end within twice the clean run's time plus their retry backoff.
 - ``always_bug``: every call raises a `ValueError` (a kind whose agent is broken): every task
   fails after its attempts, in seconds, and the breaker never opens.
-- ``outage_3s``: ``orch.simulate_agent_failure(agent, mode="error", duration=OUTAGE_S)`` just
+- ``outage_3s``: ``simulate_agent_failure(orch, agent, mode="error", duration=OUTAGE_S)`` just
   before the run: connection errors for three seconds, then the agent is back. The breaker opens,
   probes, closes; within the retry budget nothing is lost.
 - ``down_for_good``: every call raises a `ConnectionError` after its latency. The run must end in
@@ -138,7 +138,9 @@ def bounds(
 
 def failures(spec: Spec) -> Workload:
     """Scenario 11's variant ``spec.variant`` (see the module's docstring)."""
-    from orchestra import BreakerChanged, Orchestrator, Task, agent
+    from orchestra import Orchestrator, Task, agent
+    from orchestra.events import BreakerChanged
+    from orchestra.testing import simulate_agent_failure
 
     variant = spec.variant if spec.work == "sleep" else "clean"  # the warm-up: see the docstring
     if variant not in VARIANTS:
@@ -170,7 +172,7 @@ def failures(spec: Spec) -> Workload:
         async with Orchestrator(agents=[work], concurrency=spec.limit, **options) as orch:
             orch.subscribe(on_change, BreakerChanged)
             if variant == "outage_3s":
-                orch.simulate_agent_failure("work", mode="error", duration=OUTAGE_S * scale)
+                simulate_agent_failure(orch, "work", mode="error", duration=OUTAGE_S * scale)
             result = await orch.run(tasks=[Task("work", i) for i in range(n)])
         elapsed = time.perf_counter() - start
         meta = result.metadata

@@ -15,7 +15,9 @@ import timeit
 from typing import TYPE_CHECKING
 
 from orchestra import Orchestrator, Task, agent
-from orchestra._limits import Concurrency, Rate, reserve_all
+from orchestra._concurrency import Concurrency
+from orchestra._limits import reserve_all
+from orchestra._rate import Rate
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -620,7 +620,7 @@ def _failures(rows: list[Row]) -> list[str]:
         "orchestra with its default policies (`RetryPolicy()`: 3 attempts, backoff 0.5 s doubling, "
         "full jitter, so at most 0.5 + 1.0 s between a task's attempts; `BreakerPolicy()`: "
         f"cool-down 1 s doubling per failed probe){scaled}, one agent sleeping its latency per "
-        "call, in real time. `outage_3s` calls `orch.simulate_agent_failure(agent, "
+        "call, in real time. `outage_3s` calls `simulate_agent_failure(orch, agent, "
         'mode="error", duration=3)` just before the run: its failed calls never reach the agent, '
         "so they are attempts, not calls. Breaker opens and probes are counted from "
         "`BreakerChanged` events.",

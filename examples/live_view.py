@@ -15,16 +15,8 @@ import random
 
 import anyio
 
-from orchestra import (
-    BreakerPolicy,
-    Context,
-    Orchestrator,
-    RetryPolicy,
-    Task,
-    agent,
-    progress,
-    render_status,
-)
+from orchestra import BreakerPolicy, Context, Orchestrator, RetryPolicy, Task, agent, progress
+from orchestra.status import render_status
 from orchestra.testing import FakeClock
 
 rng = random.Random(7)

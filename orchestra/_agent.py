@@ -18,9 +18,10 @@ import anyio.to_process
 import anyio.to_thread
 from pydantic import BaseModel
 
+from ._concurrency import Concurrency
 from ._config import check_instance, check_int, check_names, check_number
 from ._exceptions import ConfigError
-from ._limits import Concurrency, Limiter
+from ._limits import Limiter
 from ._log import TASK_ID
 from ._retry import RetryPolicy
 
@@ -289,7 +290,7 @@ def _signature(fn: Callable[..., Any]) -> str:
 def _in_thread(fn: Callable[[Task], Any], task: Task, gate: _Gate) -> Any:
     if not gate.begin():
         return None  # the attempt was abandoned before the thread took it up
-    # The thread runs in a copy of its worker's context, which goes on to other tasks: its log
+    # The thread runs in a copy of its runner's context, which goes on to other tasks: its log
     # lines keep this task's id.
     TASK_ID.set(task.id)
     try:

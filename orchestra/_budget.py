@@ -1,4 +1,7 @@
-"""A run's spending budget: `Orchestrator(max_cost=..., max_tokens=...)`.
+"""A run's spending budget: `Orchestrator(max_cost=..., max_tokens=...)`, in three parts: the
+user's `BudgetPolicy` (the limits), a run's `BudgetAccount` (what its attempts in flight reserved,
+against what its report says was spent), and a `BudgetLimiter` per agent of the run (the account
+as one more limiter on that agent, pricing reservations with the agent's `cost_of`).
 
 Spend is what agents report through `ctx.record_usage` (a Claude agent reports every answer's
 usage and cost, failed attempts too). The budget is predictive: before an attempt starts, the
@@ -14,17 +17,17 @@ no attempt will: the run ends. Attempts already running are never cut short by t
 unfinished task ends cancelled with ``error_type="BudgetExceeded"``, and the run ends "partial"
 or "failed" by its success threshold, with `metadata.reason` naming the budget.
 
-The budget is one more limiter on every agent of the run (`BudgetGate.limiters`), reserved after
+The budget is one more limiter on every agent of the run (`BudgetAccount.limiters`), reserved after
 the agent's own, so it reuses the dispatcher's waiting (a task the budget refuses waits at the
-head of its agent's lane and is woken when an attempt ends). A run without a budget has no gate:
-nothing is reserved, checked or counted for it.
+head of its agent's lane and is woken when an attempt ends). A run without a budget has no
+account: nothing is reserved, checked or counted for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._config import check_int, check_number
 from ._limits import REQUESTS
@@ -33,11 +36,16 @@ from ._log import get_logger
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._core._report import Report
     from ._limits import Cost, Limiter
-    from ._registry import AgentSlot
 
-__all__ = ("BUDGET_EXCEEDED", "Budget", "BudgetGate")
+__all__ = (
+    "BUDGET_EXCEEDED",
+    "BudgetAccount",
+    "BudgetLimiter",
+    "BudgetPolicy",
+    "LimitedAgent",
+    "Spent",
+)
 
 BUDGET_EXCEEDED = "BudgetExceeded"
 """The `error_type` of the tasks a spent budget ended."""
@@ -47,8 +55,30 @@ log = get_logger("orchestra")
 _SLACK = 1e-9  # relative: N calls of c USD fit a budget of N * c USD despite float rounding
 
 
-class Budget:
-    """The most a run may spend: USD (`max_cost`) and tokens of every kind together (`max_tokens`)."""
+class Spent(Protocol):
+    """What a run has spent so far, as its report counts it (`ctx.record_usage` adds to it)."""
+
+    @property
+    def cost(self) -> float: ...
+
+    @property
+    def tokens(self) -> Mapping[str, int]: ...
+
+
+class LimitedAgent(Protocol):
+    """An agent of a run as the account sees it (the registry's `AgentSlot`): the agent, whose
+    `cost_of` (if it has one) prices a reservation, and its own limiters."""
+
+    @property
+    def agent(self) -> object: ...
+
+    @property
+    def limiters(self) -> tuple[Limiter, ...]: ...
+
+
+class BudgetPolicy:
+    """The user's budget: the most a run may spend, in USD (`max_cost`) and in tokens of every kind
+    together (`max_tokens`)."""
 
     __slots__ = ("max_cost", "max_tokens")
 
@@ -59,7 +89,7 @@ class Budget:
         self.max_tokens = max_tokens
 
     @classmethod
-    def of(cls, *, max_cost: float | None, max_tokens: int | None) -> Budget | None:
+    def of(cls, *, max_cost: float | None, max_tokens: int | None) -> BudgetPolicy | None:
         """The budget of these limits, or None when there is none (nothing to check)."""
         if max_cost is None and max_tokens is None:
             return None
@@ -86,62 +116,62 @@ class Budget:
         return None
 
     def __repr__(self) -> str:
-        return f"Budget(max_cost={self.max_cost!r}, max_tokens={self.max_tokens!r})"
+        return f"BudgetPolicy(max_cost={self.max_cost!r}, max_tokens={self.max_tokens!r})"
 
 
-class BudgetGate:
-    """The budget of one run, as a limiter on each of its agents (see the module docstring).
+class BudgetAccount:
+    """One run's spending account against its `BudgetPolicy` (see the module docstring).
 
-    `report` holds the spend so far (`ctx.record_usage` adds to it); the gate holds what the
-    attempts in flight reserved. `on_spent(reason)` is called once, when an attempt does not fit
-    and none is in flight: the run ends."""
+    `spent` is the run's report (the spend so far); the account holds what the attempts in
+    flight reserved. `on_spent(reason)` is called once, when an attempt does not fit and none is
+    in flight: the run ends."""
 
     __slots__ = (
-        "_doors",
-        "budget",
+        "_limiters",
         "in_flight",
         "on_spent",
-        "report",
+        "policy",
         "reserved_cost",
         "reserved_tokens",
+        "spent",
         "waiting",
         "watchers",
     )
 
-    def __init__(self, budget: Budget, report: Report, on_spent: Callable[[str], None]) -> None:
-        self.budget = budget
-        self.report = report
+    def __init__(self, policy: BudgetPolicy, spent: Spent, on_spent: Callable[[str], None]) -> None:
+        self.policy = policy
+        self.spent = spent
         self.on_spent = on_spent
         self.in_flight = 0
         self.reserved_cost = 0.0
         self.reserved_tokens = 0.0
-        self.waiting = 0  # attempts in flight waiting in `BudgetDoor.grow`
+        self.waiting = 0  # attempts in flight waiting in `BudgetLimiter.grow`
         self.watchers: dict[Callable[[], None], None] = {}  # refused attempts' lanes
-        self._doors: dict[AgentSlot, tuple[Limiter, ...]] = {}
+        self._limiters: dict[LimitedAgent, tuple[Limiter, ...]] = {}
 
-    def limiters(self, slot: AgentSlot) -> tuple[Limiter, ...]:
+    def limiters(self, slot: LimitedAgent) -> tuple[Limiter, ...]:
         """What an attempt of `slot` reserves in this run: the agent's limits, then the budget
         (last: it is never taken and given back because a rate had no room)."""
-        limiters = self._doors.get(slot)
+        limiters = self._limiters.get(slot)
         if limiters is None:
-            door = BudgetDoor(self, getattr(slot.agent, "cost_of", None))
-            limiters = self._doors[slot] = (*slot.limiters, door)
+            budget = BudgetLimiter(self, getattr(slot.agent, "cost_of", None))
+            limiters = self._limiters[slot] = (*slot.limiters, budget)
         return limiters
 
 
-class BudgetDoor:
-    """The budget as one agent's limiter: it prices a reservation with the agent's `cost_of`.
+class BudgetLimiter:
+    """A run's budget as one agent's limiter: it prices a reservation with the agent's `cost_of`.
 
     Reservations are kept by identity (an attempt's cost is its own mapping, trued up in place by
     `Context.reserve`), so what comes back at the end is what was taken, however it was trued up.
     """
 
-    __slots__ = ("gate", "held", "price")
+    __slots__ = ("account", "held", "price")
 
     def __init__(
-        self, gate: BudgetGate, price: Callable[[Mapping[str, float]], float] | None
+        self, account: BudgetAccount, price: Callable[[Mapping[str, float]], float] | None
     ) -> None:
-        self.gate = gate
+        self.account = account
         self.price = price
         self.held: dict[int, list[Any]] = {}  # id(cost) -> [count, usd, tokens]
 
@@ -161,14 +191,14 @@ class BudgetDoor:
 
     def fits(self, reserved: Cost, new: Cost) -> str | None:
         """Why the reservation `reserved` of an attempt in flight may not grow to `new`, or None."""
-        gate = self.gate
+        account = self.account
         entry = self.held.get(id(reserved))
         had_usd, had_tokens = (0.0, 0.0) if entry is None else (entry[1], entry[2])
         usd, tokens = self._amounts(new)
-        report = gate.report
-        return gate.budget.refuses(
-            report.cost + gate.reserved_cost - had_usd,
-            sum(report.tokens.values()) + gate.reserved_tokens - had_tokens,
+        spent = account.spent
+        return account.policy.refuses(
+            spent.cost + account.reserved_cost - had_usd,
+            sum(spent.tokens.values()) + account.reserved_tokens - had_tokens,
             usd,
             tokens,
         )
@@ -178,10 +208,10 @@ class BudgetDoor:
         (`Context.reserve`): while it does not fit, the attempts in flight may make room as they
         end; when every other one waits too, none can, and the run ends (it cancels this
         attempt: its task ends cancelled with ``BudgetExceeded``, its call never sent)."""
-        gate = self.gate
+        account = self.account
         while (reason := self.fits(reserved, new)) is not None:
-            if gate.in_flight - gate.waiting <= 1:
-                gate.on_spent(reason)
+            if account.in_flight - account.waiting <= 1:
+                account.on_spent(reason)
             loop = asyncio.get_running_loop()
             woken: asyncio.Future[None] = loop.create_future()
 
@@ -189,31 +219,31 @@ class BudgetDoor:
                 if not woken.done():
                     woken.set_result(None)
 
-            gate.watchers[wake] = None
-            gate.waiting += 1
+            account.watchers[wake] = None
+            account.waiting += 1
             try:
                 await woken  # the run's end cancels it when on_spent was called
             finally:
-                gate.waiting -= 1
-                gate.watchers.pop(wake, None)
+                account.waiting -= 1
+                account.watchers.pop(wake, None)
 
     def reserve(self, now: float, cost: Cost) -> float:
-        gate = self.gate
+        account = self.account
         usd, tokens = self._amounts(cost)
-        report = gate.report
-        reason = gate.budget.refuses(
-            report.cost + gate.reserved_cost,
-            sum(report.tokens.values()) + gate.reserved_tokens,
+        spent = account.spent
+        reason = account.policy.refuses(
+            spent.cost + account.reserved_cost,
+            sum(spent.tokens.values()) + account.reserved_tokens,
             usd,
             tokens,
         )
         if reason is not None:
-            if not gate.in_flight:
-                gate.on_spent(reason)  # nothing in flight can make room: no attempt ever will
+            if not account.in_flight:
+                account.on_spent(reason)  # nothing in flight can make room: no attempt ever will
             return math.inf
-        gate.in_flight += 1
-        gate.reserved_cost += usd
-        gate.reserved_tokens += tokens
+        account.in_flight += 1
+        account.reserved_cost += usd
+        account.reserved_tokens += tokens
         entry = self.held.get(id(cost))
         if entry is None:
             self.held[id(cost)] = [1, usd, tokens]
@@ -225,14 +255,14 @@ class BudgetDoor:
         """Room now, or math.inf while attempts are in flight (their end may make some). With
         none in flight the answer is "now": the reservation itself then finds the budget spent
         and ends the run (a math.inf with nobody to wake it would wait forever)."""
-        gate = self.gate
-        if not gate.in_flight:
+        account = self.account
+        if not account.in_flight:
             return 0.0
         usd, tokens = self._amounts(cost)
-        report = gate.report
-        refused = gate.budget.refuses(
-            report.cost + gate.reserved_cost,
-            sum(report.tokens.values()) + gate.reserved_tokens,
+        spent = account.spent
+        refused = account.policy.refuses(
+            spent.cost + account.reserved_cost,
+            sum(spent.tokens.values()) + account.reserved_tokens,
             usd,
             tokens,
         )
@@ -249,9 +279,9 @@ class BudgetDoor:
         if entry is None or entry[0] != 1:
             return  # not held here, or a shared constant: never trued up
         usd, tokens = self._amounts(new)
-        gate = self.gate
-        gate.reserved_cost += usd - entry[1]
-        gate.reserved_tokens += tokens - entry[2]
+        account = self.account
+        account.reserved_cost += usd - entry[1]
+        account.reserved_tokens += tokens - entry[2]
         entry[1], entry[2] = usd, tokens
 
     def release(self, reserved: Cost, now: float) -> None:
@@ -259,15 +289,15 @@ class BudgetDoor:
         entry = self.held.get(key)
         if entry is None:
             return
-        gate = self.gate
-        gate.in_flight -= 1
-        gate.reserved_cost -= entry[1]
-        gate.reserved_tokens -= entry[2]
+        account = self.account
+        account.in_flight -= 1
+        account.reserved_cost -= entry[1]
+        account.reserved_tokens -= entry[2]
         entry[0] -= 1
         if not entry[0]:
             del self.held[key]
-        if gate.watchers:  # an attempt ended: a waiting one may fit now, or learn it never will
-            waiting, gate.watchers = gate.watchers, {}
+        if account.watchers:  # an attempt ended: a waiting one may fit now, or learn it never will
+            waiting, account.watchers = account.watchers, {}
             for wake in waiting:
                 wake()
 
@@ -275,15 +305,15 @@ class BudgetDoor:
         """A budget is not a rate: a Retry-After does not concern it."""
 
     def watch(self, wake: Callable[[], None]) -> None:
-        self.gate.watchers[wake] = None
+        self.account.watchers[wake] = None
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        gate = self.gate
+        account = self.account
         return {
             "type": "budget",
-            "max_cost": gate.budget.max_cost,
-            "max_tokens": gate.budget.max_tokens,
-            "in_flight": gate.in_flight,
-            "reserved_cost": gate.reserved_cost,
-            "reserved_tokens": gate.reserved_tokens,
+            "max_cost": account.policy.max_cost,
+            "max_tokens": account.policy.max_tokens,
+            "in_flight": account.in_flight,
+            "reserved_cost": account.reserved_cost,
+            "reserved_tokens": account.reserved_tokens,
         }

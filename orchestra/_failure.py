@@ -54,22 +54,30 @@ _MAX_ID: Final = 200
 # `api_key="..."`, `access_token=...`, `password=...`), a bearer token wherever it stands, and the
 # password of a URL's userinfo (`postgresql://user:password@host`), in a message or a traceback's
 # source lines.
-_KEY = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}")
+# Other APIs' secret keys (`sk-proj-...`, `sk-live-...`) start with `sk-` too, at a word's start.
+_KEY = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}|\bsk-[A-Za-z0-9_\-]{16,}")
 # A quoted value is redacted up to its closing quote (a passphrase has spaces); an `authorization`
 # value keeps its scheme (`Token`, `Digest`, ...) and loses the rest; a quote escaped by a backslash
 # (JSON inside a JSON string) counts as a quote.
 _SCHEME = r"(?:bearer|basic|token|digest|negotiate|ntlm|apikey|dpop)\s+"
 _CREDENTIAL = re.compile(
-    r"(?i)(?P<name>x-api-key|authorization|api[_-]?key|(?:auth|access|refresh|id)[_-]?token"
+    r"(?i)(?P<name>x-api-key|authorization|api[_-]?key|(?:[a-z]+[_-])?token"
     r"|client[_-]?secret|passw(?:or)?d)"
     r"""(?P<sep>\\?['"]?\s*[:=]\s*)(?:(?P<sq>\\?')|(?P<dq>\\?"))?"""
     rf"(?!(?:{_SCHEME})?\[redacted\])(?P<scheme>{_SCHEME})?"
-    r"""(?(sq)[^'\n\\]+|(?(dq)[^"\n\\]+|[^\s'",;)}\]\\]+))"""
+    r"""(?(sq)[^'\n\\]+|(?(dq)[^"\n\\]+|[^\s'",;&)}\]\\]+))"""
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/\-]+=*")
 # From the literal `://` (which the search skips to), user and password bounded in length: every
 # match attempt costs at most a few hundred steps, so scrubbing stays linear in the text.
-_USERINFO = re.compile(r"""(://[^\s:/@'"]{0,256}:)(?!\[redacted\]@)[^\s/@'"]{1,256}@""")
+# The password may hold an `@` itself: it runs to the last one before the host.
+_USERINFO = re.compile(r"""(://[^\s:/@'"]{0,256}:)(?!\[redacted\]@)[^\s/'"]{1,256}@""")
+# A cookie header's value is every pair of it (`a=1; b=2`): redacted to its closing quote or the
+# line's end.
+_COOKIE = re.compile(
+    r"""(?i)\b(?P<name>(?:set-)?cookie\\?['"]?\s*[:=]\s*)(?P<quote>\\?['"])?"""
+    r"""(?!\[redacted\])(?(quote)[^'"\n\\]+|[^'"\n]+)"""
+)
 _REDACTED: Final = "[redacted]"
 
 
@@ -151,7 +159,7 @@ def scrubbed(text: str, limit: int) -> str:
 
 def scrub(text: str) -> str:
     """`text` with API keys, credential values and URL passwords replaced by ``[redacted]``."""
-    if "sk-ant-" in text:
+    if "sk-" in text:
         text = _KEY.sub(_REDACTED, text)
     # The case-insensitive pattern costs ~80 ns a character; most texts name no credential at all.
     lowered = text.lower()
@@ -165,9 +173,15 @@ def scrub(text: str) -> str:
         text = _CREDENTIAL.sub(_redact_value, text)
     if "bearer" in lowered:
         text = _BEARER.sub(_redact_bearer, text)
+    if "cookie" in lowered:
+        text = _COOKIE.sub(_redact_cookie, text)
     if "://" in text and "@" in text:
         text = _USERINFO.sub(_redact_password, text)
     return text
+
+
+def _redact_cookie(match: re.Match[str]) -> str:
+    return f"{match['name']}{match['quote'] or ''}{_REDACTED}"
 
 
 def with_type(error_type: str | None, message: str) -> str:

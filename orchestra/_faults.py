@@ -1,5 +1,5 @@
-"""Faults that agents suffer: the modes shared by `Orchestrator.simulate_agent_failure` and the
-scripted agents of `orchestra.testing`.
+"""Faults that agents suffer: the modes shared by `orchestra.testing.simulate_agent_failure` and the
+scripted agents of `orchestra.testing`, and `Faults`, an orchestrator's table of the live ones.
 
 Each mode behaves as the real failure does on the wire, so the runtime's own classification is what
 gets tested: a rate limit is an `anthropic.RateLimitError` carrying a real HTTP 429 response with a
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._core._context import Context
     from ._task import Task
 
-__all__ = ("GARBAGE", "Fault", "FaultMode", "SimulatedAPIError", "raise_fault")
+__all__ = ("GARBAGE", "Fault", "FaultMode", "Faults", "SimulatedAPIError", "raise_fault")
 
 FaultMode = Literal[
     "error",
@@ -123,6 +123,7 @@ async def raise_fault(
 
 
 Call = Callable[["Task", "Context"], Awaitable[Any]]
+LiveState = Callable[[str], "str | None"]
 
 
 class Fault:
@@ -179,3 +180,50 @@ class Fault:
             )
 
         return faulty
+
+
+class Faults:
+    """The simulated failures of one orchestrator's agents, the latest `Fault` of each agent taken
+    down, kept after it ends for the recovery report (`orchestra.testing.recovery_status`).
+
+    The engine reads it in two places: a run tells `task_ended` how each task ended (only while a
+    fault was ever set: `by_agent` is empty otherwise, and then costs one truth test per task), and
+    an attempt on an agent with a live fault goes through `Fault.wrap`.
+    """
+
+    __slots__ = ("_changed", "_live_state", "by_agent")
+
+    def __init__(self, changed: Callable[[], None], live_state: LiveState) -> None:
+        self.by_agent: dict[str, Fault] = {}
+        # Called when a fault is set: a run that only counted its successes must now tell each
+        # task's end here.
+        self._changed = changed
+        # The state of a task id in a run still going, if it is unfinished there (else None).
+        self._live_state = live_state
+
+    def put(self, fault: Fault) -> None:
+        """Set `fault` as its agent's latest; the tasks an earlier fault of that agent hit are
+        still to recover, so the new one keeps them."""
+        earlier = self.by_agent.get(fault.agent)
+        if earlier is not None:
+            fault.affected, fault.ended = earlier.affected, earlier.ended
+        self.by_agent[fault.agent] = fault
+        self._changed()
+
+    def task_ended(self, task_id: str, status: str) -> None:
+        """A task ended with `status`: kept if a fault hit it."""
+        for fault in self.by_agent.values():
+            if task_id in fault.affected:
+                fault.ended[task_id] = status
+
+    def state_of(self, task_id: str) -> str | None:
+        """Where a task a fault hit stands: unfinished in a run still going, else how it ended
+        (None: neither, as for a task whose run raised)."""
+        state = self._live_state(task_id)
+        if state is not None:
+            return state
+        for fault in self.by_agent.values():
+            state = fault.ended.get(task_id)
+            if state is not None:
+                return state
+        return None

@@ -1,4 +1,5 @@
-"""Limits: the global limit, per-agent limits and rate limits, as one kind of object.
+"""Limits: the global limit, per-agent limits and rate limits, as one kind of object: the `Limiter`
+protocol they answer, `reserve_all` over several of them, and the `Line` of askers they refused.
 
 Every limiter answers the same five questions for the dispatcher, synchronously, with the time handed in
 by the caller (the event loop's `loop.time()`, which `FakeClock` virtualises); none reads a clock, sleeps
@@ -15,8 +16,9 @@ hold_until(until)                       a 429 said Retry-After: no room for anyb
 watch(wake)                             call `wake()` once, on the next release that may make room
 ```
 
-`reserve_all` reserves over several limiters at once, all or nothing. `Rate.observe(remaining, reset)`
-takes a server's rate-limit headers into account (it only ever slows the meter down).
+`reserve_all` reserves over several limiters at once, all or nothing. The limiters are `Concurrency`
+(`_concurrency.py`: attempts at once) and `Rate` (`_rate.py`: units per period); a run's budget is one
+too (`_budget.py`), and so is any object that answers these questions.
 
 **Turns.** Room that several askers wait for goes to the best of them, not to whichever asks
 first. A dispatcher that reserves for a task passes its *turn* (priority, then input order) to
@@ -42,16 +44,6 @@ limiter counts (so the default `1` is one request for a request rate). A mapping
 `{"requests": 1, "input_tokens": 1200, "output_tokens": 4096}` lets each limiter read its own unit: a
 unit the mapping leaves out counts 0, except `"requests"`, which counts 1 (every attempt is a request).
 `Concurrency` counts attempts and ignores the cost.
-
-**Why GCRA by hand.** The well-kept rate limiters were checked first: `limits` (alisaifee) and
-`token-bucket` read `time.time()` / `time.monotonic()` inside their storage, `limits` runs expiry timers,
-`pyrate-limiter` keeps a log of one timestamp object per hit in integer milliseconds with a background
-leaker, `throttled-py`'s GCRA reads the monotonic clock in its store, and `aiolimiter` / `asyncio-throttle`
-`await` inside `acquire`. None takes `now` from the caller, answers "room at T" without sleeping, or gives
-units back after the call (tokens are known only afterwards). The generic cell rate algorithm (GCRA, the
-ATM traffic meter, as in brandur.org/rate-limiting) needs one float of state, so it is written here: it is
-smooth by construction (60 per minute is one request per second, never a minute's budget in one burst),
-and giving back or taking more is a shift of that one float.
 """
 
 from __future__ import annotations
@@ -62,19 +54,18 @@ from collections.abc import Callable, Mapping, Sequence
 from heapq import heappop, heappush
 from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
 
-from ._config import finite
-from ._exceptions import ConfigError
-
 __all__ = (
+    "CLOCK_SLIP",
+    "LAPSE",
+    "NO_HOLD",
     "REQUESTS",
-    "Capacity",
-    "Concurrency",
     "Cost",
     "Limiter",
     "Line",
-    "Rate",
+    "Lined",
+    "Turn",
     "Waiter",
-    "as_concurrency",
+    "Watchers",
     "reserve_all",
 )
 
@@ -84,8 +75,8 @@ REQUESTS: Final = "requests"
 Cost: TypeAlias = float | Mapping[str, float]
 """An amount in the limiter's own unit, or a mapping of unit to amount (see the module docstring)."""
 
-_NUMBER = (int, float)
-_NO_HOLD: Final = -math.inf
+NO_HOLD: Final = -math.inf
+"""A limiter's hold (or time last asked at) when there is none."""
 # A time more than this before one a limiter has already seen is another clock's: a limiter kept
 # across tests (a module-level key) saw a `FakeClock`'s virtual time, which runs ahead of the
 # loop's real one, and would make the next test wait out that lead. It forgets its times instead.
@@ -159,7 +150,7 @@ def reserve_all(
     if turn is not None and wake is not None:
         held = 0.0
         for limiter in limiters:
-            line = limiter.line if isinstance(limiter, _LINED) else None
+            line = limiter.line if isinstance(limiter, Lined) else None
             if line is not None and line.waiting:
                 lines = [line] if lines is None else [*lines, line]
                 until = line.ahead(wake, turn, now)
@@ -216,7 +207,7 @@ def _wait(
                 limiter.watch(wake)
         return
     for limiter in blocked if at == math.inf else limiters:
-        if isinstance(limiter, _LINED):
+        if isinstance(limiter, Lined):
             line = limiter.line
             if line is None:
                 line = limiter.line = Line()
@@ -268,7 +259,7 @@ class Line:
             entry[1] = at
             return
         self._n += 1
-        reminded = _NO_HOLD if entry is None else entry[4]  # a reminder it has still comes
+        reminded = NO_HOLD if entry is None else entry[4]  # a reminder it has still comes
         self.waiting[id(wake)] = [turn, at, self._n, weakref.ref(wake), reminded]
         heappush(self._heap, (turn, self._n, id(wake)))
 
@@ -365,7 +356,16 @@ class Line:
         return len(self.waiting)
 
 
-class _Watchers:
+class Lined:
+    """A limiter that keeps a `Line` of the askers with a turn it refused (`Concurrency`, `Rate`):
+    `reserve_all` makes it at the first such refusal, and the limiter calls it when room comes."""
+
+    __slots__ = ("line",)
+
+    line: Line | None
+
+
+class Watchers:
     """The callbacks waiting for room on one limiter; each is called once, in order, then forgotten."""
 
     __slots__ = ("waiting",)
@@ -385,281 +385,4 @@ class _Watchers:
             raise errors[0]
 
 
-class Concurrency:
-    """At most `limit` attempts at once: the global limit, an agent's limit, concurrent requests.
-
-    Counts attempts, whatever their cost. A full limiter answers math.inf (room comes with a release;
-    `watch` is told of it). Shared by everybody it is given to; not thread-safe (one event loop).
-    """
-
-    __slots__ = ("_hold", "_seen", "in_use", "limit", "line", "watchers")
-
-    def __init__(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ConfigError(f"Concurrency limit must be an int >= 1, got {limit!r}")
-        self.limit = limit
-        self.in_use = 0
-        self._hold = _NO_HOLD
-        self._seen = _NO_HOLD  # the latest time it was asked at (see `CLOCK_SLIP`)
-        # Who waits for room (None until somebody watched: a release is then only the count, which
-        # a dispatcher does inline).
-        self.watchers: _Watchers | None = None
-        self.line: Line | None = None  # who waits for room, in turn order (see `Line`)
-
-    def _asked(self, now: float) -> None:
-        """Note the time it is asked at; a hold of another clock's (see `CLOCK_SLIP`) is gone."""
-        if now < self._seen - CLOCK_SLIP:
-            self._hold = _NO_HOLD
-            self.line = None
-        self._seen = now
-
-    def reserve(self, now: float, cost: Cost = 1) -> float:
-        self._asked(now)
-        if self.in_use < self.limit and now >= self._hold:
-            self.in_use += 1
-            return 0.0
-        return self._hold if now < self._hold else math.inf
-
-    def peek(self, now: float, cost: Cost = 1) -> float:
-        self._asked(now)
-        if now < self._hold:
-            return self._hold
-        return 0.0 if self.in_use < self.limit else math.inf
-
-    def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
-        """Nothing to true up: a slot is held for the whole attempt and given back by `release`."""
-
-    def release(self, reserved: Cost = 1, now: float = 0.0) -> None:
-        if self.in_use <= 0:
-            raise RuntimeError(f"{self!r}: released more slots than were reserved")
-        self.in_use -= 1
-        if self.line is not None and self.line.waiting:
-            self.line.opened(now)
-        if self.watchers is not None and self.watchers.waiting:
-            self.watchers.wake_all()
-
-    def hold_until(self, until: float) -> None:
-        if until > self._hold:  # a nan never holds
-            self._hold = until
-
-    def watch(self, wake: Callable[[], None]) -> None:
-        if self.watchers is None:
-            self.watchers = _Watchers()
-        self.watchers.waiting[wake] = None
-
-    def snapshot(self, now: float) -> dict[str, Any]:
-        return {
-            "type": "concurrency",
-            "limit": self.limit,
-            "in_use": self.in_use,
-            "room_at": max(now, self.peek(now)),
-            "held_until": self._hold if now < self._hold else None,
-            "watchers": len(self.watchers.waiting) if self.watchers is not None else 0,
-        }
-
-    def __repr__(self) -> str:
-        return f"Concurrency(limit={self.limit}, in_use={self.in_use})"
-
-
-class Rate:
-    """At most `limit` units per `per` seconds, spread evenly: one unit every `per / limit` seconds.
-
-    A generic cell rate algorithm (GCRA): one float, the loop time at which everything admitted so far
-    has drained. After an idle spell at most `burst` units go at once (default 1: 60 per minute is one
-    request a second, never 60 in the first second), so any window of `per` seconds sees at most
-    `limit + burst` units. A single cost larger than `burst` goes only when the meter is empty, and the
-    excess delays whoever comes next. Never answers math.inf: room comes with time.
-
-    Args:
-        limit: units per period (> 0).
-        per: the period in seconds (> 0): `Rate(60, per=60)` is 60 requests a minute.
-        unit: what it counts; read from mapping costs (`"input_tokens"`, `"output_tokens"`, ...).
-        burst: units that may go at once after an idle spell (> 0; default 1).
-    """
-
-    __slots__ = (
-        "_default",
-        "_hold",
-        "_seen",
-        "_tat",
-        "_watchers",
-        "burst",
-        "interval",
-        "limit",
-        "line",
-        "per",
-        "unit",
-    )
-
-    def __init__(
-        self, limit: float, per: float = 1.0, *, unit: str = REQUESTS, burst: float = 1
-    ) -> None:
-        _check_positive("Rate limit", limit)
-        _check_positive("Rate per", per)
-        _check_positive("Rate burst", burst)
-        if not isinstance(unit, str) or not unit:
-            raise ConfigError(f"Rate unit must be a non-empty str, got {unit!r}")
-        self.limit = limit
-        self.per = per
-        self.unit = unit
-        self.burst = burst
-        self.interval = per / limit  # seconds per unit
-        self._default = 1 if unit == REQUESTS else 0
-        self._tat = _NO_HOLD  # theoretical arrival time: when the meter is empty
-        self._hold = _NO_HOLD
-        self._seen = _NO_HOLD  # the latest time it was asked at (see `CLOCK_SLIP`)
-        self._watchers: _Watchers | None = None
-        self.line: Line | None = None  # who waits for room, in turn order (see `Line`)
-
-    def amount(self, cost: Cost) -> float:
-        """How many of this limiter's units `cost` is."""
-        if isinstance(cost, _NUMBER):
-            return cost
-        return cost.get(self.unit, self._default)
-
-    def _asked(self, now: float) -> None:
-        """Note the time it is asked at; another clock's times (see `CLOCK_SLIP`) are gone: an
-        empty meter."""
-        if now < self._seen - CLOCK_SLIP:
-            self._tat = self._hold = _NO_HOLD
-            self.line = None
-        self._seen = now
-
-    def reserve(self, now: float, cost: Cost = 1) -> float:
-        n = cost if isinstance(cost, _NUMBER) else cost.get(self.unit, self._default)
-        self._asked(now)
-        if now < self._hold:
-            return self._hold
-        tat = self._tat
-        slack = self.burst - n
-        room = tat - slack * self.interval if slack > 0 else tat
-        if room > now:
-            return room
-        self._tat = (tat if tat > now else now) + n * self.interval
-        return 0.0
-
-    def peek(self, now: float, cost: Cost = 1) -> float:
-        self._asked(now)
-        if now < self._hold:
-            return self._hold
-        n = self.amount(cost)
-        slack = self.burst - n
-        room = self._tat - slack * self.interval if slack > 0 else self._tat
-        return room if room > now else 0.0
-
-    def reconcile(self, reserved: Cost, actual: Cost, now: float) -> None:
-        if actual is reserved:
-            return
-        more = self.amount(actual) - self.amount(reserved)
-        if not more:
-            return
-        tat = self._tat
-        if more > 0:  # took too little: the debt delays whoever comes next
-            self._tat = (tat if tat > now else now) + more * self.interval
-            return
-        if tat <= now:  # drained already: giving back changes nothing and wakes nobody
-            return
-        self._tat = tat + more * self.interval
-        if self.line is not None and self.line.waiting:
-            self.line.sooner(now)
-        if self._watchers is not None and self._watchers.waiting:
-            self._watchers.wake_all()
-
-    def release(self, reserved: Cost = 1, now: float = 0.0) -> None:
-        """Nothing to give back: what was sent was sent."""
-
-    def hold_until(self, until: float) -> None:
-        if until > self._hold:  # a nan never holds
-            self._hold = until
-
-    def observe(self, remaining: float, reset: float) -> None:
-        """The server says only `remaining` units are left until loop time `reset` (rate-limit
-        response headers): admit no more than that before `reset`. Only ever slows the meter down.
-
-        With `remaining` 0, the next unit goes at `reset` (a 429 without Retry-After).
-        """
-        drained = reset - (remaining - self.burst + 1) * self.interval
-        if drained > self._tat:  # a nan never moves it
-            self._tat = drained
-
-    def retune(self, limit: float, now: float) -> None:
-        """Change the limit in place (its users hold this object). Units admitted and not yet
-        drained stay admitted and drain at the new pace from `now`."""
-        _check_positive("Rate limit", limit)
-        if limit == self.limit:
-            return
-        interval = self.per / limit
-        tat = self._tat
-        if tat > now:
-            self._tat = now + (tat - now) * interval / self.interval
-        faster = interval < self.interval
-        self.limit = limit
-        self.interval = interval
-        if faster and self.line is not None and self.line.waiting:
-            self.line.sooner(now)
-
-    def watch(self, wake: Callable[[], None]) -> None:
-        """Room comes with time (`reserve` never says math.inf); `wake` runs on the next give-back."""
-        if self._watchers is None:
-            self._watchers = _Watchers()
-        self._watchers.waiting[wake] = None
-
-    def in_use(self, now: float) -> float:
-        """Units admitted that have not drained yet (0 when idle)."""
-        return max(0.0, self._tat - now) / self.interval
-
-    def snapshot(self, now: float) -> dict[str, Any]:
-        return {
-            "type": "rate",
-            "unit": self.unit,
-            "limit": self.limit,
-            "per": self.per,
-            "burst": self.burst,
-            "in_use": self.in_use(now),
-            "room_at": max(now, self.peek(now, 1)),
-            "held_until": self._hold if now < self._hold else None,
-        }
-
-    def __repr__(self) -> str:
-        return f"Rate({self.limit!r}, per={self.per!r}, unit={self.unit!r}, burst={self.burst!r})"
-
-
-def as_concurrency(value: int | Concurrency, field: str) -> Concurrency:
-    """`Orchestrator(concurrency=100)` or `concurrency=Concurrency(100)` (shared): always a limiter.
-
-    An int makes a new limiter of one's own; a `Concurrency` is used as it is, shared with whoever else
-    was given it. Anything else raises ConfigError naming `field`.
-    """
-    if isinstance(value, Concurrency):
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{field} must be an int >= 1 or a Concurrency, got {value!r}")
-    return Concurrency(value)
-
-
-def _check_positive(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, _NUMBER) or not finite(value) or value <= 0:
-        raise ConfigError(f"{field} must be a finite number > 0, got {value!r}")
-
-
-_LINED: Final = (Concurrency, Rate)  # the limiters that keep a `Line`
-
-for _public in (Concurrency, Rate, Limiter):
-    _public.__module__ = "orchestra"
-
-
-class Capacity:
-    """The orchestrator-wide concurrency limit, shared by its concurrent runs (and, when it was
-    given as a `Concurrency` object, by every orchestrator it was given to).
-
-    The check on the hot path reads the limiter's counter directly (`in_use < limit`, as
-    `Concurrency.reserve` does) and gives the slot back through `release`, which wakes the
-    watchers of other orchestrators."""
-
-    __slots__ = ("blocked", "limit", "limiter", "runs")
-
-    def __init__(self, limiter: Concurrency) -> None:
-        self.limiter = limiter
-        self.limit = limiter.limit
-        self.blocked = False  # a worker found the limit reached: wake the other runs on release
-        self.runs: list[Any] = []  # the dispatchers of its runs
+Limiter.__module__ = "orchestra"

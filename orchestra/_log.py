@@ -50,8 +50,8 @@ TASK_ID: Final = contextvars.ContextVar[Any]("structlog_task_id", default=...)
 
 
 class CurrentTask:
-    """The value of `TASK_ID` in a dispatcher's worker: it reads as the id of the task the worker
-    runs now. A worker sets the variable once and points `record` at each attempt's task (a
+    """The value of `TASK_ID` in a dispatcher's runner: it reads as the id of the task the runner
+    works on now. A runner sets the variable once and points `record` at each attempt's task (a
     `ContextVar.set` per attempt cost 0.25 µs, a twentieth of a no-op task). It prints, and
     serializes through structlog's ``__structlog__`` hook, as that id."""
 
@@ -212,7 +212,7 @@ def _exception(exc_info: Any) -> BaseException | None:
 
 
 def _merge_contextvars(logger: Any, method: str, event_dict: EventDict) -> EventDict:
-    """structlog's `merge_contextvars`, with a worker's `CurrentTask` read as its task's id."""
+    """structlog's `merge_contextvars`, with a runner's `CurrentTask` read as its task's id."""
     event_dict = structlog.contextvars.merge_contextvars(logger, method, event_dict)
     task = event_dict.get("task_id")
     if type(task) is CurrentTask:
@@ -242,7 +242,7 @@ def _one_line(exc: BaseException) -> str:
 
 _PROCESSORS: Final[list[Processor]] = [
     structlog.stdlib.filter_by_level,  # first: a dropped level costs nothing more
-    _merge_contextvars,  # run_id (bound by the run), task_id (the worker's)
+    _merge_contextvars,  # run_id (bound by the run), task_id (the runner's)
     redact_secrets,
     _to_record,
 ]

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._agent import Agent, AgentLike, check_call, check_options
 from ._breaker import CLOSED, OPEN, Breaker, BreakerPolicy
+from ._concurrency import Concurrency
 from ._config import shown
 from ._exceptions import ConfigError
-from ._limits import Concurrency, Limiter
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,12 +22,14 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from ._core._context import Context
+    from ._limits import Limiter
     from ._retry import RetryPolicy
     from ._task import Task
 
-__all__ = ("AgentSlot", "AgentStatus", "Registry")
+__all__ = ("AgentSlot", "AgentState", "Registry")
 
-AgentStatus = Literal["idle", "busy", "failing", "open"]
+# What an agent is doing now: `AgentStatus.state` of a run's status, `agents_status()`.
+AgentState = Literal["idle", "busy", "failing", "open"]
 UNLIMITED = sys.maxsize
 
 
@@ -102,9 +104,9 @@ class AgentSlot:
         self.succeeded = 0
         self.failures = 0
         self.last_error: str | None = None
-        self.fault: Any = None  # set by Orchestrator.simulate_agent_failure (orchestra.testing)
+        self.fault: Any = None  # set by orchestra.testing.simulate_agent_failure
 
-    def status(self) -> AgentStatus:
+    def status(self) -> AgentState:
         if self.breaker.state is OPEN:
             return "open"
         if self.breaker.state is not CLOSED or self.breaker.failing:

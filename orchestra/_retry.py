@@ -5,8 +5,8 @@ the agent (HTTP 429/529 headers, or `RetryableError(retry_after=...)`) wins when
 jitter draws from the run's seeded `random.Random`, so a schedule can be checked exactly in tests.
 
 Written here rather than taken from tenacity or backoff: those wrap one call in a loop that sleeps,
-and a task waiting for its retry here must not hold a worker or a concurrency slot; the schedule is
-one formula, the classification is orchestra's own.
+and a task waiting for its retry here must not hold a dispatcher's runner or a concurrency slot;
+the schedule is one formula, the classification is orchestra's own.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ async with Orchestrator(agents=[...], instruments=[metrics]) as orch:
     await orch.run(tasks)
 ```
 
-Counters and histograms are counted in line by the run's hooks (see `orchestra.Instrument`), so
+Counters and histograms are counted in line by the run's hooks (see `orchestra.events.Instrument`), so
 they are exact: `orchestra_attempts_total` sums to `metadata.attempts`. Gauges (attempts in flight,
 queue depth, breaker state) are not updated at all: they are read from the live runs and agents
 when Prometheus scrapes, so they cost nothing between scrapes.

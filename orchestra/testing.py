@@ -5,8 +5,9 @@
   hang, return garbage, fail at random with a seed, or die for good — and record every call.
 - `Probe`: counts how many calls run at once across agents, to check limits.
 - `Recorder`: subscribe it to an orchestrator; it keeps every event, in order.
-- `Orchestrator.simulate_agent_failure(...)` and `Orchestrator.recovery_status()` take a live agent
-  down and report whether its tasks recovered.
+- `simulate_agent_failure(orch, agent, ...)`, `restore_agent(orch, agent)` and
+  `recovery_status(orch)` take a live agent of an orchestrator down, bring it back, and report
+  whether the tasks it failed recovered.
 
 ```python
 from orchestra import Orchestrator, Task
@@ -24,22 +25,25 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
 from ._agent import check_options
 from ._clock import FakeClock
-from ._config import check_int, check_number
+from ._config import check_int, check_number, shown
 from ._events import Event, RetryScheduled, TaskFinished
 from ._exceptions import ConfigError
-from ._faults import GARBAGE, MODES, SimulatedAPIError, raise_fault
+from ._faults import GARBAGE, MODES, Fault, FaultMode, Faults, SimulatedAPIError, raise_fault
+from ._log import get_logger
+from ._task import SUCCEEDED, TERMINAL
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from ._concurrency import Concurrency
     from ._core._context import Context
-    from ._limits import Concurrency
+    from ._registry import AgentSlot, Registry
     from ._retry import RetryPolicy
     from ._task import Task, TaskResult
 
@@ -47,12 +51,19 @@ __all__ = (
     "GARBAGE",
     "Call",
     "FakeClock",
+    "Faulty",
     "Probe",
     "Recorder",
+    "RecoveryStatus",
     "ScriptedAgent",
     "SimulatedAPIError",
+    "recovery_status",
+    "restore_agent",
     "scripted",
+    "simulate_agent_failure",
 )
+
+log = get_logger("orchestra")
 
 E = TypeVar("E", bound=Event)
 
@@ -269,3 +280,115 @@ class ScriptedAgent:
 
 scripted = ScriptedAgent
 """`scripted(name, kinds, script=[...], ...)`: build a `ScriptedAgent` (the class's docstring has it all)."""
+
+
+# -- live faults ----------------------------------------------------------------------------------
+
+
+class Faulty(Protocol):
+    """What the fault kit needs of an orchestrator: its agents, and its table of simulated
+    failures (which its runs tell how the tasks a failure hit ended). An `Orchestrator` is one."""
+
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def faults(self) -> Faults: ...
+
+
+def simulate_agent_failure(
+    orch: Faulty,
+    agent: str,
+    *,
+    mode: FaultMode = "error",
+    duration: float | None = None,
+    retry_after: float | None = None,
+    latency: float = 1.0,
+) -> None:
+    """Take a live agent of `orch` down: its calls fail in `mode` for `duration` seconds (None:
+    until `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
+    Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
+    "garbage", "permanent", "slow" (adds `latency`), "bug" (a `ValueError`: the agent's own
+    failure, which no breaker counts). Call it from async code, before or during a run."""
+    slot = _slot(orch, agent)
+    if mode not in MODES:
+        raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")
+    where = "simulate_agent_failure: "
+    check_number(f"{where}duration", duration, optional=True)
+    check_number(f"{where}retry_after", retry_after, optional=True)
+    check_number(f"{where}latency", latency)
+    try:
+        now = anyio.current_time()
+    except RuntimeError:  # anyio's NoEventLoopError
+        raise ConfigError(
+            "simulate_agent_failure() needs a running event loop: call it from async code"
+        ) from None
+    fault = Fault(
+        agent,
+        mode,
+        started=now,
+        until=None if duration is None else now + duration,
+        retry_after=retry_after,
+        latency=latency,
+    )
+    slot.fault = fault
+    orch.faults.put(fault)
+    log.warning("simulated agent failure", agent=agent, mode=mode, duration=duration)
+
+
+def restore_agent(orch: Faulty, agent: str) -> None:
+    """End a simulated failure of `orch`'s `agent` now."""
+    slot = _slot(orch, agent)
+    if slot.fault is not None:
+        slot.fault.until = anyio.current_time()
+        slot.fault = None
+
+
+def recovery_status(orch: Faulty) -> RecoveryStatus:
+    """ "recovered" when every task that a simulated failure of `orch`'s agents hit finished
+    successfully through retries or fallbacks; "degraded" while some are unfinished; "failed" if
+    some failed. The returned string carries the details: `.pending`, `.failed`, `.agents`."""
+    faults = orch.faults
+    pending: list[str] = []
+    failed: list[str] = []
+    for fault in faults.by_agent.values():
+        for task_id in sorted(fault.affected):
+            state = faults.state_of(task_id)
+            if state is None or state not in TERMINAL:
+                pending.append(task_id)
+            elif state != SUCCEEDED:
+                failed.append(task_id)
+    state = "failed" if failed else "degraded" if pending else "recovered"
+    return RecoveryStatus(state, agents=sorted(faults.by_agent), pending=pending, failed=failed)
+
+
+def _slot(orch: Faulty, agent: str) -> AgentSlot:
+    slot = orch.registry.slots.get(agent)
+    if slot is None:
+        raise ConfigError(f"unknown agent {shown(agent)}; known: {sorted(orch.registry.slots)}")
+    return slot
+
+
+class RecoveryStatus(str):
+    """A str ("recovered", "degraded" or "failed") with the details of what is not recovered."""
+
+    agents: list[str]
+    pending: list[str]
+    failed: list[str]
+
+    def __new__(
+        cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]
+    ) -> RecoveryStatus:
+        self = super().__new__(cls, state)
+        self.agents = agents
+        self.pending = pending
+        self.failed = failed
+        return self
+
+    def describe(self) -> str:
+        if self == "recovered":
+            if not self.agents:
+                return "recovered: no simulated failure is injected"
+            return f"recovered: every task hit by failures of {self.agents} succeeded"
+        return (
+            f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
+        )

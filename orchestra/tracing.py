@@ -71,7 +71,7 @@ class OpenTelemetryTracing(Instrument):
     """
 
     def __init__(self, *, tracer_provider: TracerProvider | None = None) -> None:
-        from . import __version__
+        from ._version import __version__
 
         if tracer_provider is not None and not callable(
             getattr(tracer_provider, "get_tracer", None)
@@ -146,8 +146,8 @@ class OpenTelemetryTracing(Instrument):
             start_time=_ns(run, attempt.started),
             attributes=attributes,
         )
-        # The current span for the agent's own code: this runs in the worker's task, whose
-        # context is its own copy, and `on_attempt_end` detaches it in the same task.
+        # The current span for the agent's own code: this runs in the dispatcher's runner (an
+        # asyncio task) whose context is its own copy, and `on_attempt_end` detaches it in the same task.
         token = otel_context.attach(trace.set_span_in_context(span))
         if attempt.state is None:
             attempt.state = {}

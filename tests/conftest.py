@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
     from orchestra.testing import FakeClock
 
+# The session's PostgreSQL server and a database per test, for the tests that ask for them.
+pytest_plugins = ("tests.pg",)
+
 
 @pytest.fixture
 def make_task() -> Callable[..., Task]:

@@ -63,7 +63,7 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra.stores import SQLiteStore, _sqlite, _sqlite_io
+from orchestra.stores import SQLiteStore, _sqlite, _sqlite_writes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -176,7 +176,7 @@ class DyingConnection:
 
 
 def hook_writes() -> None:
-    write = _sqlite_io.write
+    write = _sqlite_writes.write
 
     def hooked(conn: sqlite3.Connection, *args: Any) -> None:
         Child.writes += 1
@@ -185,7 +185,7 @@ def hook_writes() -> None:
         if Child.kill == f"committed:{Child.writes}":
             die()
 
-    _sqlite_io.write = hooked  # type: ignore[assignment]
+    _sqlite_writes.write = hooked  # type: ignore[assignment]
     if Child.kill == "end":
         _sqlite.SQLiteRun.close = lambda self: die()  # type: ignore[method-assign]
 

@@ -17,27 +17,24 @@ from pydantic import BaseModel
 from rich.console import Console
 
 from orchestra import (
-    AttemptFailed,
     AttemptTimeout,
-    BreakerChanged,
     BreakerPolicy,
     ConfigError,
     Context,
-    FallbackUsed,
     PermanentError,
     RateLimited,
     RetryableError,
     RetryPolicy,
-    RunStatus,
     Task,
     VerificationError,
     agent,
-    render_status,
 )
 from orchestra._breaker import Breaker, is_outage
 from orchestra._core._routing import Router
 from orchestra._faults import SimulatedAPIError
-from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted
+from orchestra.events import AttemptFailed, BreakerChanged, FallbackUsed
+from orchestra.status import RunStatus, render_status
+from orchestra.testing import FakeClock, Recorder, ScriptedAgent, scripted, simulate_agent_failure
 from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:
@@ -823,7 +820,7 @@ class TestWaitingForAProbe:
         rec = Recorder()
         orch.subscribe(rec, BreakerChanged)
         async with orch:
-            orch.simulate_agent_failure("service", mode="error", duration=3)
+            simulate_agent_failure(orch, "service", mode="error", duration=3)
             result = await orch.run(tasks=[Task("k", i) for i in range(100)])
         assert result.status == "success"
         assert ("closed", "open") in transitions(rec, "service")

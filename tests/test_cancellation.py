@@ -18,21 +18,18 @@ import anyio
 import pytest
 
 from orchestra import (
-    AttemptStarted,
     Context,
     Orchestrator,
     Reduce,
     RetryableError,
     RetryPolicy,
-    RunFinished,
     RunResult,
-    RunStarted,
     Task,
-    TaskFinished,
     TaskResult,
     agent,
 )
 from orchestra._core._attempt import Attempts
+from orchestra.events import AttemptStarted, RunFinished, RunStarted, TaskFinished
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import assert_no_leaks, fake_clock, live_tasks, tasks_of
 

@@ -23,22 +23,22 @@ import anyio
 import pydantic
 import pytest
 
-from orchestra import (
-    Context,
-    Orchestrator,
-    RetryPolicy,
-    RunResult,
-    Task,
-    TaskFinished,
-    TaskResult,
+from orchestra import Context, Orchestrator, RetryPolicy, RunResult, Task, TaskResult
+from orchestra.events import TaskFinished
+from orchestra.testing import (
+    FakeClock,
+    Probe,
+    RecoveryStatus,
+    ScriptedAgent,
+    recovery_status,
+    scripted,
+    simulate_agent_failure,
 )
-from orchestra.testing import FakeClock, Probe, ScriptedAgent, scripted
 from tests.helpers import not_garbage, trips_after
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from orchestra import RecoveryStatus
 
 pytestmark = pytest.mark.usefixtures("clock")
 
@@ -150,12 +150,12 @@ async def chaos_run(seed: int, n_tasks: int, clock: FakeClock) -> Chaos:
         async def take_b1_down() -> None:
             await anyio.sleep(n_tasks * STRIKE_PER_TASK)
             strike.append(clock.time() - t0)
-            orch.simulate_agent_failure("b1", mode="error")
+            simulate_agent_failure(orch, "b1", mode="error")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(take_b1_down)
             result = await orch.run(tasks=tasks)
-        recovery = orch.recovery_status()
+        recovery = recovery_status(orch)
     assert strike, "the run ended before b1 was taken down"
     ids = [t.id or "" for t in tasks]
     return Chaos(result, finished, agents, probe, recovery, ids, strike[0], n_tasks // 50)

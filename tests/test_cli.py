@@ -579,11 +579,23 @@ class TestBench:
         assert result.exit_code == 0, result.output
         assert "--smoke" in result.stdout
 
+    def test_from_another_directory_the_packages_own_checkout_is_found(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from pathlib import Path
+
+        from orchestra._cli._app import _checkout
+
+        monkeypatch.chdir(tmp_path)
+        assert _checkout() == Path(orchestra.__file__).resolve().parents[1]
+
     def test_outside_a_checkout_it_says_how_to_get_one(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr("orchestra._cli._app.__file__", str(tmp_path / "orchestra" / "cli.py"))
+        monkeypatch.setattr(
+            "orchestra._cli._app.__file__", str(tmp_path / "orchestra" / "_cli" / "_app.py")
+        )
         result = invoke("bench", "--smoke")
         assert result.exit_code == 2
         assert "No checkout here" in result.stderr

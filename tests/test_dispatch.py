@@ -1,4 +1,4 @@
-"""Dispatch: global and per-agent limits, the fixed worker pool, executors, the registry's choice."""
+"""Dispatch: global and per-agent limits, the fixed pool of runners, executors, the registry's choice."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ class TestPerAgentLimit:
         assert probe.peak == 2
 
 
-class TestWorkerPool:
-    async def test_a_large_run_uses_a_fixed_pool_of_workers(
+class TestRunnerPool:
+    async def test_a_large_run_uses_a_fixed_pool_of_runners(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
         samples: list[int] = []
@@ -168,7 +168,7 @@ class TestWorkerPool:
 
 
 class TestContexts:
-    """A worker hands its next attempt the last one's context only when nobody kept it."""
+    """A runner hands its next attempt the last one's context only when nobody kept it."""
 
     async def test_a_context_nobody_kept_serves_the_next_attempt(
         self, make_orchestrator: Callable[..., Orchestrator]
@@ -181,7 +181,7 @@ class TestContexts:
 
         orch = make_orchestrator(agents=[look], concurrency=1)
         await orch.run(tasks=[Task("work") for _ in range(50)])
-        assert len({ident for ident, *_ in seen}) == 1  # one worker, one context
+        assert len({ident for ident, *_ in seen}) == 1  # one runner, one context
         assert all(ctx_task == task and attempt == 1 for _, ctx_task, task, attempt in seen)
 
     async def test_a_context_an_agent_keeps_is_never_handed_to_another_attempt(

@@ -12,23 +12,19 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from orchestra import (
+from orchestra import Context, Orchestrator, RetryPolicy, Task, agent
+from orchestra.events import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
     BreakerChanged,
-    Context,
     Event,
     FallbackUsed,
-    Orchestrator,
-    RetryPolicy,
     RetryScheduled,
     RunFinished,
     RunStarted,
-    Task,
     TaskFinished,
     TaskReady,
-    agent,
 )
 from orchestra.testing import FakeClock, scripted
 from tests.helpers import tasks_of, trips_after

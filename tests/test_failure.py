@@ -214,6 +214,13 @@ class TestSecrets:
             ),
             ("redis://:hunter2-pw@cache:6379/0", "redis://:[redacted]@cache:6379/0"),
             ("dsn='host=db user=app password=pa55-secret'", "password=[redacted]'"),
+            # A password with an @ in it: everything up to the host's @ is the password.
+            ("postgresql://app:pa@ss-secret@db:5432/x", "postgresql://app:[redacted]@db:5432/x"),
+            # A bare `token` name, a cookie header (every pair of it), a key of another API.
+            ("GET /v1?token=t0ps3cr3t&page=2", "token=[redacted]&page=2"),
+            ("Cookie: session=abc123secret; theme=dark-secret", "Cookie: [redacted]"),
+            ("{'set-cookie': 'sid=abc123secret; Path=/'}", "'set-cookie': '[redacted]'"),
+            ("openai key sk-proj-AbC123secretXyZ987qq rejected", "key [redacted] rejected"),
         ],
     )
     def test_credential_values_are_redacted_and_their_names_kept(
@@ -250,6 +257,17 @@ class TestSecrets:
         ],
     )
     def test_a_url_without_a_password_is_kept_whole(self, text: str) -> None:
+        assert describe(RuntimeError(text)).message == text
+
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "usage: input_tokens=120 output_tokens=80 max_tokens=1024",
+            "tokenizer: cl100k, token_count=3",
+            "the task-1 skipped",
+        ],
+    )
+    def test_words_that_only_look_like_credentials_are_kept(self, text: str) -> None:
         assert describe(RuntimeError(text)).message == text
 
     def test_a_cut_message_keeps_no_part_of_a_secret(self) -> None:

@@ -10,19 +10,16 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from orchestra import (
+from orchestra import ConfigError, Orchestrator, RetryPolicy, Task
+from orchestra.events import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
-    ConfigError,
     Event,
     FallbackUsed,
-    Orchestrator,
-    RetryPolicy,
     RetryScheduled,
     RunFinished,
     RunStarted,
-    Task,
     TaskFinished,
     TaskReady,
 )

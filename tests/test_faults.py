@@ -1,5 +1,5 @@
 """The fault kit (`orchestra.testing`): scripted agents, `Probe`, and live faults through
-`Orchestrator.simulate_agent_failure` with `recovery_status()`. All in fake time."""
+`simulate_agent_failure(orch, ...)` with `recovery_status(orch)`. All in fake time."""
 
 from __future__ import annotations
 
@@ -14,20 +14,27 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import (
-    AttemptFailed,
     ConfigError,
     Context,
     Orchestrator,
     PermanentError,
-    RecoveryStatus,
     RetryPolicy,
-    RetryScheduled,
-    RunFinished,
     RunResult,
     Task,
     agent,
 )
-from orchestra.testing import GARBAGE, FakeClock, Probe, Recorder, scripted
+from orchestra.events import AttemptFailed, RetryScheduled, RunFinished
+from orchestra.testing import (
+    GARBAGE,
+    FakeClock,
+    Probe,
+    Recorder,
+    RecoveryStatus,
+    recovery_status,
+    restore_agent,
+    scripted,
+    simulate_agent_failure,
+)
 from tests.helpers import not_garbage, run_recorded, trips_after
 
 if TYPE_CHECKING:
@@ -306,7 +313,7 @@ class TestRecorder:
     async def test_a_run_does_not_wait_for_the_events_of_another_run(self) -> None:
         # Another run on the orchestrator emits events without a pause until this one has
         # returned: waiting for the recorder's buffer to empty would wait for ever, and taking
-        # one event per turn of the loop took seconds behind the other run's workers.
+        # one event per turn of the loop took seconds behind the other run's runners.
         this_one_returned = anyio.Event()
 
         @agent(kinds=["k"])
@@ -369,9 +376,9 @@ class TestSimulatedFailure:
         rec = Recorder()
         orch.subscribe(rec)
         async with orch:
-            orch.simulate_agent_failure("main", mode=mode)  # type: ignore[arg-type]
+            simulate_agent_failure(orch, "main", mode=mode)  # type: ignore[arg-type]
             result = await orch.run(tasks=[make_task("k", id="t")])
-            status = orch.recovery_status()
+            status = recovery_status(orch)
         assert result.status == "success"
         assert main.calls == []  # the fault answered for it
         (failed,) = rec.of(AttemptFailed)
@@ -387,7 +394,7 @@ class TestSimulatedFailure:
         rec = Recorder()
         orch.subscribe(rec, RetryScheduled)
         async with orch:
-            orch.simulate_agent_failure("main", mode="rate_limit", retry_after=7, duration=5)
+            simulate_agent_failure(orch, "main", mode="rate_limit", retry_after=7, duration=5)
             result = await orch.run(tasks=[make_task("k")])
         assert result.status == "success"
         assert [e.delay for e in rec.of(RetryScheduled)] == [7.0]
@@ -399,7 +406,7 @@ class TestSimulatedFailure:
         main = scripted("main", ["k"], latency=1)
         orch = make_orchestrator(agents=[main])
         async with orch:
-            orch.simulate_agent_failure("main", mode="slow", latency=4)
+            simulate_agent_failure(orch, "main", mode="slow", latency=4)
             result = await orch.run(tasks=[make_task("k")])
         assert result.status == "success"
         assert result.metadata.elapsed == pytest.approx(5)
@@ -413,7 +420,7 @@ class TestSimulatedFailure:
         main = scripted("main", ["k"], latency=1)
         orch = make_orchestrator(agents=[main], retry=RetryPolicy(max_attempts=1))
         async with orch:
-            orch.simulate_agent_failure("main", mode="error", duration=10)
+            simulate_agent_failure(orch, "main", mode="error", duration=10)
             during = await orch.run(tasks=[make_task("k")])
             await anyio.sleep(10)
             after = await orch.run(tasks=[make_task("k")])
@@ -427,9 +434,9 @@ class TestSimulatedFailure:
         main = scripted("main", ["k"])
         orch = make_orchestrator(agents=[main], retry=RetryPolicy(max_attempts=1))
         async with orch:
-            orch.simulate_agent_failure("main", mode="permanent")
+            simulate_agent_failure(orch, "main", mode="permanent")
             during = await orch.run(tasks=[make_task("k")])
-            orch.restore_agent("main")
+            restore_agent(orch, "main")
             after = await orch.run(tasks=[make_task("k")])
         assert (during.status, after.status) == ("failed", "success")
 
@@ -448,12 +455,12 @@ class TestSimulatedFailure:
 
             async def strike() -> None:
                 await anyio.sleep(2.5)
-                orch.simulate_agent_failure("main", mode="error")
+                simulate_agent_failure(orch, "main", mode="error")
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(strike)
                 result = await orch.run(tasks=tasks)
-            status = orch.recovery_status()
+            status = recovery_status(orch)
         assert result.status == "success"
         assert status == "recovered"
         assert isinstance(status, RecoveryStatus)
@@ -469,9 +476,9 @@ class TestSimulatedFailure:
         main = scripted("main", ["k"])
         orch = make_orchestrator(agents=[main], retry=RetryPolicy(max_attempts=2, base=0.1))
         async with orch:
-            orch.simulate_agent_failure("main", mode="error")
+            simulate_agent_failure(orch, "main", mode="error")
             await orch.run(tasks=[make_task("k", id="lost")])
-            status = orch.recovery_status()
+            status = recovery_status(orch)
         assert status == "failed"
         assert status.failed == ["lost"]
         assert "lost" in status.describe()
@@ -485,16 +492,16 @@ class TestSimulatedFailure:
         )
         seen: list[RecoveryStatus] = []
         async with orch:
-            orch.simulate_agent_failure("main", mode="error", duration=5)
+            simulate_agent_failure(orch, "main", mode="error", duration=5)
 
             async def look() -> None:
                 await anyio.sleep(3)  # the task waits for its retry at t=10
-                seen.append(orch.recovery_status())
+                seen.append(recovery_status(orch))
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(look)
                 result = await orch.run(tasks=[make_task("k", id="t")])
-            final = orch.recovery_status()
+            final = recovery_status(orch)
         assert result.status == "success"
         assert seen == ["degraded"]
         assert seen[0].pending == ["t"]
@@ -506,16 +513,16 @@ class TestSimulatedFailure:
         main = scripted("main", ["k"], latency=1)
         orch = make_orchestrator(agents=[main], retry=RetryPolicy(max_attempts=1), breaker=None)
         async with orch:
-            orch.simulate_agent_failure("main", mode="error", duration=1.5)
+            simulate_agent_failure(orch, "main", mode="error", duration=1.5)
 
             async def again() -> None:
                 await anyio.sleep(2)  # the first outage failed every task already
-                orch.simulate_agent_failure("main", mode="error", duration=0.5)
+                simulate_agent_failure(orch, "main", mode="error", duration=0.5)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(again)
                 result = await orch.run(tasks=[make_task("k", id=f"t{i}") for i in range(3)])
-            status = orch.recovery_status()
+            status = recovery_status(orch)
         assert result.status == "failed"
         assert status == "failed"
         assert status.failed == ["t0", "t1", "t2"]
@@ -523,7 +530,7 @@ class TestSimulatedFailure:
     async def test_no_fault_means_recovered(
         self, make_orchestrator: Callable[..., Orchestrator]
     ) -> None:
-        status = make_orchestrator(agents=[scripted("a", ["k"])]).recovery_status()
+        status = recovery_status(make_orchestrator(agents=[scripted("a", ["k"])]))
         assert status == "recovered"
         assert status.agents == []
 
@@ -532,11 +539,11 @@ class TestSimulatedFailure:
     ) -> None:
         orch = make_orchestrator(agents=[scripted("a", ["k"])])
         with pytest.raises(ConfigError, match="agent-9"):
-            orch.simulate_agent_failure("agent-9")
+            simulate_agent_failure(orch, "agent-9")
         with pytest.raises(ConfigError, match="meltdown"):
-            orch.simulate_agent_failure("a", mode="meltdown")  # type: ignore[arg-type]
+            simulate_agent_failure(orch, "a", mode="meltdown")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="agent-9"):
-            orch.restore_agent("agent-9")  # it did nothing, as if restored
+            restore_agent(orch, "agent-9")  # it did nothing, as if restored
 
     @pytest.mark.parametrize(
         ("name", "value"),
@@ -549,7 +556,7 @@ class TestSimulatedFailure:
         # They were taken: duration=nan never ended, latency="1" raised TypeError in a call.
         orch = make_orchestrator(agents=[scripted("a", ["k"])])
         with pytest.raises(ConfigError, match=name) as info:
-            orch.simulate_agent_failure("a", **{name: value})
+            simulate_agent_failure(orch, "a", **{name: value})
         assert repr(value) in str(info.value)
 
     def test_outside_an_event_loop_it_says_so(
@@ -557,4 +564,4 @@ class TestSimulatedFailure:
     ) -> None:
         orch = make_orchestrator(agents=[scripted("a", ["k"])])
         with pytest.raises(ConfigError, match="event loop"):
-            orch.simulate_agent_failure("a")
+            simulate_agent_failure(orch, "a")

@@ -33,13 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestra import (
-    AttemptStarted,
-    BreakerChanged,
     BreakerPolicy,
     Concurrency,
     Context,
-    Event,
-    FallbackUsed,
     InputError,
     Orchestrator,
     PermanentError,
@@ -48,12 +44,18 @@ from orchestra import (
     RetryPolicy,
     RunResult,
     Task,
-    TaskFinished,
-    TaskReady,
     TaskResult,
     Timeouts,
 )
 from orchestra._faults import raise_fault
+from orchestra.events import (
+    AttemptStarted,
+    BreakerChanged,
+    Event,
+    FallbackUsed,
+    TaskFinished,
+    TaskReady,
+)
 from orchestra.testing import GARBAGE
 from tests.helpers import (
     assert_no_leaks,

@@ -1,12 +1,15 @@
 """A run handle steers a run while it goes on: `start` returns at once; pause stops new attempts
 and resume lets them go; cancel by selector ends running and waiting tasks and skips their
-dependents; reprioritize reorders waiting tasks; results stream out to a handle that asked; stop
-drains within its grace and returns a "cancelled" result that says why. Every control call is safe
+dependents; reprioritize reorders waiting tasks; results stream out to a handle that asked, and
+`orch.stream()` is a run read that way; stop drains within its grace and returns a "cancelled"
+result that says why. Every control call is safe
 before the run has its tasks, while paused, while stopping and after the end, and repeating it
 changes nothing."""
 
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -17,22 +20,25 @@ from hypothesis import strategies as st
 
 from orchestra import (
     Cancellation,
-    CancelRecord,
     ConfigError,
     Context,
     InputError,
     Orchestrator,
+    ResultStream,
     RetryableError,
     RetryPolicy,
     RunHandle,
     Task,
+    TaskResult,
     agent,
-    status_line,
 )
+from orchestra.result import CancelRecord
+from orchestra.status import status_line
 from orchestra.stores import SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.testing import FakeClock, scripted
-from tests.helpers import fake_clock
+from tests.helpers import fake_clock, tasks_of
+from tests.test_orchestrator import Hanging, ok_agent
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -245,7 +251,7 @@ class TestPause:
 
 
 class TestCancel:
-    async def test_a_running_attempt_is_cancelled_and_its_worker_goes_on(
+    async def test_a_running_attempt_is_cancelled_and_its_runner_goes_on(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:
         async with make(concurrency=1) as orch:
@@ -560,7 +566,7 @@ class TestReprioritize:
     async def test_a_task_waiting_for_its_agents_slot_moves_ahead(
         self, make: Callable[..., Orchestrator], sleeper: Sleeper
     ) -> None:
-        # The run's limit is 10 but the agent's is 1: the workers claimed w1-w4, which wait in
+        # The run's limit is 10 but the agent's is 1: the runners claimed w1-w4, which wait in
         # the agent's lane (the status's "waiting"), not in the queue.
         sleeper.concurrency = 1
         async with make(concurrency=10) as orch:
@@ -661,6 +667,149 @@ class TestResults:
             await handle.stop(grace=0)
             statuses = {r.task_id: r.status async for r in results}
         assert statuses == {"w0": "cancelled", "w1": "cancelled", "w2": "cancelled"}
+
+    async def test_closing_a_handles_stream_stops_the_reading_not_the_run(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make(concurrency=3) as orch:
+            handle = orch.start(tasks=work(3))
+            async with handle.results() as results:
+                first = await anext(results)
+            assert not handle.done
+            assert [r async for r in results] == []
+            assert results.result is None  # not over yet
+            result = await handle
+        assert first.task_id == "w0"
+        assert result.status == "success"
+        assert results.result is result
+
+
+class TestStream:
+    async def test_results_arrive_as_tasks_finish(self, clock: FakeClock) -> None:
+        @agent(kinds=["work"])
+        async def timed(task: Task, ctx: Context) -> int:
+            await anyio.sleep(float(task.payload))
+            return int(task.payload)
+
+        tasks = [Task("work", d, id=f"d{d}") for d in (3, 1, 2)]
+        seen: list[tuple[str, float]] = []
+        async with Orchestrator(agents=[timed]) as orch:
+            t0 = anyio.current_time()
+            async with orch.stream(tasks=tasks) as results:
+                async for item in results:
+                    assert isinstance(item, TaskResult)
+                    seen.append((item.task_id, anyio.current_time() - t0))
+        assert [tid for tid, _ in seen] == ["d1", "d2", "d3"]
+        assert [at for _, at in seen] == pytest.approx([1.0, 2.0, 3.0])
+        assert results.result is not None
+        assert results.result.status == "success"
+        assert results.result.data == {"d3": 3, "d1": 1, "d2": 2}
+
+    async def test_a_stream_read_again_after_its_end_is_empty(self) -> None:
+        # The second loop raised anyio.ClosedResourceError.
+        async with Orchestrator(agents=[ok_agent()]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            assert [r.task_id async for r in stream] == ["t0", "t1"]
+            assert [r.task_id async for r in stream] == []
+            await stream.aclose()
+            assert [r.task_id async for r in stream] == []
+        assert stream.result is not None
+        assert stream.result.status == "success"
+
+    async def test_a_stream_closed_before_it_is_read_never_runs(self) -> None:
+        # It started its run when read after the close, as if never closed.
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> None:
+            calls.append(task.id)
+
+        async with Orchestrator(agents=[counted]) as orch:
+            stream = orch.stream(tasks=tasks_of(2))
+            await stream.aclose()
+            assert [r async for r in stream] == []
+        assert calls == []
+        assert stream.result is None
+
+    async def test_a_fully_read_stream_leaves_nothing_unclosed(self, clock: FakeClock) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count = 0
+            async with Orchestrator(agents=[scripted("w", ["work"], latency=0.1)]) as orch:
+                stream = orch.stream(tasks=tasks_of(3))
+                async for _ in stream:
+                    count += 1
+                assert stream.result is not None
+            del stream
+            gc.collect()
+        assert count == 3
+        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+    def test_stream_needs_async_with(self) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        with pytest.raises(ConfigError):
+            orch.stream(tasks=tasks_of(1))
+
+    @pytest.mark.usefixtures("no_leaks")
+    async def test_leaving_the_loop_early_cancels_the_run(self, clock: FakeClock) -> None:
+        hang = Hanging("hang", ("slow",))
+        quick = scripted("quick", ["work"], latency=1.0)
+        got: list[str] = []
+        async with Orchestrator(agents=[hang, quick]) as orch:
+            async with orch.stream(tasks=[*tasks_of(1, "slow", "s"), *tasks_of(2)]) as results:
+                async for item in results:
+                    got.append(item.task_id)
+                    break
+            assert hang.cancelled == 1
+        assert got == ["t0"]
+
+    async def test_a_stream_left_early_still_has_its_result(self, clock: FakeClock) -> None:
+        quick = scripted("quick", ["work"], latency=1.0)
+        orch = Orchestrator(agents=[quick], concurrency=1)
+        async with orch, orch.stream(tasks=tasks_of(3)) as results:
+            async for _ in results:
+                break
+        result = results.result
+        assert result is not None
+        assert result.status == "cancelled"
+        assert result.metadata.counts["succeeded"] >= 1
+        assert result.metadata.total == 3
+        assert result.metadata.reason == "the stream was closed before its end"
+
+    async def test_a_stream_closed_while_its_decomposer_works_ends_cancelled(
+        self, clock: FakeClock
+    ) -> None:
+        async def planner(n: int) -> list[Task]:
+            await anyio.sleep(10)  # a slow planner: the run has no tasks yet
+            return tasks_of(n)
+
+        async def read(results: ResultStream) -> None:
+            async for _ in results:
+                pass
+
+        orch = Orchestrator(agents=[ok_agent()], decomposer=planner)
+        async with orch, orch.stream(2) as results, anyio.create_task_group() as tg:
+            tg.start_soon(read, results)  # the first read starts the run
+            await anyio.sleep(1)
+            await results.aclose()
+        assert results.result is not None
+        assert results.result.status == "cancelled"
+        assert results.result.metadata.reason == "the stream was closed before its end"
+        assert results.result.metadata.total == 0
+
+    async def test_bad_input_raises_from_the_stream(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        got: list[TaskResult] = []
+
+        async def read_all(orch: Orchestrator) -> None:
+            async with orch.stream(tasks=[Task("nokind", id="x")]) as results:
+                got.extend([item async for item in results])
+
+        async with make_orchestrator(agents=[ok_agent()]) as orch:
+            with pytest.raises(InputError):
+                await read_all(orch)
+        assert got == []
 
 
 class TestStop:

@@ -10,18 +10,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from orchestra import (
-    AttemptInfo,
-    ConfigError,
-    Context,
-    Instrument,
-    Orchestrator,
-    RetryPolicy,
-    RunInfo,
-    Task,
-    TaskResult,
-    agent,
-)
+from orchestra import ConfigError, Context, Orchestrator, RetryPolicy, Task, TaskResult, agent
+from orchestra.events import AttemptInfo, Instrument, RunInfo
 from orchestra.testing import scripted
 
 if TYPE_CHECKING:

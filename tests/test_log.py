@@ -463,9 +463,9 @@ class TestTheApplicationsOwnLines:
 
     @pytest.mark.xfail(
         strict=True,
-        reason="_dispatch.Dispatcher._worker sets TASK_ID once per worker to a CurrentTask that "
-        "follows the worker's current attempt: an asyncio task an agent starts copies "
-        "that object, so its lines carry whatever task the worker runs by then (here 'b'), not "
+        reason="_dispatch.Dispatcher._runner sets TASK_ID once per runner to a CurrentTask that "
+        "follows the runner's current attempt: an asyncio task an agent starts copies "
+        "that object, so its lines carry whatever task the runner runs by then (here 'b'), not "
         "the id of the attempt that started it (a ContextVar set per attempt kept 'a'). A trade-off "
         "the README's Logging section states: a set per attempt is 0.3 µs of every task",
     )

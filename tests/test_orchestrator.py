@@ -1,12 +1,10 @@
-"""The orchestrator's face: configuration errors, the exception tree, failures that stay in their
-attempt, cancellation, streaming, and how `run()` behaves with and without `async with`."""
+"""The orchestrator's face: configuration errors, its store, the exception tree, failures that stay
+in their attempt, and cancelling the caller."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -27,7 +25,6 @@ from orchestra import (
     RunError,
     RunResult,
     Task,
-    TaskResult,
     TaskTimeout,
     Timeouts,
     VerificationError,
@@ -137,6 +134,46 @@ class TestConfigErrors:
 
     def test_the_configured_limit_is_readable(self) -> None:
         assert Orchestrator(agents=[ok_agent()], concurrency=7).concurrency == 7
+
+
+class TestStore:
+    async def test_runs_started_after_a_change_keep_their_tasks_in_the_new_store(
+        self, tmp_path: Path
+    ) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        first = orch.store
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            orch.store = store
+            assert orch.store is store
+            result = await orch.run(tasks=[Task("work", 1, id="t")], run_id="kept")
+            assert result.status == "success"
+            assert [(run["id"], run["counts"]) for run in store.runs()] == [
+                ("kept", {"succeeded": 1})
+            ]
+        finally:
+            store.close()
+        assert first is not store
+
+    def test_something_that_is_not_a_store_is_refused(self, tmp_path: Path) -> None:
+        orch = Orchestrator(agents=[ok_agent()])
+        with pytest.raises(ConfigError, match="store must be a store") as info:
+            orch.store = tmp_path / "runs.db"  # type: ignore[assignment]
+        assert "runs.db" in str(info.value)
+
+    async def test_it_cannot_change_under_a_run(self, clock: FakeClock, tmp_path: Path) -> None:
+        orch = Orchestrator(agents=[scripted("slow", ["work"], latency=1)])
+        first = orch.store
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            async with orch:
+                handle = orch.start(tasks=[Task("work")])
+                with pytest.raises(ConfigError, match="no run goes on"):
+                    orch.store = store
+                await handle
+        finally:
+            store.close()
+        assert orch.store is first
 
 
 class TestAsyncioOnly:
@@ -333,209 +370,3 @@ class TestCancellingTheCaller:
         assert result.status == "success"
         assert result.metadata.peak_concurrency == 2
         assert probe_limit.max_in_flight == 2
-
-
-class TestStream:
-    async def test_results_arrive_as_tasks_finish(self, clock: FakeClock) -> None:
-        @agent(kinds=["work"])
-        async def timed(task: Task, ctx: Context) -> int:
-            await anyio.sleep(float(task.payload))
-            return int(task.payload)
-
-        tasks = [Task("work", d, id=f"d{d}") for d in (3, 1, 2)]
-        seen: list[tuple[str, float]] = []
-        async with Orchestrator(agents=[timed]) as orch:
-            t0 = anyio.current_time()
-            async with orch.stream(tasks=tasks) as results:
-                async for item in results:
-                    assert isinstance(item, TaskResult)
-                    seen.append((item.task_id, anyio.current_time() - t0))
-        assert [tid for tid, _ in seen] == ["d1", "d2", "d3"]
-        assert [at for _, at in seen] == pytest.approx([1.0, 2.0, 3.0])
-        assert results.result is not None
-        assert results.result.status == "success"
-        assert results.result.data == {"d3": 3, "d1": 1, "d2": 2}
-
-    async def test_a_stream_read_again_after_its_end_is_empty(self) -> None:
-        # The second loop raised anyio.ClosedResourceError.
-        async with Orchestrator(agents=[ok_agent()]) as orch:
-            stream = orch.stream(tasks=tasks_of(2))
-            assert [r.task_id async for r in stream] == ["t0", "t1"]
-            assert [r.task_id async for r in stream] == []
-            await stream.aclose()
-            assert [r.task_id async for r in stream] == []
-        assert stream.result is not None
-        assert stream.result.status == "success"
-
-    async def test_a_stream_closed_before_it_is_read_never_runs(self) -> None:
-        # It started its run when read after the close, as if never closed.
-        calls: list[str] = []
-
-        @agent(kinds=["work"])
-        async def counted(task: Task, ctx: Context) -> None:
-            calls.append(task.id)
-
-        async with Orchestrator(agents=[counted]) as orch:
-            stream = orch.stream(tasks=tasks_of(2))
-            await stream.aclose()
-            assert [r async for r in stream] == []
-        assert calls == []
-        assert stream.result is None
-
-    async def test_a_fully_read_stream_leaves_nothing_unclosed(self, clock: FakeClock) -> None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            count = 0
-            async with Orchestrator(agents=[scripted("w", ["work"], latency=0.1)]) as orch:
-                stream = orch.stream(tasks=tasks_of(3))
-                async for _ in stream:
-                    count += 1
-                assert stream.result is not None
-            del stream
-            gc.collect()
-        assert count == 3
-        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
-
-    def test_stream_needs_async_with(self) -> None:
-        orch = Orchestrator(agents=[ok_agent()])
-        with pytest.raises(ConfigError):
-            orch.stream(tasks=tasks_of(1))
-
-    @pytest.mark.usefixtures("no_leaks")
-    async def test_leaving_the_loop_early_cancels_the_run(self, clock: FakeClock) -> None:
-        hang = Hanging("hang", ("slow",))
-        quick = scripted("quick", ["work"], latency=1.0)
-        got: list[str] = []
-        async with Orchestrator(agents=[hang, quick]) as orch:
-            async with orch.stream(tasks=[*tasks_of(1, "slow", "s"), *tasks_of(2)]) as results:
-                async for item in results:
-                    got.append(item.task_id)
-                    break
-            assert hang.cancelled == 1
-        assert got == ["t0"]
-
-    async def test_a_stream_left_early_still_has_its_result(self, clock: FakeClock) -> None:
-        quick = scripted("quick", ["work"], latency=1.0)
-        orch = Orchestrator(agents=[quick], concurrency=1)
-        async with orch, orch.stream(tasks=tasks_of(3)) as results:
-            async for _ in results:
-                break
-        result = results.result
-        assert result is not None
-        assert result.status == "cancelled"
-        assert result.metadata.counts["succeeded"] >= 1
-        assert result.metadata.total == 3
-        assert result.metadata.reason == "the stream was closed before its end"
-
-    async def test_bad_input_raises_from_the_stream(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        got: list[TaskResult] = []
-
-        async def read_all(orch: Orchestrator) -> None:
-            async with orch.stream(tasks=[Task("nokind", id="x")]) as results:
-                got.extend([item async for item in results])
-
-        async with make_orchestrator(agents=[ok_agent()]) as orch:
-            with pytest.raises(InputError):
-                await read_all(orch)
-        assert got == []
-
-
-class TestRunWithAndWithoutAsyncWith:
-    async def test_run_without_async_with(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        orch = make_orchestrator(agents=[ok_agent()])
-        first = await orch.run(tasks=tasks_of(2))
-        second = await orch.run(tasks=tasks_of(3, prefix="u"))
-        assert first.data == {"t0": 0, "t1": 1}
-        assert second.data == {"u0": 0, "u1": 1, "u2": 2}
-        assert first.metadata.run_id != second.metadata.run_id
-
-    async def test_several_runs_inside_async_with(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        async with make_orchestrator(agents=[ok_agent()]) as orch:
-            a = await orch.run(tasks=tasks_of(2))
-            b = await orch.run(tasks=tasks_of(2), run_id="given-id")
-        assert a.status == b.status == "success"
-        assert b.metadata.run_id == "given-id"
-
-    @pytest.mark.parametrize("streamed", [False, True])
-    async def test_an_input_error_reaches_the_caller_unwrapped(
-        self, streamed: bool, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        bad = [Task("work", 1, id="a"), Task("work", 2, id="a")]
-
-        async def source() -> AsyncIterator[Task]:
-            for task in bad:
-                yield task
-
-        caught: BaseException | None = None
-        try:
-            async with make_orchestrator(agents=[ok_agent()]) as orch:
-                await orch.run(tasks=source() if streamed else bad)
-        except BaseException as exc:
-            caught = exc
-        assert type(caught) is InputError
-        assert "a" in str(caught)
-
-    async def test_two_tasks_each_in_async_with_the_first_leaving_first(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        # The task group is the first task's: the second, leaving last, exited it from another
-        # task and got anyio's RuntimeError instead of its result. Now the first one's exit
-        # waits for the second to leave.
-        orch = make_orchestrator(agents=[ok_agent()])
-        first_in, second_in, first_leaving = anyio.Event(), anyio.Event(), anyio.Event()
-        results: dict[str, RunResult] = {}
-        before = asyncio.all_tasks()
-
-        async def first() -> None:
-            async with orch:
-                first_in.set()
-                await second_in.wait()
-                results["first"] = await orch.run(tasks=tasks_of(2))
-                first_leaving.set()
-
-        async def second() -> None:
-            async with orch:
-                second_in.set()
-                await first_leaving.wait()
-                results["second"] = await orch.run(tasks=tasks_of(3, prefix="u"))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(first)
-            await first_in.wait()
-            tg.start_soon(second)
-        assert results["first"].data == {"t0": 0, "t1": 1}
-        assert results["second"].data == {"u0": 0, "u1": 1, "u2": 2}
-        assert asyncio.all_tasks() - before == set()
-        async with orch:  # and it can be entered again
-            assert (await orch.run(tasks=tasks_of(1))).status == "success"
-
-    async def test_an_exit_from_a_task_that_did_not_enter_is_a_config_error(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        orch = make_orchestrator(agents=[ok_agent()])
-        async with orch:
-            async with anyio.create_task_group() as tg:
-
-                async def stray_exit() -> None:
-                    with pytest.raises(ConfigError, match="did not enter it"):
-                        await orch.__aexit__(None, None, None)
-
-                tg.start_soon(stray_exit)
-            assert (await orch.run(tasks=tasks_of(1))).status == "success"
-
-    async def test_an_error_in_the_body_reaches_the_caller_unwrapped(
-        self, make_orchestrator: Callable[..., Orchestrator]
-    ) -> None:
-        async def body() -> None:
-            async with make_orchestrator(agents=[ok_agent()]) as orch:
-                await orch.run(tasks=tasks_of(1))
-                raise KeyError("user code")
-
-        with pytest.raises(KeyError):
-            await body()

@@ -11,8 +11,9 @@ from typing import Any
 import pydantic
 import pytest
 
-from orchestra import InvalidOutput, RunMetadata, RunResult
+from orchestra import InvalidOutput, RunResult
 from orchestra._output import jsonable, stored_json
+from orchestra.result import RunMetadata
 
 
 class Answer(pydantic.BaseModel):

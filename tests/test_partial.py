@@ -15,11 +15,11 @@ from orchestra import (
     RetryPolicy,
     RunResult,
     Task,
-    TaskFinished,
     TaskResult,
     Verdict,
     agent,
 )
+from orchestra.events import TaskFinished
 from orchestra.testing import scripted
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The live view (`orchestra.progress`, `orchestra.render_status`), rendered into recorded consoles."""
+"""The live view (`orchestra.progress`, `orchestra.status.render_status`), rendered into recorded consoles."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ import pytest
 from rich.console import Console
 
 import orchestra
-from orchestra import ConfigError, Context, Orchestrator, RunStatus, Task, agent, progress
+from orchestra import ConfigError, Context, Orchestrator, Task, agent, progress
 from orchestra._core._run import Run
 from orchestra._core._status import snapshot
 from orchestra.testing import FakeClock, scripted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from orchestra.status import RunStatus
 
 pytestmark = pytest.mark.usefixtures("clock")
 
@@ -63,7 +65,7 @@ class TestRender:
         tasks = [Task("work", i) for i in range(10)] + [Task("bad", 0, id="doomed")]
         status = await mid_run_status(orch, tasks, at=2.5)
         console = recording(terminal=True)
-        console.print(orchestra.render_status(status))
+        console.print(orchestra.status.render_status(status))
         text = console.export_text()
         assert "━" in text
         assert f"{status.progress:5.1f}%" in text
@@ -87,7 +89,7 @@ class TestRender:
         tasks = [Task("work", i) for i in range(4)] + [Task("k[/i]", 0, id="t[/x]")]
         status = await mid_run_status(orch, tasks, at=1.5)
         console = recording(terminal=True)
-        console.print(orchestra.render_status(status))
+        console.print(orchestra.status.render_status(status))
         text = console.export_text()
         for shown in ("ag[/b]", "k[/i]", "t[/x]"):
             assert shown in text
@@ -102,7 +104,7 @@ class TestRender:
         def filled(status: RunStatus) -> int:
             """The green (done) part of the bar, in characters."""
             console = recording(terminal=True)
-            console.print(orchestra.render_status(status))
+            console.print(orchestra.status.render_status(status))
             styled = console.export_text(styles=True)
             bar = next(line for line in styled.splitlines() if "%" in line and "━" in line)
             return sum(len(run) for run in re.findall(r"\x1b\[32m(━+)", bar))
@@ -230,7 +232,7 @@ class TestProgress:
     ) -> None:
         monkeypatch.setitem(sys.modules, "rich", None)
         with pytest.raises(ModuleNotFoundError, match=r"pip install 'orchestra-runtime\[cli\]'"):
-            orchestra.render_status(_idle())
+            orchestra.status.render_status(_idle())
 
 
 def _idle() -> RunStatus:

@@ -15,16 +15,8 @@ import anyio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestra import (
-    AttemptStarted,
-    Context,
-    Event,
-    Orchestrator,
-    PermanentError,
-    RetryPolicy,
-    Task,
-    TaskFinished,
-)
+from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, Task
+from orchestra.events import AttemptStarted, Event, TaskFinished
 from orchestra.testing import Probe
 from tests.helpers import NEVER_OPENS, assert_no_leaks, fake_clock, live_tasks
 

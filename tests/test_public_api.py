@@ -16,6 +16,12 @@ import orchestra.testing
 
 PUBLIC = sorted(orchestra.__all__)
 STORES = sorted(orchestra.stores.__all__)
+# The grouped public modules: what observes a run, what its status and its result are made of.
+GROUPED = [
+    (module.__name__, name)
+    for module in (orchestra.events, orchestra.status, orchestra.result)
+    for name in module.__all__
+]
 
 
 def own_doc(obj: object) -> str:
@@ -36,6 +42,25 @@ class TestExports:
         module = importlib.import_module("orchestra")
         obj = getattr(module, name)
         assert own_doc(obj), f"orchestra.{name} has no docstring"
+
+    def test_the_top_level_stays_small(self) -> None:
+        # what most programs import; events, status parts and result parts live in their modules
+        assert len(orchestra.__all__) <= 50, sorted(orchestra.__all__)
+
+    @pytest.mark.parametrize(("module", "name"), GROUPED)
+    def test_every_grouped_name_imports_is_documented_and_names_its_module(
+        self, module: str, name: str
+    ) -> None:
+        obj = getattr(importlib.import_module(module), name)
+        assert own_doc(obj), f"{module}.{name} has no docstring"
+        # a name also at the top level reports the package, the others their module
+        assert obj.__module__ == ("orchestra" if name in orchestra.__all__ else module)
+        assert name not in orchestra.__all__ or getattr(orchestra, name) is obj
+
+    def test_the_grouped_modules_are_documented_and_reached_from_the_package(self) -> None:
+        for module in (orchestra.events, orchestra.status, orchestra.result):
+            assert own_doc(module)
+            assert module.__name__.startswith("orchestra.")
 
     def test_star_import_gives_exactly_all(self) -> None:
         namespace: dict[str, object] = {}
@@ -121,6 +146,11 @@ class TestPublicNamesLookPublic:
 
 
 class TestPickling:
+    @pytest.mark.parametrize(("module", "name"), GROUPED)
+    def test_grouped_classes_pickle_by_their_public_name(self, module: str, name: str) -> None:
+        obj = getattr(importlib.import_module(module), name)
+        assert pickled(obj) is obj  # pickle finds the class where its __module__ says
+
     @pytest.mark.parametrize(
         "exc",
         [

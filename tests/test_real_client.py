@@ -22,18 +22,8 @@ import pytest
 from anthropic import APIConnectionError, APIStatusError, AsyncAnthropic, RateLimitError
 from anthropic.types import TextBlock
 
-from orchestra import (
-    Agent,
-    BreakerChanged,
-    Concurrency,
-    Context,
-    Limiter,
-    Orchestrator,
-    RetryPolicy,
-    RetryScheduled,
-    Task,
-    agent,
-)
+from orchestra import Agent, Concurrency, Context, Limiter, Orchestrator, RetryPolicy, Task, agent
+from orchestra.events import BreakerChanged, RetryScheduled
 from orchestra.testing import Recorder
 from tests.claude_fixtures import API_KEY, client
 from tests.fake_messages_api import RATE_LIMIT_MESSAGE, FakeMessagesAPI, prompt_of

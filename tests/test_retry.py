@@ -13,19 +13,9 @@ import httpx2
 import pydantic
 import pytest
 
-from orchestra import (
-    AttemptFailed,
-    AttemptStarted,
-    Context,
-    InputError,
-    PermanentError,
-    RetryableError,
-    RetryPolicy,
-    RetryScheduled,
-    Task,
-    agent,
-)
+from orchestra import Context, InputError, PermanentError, RetryableError, RetryPolicy, Task, agent
 from orchestra._retry import MAX_RETRY_AFTER, backoff, classify, retry_after_from
+from orchestra.events import AttemptFailed, AttemptStarted, RetryScheduled
 from orchestra.testing import FakeClock, Recorder, scripted
 from tests.helpers import NEVER_OPENS, run_recorded
 

@@ -21,7 +21,8 @@ from tests.helpers import run_recorded
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from orchestra import ErrorRecord, Orchestrator
+    from orchestra import Orchestrator
+    from orchestra.result import ErrorRecord
     from tests.helpers import LogLines
 
 pytestmark = pytest.mark.usefixtures("clock")

@@ -1,5 +1,5 @@
 """The seed scenario: ten tasks over four agents; agent-3 goes down mid-run; its tasks complete
-through the fallback; `recovery_status()` says "recovered"; the run succeeds; and running in
+through the fallback; `recovery_status(orch)` says "recovered"; the run succeeds; and running in
 parallel takes less than half the time of running one task at a time.
 
 Both runs are in fake time, so the ratio compares virtual seconds (`metadata.elapsed`): it is
@@ -14,19 +14,16 @@ from typing import TYPE_CHECKING
 import anyio
 import pytest
 
-from orchestra import (
-    AttemptFailed,
-    Event,
-    FallbackUsed,
-    Orchestrator,
+from orchestra import Orchestrator, RetryPolicy, RunResult, Task, TaskResult
+from orchestra.events import AttemptFailed, Event, FallbackUsed, TaskFinished
+from orchestra.testing import (
+    FakeClock,
     RecoveryStatus,
-    RetryPolicy,
-    RunResult,
-    Task,
-    TaskFinished,
-    TaskResult,
+    ScriptedAgent,
+    recovery_status,
+    scripted,
+    simulate_agent_failure,
 )
-from orchestra.testing import FakeClock, ScriptedAgent, scripted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -71,12 +68,12 @@ async def seed_scenario(
         async def fail_agent_3() -> None:
             await anyio.sleep(STRIKE)
             strike.append(clock.time())
-            orch.simulate_agent_failure("agent-3", mode="error")
+            simulate_agent_failure(orch, "agent-3", mode="error")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(fail_agent_3)
             result = await orch.run(tasks=tasks)
-        recovery = orch.recovery_status()
+        recovery = recovery_status(orch)
     results = {e.result.task_id: e.result for e in events if isinstance(e, TaskFinished)}
     return Scenario(result, results, events, agents, recovery, strike[0])
 

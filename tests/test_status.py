@@ -9,16 +9,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from orchestra import (
-    Concurrency,
-    Context,
-    Orchestrator,
-    Rate,
-    RetryPolicy,
-    RunStatus,
-    Task,
-    agent,
-)
+from orchestra import Concurrency, Context, Orchestrator, Rate, RetryPolicy, Task, agent
 from orchestra._core._run import Run
 from orchestra._core._status import snapshot
 from orchestra.testing import scripted
@@ -28,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
     from orchestra import RunResult
+    from orchestra.status import RunStatus
     from orchestra.testing import FakeClock
 
 pytestmark = pytest.mark.usefixtures("clock")

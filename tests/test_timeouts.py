@@ -8,16 +8,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from orchestra import (
-    AttemptFailed,
-    ConfigError,
-    Context,
-    RetryPolicy,
-    Task,
-    TaskFinished,
-    Timeouts,
-    agent,
-)
+from orchestra import ConfigError, Context, RetryPolicy, Task, Timeouts, agent
+from orchestra.events import AttemptFailed, TaskFinished
 from orchestra.testing import scripted
 from tests.helpers import NEVER_OPENS, run_recorded
 

@@ -11,16 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 import pytest
 
-from orchestra import (
-    AttemptStarted,
-    ConfigError,
-    Context,
-    RetryPolicy,
-    RetryScheduled,
-    Task,
-    Verdict,
-    agent,
-)
+from orchestra import ConfigError, Context, RetryPolicy, Task, Verdict, agent
+from orchestra.events import AttemptStarted, RetryScheduled
 from orchestra.testing import GARBAGE, Recorder, scripted
 from tests.helpers import run_recorded
 

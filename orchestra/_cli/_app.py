@@ -27,12 +27,12 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .. import __version__
 from .._exceptions import ConfigError, InputError, StoreError
 from .._failure import describe, format_traceback, scrub, with_type
+from .._version import __version__
 from ..stores import SQLiteStore
 from ..stores._worker import Worker
-from ._batch import EXIT_CODES, Batch, keep_runs_in, load_orchestrator, read_batch
+from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._runs import runs_app
 
@@ -225,7 +225,7 @@ def run(
             store = SQLiteStore(db)
         except (ConfigError, StoreError) as exc:
             raise _fail(str(exc)) from None
-        keep_runs_in(orch, store)
+        orch.store = store  # the factory made it for this command: its runs go to the file
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
@@ -424,7 +424,7 @@ async def _work(
 
 def _checkout() -> Path | None:
     """The source checkout with the benchmarks: the current directory or the package's parent."""
-    for candidate in (Path.cwd(), Path(__file__).resolve().parent.parent):
+    for candidate in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (candidate / "benchmarks" / "__main__.py").is_file():
             return candidate
     return None
@@ -483,7 +483,7 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
     if root is None:
         lines += [
             f"No checkout here: looked for benchmarks/ in {Path.cwd()} and "
-            f"{Path(__file__).resolve().parent.parent}.",
+            f"{Path(__file__).resolve().parents[2]}.",
             "Get one, then run it from its root:",
             "  git clone <the orchestra repository> orchestra && cd orchestra",
             "  make bench            # installs the bench group with uv, then runs the suite",
@@ -499,7 +499,7 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
     return "\n".join(lines)
 
 
-app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (orchestra/_runs_cli.py)
+app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (_runs.py)
 
 
 def main() -> None:

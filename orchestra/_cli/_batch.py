@@ -38,13 +38,11 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .._result import RunResult
-    from ..stores._protocol import Store
 
 __all__ = (
     "EXIT_CODES",
     "Batch",
     "TaskSpec",
-    "keep_runs_in",
     "load_orchestrator",
     "read_batch",
     "read_jsonl",
@@ -278,10 +276,3 @@ class Batch:
             run_id=run_id,
             **args,
         )
-
-
-def keep_runs_in(orch: Orchestrator, store: Store) -> None:
-    """Make `orch`'s runs keep their tasks in `store` (``orchestra run --db FILE``), whatever
-    store its factory gave it: the factory built it for this one command, so no one else sees
-    the change."""
-    orch._config.store = store

@@ -1,10 +1,11 @@
 """A run watched from a terminal: the live view, control keys, signals, results as they finish.
 
 What `orchestra run` and `orchestra demo` do with a run (and what a script can do with
-`watch(orch, input)`): the run goes on through its `RunHandle`; the live view (`progress`) is drawn
-on stderr (redrawn in place on a terminal, a plain line every few seconds elsewhere); each
-`TaskResult` can be handed to a writer as it finishes; SIGINT / SIGTERM stop the run gracefully and
-a second one cancels it at once (as `run_main`); and when stdin is a terminal, single keys steer it:
+`watch(orch, input)`, or `run_main(orch, input)`, the same without the view): the run goes on
+through its `RunHandle`; the live view (`progress`) is drawn on stderr (redrawn in place on a
+terminal, a plain line every few seconds elsewhere); each `TaskResult` can be handed to a writer as
+it finishes; SIGINT / SIGTERM stop the run gracefully and a second one cancels it at once; and
+when stdin is a terminal, single keys steer it:
 
     p  pause (no new attempt starts; running ones finish)     r  resume
     s  stop gracefully (running attempts get `grace` seconds)  c  cancel now (stop with no grace)
@@ -15,13 +16,19 @@ terminal is restored however the run ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import os
 import sys
+from functools import partial
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 
+from .._config import finite
+from .._core._orchestrator import Orchestrator
+from .._exceptions import ConfigError
 from ._progress import progress
 from ._signals import on_signals, signal_receiver, stop
 
@@ -32,11 +39,10 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .._core._handle import RunHandle
-    from .._core._orchestrator import Orchestrator
     from .._result import RunResult
     from .._task import Task, TaskResult
 
-__all__ = ("KEYS", "key_pressed", "watch")
+__all__ = ("KEYS", "key_pressed", "run_main", "watch")
 
 KEYS = "p pause · r resume · s stop · c cancel"
 
@@ -82,6 +88,46 @@ async def watch(
     if error is not None:
         raise error
     return result
+
+
+def run_main(
+    orch: Orchestrator,
+    input: Any = None,
+    *,
+    tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+    run_id: str | None = None,
+    grace: float | None = 10.0,
+) -> RunResult:
+    """Run `orch` on `input` (or `tasks`) from synchronous code and return the `RunResult`;
+    SIGINT / SIGTERM stop the run gracefully (see the module's docstring).
+
+    ``result = orchestra.run_main(orch, contracts)`` at the bottom of a script is the whole of
+    it: an event loop is started for the run (so call it where none runs) and the orchestrator is
+    entered and left. `grace` is how long running attempts may take to finish after the first
+    signal (None: as long as they take; 0: cancel them at once).
+    """
+    if not isinstance(orch, Orchestrator):  # else a TypeError from inside the run
+        raise ConfigError(f"run_main() runs an Orchestrator, got {orch!r}")
+    if grace is not None and (
+        isinstance(grace, bool)
+        or not isinstance(grace, int | float)
+        or not grace >= 0
+        or (grace != math.inf and not finite(grace))
+    ):
+        raise ConfigError(f"grace must be a number >= 0 or None, got {grace!r}")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no event loop runs here: the one place run_main can start its own
+    else:  # anyio.run would raise "Already running asyncio in this thread"
+        raise ConfigError(
+            "run_main() starts an event loop, and one runs here already: in async code, "
+            "`await orch.run(...)` instead"
+        )
+    # The watched run of `orchestra run` without its view: one way to run under signals.
+    return anyio.run(
+        partial(watch, orch, input, tasks=tasks, run_id=run_id, grace=grace, view=False)
+    )
 
 
 def key_pressed(handle: RunHandle, key: str, grace: float | None, tg: TaskGroup) -> str | None:

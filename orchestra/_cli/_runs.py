@@ -24,7 +24,7 @@ from rich.table import Table
 from .._exceptions import InputError, StoreError
 from .._failure import with_type
 from ..stores import SQLiteStore
-from ..stores._sqlite_work import is_alive
+from ..stores import _sqlite_leases as leases
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,7 +82,7 @@ def _read(db: Path, read: Callable[[SQLiteStore], Any]) -> Any:
 def _coordinator(run: dict[str, Any], now: float) -> str:
     """The process running a run now (``host:pid``, "shared" when workers may claim from it)."""
     owner, seen, lease = run.get("owner"), run.get("heartbeat"), run.get("lease") or 30.0
-    if owner is None or seen is None or now - seen >= lease or not is_alive(owner):
+    if owner is None or seen is None or now - seen >= lease or not leases.is_alive(owner):
         return ""  # none, or it is gone (its lease lapsed, or its pid on this host ended)
     host, _, rest = owner.partition(":")
     return f"{host}:{rest.partition(':')[0]}" + (", shared" if run.get("shared") else "")

@@ -5,7 +5,7 @@ Two variants, side by side, chosen by one predicate (the first test of `Attempts
 - the **plain** attempt, the common one: nothing to watch around the agent's call (no attempt
   timeout, task deadline, verifier, output model, safety check, instrument, event subscriber,
   simulated fault, reservation on a limit or breaker probe). It is a sync pair around the call:
-  `begin`, then `returned` (or `threw`), and the worker awaits the call itself in between. A
+  `begin`, then `returned` (or `threw`), and the runner awaits the call itself in between. A
   coroutine per attempt would cost as much as the rest of a no-op task's dispatch, and each
   helper call or `try` block here costs about 2 % of a no-op task: the pair keeps to two calls;
 - the **full** attempt (`run`), a coroutine: the safety check before a task's first attempt, the
@@ -18,9 +18,9 @@ Both end the same way, below them:
   the run (its listener: the report, the aggregate, the result stream); then the breaker, when the
   attempt was its probe, and the subscribers of `AttemptSucceeded`;
 - `raised`: a failed attempt goes to the recovery (`_recovery.py`: a retry at a due time, the next
-  agent, the chain's end); the run's own cancellation unwinds the worker;
+  agent, the chain's end); the run's own cancellation unwinds the runner;
 - `finished`: however it ended, the attempt gives back the slots it took (global, the agent's, its
-  limits', trued up with what it really cost) and wakes a worker to use them.
+  limits', trued up with what it really cost) and wakes a runner to use them.
 
 The plain attempt's `returned` takes the common case of `succeeded` and of `finished` in one step
 (nothing spawned, nothing reserved, nobody else to tell) and hands anything else to them.
@@ -65,7 +65,7 @@ log = get_logger("orchestra")
 class Owner(Protocol):
     """What an attempt asks of the dispatcher that runs it."""
 
-    parked: list[asyncio.Future[None]]  # workers waiting for something to do
+    parked: list[asyncio.Future[None]]  # runners waiting for something to do
 
     def wake_one(self) -> None: ...
     def take_back_cancels(self, record: Record) -> bool: ...
@@ -132,7 +132,7 @@ class Attempts:
     def bind_clock(self, time: Callable[[], float]) -> None:
         self._time = time
 
-    # -- the plain attempt: `begin`, the worker awaits the call, then `returned` or `threw` ----
+    # -- the plain attempt: `begin`, the runner awaits the call, then `returned` or `threw` ----
 
     def begin(
         self,
@@ -144,7 +144,7 @@ class Attempts:
     ) -> Context | Literal[False] | None:
         """Start the attempt of `record` on `slot` (`cost`: what it reserved on the agent's
         limits) if it is the plain one, and give the context to call the agent with (`spare`,
-        the worker's last one that nobody kept, made this attempt's). False: it is not plain,
+        the runner's last one that nobody kept, made this attempt's). False: it is not plain,
         and `run` makes it; None: the lease went stale (the task was cancelled) before the call."""
         # The predicate: nothing to watch around the agent's call.
         if not (
@@ -181,7 +181,7 @@ class Attempts:
     ) -> None:
         """The plain attempt's call returned `output`: the task ends with it, and the attempt is
         over. An output the check refuses, or a spawn the store refuses, raises before the end:
-        the worker hands it to `threw`, and the attempt fails instead. (No `try` here: see the
+        the runner hands it to `threw`, and the attempt fails instead. (No `try` here: see the
         module's docstring.)"""
         if type(output) not in _PLAIN:
             check_returned(output, slot.name)
@@ -214,7 +214,7 @@ class Attempts:
         self, record: Record, token: int, slot: AgentSlot, exc: BaseException, ctx: Context
     ) -> bool:
         """The plain attempt's call raised `exc`: `raised`, and the attempt is over. True: the
-        worker lets `exc` unwind."""
+        runner lets `exc` unwind."""
         try:
             return self.raised(record, token, slot, exc, self._started(record), ctx)
         finally:
@@ -251,7 +251,7 @@ class Attempts:
                 try:
                     safe = await self._safe(record, token)
                 except asyncio.CancelledError:
-                    # `cancel_attempts` cancelled the task during its safety check: the worker
+                    # `cancel_attempts` cancelled the task during its safety check: the runner
                     # goes on (as `raised` says for a cancel during the call).
                     if not self._owner.take_back_cancels(record):
                         raise
@@ -422,14 +422,14 @@ class Attempts:
     ) -> bool:
         """The attempt raised `exc` (the agent, its checks, or the store refusing its spawns).
         True when `exc` is not the attempt's to end (the run's own cancellation, a generator's
-        close): the worker lets it unwind. A probe reports back to the breaker however it ends:
+        close): the runner lets it unwind. A probe reports back to the breaker however it ends:
         its failure is a verdict; else another probe may go."""
         owner = self._owner
         cancelled = self.cancelled
         if isinstance(exc, asyncio.CancelledError):
             # Ours (the run is cancelled, or a deadline passed): unwind, unless
             # `cancel_attempts` cancelled this attempt alone (its task is ended already): then
-            # the worker goes on. One the agent raised by itself (no cancellation pending on
+            # the runner goes on. One the agent raised by itself (no cancellation pending on
             # this task): a failed attempt.
             me = asyncio.current_task()
             if me is None or me.cancelling() or cancelled:
@@ -462,7 +462,7 @@ class Attempts:
     def finished(
         self, slot: AgentSlot, cost: Cost | None, ctx: Context | None, unjudged: bool = False
     ) -> None:
-        """An attempt is over, however it ended: give back what it took, and let a worker use it.
+        """An attempt is over, however it ended: give back what it took, and let a runner use it.
         `unjudged`: the attempt was the breaker's probe and ended before any verdict (refused,
         cancelled): another probe may go."""
         capacity = self._capacity
@@ -478,7 +478,7 @@ class Attempts:
             slot.breaker.on_abandon()
         if capacity.blocked or len(capacity.runs) > 1:
             # The freed slot (global, or this agent's, which other runs share) may be what
-            # another run's parked worker waits for.
+            # another run's parked runner waits for.
             capacity.blocked = False
             for run in capacity.runs:
                 run.router.room(slot)

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._budget import BudgetDoor
+from .._budget import BudgetLimiter
 from .._config import finite
 from .._exceptions import InputError
-from .._limits import REQUESTS, Rate
+from .._limits import REQUESTS
 from .._log import get_logger
+from .._rate import Rate
 from ._routing import DEFAULT_COST
 
 if TYPE_CHECKING:
@@ -177,8 +178,8 @@ class Context:
             if n > 0 and unit != REQUESTS:
                 more[unit] = n
         rates = [limiter for limiter in limiters if isinstance(limiter, Rate)]
-        door = limiters[-1] if limiters and isinstance(limiters[-1], BudgetDoor) else None
-        grower = door if len(more) > 1 else None  # the budget has a say only on growth
+        budget = limiters[-1] if limiters and isinstance(limiters[-1], BudgetLimiter) else None
+        grower = budget if len(more) > 1 else None  # the budget has a say only on growth
         # Written by hand on the limiters' own `peek` (they never sleep: see `_limits`): the
         # attempt holds its other slots meanwhile, which is what it would hold on a slow call.
         loop = asyncio.get_running_loop()
@@ -194,8 +195,8 @@ class Context:
                 break
         for limiter in limiters:  # no await since the peek: nobody took the room meanwhile
             limiter.reconcile(cost, new, now)
-        if door is not None:
-            door.retake(cost, new)
+        if budget is not None:
+            budget.retake(cost, new)
         cost.clear()
         cost.update(new)
 

@@ -1,15 +1,17 @@
-"""The dispatcher: a pool of worker coroutines that take a task, call its agent, and tell the
-store what came of it. It never changes a task's state itself: the store does.
+"""The dispatcher: a pool of runners, the run's coroutines that each take a task, call its agent,
+and tell the store what came of it, one attempt at a time. It never changes a task's state itself:
+the store does.
 
-No asyncio task per subtask: at most `concurrency` workers (started as work appears) take from the
+No asyncio task per subtask: at most `concurrency` runners (started as work appears) take from the
 store and await the agent call themselves, so 100k pending tasks are 100k small records, not 100k
 coroutines. Which agent a task goes to, and where it waits when that agent has no room, is the
 router's (`_routing.py`): the same cost whatever the number of kinds and agents. The attempt
-itself, and where its output goes, is `_attempt.py`'s; the worker awaits a plain attempt's call
-in its own frame. After a failed call, what comes next — a retry at a due time, the next agent of the chain, the end of the chain
-(a default value or a failure) — is the recovery's (`_recovery.py`).
+itself, and where its output goes, is `_attempt.py`'s; the runner awaits a plain attempt's call
+in its own frame. After a failed call, what comes next — a retry at a due time, the next agent of
+the chain, the end of the chain (a default value or a failure) — is the recovery's
+(`_recovery.py`).
 
-A task waiting for a retry, a breaker or a rate limit holds no worker and no slot: its wait is a
+A task waiting for a retry, a breaker or a rate limit holds no runner and no slot: its wait is a
 due time in the store or in a lane, and one timer per run (`loop.call_at`, no task) wakes it.
 """
 
@@ -44,11 +46,11 @@ if TYPE_CHECKING:
 
 __all__ = ("Dispatcher",)
 
-_YIELD_EVERY = 64  # a worker whose agents never suspend still lets the loop run this often
+_YIELD_EVERY = 64  # a runner whose agents never suspend still lets the loop run this often
 
 
 class Dispatcher:
-    """Workers, agent choice and the attempt loop of one run; the run's store holds the state."""
+    """Runners, agent choice and the attempt loop of one run; the run's store holds the state."""
 
     def __init__(self, run: Run, store: RunStore) -> None:
         config = run.config
@@ -68,19 +70,19 @@ class Dispatcher:
         self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
-        # The run's own tasks (its workers) live in an asyncio.TaskGroup that `Run.execute` owns:
+        # The run's own tasks (its runners) live in an asyncio.TaskGroup that `Run.execute` owns:
         # starting a task there costs a third of anyio's `start_soon` (measured ~9 µs against
-        # ~28 µs here), which is what a pool of hundreds of workers pays before the first call.
+        # ~28 µs here), which is what a pool of hundreds of runners pays before the first call.
         self._pool: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._workers = 0
-        # What each worker runs, set around each attempt: read by `cancel_attempts`, and by the
+        self._runners = 0
+        # What each runner works on, set around each attempt: read by `cancel_attempts`, and by the
         # log lines of the attempt as their `task_id` (see `CurrentTask`).
         self._running: dict[asyncio.Task[None], CurrentTask] = {}
         self.closing = False
-        self.paused = False  # `pause()`: workers take nothing new (see `_take`)
+        self.paused = False  # `pause()`: runners take nothing new (see `_take`)
         self.held = False  # `hold()`: the store's writes are behind; nothing new either
-        self.halted = False  # paused or held: the one flag the workers read
+        self.halted = False  # paused or held: the one flag the runners read
         self.on_drained: Callable[[], None] | None = None  # paused, and no attempt runs any more
         self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = anyio.current_time
@@ -102,14 +104,14 @@ class Dispatcher:
         """`cancel_all` was called: what an attempt returns or raises from now on is dropped."""
         return self.attempts.cancelled
 
-    # -- workers ---------------------------------------------------------------------------------
+    # -- runners ---------------------------------------------------------------------------------
 
     def start(self, pool: asyncio.TaskGroup, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._loop = loop
-        for _ in range(min(self._capacity.limit, self.store.unfinished) - self._workers):
-            self._workers += 1
-            self._spawn(self._worker())
+        for _ in range(min(self._capacity.limit, self.store.unfinished) - self._runners):
+            self._runners += 1
+            self._spawn(self._runner())
         self.schedule()
 
     def bind_clock(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -118,31 +120,31 @@ class Dispatcher:
         self.attempts.bind_clock(self._time)
 
     def ready(self, record: Record) -> None:
-        """The store made a task ready: get a worker to it."""
+        """The store made a task ready: get a runner to it."""
         if record.deadline is not None:
             self.schedule()
         self.wake()
 
     def wake(self) -> None:
-        """A task can be claimed: wake a parked worker, or start one if the pool has room."""
+        """A task can be claimed: wake a parked runner, or start one if the pool has room."""
         if self.parked:
             self.wake_one()
-        elif self._pool is not None and self._workers < self._capacity.limit and not self.closing:
-            self._workers += 1
-            self._spawn(self._worker())
+        elif self._pool is not None and self._runners < self._capacity.limit and not self.closing:
+            self._runners += 1
+            self._spawn(self._runner())
 
     def ready_all(self, records: Sequence[Record]) -> None:
-        """`ready` for a batch: the timer armed once, as many workers woken as can take them."""
+        """`ready` for a batch: the timer armed once, as many runners woken as can take them."""
         if records and records[0].deadline is not None:
             self.schedule()
         for _ in range(len(records)):
             if self.parked:
                 self.wake_one()
             elif (
-                self._pool is not None and self._workers < self._capacity.limit and not self.closing
+                self._pool is not None and self._runners < self._capacity.limit and not self.closing
             ):
-                self._workers += 1
-                self._spawn(self._worker())
+                self._runners += 1
+                self._spawn(self._runner())
             else:
                 return
 
@@ -152,7 +154,7 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
 
     def stop(self) -> None:
-        """No new attempt starts: parked workers leave, running ones leave after their attempt."""
+        """No new attempt starts: parked runners leave, running ones leave after their attempt."""
         self.closing = True
         if self._timer is not None:
             self._timer.cancel()
@@ -161,18 +163,18 @@ class Dispatcher:
             self.wake_one()
 
     def cancel_all(self) -> None:
-        """Cancel every worker, running or parked, until it leaves; no new attempt starts, and
+        """Cancel every runner, running or parked, until it leaves; no new attempt starts, and
         what an attempt returns or raises from now on is dropped (the run ends its task as
         cancelled)."""
         self.attempts.cancelled = True
         self.stop()
-        self._cancel_workers()
+        self._cancel_runners()
 
-    def _cancel_workers(self) -> None:
-        # Cancel every worker still alive, and again at each turn of the loop until it has ended:
+    def _cancel_runners(self) -> None:
+        # Cancel every runner still alive, and again at each turn of the loop until it has ended:
         # an agent that swallows one `CancelledError` is cancelled again at its next await, as an
         # anyio cancel scope would do (a bare `Task.cancel()` is delivered once). Written by hand
-        # because a scope per worker costs ~8 µs at every worker's start (measured), paid by every
+        # because a scope per runner costs ~8 µs at every runner's start (measured), paid by every
         # run; this costs nothing until a run is cancelled.
         alive = False
         for task in self._tasks:
@@ -180,7 +182,7 @@ class Dispatcher:
                 task.cancel()
                 alive = True
         if alive and self._loop is not None:
-            self._loop.call_soon(self._cancel_workers)
+            self._loop.call_soon(self._cancel_runners)
 
     # -- control (a run handle's) ------------------------------------------------------------------
 
@@ -191,7 +193,7 @@ class Dispatcher:
             self.on_drained()
 
     def resume(self) -> None:
-        """Attempts start again: the parked workers wake, and the pool is topped up."""
+        """Attempts start again: the parked runners wake, and the pool is topped up."""
         if not self.paused:
             return
         self.paused = False
@@ -217,7 +219,7 @@ class Dispatcher:
 
     def cancel_attempts(self, records: list[Record]) -> None:
         """Cancel the running attempts of `records` (the caller has ended the tasks in the store),
-        each through its worker; the worker takes the next task (see `Attempts.raised`)."""
+        each through its runner; the runner takes the next task (see `Attempts.raised`)."""
         wanted = set(records)
         hit = [(t, c, c.record) for t, c in self._running.items() if c.record in wanted]
         self._cancel_again(hit)
@@ -225,9 +227,9 @@ class Dispatcher:
     def _cancel_again(
         self, hit: list[tuple[asyncio.Task[None], CurrentTask, Record | None]]
     ) -> None:
-        # Cancel each worker still in the attempt it was told to end, and again at each turn of
+        # Cancel each runner still in the attempt it was told to end, and again at each turn of
         # the loop while it is: an agent that swallows one `CancelledError` is cancelled again at
-        # its next await, as the run's own cancel does (`_cancel_workers`). The worker counts
+        # its next await, as the run's own cancel does (`_cancel_runners`). The runner counts
         # them, and takes them all back when the attempt ends (`take_back_cancels`).
         again = []
         for task, current, record in hit:
@@ -239,9 +241,9 @@ class Dispatcher:
             self._loop.call_soon(self._cancel_again, again)
 
     def take_back_cancels(self, record: Record) -> bool:
-        """Whether every cancellation pending on this worker is `cancel_attempts`' for `record`
-        (its task is ended already): then they are taken back and the worker goes on. False: the
-        run's own cancellation (or another), which the worker lets unwind."""
+        """Whether every cancellation pending on this runner is `cancel_attempts`' for `record`
+        (its task is ended already): then they are taken back and the runner goes on. False: the
+        run's own cancellation (or another), which the runner lets unwind."""
         me = asyncio.current_task()
         if me is None or self.cancelled or record.cancelling is None:
             return False
@@ -254,7 +256,7 @@ class Dispatcher:
         return True
 
     def wake_one(self) -> None:
-        """Wake one parked worker, if any."""
+        """Wake one parked runner, if any."""
         parked = self.parked
         while parked:
             waiter = parked.pop()
@@ -262,9 +264,9 @@ class Dispatcher:
                 waiter.set_result(None)
                 return
 
-    async def _worker(self) -> None:
+    async def _runner(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
-        # allocation; `wake_one` wakes a worker when a task is ready or a slot frees.
+        # allocation; `wake_one` wakes a runner when a task is ready or a slot frees.
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         assert me is not None
@@ -278,7 +280,7 @@ class Dispatcher:
         limit = capacity.limit
         cancelling = me.cancelling  # (a local: `me.cancelling()` is an unspecialized lookup)
         current = self._running[me] = CurrentTask()
-        # Each worker runs in its own copy of the context: the value never leaks out of it.
+        # Each runner runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
         spare: Context | None = None
         # What `getrefcount` says of an object that only a local of this frame holds, read the
@@ -295,14 +297,14 @@ class Dispatcher:
                     self.halted
                     or router.recheck
                     or limiter.in_use >= limit
-                    or router.gate is not None
+                    or router.budget is not None
                     or (record := claim()) is None
                 ):
                     picked = self._take()  # paused, full, tasks in lanes first, or none ready
                     if picked is None:
                         # Nothing to do. If every unfinished task is running, nothing can become
                         # ready but through them (a retry, a spawn, a dependent), and `ready`
-                        # starts a worker then: leave now rather than be woken at the end only
+                        # starts a runner then: leave now rather than be woken at the end only
                         # to leave.
                         if store.unfinished <= attempts.running or self.closing:
                             return
@@ -334,7 +336,7 @@ class Dispatcher:
                 if ctx is False:
                     await attempts.run(record, token, slot, cost)
                 elif ctx is not None:
-                    # The plain attempt (see `orchestra._core._attempt`): the worker awaits the call.
+                    # The plain attempt (see `orchestra._core._attempt`): the runner awaits the call.
                     spare = None
                     call = slot.call  # (a local: `slot.call(...)` is an unspecialized lookup)
                     try:
@@ -352,14 +354,14 @@ class Dispatcher:
                         spare = ctx
                 current.record = None
                 # The run is cancelled, and the agent swallowed it: no new attempt. (Unless
-                # `cancel_attempts` cancelled this attempt alone: the worker goes on.)
+                # `cancel_attempts` cancelled this attempt alone: the runner goes on.)
                 if cancelling() and not self.take_back_cancels(record):
                     return
                 done += 1
                 if not done % _YIELD_EVERY:
                     await asyncio.sleep(0)
         finally:
-            self._workers -= 1
+            self._runners -= 1
             del self._running[me]
 
     # -- choosing --------------------------------------------------------------------------------
@@ -400,7 +402,7 @@ class Dispatcher:
         routed = router.route(record, token)
         if routed is None:
             return None
-        if not routed.limiters and router.gate is None:
+        if not routed.limiters and router.budget is None:
             return record, token, routed, None
         cost = router.reserve(record, token, routed)
         return None if cost is None else (record, token, routed, cost)
@@ -450,13 +452,13 @@ class Dispatcher:
             )
         waiting = self.router.due(now)
         self.schedule()
-        # Wake a worker for each lane that may go on (and for retries the store made ready).
+        # Wake a runner for each lane that may go on (and for retries the store made ready).
         for _ in range(waiting or 1):
             if self.parked:
                 self.wake_one()
-            elif self._pool is not None and self._workers < self._capacity.limit:
-                self._workers += 1
-                self._spawn(self._worker())
+            elif self._pool is not None and self._runners < self._capacity.limit:
+                self._runners += 1
+                self._spawn(self._runner())
 
     # -- what a failure leads to (orchestra._core._recovery) --------------------------------------------
 

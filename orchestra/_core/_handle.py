@@ -1,14 +1,16 @@
-"""`RunHandle`: a run that goes on in the background, steered while it runs.
+"""`RunHandle`: a run that goes on in the background, steered while it runs; `ResultStream`: its
+results as they finish.
 
 ``handle = orch.start(input)`` starts a run in the orchestrator's task group and returns at once;
 the handle pauses and resumes it, cancels some of its tasks, changes priorities, streams its
-results, stops it gracefully, and is awaited for its `RunResult`. It holds no state of the run
+results (`handle.results()`, a `ResultStream`; `orch.stream(input)` is a run read that way), stops
+it gracefully, and is awaited for its `RunResult`. It holds no state of the run
 itself: every change goes through the run (and so through its store), which is what lets a durable
 store give the same control over a run another process started.
 
 Every control call is safe at any moment and idempotent: before the run has its tasks (the
 decomposer still runs) a pause, a cancel or a priority change is kept and applied the moment the
-tasks are admitted, before any worker starts; after the end it does nothing.
+tasks are admitted, before any attempt starts; after the end it does nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from ._run import Run
     from ._status import RunStatus
 
-__all__ = ("Cancellation", "RunHandle")
+__all__ = ("Cancellation", "ResultStream", "RunHandle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class RunHandle:
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._send: MemoryObjectSendStream[TaskResult] | None = None
-        self._results: _Results | None = None
+        self._results: ResultStream | None = None
         self._t0 = datetime.now(UTC)
 
     def __repr__(self) -> str:
@@ -221,7 +223,7 @@ class RunHandle:
     ) -> Cancellation:
         """Cancel the unfinished tasks that match every selector given (at least one).
 
-        Running attempts are cancelled through their own cancel scopes (the worker goes on with
+        Running attempts are cancelled through their own cancel scopes (the run goes on with
         the next task), waiting tasks are removed, and the dependents of all of them are skipped
         with the reason. `agent` selects the tasks running on that agent, waiting for room at it
         (its lane) or bound to it by a retry or a fallback chain. Returns what it did; the run
@@ -240,9 +242,11 @@ class RunHandle:
         if self.done:
             return Cancellation(reason)
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.cancel_standing(selector, reason, described))
+            self._pending.append(
+                lambda run: run.control.cancel_standing(selector, reason, described)
+            )
             return Cancellation(reason, deferred=True)
-        done = self._run.cancel(selector, reason, described)
+        done = self._run.control.cancel(selector, reason, described)
         return Cancellation(reason, tuple(done.cancelled), tuple(done.skipped))
 
     def reprioritize(self, task_id: str, priority: int) -> bool:
@@ -255,29 +259,37 @@ class RunHandle:
         if self.done:
             return False
         if not self._open or self._run is None:
-            self._pending.append(lambda run: run.reprioritize_standing(task_id, priority))
+            self._pending.append(lambda run: run.control.reprioritize_standing(task_id, priority))
             return True
-        return self._run.reprioritize(task_id, priority)
+        return self._run.control.reprioritize(task_id, priority)
 
-    def results(self) -> _Results:
+    def results(self) -> ResultStream:
         """The `TaskResult`s of the tasks that finish from now on: ``async for r in
         handle.results()``. Call it right after `start` to see every one.
 
         Only a handle asked for its results gets them (a run nobody reads keeps none), and unread
         results count against the run's `window`, so a slow reader slows a streamed input's
-        admission instead of buffering a million results. Every call returns the same iterator.
+        admission instead of buffering a million results. Every call returns the same iterator;
+        closing it stops the reading, not the run.
         """
-        if self._results is not None:
-            return self._results
+        if self._results is None:
+            return ResultStream(self)  # it opens itself on this handle (`_open_results`)
+        return self._results
+
+    def _open_results(self, stream: ResultStream) -> MemoryObjectReceiveStream[TaskResult]:
+        """`stream` is this run's reader from now on: the receiving end of its `TaskResult`s."""
+        self._results = stream
+        # Unbounded as a stream (the run must never wait for its reader), bounded as a run: unread
+        # results count against the run's window, so a slow reader slows admission instead of
+        # the run buffering its results.
         send, receive = anyio.create_memory_object_stream["TaskResult"](math.inf)
-        self._results = _Results(receive, self)
         if self.done:
             send.close()
         else:
             self._send = send
             if self._run is not None:
                 self._run.attach_results(send)
-        return self._results
+        return receive
 
     async def stop(self, grace: float | None = None, *, reason: str | None = None) -> RunResult:
         """End the run gracefully and return its `RunResult` (status "cancelled").
@@ -324,6 +336,14 @@ class RunHandle:
                 self._wake = anyio.Event()
             await self._wake.wait()
 
+    def _stop_now(self, reason: str) -> None:
+        """End the run at once with `reason` (or, without tasks yet, its driver)."""
+        if self.done:
+            return
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._end_now()
+
     def _end_now(self) -> None:
         """The grace period is over: end the run (or, without tasks yet, its driver)."""
         if self.done:
@@ -334,35 +354,82 @@ class RunHandle:
             self._scope.cancel()
 
 
-class _Results:
-    """The async iterator of `RunHandle.results()`."""
+class ResultStream:
+    """The `TaskResult`s of a run as they finish: ``async for r in orch.stream(x)``, or
+    ``handle.results()``; `result` is the run's `RunResult` once it is over.
 
-    def __init__(self, receive: MemoryObjectReceiveStream[TaskResult], handle: RunHandle) -> None:
-        self._receive = receive
+    A stream from `orch.stream(...)` owns its run: the run starts when the stream is first read
+    (a stream closed before that never starts it), closing the stream before its end stops the
+    run, and what the run raised (an `InputError`) is raised at the end of the loop. A handle's
+    stream only reads: closing it stops the reading, the run goes on, and the handle has the
+    error.
+    """
+
+    def __init__(
+        self, handle: RunHandle | None = None, start: Callable[[], RunHandle] | None = None
+    ) -> None:
         self._handle = handle
+        self._start = start  # `orch.stream(...)`'s: starts the run this stream owns
+        self._receive = handle._open_results(self) if handle is not None else None
+        self._closed = False
 
-    def __aiter__(self) -> _Results:
+    @property
+    def result(self) -> RunResult | None:
+        """The run's `RunResult` once it is over (None before, if it raised, or if it never
+        started)."""
+        return None if self._handle is None else self._handle.result
+
+    def __aiter__(self) -> ResultStream:
         return self
 
     def __del__(self) -> None:
         # A reader that goes away unfinished closes its end: the run then drops its results
         # instead of buffering them for nobody.
-        self._receive.close()
-
-    async def aclose(self) -> None:
-        """Stop reading: the run drops its results from now on."""
-        self._receive.close()
+        if self._receive is not None:
+            self._receive.close()
 
     async def __anext__(self) -> TaskResult:
+        handle = self._handle
+        if handle is None:
+            if self._closed or self._start is None:  # closed before it was read: never starts
+                raise StopAsyncIteration
+            handle = self._handle = self._start()
+            self._receive = handle._open_results(self)
+        assert self._receive is not None  # opened with the handle
         try:
             result = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
+        except anyio.EndOfStream:
             self._receive.close()
+            if self._start is not None:  # its own run: what it raised is the reader's
+                await handle._over.wait()
+                if handle._error is not None:
+                    raise handle._error from None
             raise StopAsyncIteration from None
-        run = self._handle._run
+        except anyio.ClosedResourceError:  # read again after its end, or after aclose()
+            raise StopAsyncIteration from None
+        run = handle._run
         if run is not None:
-            run.reader_progress()  # room in the window: the input may go on
+            run.input.room_freed()  # room in the window: the input may go on
         return result
+
+    async def aclose(self) -> None:
+        """Stop reading. A stream of `orch.stream(...)` also stops its run if it is still going
+        (what runs is cancelled, what waits ends cancelled) and waits for it to end: `result` is
+        then its `RunResult`, status "cancelled"."""
+        self._closed = True
+        handle = self._handle
+        if handle is None or self._receive is None:
+            return
+        if self._start is not None:
+            handle._stop_now("the stream was closed before its end")
+            await handle._over.wait()
+        self._receive.close()
+
+    async def __aenter__(self) -> ResultStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def _selector(

@@ -8,10 +8,11 @@ and every task end, synchronously, from the code that makes them happen. The eve
   a progress bar, wrong for a counter that must be exact (`orchestra_attempts_total` must equal
   `metadata.attempts`, whatever the load).
 - It delivers later, from another task. A tracing span must be the *current* context while the
-  agent runs, in the worker's own task, so that the spans the agent's code makes (an httpx or
-  anthropic instrumentation) nest under the attempt's span. Only a hook that runs in the worker,
-  around the agent call, can do that (as `_dispatch.py` sets the structlog task id: each worker
-  runs in its own copy of the context, so what a hook attaches there never leaks out).
+  agent runs, in the dispatcher's runner that awaits the call, so that the spans the agent's code
+  makes (an httpx or anthropic instrumentation) nest under the attempt's span. Only a hook that
+  runs in the runner, around the agent call, can do that (as `_dispatch.py` sets the structlog
+  task id: each runner runs in its own copy of the context, so what a hook attaches there never
+  leaks out).
 
 Zero cost when off: an orchestrator without instruments has `instruments=None` in its run config,
 and the dispatcher reads that one attribute per attempt (and the run once per task end); nothing
@@ -25,7 +26,7 @@ A hook that raises is logged once (per instrument and hook; later ones are only 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from .._clock import current_clock
 from .._failure import cancel_pending
@@ -37,9 +38,8 @@ if TYPE_CHECKING:
     from .._task import Task, TaskResult
     from ._context import Context
     from ._orchestrator import Orchestrator
-    from ._run import Run
 
-__all__ = ("AttemptInfo", "Instrument", "Instruments", "RunInfo")
+__all__ = ("AttemptInfo", "Instrument", "Instruments", "Owner", "RunInfo")
 
 log = get_logger("orchestra.instruments")
 
@@ -68,8 +68,8 @@ class Instrument:
     overrides are called (a hook left as the base's no-op costs nothing).
 
     Every hook is called synchronously by the run, in the order things happen: `on_attempt_start`
-    and `on_attempt_end` in the worker's own task, around the agent call (the attempt's context is
-    the agent's), `on_attempt_end` before the retry, fallback or task end it leads to. Hooks must
+    and `on_attempt_end` in the task that awaits the agent call, around it (the attempt's context
+    is the agent's), `on_attempt_end` before the retry, fallback or task end it leads to. Hooks must
     be quick (they run on the run's path) and must not block; what they raise is logged once and
     ignored.
     """
@@ -81,7 +81,7 @@ class Instrument:
         """A run started (after a whole input was admitted: an input error starts no run)."""
 
     def on_attempt_start(self, attempt: AttemptInfo) -> None:
-        """An agent is about to be called on a task, in the worker that will await the call."""
+        """An agent is about to be called on a task, in the task that will await the call."""
 
     def on_attempt_end(self, attempt: AttemptInfo) -> None:
         """The attempt ended: `attempt.outcome` is "succeeded", "failed" (`attempt.error` says
@@ -103,22 +103,34 @@ class Instrument:
         """The run ended with `status` ("success", "partial", "failed", "cancelled")."""
 
 
+class Owner(Protocol):
+    """What `RunInfo` reads of its run: its clock and its live counts."""
+
+    def now(self) -> float: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def unfinished(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+
+
 class RunInfo:
     """What an instrument sees of a run: its id, its clock, and its live counts (read them at
     scrape time: each is an attribute read, cheap enough to poll)."""
 
     __slots__ = ("_offset", "_run", "run_id", "started")
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run_id: str, started: float, run: Owner) -> None:
         self._run = run
-        self.run_id: str = run.run_id
-        self.started: float = run.t0
+        self.run_id = run_id
+        self.started = started
         # Loop time -> epoch seconds, fixed at the start (virtual under a FakeClock).
         self._offset = current_clock().to_wall(0.0)
 
     def now(self) -> float:
         """The run's clock (the event loop's, in seconds): the times of `AttemptInfo`."""
-        return self._run.dispatcher._time()
+        return self._run.now()
 
     def to_wall(self, t: float) -> float:
         """Epoch seconds for the run clock's `t` (what exporters want)."""
@@ -127,17 +139,17 @@ class RunInfo:
     @property
     def running(self) -> int:
         """Attempts running now."""
-        return self._run.dispatcher.running
+        return self._run.running
 
     @property
     def unfinished(self) -> int:
         """Admitted tasks not yet terminal."""
-        return self._run.store.unfinished
+        return self._run.unfinished
 
     @property
     def waiting(self) -> int:
         """Admitted tasks waiting for their dependencies (never ready yet)."""
-        return self._run.store.pending
+        return self._run.waiting
 
     @property
     def queued(self) -> int:

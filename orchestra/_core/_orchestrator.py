@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
-import math
 import time
 import uuid
 from collections.abc import (
     AsyncIterable,
-    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
@@ -19,12 +17,11 @@ from collections.abc import (
 )
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-
 from .._admission import check_new_priority
 from .._aggregate import Aggregator, aggregator_of
 from .._breaker import BreakerPolicy
-from .._budget import Budget
+from .._budget import BudgetPolicy
+from .._concurrency import Capacity, Concurrency, as_concurrency
 from .._config import (
     check_callable,
     check_instance,
@@ -39,23 +36,20 @@ from .._config import (
 from .._events import Event, EventBus
 from .._exceptions import ConfigError, InputError
 from .._failure import cancel_pending
-from .._faults import MODES, Fault, FaultMode
-from .._limits import Capacity, Concurrency, as_concurrency
+from .._faults import Faults
 from .._log import get_logger
-from .._registry import AgentSlot, Registry
+from .._registry import Registry
 from .._retry import RetryPolicy, Timeouts
-from .._task import SUCCEEDED, TERMINAL, Task, TaskResult
+from .._task import TERMINAL, Task
 from ..stores import MemoryStore, SQLiteStore
 from ..stores._worker import WorkReport, work
-from ._handle import RunHandle
+from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
+from ._lifecycle import Lifecycle
 from ._run import Run, RunConfig
 
 if TYPE_CHECKING:
     from types import TracebackType
-
-    from anyio.abc import TaskGroup
-    from anyio.streams.memory import MemoryObjectReceiveStream
 
     from .._agent import AgentLike
     from .._clock import FakeClock
@@ -63,7 +57,7 @@ if TYPE_CHECKING:
     from .._verify import Check
     from ..stores._protocol import Store
 
-__all__ = ("Orchestrator", "RecoveryStatus", "ResultStream")
+__all__ = ("Orchestrator",)
 
 log = get_logger("orchestra")
 
@@ -174,12 +168,8 @@ class Orchestrator:
             )
         check_callable("on_threshold_missed", on_threshold_missed)
         check_number("drain_timeout", drain_timeout)
-        if store is not None and not callable(getattr(store, "open_run", None)):
-            # Else an AttributeError when the first run opens (a path is the usual slip).
-            raise ConfigError(
-                f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
-                f"got {shown(store)}"
-            )
+        if store is not None:
+            _check_store(store)
         if instruments is not None:
             check_sequence("instruments", instruments)
             for i, instrument in enumerate(instruments):
@@ -209,9 +199,10 @@ class Orchestrator:
         self.decomposer = decomposer
         self.clock = clock
         self._bus = EventBus()
-        self._bus.on_change = self._replain
+        self._bus.on_change = self._listeners_changed
         self._capacity = Capacity(as_concurrency(concurrency, "concurrency"))
-        self._faults: dict[str, Fault] = {}
+        self.faults = Faults(changed=self._listeners_changed, live_state=self._unfinished_state)
+        """The simulated failures of its agents (see `orchestra.testing.simulate_agent_failure`)."""
         self._config = RunConfig(
             registry=self.registry,
             capacity=self._capacity,
@@ -225,55 +216,46 @@ class Orchestrator:
             safety=safety,
             success_threshold=success_threshold,
             window=window or max(10_000, 10 * self._capacity.limit),
-            faults=self._faults,
+            faults=self.faults,
             aggregate=aggregator,
             seed=seed,
             on_threshold_missed=on_threshold_missed,
             instruments=Instruments.of(instruments),
-            budget=Budget.of(max_cost=max_cost, max_tokens=max_tokens),
+            budget=BudgetPolicy.of(max_cost=max_cost, max_tokens=max_tokens),
         )
         if self._config.instruments is not None:
             self._config.instruments.attach(self)
-        self._drain_timeout = drain_timeout
-        self._tg: TaskGroup | None = None
-        self._idle: anyio.Event | None = None
-        self._entered = 0
-        # The tasks inside an `async with` of it, by anyio task id, with their depth; the first
-        # one entered the task group, and only it can exit it (a cancel scope is left in the
-        # task that entered it).
-        self._holders: dict[int, int] = {}
-        self._owner: int | None = None
         self._runs: list[Run] = []
         self._starting = 0  # handles whose run is not in `_runs` yet (its input is being made)
-        # The task that holds the lifecycle for callers of run() and work() outside `async with`
-        # (see `_as_guest`), how many such calls are in it, and the event that lets it close.
-        self._host: asyncio.Task[None] | None = None
-        self._opened: asyncio.Future[None] | None = None  # set once `_host` has entered
-        self._guests = 0
-        self._vacated = anyio.Event()
+        self._lifecycle = Lifecycle(self._bus, clock, drain_timeout, self._busy)
 
     @property
     def concurrency(self) -> int:
         return self._capacity.limit
 
+    @property
+    def store(self) -> Store:
+        """Where its runs keep their tasks (`MemoryStore()` unless given; see `orchestra.stores`).
+
+        Settable while no run goes on: the runs started after keep their tasks in the new store
+        (as ``orchestra run --db FILE`` does with the orchestrator its factory made)."""
+        store: Store = self._config.store
+        return store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        _check_store(store)
+        if self._runs or self._starting:
+            raise ConfigError(
+                "store can be changed only while no run goes on: set it before starting runs"
+            )
+        self._config.store = store
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Orchestrator:
         _check_asyncio("async with Orchestrator(...)")
-        me = anyio.get_current_task().id
-        if self._entered:
-            self._entered += 1
-            self._holders[me] = self._holders.get(me, 0) + 1
-            return self
-        if self.clock is not None:
-            self.clock.install()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        self._entered = 1
-        self._holders = {me: 1}
-        self._owner = me
-        self._bus.start(tg)
+        await self._lifecycle.__aenter__()
         return self
 
     async def __aexit__(
@@ -282,75 +264,7 @@ class Orchestrator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        me = anyio.get_current_task().id
-        depth = self._holders.get(me)
-        if depth is None:
-            if self._tg is None:
-                return None  # the lifecycle it entered was ended by its first task's error
-            raise ConfigError(
-                "Orchestrator exited from a task (or event loop) that did not enter it: use "
-                "`async with` in the task that runs the block"
-            )
-        self._entered -= 1
-        if depth > 1:
-            self._holders[me] = depth - 1
-            return None
-        del self._holders[me]
-        if me != self._owner:
-            # Another task entered first: that one exits the task group, once this one is out.
-            if self._idle is not None:
-                self._idle.set()
-            return None
-        tg = self._tg
-        assert tg is not None
-        waited: BaseException | None = None  # a cancellation while waiting for other callers' runs
-        try:
-            if exc is None:
-                # Runs that other callers started in this lifecycle (run() without `async with`,
-                # concurrently) finish first, and other tasks' `async with` blocks end.
-                try:
-                    while self._runs or self._starting or self._holders:
-                        idle = self._idle = anyio.Event()
-                        await idle.wait()
-                except anyio.get_cancelled_exc_class() as cancelled:
-                    # Cancelled while it waits for them (its caller's deadline): it still closes the
-                    # task group it opened, in its own task, as a caller cancelled during its own
-                    # run does (below), then re-raises. Leaving without would keep that group's
-                    # cancel scope open (a RuntimeError at the caller's next scope exit) and its
-                    # delivery tasks running.
-                    waited = cancelled
-                    exc_type, exc, tb = type(cancelled), cancelled, cancelled.__traceback__
-            self._holders.clear()
-            self._entered = 0
-            self._tg = None
-            self._bus.stop()
-            if exc is None:
-                # Subscribers get what is buffered for them, for `drain_timeout` at most.
-                with anyio.move_on_after(self._drain_timeout):
-                    await self._bus.drained()
-                self._bus.cancel()
-                tg.cancel_scope.cancel()
-                return await tg.__aexit__(None, None, None)
-            if isinstance(exc, Exception):
-                # An error from the body (say, an InputError from run()) reaches the caller as it
-                # is, not wrapped in an ExceptionGroup by our background task group.
-                self._bus.cancel()
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-                return None
-            # Cancelled (the caller's `run()` without `async with`, say): the subscribers still
-            # get what is buffered for them — `RunFinished` of the cancelled run included — for
-            # `drain_timeout` at most, shielded from the cancellation that is unwinding us.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
-                await self._bus.drained()
-            self._bus.cancel()
-            suppressed = await tg.__aexit__(exc_type, exc, tb)
-            if waited is not None and not suppressed:
-                raise waited
-            return suppressed
-        finally:
-            if self.clock is not None:
-                self.clock.uninstall()
+        return await self._lifecycle.__aexit__(exc_type, exc, tb)
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -368,61 +282,13 @@ class Orchestrator:
         """
         _check_asyncio("run()")
         _check_run_id(run_id)  # before any work: a wrong one would fail the finished run's result
-        if self._entered and self._host is None:  # inside an `async with` of it
+        if self._lifecycle.in_async_with:
             return await self._run(input, tasks, run_id)
-        return await self._as_guest(lambda: self._run(input, tasks, run_id))
+        return await self._lifecycle.around(lambda: self._run(input, tasks, run_id))
 
     async def _run(self, input: Any, tasks: Any, run_id: str | None) -> RunResult:
         source, planned = await self._source(input, tasks)
         return await self._execute(source, run_id, planned=planned)
-
-    async def _as_guest(self, call: Callable[[], Awaitable[T]]) -> T:
-        """`call` for a caller outside `async with`. The lifecycle it needs (the task group, the
-        event bus) is held by a task of its own (`_hold`), started by the first such caller and
-        closed once the last one's call is over: held in the first caller's task, as an
-        `async with` around its call, it was closed by that caller's cancel under the runs of the
-        others, whose subscribers then heard nothing more of them."""
-        while self._host is not None and self._vacated.is_set():
-            await asyncio.wait((self._host,))  # the last lifecycle is closing: let it close
-        if self._host is None:
-            if self._entered:  # an `async with` of another task's opened it meanwhile
-                return await call()
-            self._vacated = anyio.Event()
-            self._opened = asyncio.get_running_loop().create_future()
-            self._host = asyncio.create_task(self._hold(self._opened, self._vacated))
-        host, opened = self._host, self._opened
-        assert opened is not None
-        self._guests += 1
-        try:
-            if not opened.done():
-                await asyncio.wait((opened, host), return_when=asyncio.FIRST_COMPLETED)
-                if not opened.done():
-                    host.result()  # it could not open the lifecycle: its error is the caller's
-            return await call()
-        finally:
-            self._guests -= 1
-            if not self._guests:
-                self._vacated.set()
-                # The lifecycle closes (its subscribers drained, a FakeClock uninstalled) before
-                # the last caller returns, as at the end of its own `async with`; a cancelled
-                # caller waits for that `drain_timeout` at most.
-                cancelled = cancel_pending()
-                with (
-                    anyio.CancelScope(shield=cancelled),
-                    anyio.move_on_after(self._drain_timeout if cancelled else None),
-                ):
-                    await asyncio.wait((host,))
-                if host.done() and not host.cancelled() and (error := host.exception()):
-                    raise error
-
-    async def _hold(self, opened: asyncio.Future[None], vacated: anyio.Event) -> None:
-        try:
-            async with self:
-                opened.set_result(None)
-                await vacated.wait()
-        finally:
-            if self._host is asyncio.current_task():
-                self._host = None
 
     def stream(
         self,
@@ -438,10 +304,18 @@ class Orchestrator:
         immediate; otherwise it happens when the stream is closed or the orchestrator exits), and
         `.result` is then its `RunResult`, status "cancelled", with what finished before.
         """
-        if self._tg is None:
+        if self._lifecycle.tg is None:
             raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
         _check_run_id(run_id)
-        return ResultStream(self, input, tasks, run_id)
+
+        def start() -> RunHandle:  # when the stream is first read
+            if self._lifecycle.tg is None:
+                raise ConfigError(
+                    "stream() needs `async with Orchestrator(...) as orch:` around it"
+                )
+            return self._launch(input, tasks, run_id, self._config)
+
+        return ResultStream(start=start)
 
     def start(
         self,
@@ -458,7 +332,7 @@ class Orchestrator:
         `run_id` names the run (by default a fresh one): with a durable store, starting the same
         run id again is how a stopped or crashed run will resume from its checkpoint.
         """
-        if self._tg is None:
+        if self._lifecycle.tg is None:
             raise ConfigError("start() needs `async with Orchestrator(...) as orch:` around it")
         _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
@@ -471,7 +345,7 @@ class Orchestrator:
 
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
         """`start` with `config`."""
-        tg = self._tg
+        tg = self._lifecycle.tg
         assert tg is not None
         handle = RunHandle(run_id or uuid.uuid4().hex[:12], self._capacity.limit)
         self._starting += 1
@@ -486,11 +360,11 @@ class Orchestrator:
         async def body() -> RunResult:
             try:
                 source, planned = await self._source(input, tasks)
-                return await self._execute(source, handle.run_id, None, on_run, planned, config)
+                return await self._execute(source, handle.run_id, on_run, planned, config)
             finally:
                 if not registered:
                     self._starting -= 1
-                    self._maybe_idle()
+                    self._lifecycle.maybe_idle()
 
         tg.start_soon(handle._drive, body)
         return handle
@@ -533,14 +407,13 @@ class Orchestrator:
         self,
         source: Iterable[Task] | AsyncIterable[Task],
         run_id: str | None,
-        results: Any = None,
         on_run: Callable[[Run], None] | None = None,
         planned: dict[str, float] | None = None,
         config: RunConfig | None = None,
     ) -> RunResult:
         """Run `source` to its end; when the run misses its threshold, `on_threshold_missed` may
         replace the result. The orchestrator keeps nothing of a finished run."""
-        run = Run(config or self._config, run_id or uuid.uuid4().hex[:12], results)
+        run = Run(config or self._config, run_id or uuid.uuid4().hex[:12])
         if planned:  # what the decomposer spent is the run's (its metadata, its budget)
             cost = planned.pop("cost", 0.0)
             tokens = {unit: int(n) for unit, n in planned.items()}
@@ -557,7 +430,7 @@ class Orchestrator:
                 await self._bus.synced()
         finally:
             self._runs.remove(run)
-            self._maybe_idle()
+            self._lifecycle.maybe_idle()
         return await self._threshold_hook(result, [r.task for r in run.report.not_ok])
 
     async def work(
@@ -573,7 +446,8 @@ class Orchestrator:
         lease, run them with this orchestrator's agents, limits, retries and fallbacks, and write
         back what they came to. With `run_id`, serve that run only and return once it is over;
         without, serve every run of the file until cancelled (a cancel hands back the tasks not
-        started). `store` defaults to this orchestrator's. See the README's "Worker processes".
+        started). `store` defaults to this orchestrator's. See "Durable runs and workers" in the
+        documentation.
 
         Raises:
             ConfigError: no SQLite store, or kinds no agent here serves.
@@ -584,15 +458,15 @@ class Orchestrator:
             raise ConfigError(
                 f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
             )
-        if self._entered and self._host is None:  # inside an `async with` of it
+        if self._lifecycle.in_async_with:
             return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
-        return await self._as_guest(
+        return await self._lifecycle.around(
             lambda: work(self, store, run_id=run_id, kinds=kinds, poll=poll)
         )
 
-    def _maybe_idle(self) -> None:
-        if not self._runs and not self._starting and self._idle is not None:
-            self._idle.set()
+    def _busy(self) -> bool:
+        """Whether a run of it is starting or going on (its lifecycle closes only after)."""
+        return bool(self._runs or self._starting)
 
     async def _threshold_hook(self, result: RunResult, failed: list[Task]) -> RunResult:
         hook = self._config.on_threshold_missed
@@ -647,7 +521,7 @@ class Orchestrator:
             state = run.store.state_of(task_id)
             if state is None or state in TERMINAL:
                 continue
-            return run.reprioritize(task_id, priority)
+            return run.control.reprioritize(task_id, priority)
         return False
 
     def agents_status(self) -> list[dict[str, Any]]:
@@ -659,96 +533,19 @@ class Orchestrator:
             now = time.monotonic()  # an event loop's own clock, outside one
         return self.registry.snapshot(now)
 
-    # -- the fault kit ---------------------------------------------------------------------------
-
-    def simulate_agent_failure(
-        self,
-        agent: str,
-        *,
-        mode: FaultMode = "error",
-        duration: float | None = None,
-        retry_after: float | None = None,
-        latency: float = 1.0,
-    ) -> None:
-        """Take a live agent down: its calls fail in `mode` for `duration` seconds (None: until
-        `restore_agent`). Modes: "error" (connection error), "rate_limit" (HTTP 429 with
-        Retry-After), "overloaded" (529), "server_error" (500), "hang" (needs an attempt timeout),
-        "garbage", "permanent", "slow" (adds `latency`), "bug" (a `ValueError`: the agent's own
-        failure, which no breaker counts)."""
-        slot = self._slot(agent)
-        if mode not in MODES:
-            raise ConfigError(f"unknown fault mode {shown(mode)}; use one of {', '.join(MODES)}")
-        where = "simulate_agent_failure: "
-        check_number(f"{where}duration", duration, optional=True)
-        check_number(f"{where}retry_after", retry_after, optional=True)
-        check_number(f"{where}latency", latency)
-        try:
-            now = anyio.current_time()
-        except RuntimeError:  # anyio's NoEventLoopError
-            raise ConfigError(
-                "simulate_agent_failure() needs a running event loop: call it from async code"
-            ) from None
-        fault = Fault(
-            agent,
-            mode,
-            started=now,
-            until=None if duration is None else now + duration,
-            retry_after=retry_after,
-            latency=latency,
-        )
-        earlier = self._faults.get(agent)
-        if earlier is not None:  # the agent's earlier failure: its tasks are still to recover
-            fault.affected, fault.ended = earlier.affected, earlier.ended
-        slot.fault = fault
-        self._faults[agent] = fault
-        self._replain()
-        log.warning("simulated agent failure", agent=agent, mode=mode, duration=duration)
-
-    def _replain(self) -> None:
-        """A subscriber or a simulated fault came or went: each run looks again at whether
-        anybody hears of each task's end (`Run.replain`)."""
-        for run in self._runs:
-            run.replain()
-
-    def _slot(self, agent: str) -> AgentSlot:
-        slot = self.registry.slots.get(agent)
-        if slot is None:
-            raise ConfigError(f"unknown agent {shown(agent)}; known: {sorted(self.registry.slots)}")
-        return slot
-
-    def restore_agent(self, agent: str) -> None:
-        """End a simulated failure now."""
-        slot = self._slot(agent)
-        if slot.fault is not None:
-            slot.fault.until = anyio.current_time()
-            slot.fault = None
-
-    def recovery_status(self) -> RecoveryStatus:
-        """ "recovered" when every task that a simulated failure hit finished successfully through
-        retries or fallbacks; "degraded" while some are unfinished; "failed" if some failed.
-        The returned string carries the details: `.pending`, `.failed`, `.agents`."""
-        pending: list[str] = []
-        failed: list[str] = []
-        for fault in self._faults.values():
-            for task_id in sorted(fault.affected):
-                state = self._state_of(task_id)
-                if state is None or state not in TERMINAL:
-                    pending.append(task_id)
-                elif state != SUCCEEDED:
-                    failed.append(task_id)
-        state = "failed" if failed else "degraded" if pending else "recovered"
-        return RecoveryStatus(state, agents=sorted(self._faults), pending=pending, failed=failed)
-
-    def _state_of(self, task_id: str) -> str | None:
+    def _unfinished_state(self, task_id: str) -> str | None:
+        """The state of `task_id` in a run still going, if it is unfinished there."""
         for run in self._runs:
             state = run.store.state_of(task_id)
             if state is not None and state not in TERMINAL:
                 return state
-        for fault in self._faults.values():
-            state = fault.ended.get(task_id)
-            if state is not None:
-                return state
         return None
+
+    def _listeners_changed(self) -> None:
+        """A subscriber or a simulated fault came or went: each run decides again whether a
+        task's end needs more than a count (`Run.listeners_changed`)."""
+        for run in self._runs:
+            run.listeners_changed()
 
 
 def _check_asyncio(what: str) -> None:
@@ -765,6 +562,16 @@ def _check_asyncio(what: str) -> None:
         ) from None
 
 
+def _check_store(store: Any) -> None:
+    """`ConfigError` unless `store` is a store: else an AttributeError when the first run opens
+    (a path is the usual slip)."""
+    if not callable(getattr(store, "open_run", None)):
+        raise ConfigError(
+            f"store must be a store (MemoryStore(), SQLiteStore(path), ...) or None, "
+            f"got {shown(store)}"
+        )
+
+
 def _check_run_id(run_id: Any) -> None:
     """`run_id` is a non-empty str or None. An empty one would silently become a fresh id (so a
     durable run would never resume), another type would fail `RunMetadata` once the run is over."""
@@ -778,112 +585,3 @@ def _spent(decomposer: Any) -> dict[str, float] | None:
     if not isinstance(spent, Mapping):
         return None
     return {k: v for k, v in spent.items() if isinstance(v, int | float)}
-
-
-class RecoveryStatus(str):
-    """A str ("recovered", "degraded" or "failed") with the details of what is not recovered."""
-
-    agents: list[str]
-    pending: list[str]
-    failed: list[str]
-
-    def __new__(
-        cls, state: str, *, agents: list[str], pending: list[str], failed: list[str]
-    ) -> RecoveryStatus:
-        self = super().__new__(cls, state)
-        self.agents = agents
-        self.pending = pending
-        self.failed = failed
-        return self
-
-    def describe(self) -> str:
-        if self == "recovered":
-            if not self.agents:
-                return "recovered: no simulated failure is injected"
-            return f"recovered: every task hit by failures of {self.agents} succeeded"
-        return (
-            f"{self}: pending {self.pending}, failed {self.failed} (faulty agents: {self.agents})"
-        )
-
-
-class ResultStream:
-    """The `TaskResult`s of one run as they finish; `result` is the `RunResult` once it is over."""
-
-    def __init__(self, orch: Orchestrator, input: Any, tasks: Any, run_id: str | None) -> None:
-        self._orch = orch
-        self._args = (input, tasks, run_id)
-        self._receive: MemoryObjectReceiveStream[TaskResult] | None = None
-        self._scope = anyio.CancelScope()
-        self._over = anyio.Event()
-        self._error: BaseException | None = None
-        self._run: Run | None = None
-        self._closed = False
-        self.result: RunResult | None = None
-
-    def _attach(self, run: Run) -> None:
-        self._run = run
-
-    def _start(self) -> None:
-        # Unbounded as a stream (a worker must never wait on the reader), bounded as a run: unread
-        # results count against the run's window, so a slow reader slows admission instead of
-        # the run buffering its results.
-        send, self._receive = anyio.create_memory_object_stream[TaskResult](math.inf)
-        tg = self._orch._tg
-        if tg is None:
-            raise ConfigError("stream() needs `async with Orchestrator(...) as orch:` around it")
-        tg.start_soon(self._drive, send)
-
-    async def _drive(self, send: Any) -> None:
-        input, tasks, run_id = self._args
-        try:
-            with self._scope:
-                source, planned = await self._orch._source(input, tasks)
-                self.result = await self._orch._execute(source, run_id, send, self._attach, planned)
-        except Exception as exc:
-            self._error = exc
-        finally:
-            send.close()
-            self._over.set()
-
-    def __aiter__(self) -> AsyncIterator[TaskResult]:
-        return self
-
-    async def __anext__(self) -> TaskResult:
-        if self._receive is None:
-            if self._closed:  # closed before it was read: it never starts
-                raise StopAsyncIteration
-            self._start()
-        assert self._receive is not None
-        try:
-            result = await self._receive.receive()
-            if self._run is not None:
-                self._run.reader_progress()  # room in the window: the input may go on
-            return result
-        except anyio.EndOfStream:
-            self._receive.close()
-            await self._over.wait()
-            if self._error is not None:
-                raise self._error from None
-            raise StopAsyncIteration from None
-        except anyio.ClosedResourceError:  # read again after its end, or after aclose()
-            raise StopAsyncIteration from None
-
-    async def aclose(self) -> None:
-        """Stop the run if it is still going (what runs is cancelled, what waits ends cancelled),
-        and wait for it to end: `result` is then its `RunResult`, status "cancelled". A stream
-        closed before it was read never starts its run (`result` stays None)."""
-        self._closed = True
-        if self._receive is None:
-            return
-        if self._run is not None:
-            self._run.stop("the stream was closed before its end")
-        else:  # the decomposer still runs: there is no run to stop yet
-            self._scope.cancel()
-        await self._over.wait()
-        self._receive.close()
-
-    async def __aenter__(self) -> ResultStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

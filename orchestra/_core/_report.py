@@ -1,19 +1,18 @@
-"""The report of a run: counters kept as tasks finish, and the `RunResult` built from them once.
+"""The report of a run: the tally kept as tasks end, and the `RunResult` built from it once, by the
+status rules.
 
 Counting happens on the hot path (a few dict updates per task); everything else — status rules,
-percentiles, error records with remediations, the pydantic models — happens once, at the end.
+percentiles (`_durations`), error records with their remediations (`_remediation`), the pydantic
+models — happens once, at the end.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from operator import attrgetter
-from random import Random
 from typing import TYPE_CHECKING, Any
 
 from .._aggregate import percentile
@@ -27,6 +26,8 @@ from .._result import (
     TimingStats,
 )
 from .._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+from ._durations import Durations
+from ._remediation import remediation
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .._record import Record
     from .._task import Task
 
-__all__ = ("ErrorSample", "KindTally", "Report", "remediation")
+__all__ = ("ErrorSample", "KindTally", "Report", "dollars")
 
 
 class KindTally:
@@ -100,8 +101,6 @@ _GROUP = 16  # a batch of several kinds is counted kind by kind when they averag
 _RING = 16  # one-second buckets of ended tasks kept (a power of two above the status's window)
 RECENT_ERRORS = 20  # failed tasks kept for the live status
 _MESSAGE = 300  # characters of an error message kept there
-# A 401 an agent reports in its own words (an HTTP client's message, a PermanentError of its own).
-_HTTP_401 = re.compile(r"\b401\b|\bunauthori[sz]ed\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,95 +476,6 @@ def _position(node: Record) -> tuple[int, ...]:
     return node.order
 
 
-class Durations:
-    """Task durations of one kind in bounded memory: exact count, mean and max, and percentiles
-    from a uniform sample of at most `SAMPLE` durations (exact while there are no more than that).
-
-    The sample is a reservoir kept by Li's algorithm L, which draws random numbers only for the
-    values it keeps (a few thousand for a million tasks), seeded so a run's report is reproducible.
-    """
-
-    SAMPLE = 4096
-    __slots__ = ("count", "max", "next", "rng", "sample", "total", "weight")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total = 0.0
-        self.max = 0.0
-        self.sample: list[float] = []
-        self.rng: Random | None = None
-        self.weight = 1.0
-        self.next = 0  # the count at which the next value enters the sample (once it is full)
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        if value > self.max:
-            self.max = value
-        if self.count <= self.SAMPLE:
-            self.sample.append(value)
-            if self.count == self.SAMPLE:
-                self.rng = Random(self.SAMPLE)
-                self._skip()
-            return
-        if self.count == self.next:
-            self.sample[self.rng.randrange(self.SAMPLE)] = value  # type: ignore[union-attr]
-            self._skip()
-
-    def extend(self, values: list[float]) -> None:
-        """`add` each of `values`: the exact figures in C (sum, max), the sample as `add` keeps it."""
-        if not values:
-            return
-        if not self.count and len(values) > self.SAMPLE:
-            # All at once (a whole-list run's durations, at its end): a uniform sample drawn in
-            # one go, and the reservoir's state as algorithm L would have left it: the largest key
-            # of a kept value is the k-th smallest of n uniform keys, Beta(k, n - k + 1)
-            # distributed. (Walking algorithm L over the values costs ~0.3 µs each.)
-            n, k = len(values), self.SAMPLE
-            first = self.rng = Random(k)
-            self.count = n
-            self.total = sum(values)
-            self.max = max(values)
-            self.sample = first.sample(values, k)
-            self.weight = first.betavariate(k, n - k + 1)
-            self.next = n + int(math.log(first.random() or 1e-300) / math.log1p(-self.weight)) + 1
-            return
-        room = self.SAMPLE - self.count
-        head, rest = (values[:room], values[room:]) if room > 0 else ([], values)
-        if head:  # what `add` does for each, in C
-            self.count += len(head)
-            self.total += sum(head)
-            top = max(head)
-            if top > self.max:
-                self.max = top
-            self.sample.extend(head)
-            if self.count == self.SAMPLE:
-                self.rng = Random(self.SAMPLE)
-                self._skip()
-        if not rest:
-            return
-        self.total += sum(rest)
-        top = max(rest)
-        if top > self.max:
-            self.max = top
-        start = self.count
-        self.count += len(rest)
-        # Algorithm L over the rest: only the values that enter the sample are looked at.
-        rng: Random = self.rng  # type: ignore[assignment]
-        while self.next <= self.count:
-            self.sample[rng.randrange(self.SAMPLE)] = rest[self.next - start - 1]
-            self._skip_from(self.next)
-
-    def _skip(self) -> None:
-        self._skip_from(self.count)
-
-    def _skip_from(self, count: int) -> None:
-        rng: Random = self.rng  # type: ignore[assignment]
-        self.weight *= math.exp(math.log(rng.random() or 1e-300) / self.SAMPLE)
-        gap = math.log(rng.random() or 1e-300) / math.log1p(-self.weight)
-        self.next = count + int(gap) + 1
-
-
 def _error_record(node: Record) -> ErrorRecord:
     result = node
     failures = node.failures or []
@@ -630,67 +540,3 @@ def dollars(cost: float) -> float:
     """A sum of costs as shown: to a billionth of a dollar, without the noise of adding floats
     (0.1 + 0.2 is 0.30000000000000004; a price per token is 1e-8 dollars at the least)."""
     return round(cost, 9)
-
-
-def remediation(
-    status: str,
-    error_type: str,
-    message: str,
-    *,
-    agents: int = 1,
-    status_code: int | None = None,
-    api_error_type: str | None = None,
-) -> str:
-    """A suggestion for the user, from what went wrong: `agents` is how many agents the task was
-    tried on (a fallback is advised only when it had none), `status_code` and `api_error_type`
-    the last attempt's HTTP error, if it was one."""
-    if status == SKIPPED:
-        return f"Fix what failed first ({message}); this task runs once its dependencies succeed."
-    if status == CANCELLED:
-        if error_type == "RunTimeout":
-            return (
-                "The run ended before this task finished: raise the run timeout, or run it again."
-            )
-        if error_type == "BudgetExceeded":
-            return "The run's budget (max_cost / max_tokens) was spent before this task finished: raise it, or run the rest again."
-        if error_type == "Stopped":
-            return "The run was stopped before this task finished: run it again to finish it."
-        return "It was cancelled (see metadata.reason and metadata.cancellations): run it again if it is still wanted."
-    lowered = message.lower()
-    if error_type == "TaskTimeout":
-        return "Raise the task's timeout, lower its attempts or backoff, or speed up its agents."
-    if error_type == "AttemptTimeout":
-        return "Raise the attempt timeout (timeouts={'attempt': ...} or @agent(timeout=...)) or check the agent's latency."
-    if error_type == "Rejected":
-        return "The safety check refused this task: change its payload or the check."
-    if error_type == "VerificationError":
-        return "The output kept failing verification: improve the agent or its prompt, or relax the verifier."
-    if error_type == "InvalidOutput":
-        return "The agent returned what a result cannot hold: fix the agent as the message says (an `await`; for a store that keeps outputs as JSON, a JSON value)."
-    if error_type == "InputError":
-        return "The task (or a task it spawned) is invalid: fix it as the message says; retrying will not help."
-    if (
-        status_code == 401
-        or api_error_type == "authentication_error"
-        or error_type == "AuthenticationError"
-        or _HTTP_401.search(message)
-    ):
-        return "The API rejected the credentials (HTTP 401): check the API key the agent uses (ANTHROPIC_API_KEY for Claude agents); retrying will not help."
-    if status_code == 403 or api_error_type == "permission_error":
-        return "The API key is not allowed to do this (HTTP 403): check the key's permissions and the model it may use; retrying will not help."
-    if "429" in message or "rate limit" in lowered:
-        return "The agent is rate limited: lower concurrency or the agent's limit, or raise your API quota."
-    if error_type in ("ValidationError", "PermanentError") or "400" in message:
-        return "The request is invalid for this agent: fix the payload; retrying will not help."
-    if error_type == "CircuitOpen":
-        fallback = " add a fallback agent for this kind," if agents <= 1 else ""
-        return f"The agent was down (its circuit breaker open) through every attempt: check the service behind it,{fallback} or raise max_attempts to wait longer for it."
-    if error_type == "NoAgentLeft":
-        return (
-            "No agent of the chain could take the task: add an agent for this kind or a fallback."
-        )
-    if agents > 1:
-        return "Every agent of its chain failed: check the last agent's error above and the earlier attempts, or raise max_attempts."
-    return (
-        "Add a fallback agent for this kind, raise max_attempts, or check the agent's error above."
-    )

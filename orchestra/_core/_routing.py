@@ -24,7 +24,7 @@ from .._task import CLAIMED
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from .._budget import BudgetGate
+    from .._budget import BudgetAccount
     from .._limits import Limiter, Waiter
     from .._record import Record
     from .._registry import AgentSlot, Registry
@@ -93,12 +93,12 @@ class Router:
         self._wakers: dict[AgentSlot, Waiter] = {}
         # For each agent, the others a task waiting in its lane may go to (`_others_of`).
         self._others: dict[AgentSlot, list[AgentSlot]] = {}
-        self.gate: BudgetGate | None = None  # the run's budget, a limiter on every agent
+        self.budget: BudgetAccount | None = None  # the run's budget, a limiter on every agent
 
     def limiters(self, slot: AgentSlot) -> tuple[Limiter, ...]:
         """What an attempt of `slot` reserves in this run: its limits (and the run's budget)."""
-        gate = self.gate
-        return slot.limiters if gate is None else gate.limiters(slot)
+        budget = self.budget
+        return slot.limiters if budget is None else budget.limiters(slot)
 
     def bind_clock(self, time: Callable[[], float]) -> None:
         self._time = time
@@ -119,7 +119,7 @@ class Router:
             if picked is not None:
                 self._owner.wake_one()  # the lane may hold more that can go now: pass it on
                 record, token, slot = picked
-                if not slot.limiters and self.gate is None:
+                if not slot.limiters and self.budget is None:
                     return record, token, slot, None
                 cost = self.reserve(record, token, slot)
                 if cost is not None:

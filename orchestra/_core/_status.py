@@ -8,7 +8,7 @@ never O(tasks), so a live view may poll it ten times a second on a run of a mill
 Definitions (the README's "Watching a run" says the same for users):
 
 - **counts** by state: `pending` (waiting for dependencies or a group), `queued` (ready, waiting for
-  a worker), `waiting` (claimed, waiting for room at an agent: its limit, a rate limit, an open
+  a runner), `waiting` (claimed, waiting for room at an agent: its limit, a rate limit, an open
   breaker), `running`, `retrying` (between attempts, until a retry's due time), and the terminal
   `succeeded`, `failed`, `skipped`, `cancelled`.
 - **throughput**: tasks ended per second over the last `WINDOW` seconds (a ring of one-second
@@ -40,7 +40,7 @@ from ._report import ErrorSample, KindTally, Report, dollars
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from .._registry import AgentSlot
+    from .._registry import AgentSlot, AgentState
     from ._run import Run
 
 __all__ = (
@@ -67,7 +67,6 @@ _STATES = (
     CANCELLED,
 )
 
-AgentState = Literal["idle", "busy", "failing", "open"]
 RunState = Literal["starting", "running", "paused", "stopping", "finished"]
 
 
@@ -212,8 +211,8 @@ def snapshot(run: Run) -> RunStatus:
     pending: int = store.pending
     running: int = dispatcher.running
     # A task cancelled (or timed out) while it was ready or waiting in a lane stays in that queue
-    # or lane until a worker reaches it, and an attempt whose agent ignores its cancellation holds
-    # its worker after its task ended: the states are capped by the tasks unfinished, so that
+    # or lane until a runner reaches it, and an attempt whose agent ignores its cancellation holds
+    # its runner after its task ended: the states are capped by the tasks unfinished, so that
     # they add up to `total`, and a run with none unfinished has nothing queued or waiting.
     depths = _queue_depths(store) if unfinished else {}
     lanes = dispatcher.router.waiting() if unfinished else []
@@ -481,7 +480,3 @@ def _bottleneck(
         return None
     slowest = max(left, key=lambda k: math.inf if k.eta is None else k.eta)
     return Bottleneck("slowest kind", kind=slowest.kind)
-
-
-for _public in (AgentStatus, Bottleneck, ErrorSample, KindStatus, RunStatus):
-    _public.__module__ = "orchestra"

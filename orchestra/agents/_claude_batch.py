@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from .._config import check_int, check_number
-from .._exceptions import PermanentError, RetryableError
+from .._exceptions import ConfigError, PermanentError, RetryableError
 from .._log import get_logger
 from .._retry import classify
+from ._claude_agent import ClaudeAgent
 from ._claude_calls import DEFAULT_RETRY
 from ._claude_prices import cost_of
-from .claude import ClaudeAgent
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -104,8 +104,6 @@ class ClaudeBatchAgent(ClaudeAgent):
         **options: Any,
     ) -> None:
         if options.get("stream"):
-            from .._exceptions import ConfigError
-
             raise ConfigError("ClaudeBatchAgent: a batch is not streamed (stream=True)")
         super().__init__(**options)
         check_int(f"agent {self.name!r}: batch_size", batch_size)

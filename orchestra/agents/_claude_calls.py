@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from anthropic.types import Message, MessageParam
 
     from .._core._context import Context
-    from .claude import ClaudeAgent
+    from ._claude_agent import ClaudeAgent
 
 __all__ = ("DEFAULT_RETRY", "Tab", "ask")
 

@@ -9,7 +9,7 @@ one burst) and a `Concurrency`. They are the core's and not aiolimiter's because
 reserves *before* the call with the time handed in and no await (the estimate: one request,
 estimated input tokens, `max_tokens` output tokens) and trues up *after* it from the response's
 `usage` (`ctx.record_usage`): aiolimiter's leaky bucket awaits inside `acquire` and cannot give
-units back (see the `orchestra._limits` docstring for the libraries checked).
+units back (see the `orchestra._rate` docstring for the libraries checked).
 
 Every response's `anthropic-ratelimit-*` headers, successful ones included, adapt the budgets
 (`observe_headers`): the server's `-limit` is adopted (capped by what the user configured), and a
@@ -24,9 +24,10 @@ import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
+from .._concurrency import Concurrency
 from .._config import finite
 from .._exceptions import ConfigError
-from .._limits import Concurrency, Rate
+from .._rate import Rate
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

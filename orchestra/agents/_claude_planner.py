@@ -22,16 +22,16 @@ from .._exceptions import ConfigError, InputError
 from .._retry import RetryPolicy
 from .._task import Task
 from ..stores._memory import MemoryStore
+from ._claude_agent import ClaudeAgent, StructuredOutputError
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
-from .claude import StructuredOutputError
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
     from anthropic.types import MessageParam, Model
 
+    from ._claude_account import ClaudeAccount
     from ._claude_limits import ClaudeLimits
     from ._claude_prices import Price
-    from .claude import ClaudeAccount
 
 __all__ = ("ClaudePlanner",)
 
@@ -94,8 +94,6 @@ class ClaudePlanner:
         prices: Mapping[str, Price] | None = None,
         retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
-        from .claude import ClaudeAgent
-
         # Every option is checked here: a wrong one failed inside pydantic's schema building
         # (a kind or a payload model of the wrong type) or at the first plan (retry, max_tasks).
         if isinstance(kinds, Mapping):

@@ -1,4 +1,5 @@
-"""What Claude's tokens cost: a price table per model that users can override and extend.
+"""What Claude's tokens cost: a price table per model that users can override and extend (checked
+by `check_prices`), and the price of a usage (`cost_of`).
 
 `PRICES` maps a model id, or the prefix of a family of ids (``"claude-sonnet-4"`` prices every
 Sonnet 4.x id that has no row of its own), to USD per million tokens, from the Messages API's
@@ -10,12 +11,12 @@ only when the response reports it (`usage.cache_creation.ephemeral_1h_input_toke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Final, NamedTuple
 
-if TYPE_CHECKING:
-    from collections.abc import Mapping
+from .._exceptions import ConfigError
 
-__all__ = ("PRICES", "Price", "cost_of", "price_of")
+__all__ = ("PRICES", "Price", "Usage", "check_prices", "cost_of", "price_of")
 
 
 class Price(NamedTuple):
@@ -69,6 +70,26 @@ def price_of(model: str, prices: Mapping[str, Price] = PRICES) -> Price | None:
     return prices[best] if best else None
 
 
+class Usage:
+    """Token counts by name, read as the SDK's `Usage` (what `cost_of` prices): the units an
+    attempt reserved, priced before it starts."""
+
+    __slots__ = (
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "input_tokens",
+        "output_tokens",
+    )
+
+    cache_creation = None
+
+    def __init__(self, units: Mapping[str, float]) -> None:
+        self.input_tokens = units.get("input_tokens", 0)
+        self.output_tokens = units.get("output_tokens", 0)
+        self.cache_creation_input_tokens = units.get("cache_creation_input_tokens", 0)
+        self.cache_read_input_tokens = units.get("cache_read_input_tokens", 0)
+
+
 def cost_of(price: Price, usage: Any) -> float:
     """USD of one response's `usage` (the SDK's `Usage`, or anything with its attributes)."""
     fresh = getattr(usage, "input_tokens", 0) or 0
@@ -87,3 +108,18 @@ def cost_of(price: Price, usage: Any) -> float:
         + hour * write_1h
         + read * hit
     ) / 1_000_000
+
+
+def check_prices(name: str, prices: Any) -> None:
+    """`prices` is None or a mapping of model ids (or id prefixes) to `Price` rows."""
+    if prices is None:
+        return
+    if not isinstance(prices, Mapping):
+        raise ConfigError(f"{name} must be a mapping of model id to Price, got {prices!r}")
+    for model, price in prices.items():
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{name}: a key must be a model id or prefix, got {model!r}")
+        if not isinstance(price, Price):
+            raise ConfigError(
+                f"{name}[{model!r}] must be a Price(input, output, ...), got {price!r}"
+            )

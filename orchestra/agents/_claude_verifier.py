@@ -19,6 +19,7 @@ from .._config import check_instance
 from .._exceptions import ConfigError, RetryableError
 from .._retry import RetryPolicy
 from .._verify import Verdict
+from ._claude_agent import ClaudeAgent, StructuredOutputError
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 
     from .._core._context import Context
     from .._task import Task
+    from ._claude_account import ClaudeAccount
     from ._claude_limits import ClaudeLimits
     from ._claude_prices import Price
-    from .claude import ClaudeAccount
 
 __all__ = ("ClaudeVerifier", "Judgement")
 
@@ -91,8 +92,6 @@ class ClaudeVerifier:
         prices: Mapping[str, Price] | None = None,
         retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
-        from .claude import ClaudeAgent
-
         if not isinstance(criteria, str) or not criteria.strip():
             raise ConfigError(f"ClaudeVerifier: criteria must be a non-empty str, got {criteria!r}")
         # Else an AttributeError at the first verdict.
@@ -135,8 +134,6 @@ class ClaudeVerifier:
         )
 
     async def __call__(self, task: Task, output: Any, ctx: Context | None = None) -> Verdict:
-        from .claude import StructuredOutputError
-
         tab = Tab(self.name, ctx)
         messages: list[Any] = [{"role": "user", "content": self.prompt(task, output, ctx)}]
         tries = max(1, self.retry.max_attempts)

@@ -509,9 +509,9 @@ class MemoryRun:
         """The record of `task_id`, if the run holds it (not compacted away)."""
         return self._graph.record_of(task_id)
 
-    def records(self) -> Iterator[Record]:
+    def records(self) -> Collection[Record]:
         """Every record the run holds (not compacted away), in admission order."""
-        return iter(self._graph.records.values())
+        return self._graph.records.values()
 
     def holds_key(self, record: Record) -> bool:
         """Whether `record` holds its key in this run (it runs; the others with it follow)."""

@@ -1,7 +1,7 @@
 """A durable run's idempotency keys: claimed, waited for and reused through the file.
 
 A key is a row of the `keys` table, claimed by the first submitter in one ``BEGIN IMMEDIATE``
-transaction (`_sqlite_io.claim_keys`: an insert that does nothing when the key is there, then a
+transaction (`_sqlite_writes.claim_keys`: an insert that does nothing when the key is there, then a
 read of who holds it): the claimer runs the task and writes the result into the row with the task's
 end; a submitter that finds it claimed by a live task waits (the task stays claimed by `claim`,
 never started; `_poll` asks the file every window) and ends with that result. A claim is kept live
@@ -12,27 +12,45 @@ to the next submitter, a dead owner's claim is taken over after `key_lease`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .._task import CLAIMED, FAILED, SUCCEEDED, TERMINAL
-from . import _sqlite_io as io
+from .._task import CLAIMED, SUCCEEDED, TERMINAL
+from . import _sqlite_writes as writes
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
     from concurrent.futures import Future
 
     from .._record import Record
-    from ._sqlite import SQLiteRun
+    from ._sqlite_store import SQLiteStore
 
-__all__ = ("Keys",)
+__all__ = ("Keys", "Owner")
+
+
+class Owner(Protocol):
+    """What the keys ask of their run (`SQLiteRun`)."""
+
+    run_id: str
+
+    @property
+    def closed(self) -> bool: ...
+    def touch(self, record: Record) -> None: ...
+    def arm(self) -> None: ...
+    def run_here(self, record: Record) -> None: ...
+    def end_reused(self, record: Record, output: str, agent: str | None) -> None: ...
+    def end_held(self, record: Record, error: str, error_type: str) -> None: ...
 
 
 class Keys:
-    """The keys of one `SQLiteRun`'s tasks (a part of the run, holding it)."""
+    """The keys of one run's tasks (a part of the run, holding it)."""
 
-    def __init__(self, run: SQLiteRun) -> None:
+    def __init__(
+        self, run: Owner, store: SQLiteStore, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
         self._run = run
+        self._store = store
+        self._loop = loop  # None: driven directly (the contract suite), nothing can wait
         # Claimed in the file by this run (key -> its task, until the task's end is committed),
         # and held by another task (key -> the task waiting for its result).
         self.claims: dict[str, Record] = {}
@@ -60,14 +78,14 @@ class Keys:
 
     def results(self, keys: list[str]) -> list[tuple[str, tuple[str, str | None]]]:
         """The successes of `keys` that the window being written holds, for `written`."""
-        unwritten = self._run._store.unwritten_keys
+        unwritten = self._store.unwritten_keys
         return [(key, unwritten[key]) for key in keys if key in unwritten]
 
     def written(self, results: list[tuple[str, tuple[str, str | None]]]) -> None:
         """The window that held `results` is committed: they are in the file. Only those: a task
         that window wrote running may have succeeded while it was being committed, and its
         result waits for the next window (dropped here, the key would be released as failed)."""
-        unwritten = self._run._store.unwritten_keys
+        unwritten = self._store.unwritten_keys
         for key, result in results:
             if unwritten.get(key) is result:
                 del unwritten[key]
@@ -78,9 +96,9 @@ class Keys:
         nobody holds is claimed in the file, and its task runs; a key another live task holds
         makes this one wait for that task's result (`_poll`)."""
         run = self._run
-        if run._closed:  # (a key taken over in a step that ended the run): nothing to claim
+        if run.closed:  # (a key taken over in a step that ended the run): nothing to claim
             return
-        store = run._store
+        store = self._store
         unwritten = store.unwritten_keys
         rest: list[Record] = []
         for record in records:
@@ -92,7 +110,7 @@ class Keys:
         if rest:
             wanted = [(r.task.key, r.id) for r in rest]
             answers = store.call(
-                io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
+                writes.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
             )
             self._answered(rest, answers)
 
@@ -102,19 +120,18 @@ class Keys:
             key: str = record.task.key  # type: ignore[assignment]
             if verdict == "done":
                 self._reused(record, text, agent)
-            elif verdict == "mine" or run._loop is None:  # driven directly: nothing can wait
+            elif verdict == "mine" or self._loop is None:  # driven directly: nothing can wait
                 self.claims[key] = record
                 if record.state is CLAIMED:  # held by `claim` while it waited: run it now
-                    run._runnable.append(record)
-                    run._listener.wake()
+                    run.run_here(record)
                 elif record.state in TERMINAL:  # ended (cancelled) while the file answered:
-                    run._touch(record)  # the next window releases the claim
+                    run.touch(record)  # the next window releases the claim
             else:
                 self.waiting[key] = record
         if self.claims:
-            run._arm()  # a claim is kept live by a commit each window
-        if self.waiting and self._poller is None and run._loop is not None:
-            self._poller = run._loop.create_task(self._poll())
+            run.arm()  # a claim is kept live by a commit each window
+        if self.waiting and self._poller is None and self._loop is not None:
+            self._poller = self._loop.create_task(self._poll())
 
     def inherit(self, record: Record) -> bool:
         """`record` holds its key in the run now: if it took the key over from another task of
@@ -134,27 +151,24 @@ class Keys:
         """`record` was made ready holding its key (a retry holds it already): `inherit`, or
         claim it in the file after this step of the memory run (`reuse` may end the task)."""
         if not self.inherit(record):
-            if self._run._loop is None:
+            if self._loop is None:
                 self.reuse([record])
             else:
-                self._run._loop.call_soon(self.reuse, [record])
+                self._loop.call_soon(self.reuse, [record])
 
     def _reused(self, record: Record, text: str, agent: str | None) -> None:
-        run = self._run
-        if record.state in TERMINAL:
-            return
-        run._outputs[record.id] = text
-        run._memory.settle(record, record.token, SUCCEEDED, json.loads(text), agent=agent)
+        if record.state not in TERMINAL:
+            self._run.end_reused(record, text, agent)
 
     async def _poll(self) -> None:
         """Wait for the keys other tasks hold: every window, a task whose key's result is stored
         ends with it; one whose key was released (its task failed) or abandoned (its owner
         stopped committing for `key_lease`) claims it and runs."""
         run = self._run
-        store = run._store
+        store = self._store
         waiting = self.waiting
         try:
-            while waiting and not run._closed:
+            while waiting and not run.closed:
                 await asyncio.sleep(store.window)
                 unwritten = store.unwritten_keys
                 for key in [k for k in waiting if k in unwritten]:  # this store's own runs
@@ -167,7 +181,7 @@ class Keys:
                 # They stay in `waiting` while the file answers: held back from `claim`.
                 wanted = [(r.task.key, r.id) for r in records]
                 asking = store.submit(
-                    io.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
+                    writes.claim_keys, store.owner, run.run_id, wanted, time.time(), store.key_lease
                 )
                 self._asking = (records, asking)
                 answers = await asyncio.wrap_future(asking)
@@ -177,19 +191,17 @@ class Keys:
                 self._answered([waiting.pop(r.task.key, r) for r in records], answers)  # type: ignore[arg-type]
         except Exception as exc:  # the file failed: the waiting tasks fail, the run goes on
             for record in list(waiting.values()):
-                run._memory.settle(
+                run.end_held(
                     record,
-                    record.token,
-                    FAILED,
-                    error=f"waiting for the result of key {record.task.key!r}: {exc}",
-                    error_type=type(exc).__name__,
+                    f"waiting for the result of key {record.task.key!r}: {exc}",
+                    type(exc).__name__,
                 )
             waiting.clear()
         finally:
             self._poller = None
 
     def rows(
-        self, keys: list[str], *, closing: bool = False
+        self, keys: list[str], *, closing: bool = False, remote: Collection[str] = ()
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], tuple[float, str] | None]:
         """What this window writes of the keys this run claimed: the results of the ones whose
         task ended (a success for the waiters, a failure for the next submitter to take over),
@@ -197,16 +209,15 @@ class Keys:
         unfinished tasks written down to resume): the claims left are released, as a failure
         would, so another run waiting for one takes it at once instead of waiting out the
         lease (the resumed run claims it again, or follows the run that took it), except the
-        ones of tasks a worker process holds (its completion is the key's)."""
-        run = self._run
+        ones of tasks a worker process holds (`remote`: its completion is the key's)."""
         claims = self.claims
         if not claims:
             return [], [], None
-        owner = run._store.owner
+        owner = self._store.owner
         now = time.time()
         succeeded: list[tuple[Any, ...]] = []
         failed: list[tuple[Any, ...]] = []
-        unwritten = run._store.unwritten_keys
+        unwritten = self._store.unwritten_keys
         for key in keys:
             record = claims.get(key)
             if record is None or record.state not in TERMINAL:
@@ -218,7 +229,6 @@ class Keys:
             else:
                 failed.append((f"{record.state}: {record.error}", now, key, owner))
         if closing:
-            remote = run._sharing.remote
             for key, record in list(claims.items()):
                 if record.state is not SUCCEEDED and record.id not in remote:
                     del claims[key]

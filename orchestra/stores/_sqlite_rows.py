@@ -1,20 +1,23 @@
 """A task's rows in the SQLite store: its `Record` written as a row of `tasks` (and its failed
-attempts as rows of `attempts`), and read back on resume.
+attempts as rows of `attempts`), read back on resume, and what a row cannot hold refused before
+the task is admitted (`encode`).
 
 `Rows` knows the two clocks (a record counts loop time, a row wall-clock time: loop time + offset,
 or the memory run's zero `wall0` + the record's relative times) and the statement a row is for:
 rows with the usual NULLs (no dependency, tag, key, retry, deadline, feedback or error) go through
-the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_io`:
+the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_writes`:
 binding dominates an insert's cost).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_json
+from pydantic_core import PydanticSerializationError, to_json
 
+from .._admission import PRIORITY_MAX, PRIORITY_MIN
+from .._exceptions import InputError
 from .._output import jsonable
 from .._record import Record
 from .._task import (
@@ -32,7 +35,10 @@ from .._task import (
     Task,
 )
 
-__all__ = ("STATES", "Rows")
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ("STATES", "Rows", "encode")
 
 STATES: dict[str, str] = {
     s: s
@@ -278,3 +284,69 @@ def _list(text: str | None) -> list[str]:
 
 def _json_list(value: Any) -> str | None:
     return json.dumps(list(value)) if value else None
+
+
+def encode(tasks: Sequence[Any], where: str, first: int | None, store: object) -> list[Any]:
+    """Each task's payload and its JSON (None for what admission refuses anyway), before anything
+    is admitted: what a row cannot hold refuses the batch, naming the task and the field (`store`
+    names the store in the message)."""
+    out: list[Any] = []
+    for i, task in enumerate(tasks):
+        if not isinstance(task, Task):
+            out.append(None)
+            continue
+        try:
+            out.append((task.payload, to_json(task.payload).decode()))
+        except PydanticSerializationError as exc:
+            raise InputError(
+                f"task {_named(task, where, first, i)}: payload cannot be stored as JSON "
+                f"by {store!r}: {exc}",
+                task_id=task.id,
+                field="payload",
+            ) from exc
+        # What the memory run takes but a row cannot hold would fail the store's first
+        # write, after agents ran: refused here, with the task and the field.
+        priority = task.priority
+        if type(priority) is int and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InputError(
+                f"task {_named(task, where, first, i)}: priority {priority} does not fit "
+                f"the 64-bit integer {store!r} keeps it in",
+                task_id=task.id,
+                field="priority",
+            )
+        if task.metadata is not None:
+            try:  # as `new_row` writes it: what JSON cannot hold is shown by its repr
+                to_json(task.metadata, fallback=repr)
+            except PydanticSerializationError as exc:  # text that is not UTF-8
+                raise InputError(
+                    f"task {_named(task, where, first, i)}: metadata cannot be stored as "
+                    f"JSON by {store!r}: {exc}",
+                    task_id=task.id,
+                    field="metadata",
+                ) from exc
+        for field in ("id", "key"):
+            value = getattr(task, field)
+            if type(value) is str and not value.isascii() and not _utf8(value):
+                raise InputError(
+                    f"task {_named(task, where, first, i)}: {field} {value!r} is not valid "
+                    f"UTF-8 text (a lone surrogate?), which {store!r} cannot store",
+                    task_id=task.id,
+                    field=field,
+                )
+    return out
+
+
+def _named(task: Task, where: str, first: int | None, i: int) -> str:
+    """How an error names a task: its id, or where it came from when it has none yet."""
+    given: str | None = task.id  # typed `str`: None until admission generates one
+    if given is not None:
+        return repr(given)
+    return where if first is None else f"{where}[{first + i}]"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

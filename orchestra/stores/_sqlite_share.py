@@ -1,4 +1,4 @@
-"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_work.py`).
+"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_leases.py`).
 
 Once a live worker may serve the run (`polled`: a window's look at the `workers` table), the run is
 *shared*: the window that says so writes every unfinished task's row again, and from then on a
@@ -13,32 +13,81 @@ look at the workers.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import InputError
 from .._task import FAILED, TERMINAL, Attempt, Task
-from . import _sqlite_work as work
+from . import _sqlite_leases as leases
 from ._sqlite_rows import STATES
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    import asyncio
+    from collections.abc import Callable, Sequence
     from concurrent.futures import Future
 
     from .._record import Record
-    from ._sqlite import SQLiteRun
+    from ._memory import MemoryRun
+    from ._sqlite_rows import Rows
+    from ._sqlite_store import SQLiteStore
 
-__all__ = ("Sharing",)
+__all__ = ("Owner", "Sharing")
 
 # A task whose lease expires this many times fails: a task that kills every worker it reaches (a
 # segfault, the OOM killer) must not take the whole pool down one worker after another.
 MAX_LOST = 3
 
 
-class Sharing:
-    """The sharing of one `SQLiteRun` with worker processes (a part of the run, holding it)."""
+class Owner(Protocol):
+    """What the sharing asks of its run (`SQLiteRun`)."""
 
-    def __init__(self, run: SQLiteRun) -> None:
+    run_id: str
+    name: str  # the coordinator's, as the file knows it
+
+    @property
+    def closed(self) -> bool: ...
+    def touch(self, record: Record) -> None: ...
+    def arm(self) -> None: ...
+    def wake(self) -> None: ...
+    def run_here(self, record: Record) -> None: ...
+    def keep_error(self, error: BaseException) -> None: ...
+    def attempt_failed(self, record: Record, attempt: Attempt) -> None: ...
+    def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None: ...
+    def settle(
+        self,
+        record: Record,
+        token: int,
+        status: str,
+        output: Any = None,
+        *,
+        spawned: Sequence[Task] = (),
+        agent: str | None = None,
+        error: str | None = None,
+        error_type: str | None = None,
+        defaulted: bool = False,
+        attempt: Attempt | None = None,
+    ) -> bool: ...
+
+
+class Sharing:
+    """The sharing of one run with worker processes (a part of the run, holding it)."""
+
+    def __init__(
+        self,
+        run: Owner,
+        store: SQLiteStore,
+        loop: asyncio.AbstractEventLoop | None,
+        memory: MemoryRun,
+        rows: Rows,
+        kinds: frozenset[str],
+        clock: Callable[[], float],
+    ) -> None:
         self._run = run
+        self._store = store
+        self._loop = loop
+        self._memory = memory
+        self._rows = rows
+        self._kinds = kinds  # the kinds the run has agents for
+        self._now = clock
         self.shared = False
         self.offered: set[str] = set()
         self.claiming: set[str] = set()
@@ -66,42 +115,40 @@ class Sharing:
         run = self._run
         self.offered.discard(record.id)
         self.claiming.add(record.id)
-        loop = run._loop
+        loop = self._loop
         assert loop is not None  # a run is shared only with a loop to poll from
-        answer = run._store.submit(work.claim_offered, run.run_id, record.id, run._name)
+        answer = self._store.submit(leases.claim_offered, run.run_id, record.id, run.name)
         answer.add_done_callback(lambda done: loop.call_soon_threadsafe(self.granted, record, done))
 
     def granted(self, record: Record, answer: Future[bool]) -> None:
         """The file's answer to `_claim_offered`: run the task here, or it is a worker's."""
         run = self._run
         self.claiming.discard(record.id)
-        if record.state in TERMINAL or run._closed:
+        if record.state in TERMINAL or run.closed:
             return
         taken_back = record.id in self.taken_back
         self.taken_back.discard(record.id)
         error = answer.exception()
         if error is not None:
-            run._error = run._error or error  # raised when the run closes
+            run.keep_error(error)  # raised when the run closes
         if error is not None or taken_back or answer.result():
-            run._runnable.append(record)
+            run.run_here(record)  # granted: `claim` hands it out next
         else:
-            self.remote[record.id] = record
-        # Granted, the task is the waiting worker's; refused, that worker takes the next one.
-        run._listener.wake()
+            self.remote[record.id] = record  # a worker process's now
+            run.wake()  # the dispatch that waited for it takes the next ready task
 
     # -- what a window learned ---------------------------------------------------------------------
 
-    def polled(self, polled: work.Polled) -> None:
+    def polled(self, polled: leases.Polled) -> None:
         """What a window learned of the workers, taken in on the loop."""
-        if self._run._closed:
+        if self._run.closed:
             return
         if not self.shared and polled.workers and self._serves(polled.workers):
             self._share()
         if polled.expired:
-            run = self._run
-            failures = run._rows.failures(polled.expired_attempts)
+            failures = self._rows.failures(polled.expired_attempts)
             for task_id, worker, attempts in polled.expired:
-                record = run._memory.record_of(task_id)
+                record = self._memory.record_of(task_id)
                 if record is not None and record.state not in TERMINAL:
                     _heard(record, failures.get(task_id))
                 self._expired(task_id, worker, attempts)
@@ -111,7 +158,7 @@ class Sharing:
             self._settle_done(polled.done, polled.done_attempts)
 
     def _serves(self, workers: list[str | None]) -> bool:
-        kinds = self._run._admission.kinds
+        kinds = self._kinds
         return any(k is None or not kinds.isdisjoint(json.loads(k)) for k in workers)
 
     def _share(self) -> None:
@@ -120,18 +167,17 @@ class Sharing:
         may be claimed here since), and the run is marked shared in the same transaction."""
         run = self._run
         self.shared = True
-        dirty = run._dirty
-        for record in run._memory.records():
+        for record in self._memory.records():
             if record.state not in TERMINAL:
-                dirty[record.id] = record
-        run._arm()
+                run.touch(record)
+        run.arm()
 
     def _expired(self, task_id: str, worker: str, attempts: int) -> None:
         """A worker's lease lapsed (the file took the task back): its attempt counts as failed,
         and the task is ready again (its row written so in the next window), or, lost once too
         often, failed."""
         run = self._run
-        memory = run._memory
+        memory = self._memory
         record = memory.record_of(task_id)
         if record is None or record.state in TERMINAL:
             return
@@ -141,7 +187,7 @@ class Sharing:
             error_type="LeaseExpired",
             message=f"worker {worker} stopped renewing its lease on the task (killed, paused or "
             "cut off): the attempt is counted and the task runs again",
-            started=run._now() - memory.t0,
+            started=self._now() - memory.t0,
             duration=0.0,
         )
         record.attempts = attempts
@@ -166,8 +212,8 @@ class Sharing:
                 record.failures = [attempt]
             else:
                 record.failures.append(attempt)
-            run._touch(record)
-        run._failed(record, attempt)
+            run.touch(record)
+        run.attempt_failed(record, attempt)
 
     def _released(self, task_id: str) -> None:
         """A task held for a worker's (`remote`) is ready in the file again, unleased: the worker
@@ -178,14 +224,14 @@ class Sharing:
             return
         record.token += 1  # whatever was heard under the old claim is stale
         self.offered.add(task_id)  # its row is ready: a worker may claim it first
-        self._run._memory.ready(record)
+        self._memory.ready(record)
 
     def _settle_done(self, rows: list[tuple[Any, ...]], attempt_rows: list[Any]) -> None:
         """Settle the tasks workers completed, as if they had ended here: dependents readied,
         spawned tasks admitted, the result heard by the run."""
         run = self._run
-        memory = run._memory
-        failures = run._rows.failures(attempt_rows) if attempt_rows else {}
+        memory = self._memory
+        failures = self._rows.failures(attempt_rows) if attempt_rows else {}
         for (task_id, outcome, output, agent, error, error_type, defaulted, attempts, started,
              _finished, spawned) in rows:  # fmt: skip
             record = memory.record_of(task_id)
@@ -200,7 +246,7 @@ class Sharing:
             record.attempts = attempts
             _heard(record, failures.get(task_id))
             if started is not None:
-                record.t_start = started - run._offset
+                record.t_start = started - self._rows.offset
             value = None if output is None else json.loads(output)
             tasks = [] if spawned is None else [_task(d) for d in json.loads(spawned)]
             try:
@@ -220,7 +266,7 @@ class Sharing:
         """What worker processes hold or completed while no coordinator ran (the rows `records`
         were loaded from): a lease stays the worker's (its task is remote here until it completes
         or the lease expires); a completion is settled now. Returns how many were."""
-        memory = self._run._memory
+        memory = self._memory
         done = []
         for record, row in zip(records, rows, strict=True):
             lease_owner, outcome = row[28], row[30]
@@ -231,7 +277,7 @@ class Sharing:
             elif lease_owner is not None and row[14] in ("claimed", "running"):
                 # A worker's lease, live or lapsed: its task is remote until the worker completes
                 # it or a window takes the lease back (the attempt counted), whether or not a
-                # live worker makes the run shared again (`SQLiteRun.flush` polls while any is).
+                # live worker makes the run shared again (`Window.flush` polls while any is).
                 memory.take(record)
                 self.remote[record.id] = record
         if done:  # their failed attempts are among the records' failures already
@@ -251,8 +297,9 @@ def _heard(record: Record, more: list[Attempt] | None) -> None:
 
 
 def _task(data: dict[str, Any]) -> Task:
-    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in stores/_worker_run.py),
-    without the id the worker gave one it spawned unnamed (`_name` names it)."""
+    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in
+    stores/_worker_run.py), without the id the worker gave one it spawned unnamed (`_name` names
+    it)."""
     return Task(
         data["kind"],
         data["payload"],
@@ -268,7 +315,7 @@ def _task(data: dict[str, Any]) -> Task:
     )
 
 
-def _name(run: SQLiteRun, parent: Record, tasks: list[Task]) -> None:
+def _name(run: Owner, parent: Record, tasks: list[Task]) -> None:
     """Name the tasks a worker's attempt of `parent` spawned unnamed as the attempt would have
     here (`<parent id>/<kind>#<n>`, skipping an id the run has: only this process knows them),
     checking them as it would; raises `InputError` as a spawn here does."""

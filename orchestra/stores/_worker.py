@@ -2,9 +2,9 @@
 
 A run on a `SQLiteStore` has one coordinator (the process that runs it: it admits the input,
 readies tasks, settles them, builds the result). More processes join it as *workers*: each
-claims ready tasks of its kinds from the file under a lease (`_sqlite_work.claim`), runs them with
+claims ready tasks of its kinds from the file under a lease (`_sqlite_leases.claim`), runs them with
 its own agents, limits, retries and fallbacks, and writes back what they came to
-(`_sqlite_work.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
+(`_sqlite_leases.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
 paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
 counted.
 
@@ -33,7 +33,7 @@ from .._exceptions import ConfigError, InvalidOutput, StoreError
 from .._log import get_logger
 from .._output import jsonable, stored_json
 from .._task import CANCELLED, SUCCEEDED, Attempt, Task, TaskResult
-from . import _sqlite_work
+from . import _sqlite_leases as leases
 from ._worker_run import WorkerStore
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
     from .._registry import Registry
     from ._protocol import Store
-    from ._sqlite import SQLiteStore
-    from ._sqlite_work import Claimed
+    from ._sqlite_leases import Claimed
+    from ._sqlite_store import SQLiteStore
 
 __all__ = ("LocalRun", "Owner", "WorkReport", "Worker", "work")
 
@@ -157,7 +157,7 @@ class Worker:
         self.run_id = run_id
         self.kinds = wanted
         self.poll = float(poll)
-        self.name = _sqlite_work.identity(uuid.uuid4().hex[:12])
+        self.name = leases.identity(uuid.uuid4().hex[:12])
         self.report = WorkReport(self.name)
         # What its agents can start at once, in all and per kind: a worker holds no more than
         # that, so tasks waiting for a slot stay in the file for other workers (a worker that
@@ -212,7 +212,7 @@ class Worker:
 
     async def run(self) -> WorkReport:
         store = self.store
-        await self.call(_sqlite_work.register, self.name, self.run_id, self.kinds, time.time())
+        await self.call(leases.register, self.name, self.run_id, self.kinds, time.time())
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
         results = handle.results()
@@ -266,9 +266,9 @@ class Worker:
             # Every task the file says it still holds, after the claims already in the writer
             # thread's queue (one a stop cancelled commits all the same, its answer dropped): a
             # claim left leased by a gone worker would wait out the lease and count an attempt.
-            self.report.released += await self.call(_sqlite_work.release, self.name, None)
+            self.report.released += await self.call(leases.release, self.name, None)
         finally:
-            await self.call(_sqlite_work.unregister, self.name)
+            await self.call(leases.unregister, self.name)
 
     # -- claims: the local run's input -----------------------------------------------------------
 
@@ -285,7 +285,7 @@ class Worker:
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(
-                _sqlite_work.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
+                leases.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
             )
             if (
                 self.run_id is not None
@@ -311,7 +311,7 @@ class Worker:
             if clash:
                 with anyio.CancelScope(shield=True):
                     await self.call(
-                        _sqlite_work.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
+                        leases.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
                     )
             for claimed in taking.values():
                 yield Task(
@@ -361,7 +361,7 @@ class Worker:
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
                 accepted = await self.call(
-                    _sqlite_work.complete, self.name, time.time(), rows, attempts, notes
+                    leases.complete, self.name, time.time(), rows, attempts, notes
                 )
         finally:
             self.writing = []
@@ -427,7 +427,7 @@ class Worker:
         store = self.store
         while True:
             await anyio.sleep(store.lease / 3)
-            held, _ = await self.call(_sqlite_work.beat, self.name, time.time(), store.lease)
+            held, _ = await self.call(leases.beat, self.name, time.time(), store.lease)
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
                 i

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .._record import Record
     from .._task import Attempt, Task
     from ._protocol import Listener
-    from ._sqlite_work import Claimed
+    from ._sqlite_leases import Claimed
 
 __all__ = ("Host", "WorkerRun", "WorkerStore")
 

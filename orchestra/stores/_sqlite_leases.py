@@ -1,4 +1,4 @@
-"""The SQL of a run shared between processes: its coordinator and its worker processes.
+"""The SQL a run's coordinator and its worker processes share: claims, leases, completions.
 
 One process runs a run (its *coordinator*: the `orch.run(..., run_id=...)` that admits the input,
 makes tasks ready, settles them and builds the result); worker processes (`orch.work(...)`,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "Claimed",
+    "Polled",
     "beat",
     "claim",
     "claim_offered",
@@ -479,7 +480,7 @@ def poll(
         (run_id, now),
     ).fetchall()
     if expired:  # held by the coordinator (no worker may claim them) until it decides: ready
-        # again, or failed for good (`SQLiteRun._expired`)
+        # again, or failed for good (`Sharing._expired`)
         conn.executemany(
             "UPDATE tasks SET state = 'claimed', token = token + 1, attempts = ?, "
             "lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND id = ?",

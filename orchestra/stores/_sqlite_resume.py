@@ -1,0 +1,156 @@
+"""A durable run resumed: the rows an earlier process left, taken back into the run's memory run.
+
+Opening a run id the file knows loads its rows (`_sqlite_writes.open_run`): ended tasks come back
+as they ended (outputs as JSON values), the others wait again (claimed or running ones lost their
+worker and run again, their attempts counted; a retry waiting for its due time is ready at once; a
+task's timeout starts again). The run hears the ended ones (`finished`) when the input is admitted
+again, so the aggregate and the report are those of an uninterrupted run. Re-admitted input is
+matched by id (generated ids are generated again in the same order): the same task takes its place
+(the agent gets the caller's payload object again), a different one is refused with `InputError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from pydantic_core import PydanticSerializationError, to_json
+
+from .._exceptions import InputError
+from .._task import TERMINAL, Task
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .._admission import Admission
+    from .._record import Record
+    from ._memory import MemoryRun
+    from ._protocol import Listener
+    from ._sqlite_rows import Rows
+    from ._sqlite_share import Sharing
+
+__all__ = ("Resume",)
+
+
+class Resume:
+    """What an earlier process left of one run, and the input admitted again matched against it."""
+
+    __slots__ = ("_admission", "_loaded", "_rows", "run_id", "stored")
+
+    def __init__(
+        self,
+        run_id: str,
+        admission: Admission,
+        rows: Rows,
+        loaded: tuple[list[Any], list[Any]] | None,
+    ) -> None:
+        self.run_id = run_id
+        self._admission = admission
+        self._rows = rows
+        self._loaded = loaded  # (task rows, attempt rows) until they are taken back; None: none
+        # The tasks the file held, once taken back: id -> (record, payload JSON).
+        self.stored: dict[str, tuple[Record, str]] = {}
+
+    def take_back(self, memory: MemoryRun, listener: Listener, sharing: Sharing) -> int:
+        """Take back what the earlier process left (once, when the input starts coming, as the run
+        is ready to hear it): the records restored in `memory`, the ended ones heard by
+        `listener`, what worker processes hold or completed handed to `sharing`. Returns how many
+        tasks came back ended (0 after the first call, or for a new run)."""
+        if self._loaded is None:
+            return 0
+        rows, attempt_rows = self._loaded
+        self._loaded = None
+        failures = self._rows.failures(attempt_rows)
+        stored: dict[str, tuple[Record, str]] = {}
+        records = [self._rows.record(row, stored, failures) for row in rows]
+        self.stored = stored
+        admission = self._admission
+        for record in records:
+            if record.state not in TERMINAL and record.kind in admission.kinds:
+                admission.check(record.task, "stored task", None, lambda _: False)  # its model
+        took_keys = [row[0] for row in rows if row[32]]
+        memory.restore(records, took_keys)
+        ended = [r for r in records if r.state in TERMINAL]
+        for record in ended:
+            listener.finished(record)
+        return len(ended) + sharing.resume(records, rows)
+
+    def knows(self, task_id: str) -> bool:
+        """Whether the file held `task_id` (its row is written: not a new task)."""
+        return task_id in self.stored
+
+    def gone(self, task: Any, memory: MemoryRun) -> bool:
+        """A stored task (the same, `match` checked) that succeeded in this process before the
+        streamed input gave it again, and that the run has forgotten since (compacted): it is
+        not admitted again (the memory run would take it for a second task with its id)."""
+        return (
+            isinstance(task, Task) and task.id in self.stored and memory.record_of(task.id) is None
+        )
+
+    def match(self, tasks: Sequence[Any], first: int) -> set[int]:
+        """Input admitted again on resume: the stored task with its id (generated ids are
+        generated again, in the same order) must be the same task; it takes the caller's object.
+        Returns the tasks (by `id()`) whose ids it generated: the memory run takes them as
+        generated, not given (the rows say so, for the next resume to generate them again)."""
+        stored = self.stored
+        admission = self._admission
+        generated: set[int] = set()
+        for i, task in enumerate(tasks, first):
+            if not isinstance(task, Task):
+                continue
+            given: str | None = task.id  # typed `str`: None until admission generates one
+            if given is None:
+                auto = admission.auto
+                while True:
+                    auto += 1
+                    found = stored.get(f"{task.kind}#{auto}")
+                    if found is None or not found[0].named:
+                        break
+                # The id admission would generate (a new task's too: given here, so that the
+                # next one of the batch is generated after it, as in the first run).
+                admission.auto = auto
+                task.id = f"{task.kind}#{auto}"
+                generated.add(id(task))
+                if found is None:
+                    continue
+            else:
+                found = stored.get(task.id)
+                if found is None:
+                    continue
+                if not found[0].named:  # generated for a task given no id: its own is matched
+                    raise InputError(
+                        f"duplicate task id {task.id!r} (input item {i}): run {self.run_id!r} "
+                        "generated it for an earlier task given no id",
+                        task_id=task.id,
+                        field="id",
+                    )
+            record, payload = found
+            old = record.task
+            if old is task:
+                continue
+            if (
+                old.kind != task.kind
+                or list(old.depends_on) != list(task.depends_on)
+                or list(old.tags) != list(task.tags)
+                or list(old.depends_on_tags) != list(task.depends_on_tags)
+                or old.key != task.key
+                or not _same_json(payload, task.payload)
+            ):
+                raise InputError(
+                    f"task {task.id!r} (input item {i}) is not the task run {self.run_id!r} "
+                    f"stored under that id: the input or the decomposer changed since the run "
+                    "started. A resumed run must be given the same tasks (same ids, or the same "
+                    "order when ids are generated); start a new run id for new work",
+                    task_id=task.id,
+                    field="payload",
+                )
+            record.task = task
+        return generated
+
+
+def _same_json(stored: str, payload: Any) -> bool:
+    try:
+        text = to_json(payload).decode()
+    except PydanticSerializationError:
+        return False
+    return text == stored or json.loads(text) == json.loads(stored)
