@@ -1,4 +1,4 @@
-"""Claim + complete throughput on PostgreSQL: orchestra's claims (`orchestra.stores._pg_claims`)
+"""Claim + complete throughput on PostgreSQL: orchestra's claims (`orchestra.stores._postgres._claims`)
 against pgqueuer and a raw asyncpg loop, on one server in the same run.
 
 ``python -m benchmarks.pg_claims [N] [REPS]`` (default 20,000 no-op tasks, 3 repetitions; needs the
@@ -32,9 +32,9 @@ from typing import Any
 
 import asyncpg
 
-from orchestra.stores._pg_claims import SERVER_SETTINGS, End, claim, complete
-from orchestra.stores._pg_schema import migrate
-from orchestra.stores._pg_server import embedded_server
+from orchestra.stores._postgres._claims import SERVER_SETTINGS, End, claim, complete
+from orchestra.stores._postgres._schema import migrate
+from orchestra.stores._postgres._server import embedded_server
 
 CONTENDERS = ("orchestra", "pgqueuer", "raw")
 BATCH = 100

@@ -63,7 +63,9 @@ from orchestra import (
     Task,
     agent,
 )
-from orchestra.stores import SQLiteStore, _sqlite, _sqlite_writes
+from orchestra.stores import SQLiteStore
+from orchestra.stores._sqlite import _run as sqlite_run
+from orchestra.stores._sqlite import _writes as sqlite_writes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -176,7 +178,7 @@ class DyingConnection:
 
 
 def hook_writes() -> None:
-    write = _sqlite_writes.write
+    write = sqlite_writes.write
 
     def hooked(conn: sqlite3.Connection, *args: Any) -> None:
         Child.writes += 1
@@ -185,9 +187,9 @@ def hook_writes() -> None:
         if Child.kill == f"committed:{Child.writes}":
             die()
 
-    _sqlite_writes.write = hooked  # type: ignore[assignment]
+    sqlite_writes.write = hooked  # type: ignore[assignment]
     if Child.kill == "end":
-        _sqlite.SQLiteRun.close = lambda self: die()  # type: ignore[method-assign]
+        sqlite_run.SQLiteRun.close = lambda self: die()  # type: ignore[method-assign]
 
 
 async def run(db: Path, stream: bool) -> str:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from orchestra.stores._pg_server import EmbeddedServer, embedded_server
+from orchestra.stores._postgres._server import EmbeddedServer, embedded_server
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -65,7 +65,7 @@ class PgDatabases:
     async def _make_template(self) -> None:
         import asyncpg
 
-        from orchestra.stores._pg_schema import migrate
+        from orchestra.stores._postgres._schema import migrate
 
         admin = await asyncpg.connect(self.server.dsn)
         try:

@@ -1,4 +1,4 @@
-"""The PostgreSQL schema and its migrations (`orchestra.stores._pg_schema`), on the session's real
+"""The PostgreSQL schema and its migrations (`orchestra.stores._postgres._schema`), on the session's real
 server: a new database gets the newest schema, a second migrate changes nothing, a newer orchestra's
 migration is applied on top and then refused by this one, processes migrating at once end with one
 schema, a failed migration leaves nothing, and a schema named ``orchestra`` that is not ours is
@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from orchestra import StoreError
-from orchestra.stores._pg_schema import MIGRATIONS, migrate, version_of
+from orchestra.stores._postgres._schema import MIGRATIONS, migrate, version_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

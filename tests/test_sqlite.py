@@ -33,7 +33,7 @@ from orchestra import (
 from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
 from orchestra.stores import SQLiteStore
-from orchestra.stores._schema import MIGRATIONS
+from orchestra.stores._sqlite._schema import MIGRATIONS
 from tests.helpers import REPO
 from tests.test_store_contract import Heard
 

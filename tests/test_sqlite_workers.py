@@ -42,7 +42,7 @@ from orchestra._admission import Admission
 from orchestra._cli._app import app
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._protocol import Selector
-from orchestra.stores._sqlite_leases import Claimed
+from orchestra.stores._sqlite._leases import Claimed
 from orchestra.stores._worker import Worker
 from orchestra.stores._worker_run import WorkerStore
 from tests.helpers import REPO, spawn

@@ -1,4 +1,4 @@
-"""Agents for the worker processes of tests/test_sqlite_leasesers.py (``orchestra worker --agents
+"""Agents for the worker processes of tests/test_sqlite_workers.py (``orchestra worker --agents
 tests/worker_job.py:agents``).
 
 Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (one ``write`` of one
@@ -91,9 +91,9 @@ def one_at_a_time() -> Orchestrator:
 def agents_stopping_in_a_commit() -> Orchestrator:
     """`agents`, in a worker that stops itself (SIGSTOP, the whole process) inside the transaction
     of its first completion, just before its COMMIT: it holds the file's write lock, stopped."""
-    from orchestra.stores import _sqlite_leases
+    from orchestra.stores._sqlite import _leases as leases
 
-    complete = _sqlite_leases.complete
+    complete = leases.complete
 
     class Stopping:
         def __init__(self, conn: Any) -> None:
@@ -108,10 +108,10 @@ def agents_stopping_in_a_commit() -> Orchestrator:
             return self.conn.executemany(sql, rows)
 
     def stopping(conn: Any, *args: Any) -> Any:
-        _sqlite_leases.complete = complete  # once
+        leases.complete = complete  # once
         return complete(Stopping(conn), *args)  # type: ignore[arg-type]
 
-    _sqlite_leases.complete = stopping  # type: ignore[assignment]
+    leases.complete = stopping  # type: ignore[assignment]
     return agents()
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from .._exceptions import InputError, StoreError
 from .._failure import with_type
 from ..stores import SQLiteStore
-from ..stores import _sqlite_leases as leases
+from ..stores._sqlite import _leases as leases
 
 if TYPE_CHECKING:
     from collections.abc import Callable

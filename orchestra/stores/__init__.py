@@ -5,7 +5,7 @@ protocol a store implements."""
 from ._memory import MemoryStore as MemoryStore
 from ._protocol import RunStore as RunStore
 from ._protocol import Store as Store
-from ._sqlite_store import SQLiteStore as SQLiteStore
+from ._sqlite._store import SQLiteStore as SQLiteStore
 
 __all__ = ("MemoryStore", "RunStore", "SQLiteStore", "Store")
 

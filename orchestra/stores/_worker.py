@@ -2,9 +2,9 @@
 
 A run on a `SQLiteStore` has one coordinator (the process that runs it: it admits the input,
 readies tasks, settles them, builds the result). More processes join it as *workers*: each
-claims ready tasks of its kinds from the file under a lease (`_sqlite_leases.claim`), runs them with
+claims ready tasks of its kinds from the file under a lease (`_sqlite._leases.claim`), runs them with
 its own agents, limits, retries and fallbacks, and writes back what they came to
-(`_sqlite_leases.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
+(`_sqlite._leases.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
 paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
 counted.
 
@@ -33,7 +33,7 @@ from .._exceptions import ConfigError, InvalidOutput, StoreError
 from .._log import get_logger
 from .._output import jsonable, stored_json
 from .._task import CANCELLED, SUCCEEDED, Attempt, Task, TaskResult
-from . import _sqlite_leases as leases
+from ._sqlite import _leases as leases
 from ._worker_run import WorkerStore
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
     from .._registry import Registry
     from ._protocol import Store
-    from ._sqlite_leases import Claimed
-    from ._sqlite_store import SQLiteStore
+    from ._sqlite._leases import Claimed
+    from ._sqlite._store import SQLiteStore
 
 __all__ = ("LocalRun", "Owner", "WorkReport", "Worker", "work")
 

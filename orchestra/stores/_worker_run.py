@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .._record import Record
     from .._task import Attempt, Task
     from ._protocol import Listener
-    from ._sqlite_leases import Claimed
+    from ._sqlite._leases import Claimed
 
 __all__ = ("Host", "WorkerRun", "WorkerStore")
 
@@ -176,7 +176,7 @@ class WorkerRun:
         # The coordinator checks references (it knows the run's tasks); here: the task's own
         # fields and that its payload can be stored. A task spawned without an id is named after
         # its parent, as the coordinator names it (`GraphChecks.spawn`), but without the run's
-        # ids: the coordinator names it again when it admits it (`_sqlite_share._name`).
+        # ids: the coordinator names it again when it admits it (`_sqlite._share._name`).
         given: str | None = task.id  # typed `str`: None until an id is given it
         if not pending:  # the attempt's first spawn
             self._named_here.pop(parent.id, None)

@@ -5,10 +5,10 @@ in-process state machine: readiness, dependencies, groups, priority order, token
 change behind it, as a write-ahead journal of that state: each protocol call is passed on to the
 memory run, and the records it touched (the ones it was handed, and every one the memory run
 reports ready or ended, which covers spawns, cascades and groups) are marked for its `Window`,
-which writes them as rows once a window (`_sqlite_window.py`, with what that costs and when a
+which writes them as rows once a window (`_window.py`, with what that costs and when a
 result is durable). Opening a run id the file knows takes back what an earlier process left of it
-(`Resume`, `_sqlite_resume.py`); idempotency keys are claimed, waited for and reused through the
-file by the run's `Keys` (`_sqlite_keys.py`).
+(`Resume`, `_resume.py`); idempotency keys are claimed, waited for and reused through the
+file by the run's `Keys` (`_keys.py`).
 
 **Several processes.** A worker process claims with one statement in a
 ``BEGIN IMMEDIATE`` transaction (SQLite's single writer lock makes it atomic)::
@@ -23,8 +23,8 @@ and every later write (heartbeat, start, fail, settle) carries the token:
 ``UPDATE ... WHERE run_id = ? AND id = ? AND token = ?``, refused (no row changed) once the task
 was re-leased; `due` returns the tasks whose ``lease_expires`` passed to ready, attempt counted.
 The schema has the columns (`token`, `lease_owner`, `lease_expires`) and the index
-(`tasks_ready`) for it; the claims are in `_sqlite_leases.py`, the coordinator's side in
-`_sqlite_share.py`.
+(`tasks_ready`) for it; the claims are in `_leases.py`, the coordinator's side in
+`_share.py`.
 """
 
 from __future__ import annotations
@@ -37,26 +37,26 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
 
-from .._exceptions import StoreError
-from .._output import stored_json
-from .._task import FAILED, SUCCEEDED, TERMINAL, Attempt, Task
-from . import _sqlite_leases as leases
-from . import _sqlite_writes as writes
-from ._memory import MemoryRun
-from ._protocol import KEEP
-from ._sqlite_keys import Keys
-from ._sqlite_resume import Resume
-from ._sqlite_rows import Rows, encode
-from ._sqlite_share import Sharing
-from ._sqlite_window import Window
+from ..._exceptions import StoreError
+from ..._output import stored_json
+from ..._task import FAILED, SUCCEEDED, TERMINAL, Attempt, Task
+from .._memory import MemoryRun
+from .._protocol import KEEP
+from . import _leases as leases
+from . import _writes as writes
+from ._keys import Keys
+from ._resume import Resume
+from ._rows import Rows, encode
+from ._share import Sharing
+from ._window import Window
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-    from .._admission import Admission
-    from .._record import Record
-    from ._protocol import Listener, Selector
-    from ._sqlite_store import SQLiteStore
+    from ..._admission import Admission
+    from ..._record import Record
+    from .._protocol import Listener, Selector
+    from ._store import SQLiteStore
 
 __all__ = ("SQLiteRun",)
 
@@ -115,8 +115,8 @@ class SQLiteRun:
             self._let_go()
             raise
         self._rows = Rows(run_id, wall0, offset, self._outputs, seq)
-        self._keys = Keys(self, store, loop)  # idempotency keys (`_sqlite_keys`)
-        # With worker processes (`_sqlite_share`).
+        self._keys = Keys(self, store, loop)  # idempotency keys (`_keys`)
+        # With worker processes (`_share`).
         self._sharing = Sharing(self, store, loop, memory, self._rows, admission.kinds, clock)
         self._window = Window(
             run_id, self.name, store, loop, listener, memory, self._rows, self._keys, self._sharing
@@ -303,7 +303,7 @@ class SQLiteRun:
             while record is not None and self._keys.waiting.get(record.task.key) is record:  # type: ignore[arg-type]
                 record = self._memory.claim()
         if record is not None and self._sharing.offered and self._sharing.held_back(record):
-            return None  # a worker process may claim it too: the file decides (`_sqlite_share`)
+            return None  # a worker process may claim it too: the file decides (`_share`)
         return record
 
     def heartbeat(self, record: Record, token: int) -> bool:

@@ -2,15 +2,15 @@
 rows loaded), each window's transaction, the claims of its idempotency keys, and its closing.
 
 Everything here sees only plain values (tuples of rows, ids, times): the run builds the rows on the
-loop (`_sqlite_rows`) and hands them over (`_sqlite_window`).
+loop (`_rows`) and hands them over (`_window`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import StoreError
-from . import _sqlite_leases as leases
+from ..._exceptions import StoreError
+from . import _leases as leases
 from ._schema import rollback
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def write(
     workers claim from, `_UPDATE_SHARED`), failed attempts, journal events, keys; with `beat`
     (the coordinator's name, now, the lease, whether the run is shared, whether workers may hold
     its rows, the ids of the tasks it takes for workers'), the coordinator's heartbeat and what it learns of the workers
-    (`_sqlite_leases.poll`: while workers may hold rows, shared or not, their expired leases and
+    (`_leases.poll`: while workers may hold rows, shared or not, their expired leases and
     completions too). With `owner` (the coordinator's name), nothing is written unless it still
     holds the run: one paused past its lease (SIGSTOP, a frozen VM) may have been replaced by
     another coordinator, whose rows it must not overwrite."""

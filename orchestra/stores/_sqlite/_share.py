@@ -1,4 +1,4 @@
-"""A coordinator's side of a run shared with worker processes (the SQL: `_sqlite_leases.py`).
+"""A coordinator's side of a run shared with worker processes (the SQL: `_leases.py`).
 
 Once a live worker may serve the run (`polled`: a window's look at the `workers` table), the run is
 *shared*: the window that says so writes every unfinished task's row again, and from then on a
@@ -15,20 +15,20 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._exceptions import InputError
-from .._task import FAILED, TERMINAL, Attempt, Task
-from . import _sqlite_leases as leases
-from ._sqlite_rows import STATES
+from ..._exceptions import InputError
+from ..._task import FAILED, TERMINAL, Attempt, Task
+from . import _leases as leases
+from ._rows import STATES
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Sequence
     from concurrent.futures import Future
 
-    from .._record import Record
-    from ._memory import MemoryRun
-    from ._sqlite_rows import Rows
-    from ._sqlite_store import SQLiteStore
+    from ..._record import Record
+    from .._memory import MemoryRun
+    from ._rows import Rows
+    from ._store import SQLiteStore
 
 __all__ = ("Owner", "Sharing")
 

@@ -1,16 +1,16 @@
 """The SQLite store: runs kept in a database file, so that a run survives its process.
 
 `SQLiteStore` is the file: its settings, its one writer thread, the runs this object has open, and
-what a user reads of it. Each run is a `SQLiteRun` (`_sqlite.py`): a memory run written behind to
+what a user reads of it. Each run is a `SQLiteRun` (`_run.py`): a memory run written behind to
 the file. The rest, by concept:
 
-- `_sqlite_window.py`: what a run changed, written once a window; backpressure on the writer
-- `_sqlite_rows.py`: a task's record as a row, and back; what a row cannot hold, refused
-- `_sqlite_resume.py`: a run taken back from its rows, its input matched against them
-- `_sqlite_keys.py`: idempotency keys claimed, waited for and reused through the file
-- `_sqlite_share.py`: a run shared with worker processes, the coordinator's side
-- `_sqlite_writer.py`: the one connection and the thread that uses it
-- `_sqlite_writes.py`, `_sqlite_leases.py`, `_sqlite_admin.py`: the SQL of a run, of the claims
+- `_window.py`: what a run changed, written once a window; backpressure on the writer
+- `_rows.py`: a task's record as a row, and back; what a row cannot hold, refused
+- `_resume.py`: a run taken back from its rows, its input matched against them
+- `_keys.py`: idempotency keys claimed, waited for and reused through the file
+- `_share.py`: a run shared with worker processes, the coordinator's side
+- `_writer.py`: the one connection and the thread that uses it
+- `_writes.py`, `_leases.py`, `_admin.py`: the SQL of a run, of the claims
   shared with worker processes (`_worker.py`), and of the reads behind ``orchestra runs``
 - `_schema.py`: the tables and their migrations
 """
@@ -24,18 +24,18 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._config import finite
-from .._exceptions import ConfigError, InputError
-from . import _sqlite_admin as admin
-from ._sqlite import SQLiteRun
-from ._sqlite_writer import Writer
+from ..._config import finite
+from ..._exceptions import ConfigError, InputError
+from . import _admin as admin
+from ._run import SQLiteRun
+from ._writer import Writer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from concurrent.futures import Future
 
-    from .._admission import Admission
-    from ._protocol import Listener
+    from ..._admission import Admission
+    from .._protocol import Listener
 
 __all__ = ("SQLiteStore",)
 

@@ -6,7 +6,7 @@ them over with the job that writes them; the thread runs it (``executemany``, th
 the GIL released inside SQLite. aiosqlite would be the same design (a thread per connection) with a
 future per call; the stdlib needs no dependency and lets a window's batch be one call.
 
-A job is a function of the connection first (`_sqlite_writes`, `_sqlite_admin`, `_sqlite_leases`
+A job is a function of the connection first (`_writes`, `_admin`, `_leases`
 hold them); a `sqlite3` error in it reaches its caller as a `StoreError` that says what is wrong
 with the file (`explain`).
 """
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import StoreError
+from ..._exceptions import StoreError
 from ._schema import migrate, refuse_foreign
 
 if TYPE_CHECKING:

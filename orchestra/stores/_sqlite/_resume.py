@@ -1,6 +1,6 @@
 """A durable run resumed: the rows an earlier process left, taken back into the run's memory run.
 
-Opening a run id the file knows loads its rows (`_sqlite_writes.open_run`): ended tasks come back
+Opening a run id the file knows loads its rows (`_writes.open_run`): ended tasks come back
 as they ended (outputs as JSON values), the others wait again (claimed or running ones lost their
 worker and run again, their attempts counted; a retry waiting for its due time is ready at once; a
 task's timeout starts again). The run hears the ended ones (`finished`) when the input is admitted
@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from .._exceptions import InputError
-from .._task import TERMINAL, Task
+from ..._exceptions import InputError
+from ..._task import TERMINAL, Task
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .._admission import Admission
-    from .._record import Record
-    from ._memory import MemoryRun
-    from ._protocol import Listener
-    from ._sqlite_rows import Rows
-    from ._sqlite_share import Sharing
+    from ..._admission import Admission
+    from ..._record import Record
+    from .._memory import MemoryRun
+    from .._protocol import Listener
+    from ._rows import Rows
+    from ._share import Sharing
 
 __all__ = ("Resume",)
 

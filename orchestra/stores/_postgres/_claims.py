@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import asyncpg
 
-from ._protocol import KEEP
+from .._protocol import KEEP
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

@@ -5,7 +5,7 @@ the task is admitted (`encode`).
 `Rows` knows the two clocks (a record counts loop time, a row wall-clock time: loop time + offset,
 or the memory run's zero `wall0` + the record's relative times) and the statement a row is for:
 rows with the usual NULLs (no dependency, tag, key, retry, deadline, feedback or error) go through
-the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_writes`:
+the statements that bind fewer parameters (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_writes`:
 binding dominates an insert's cost).
 """
 
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from .._admission import PRIORITY_MAX, PRIORITY_MIN
-from .._exceptions import InputError
-from .._output import jsonable
-from .._record import Record
-from .._task import (
+from ..._admission import PRIORITY_MAX, PRIORITY_MIN
+from ..._exceptions import InputError
+from ..._output import jsonable
+from ..._record import Record
+from ..._task import (
     CANCELLED,
     CLAIMED,
     FAILED,

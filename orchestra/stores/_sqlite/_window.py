@@ -9,11 +9,11 @@ transitions of a task inside one window into one row update.
 20 µs per task against 6.6 µs in memory (2.9x to 3.1x over runs; it was 54 µs). What made it so,
 each measured: a task's row is written once it has ended when it ends inside its window (one
 insert, no update); a row with the usual NULLs goes through statements that bind 18 parameters
-instead of 33 (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_sqlite_writes.py`, the rows built in
-`_sqlite_rows.py`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
+instead of 33 (`_INSERT_LEAN`, `_UPDATE_LEAN` in `_writes.py`, the rows built in
+`_rows.py`: binding dominates, 3.6 µs against 9.6 per insert); the claim index holds ready
 tasks only (a row written ended enters no index but the key); and the journal holds only what a
 task's row cannot say: its admission (`admitted`), its last start and its end are read from the row
-by the journal's readers (`_JOURNAL` in `_sqlite_admin.py`), so a task that succeeds at once is no
+by the journal's readers (`_JOURNAL` in `_admin.py`), so a task that succeeds at once is no
 journal row at all (there were four). Tried and dropped: starting a write before the window ends
 (when many tasks changed) made both threads slower (they share the GIL: 0.65 s against 0.55 s
 then).
@@ -34,22 +34,22 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._clock import current_clock
-from .._task import READY, SUCCEEDED, TERMINAL
-from . import _sqlite_writes as writes
+from ..._clock import current_clock
+from ..._task import READY, SUCCEEDED, TERMINAL
+from . import _writes as writes
 
 if TYPE_CHECKING:
     import asyncio
     from concurrent.futures import Future
 
-    from .._record import Record
-    from .._task import Attempt
-    from ._memory import MemoryRun
-    from ._protocol import Listener
-    from ._sqlite_keys import Keys
-    from ._sqlite_rows import Rows
-    from ._sqlite_share import Sharing
-    from ._sqlite_store import SQLiteStore
+    from ..._record import Record
+    from ..._task import Attempt
+    from .._memory import MemoryRun
+    from .._protocol import Listener
+    from ._keys import Keys
+    from ._rows import Rows
+    from ._share import Sharing
+    from ._store import SQLiteStore
 
 __all__ = ("Window",)
 
@@ -65,7 +65,7 @@ class Window:
     The run adds to it as its steps go (`touch` a record whose row must be written again; `new`,
     `attempts`, `events`); `flush` hands it all to the writer thread in one transaction, from a
     timer a window after the first change, with the coordinator's heartbeat and what it learns of
-    the worker processes (`_sqlite_share`).
+    the worker processes (`_share`).
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """A durable run's idempotency keys: claimed, waited for and reused through the file.
 
 A key is a row of the `keys` table, claimed by the first submitter in one ``BEGIN IMMEDIATE``
-transaction (`_sqlite_writes.claim_keys`: an insert that does nothing when the key is there, then a
+transaction (`_writes.claim_keys`: an insert that does nothing when the key is there, then a
 read of who holds it): the claimer runs the task and writes the result into the row with the task's
 end; a submitter that finds it claimed by a live task waits (the task stays claimed by `claim`,
 never started; `_poll` asks the file every window) and ends with that result. A claim is kept live
@@ -15,15 +15,15 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._task import CLAIMED, SUCCEEDED, TERMINAL
-from . import _sqlite_writes as writes
+from ..._task import CLAIMED, SUCCEEDED, TERMINAL
+from . import _writes as writes
 
 if TYPE_CHECKING:
     from collections.abc import Collection
     from concurrent.futures import Future
 
-    from .._record import Record
-    from ._sqlite_store import SQLiteStore
+    from ..._record import Record
+    from ._store import SQLiteStore
 
 __all__ = ("Keys", "Owner")
 

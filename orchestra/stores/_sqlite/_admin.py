@@ -1,6 +1,6 @@
 """A SQLite file read for its user: its runs, workers, journal and dead letters, and a run's
 failed tasks reopened (`SQLiteStore.runs`, `.workers`, `.events`, `.dead_letters`, `.retry`, and
-``orchestra runs``). Jobs of the writer thread (`_sqlite_writer`), as every use of the file is.
+``orchestra runs``). Jobs of the writer thread (`_writer`), as every use of the file is.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .._exceptions import InputError
+from ..._exceptions import InputError
 from ._schema import rollback
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._exceptions import StoreError
+from ..._exceptions import StoreError
 
 if TYPE_CHECKING:
     import sqlite3

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from .._exceptions import StoreError
-from .._extras import install_hint
+from ..._exceptions import StoreError
+from ..._extras import install_hint
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from .._exceptions import StoreError
+from ..._exceptions import StoreError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
