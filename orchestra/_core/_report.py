@@ -468,24 +468,23 @@ class Report:
             reason=self.reason,
             cancellations=self.cancellations,
         )
-        errors = [_error_record(node) for node in sorted(not_ok, key=_position)]
+        errors = [_error_record(record) for record in sorted(not_ok, key=_position)]
         return RunResult(status=status, data=data, metadata=metadata, errors=errors)
 
 
-def _position(node: Record) -> tuple[int, ...]:
-    return node.order
+def _position(record: Record) -> tuple[int, ...]:
+    return record.order
 
 
-def _error_record(node: Record) -> ErrorRecord:
-    result = node
-    failures = node.failures or []
-    error_type = result.error_type or (failures[-1].error_type if failures else "Error")
+def _error_record(record: Record) -> ErrorRecord:
+    failures = record.failures or []
+    error_type = record.error_type or (failures[-1].error_type if failures else "Error")
     last = failures[-1] if failures else None
-    message = result.error or (f"{last.error_type}: {last.message}" if last else "")
+    message = record.error or (f"{last.error_type}: {last.message}" if last else "")
     return ErrorRecord(
-        task_id=node.id,
-        kind=node.kind,
-        status=result.status,  # type: ignore[arg-type]
+        task_id=record.id,
+        kind=record.kind,
+        status=record.status,  # type: ignore[arg-type]
         error_type=error_type,
         message=message,
         attempts=[
@@ -505,15 +504,15 @@ def _error_record(node: Record) -> ErrorRecord:
             for a in failures
         ],
         remediation=remediation(
-            result.status,
+            record.status,
             error_type,
             message,
             agents=len({a.agent for a in failures}),
             status_code=None if last is None else last.status_code,
             api_error_type=None if last is None else last.api_error_type,
         ),
-        critical=node.task.critical,
-        partial_output=node.output if result.status == FAILED else None,
+        critical=record.task.critical,
+        partial_output=record.output if record.status == FAILED else None,
         status_code=None if last is None else last.status_code,
         api_error_type=None if last is None else last.api_error_type,
         request_id=None if last is None else last.request_id,
