@@ -206,9 +206,11 @@ _V1 = (
         error text
     )""",
     "CREATE INDEX keys_claimed ON orchestra.keys (owner) WHERE state = 'claimed'",
-    # The worker processes, for `orchestra runs workers` and for the coordinators: `kinds` NULL
-    # serves every kind, `run_id` NULL any run; a worker whose `expires` passed is gone. `refused`:
-    # its writes refused because the task had been re-leased.
+    # The live processes (workers, coordinators running tasks), for `orchestra runs workers` and
+    # for the coordinators: `kinds` NULL serves every kind, `run_id` NULL any run. A process beats
+    # (`heartbeat`, `expires`); one whose `expires` passed is marked `gone` by the sweep, and one
+    # that stops says so itself (`_processes.py`). `refused`: its writes refused because the task
+    # had been re-leased.
     """CREATE TABLE orchestra.workers (
         owner text PRIMARY KEY,
         host text NOT NULL,
@@ -220,8 +222,10 @@ _V1 = (
         expires timestamptz NOT NULL,
         claimed bigint NOT NULL DEFAULT 0,
         completed bigint NOT NULL DEFAULT 0,
-        refused bigint NOT NULL DEFAULT 0
+        refused bigint NOT NULL DEFAULT 0,
+        gone timestamptz
     )""",
+    "CREATE INDEX workers_live ON orchestra.workers (expires) WHERE gone IS NULL",
     # Dead letters: the tasks that failed for good (their attempts are in `attempts`).
     """CREATE VIEW orchestra.dead_letters AS
         SELECT run_id, id AS task_id, kind, payload, attempts, agent, error_type, error, finished

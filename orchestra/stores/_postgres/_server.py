@@ -116,6 +116,7 @@ def embedded_server(
     *,
     durable: bool = True,
     settings: Mapping[str, str] | None = None,
+    port: int | None = None,
     timeout: float = 60.0,
 ) -> EmbeddedServer:
     """Start a PostgreSQL server on a free port of 127.0.0.1 with its data in `directory`, and
@@ -130,6 +131,8 @@ def embedded_server(
         durable: False turns off ``fsync`` and synchronous commits: much faster, and a crash of the
             machine may lose the cluster (for tests).
         settings: more server settings (``{"max_connections": "200"}``), as ``postgres -c``.
+        port: the port to listen on (None: a free one): a server stopped and started again on
+            its directory and port is back at the same DSN for the clients that reconnect.
         timeout: seconds to wait for ``initdb`` and for the server to accept connections.
 
     Raises:
@@ -160,7 +163,7 @@ def embedded_server(
             if not (path / "PG_VERSION").exists():
                 _initdb(binaries, path, user, timeout)
             options = {**(_NOT_DURABLE if not durable else {}), **(settings or {})}
-            port, process = _start(binaries, path, user, options, timeout)
+            port, process = _start(binaries, path, user, options, timeout, port)
             return EmbeddedServer(path, port, process, remove=remove)
     except BaseException:
         if remove:
@@ -265,12 +268,17 @@ def _initdb(binaries: Path, path: Path, user: int | None, timeout: float) -> Non
 
 
 def _start(
-    binaries: Path, path: Path, user: int | None, options: Mapping[str, str], timeout: float
+    binaries: Path,
+    path: Path,
+    user: int | None,
+    options: Mapping[str, str],
+    timeout: float,
+    given: int | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]]:
     deadline = time.monotonic() + timeout
     log_path = path / _LOG_NAME
-    for _ in range(_PORT_TRIES):
-        port = _free_port()
+    for _ in range(1 if given is not None else _PORT_TRIES):
+        port = _free_port() if given is None else given
         args = [str(binaries / "postgres"), "-D", str(path), "-p", str(port),
                 "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]  # fmt: skip
         for name, value in options.items():
@@ -293,6 +301,8 @@ def _start(
                 f"the embedded PostgreSQL server in {str(path)!r} did not start "
                 f"(exit {process.returncode}): {said.strip()[-2000:]}"
             )
+    if given is not None:
+        raise StoreError(f"the embedded PostgreSQL server could not listen on port {given}: in use")
     raise StoreError(f"the embedded PostgreSQL server found no free port in {_PORT_TRIES} tries")
 
 
