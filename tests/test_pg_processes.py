@@ -8,6 +8,10 @@ Leases and beats are made to run out by moving their expiry into the past on the
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 import anyio
@@ -18,6 +22,7 @@ from orchestra.stores._postgres._claims import MAX_LOST, claim
 from orchestra.stores._postgres._listen import Listener, channel_of
 from orchestra.stores._postgres._processes import (
     _SWEEP_LOCK,
+    Presence,
     Swept,
     beat,
     deregister,
@@ -25,6 +30,7 @@ from orchestra.stores._postgres._processes import (
     register,
     sweep,
 )
+from tests.helpers import REPO, spawn
 from tests.test_pg_claims import admit, expire
 
 if TYPE_CHECKING:
@@ -232,3 +238,69 @@ class TestSweep:
         assert await conn.fetchval(
             "SELECT count(*) FROM orchestra.tasks WHERE state = 'ready'"
         ) == len(ids)
+
+
+class TestPresence:
+    async def test_keeps_a_process_live_carries_its_counters_and_says_when_it_stops(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        async with Presence(pg_dsn, "w1", host="box", pid=1, lease=0.6, kinds=["a"]) as presence:
+            presence.claimed += 3
+            presence.completed += 2
+            await anyio.sleep(1.5)  # two and a half beats' leases
+            assert await live(conn) == ["w1"]
+            row = await worker(conn, "w1")
+            assert (row["kinds"], row["claimed"], row["completed"]) == (["a"], 3, 2)
+            assert (presence.claimed, presence.completed) == (0, 0)
+        assert await live(conn) == []
+        assert (await worker(conn, "w1"))["gone"] is not None
+
+    async def test_a_process_given_up_on_is_told_and_registers_again(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        async with Presence(pg_dsn, "w1", host="box", pid=1, lease=0.6) as presence:
+            # As a sweep does once its beat expired (a process paused past it, say).
+            await conn.execute("UPDATE orchestra.workers SET gone = now() WHERE owner = 'w1'")
+            assert await live(conn) == []
+            with anyio.fail_after(10):
+                await presence.given_up.wait()
+            assert await live(conn) == ["w1"]
+
+
+class TestAWorkerProcessKilled:
+    async def test_its_leases_are_taken_back_by_a_live_process_and_it_is_marked_gone(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(5)])
+        child = spawn(
+            [sys.executable, str(REPO / "tests" / "pg_worker_job.py"), pg_dsn, "doomed", "1.0"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert child.stdout is not None
+        with anyio.fail_after(30):
+            line = await anyio.to_thread.run_sync(child.stdout.readline, abandon_on_cancel=True)
+        assert line.strip() == "claimed 5"
+        assert await live(conn) == ["doomed"]
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        swept: list[Swept] = []
+        async with Presence(
+            pg_dsn, "survivor", host="box", pid=os.getpid(), lease=0.6, on_swept=swept.append
+        ):
+            with anyio.fail_after(10):
+                while not (
+                    sum(len(each.taken_back) for each in swept) == 5
+                    and any(each.gone for each in swept)
+                ):
+                    await anyio.sleep(0.05)
+            assert await live(conn) == ["survivor"]
+        assert sorted(task.id for each in swept for task in each.taken_back) == [
+            f"t{i}" for i in range(5)
+        ]
+        assert [owner for each in swept for owner in each.gone] == ["doomed"]
+        assert {task.owner for each in swept for task in each.taken_back} == {"doomed"}
+        ready = await conn.fetchval("SELECT count(*) FROM orchestra.tasks WHERE state = 'ready'")
+        assert ready == 5
+        assert (await worker(conn, "survivor"))["gone"] is not None  # it said it stopped

@@ -15,21 +15,28 @@ lock with ``pg_try_advisory_xact_lock``, and a process that does not get it retu
 is sweeping; there is nothing to wait for). The taking back is safe without it (rows locked ``SKIP
 LOCKED``, the expiry re-checked): the lock spares the database the same scan by every process.
 Times are the database's ``now()``.
+
+`Presence` does all of it for one process: registers it, beats and sweeps every third of its lease
+on a pool, and says it stopped when closed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from ._claims import MAX_LOST, TakenBack, take_back_expired
+import anyio
+import asyncpg
+
+from ._claims import MAX_LOST, TakenBack, connect, take_back_expired
 from ._listen import notify
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
+    from types import TracebackType
 
-    import asyncpg
+    from anyio.abc import TaskGroup
 
-__all__ = ("Swept", "beat", "deregister", "live", "register", "sweep")
+__all__ = ("Presence", "Swept", "beat", "deregister", "live", "register", "sweep")
 
 # `pg_try_advisory_xact_lock` key of the sweep: any constant, the same in every orchestra.
 _SWEEP_LOCK: Final = 0x6F72632D73776570  # "orc-swep"
@@ -126,3 +133,114 @@ async def sweep(
             RETURNING owner"""
         )
     return Swept(taken, sorted(row[0] for row in gone))
+
+
+class Presence:
+    """A process's life in ``orchestra.workers`` while open, on a connection of its own to `dsn`:
+    registered on entry, a beat and a sweep every third of `lease` (the counters added since the
+    last beat go with it), gone on exit. `on_swept` hears each sweep that did something;
+    `given_up` is set when a beat was refused (the process had been marked gone: its leases may
+    have been taken back), and the process is registered again at once. A database out of reach
+    is tried again at the next beat, on a new connection.
+
+    ``async with Presence(dsn, owner, host=..., pid=..., lease=...) as presence:``
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        owner: str,
+        *,
+        host: str,
+        pid: int,
+        lease: float,
+        kinds: Sequence[str] | None = None,
+        run_id: str | None = None,
+        on_swept: Callable[[Swept], object] | None = None,
+    ) -> None:
+        self.owner = owner
+        self.given_up = anyio.Event()
+        self.claimed = self.completed = self.refused = 0
+        self._dsn = dsn
+        self._host = host
+        self._pid = pid
+        self._lease = lease
+        self._kinds = kinds
+        self._run_id = run_id
+        self._on_swept = on_swept
+        self._conn: asyncpg.Connection | None = None
+        self._group: TaskGroup | None = None
+
+    async def __aenter__(self) -> Presence:
+        self._conn = await connect(self._dsn)
+        await self._register(self._conn)
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(self._beat_and_sweep)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._group is not None
+        self._group.cancel_scope.cancel()
+        try:
+            return await self._group.__aexit__(exc_type, exc, tb)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._lease):
+                await self._stop()
+
+    async def _stop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            await deregister(conn, self.owner)
+        except _LOST:
+            pass  # its beat will expire: the next sweep marks it gone
+        finally:
+            conn.terminate()
+
+    async def _register(self, conn: asyncpg.Connection) -> None:
+        await register(
+            conn, self.owner, host=self._host, pid=self._pid, lease=self._lease,
+            kinds=self._kinds, run_id=self._run_id,
+        )  # fmt: skip
+
+    async def _beat_and_sweep(self) -> None:
+        while True:
+            await anyio.sleep(self._lease / 3)
+            try:
+                swept = await self._beat_and_sweep_once()
+            except _LOST:
+                if self._conn is not None:
+                    self._conn.terminate()
+                    self._conn = None
+                continue
+            if swept and (swept.taken_back or swept.gone) and self._on_swept is not None:
+                self._on_swept(swept)
+
+    async def _beat_and_sweep_once(self) -> Swept | None:
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await connect(self._dsn)
+        conn = self._conn
+        claimed, completed, refused = self.claimed, self.completed, self.refused
+        alive = await beat(
+            conn, self.owner, lease=self._lease, claimed=claimed, completed=completed,
+            refused=refused,
+        )  # fmt: skip
+        if alive:
+            self.claimed -= claimed
+            self.completed -= completed
+            self.refused -= refused
+        else:
+            self.given_up.set()
+            await self._register(conn)
+        return await sweep(conn)
+
+
+# What a lost or unreachable database raises.
+_LOST = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
