@@ -237,8 +237,8 @@ class Presence:
             self.completed -= completed
             self.refused -= refused
         else:
-            self.given_up.set()
             await self._register(conn)
+            self.given_up.set()
         return await sweep(conn)
 
 
