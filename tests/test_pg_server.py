@@ -7,6 +7,7 @@ The servers here are real (each test that starts one pays about half a second)."
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,28 @@ class TestStopping:
                     assert await conn.fetchval("SELECT v FROM kept") == "here"
                 finally:
                     await conn.close()
+
+    async def test_started_again_on_its_port_it_is_back_at_the_same_dsn(self) -> None:
+        with tempfile.TemporaryDirectory() as parent:
+            os.chmod(parent, 0o755)  # reachable by the server's user when root
+            directory = Path(parent) / "data"
+            with embedded_server(directory, durable=False) as server:
+                dsn, port = server.dsn, server.port
+            with embedded_server(directory, durable=False, port=port) as again:
+                assert again.dsn == dsn
+                conn = await asyncpg.connect(dsn)
+                try:
+                    assert await conn.fetchval("SELECT inet_server_port()") == port
+                finally:
+                    await conn.close()
+
+    def test_a_port_in_use_is_refused_saying_so(self) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(StoreError, match=f"could not listen on port {port}"):
+                embedded_server(durable=False, port=port)
 
 
 @needs_wheel

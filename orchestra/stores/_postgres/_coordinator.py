@@ -196,7 +196,8 @@ VALUES ($1, 'refused', $2, 'coordinator write from ' || $2 || ' refused: its lea
 async def fenced(conn: asyncpg.Connection, lease: Lease) -> AsyncIterator[asyncpg.Connection]:
     """A transaction on `conn` that commits only while `lease` still holds the run: what the
     block writes through `conn` is applied at its end, or, when the run was taken over, nothing
-    is, the refusal is journaled and `LeaseLost` raised (before the block runs)."""
+    is, the refusal is journaled and `LeaseLost` raised (before the block runs). The outermost
+    transaction of `conn`: inside another, the refusal's journal entry would share its fate."""
     idle = f"{max(1, int(lease.lease * 1000 / RENEWALS_PER_LEASE))}ms"
     transaction = conn.transaction()
     await transaction.start()
@@ -218,7 +219,10 @@ async def fenced(conn: asyncpg.Connection, lease: Lease) -> AsyncIterator[asyncp
     try:
         yield conn
     except BaseException:
-        await transaction.rollback()
+        # Shielded: a cancelled block must still end its transaction, or the connection stays
+        # inside it (and holds the run's row) until the server's idle limit ends the session.
+        with anyio.CancelScope(shield=True):
+            await transaction.rollback()
         raise
     await transaction.commit()
 
