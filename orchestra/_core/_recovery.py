@@ -58,7 +58,7 @@ class Owner(Protocol):
 class Recovery:
     """The failure half of one run's dispatcher."""
 
-    __slots__ = ("_d", "_moving")
+    __slots__ = ("_moving", "_owner")
 
     def __init__(self, dispatcher: Owner) -> None:
         self._owner = dispatcher
