@@ -360,6 +360,63 @@ class TestConcurrentSettling:
         children = await claim(conn, "r", {"b": 100}, owner="w", lease=30)
         assert sorted(t.id for t in children) == sorted(f"c{i}" for i in range(30))
 
+    async def test_a_waiter_admitted_while_the_last_member_ends_is_freed(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="m", tags=["g"])], admission=admission())
+        await close_input(conn, "r")
+        token = await take(conn, "m")
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            admitting = conn.transaction()
+            await admitting.start()
+            await admit(conn, "r", [Task("b", id="w", depends_on_tags=["g"])],
+                        admission=admission())  # fmt: skip
+            ending = asyncio.ensure_future(
+                complete(other, "r", "w", [End("m", token, SUCCEEDED, "1")])
+            )
+            await blocked(conn, other, ending)  # on the group the admission holds
+            await admitting.commit()
+            assert await ending == [True]
+        finally:
+            await other.close()
+        assert await states(conn) == {"m": "succeeded", "w": "ready"}
+
+    async def test_a_waiter_of_a_new_group_admitted_while_the_input_closes_is_freed(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            admitting = conn.transaction()
+            await admitting.start()
+            await admit(conn, "r", [Task("b", id="w", depends_on_tags=["nobody"])],
+                        admission=admission())  # fmt: skip
+            closing = asyncio.ensure_future(close_input(other, "r"))
+            await blocked(conn, other, closing)  # on the run the admission read
+            await admitting.commit()
+            await closing
+        finally:
+            await other.close()
+        assert await states(conn) == {"w": "ready"}
+
+
+async def blocked(
+    conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
+) -> None:
+    """Wait until `other`, running `step`, waits for a lock (or `step` is done: then it did not
+    wait for what `conn`'s open transaction holds)."""
+    pid = other.get_server_pid()
+    for _ in range(500):
+        if step.done():
+            return
+        waiting = await conn.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the other connection neither waited for a lock nor finished")
+
 
 # -- the model: the memory store's semantics, the same in the database -------------------------
 
@@ -509,12 +566,18 @@ class TestTheMemoryStoresSemantics:
                 refused = [None, None]
                 assert memory.start(record, record.token, "x")
                 try:
+                    # Each spawn checked as it is spawned (the engine's `check_spawn`), then
+                    # admitted with the end.
+                    spawned: dict[str, Task] = {}
+                    for spawn in build(specs):
+                        memory.check_spawn(spawn, record, spawned)
+                        spawned[spawn.id] = spawn
                     memory.settle(
                         record,
                         record.token,
                         status,
                         1,
-                        spawned=build(specs),
+                        spawned=list(spawned.values()),
                         agent="x",
                         error=None if status == SUCCEEDED else "no",
                     )

@@ -2,10 +2,12 @@
 and the taking back of expired leases, as functions over one asyncpg connection.
 
 Every process that runs tasks (a worker, a coordinator with agents of its own) takes them the same
-way, and every step is one statement (one round trip, atomic on its own):
+way, and every step is one statement (one round trip, atomic on its own), but for a completion,
+which settles what it ends in the same transaction (`_graph`):
 
 - **Claim**: the best ready tasks of a run, by kinds (each kind at most its room: what the
-  process's agents of that kind can start now), priority, then admission order, locked with
+  process's agents of that kind can start now), priority, then the order they became ready (FIFO
+  as the memory store's queue: ``tasks.seq``), locked with
   ``FOR UPDATE SKIP LOCKED`` so that concurrent claimers take different rows without waiting for
   each other (an empty claim while others claim at once does not prove that nothing is ready: a
   claimer looks again when woken, or at its next poll). Each row claimed gets a fresh lease: the
@@ -16,7 +18,9 @@ way, and every step is one statement (one round trip, atomic on its own):
   it lost.
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
   write refused (the task was re-leased, taken back or ended meanwhile) changes nothing but the
-  journal, which says so (a ``refused`` event).
+  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns, ends
+  its tasks and settles them (dependents made ready or skipped, groups counted, the run's channel
+  notified) in one transaction: no coordinator takes part.
 - **Release**: a claimed task the caller will not run goes back to ready at once, its attempt not
   counted (a worker stopping).
 - **Take back**: whoever sees a lease past its expiry makes the task ready again (or failed, once

@@ -178,6 +178,15 @@ async def admit_in(
 ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """`admit` inside the caller's transaction, without its notification: the ids admitted, the
     tasks made ready (id, kind), the ids skipped."""
+    # Whether the input is closed decides whether a waiter of an empty group waits. Read under a
+    # share lock of the run's row, taken first: a `close_input` running meanwhile (which updates
+    # that row, then closes the groups it then sees) comes wholly before this batch or after it.
+    waits_on_groups = any(_strings(getattr(task, "depends_on_tags", ())) for task in tasks)
+    input_closed = False
+    if waits_on_groups:
+        input_closed = await conn.fetchval(
+            "SELECT input_closed FROM orchestra.runs WHERE id = $1 FOR SHARE", run_id
+        )
     graph, parent = await _known(conn, run_id, tasks, admission, forward, parent_id)
     checks = GraphChecks(graph, admission, False)
     if parent is not None:
@@ -192,9 +201,6 @@ async def admit_in(
         return [], [], []
     # What each task waits for, as `Graph._wire` counts it, task after task (a group's members of
     # this batch count before a later waiter of it looks).
-    input_closed: bool = await conn.fetchval(
-        "SELECT input_closed FROM orchestra.runs WHERE id = $1", run_id
-    )
     records = graph.records
     new = {task.id: task for task in batch}
     groups = graph.groups
@@ -301,14 +307,22 @@ FROM orchestra.tasks AS t JOIN up USING (id)
 WHERE t.run_id = $1
 """
 
+# Groups are locked by one statement and read by the next: a statement's snapshot is taken
+# when it starts, so one that waited for a lock would not see the edges (waiters) committed by
+# the transaction it waited for.
+_LOCK_GROUPS = """
+SELECT g.tag FROM orchestra.groups AS g
+WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])
+ORDER BY g.tag
+FOR UPDATE
+"""
+
 _GROUPS = """
 SELECT g.tag, g.closed, g.failed, g.open,
     ARRAY(SELECT e.dependent FROM orchestra.edges AS e
           WHERE e.run_id = $1 AND e.on_group AND e.source = g.tag ORDER BY e.n) AS waiters
 FROM orchestra.groups AS g
 WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])
-ORDER BY g.tag
-FOR UPDATE
 """
 
 
@@ -355,6 +369,7 @@ async def _known(
             "ON CONFLICT DO NOTHING",
             run_id, sorted(tags),
         )  # fmt: skip
+        await conn.execute(_LOCK_GROUPS, run_id, sorted(tags))
         for tag, closed, failed, open_, waiters in await conn.fetch(_GROUPS, run_id, sorted(tags)):
             group = graph.groups[tag] = Group()
             group.closed = closed
@@ -602,11 +617,14 @@ class _Group:
 async def _lock_groups(
     conn: asyncpg.Connection, run_id: str, tags: Iterable[str]
 ) -> dict[str, _Group]:
+    """Lock these groups of the run, then read them (see `_LOCK_GROUPS`)."""
+    ordered = sorted(set(tags))
+    await conn.execute(_LOCK_GROUPS, run_id, ordered)
     rows = await conn.fetch(
         "SELECT g.tag, g.open, g.closed, g.failed, EXISTS (SELECT FROM orchestra.edges AS e "
         "WHERE e.run_id = $1 AND e.on_group AND e.source = g.tag) FROM orchestra.groups AS g "
-        "WHERE g.run_id = $1 AND g.tag = ANY ($2::text[]) ORDER BY g.tag FOR UPDATE",
-        run_id, sorted(set(tags)),
+        "WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])",
+        run_id, ordered,
     )  # fmt: skip
     return {r[0]: _Group(*r) for r in rows}
 
