@@ -23,7 +23,8 @@ from orchestra._admission import Admission
 from orchestra._task import FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
 from orchestra.stores._postgres._claims import End, claim, complete
-from orchestra.stores._postgres._graph import admit, channel_of, close_input
+from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._settle import channel_of, close_input
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import asyncpg
 
 from .._protocol import KEEP
-from ._graph import QUEUE_STEP, admit_in, notify_ready, settle_in, transaction
+from ._graph import admit_in
+from ._settle import QUEUE_STEP, notify_ready, settle_in, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
