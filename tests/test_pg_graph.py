@@ -400,6 +400,45 @@ class TestConcurrentSettling:
             await other.close()
         assert await states(conn) == {"w": "ready"}
 
+    async def test_processes_running_a_graph_side_by_side_end_every_task_once(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # Layers of tasks, each depending on some of the layer above and waiting for groups that
+        # members of every layer join: ends, group closes and readying meet across connections.
+        tasks: list[Task] = []
+        for layer in range(6):
+            for i in range(40):
+                above = [f"t{layer - 1}.{(i + k) % 40}" for k in (0, 7)] if layer else []
+                tasks.append(Task(
+                    "a", id=f"t{layer}.{i}", depends_on=above, tags=[f"g{(layer + i) % 3}"]
+                    if layer < 5 else [], depends_on_tags=["g1"] if layer == 5 and i % 4 == 0
+                    else [],
+                ))  # fmt: skip
+        await admit(conn, "r", tasks, admission=admission())
+        await close_input(conn, "r")
+        done: list[str] = []
+
+        async def process(name: str) -> None:
+            worker = await asyncpg.connect(pg_dsn)
+            try:
+                idle = 0
+                while idle < 50:  # others may still ready something: look again a while
+                    batch = await claim(worker, "r", {"a": 5}, owner=name, lease=30)
+                    if not batch:
+                        idle += 1
+                        await asyncio.sleep(0.01)
+                        continue
+                    idle = 0
+                    ends = [End(t.id, t.token, SUCCEEDED, "1") for t in batch]
+                    assert all(await complete(worker, "r", name, ends))
+                    done.extend(t.id for t in batch)
+            finally:
+                await worker.close()
+
+        await asyncio.gather(*(process(f"w{i}") for i in range(4)))
+        assert sorted(done) == sorted(t.id for t in tasks)  # each once
+        assert set((await states(conn)).values()) == {"succeeded"}
+
 
 async def blocked(
     conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]

@@ -47,7 +47,7 @@ import asyncpg
 
 from .._protocol import KEEP
 from ._graph import admit_in
-from ._settle import QUEUE_STEP, notify_ready, settle_in, transaction
+from ._settle import QUEUE_STEP, settle, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -290,7 +290,7 @@ async def complete(
     admission: Admission | None = None,
 ) -> list[bool]:
     """End claimed tasks of `run_id`, each only while `owner` holds its lease under the token it
-    carries, and settle them in the same transaction (`_graph.settle`: dependents made ready or
+    carries, and settle them in the same transaction (`_settle.settle`: dependents made ready or
     skipped, groups counted, the run's channel notified). `spawned`: the tasks each end's
     attempt spawned, by its id, admitted with it (checked by `admission`, the run's). Returns,
     for each end, whether it was written; a refused one is in the journal (its spawns dropped).
@@ -305,24 +305,19 @@ async def complete(
         raise TypeError("complete: spawned tasks need the run's admission to be checked")
 
     async def step(conn: asyncpg.Connection) -> list[bool]:
-        ready: list[tuple[str, str]] = []
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
             held = await conn.fetch(
                 _HELD, run_id, owner, [e.id for e in spawners], [e.token for e in spawners]
             )
             for (task_id,) in held:
-                _, now_ready, _ = await admit_in(
+                await admit_in(
                     conn, run_id, spawning[task_id], admission,  # type: ignore[arg-type]
                     f"tasks spawned by {task_id!r}", False, 0, task_id,
                 )  # fmt: skip
-                ready.extend(now_ready)
         rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
         written = {row[0] for row in rows}
-        settled = await settle_in(
-            conn, run_id, [(end.id, end.state) for end in ends if end.id in written]
-        )
-        await notify_ready(conn, run_id, [*ready, *settled.ready])
+        await settle(conn, run_id, [(end.id, end.state) for end in ends if end.id in written])
         return [end.id in written for end in ends]
 
     done: list[bool] = await transaction(conn, step)

@@ -54,7 +54,6 @@ from ._settle import (
     columns,
     end_cascade,
     make_ready,
-    notify_ready,
     skip_pending,
     transaction,
 )
@@ -107,7 +106,6 @@ async def admit(
         ids, ready, skipped = await admit_in(
             conn, run_id, tasks, admission, where, forward, first_index, parent
         )
-        await notify_ready(conn, run_id, ready)
         return Admitted(ids, [task_id for task_id, _ in ready], skipped)
 
     return await transaction(conn, step)

@@ -19,7 +19,6 @@ of them with a deadlock error, and `transaction` runs it again.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import asyncpg
@@ -39,9 +38,7 @@ __all__ = (
     "end_cascade",
     "lock_groups",
     "make_ready",
-    "notify_ready",
     "settle",
-    "settle_in",
     "skip_pending",
     "transaction",
 )
@@ -120,15 +117,6 @@ async def settle(
     made ready; what waited for anything else is skipped, and so on down; groups count their
     members' ends and close. Notifies the run's channel when something became ready. Call it in
     the transaction that ended them (`_claims.complete` does)."""
-    settled = await settle_in(conn, run_id, ended)
-    await notify_ready(conn, run_id, settled.ready)
-    return settled
-
-
-async def settle_in(
-    conn: asyncpg.Connection, run_id: str, ended: Sequence[tuple[str, str]]
-) -> Settled:
-    """`settle` without its notification (the caller sends one for all it readied)."""
     if not ended:
         return Settled([], [])
     return await end_cascade(conn, run_id, list(ended))
@@ -147,39 +135,40 @@ async def close_input(conn: asyncpg.Connection, run_id: str) -> Settled:
         if tags:
             groups = await lock_groups(conn, run_id, tags)
             await _close_groups(conn, run_id, groups, tags, readied, [])
-        ready = await make_ready(conn, run_id, readied)
-        await notify_ready(conn, run_id, ready)
-        return Settled(ready, [])
+        return Settled(await make_ready(conn, run_id, readied), [])
 
     return await transaction(conn, step)
 
 
-# Task edges from ended tasks: each pending dependent with how many of them it waited for, by
-# the order the first edge was made (the order the memory store frees dependents in).
-_DEPENDENTS = """
-WITH hit AS (
-    SELECT e.dependent AS id, count(*) AS n, min(e.n) AS first,
-        (array_agg(e.source ORDER BY e.n))[1] AS source
-    FROM orchestra.edges AS e
-    WHERE e.run_id = $1 AND NOT e.on_group AND e.source = ANY ($2::text[])
+# What ended tasks concern: each pending dependent (task edges), with how many successes it
+# waited for, the first edge's order (the order the memory store frees dependents in) and the
+# first end that was not a success, if any; then the ended tasks that are members of groups or
+# have a group named after them.
+_ENDS = """
+WITH ended AS (
+    SELECT * FROM unnest($2::text[], $3::boolean[]) AS x (id, ok)
+), hit AS (
+    SELECT e.dependent AS id, count(*) FILTER (WHERE x.ok) AS n, min(e.n) AS first,
+        (array_agg(e.source ORDER BY e.n) FILTER (WHERE NOT x.ok))[1] AS doomed_by
+    FROM orchestra.edges AS e JOIN ended AS x ON x.id = e.source
+    WHERE e.run_id = $1 AND NOT e.on_group
     GROUP BY e.dependent
 ), locked AS (
     SELECT t.id FROM orchestra.tasks AS t JOIN hit USING (id)
     WHERE t.run_id = $1 AND t.state = 'pending'
     ORDER BY t.id
     FOR UPDATE OF t
+), freed AS (
+    UPDATE orchestra.tasks AS t SET waiting = t.waiting - hit.n
+    FROM hit JOIN locked USING (id)
+    WHERE t.run_id = $1 AND t.id = hit.id
+    RETURNING t.id, t.waiting, hit.first, hit.doomed_by
 )
-UPDATE orchestra.tasks AS t SET waiting = t.waiting - CASE WHEN $3 THEN hit.n ELSE 0 END
-FROM hit JOIN locked USING (id)
-WHERE t.run_id = $1 AND t.id = hit.id
-RETURNING t.id, t.waiting, hit.first, hit.source
-"""
-
-# What the ended tasks concern beyond their dependents: their tags, and whether a group is
-# named after them.
-_ENDED = """
-SELECT t.id, t.tags, EXISTS (
-    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id) AS owns
+SELECT true AS dependent, id, waiting, first, doomed_by, NULL::text[] AS tags, false AS owns
+FROM freed
+UNION ALL
+SELECT false, t.id, NULL, NULL, NULL, t.tags, EXISTS (
+    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id)
 FROM orchestra.tasks AS t
 WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND (t.tags IS NOT NULL OR EXISTS (
     SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id))
@@ -195,20 +184,18 @@ async def end_cascade(
     skipped: list[str] = []
     while ended:
         skip: list[tuple[str, str]] = []
-        by_status: dict[bool, list[str]] = {True: [], False: []}
         status_of = dict(ended)
-        for task_id, state in ended:
-            by_status[state == SUCCEEDED].append(task_id)
-        if by_status[True]:
-            rows = await conn.fetch(_DEPENDENTS, run_id, by_status[True], True)
-            readied.extend(r[0] for r in sorted(rows, key=lambda r: r[2]) if r[1] == 0)
-        if by_status[False]:
-            rows = await conn.fetch(_DEPENDENTS, run_id, by_status[False], False)
-            skip.extend(
-                (r[0], f"dependency {r[3]!r} {status_of[r[3]]}")
-                for r in sorted(rows, key=lambda r: r[2])
-            )
-        concerned = await conn.fetch(_ENDED, run_id, [task_id for task_id, _ in ended])
+        rows = await conn.fetch(
+            _ENDS, run_id, [task_id for task_id, _ in ended],
+            [state == SUCCEEDED for _, state in ended],
+        )  # fmt: skip
+        freed = sorted((r for r in rows if r[0]), key=lambda r: r[3])
+        for _, task_id, waiting, _, doomed_by, _, _ in freed:
+            if doomed_by is not None:
+                skip.append((task_id, f"dependency {doomed_by!r} {status_of[doomed_by]}"))
+            elif waiting == 0:
+                readied.append(task_id)
+        concerned = [r[1:] for r in rows if not r[0]]
         if concerned:
             await _release_groups(conn, run_id, ended, concerned, readied, skip)
         if not skip:
@@ -256,7 +243,7 @@ async def _release_groups(
     """The groups' part of `Graph.release`: each ended member leaves its groups open count (a
     member that did not succeed fails them, skipping their waiters); the groups they are members
     of, or named after, close if they can."""
-    info = {r[0]: (r[1] or [], r[2]) for r in concerned}
+    info = {r[0]: (r[4] or [], r[5]) for r in concerned}
     tags: set[str] = set()
     for task_id, (member_of, owns) in info.items():
         tags.update(member_of)
@@ -392,11 +379,17 @@ WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq), fr
     FROM unnest($2::text[]) WITH ORDINALITY AS u (id, n)
     JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = u.id
     WHERE t.state = 'pending' AND t.waiting = 0
+), readied AS (
+    UPDATE orchestra.tasks AS t SET state = 'ready', seq = base.seq + freed.rank
+    FROM freed, base
+    WHERE t.run_id = $1 AND t.id = freed.id
+    RETURNING t.id, t.kind, t.seq
+), woken AS (
+    SELECT pg_notify($3, json_build_object('run', $1::text, 'kinds', k.kinds)::text)
+    FROM (SELECT array_agg(DISTINCT kind ORDER BY kind) AS kinds FROM readied) AS k
+    WHERE k.kinds IS NOT NULL
 )
-UPDATE orchestra.tasks AS t SET state = 'ready', seq = base.seq + freed.rank
-FROM freed, base
-WHERE t.run_id = $1 AND t.id = freed.id
-RETURNING t.id, t.kind, t.seq
+SELECT r.id, r.kind, r.seq FROM readied AS r LEFT JOIN woken ON true
 """
 
 
@@ -404,18 +397,9 @@ async def make_ready(
     conn: asyncpg.Connection, run_id: str, ids: Sequence[str]
 ) -> list[tuple[str, str]]:
     """Of `ids` (in the order they were freed), the ones pending and waiting for nothing become
-    ready, queued in that order. Returns them as (id, kind)."""
+    ready, queued in that order, and the run's listeners are told which kinds have tasks ready
+    (a NOTIFY, delivered when the transaction commits). Returns them as (id, kind)."""
     if not ids:
         return []
-    rows = await conn.fetch(_READY, run_id, list(dict.fromkeys(ids)))
+    rows = await conn.fetch(_READY, run_id, list(dict.fromkeys(ids)), channel_of(run_id))
     return [(r[0], r[1]) for r in sorted(rows, key=lambda r: r[2])]
-
-
-async def notify_ready(
-    conn: asyncpg.Connection, run_id: str, ready: Sequence[tuple[str, str]]
-) -> None:
-    """Tell the run's listeners which kinds have tasks ready (delivered at commit)."""
-    if not ready:
-        return
-    payload = json.dumps({"run": run_id, "kinds": sorted({kind for _, kind in ready})})
-    await conn.execute("SELECT pg_notify($1, $2)", channel_of(run_id), payload)
