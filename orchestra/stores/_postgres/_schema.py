@@ -19,7 +19,9 @@ event, idempotency key and worker process, with these differences:
   carries it (fencing: `_pg_claims.py`).
 - **Readiness is in the database**: ``waiting`` counts what a pending task still waits for (its
   unfinished dependencies and groups), and ``edges`` says whose end concerns whom, so that the
-  process completing a task can make its dependents ready in the same transaction.
+  process completing a task can make its dependents ready in the same transaction (`_settle.py`).
+  ``seq`` is a task's place in the queue, drawn again whenever it becomes ready: FIFO within a
+  priority is by when a task became ready, as in the memory store's queue.
 - **JSON** (payloads, outputs, metadata) is ``json``, not ``jsonb``: kept as written, so a
   payload's keys come back in their order. Lists of names (tags, dependencies, agents tried) are
   ``text[]``.
