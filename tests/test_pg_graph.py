@@ -24,7 +24,7 @@ from orchestra._task import FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
 from orchestra.stores._postgres._claims import End, claim, complete
 from orchestra.stores._postgres._graph import admit
-from orchestra.stores._postgres._settle import channel_of, close_input
+from orchestra.stores._postgres._settle import channel_of, close_input, transaction
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -438,6 +438,36 @@ class TestConcurrentSettling:
         await asyncio.gather(*(process(f"w{i}") for i in range(4)))
         assert sorted(done) == sorted(t.id for t in tasks)  # each once
         assert set((await states(conn)).values()) == {"succeeded"}
+
+    async def test_a_transaction_aborted_to_break_a_deadlock_runs_again(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="x"), Task("a", id="y")], admission=admission())
+        others = [await asyncpg.connect(pg_dsn) for _ in range(2)]
+        both_hold_one = asyncio.Barrier(2)
+        tries = {"x": 0, "y": 0}
+
+        def step(first: str, then: str) -> Any:
+            async def locks(tx: asyncpg.Connection) -> str:
+                tries[first] += 1
+                lock = "SELECT 1 FROM orchestra.tasks WHERE id = $1 FOR UPDATE"
+                await tx.execute(lock, first)
+                if tries[first] == 1:  # the first try of each waits for the other's first lock
+                    await both_hold_one.wait()
+                await tx.execute(lock, then)
+                return first
+
+            return locks
+
+        try:
+            done = await asyncio.gather(
+                transaction(others[0], step("x", "y")), transaction(others[1], step("y", "x"))
+            )
+        finally:
+            for other in others:
+                await other.close()
+        assert list(done) == ["x", "y"]
+        assert sorted(tries.values()) == [1, 2]  # PostgreSQL aborted one, which ran again
 
 
 async def blocked(
