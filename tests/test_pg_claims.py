@@ -303,6 +303,18 @@ class TestFailure:
         assert second.token > first.token
         assert second.attempts == 2
 
+    async def test_a_retry_without_a_wait_goes_behind_the_tasks_ready_at_its_priority(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("first", "a", 0), ("second", "a", 0), ("later", "a", 1)])
+        (task,) = await claim(conn, "r", {"a": 1}, owner="w", lease=5)
+        assert task.id == "first"
+        await fail(
+            conn, "r", "first", task.token, owner="w", agent="a1", error_type="E", message="m"
+        )
+        claimed = await claim(conn, "r", {"a": 5}, owner="w", lease=5)
+        assert [t.id for t in claimed] == ["second", "first", "later"]  # as the memory queue
+
 
 class TestTakingBack:
     async def test_an_expired_lease_is_taken_back_once_by_processes_looking_at_once(

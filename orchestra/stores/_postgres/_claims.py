@@ -2,10 +2,12 @@
 and the taking back of expired leases, as functions over one asyncpg connection.
 
 Every process that runs tasks (a worker, a coordinator with agents of its own) takes them the same
-way, and every step is one statement (one round trip, atomic on its own):
+way, and every step is one statement (one round trip, atomic on its own), but for a completion,
+which settles what it ends in the same transaction (`_graph`):
 
 - **Claim**: the best ready tasks of a run, by kinds (each kind at most its room: what the
-  process's agents of that kind can start now), priority, then admission order, locked with
+  process's agents of that kind can start now), priority, then the order they became ready (FIFO
+  as the memory store's queue: ``tasks.seq``), locked with
   ``FOR UPDATE SKIP LOCKED`` so that concurrent claimers take different rows without waiting for
   each other (an empty claim while others claim at once does not prove that nothing is ready: a
   claimer looks again when woken, or at its next poll). Each row claimed gets a fresh lease: the
@@ -16,7 +18,9 @@ way, and every step is one statement (one round trip, atomic on its own):
   it lost.
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
   write refused (the task was re-leased, taken back or ended meanwhile) changes nothing but the
-  journal, which says so (a ``refused`` event).
+  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns, ends
+  its tasks and settles them (dependents made ready or skipped, groups counted, the run's channel
+  notified) in one transaction: no coordinator takes part.
 - **Release**: a claimed task the caller will not run goes back to ready at once, its attempt not
   counted (a worker stopping).
 - **Take back**: whoever sees a lease past its expiry makes the task ready again (or failed, once
@@ -42,10 +46,15 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import asyncpg
 
 from .._protocol import KEEP
+from ._graph import admit_in
+from ._settle import QUEUE_STEP, settle, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from datetime import datetime
+
+    from ..._admission import Admission
+    from ..._task import Task
 
 __all__ = (
     "SERVER_SETTINGS",
@@ -260,22 +269,68 @@ SELECT id FROM done
 """
 
 
+# The ends `complete` may write, their rows locked: the spawns of an attempt are admitted while
+# its task is still running, as the memory store admits them (what waits for the spawner waits).
+_HELD = """
+SELECT t.id FROM orchestra.tasks AS t
+JOIN unnest($3::text[], $4::bigint[]) AS e (id, token) ON t.id = e.id AND t.token = e.token
+WHERE t.run_id = $1 AND t.lease_owner = $2 AND t.state IN ('claimed', 'running')
+ORDER BY t.id
+FOR UPDATE OF t
+"""
+
+
 async def complete(
-    conn: asyncpg.Connection, run_id: str, owner: str, ends: Sequence[End]
+    conn: asyncpg.Connection,
+    run_id: str,
+    owner: str,
+    ends: Sequence[End],
+    *,
+    spawned: Mapping[str, Sequence[Task]] | None = None,
+    admission: Admission | None = None,
 ) -> list[bool]:
     """End claimed tasks of `run_id`, each only while `owner` holds its lease under the token it
-    carries. Returns, for each end, whether it was written; a refused one is in the journal."""
+    carries, and settle them in the same transaction (`_settle.settle`: dependents made ready or
+    skipped, groups counted, the run's channel notified). `spawned`: the tasks each end's
+    attempt spawned, by its id, admitted with it (checked by `admission`, the run's). Returns,
+    for each end, whether it was written; a refused one is in the journal (its spawns dropped).
+
+    Raises:
+        InputError: a spawn was refused: nothing was written.
+    """
     if not ends:
         return []
-    rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
-    written = {row[0] for row in rows}
-    return [end.id in written for end in ends]
+    spawning = {task_id: tasks for task_id, tasks in (spawned or {}).items() if tasks}
+    if spawning and admission is None:
+        raise TypeError("complete: spawned tasks need the run's admission to be checked")
+
+    async def step(conn: asyncpg.Connection) -> list[bool]:
+        if spawning:
+            spawners = [end for end in ends if end.id in spawning]
+            held = await conn.fetch(
+                _HELD, run_id, owner, [e.id for e in spawners], [e.token for e in spawners]
+            )
+            for (task_id,) in held:
+                await admit_in(
+                    conn, run_id, spawning[task_id], admission,  # type: ignore[arg-type]
+                    f"tasks spawned by {task_id!r}", False, 0, task_id,
+                )  # fmt: skip
+        rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
+        written = {row[0] for row in rows}
+        await settle(conn, run_id, [(end.id, end.state) for end in ends if end.id in written])
+        return [end.id in written for end in ends]
+
+    done: list[bool] = await transaction(conn, step)
+    return done
 
 
-_FAIL = """
+# A retry due now goes to the back of its priority, as in memory.
+_FAIL = f"""
 WITH failed AS (
     UPDATE orchestra.tasks AS t
     SET state = CASE WHEN $6::float8 > 0 THEN 'retry_wait' ELSE 'ready' END,
+        seq = CASE WHEN $6::float8 > 0 THEN t.seq
+            ELSE nextval('orchestra.queue_order') * {QUEUE_STEP} END,
         due = CASE WHEN $6::float8 > 0 THEN now() + make_interval(secs => $6) END,
         target = CASE WHEN $7 THEN $8 ELSE t.target END,
         lease_owner = NULL, lease_expires = NULL

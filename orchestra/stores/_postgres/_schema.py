@@ -19,7 +19,9 @@ event, idempotency key and worker process, with these differences:
   carries it (fencing: `_claims.py`, `_coordinator.py`).
 - **Readiness is in the database**: ``waiting`` counts what a pending task still waits for (its
   unfinished dependencies and groups), and ``edges`` says whose end concerns whom, so that the
-  process completing a task can make its dependents ready in the same transaction.
+  process completing a task can make its dependents ready in the same transaction (`_settle.py`).
+  ``seq`` is a task's place in the queue, drawn again whenever it becomes ready: FIFO within a
+  priority is by when a task became ready, as in the memory store's queue.
 - **JSON** (payloads, outputs, metadata) is ``json``, not ``jsonb``: kept as written, so a
   payload's keys come back in their order. Lists of names (tags, dependencies, agents tried) are
   ``text[]``.
@@ -61,6 +63,9 @@ _V1 = (
     "INSERT INTO orchestra.schema_version VALUES (0)",
     # Fencing tokens of every lease (tasks, runs, keys): never reused, always growing.
     "CREATE SEQUENCE orchestra.lease_tokens AS bigint",
+    # A task's place in its run's queue (`tasks.seq`), drawn when it is admitted and again each
+    # time it becomes ready: FIFO within a priority means in the order tasks became ready.
+    "CREATE SEQUENCE orchestra.queue_order AS bigint",
     # One row per run. Its coordinator (the process that admits the input and builds the result)
     # holds it under a lease: `owner`, `token`, `expires`; a standby takes the run over once it
     # expires, and the old coordinator's writes carrying the old token are refused.
@@ -76,8 +81,9 @@ _V1 = (
         expires timestamptz,
         input_closed boolean NOT NULL DEFAULT false
     )""",
-    # One row per task. The static columns are written once, at admission; `seq` is the admission
-    # order within the run (FIFO within a priority), `parent` the task that spawned it. A task's
+    # One row per task. The static columns are written once, at admission; `seq` is its place in
+    # the run's queue (from `queue_order`: FIFO within a priority, by when it became ready), `idx`
+    # its index in its batch, `parent` the task that spawned it. A task's
     # life: pending -> ready -> claimed -> running -> a terminal state, and running -> retry_wait
     # -> ready. `waiting`: the dependencies and groups a pending task still waits for (ready at
     # 0). `lost`: how many of its leases expired (a task lost too often fails: poison).
@@ -138,11 +144,13 @@ _V1 = (
     # Whose end concerns whom: `dependent` waits for the task `source` (`on_group` false), or for
     # the group (tag) `source` to close. Read when `source` ends, to make dependents ready or skip
     # them.
+    # `n`: the order edges were made in, which is the order an end frees its dependents in.
     """CREATE TABLE orchestra.edges (
         run_id text NOT NULL,
         on_group boolean NOT NULL,
         source text NOT NULL,
         dependent text NOT NULL,
+        n bigint GENERATED ALWAYS AS IDENTITY,
         PRIMARY KEY (run_id, on_group, source, dependent),
         FOREIGN KEY (run_id, dependent) REFERENCES orchestra.tasks (run_id, id) ON DELETE CASCADE
     )""",

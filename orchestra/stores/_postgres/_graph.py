@@ -1,0 +1,423 @@
+"""A run's graph on PostgreSQL: admission of tasks into the database.
+
+The meanings are the memory store's (`orchestra.stores._graph`): a task waits for its dependencies
+and for the groups it waits for (``depends_on_tags``); a group closes once every member succeeded
+and no more can come (the run's input closed, and the task whose id is the tag ended); a task
+whose dependency or group member did not succeed is skipped, and so on down. Here the graph is
+rows: ``tasks.waiting`` counts what a pending task still waits for, ``edges`` says whose end
+concerns whom (in the order they were made), ``groups`` counts each tag's open members. What an
+end frees or dooms is settled by `_settle`, in the transaction that ended it, so readiness needs
+no coordinator: any process that completes a task readies its dependents.
+
+**Admission** (`admit`): a batch enters whole or not at all, in one transaction. The checks are the
+memory store's own (`GraphChecks`, and `GraphChecks.spawn` for each spawn, as the engine checks
+it), run against a `Graph` holding what the database knows of the tasks the batch names (its ids,
+its dependencies, the tasks named after its groups, and for a streamed or spawned member of a
+group the tasks upstream of it) and of its groups. Those rows are locked first (the run's row
+``FOR SHARE`` when the batch waits for groups, tasks ``FOR SHARE``, groups ``FOR UPDATE``), so an
+end settled at the same time comes wholly before (the batch sees it) or after (it sees the
+batch's edges). The writes are a few statements over arrays (``unnest``): tasks, edges, group
+counts; then what waits for something that failed is skipped, and what waits for nothing is
+ready.
+
+Not here yet: idempotency keys within a run (a task whose key another task of the run holds runs
+itself here; the memory store makes it follow that task).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+from ..._exceptions import InputError
+from ..._output import json_text
+from ..._record import Record
+from ..._task import (
+    CANCELLED,
+    CLAIMED,
+    FAILED,
+    PENDING,
+    READY,
+    RETRY_WAIT,
+    RUNNING,
+    SKIPPED,
+    SUCCEEDED,
+    TERMINAL,
+    Task,
+)
+from .._graph import Graph, Group
+from .._graph_checks import GraphChecks
+from ._settle import (
+    LOCK_GROUPS,
+    QUEUE_STEP,
+    Settled,
+    columns,
+    end_cascade,
+    make_ready,
+    skip_pending,
+    transaction,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import asyncpg
+
+    from ..._admission import Admission
+
+__all__ = ("Admitted", "admit", "admit_in")
+
+
+class Admitted(NamedTuple):
+    """What an admission did: the ids admitted (in order; a task admitted before, the same, is
+    not among them), the ones made ready at once, the ones skipped at once (something they wait
+    for had failed)."""
+
+    ids: list[str]
+    ready: list[str]
+    skipped: list[str]
+
+
+# -- admission ---------------------------------------------------------------------------------
+
+
+async def admit(
+    conn: asyncpg.Connection,
+    run_id: str,
+    tasks: Sequence[Any],
+    *,
+    admission: Admission,
+    where: str = "input",
+    forward: bool = True,
+    first_index: int = 0,
+    parent: str | None = None,
+) -> Admitted:
+    """Admit a batch of `tasks` into `run_id` (its row in ``orchestra.runs`` must exist), all or
+    nothing, with the memory store's checks and meanings (`MemoryRun.admit`): `forward`, a task
+    may depend on a later one of the batch (a whole list; a streamed or spawned batch may only
+    depend on tasks before it); `parent`, the id of the task that spawned them.
+
+    Raises:
+        InputError: a task is refused (a duplicate id, an unknown dependency, a cycle, a closed
+            group, a payload JSON cannot hold): nothing of the batch was written.
+    """
+
+    async def step(conn: asyncpg.Connection) -> Admitted:
+        ids, ready, skipped = await admit_in(
+            conn, run_id, tasks, admission, where, forward, first_index, parent
+        )
+        return Admitted(ids, [task_id for task_id, _ in ready], skipped)
+
+    return await transaction(conn, step)
+
+
+async def admit_in(
+    conn: asyncpg.Connection,
+    run_id: str,
+    tasks: Sequence[Any],
+    admission: Admission,
+    where: str,
+    forward: bool,
+    first_index: int,
+    parent_id: str | None,
+) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """`admit` inside the caller's transaction, without its notification: the ids admitted, the
+    tasks made ready (id, kind), the ids skipped. An `InputError` may leave some of the batch
+    written in that transaction: the caller rolls it back (`transaction` does)."""
+    # Whether the input is closed decides whether a waiter of an empty group waits. Read under a
+    # share lock of the run's row, taken first: a `close_input` running meanwhile (which updates
+    # that row, then closes the groups it then sees) comes wholly before this batch or after it.
+    waits_on_groups = any(_strings(getattr(task, "depends_on_tags", ())) for task in tasks)
+    input_closed = False
+    if waits_on_groups:
+        input_closed = await conn.fetchval(
+            "SELECT input_closed FROM orchestra.runs WHERE id = $1 FOR SHARE", run_id
+        )
+    graph, parent = await _known(conn, run_id, tasks, admission, forward, parent_id)
+    checks = GraphChecks(graph, admission, False)
+    if parent is not None:
+        # Each spawn checked as the engine checks it when the attempt spawns it, which names one
+        # given no id after its parent (`<parent id>/<kind>#<n>`): the same on any process.
+        pending: dict[str, Task] = {}
+        for task in tasks:
+            checks.spawn(task, parent, pending)
+            pending[task.id] = task
+    batch, unnamed = checks.batch(tasks, where, forward, first_index, parent)
+    if not batch:
+        return [], [], []
+    # What each task waits for, as `Graph._wire` counts it, task after task (a group's members of
+    # this batch count before a later waiter of it looks).
+    records = graph.records
+    new = {task.id: task for task in batch}
+    groups = graph.groups
+    touched: dict[str, list[int]] = {}  # tag -> [members added, open added]
+    waiting: list[int] = []
+    edges: list[tuple[bool, str, str]] = []  # (on group, source, dependent), in wiring order
+    skip: list[tuple[str, str]] = []
+    for task in batch:
+        count = 0
+        reason: str | None = None
+        for dep_id in dict.fromkeys(task.depends_on):
+            if dep_id not in new:
+                dep = records.get(dep_id)
+                if dep is None or dep.state == SUCCEEDED:
+                    continue
+                if dep.state in TERMINAL:
+                    reason = f"dependency {dep_id!r} {dep.state}"
+                    continue
+            count += 1
+            edges.append((False, dep_id, task.id))
+        for tag in dict.fromkeys(task.tags):
+            group = groups.get(tag)
+            if group is None:
+                group = groups[tag] = Group()
+            group.open += 1
+            added = touched.setdefault(tag, [0, 0])
+            added[0] += 1
+            added[1] += 1
+        for tag in dict.fromkeys(task.depends_on_tags):
+            group = groups.get(tag)
+            if group is None:
+                group = groups[tag] = Group()
+                touched.setdefault(tag, [0, 0])
+            if group.failed is not None:
+                reason = group.failed
+            elif not (group.closed or _closable(graph, new, tag, group, input_closed)):
+                count += 1
+                edges.append((True, tag, task.id))
+        waiting.append(count)
+        if reason is not None:
+            skip.append((task.id, reason))
+    await _insert(conn, run_id, batch, waiting, unnamed, first_index, parent_id, where)
+    if edges:
+        await conn.execute(
+            "INSERT INTO orchestra.edges (run_id, on_group, source, dependent) "
+            "SELECT $1, g, s, d FROM unnest($2::boolean[], $3::text[], $4::text[]) "
+            "WITH ORDINALITY AS e (g, s, d, n) ORDER BY n ON CONFLICT DO NOTHING",
+            run_id, *columns(edges, 3),
+        )  # fmt: skip
+    if touched:
+        tags = list(touched)
+        await conn.execute(
+            "INSERT INTO orchestra.groups AS g (run_id, tag, members, open) "
+            "SELECT $1, tag, m, o FROM unnest($2::text[], $3::integer[], $4::integer[]) "
+            "AS u (tag, m, o) ON CONFLICT (run_id, tag) DO UPDATE "
+            "SET members = g.members + excluded.members, open = g.open + excluded.open",
+            run_id, tags, [touched[t][0] for t in tags], [touched[t][1] for t in tags],
+        )  # fmt: skip
+    settled = Settled([], [])
+    if skip:
+        settled = await end_cascade(conn, run_id, await skip_pending(conn, run_id, skip))
+    # As `MemoryRun._wire`: what the skips freed first, then the batch's tasks waiting for nothing.
+    ready = [*settled.ready, *await make_ready(conn, run_id, list(new))]
+    skipped = [task_id for task_id, _ in skip]
+    return list(new), ready, [*skipped, *settled.skipped]
+
+
+def _closable(
+    graph: Graph, new: dict[str, Task], tag: str, group: Group, input_closed: bool
+) -> bool:
+    """`Graph._closable` over what the database said: no member open, no more can come."""
+    if group.closed or group.open or not input_closed or tag in new:
+        return False
+    owner = graph.records.get(tag)
+    return owner is None or owner.state in TERMINAL
+
+
+_STATES: Final = {
+    s: s
+    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
+}
+
+_KNOWN = """
+SELECT t.id, t.kind, t.payload::text, t.priority, t.depends_on, t.depends_on_tags, t.tags, t.key,
+    t.state
+FROM orchestra.tasks AS t
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[])
+ORDER BY t.id
+FOR SHARE
+"""
+
+# The tasks upstream of some (through their dependencies), for the group cycle check of a
+# streamed or spawned member: read, not locked (an upstream task's end changes no edge of them).
+_UPSTREAM = """
+WITH RECURSIVE up (id) AS (
+    SELECT unnest($2::text[])
+    UNION
+    SELECT d FROM up JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = up.id,
+        unnest(t.depends_on) AS d
+)
+SELECT t.id, t.kind, t.payload::text, t.priority, t.depends_on, t.depends_on_tags, t.tags, t.key,
+    t.state
+FROM orchestra.tasks AS t JOIN up USING (id)
+WHERE t.run_id = $1
+"""
+
+
+_GROUPS = """
+SELECT g.tag, g.closed, g.failed, g.open,
+    ARRAY(SELECT e.dependent FROM orchestra.edges AS e
+          WHERE e.run_id = $1 AND e.on_group AND e.source = g.tag ORDER BY e.n) AS waiters
+FROM orchestra.groups AS g
+WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])
+"""
+
+
+async def _known(
+    conn: asyncpg.Connection,
+    run_id: str,
+    tasks: Sequence[Any],
+    admission: Admission,
+    forward: bool,
+    parent_id: str | None,
+) -> tuple[Graph, Record | None]:
+    """A `Graph` of what the database knows that the checks and the wiring of `tasks` read,
+    those rows locked."""
+    ids: set[str] = set()
+    tags: set[str] = set()
+    upstream: list[str] = []
+    for task in tasks:
+        if not isinstance(task, Task):
+            continue
+        if isinstance(task.id, str):
+            ids.add(task.id)
+        deps = _strings(task.depends_on)
+        ids.update(deps)
+        member_of = _strings(task.tags)
+        tags.update(member_of)
+        tags.update(_strings(task.depends_on_tags))
+        if not forward and member_of and deps:
+            upstream.extend(deps)
+    ids.update(tags)  # the tasks that own the groups
+    if parent_id is not None:
+        ids.add(parent_id)
+    graph = Graph(admission, _NoOwner(), False)
+    records = graph.records
+    for row in await conn.fetch(_KNOWN, run_id, sorted(ids)):
+        records[row[0]] = _record(row)
+    if upstream:
+        for row in await conn.fetch(_UPSTREAM, run_id, upstream):
+            if row[0] not in records:
+                records[row[0]] = _record(row)
+    if tags:
+        # Every group the batch names, locked: a missing one is made (empty) so that it can be.
+        await conn.execute(
+            "INSERT INTO orchestra.groups (run_id, tag) SELECT $1, unnest($2::text[]) "
+            "ON CONFLICT DO NOTHING",
+            run_id, sorted(tags),
+        )  # fmt: skip
+        await conn.execute(LOCK_GROUPS, run_id, sorted(tags))
+        for tag, closed, failed, open_, waiters in await conn.fetch(_GROUPS, run_id, sorted(tags)):
+            group = graph.groups[tag] = Group()
+            group.closed = closed
+            group.failed = failed
+            group.open = open_
+            group.waiters = [Record(Task("", id=w), 0, None) for w in waiters]
+    parent = None
+    if parent_id is not None:
+        parent = records.get(parent_id)
+        if parent is None:
+            raise InputError(
+                f"task {parent_id!r} spawns tasks but is not a task of run {run_id!r}",
+                task_id=parent_id,
+                field="id",
+            )
+    return graph, parent
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings of a list field (what is not one is refused by the checks, by name)."""
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if type(v) is str]
+    return []
+
+
+def _record(row: Any) -> Record:
+    task_id, kind, payload, priority, depends_on, depends_on_tags, tags, key, state = row
+    task = Task(
+        kind, json.loads(payload), id=task_id, priority=priority, depends_on=depends_on or [],
+        depends_on_tags=depends_on_tags or [], tags=tags or [], key=key,
+    )  # fmt: skip
+    record = Record(task, 0, None)
+    record.state = _STATES[state]
+    return record
+
+
+class _NoOwner:
+    """The `Owner` of a `Graph` that only the checks read: nothing is ever made ready or ended
+    through it."""
+
+    def ready(self, record: Record) -> None:
+        raise AssertionError("a checked graph readies nothing")  # pragma: no cover
+
+    def end_one(self, *args: Any) -> None:
+        raise AssertionError("a checked graph ends nothing")  # pragma: no cover
+
+
+_INSERT = f"""
+WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq)
+INSERT INTO orchestra.tasks (run_id, id, seq, parent, idx, named, kind, payload, depends_on,
+    depends_on_tags, tags, key, timeout, critical, metadata, priority, state, waiting)
+SELECT $1, u.id, base.seq + u.n, $2, u.idx, u.named, u.kind, u.payload::json,
+    u.depends_on::text[], u.depends_on_tags::text[], u.tags::text[], u.key, u.timeout, u.critical,
+    u.metadata::json, u.priority, 'pending', u.waiting
+FROM base, unnest($3::text[], $4::integer[], $5::boolean[], $6::text[], $7::text[], $8::text[],
+    $9::text[], $10::text[], $11::text[], $12::float8[], $13::boolean[], $14::text[],
+    $15::integer[], $16::integer[])
+    WITH ORDINALITY AS u (id, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
+        timeout, critical, metadata, priority, waiting, n)
+ON CONFLICT (run_id, id) DO NOTHING
+RETURNING id
+"""
+
+
+async def _insert(
+    conn: asyncpg.Connection,
+    run_id: str,
+    batch: Sequence[Task],
+    waiting: Sequence[int],
+    unnamed: set[int],
+    first_index: int,
+    parent_id: str | None,
+    where: str,
+) -> None:
+    rows = []
+    for index, (task, count) in enumerate(zip(batch, waiting, strict=True), first_index):
+        try:
+            payload = json_text(task.payload)
+        except ValueError as exc:
+            raise InputError(
+                f"task {task.id!r} ({where}): payload cannot be stored as JSON ({exc})",
+                task_id=task.id,
+                field="payload",
+            ) from None
+        try:
+            metadata = None if task.metadata is None else json_text(task.metadata)
+        except ValueError as exc:
+            raise InputError(
+                f"task {task.id!r} ({where}): metadata cannot be stored as JSON ({exc})",
+                task_id=task.id,
+                field="metadata",
+            ) from None
+        rows.append((
+            task.id, index, not unnamed or id(task) not in unnamed, task.kind, payload,
+            _array(task.depends_on), _array(task.depends_on_tags), _array(task.tags), task.key,
+            task.timeout, task.critical, metadata, task.priority, count,
+        ))  # fmt: skip
+    written = {r[0] for r in await conn.fetch(_INSERT, run_id, parent_id, *columns(rows, 14))}
+    if len(written) < len(rows):
+        # Admitted by another transaction since this one looked (or a generated id that
+        # another batch took): the whole batch is refused, as a duplicate is.
+        task_id = next(row[0] for row in rows if row[0] not in written)
+        raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
+
+
+def _array(values: Sequence[str]) -> str | None:
+    """A list of names as the text of a PostgreSQL array (None when empty: the column's NULL)."""
+    if not values:
+        return None
+    return (
+        "{"
+        + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+        + "}"
+    )

@@ -1,0 +1,405 @@
+"""Settling on PostgreSQL: what an end frees or dooms in a run's graph, in the transaction that
+ended it (`_claims.complete`, and `_graph.admit` for what it skips at once).
+
+The meanings are the memory store's `Graph.release`: a success takes one off its dependents' and
+its groups' waiters' ``waiting`` and makes the ones at zero ready; any other end skips what waits
+for it, its groups' waiters included, and so on down; a group closes once every member succeeded
+and no more can come (the run's input closed, and the task whose id is the tag ended). What
+became ready is queued in the order the memory store would queue it (``tasks.seq``,
+`QUEUE_STEP`), and a NOTIFY on the run's channel (`channel_of`) carries the run id and the kinds
+of what became ready, delivered when the transaction commits, so idle processes wake.
+
+Each statement that reads what an end concerns runs after the rows it depends on were locked
+(READ COMMITTED takes a snapshot per statement), so nothing admitted meanwhile is missed. Rows are
+locked in sorted order where a statement can choose; an end that reaches both tasks and groups
+may still meet another transaction locking them the other way round: PostgreSQL then aborts one
+of them with a deadlock error, and `transaction` runs it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
+
+import asyncpg
+
+from ..._task import SKIPPED, SUCCEEDED
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+__all__ = (
+    "LOCK_GROUPS",
+    "QUEUE_STEP",
+    "Settled",
+    "channel_of",
+    "close_input",
+    "columns",
+    "end_cascade",
+    "lock_groups",
+    "make_ready",
+    "settle",
+    "skip_pending",
+    "transaction",
+)
+
+_T = TypeVar("_T")
+
+QUEUE_STEP: Final = 1 << 24
+"""A task's place in its run's queue (``tasks.seq``) is a value of the sequence ``queue_order``
+times this, plus its rank among the tasks queued by the same statement."""
+
+GLOBAL_CHANNEL: Final = "orchestra"
+_MAX_CHANNEL: Final = 63  # PostgreSQL's identifiers (and so channel names) are at most 63 bytes
+_RETRIES: Final = 5  # a transaction aborted by a deadlock is run again this many times
+
+
+def channel_of(run_id: str) -> str:
+    """The channel of `run_id`'s notifications: ``orchestra:<run id>``, or, for a run id too long
+    for a channel name, ``orchestra:#<its sha1>`` (what the run's listeners listen on)."""
+    name = f"{GLOBAL_CHANNEL}:{run_id}"
+    if len(name.encode()) <= _MAX_CHANNEL:
+        return name
+    return f"{GLOBAL_CHANNEL}:#{hashlib.sha1(run_id.encode()).hexdigest()}"
+
+
+class Settled(NamedTuple):
+    """What settling ends did: the tasks made ready, in queue order, as (id, kind); the tasks
+    skipped (what they waited for did not succeed)."""
+
+    ready: list[tuple[str, str]]
+    skipped: list[str]
+
+
+async def transaction(
+    conn: asyncpg.Connection, step: Callable[[asyncpg.Connection], Awaitable[_T]]
+) -> _T:
+    """Run `step` in a transaction of its own, run again when PostgreSQL aborted it to break a
+    deadlock with another (each try starts from nothing: the aborted one left nothing). Inside a
+    transaction already, `step` runs in it (a deadlock then aborts the caller's, which retries)."""
+    if conn.is_in_transaction():
+        return await step(conn)
+    for attempt in range(_RETRIES):
+        try:
+            async with conn.transaction():
+                return await step(conn)
+        except asyncpg.DeadlockDetectedError:
+            if attempt == _RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """`rows` as `width` column lists (for ``unnest``): empty lists when there are none."""
+    if not rows:
+        return [[] for _ in range(width)]
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+# Groups are locked by one statement and read by the next: a statement's snapshot is taken
+# when it starts, so one that waited for a lock would not see the edges (waiters) committed by
+# the transaction it waited for.
+LOCK_GROUPS = """
+SELECT g.tag FROM orchestra.groups AS g
+WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])
+ORDER BY g.tag
+FOR UPDATE
+"""
+
+# -- settling ----------------------------------------------------------------------------------
+
+
+async def settle(
+    conn: asyncpg.Connection, run_id: str, ended: Sequence[tuple[str, str]]
+) -> Settled:
+    """Settle tasks of `run_id` that this transaction has just ended, `ended` as (id, terminal
+    state) in the order they ended: what waited for a success and waits for nothing else now is
+    made ready; what waited for anything else is skipped, and so on down; groups count their
+    members' ends and close. Notifies the run's channel when something became ready. Call it in
+    the transaction that ended them (`_claims.complete` does)."""
+    if not ended:
+        return Settled([], [])
+    return await end_cascade(conn, run_id, list(ended))
+
+
+async def close_input(conn: asyncpg.Connection, run_id: str) -> Settled:
+    """No more input will come to `run_id`: the groups whose members are all done close, and their
+    waiters waiting for nothing else are made ready (notified)."""
+
+    async def step(conn: asyncpg.Connection) -> Settled:
+        await conn.execute("UPDATE orchestra.runs SET input_closed = true WHERE id = $1", run_id)
+        tags = [r[0] for r in await conn.fetch(
+            "SELECT tag FROM orchestra.groups WHERE run_id = $1 AND NOT closed", run_id
+        )]  # fmt: skip
+        readied: list[str] = []
+        if tags:
+            groups = await lock_groups(conn, run_id, tags)
+            await _close_groups(conn, run_id, groups, tags, readied, [])
+        return Settled(await make_ready(conn, run_id, readied), [])
+
+    return await transaction(conn, step)
+
+
+# What ended tasks concern: each pending dependent (task edges), with how many successes it
+# waited for, the first edge's order (the order the memory store frees dependents in) and the
+# first end that was not a success, if any; then the ended tasks that are members of groups or
+# have a group named after them.
+_ENDS = """
+WITH ended AS (
+    SELECT * FROM unnest($2::text[], $3::boolean[]) AS x (id, ok)
+), hit AS (
+    SELECT e.dependent AS id, count(*) FILTER (WHERE x.ok) AS n, min(e.n) AS first,
+        (array_agg(e.source ORDER BY e.n) FILTER (WHERE NOT x.ok))[1] AS doomed_by
+    FROM orchestra.edges AS e JOIN ended AS x ON x.id = e.source
+    WHERE e.run_id = $1 AND NOT e.on_group
+    GROUP BY e.dependent
+), locked AS (
+    SELECT t.id FROM orchestra.tasks AS t JOIN hit USING (id)
+    WHERE t.run_id = $1 AND t.state = 'pending'
+    ORDER BY t.id
+    FOR UPDATE OF t
+), freed AS (
+    UPDATE orchestra.tasks AS t SET waiting = t.waiting - hit.n
+    FROM hit JOIN locked USING (id)
+    WHERE t.run_id = $1 AND t.id = hit.id
+    RETURNING t.id, t.waiting, hit.first, hit.doomed_by
+)
+SELECT true AS dependent, id, waiting, first, doomed_by, NULL::text[] AS tags, false AS owns
+FROM freed
+UNION ALL
+SELECT false, t.id, NULL, NULL, NULL, t.tags, EXISTS (
+    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id)
+FROM orchestra.tasks AS t
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND (t.tags IS NOT NULL OR EXISTS (
+    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id))
+"""
+
+
+async def end_cascade(
+    conn: asyncpg.Connection, run_id: str, ended: list[tuple[str, str]]
+) -> Settled:
+    """`Graph.release` for ended tasks, and for what their ends skip, round after round; then
+    what was freed is made ready (unless skipped meanwhile, as in memory)."""
+    readied: list[str] = []
+    skipped: list[str] = []
+    while ended:
+        skip: list[tuple[str, str]] = []
+        status_of = dict(ended)
+        rows = await conn.fetch(
+            _ENDS, run_id, [task_id for task_id, _ in ended],
+            [state == SUCCEEDED for _, state in ended],
+        )  # fmt: skip
+        freed = sorted((r for r in rows if r[0]), key=lambda r: r[3])
+        for _, task_id, waiting, _, doomed_by, _, _ in freed:
+            if doomed_by is not None:
+                skip.append((task_id, f"dependency {doomed_by!r} {status_of[doomed_by]}"))
+            elif waiting == 0:
+                readied.append(task_id)
+        concerned = [r[1:] for r in rows if not r[0]]
+        if concerned:
+            await _release_groups(conn, run_id, ended, concerned, readied, skip)
+        if not skip:
+            break
+        ended = await skip_pending(conn, run_id, skip)
+        skipped.extend(task_id for task_id, _ in ended)
+    ready = await make_ready(conn, run_id, readied)
+    return Settled(ready, skipped)
+
+
+class _Group:
+    __slots__ = ("closed", "failed", "open", "tag", "waiters")
+
+    def __init__(self, tag: str, open_: int, closed: bool, failed: str | None, waiters: bool):
+        self.tag = tag
+        self.open = open_
+        self.closed = closed
+        self.failed = failed
+        self.waiters = waiters
+
+
+async def lock_groups(
+    conn: asyncpg.Connection, run_id: str, tags: Iterable[str]
+) -> dict[str, _Group]:
+    """Lock these groups of the run, then read them (see `LOCK_GROUPS`)."""
+    ordered = sorted(set(tags))
+    await conn.execute(LOCK_GROUPS, run_id, ordered)
+    rows = await conn.fetch(
+        "SELECT g.tag, g.open, g.closed, g.failed, EXISTS (SELECT FROM orchestra.edges AS e "
+        "WHERE e.run_id = $1 AND e.on_group AND e.source = g.tag) FROM orchestra.groups AS g "
+        "WHERE g.run_id = $1 AND g.tag = ANY ($2::text[])",
+        run_id, ordered,
+    )  # fmt: skip
+    return {r[0]: _Group(*r) for r in rows}
+
+
+async def _release_groups(
+    conn: asyncpg.Connection,
+    run_id: str,
+    ended: Sequence[tuple[str, str]],
+    concerned: Sequence[Any],
+    readied: list[str],
+    skip: list[tuple[str, str]],
+) -> None:
+    """The groups' part of `Graph.release`: each ended member leaves its groups open count (a
+    member that did not succeed fails them, skipping their waiters); the groups they are members
+    of, or named after, close if they can."""
+    info = {r[0]: (r[4] or [], r[5]) for r in concerned}
+    tags: set[str] = set()
+    for task_id, (member_of, owns) in info.items():
+        tags.update(member_of)
+        if owns:
+            tags.add(task_id)
+    groups = await lock_groups(conn, run_id, tags)
+    order: list[str] = []  # the groups to look at for closing, in the memory store's order
+    failed_now: list[str] = []
+    for task_id, state in ended:
+        if task_id not in info:
+            continue
+        member_of, owns = info[task_id]
+        for tag in member_of:
+            group = groups[tag]
+            group.open -= 1
+            if state != SUCCEEDED and group.failed is None:
+                group.failed = f"group {tag!r} member {task_id!r} {state}"
+                failed_now.append(tag)
+            order.append(tag)
+        if owns:
+            order.append(task_id)
+    await conn.execute(
+        "UPDATE orchestra.groups AS g SET open = u.open, failed = u.failed "
+        "FROM unnest($2::text[], $3::integer[], $4::text[]) AS u (tag, open, failed) "
+        "WHERE g.run_id = $1 AND g.tag = u.tag",
+        run_id, list(groups), [g.open for g in groups.values()],
+        [g.failed for g in groups.values()],
+    )  # fmt: skip
+    for tag in failed_now:
+        if groups[tag].waiters:
+            rows = await conn.fetch(
+                "SELECT e.dependent FROM orchestra.edges AS e JOIN orchestra.tasks AS t "
+                "ON t.run_id = e.run_id AND t.id = e.dependent WHERE e.run_id = $1 AND e.on_group "
+                "AND e.source = $2 AND t.state = 'pending' ORDER BY e.n",
+                run_id, tag,
+            )  # fmt: skip
+            skip.extend((r[0], groups[tag].failed) for r in rows)  # type: ignore[misc]
+    await _close_groups(conn, run_id, groups, list(dict.fromkeys(order)), readied, skip)
+
+
+async def _close_groups(
+    conn: asyncpg.Connection,
+    run_id: str,
+    groups: dict[str, _Group],
+    order: Sequence[str],
+    readied: list[str],
+    skip: list[tuple[str, str]],
+) -> None:
+    """`Graph._maybe_close` for these groups (locked), in `order`: a group somebody waits for,
+    with no member open, once the input closed and the task named after it (if any) ended,
+    closes; its waiters wait for it no more, unless it failed (they were skipped then)."""
+    candidates = [tag for tag in order if tag in groups and _may_close(groups[tag])]
+    if not candidates:
+        return
+    # Read after the groups were locked: an end or a `close_input` committed meanwhile is seen.
+    row = await conn.fetchrow(
+        "SELECT (SELECT input_closed FROM orchestra.runs WHERE id = $1), "
+        "ARRAY(SELECT t.id FROM orchestra.tasks AS t WHERE t.run_id = $1 "
+        "AND t.id = ANY ($2::text[]) AND t.state NOT IN "
+        "('succeeded', 'failed', 'cancelled', 'skipped'))",
+        run_id, candidates,
+    )  # fmt: skip
+    assert row is not None  # one row, always
+    if not row[0]:
+        return
+    owners_live = set(row[1])
+    closing = [tag for tag in candidates if tag not in owners_live]
+    if not closing:
+        return
+    await conn.execute(
+        "UPDATE orchestra.groups SET closed = true WHERE run_id = $1 AND tag = ANY ($2::text[])",
+        run_id, closing,
+    )  # fmt: skip
+    freeing = [tag for tag in closing if groups[tag].failed is None]
+    for tag in closing:
+        groups[tag].closed = True
+    if not freeing:
+        return
+    rows = await conn.fetch(
+        """WITH hit AS (
+            SELECT e.dependent AS id, count(*) AS n,
+                min(array_position($2::text[], e.source) * 1e15 + e.n) AS first
+            FROM orchestra.edges AS e
+            WHERE e.run_id = $1 AND e.on_group AND e.source = ANY ($2::text[])
+            GROUP BY e.dependent
+        ), locked AS (
+            SELECT t.id FROM orchestra.tasks AS t JOIN hit USING (id)
+            WHERE t.run_id = $1 AND t.state = 'pending' ORDER BY t.id FOR UPDATE OF t
+        )
+        UPDATE orchestra.tasks AS t SET waiting = t.waiting - hit.n
+        FROM hit JOIN locked USING (id)
+        WHERE t.run_id = $1 AND t.id = hit.id
+        RETURNING t.id, t.waiting, hit.first""",
+        run_id, freeing,
+    )  # fmt: skip
+    readied.extend(r[0] for r in sorted(rows, key=lambda r: r[2]) if r[1] == 0)
+
+
+def _may_close(group: _Group) -> bool:
+    return group.waiters and not group.closed and group.open == 0
+
+
+_SKIP = """
+UPDATE orchestra.tasks AS t
+SET state = 'skipped', error = u.reason, error_type = 'DependencyFailed', finished = now()
+FROM (
+    SELECT DISTINCT ON (id) id, reason FROM unnest($2::text[], $3::text[])
+        WITH ORDINALITY AS s (id, reason, n)
+    ORDER BY id, n
+) AS u
+WHERE t.run_id = $1 AND t.id = u.id AND t.state = 'pending'
+RETURNING t.id
+"""
+
+
+async def skip_pending(
+    conn: asyncpg.Connection, run_id: str, skip: Sequence[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Skip these pending tasks (id, why); returns the ones skipped now, as ends to settle."""
+    rows = await conn.fetch(_SKIP, run_id, *columns(skip, 2))
+    skipped = {r[0] for r in rows}
+    return [
+        (task_id, SKIPPED) for task_id in dict.fromkeys(t for t, _ in skip) if task_id in skipped
+    ]
+
+
+# One value of `queue_order` per statement, scaled by QUEUE_STEP, plus each task's rank: the
+# tasks one statement queues keep their order (a sequence drawn once per row may hand its values
+# out in another order than the rows').
+_READY = f"""
+WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq), freed AS (
+    SELECT u.id, row_number() OVER (ORDER BY u.n) AS rank
+    FROM unnest($2::text[]) WITH ORDINALITY AS u (id, n)
+    JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = u.id
+    WHERE t.state = 'pending' AND t.waiting = 0
+), readied AS (
+    UPDATE orchestra.tasks AS t SET state = 'ready', seq = base.seq + freed.rank
+    FROM freed, base
+    WHERE t.run_id = $1 AND t.id = freed.id
+    RETURNING t.id, t.kind, t.seq
+), woken AS (
+    SELECT pg_notify($3, json_build_object('run', $1::text, 'kinds', k.kinds)::text)
+    FROM (SELECT array_agg(DISTINCT kind ORDER BY kind) AS kinds FROM readied) AS k
+    WHERE k.kinds IS NOT NULL
+)
+SELECT r.id, r.kind, r.seq FROM readied AS r LEFT JOIN woken ON true
+"""
+
+
+async def make_ready(
+    conn: asyncpg.Connection, run_id: str, ids: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Of `ids` (in the order they were freed), the ones pending and waiting for nothing become
+    ready, queued in that order, and the run's listeners are told which kinds have tasks ready
+    (a NOTIFY, delivered when the transaction commits). Returns them as (id, kind)."""
+    if not ids:
+        return []
+    rows = await conn.fetch(_READY, run_id, list(dict.fromkeys(ids)), channel_of(run_id))
+    return [(r[0], r[1]) for r in sorted(rows, key=lambda r: r[2])]

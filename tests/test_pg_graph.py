@@ -1,0 +1,688 @@
+"""A run's graph on PostgreSQL (`orchestra.stores._postgres._graph`), on the session's real server:
+admission all or nothing with the memory store's checks; settling in the completion's
+transaction (dependents made ready, failures skipping what waits, groups, spawns); the wake-up
+sent; two parents completed at once readying their child once; and a model test: the same
+operations through a `MemoryRun` and through the database end in the same states.
+
+A task is claimed for a test by `take` (its lease written straight into its row): the claim
+itself is `_claims`' and its tests'."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestra import InputError, Task
+from orchestra._admission import Admission
+from orchestra._task import FAILED, SKIPPED, SUCCEEDED
+from orchestra.stores import MemoryStore
+from orchestra.stores._postgres._claims import End, claim, complete
+from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._settle import channel_of, close_input, transaction
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator, Sequence
+
+    from tests.pg import PgDatabases
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
+
+KINDS = ("a", "b")
+
+
+def admission() -> Admission:
+    return Admission(KINDS, {})
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to a new database with orchestra's schema, and its run ``r``."""
+    conn = await asyncpg.connect(pg_dsn)
+    await conn.execute("INSERT INTO orchestra.runs (id) VALUES ('r')")
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def states(conn: asyncpg.Connection, run_id: str = "r") -> dict[str, str]:
+    rows = await conn.fetch("SELECT id, state FROM orchestra.tasks WHERE run_id = $1", run_id)
+    return {row[0]: row[1] for row in rows}
+
+
+async def waiting(conn: asyncpg.Connection, task_id: str) -> int:
+    found: int = await conn.fetchval("SELECT waiting FROM orchestra.tasks WHERE id = $1", task_id)
+    return found
+
+
+async def take(conn: asyncpg.Connection, task_id: str, owner: str = "w", run: str = "r") -> int:
+    """Lease this ready task to `owner` (as a claim would); its token."""
+    token: int | None = await conn.fetchval(
+        "UPDATE orchestra.tasks SET state = 'claimed', token = nextval('orchestra.lease_tokens'), "
+        "attempts = attempts + 1, lease_owner = $3, lease_expires = now() + interval '30 s' "
+        "WHERE run_id = $1 AND id = $2 AND state = 'ready' RETURNING token",
+        run, task_id, owner,
+    )  # fmt: skip
+    assert token is not None, f"{task_id} is not ready"
+    return token
+
+
+async def finish(
+    conn: asyncpg.Connection,
+    task_id: str,
+    state: str = SUCCEEDED,
+    *,
+    spawned: Sequence[Task] = (),
+    run: str = "r",
+) -> None:
+    token = await take(conn, task_id, run=run)
+    (written,) = await complete(
+        conn, run, "w", [End(task_id, token, state, "1" if state == SUCCEEDED else None)],
+        spawned={task_id: spawned}, admission=admission(),
+    )  # fmt: skip
+    assert written
+
+
+class TestAdmission:
+    async def test_waiting_counts_and_the_tasks_waiting_for_nothing_ready(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        admitted = await admit(
+            conn, "r",
+            [Task("a", id="c", depends_on=["x", "y"]), Task("a", id="x"),
+             Task("b", id="y", depends_on=["x"]), Task("b", id="free")],
+            admission=admission(),
+        )  # fmt: skip
+        assert admitted.ids == ["c", "x", "y", "free"]
+        assert admitted.ready == ["x", "free"]
+        assert await states(conn) == {"c": "pending", "x": "ready", "y": "pending", "free": "ready"}
+        assert [await waiting(conn, t) for t in ("c", "y")] == [2, 1]
+
+    async def test_generated_ids_and_a_batch_of_plain_tasks(self, conn: asyncpg.Connection) -> None:
+        admitted = await admit(conn, "r", [Task("a", 1), Task("b", 2)], admission=admission())
+        assert admitted.ready == ["a#1", "b#2"]
+        row = await conn.fetchrow(
+            "SELECT payload::text, named FROM orchestra.tasks WHERE id = 'b#2'"
+        )
+        assert row is not None
+        assert (row[0], row[1]) == ("2", False)
+
+    @pytest.mark.parametrize(
+        ("tasks", "task_id", "field"),
+        [
+            ([Task("a", id="t", depends_on=["nowhere"])], "t", "depends_on"),
+            ([Task("a", id="t", depends_on=["u"]), Task("a", id="u", depends_on=["t"])], "t",
+             "depends_on"),
+            ([Task("a", id="t"), Task("a", id="t")], "t", "id"),
+            ([Task("a", id="t", payload=object())], "t", "payload"),
+            ([Task("a", id="t", tags=["g"], depends_on=["w"]),
+              Task("a", id="w", depends_on_tags=["g"])], "t", "depends_on"),
+        ],
+    )  # fmt: skip
+    async def test_a_refused_batch_writes_nothing_and_names_the_task_and_field(
+        self, conn: asyncpg.Connection, tasks: list[Task], task_id: str, field: str
+    ) -> None:
+        with pytest.raises(InputError) as refused:
+            await admit(conn, "r", [Task("a", id="ok"), *tasks], admission=admission())
+        assert (refused.value.task_id, refused.value.field) == (task_id, field)
+        assert task_id in str(refused.value)
+        assert await states(conn) == {}
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.groups") == 0
+
+    async def test_an_id_admitted_before_is_idempotent_when_the_same_else_refused(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", {"n": 1}, id="t")], admission=admission())
+        again = await admit(conn, "r", [Task("a", {"n": 1}, id="t")], admission=admission())
+        assert again.ids == []
+        with pytest.raises(InputError, match="duplicate task id 't'") as refused:
+            await admit(conn, "r", [Task("a", {"n": 2}, id="t")], admission=admission())
+        assert refused.value.field == "id"
+
+    async def test_a_streamed_batch_depends_only_on_tasks_before_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        with pytest.raises(InputError, match="depends on unknown task 'later'") as refused:
+            await admit(
+                conn, "r", [Task("a", id="t", depends_on=["later"]), Task("a", id="later")],
+                admission=admission(), forward=False,
+            )  # fmt: skip
+        assert refused.value.field == "depends_on"
+
+    async def test_depending_on_an_ended_task_of_an_earlier_batch(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="good"), Task("a", id="bad")], admission=admission())
+        await finish(conn, "good")
+        await finish(conn, "bad", FAILED)
+        admitted = await admit(
+            conn, "r",
+            [Task("a", id="after_good", depends_on=["good"]),
+             Task("a", id="after_bad", depends_on=["bad"]),
+             Task("a", id="below", depends_on=["after_bad"])],
+            admission=admission(),
+        )  # fmt: skip
+        assert admitted.ready == ["after_good"]
+        assert admitted.skipped == ["after_bad", "below"]
+        row = await conn.fetchrow(
+            "SELECT error, error_type FROM orchestra.tasks WHERE id = 'after_bad'"
+        )
+        assert row is not None
+        assert (row[0], row[1]) == ("dependency 'bad' failed", "DependencyFailed")
+
+
+class TestGroups:
+    async def test_a_waiter_waits_for_every_member_and_the_input_closed(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="m1", tags=["g"]), Task("a", id="m2", tags=["g"]),
+             Task("b", id="w", depends_on_tags=["g"])],
+            admission=admission(),
+        )  # fmt: skip
+        await finish(conn, "m1")
+        await finish(conn, "m2")
+        assert (await states(conn))["w"] == "pending"  # more members may still come
+        settled = await close_input(conn, "r")
+        assert settled.ready == [("w", "b")]
+
+    async def test_a_group_closes_only_once_the_task_named_after_it_ended(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r", [Task("a", id="g"), Task("b", id="w", depends_on_tags=["g"])],
+            admission=admission(),
+        )  # fmt: skip
+        await close_input(conn, "r")
+        assert (await states(conn))["w"] == "pending"
+        await finish(conn, "g", spawned=[Task("a", id="child", tags=["g"])])
+        assert await states(conn) == {"g": "succeeded", "child": "ready", "w": "pending"}
+        await finish(conn, "child")
+        assert (await states(conn))["w"] == "ready"
+
+    async def test_a_member_that_fails_skips_the_waiters_and_what_waits_for_them(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="m1", tags=["g"]), Task("a", id="m2", tags=["g"]),
+             Task("b", id="w", depends_on_tags=["g"]), Task("b", id="below", depends_on=["w"])],
+            admission=admission(),
+        )  # fmt: skip
+        await close_input(conn, "r")
+        await finish(conn, "m1", FAILED)
+        assert await states(conn) == {
+            "m1": "failed", "m2": "ready", "w": "skipped", "below": "skipped"
+        }  # fmt: skip
+        error = await conn.fetchval("SELECT error FROM orchestra.tasks WHERE id = 'w'")
+        assert error == "group 'g' member 'm1' failed"
+
+
+class TestSettling:
+    async def test_a_success_readies_what_waited_only_for_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="p1"), Task("a", id="p2"), Task("b", id="child", depends_on=["p1", "p2"])],
+            admission=admission(),
+        )  # fmt: skip
+        await finish(conn, "p1")
+        assert ((await states(conn))["child"], await waiting(conn, "child")) == ("pending", 1)
+        await finish(conn, "p2")
+        assert (await states(conn))["child"] == "ready"
+
+    async def test_a_terminal_failure_skips_what_depends_on_it_transitively(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="root"), Task("a", id="other"), Task("a", id="c1", depends_on=["root"]),
+             Task("a", id="c2", depends_on=["c1", "other"]),
+             Task("a", id="m", tags=["g"], depends_on=["c2"]),
+             Task("a", id="w", depends_on_tags=["g"])],
+            admission=admission(),
+        )  # fmt: skip
+        await finish(conn, "root", FAILED)
+        assert await states(conn) == {
+            "root": "failed", "other": "ready", "c1": "skipped", "c2": "skipped",
+            "m": "skipped", "w": "skipped",
+        }  # fmt: skip
+        assert await conn.fetchval("SELECT failed FROM orchestra.groups WHERE tag = 'g'") == (
+            "group 'g' member 'm' skipped"
+        )
+
+    async def test_spawns_are_admitted_with_their_parent_and_wait_for_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="p"), Task("a", id="after", depends_on=["p"])],
+                    admission=admission())  # fmt: skip
+        await finish(conn, "p", spawned=[Task("b", 1), Task("b", 2, depends_on=["p"])])
+        rows = await conn.fetch(
+            "SELECT id, parent, idx, state FROM orchestra.tasks WHERE parent IS NOT NULL "
+            "ORDER BY idx"
+        )
+        assert [tuple(r) for r in rows] == [
+            ("p/b#1", "p", 0, "ready"), ("p/b#2", "p", 1, "ready")
+        ]  # fmt: skip
+        # Queued as in memory: the spawn waiting for nothing first, then what the end freed.
+        order = [t.id for t in await claim(conn, "r", {"a": 5, "b": 5}, owner="w", lease=30)]
+        assert order == ["p/b#1", "after", "p/b#2"]
+
+    async def test_a_refused_spawn_leaves_the_task_as_it_was(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="p"), Task("a", id="after", depends_on=["p"])],
+                    admission=admission())  # fmt: skip
+        token = await take(conn, "p")
+        with pytest.raises(InputError, match="nowhere") as refused:
+            await complete(
+                conn, "r", "w", [End("p", token, SUCCEEDED, "1")],
+                spawned={"p": [Task("b", id="s", depends_on=["nowhere"])]},
+                admission=admission(),
+            )  # fmt: skip
+        assert (refused.value.task_id, refused.value.field) == ("s", "depends_on")
+        assert await states(conn) == {"p": "claimed", "after": "pending"}
+
+    async def test_a_refused_completion_settles_nothing(self, conn: asyncpg.Connection) -> None:
+        await admit(conn, "r", [Task("a", id="p"), Task("a", id="after", depends_on=["p"])],
+                    admission=admission())  # fmt: skip
+        token = await take(conn, "p")
+        (written,) = await complete(
+            conn, "r", "w", [End("p", token + 1, SUCCEEDED, "1")],
+            spawned={"p": [Task("b", id="s")]}, admission=admission(),
+        )  # fmt: skip
+        assert not written
+        assert await states(conn) == {"p": "claimed", "after": "pending"}
+
+    async def test_what_becomes_ready_is_notified_on_the_runs_channel(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        heard: list[tuple[str, str]] = []
+        listener = await asyncpg.connect(pg_dsn)
+        got = asyncio.Event()
+
+        def hear(_: Any, pid: int, channel: str, payload: object) -> None:
+            heard.append((channel, str(payload)))
+            got.set()
+
+        await listener.add_listener(channel_of("r"), hear)
+        try:
+            await admit(conn, "r", [Task("a", id="p"), Task("b", id="c", depends_on=["p"])],
+                        admission=admission())  # fmt: skip
+            await asyncio.wait_for(got.wait(), 10)
+            got.clear()
+            token = await take(conn, "p")
+            await complete(conn, "r", "w", [End("p", token, SUCCEEDED, "1")])
+            await asyncio.wait_for(got.wait(), 10)
+        finally:
+            await listener.close()
+        assert [(c, json.loads(p)) for c, p in heard] == [
+            ("orchestra:r", {"run": "r", "kinds": ["a"]}),
+            ("orchestra:r", {"run": "r", "kinds": ["b"]}),
+        ]
+
+
+class TestConcurrentSettling:
+    async def test_two_parents_completed_at_once_ready_their_child_once(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        workers = [await asyncpg.connect(pg_dsn) for _ in range(2)]
+        notified: list[str] = []
+        listener = await asyncpg.connect(pg_dsn)
+        await listener.add_listener(channel_of("r"), lambda *a: notified.append(a[3]))
+        try:
+            for i in range(30):
+                await admit(
+                    conn, "r",
+                    [Task("a", id=f"p{i}"), Task("a", id=f"q{i}"),
+                     Task("b", id=f"c{i}", depends_on=[f"p{i}", f"q{i}"])],
+                    admission=admission(),
+                )  # fmt: skip
+                tokens = [await take(conn, f"p{i}"), await take(conn, f"q{i}")]
+                await asyncio.gather(*(
+                    complete(w, "r", "w", [End(t, token, SUCCEEDED, "1")])
+                    for w, t, token in zip(workers, [f"p{i}", f"q{i}"], tokens, strict=True)
+                ))  # fmt: skip
+                assert (await states(conn))[f"c{i}"] == "ready"
+            await conn.execute("SELECT 1")
+            await asyncio.sleep(0.2)  # the last notifications, delivered on commit
+        finally:
+            for w in [*workers, listener]:
+                await w.close()
+        assert [json.loads(p)["kinds"] for p in notified].count(["b"]) == 30
+        children = await claim(conn, "r", {"b": 100}, owner="w", lease=30)
+        assert sorted(t.id for t in children) == sorted(f"c{i}" for i in range(30))
+
+    async def test_a_waiter_admitted_while_the_last_member_ends_is_freed(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="m", tags=["g"])], admission=admission())
+        await close_input(conn, "r")
+        token = await take(conn, "m")
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            admitting = conn.transaction()
+            await admitting.start()
+            await admit(conn, "r", [Task("b", id="w", depends_on_tags=["g"])],
+                        admission=admission())  # fmt: skip
+            ending = asyncio.ensure_future(
+                complete(other, "r", "w", [End("m", token, SUCCEEDED, "1")])
+            )
+            await blocked(conn, other, ending)  # on the group the admission holds
+            await admitting.commit()
+            assert await ending == [True]
+        finally:
+            await other.close()
+        assert await states(conn) == {"m": "succeeded", "w": "ready"}
+
+    async def test_a_waiter_of_a_new_group_admitted_while_the_input_closes_is_freed(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            admitting = conn.transaction()
+            await admitting.start()
+            await admit(conn, "r", [Task("b", id="w", depends_on_tags=["nobody"])],
+                        admission=admission())  # fmt: skip
+            closing = asyncio.ensure_future(close_input(other, "r"))
+            await blocked(conn, other, closing)  # on the run the admission read
+            await admitting.commit()
+            await closing
+        finally:
+            await other.close()
+        assert await states(conn) == {"w": "ready"}
+
+    async def test_processes_running_a_graph_side_by_side_end_every_task_once(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # Layers of tasks, each depending on some of the layer above and waiting for groups that
+        # members of every layer join: ends, group closes and readying meet across connections.
+        tasks: list[Task] = []
+        for layer in range(6):
+            for i in range(40):
+                above = [f"t{layer - 1}.{(i + k) % 40}" for k in (0, 7)] if layer else []
+                tasks.append(Task(
+                    "a", id=f"t{layer}.{i}", depends_on=above, tags=[f"g{(layer + i) % 3}"]
+                    if layer < 5 else [], depends_on_tags=["g1"] if layer == 5 and i % 4 == 0
+                    else [],
+                ))  # fmt: skip
+        await admit(conn, "r", tasks, admission=admission())
+        await close_input(conn, "r")
+        done: list[str] = []
+
+        async def process(name: str) -> None:
+            worker = await asyncpg.connect(pg_dsn)
+            try:
+                idle = 0
+                while idle < 50:  # others may still ready something: look again a while
+                    batch = await claim(worker, "r", {"a": 5}, owner=name, lease=30)
+                    if not batch:
+                        idle += 1
+                        await asyncio.sleep(0.01)
+                        continue
+                    idle = 0
+                    ends = [End(t.id, t.token, SUCCEEDED, "1") for t in batch]
+                    assert all(await complete(worker, "r", name, ends))
+                    done.extend(t.id for t in batch)
+            finally:
+                await worker.close()
+
+        await asyncio.gather(*(process(f"w{i}") for i in range(4)))
+        assert sorted(done) == sorted(t.id for t in tasks)  # each once
+        assert set((await states(conn)).values()) == {"succeeded"}
+
+    async def test_a_transaction_aborted_to_break_a_deadlock_runs_again(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="x"), Task("a", id="y")], admission=admission())
+        others = [await asyncpg.connect(pg_dsn) for _ in range(2)]
+        both_hold_one = asyncio.Barrier(2)
+        tries = {"x": 0, "y": 0}
+
+        def step(first: str, then: str) -> Any:
+            async def locks(tx: asyncpg.Connection) -> str:
+                tries[first] += 1
+                lock = "SELECT 1 FROM orchestra.tasks WHERE id = $1 FOR UPDATE"
+                await tx.execute(lock, first)
+                if tries[first] == 1:  # the first try of each waits for the other's first lock
+                    await both_hold_one.wait()
+                await tx.execute(lock, then)
+                return first
+
+            return locks
+
+        try:
+            done = await asyncio.gather(
+                transaction(others[0], step("x", "y")), transaction(others[1], step("y", "x"))
+            )
+        finally:
+            for other in others:
+                await other.close()
+        assert list(done) == ["x", "y"]
+        assert sorted(tries.values()) == [1, 2]  # PostgreSQL aborted one, which ran again
+
+
+async def blocked(
+    conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
+) -> None:
+    """Wait until `other`, running `step`, waits for a lock (or `step` is done: then it did not
+    wait for what `conn`'s open transaction holds)."""
+    pid = other.get_server_pid()
+    for _ in range(500):
+        if step.done():
+            return
+        waiting = await conn.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the other connection neither waited for a lock nor finished")
+
+
+# -- the model: the memory store's semantics, the same in the database -------------------------
+
+
+class _Listener:
+    quiet: list[Any] | None = None
+
+    def ready(self, record: Any) -> None:
+        pass
+
+    def ready_all(self, records: Any) -> None:
+        pass
+
+    def finished(self, record: Any) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def stop(self, reason: str) -> None:
+        pass
+
+    def hold(self, held: bool) -> None:
+        pass
+
+
+TAGS = ("g1", "g2")
+
+
+@st.composite
+def task_specs(draw: st.DrawFn, known: list[str], prefix: str, n: int) -> list[dict[str, Any]]:
+    """`n` tasks as plain specs (built twice, one `Task` per store): ids `<prefix><i>`, each
+    depending on some of `known` and of the ones before it, in groups and waiting for groups."""
+    specs: list[dict[str, Any]] = []
+    for i in range(n):
+        task_id = f"{prefix}{i}"
+        before = known + [s["id"] for s in specs]
+        specs.append({
+            "id": task_id,
+            "kind": draw(st.sampled_from(KINDS)),
+            "priority": draw(st.integers(0, 2)),
+            "depends_on": draw(st.lists(st.sampled_from(before), unique=True, max_size=2))
+            if before else [],
+            "tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
+            "depends_on_tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
+        })  # fmt: skip
+    return specs
+
+
+def build(specs: Sequence[dict[str, Any]]) -> list[Task]:
+    return [
+        Task(s["kind"], s["id"], id=s["id"], priority=s["priority"], depends_on=s["depends_on"],
+             tags=s["tags"], depends_on_tags=s["depends_on_tags"])
+        for s in specs
+    ]  # fmt: skip
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    first = draw(task_specs([], "t", draw(st.integers(1, 6))))
+    ids = [s["id"] for s in first]
+    second = draw(st.one_of(st.just([]), task_specs(ids, "s", draw(st.integers(1, 3)))))
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from([SUCCEEDED, SUCCEEDED, FAILED]),
+                st.integers(0, 2),  # how many tasks the attempt spawns (on a success)
+                st.data(),
+            ),
+            max_size=14,
+        )
+    )
+    return {
+        "first": first,
+        "second": second,
+        "close_at": draw(st.integers(0, 6)),
+        "steps": steps,
+    }
+
+
+@pytest.fixture
+def model_dsn(pg: PgDatabases) -> Iterator[str]:
+    """A database with orchestra's schema for every example of a model test (a run each)."""
+    dsn = asyncio.run(pg.create())
+    yield dsn
+    asyncio.run(pg.drop(dsn))
+
+
+class TestTheMemoryStoresSemantics:
+    """Hypothesis draws DAGs with groups, two batches (a whole list, then a streamed one), a close
+    of the input at some step, and attempts that succeed (spawning some tasks) or fail for good;
+    the same operations go to a `MemoryRun` and to the database, claiming the best ready task from
+    each. After every step both hold the same tasks in the same states, and claim the same task
+    next (priority, then the order they became ready)."""
+
+    @settings(
+        max_examples=100,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(scenario=scenarios())
+    def test_the_same_operations_end_in_the_same_states(
+        self, model_dsn: str, scenario: dict[str, Any]
+    ) -> None:
+        asyncio.run(self._play(model_dsn, scenario))
+
+    async def _play(self, dsn: str, scenario: dict[str, Any]) -> None:
+        memory = MemoryStore().open_run(
+            "m", admission=admission(), listener=_Listener(), clock=lambda: 0.0,
+            task_timeout=None, compact=False,
+        )  # fmt: skip
+        conn = await asyncpg.connect(dsn)
+        run = f"run{await conn.fetchval('SELECT count(*) FROM orchestra.runs')}"
+        await conn.execute("INSERT INTO orchestra.runs (id) VALUES ($1)", run)
+        sql_admission = admission()
+        try:
+            for batch, forward in ((scenario["first"], True), (scenario["second"], False)):
+                if not batch:
+                    continue
+                refused: list[tuple[str | None, str | None] | None] = [None, None]
+                try:
+                    memory.admit(build(batch), where="input", forward=forward)
+                except InputError as exc:
+                    refused[0] = (exc.task_id, exc.field)
+                try:
+                    await admit(conn, run, build(batch), admission=sql_admission, forward=forward)
+                except InputError as exc:
+                    refused[1] = (exc.task_id, exc.field)
+                assert refused[0] == refused[1]
+            await self._same(memory, conn, run)
+            for step, (status, spawns, data) in enumerate(scenario["steps"]):
+                if step == scenario["close_at"]:
+                    memory.close_input()
+                    await close_input(conn, run)
+                    await self._same(memory, conn, run)
+                record = memory.claim()
+                claimed = await claim(conn, run, dict.fromkeys(KINDS, 1), owner="w", lease=30,
+                                      limit=1)  # fmt: skip
+                assert [t.id for t in claimed] == ([] if record is None else [record.id])
+                if record is None:
+                    continue
+                (task,) = claimed
+                known = [r.id for r in memory.records() if r.id != record.id]
+                specs = []
+                if status == SUCCEEDED and spawns:
+                    specs = data.draw(task_specs(known, f"{record.id}.", spawns))
+                refused = [None, None]
+                assert memory.start(record, record.token, "x")
+                try:
+                    # Each spawn checked as it is spawned (the engine's `check_spawn`), then
+                    # admitted with the end.
+                    spawned: dict[str, Task] = {}
+                    for spawn in build(specs):
+                        memory.check_spawn(spawn, record, spawned)
+                        spawned[spawn.id] = spawn
+                    memory.settle(
+                        record,
+                        record.token,
+                        status,
+                        1,
+                        spawned=list(spawned.values()),
+                        agent="x",
+                        error=None if status == SUCCEEDED else "no",
+                    )
+                except InputError as exc:
+                    refused[0] = (exc.task_id, exc.field)
+                try:
+                    await complete(
+                        conn, run, "w", [End(task.id, task.token, status, "1")],
+                        spawned={task.id: build(specs)}, admission=sql_admission,
+                    )  # fmt: skip
+                except InputError as exc:
+                    refused[1] = (exc.task_id, exc.field)
+                assert refused[0] == refused[1]
+                if refused[0] is not None:  # spawns refused: the attempt ends without them
+                    memory.settle(record, record.token, status, 1, agent="x")
+                    await complete(conn, run, "w", [End(task.id, task.token, status, "1")])
+                await self._same(memory, conn, run)
+            # What is left, claimed in turn: the same order to the end.
+            while True:
+                record = memory.claim()
+                claimed = await claim(conn, run, dict.fromkeys(KINDS, 1), owner="w", lease=30,
+                                      limit=1)  # fmt: skip
+                assert [t.id for t in claimed] == ([] if record is None else [record.id])
+                if record is None:
+                    break
+                memory.start(record, record.token, "x")
+                memory.settle(record, record.token, SUCCEEDED, 1, agent="x")
+                await complete(conn, run, "w", [End(record.id, claimed[0].token, SUCCEEDED, "1")])
+                await self._same(memory, conn, run)
+        finally:
+            await conn.close()
+
+    async def _same(self, memory: Any, conn: asyncpg.Connection, run: str) -> None:
+        expected = {r.id: r.state for r in memory.records()}
+        assert await states(conn, run) == expected
+        for record in memory.records():
+            if record.state == SKIPPED:
+                assert record.error_type == "DependencyFailed"
