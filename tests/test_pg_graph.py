@@ -24,7 +24,8 @@ from orchestra._task import FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
 from orchestra.stores._postgres._claims import End, claim, complete
 from orchestra.stores._postgres._graph import admit
-from orchestra.stores._postgres._settle import channel_of, close_input, transaction
+from orchestra.stores._postgres._listen import channel_of
+from orchestra.stores._postgres._settle import close_input, transaction
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence

@@ -18,12 +18,12 @@ of them with a deadlock error, and `transaction` runs it again.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import asyncpg
 
 from ..._task import SKIPPED, SUCCEEDED
+from ._listen import channel_of
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -32,7 +32,6 @@ __all__ = (
     "LOCK_GROUPS",
     "QUEUE_STEP",
     "Settled",
-    "channel_of",
     "close_input",
     "columns",
     "end_cascade",
@@ -49,18 +48,7 @@ QUEUE_STEP: Final = 1 << 24
 """A task's place in its run's queue (``tasks.seq``) is a value of the sequence ``queue_order``
 times this, plus its rank among the tasks queued by the same statement."""
 
-GLOBAL_CHANNEL: Final = "orchestra"
-_MAX_CHANNEL: Final = 63  # PostgreSQL's identifiers (and so channel names) are at most 63 bytes
 _RETRIES: Final = 5  # a transaction aborted by a deadlock is run again this many times
-
-
-def channel_of(run_id: str) -> str:
-    """The channel of `run_id`'s notifications: ``orchestra:<run id>``, or, for a run id too long
-    for a channel name, ``orchestra:#<its sha1>`` (what the run's listeners listen on)."""
-    name = f"{GLOBAL_CHANNEL}:{run_id}"
-    if len(name.encode()) <= _MAX_CHANNEL:
-        return name
-    return f"{GLOBAL_CHANNEL}:#{hashlib.sha1(run_id.encode()).hexdigest()}"
 
 
 class Settled(NamedTuple):
