@@ -1320,6 +1320,40 @@ class TestClaimsFitTheRoom:
         assert by_pid[wide.pid] >= 20, by_pid
         assert max(held) <= 1, held
 
+    async def test_a_worker_whose_agents_share_one_place_claims_one_task_at_a_time(
+        self, tmp_path: Path
+    ) -> None:
+        """Two agents of the worker's kind share one `Concurrency(1)`: each alone could start a
+        task, both together only one. The worker holds one task at a time; the other worker, of
+        room 4, takes the rest."""
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        single = start_worker(db, calls, delay=0.2, agents="tests/worker_job.py:sharing_one_place")
+        wide = start_worker(db, calls, delay=0.2, concurrency=4)
+        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
+        names = dict(rows(db, "SELECT pid, owner FROM workers"))
+        held: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                held.extend(held_by(db, names[single.pid]))
+                await anyio.sleep(0.01)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                result, _ = await coordinate(db, [Task("work", i) for i in range(40)])
+                tg.cancel_scope.cancel()
+        finally:
+            errs = wait_all([single, wide])
+        assert [w.returncode for w in (single, wide)] == [0, 0], errs
+        assert result.status == "success"
+        by_pid = collections.Counter(p for _, p in ran(calls))
+        assert sum(by_pid.values()) == 40
+        assert by_pid[single.pid] > 0, by_pid
+        assert max(held) <= 1, held
+
 
 def held_by(db: Path, owner: str | None) -> list[int]:
     """How many of run "r"'s rows `owner` (a worker's name; None: the coordinator) holds claimed

@@ -412,13 +412,14 @@ class Dispatcher:
     # -- room (a store that shares the run with other processes asks) ---------------------------
 
     def room(self, kind: str) -> int:
-        """How many more tasks of `kind` could start now: the free places of its agents (and of
-        its chain's; an agent's own limit, or a shared `Concurrency`'s free places when fewer;
-        one at most while its limits have no room now, none once a task waits for them) less the
-        tasks waiting in their lanes and the kind's, at most the global limit's free places. An
-        agent that is down counts its free places all the same: the tasks that wait for it wait
-        in its lane (on a timer), bounded by what it can run at once. O(agents of the kind +
-        tasks waiting). Not on the in-memory path: only a store that shares the run asks."""
+        """How many more tasks of `kind` could start now: the free places of its agents and of
+        its chain's (an agent's own limit, or a shared `Concurrency`'s free places when fewer,
+        counted once for the agents that share it; one at most while its limits have no room
+        now, none once a task waits for them), at most the global limit's free places, less the
+        tasks waiting in their lanes and the kind's. An agent that is down counts its free places
+        all the same: the tasks that wait for it wait in its lane (on a timer), bounded by what it
+        can run at once. O(agents of the kind + tasks waiting). Not on the in-memory path: only
+        a store that shares the run with other processes asks (see `stores/_room.py`)."""
         router = self.router
         slots = self._agents_of.get(kind)
         if slots is None:
@@ -428,25 +429,37 @@ class Dispatcher:
             slots = self._agents_of[kind] = list(found)
         free = 0
         waiting = router.queued(kind)
+        shared: dict[Concurrency, int] | None = None  # places under a shared `Concurrency`
         for slot in slots:
             queued = router.queued(slot)
             waiting += queued
             places = slot.limit - slot.in_flight
             limiters = router.limiters(slot)
+            under: Concurrency | None = None
             if limiters and places > 0:
                 now = self._time()
                 for limiter in limiters:
                     if isinstance(limiter, Concurrency):
-                        places = min(places, limiter.limit - limiter.in_use)
+                        left = limiter.limit - limiter.in_use
+                        if under is None or left < under.limit - under.in_use:
+                            under = limiter
+                        places = min(places, left)
                     if limiter.peek(now, DEFAULT_COST) > 0:  # room at T, or at a release
                         # One task waits for it: its lane's timer or watcher wakes the run then.
                         places = min(places, 0 if queued else 1)
-            if places > 0:
+            if places <= 0:
+                continue
+            if under is None:
                 free += places
+            else:  # agents sharing one limit have its free places once, not once each
+                shared = shared or {}
+                shared[under] = shared.get(under, 0) + places
+        if shared:
+            for limiter, places in shared.items():
+                free += min(places, limiter.limit - limiter.in_use)
         capacity = self._capacity
-        room = free - waiting
         cap = capacity.limit - capacity.limiter.in_use
-        return room if room < cap else cap
+        return (free if free < cap else cap) - waiting
 
     # -- timers ----------------------------------------------------------------------------------
 

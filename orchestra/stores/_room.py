@@ -1,6 +1,7 @@
 """A coordinator's claims sized by its agents' room: the ready tasks they cannot start now, set aside.
 
-A run whose store other processes claim from (a durable one's, with workers) must not hold more of
+The claim size here is a worker process's too (`_worker.py` asks its local run the same room,
+less the tasks it holds and has not started). A run whose store other processes claim from (a durable one's, with workers) must not hold more of
 its tasks than its own agents can start: a task claimed here waits in a lane of this process's
 dispatcher while a worker with room idles. So its coordinator takes a ready task only while the
 run's agents of its kind have room (`Listener.room`, less the tasks taken here and not yet handed
@@ -9,11 +10,19 @@ file, claimable by a worker), out of the ready queue, in a heap of its kind, and
 its kind has room again (a slot freed: the runner that freed it asks). The claim size of a process
 is then, for each kind, ``room(kind) - taken(kind)``, where
 
-- ``room(kind)`` = min(the global limit's free places, the sum over the agents of the kind (and of
-  its fallback chain) of their free places (an agent's own limit less its attempts in flight, or
-  a shared `Concurrency`'s free places when fewer) less the tasks already waiting in their lanes),
+- ``room(kind)`` = min(the global limit's free places, the sum of the free places of the agents of
+  the kind and of its fallback chain) less the tasks already waiting in those agents' lanes and
+  in the kind's. An agent's free places: its own limit less its attempts in flight, or a shared
+  `Concurrency`'s free places when fewer (agents that share one count its free places once);
+  while one of its limits (a rate, a budget, a
+  Retry-After pause) has no room now, one if no task waits for it yet (it waits in the agent's
+  lane, whose timer wakes the run), else none. An agent whose breaker is open counts its free
+  places all the same: what waits for its probe waits in its lane, bounded by them.
 - ``taken(kind)`` = the tasks of the kind claimed here and not yet handed to the dispatcher (asked
   of the file, or granted and not picked up yet).
+
+It is asked once per batch of claims, not per claim (`credit`): a room of n lets the next n
+claims of the kind through without asking again.
 
 A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
 waits in their lanes, at no cost.
@@ -48,37 +57,49 @@ class Owner(Protocol):
 class Room:
     """The ready tasks of one run that its agents had no room for, by kind, best first."""
 
-    __slots__ = ("_aside", "_listener", "_order", "_owner")
+    __slots__ = ("_listener", "_order", "_owner", "aside", "credit")
 
     def __init__(self, owner: Owner, listener: Listener) -> None:
         self._owner = owner
         self._listener = listener
         # kind -> heap of (priority, order, record, token): set aside, ready, not in the queue
-        self._aside: dict[str, list[tuple[int, int, Record, int]]] = {}
+        # (a kind is here only while its heap has entries)
+        self.aside: dict[str, list[tuple[int, int, Record, int]]] = {}
         self._order = 0
+        # kind -> claims left of the room last asked for: the room is asked again once they are
+        # spent, not at every claim (asking costs about a microsecond, a tenth of a durable
+        # no-op task). Room that frees meanwhile is found at the next ask; room another run
+        # takes meanwhile (one sharing the agent) is over-claimed by at most one ask's worth.
+        self.credit: dict[str, int] = {}
 
     def _free(self, kind: str) -> int:
         return self._listener.room(kind) - self._owner.taken(kind)
 
     def fits(self, record: Record) -> bool:
         """Whether `record` (just claimed from the ready queue) can start here now; if not, it is
-        set aside, ready again (its row stays claimable)."""
+        set aside, ready again (its row stays claimable). The caller spends a credit left
+        itself, inline, when its kind has none set aside (`SQLiteRun.claim`)."""
         kind = record.kind
-        heap = self._aside.get(kind)
+        heap = self.aside.get(kind)
         # Behind the ones of its kind set aside before it, whatever the room: they go first.
-        if not heap and self._free(kind) > 0:
-            return True
+        if heap is None:
+            credit = self.credit.get(kind, 0)
+            if credit <= 0:
+                credit = self._free(kind)
+            if credit > 0:
+                self.credit[kind] = credit - 1
+                return True
+            self.credit[kind] = 0
+            heap = self.aside[kind] = []
         record.state = READY  # out of the queue (`qseq` -1): `take` claims it from here
         self._order += 1
-        if heap is None:
-            heap = self._aside[kind] = []
         heappush(heap, (record.priority, self._order, record, record.token))
         return False
 
     def take(self) -> Record | None:
         """The best task set aside whose kind has room now, claimed (None: none). O(kinds with
         tasks set aside)."""
-        aside = self._aside
+        aside = self.aside
         if not aside:
             return None
         best: tuple[int, int, Record, int] | None = None

@@ -304,10 +304,12 @@ class SQLiteRun:
         # Only what this process's agents can start now (`_room`): a worker may come and claim
         # the rest from the file at any time.
         room = self._room
-        record = room.take()
+        aside = room.aside
+        record = room.take() if aside else None
         if record is None:
             memory = self._memory
             waiting = self._keys.waiting
+            credit = room.credit
             while True:
                 record = memory.claim()
                 if record is None:
@@ -316,6 +318,11 @@ class SQLiteRun:
                 # `Keys._poll` ends it with the result, or hands it back (`run_here`).
                 if waiting and waiting.get(record.task.key) is record:  # type: ignore[arg-type]
                     continue
+                kind = record.kind
+                left = credit.get(kind, 0)
+                if left > 0 and kind not in aside:  # `Room.fits`'s common case, inline
+                    credit[kind] = left - 1
+                    break
                 if room.fits(record):
                     break
         if self._sharing.offered and self._sharing.held_back(record):
@@ -325,7 +332,10 @@ class SQLiteRun:
     def taken(self, kind: str) -> int:
         """The tasks of `kind` claimed here and not handed to the dispatcher yet: asked of the
         file, or granted (`_runnable`, with the ones a key's wait let go)."""
-        return self._sharing.claiming_kinds[kind] + sum(r.kind == kind for r in self._runnable)
+        taken = self._sharing.claiming_kinds.get(kind, 0)
+        if self._runnable:
+            taken += sum(r.kind == kind for r in self._runnable)
+        return taken
 
     def take(self, record: Record) -> int:
         return self._memory.take(record)
