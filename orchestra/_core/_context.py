@@ -69,7 +69,7 @@ class Context:
         "task",
     )
 
-    # Set by the dispatcher once the call returned and its output is being judged (the output
+    # Set by the attempt once the call returned and its output is being judged (the output
     # model, the verifier): what raises then is not the agent's failure. Unset until then, and
     # read with a default, so building a context costs nothing more.
     _judging: bool
@@ -84,7 +84,7 @@ class Context:
         self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
         self._on_end: Callable[[], None] | None = None
         # What the attempt reserved before its call, and on which limiters (set by the
-        # dispatcher when it reserved anything): `reserve` trues it up.
+        # attempt when it reserved anything): `reserve` trues it up.
         self._reserved: tuple[Cost, tuple[Limiter, ...]] | None = None
         self.run_id = run.run_id
         self.task: Task = record.task

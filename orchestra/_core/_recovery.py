@@ -58,10 +58,10 @@ class Owner(Protocol):
 class Recovery:
     """The failure half of one run's dispatcher."""
 
-    __slots__ = ("_d", "_moving")
+    __slots__ = ("_moving", "_owner")
 
     def __init__(self, dispatcher: Owner) -> None:
-        self._d = dispatcher
+        self._owner = dispatcher
         # Tasks that left an agent for any other of their kind (no explicit chain), with that
         # agent and why: the fallback is told once the router picks where they go (`moved`).
         self._moving: dict[Record, tuple[AgentSlot, str]] = {}
@@ -79,7 +79,7 @@ class Recovery:
         """An attempt of `record` on `slot` raised `exc` (from the output check or the verifier
         when `judged`: never the agent's health failure); `probe`: the attempt was the breaker's
         probe (sent while it was not closed), whose end alone closes or reopens it."""
-        end = self._d.now()
+        end = self._owner.now()
         policy = self._policy(slot, record.kind)
         retryable, retry_after = classify(exc, policy)
         failure = describe(exc)
@@ -111,13 +111,13 @@ class Recovery:
             and (isinstance(exc, RateLimited) or _is_rate_limit(failure.status_code))
         ):
             # Every task that shares this agent's rate limits waits with it, not only this one.
-            self._d.router.pause(slot, end + retry_after)
+            self._owner.router.pause(slot, end + retry_after)
         attempt = Attempt(
             number=record.attempts,
             agent=slot.name,
             error_type=error_type,
             message=message,
-            started=start - self._d.run.t0,
+            started=start - self._owner.run.t0,
             duration=end - start,
             traceback=failure.traceback,
             status_code=failure.status_code,
@@ -126,18 +126,18 @@ class Recovery:
         )
         if isinstance(exc, VerificationError):
             # The rejected output is kept as the partial output if the task fails in the end.
-            self._d.store.note(record, token, exc.feedback, partial=exc.output)
+            self._owner.store.note(record, token, exc.feedback, partial=exc.output)
         else:
-            self._d.store.note(record, token, f"{error_type}: {message}")
-        if self._d.bus.active:
-            self._d.bus.emit(
+            self._owner.store.note(record, token, f"{error_type}: {message}")
+        if self._owner.bus.active:
+            self._owner.bus.emit(
                 AttemptFailed(
-                    end, self._d.run_id, record.id, record.kind, slot.name, record.attempts,
+                    end, self._owner.run_id, record.id, record.kind, slot.name, record.attempts,
                     error_type, message, retryable, end - start,
                 )
             )  # fmt: skip
         if record.cancelling is not None:
-            self._d.store.settle(
+            self._owner.store.settle(
                 record, token, CANCELLED, error=record.cancelling, error_type="Cancelled",
                 attempt=attempt,
             )  # fmt: skip
@@ -152,13 +152,13 @@ class Recovery:
             attempt=record.attempts,
             error_type=error_type,
             error=message,
-            **({"traceback": failure.traceback} if self._d.run.debug else {}),
+            **({"traceback": failure.traceback} if self._owner.run.debug else {}),
         )
         if isinstance(exc, TaskTimeout):
             self.chain_end(record, token, message, "TaskTimeout", attempt)
             return
         if isinstance(exc, Rejected):
-            self._d.store.settle(
+            self._owner.store.settle(
                 record,
                 token,
                 FAILED,
@@ -169,8 +169,8 @@ class Recovery:
             return
         reason = _attempts_failed(record.agent_tries) if retryable else "permanent error"
         if retryable and record.agent_tries < policy.max_attempts:
-            delay = backoff(policy, record.agent_tries - 1, self._d.rng, retry_after)
-            retry_at = self._d.now() + delay
+            delay = backoff(policy, record.agent_tries - 1, self._owner.rng, retry_after)
+            retry_at = self._owner.now() + delay
             if record.deadline is not None and retry_at >= record.deadline:
                 # Waiting would pass the task's deadline: the next agent of the chain, now.
                 self.fall_back(
@@ -183,7 +183,7 @@ class Recovery:
                 )
                 return
             attempt.retry_in = delay
-            self._d.report.retries += 1
+            self._owner.report.retries += 1
             log.info(
                 "retry scheduled",
                 task_id=record.id,
@@ -192,25 +192,25 @@ class Recovery:
                 attempt=record.attempts,
                 delay=round(delay, 3),
             )
-            if self._d.instruments is not None:
-                self._d.instruments.retried(
-                    self._d.run.info, record.task, slot.name, record.attempts, delay
+            if self._owner.instruments is not None:
+                self._owner.instruments.retried(
+                    self._owner.run.info, record.task, slot.name, record.attempts, delay
                 )
-            if self._d.bus.active:
-                self._d.bus.emit(
+            if self._owner.bus.active:
+                self._owner.bus.emit(
                     RetryScheduled(
-                        end, self._d.run_id, record.id, record.kind, slot.name, record.attempts,
+                        end, self._owner.run_id, record.id, record.kind, slot.name, record.attempts,
                         delay,
                     )
                 )  # fmt: skip
-            self._d.store.fail(record, token, attempt, retry_at=retry_at)
-            self._d.schedule()
+            self._owner.store.fail(record, token, attempt, retry_at=retry_at)
+            self._owner.schedule()
             return
         self.fall_back(record, token, slot, attempt, reason, exhausted=retryable)
 
     def _policy(self, slot: AgentSlot, kind: str) -> RetryPolicy:
         """The retry policy of a task of `kind` on `slot`: the agent's own, the kind's, the run's."""
-        config = self._d.config
+        config = self._owner.config
         return slot.retry or config.retry_per_kind.get(kind) or config.retry
 
     def probe_failed(self, slot: AgentSlot, error: str) -> None:
@@ -218,7 +218,7 @@ class Recovery:
         for it with nowhere else to go spends an attempt there (`CircuitOpen`, carrying the
         probe's error), so an agent down for good fails its tasks after their attempts — a few
         probes, not a call per task — and one back within their retry budget loses nothing."""
-        for dispatcher in self._d.config.capacity.runs:
+        for dispatcher in self._owner.config.capacity.runs:
             if dispatcher.paused:
                 # A paused run starts no attempt, so it spends none: its waiting tasks are looked
                 # at again when it resumes (and wait for the next probe then, on a timer).
@@ -228,7 +228,7 @@ class Recovery:
 
     def charge_waiting(self, slot: AgentSlot, error: str) -> None:
         """`probe_failed` for this run's tasks waiting for `slot`."""
-        d = self._d
+        d = self._owner
         waiting = d.router.stranded(slot)
         if not waiting:
             return
@@ -300,18 +300,18 @@ class Recovery:
         """`slot` is done with `record`: the next agent of the chain gets it, or the chain ends.
         `reason` says why, on `slot`; `exhausted` when its retries were used up, so the task's
         error counts its attempts on every agent, not on the last one only."""
-        nxt = self._d.router.next_agent(record, slot)
+        nxt = self._owner.router.next_agent(record, slot)
         if nxt is NONE_LEFT:
             self.emit_fallback(record, slot, nxt, reason)
             if exhausted:
                 reason = _task_attempts_failed(record, attempt)
             self.chain_end(record, token, reason, error_type, attempt)
-        elif record.kind in self._d.router.chains:
+        elif record.kind in self._owner.router.chains:
             self.emit_fallback(record, slot, nxt, reason)
-            self._d.store.fail(record, token, attempt, next_agent=nxt)
+            self._owner.store.fail(record, token, attempt, next_agent=nxt)
         else:  # no explicit chain: whichever agent of the kind not used up has room first
             self._moving[record] = (slot, reason)
-            self._d.store.fail(record, token, attempt, next_agent=None)
+            self._owner.store.fail(record, token, attempt, next_agent=None)
 
     def moved(self, record: Record, slot: AgentSlot) -> None:
         """The router picked `slot` for `record`: if it is leaving another agent (`fall_back`
@@ -323,7 +323,7 @@ class Recovery:
     def emit_fallback(self, record: Record, slot: AgentSlot, nxt: Any, reason: str) -> None:
         """Tell that `record` moves from `slot` to `nxt` (or to nobody: `NONE_LEFT`)."""
         if nxt is not NONE_LEFT:
-            self._d.report.fallbacks += 1
+            self._owner.report.fallbacks += 1
             log.info(
                 "fallback used",
                 task_id=record.id,
@@ -332,19 +332,25 @@ class Recovery:
                 to_agent=getattr(nxt, "name", nxt),
                 reason=reason,
             )
-        if self._d.instruments is not None:
-            self._d.instruments.fell_back(
-                self._d.run.info,
+        if self._owner.instruments is not None:
+            self._owner.instruments.fell_back(
+                self._owner.run.info,
                 record.task,
                 slot.name,
                 None if nxt is NONE_LEFT else getattr(nxt, "name", nxt),
                 reason,
             )
-        if self._d.bus.active:
+        if self._owner.bus.active:
             to = None if nxt is NONE_LEFT else getattr(nxt, "name", nxt)
-            self._d.bus.emit(
+            self._owner.bus.emit(
                 FallbackUsed(
-                    self._d.now(), self._d.run_id, record.id, record.kind, slot.name, to, reason
+                    self._owner.now(),
+                    self._owner.run_id,
+                    record.id,
+                    record.kind,
+                    slot.name,
+                    to,
+                    reason,
                 )
             )
 
@@ -358,13 +364,13 @@ class Recovery:
     ) -> None:
         """The task can go no further (every agent of its chain failed it, or its deadline
         passed): it takes its kind's default value if there is one, else it fails."""
-        defaults = self._d.config.defaults
-        store = self._d.store
+        defaults = self._owner.config.defaults
+        store = self._owner.store
         if record.kind in defaults:
             if store.settle(
                 record, token, SUCCEEDED, defaults[record.kind], defaulted=True, attempt=attempt
             ):
-                self._d.report.defaulted.append(record.id)
+                self._owner.report.defaulted.append(record.id)
             return
         last = attempt or (record.failures[-1] if record.failures else None)
         if error_type is not None:
@@ -377,7 +383,7 @@ class Recovery:
 
     def recovered(self, slot: AgentSlot) -> None:
         """`slot`'s breaker closed: the tasks waiting for it (in every run) may go."""
-        for run in self._d.config.capacity.runs:
+        for run in self._owner.config.capacity.runs:
             run.router.room(slot)
             run.wake_one()
 
@@ -385,9 +391,9 @@ class Recovery:
         if state is None:
             return
         log.warning("circuit breaker changed", agent=slot.name, state=state, previous=previous)
-        if self._d.bus.active:
-            self._d.bus.emit(
-                BreakerChanged(self._d.now(), self._d.run_id, slot.name, state, previous)
+        if self._owner.bus.active:
+            self._owner.bus.emit(
+                BreakerChanged(self._owner.now(), self._owner.run_id, slot.name, state, previous)
             )
 
 

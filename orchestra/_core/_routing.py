@@ -62,7 +62,7 @@ class Lane:
         self.slot = slot
         self.kind = kind
         self.heap: list[tuple[int, int, Record, int]] = []  # (priority, order, record, token)
-        self.queued = False  # in the dispatcher's `_recheck`
+        self.queued = False  # in the router's `recheck` queue
 
 
 class Router:

