@@ -32,6 +32,7 @@ from orchestra import (
     Context,
     Orchestrator,
     PermanentError,
+    Rate,
     RetryableError,
     RetryPolicy,
     StoreError,
@@ -1265,12 +1266,12 @@ class TestClaimsHandedBack:
         assert reports[0].completed == 2
 
 
-@pytest.mark.subprocess
 class TestClaimsFitTheRoom:
     """A process holds no more of a shared run's tasks than its agents can start at once, the
     coordinator's own included: what its agents have no room for stays ready in the file, for a
     worker with room to claim."""
 
+    @pytest.mark.subprocess
     async def test_a_coordinator_whose_agent_has_a_limit_leaves_the_rest_to_the_workers(
         self, tmp_path: Path
     ) -> None:
@@ -1315,6 +1316,7 @@ class TestClaimsFitTheRoom:
             assert by_pid[worker.pid] >= 10, (by_pid, len(here))  # a fair share each
         assert max(held) <= 2, held
 
+    @pytest.mark.subprocess
     async def test_a_worker_whose_agent_has_a_limit_claims_no_more_than_it_can_start(
         self, tmp_path: Path
     ) -> None:
@@ -1349,6 +1351,7 @@ class TestClaimsFitTheRoom:
         assert by_pid[wide.pid] >= 20, by_pid
         assert max(held) <= 1, held
 
+    @pytest.mark.subprocess
     async def test_a_worker_whose_agents_share_one_place_claims_one_task_at_a_time(
         self, tmp_path: Path
     ) -> None:
@@ -1382,6 +1385,39 @@ class TestClaimsFitTheRoom:
         assert sum(by_pid.values()) == 40
         assert by_pid[single.pid] > 0, by_pid
         assert max(held) <= 1, held
+
+    async def test_a_coordinator_whose_agent_is_out_of_rate_takes_one_task_to_wait_for_it(
+        self, tmp_path: Path
+    ) -> None:
+        """An agent limited to a call every 2 s (no `concurrency` of its own): once its call took
+        the rate, the coordinator holds one task to wait for the next, not the backlog; the
+        worker runs the rest."""
+        db = tmp_path / "runs.db"
+        SQLiteStore(db).runs()
+        calls: list[tuple[str, str]] = []
+
+        @agent(kinds=["work"], name="here", limits=[Rate(1, per=2.0)])
+        async def rated(task: Task, ctx: Context) -> Any:
+            calls.append(("here", task.id))
+            return task.payload * 2
+
+        coordinator = Orchestrator(agents=[rated], store=SQLiteStore(db))
+        helper = Orchestrator(
+            agents=[recorder("there", calls, 0.05)], store=SQLiteStore(db), concurrency=4
+        )
+        async with helper, anyio.create_task_group() as tg:
+
+            async def serve() -> None:
+                await helper.work(run_id="r")
+
+            tg.start_soon(serve)
+            await until(lambda: bool(rows(db, "SELECT * FROM workers")))
+            with anyio.fail_after(30):
+                result = await coordinator.run([Task("work", i) for i in range(20)], run_id="r")
+        assert result.status == "success"
+        by = collections.Counter(name for name, _ in calls)
+        assert sum(by.values()) == 20
+        assert by["here"] <= 2, by  # the one it ran at once, and the one that waited for it
 
 
 def holding(db: Path, owner: str | None) -> list[str]:

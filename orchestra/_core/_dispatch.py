@@ -413,13 +413,15 @@ class Dispatcher:
 
     def room(self, kind: str) -> int:
         """How many more tasks of `kind` could start now: the free places of its agents and of
-        its chain's (an agent's own limit, or a shared `Concurrency`'s free places when fewer,
-        counted once for the agents that share it; one at most while its limits have no room
-        now, none once a task waits for them), at most the global limit's free places, less the
-        tasks waiting in their lanes and the kind's. An agent that is down counts its free places
-        all the same: the tasks that wait for it wait in its lane (on a timer), bounded by what it
-        can run at once. O(agents of the kind + tasks waiting). Not on the in-memory path: only
-        a store that shares the run with other processes asks (see `stores/_room.py`)."""
+        its chain's, at most the global limit's free places, less the tasks waiting in their
+        lanes and the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s
+        free places when fewer (counted once for the agents that share it), less its attempts
+        in flight; one at most while it has other limits (a rate, a budget: how many they let
+        through, only reserving tells); and while its breaker is not closed or its limits have
+        no room now, one if no task waits for it yet (it waits in its lane, whose timer or
+        probe wakes the run), else none. O(agents of the kind + tasks waiting). Not on the
+        in-memory path: only a store that shares the run with other processes asks (see
+        `stores/_room.py`)."""
         router = self.router
         slots = self._agents_of.get(kind)
         if slots is None:
@@ -434,6 +436,9 @@ class Dispatcher:
             queued = router.queued(slot)
             waiting += queued
             places = slot.limit - slot.in_flight
+            if slot.breaker.state is not CLOSED:
+                # One task waits for its probe (a timer, or the probe's end, wakes the run).
+                places = min(places, 0 if queued else 1)
             limiters = router.limiters(slot)
             under: Concurrency | None = None
             if limiters and places > 0:
@@ -444,7 +449,9 @@ class Dispatcher:
                         if under is None or left < under.limit - under.in_use:
                             under = limiter
                         places = min(places, left)
-                    if limiter.peek(now, DEFAULT_COST) > 0:  # room at T, or at a release
+                    else:  # room for one at most: how many more, only reserving tells
+                        places = min(places, 1)
+                    if limiter.peek(now, DEFAULT_COST) > 0:  # room at T (a rate, a pause)
                         # One task waits for it: its lane's timer or watcher wakes the run then.
                         places = min(places, 0 if queued else 1)
             if places <= 0:

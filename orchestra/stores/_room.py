@@ -1,8 +1,7 @@
 """A coordinator's claims sized by its agents' room: the ready tasks they cannot start now, set aside.
 
-The claim size here is a worker process's too (`_worker.py` asks its local run the same room,
-less the tasks it holds and has not started). A run whose store other processes claim from (a durable one's, with workers) must not hold more of
-its tasks than its own agents can start: a task claimed here waits in a lane of this process's
+A run whose store other processes claim from (a durable one's, with workers) must not hold more
+of its tasks than its own agents can start: a task claimed here waits in a lane of this process's
 dispatcher while a worker with room idles. So its coordinator takes a ready task only while the
 run's agents of its kind have room (`Listener.room`, less the tasks taken here and not yet handed
 to the dispatcher); one they have none for is *set aside*: ready in the run's state (and in the
@@ -12,19 +11,20 @@ is then, for each kind, ``room(kind) - taken(kind)``, where
 
 - ``room(kind)`` = min(the global limit's free places, the sum of the free places of the agents of
   the kind and of its fallback chain) less the tasks already waiting in those agents' lanes and
-  in the kind's. An agent's free places: its own limit less its attempts in flight, or a shared
-  `Concurrency`'s free places when fewer (agents that share one count its free places once);
-  while one of its limits (a rate, a budget, a
-  Retry-After pause) has no room now, one if no task waits for it yet (it waits in the agent's
-  lane, whose timer wakes the run), else none. An agent whose breaker is open counts its free
-  places all the same: what waits for its probe waits in its lane, bounded by them.
+  in the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s free places
+  when fewer (agents that share one count its free places once), less its attempts in flight;
+  at most one while it has other limits (a rate, a budget: how many they let through, only
+  reserving tells); and while its breaker is not closed or one of its limits has no room now (a
+  rate, a Retry-After pause), one if no task waits for it yet (it waits in the agent's lane,
+  whose timer or probe wakes the run), else none.
 - ``taken(kind)`` = the tasks of the kind claimed here and not yet handed to the dispatcher (asked
   of the file, or granted and not picked up yet).
 
 It is asked once per batch of claims, not per claim (`credit`): a room of n lets the next n
 claims of the kind through without asking again.
 
-A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
+A worker process sizes its claims by the same room (`_worker.py` asks its local run, less the
+tasks it holds and has not started). A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
 waits in their lanes, at no cost.
 """
 
