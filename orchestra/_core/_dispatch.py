@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 from random import Random
-from sys import getrefcount
+from sys import getrefcount, maxsize
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ("Dispatcher",)
 
 _YIELD_EVERY = 64  # a runner whose agents never suspend still lets the loop run this often
+UNBOUNDED = maxsize  # `room`: no bound
 
 
 class Dispatcher:
@@ -417,11 +418,11 @@ class Dispatcher:
         lanes and the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s
         free places when fewer (counted once for the agents that share it), less its attempts
         in flight; one at most while it has other limits (a rate, a budget: how many they let
-        through, only reserving tells); and while its breaker is not closed or its limits have
-        no room now, one if no task waits for it yet (it waits in its lane, whose timer or
-        probe wakes the run), else none. O(agents of the kind + tasks waiting). Not on the
-        in-memory path: only a store that shares the run with other processes asks (see
-        `stores/_room.py`)."""
+        through, only reserving tells), and while they have no room now, one if no task waits
+        for it yet (it waits in its lane, whose timer wakes the run), else none. While an agent
+        of the kind is down (its breaker not closed), no bound (`UNBOUNDED`). O(agents of the
+        kind + tasks waiting). Not on the in-memory path: only a store that shares the run with
+        other processes asks (see `stores/_room.py`)."""
         router = self.router
         slots = self._agents_of.get(kind)
         if slots is None:
@@ -435,10 +436,12 @@ class Dispatcher:
         for slot in slots:
             queued = router.queued(slot)
             waiting += queued
-            places = slot.limit - slot.in_flight
             if slot.breaker.state is not CLOSED:
-                # One task waits for its probe (a timer, or the probe's end, wakes the run).
-                places = min(places, 0 if queued else 1)
+                # Down: its kind's tasks are claimed as they come and wait for its probe, each
+                # charged an attempt when the probe fails, so that an agent down for good fails
+                # them fast; set aside, they would wait uncharged, a few at a time.
+                return UNBOUNDED
+            places = slot.limit - slot.in_flight
             limiters = router.limiters(slot)
             under: Concurrency | None = None
             if limiters and places > 0:

@@ -14,14 +14,16 @@ is then, for each kind, ``room(kind) - taken(kind)``, where
   in the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s free places
   when fewer (agents that share one count its free places once), less its attempts in flight;
   at most one while it has other limits (a rate, a budget: how many they let through, only
-  reserving tells); and while its breaker is not closed or one of its limits has no room now (a
-  rate, a Retry-After pause), one if no task waits for it yet (it waits in the agent's lane,
-  whose timer or probe wakes the run), else none.
+  reserving tells), and while one of them has no room now (a rate, a Retry-After pause), one if
+  no task waits for it yet (it waits in the agent's lane, whose timer wakes the run), else none.
+  While an agent of the kind is down (its breaker not closed), the room has no bound: its tasks
+  are claimed as they come and wait for its probe, each charged an attempt when it fails, so an
+  agent down for good fails them fast (a worker does not get them meanwhile).
 - ``taken(kind)`` = the tasks of the kind claimed here and not yet handed to the dispatcher (asked
   of the file, or granted and not picked up yet).
 
 It is asked once per batch of claims, not per claim (`credit`): a room of n lets the next n
-claims of the kind through without asking again.
+claims of the kind through without asking again (at most `_CREDIT` of them).
 
 A worker process sizes its claims by the same room (`_worker.py` asks its local run, less the
 tasks it holds and has not started). A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
@@ -40,6 +42,9 @@ if TYPE_CHECKING:
     from ._protocol import Listener
 
 __all__ = ("Owner", "Room")
+
+# The most claims one answer of the room lets through: it is asked again at least this often.
+_CREDIT = 64
 
 
 class Owner(Protocol):
@@ -85,7 +90,7 @@ class Room:
         if heap is None:
             credit = self.credit.get(kind, 0)
             if credit <= 0:
-                credit = self._free(kind)
+                credit = min(self._free(kind), _CREDIT)
             if credit > 0:
                 self.credit[kind] = credit - 1
                 return True
