@@ -45,6 +45,9 @@ class _Listener:
     def hold(self, held: bool) -> None:
         pass
 
+    def room(self, kind: str) -> int:
+        return 1 << 30  # no agent of its own to fill: no limit
+
 
 class Payload:
     """A payload a weak reference can follow."""

@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 from orchestra import (
+    BreakerPolicy,
     Context,
     Discard,
     InputError,
@@ -32,7 +33,7 @@ from orchestra import (
 )
 from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
-from orchestra.stores import SQLiteStore
+from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._sqlite._schema import MIGRATIONS
 from tests.helpers import REPO
 from tests.test_store_contract import Heard
@@ -567,6 +568,38 @@ class TestBadValues:
         with closing(sqlite3.connect(tmp_path / "runs.db")) as db:
             rows = dict(db.execute("SELECT run_id, output FROM tasks").fetchall())
         assert rows == {"lazy": None, "chained": '["A","B"]'}
+
+
+class TestClaimsByRoom:
+    """A SQLite run claims only what its agents can start now (a worker may claim the rest), but
+    what waits for an agent that is down is claimed as in memory: it fails as fast."""
+
+    async def test_tasks_of_an_agent_down_for_good_fail_as_fast_as_in_memory(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """An agent of `concurrency=2` whose service is down: each failed probe charges an
+        attempt to every task waiting for it, so 20 tasks fail after the probes their retries
+        allow, not two at a time."""
+        runs: dict[str, tuple[str, int, float]] = {}
+        for name, store in (("memory", MemoryStore()), ("sqlite", SQLiteStore(tmp_path / "r.db"))):
+            calls: list[str] = []
+
+            @agent(kinds=["work"], concurrency=2)
+            async def down(task: Task, ctx: Context, calls: list[str] = calls) -> Any:
+                calls.append(task.id)
+                raise ConnectionError("the service is down")
+
+            orch = Orchestrator(
+                agents=[down],
+                store=store,
+                breaker=BreakerPolicy(min_calls=1, failure_rate=1.0),
+                retry=RetryPolicy(max_attempts=3),
+            )
+            start = clock.time()
+            result = await orch.run([Task("work", i) for i in range(20)], run_id="r")
+            runs[name] = (result.status, len(calls), clock.time() - start)
+        assert runs["sqlite"] == runs["memory"]
+        assert runs["memory"][:2] == ("failed", 6)  # the calls are the probes, not 3 per task
 
 
 class TestRetryFailed:

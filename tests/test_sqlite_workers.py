@@ -32,6 +32,7 @@ from orchestra import (
     Context,
     Orchestrator,
     PermanentError,
+    Rate,
     RetryableError,
     RetryPolicy,
     StoreError,
@@ -464,6 +465,9 @@ class TestInOneProcess:
 
             def hold(self, held: bool) -> None:
                 pass
+
+            def room(self, kind: str) -> int:
+                return 1 << 30  # no agent of its own to fill: no limit
 
         run = WorkerStore(worker).open_run(
             "local",
@@ -1260,6 +1264,175 @@ class TestClaimsHandedBack:
         assert result.status == "success"
         assert result.data == {"parent": 0, "child": 1}
         assert reports[0].completed == 2
+
+
+class TestClaimsFitTheRoom:
+    """A process holds no more of a shared run's tasks than its agents can start at once, the
+    coordinator's own included: what its agents have no room for stays ready in the file, for a
+    worker with room to claim."""
+
+    @pytest.mark.subprocess
+    async def test_a_coordinator_whose_agent_has_a_limit_leaves_the_rest_to_the_workers(
+        self, tmp_path: Path
+    ) -> None:
+        """An agent of `concurrency=2` under the orchestrator's default limit (100): the
+        coordinator holds at most the two tasks its agent can run at once (running, or claimed
+        to start), never the run's backlog."""
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        workers = [start_worker(db, calls, delay=0.2, concurrency=4) for _ in range(2)]
+        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
+        here: list[str] = []
+        done: set[str] = set()
+
+        @agent(kinds=["work"], concurrency=2)
+        async def limited(task: Task, ctx: Context) -> Any:
+            here.append(task.id)
+            await anyio.sleep(0.2)
+            done.add(task.id)
+            return task.payload * 2
+
+        # The coordinator's claimed or running rows, sampled, less the ones it has finished (the
+        # file says so a window later).
+        held: list[int] = []
+        orch = Orchestrator(agents=[limited], store=SQLiteStore(db))
+        try:
+            async with orch:
+                handle = orch.start(tasks=[Task("work", i) for i in range(40)], run_id="r")
+                with anyio.fail_after(60):
+                    while not handle.done:
+                        held.append(len(set(holding(db, None)) - done))
+                        await anyio.sleep(0.01)
+                    result = await handle
+        finally:
+            errs = wait_all(workers)
+        assert [w.returncode for w in workers] == [0, 0], errs
+        assert result.status == "success"
+        assert sorted(result.data.values()) == [2 * i for i in range(40)]
+        by_pid = collections.Counter(p for _, p in ran(calls))
+        assert sorted([t for t, _ in ran(calls)] + here) == sorted(result.data)  # each once
+        for worker in workers:
+            assert by_pid[worker.pid] >= 10, (by_pid, len(here))  # a fair share each
+        assert max(held) <= 2, held
+
+    @pytest.mark.subprocess
+    async def test_a_worker_whose_agent_has_a_limit_claims_no_more_than_it_can_start(
+        self, tmp_path: Path
+    ) -> None:
+        """A worker whose only agent runs one task at a time (`concurrency=1`, under the default
+        limit of 100) beside a worker of room 4: the first holds one task at a time, the other
+        takes the rest."""
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        single = start_worker(db, calls, delay=0.2, agents="tests/worker_job.py:one_at_a_time")
+        wide = start_worker(db, calls, delay=0.2, concurrency=4)
+        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
+        names = dict(rows(db, "SELECT pid, owner FROM workers"))
+        held: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                held.append(len(holding(db, names[single.pid])))
+                await anyio.sleep(0.01)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                result, _ = await coordinate(db, [Task("work", i) for i in range(40)])
+                tg.cancel_scope.cancel()
+        finally:
+            errs = wait_all([single, wide])
+        assert [w.returncode for w in (single, wide)] == [0, 0], errs
+        assert result.status == "success"
+        by_pid = collections.Counter(p for _, p in ran(calls))
+        assert sum(by_pid.values()) == 40
+        assert by_pid[wide.pid] >= 20, by_pid
+        assert max(held) <= 1, held
+
+    @pytest.mark.subprocess
+    async def test_a_worker_whose_agents_share_one_place_claims_one_task_at_a_time(
+        self, tmp_path: Path
+    ) -> None:
+        """Two agents of the worker's kind share one `Concurrency(1)`: each alone could start a
+        task, both together only one. The worker holds one task at a time; the other worker, of
+        room 4, takes the rest."""
+        db = tmp_path / "runs.db"
+        calls = tmp_path / "calls"
+        SQLiteStore(db).runs()
+        single = start_worker(db, calls, delay=0.2, agents="tests/worker_job.py:sharing_one_place")
+        wide = start_worker(db, calls, delay=0.2, concurrency=4)
+        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
+        names = dict(rows(db, "SELECT pid, owner FROM workers"))
+        held: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                held.append(len(holding(db, names[single.pid])))
+                await anyio.sleep(0.01)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                result, _ = await coordinate(db, [Task("work", i) for i in range(40)])
+                tg.cancel_scope.cancel()
+        finally:
+            errs = wait_all([single, wide])
+        assert [w.returncode for w in (single, wide)] == [0, 0], errs
+        assert result.status == "success"
+        by_pid = collections.Counter(p for _, p in ran(calls))
+        assert sum(by_pid.values()) == 40
+        assert by_pid[single.pid] > 0, by_pid
+        assert max(held) <= 1, held
+
+    async def test_a_coordinator_whose_agent_is_out_of_rate_takes_one_task_to_wait_for_it(
+        self, tmp_path: Path
+    ) -> None:
+        """An agent limited to a call every 2 s (no `concurrency` of its own): once its call took
+        the rate, the coordinator holds one task to wait for the next, not the backlog; the
+        worker runs the rest."""
+        db = tmp_path / "runs.db"
+        SQLiteStore(db).runs()
+        calls: list[tuple[str, str]] = []
+
+        @agent(kinds=["work"], name="here", limits=[Rate(1, per=2.0)])
+        async def rated(task: Task, ctx: Context) -> Any:
+            calls.append(("here", task.id))
+            return task.payload * 2
+
+        coordinator = Orchestrator(agents=[rated], store=SQLiteStore(db))
+        helper = Orchestrator(
+            agents=[recorder("there", calls, 0.05)], store=SQLiteStore(db), concurrency=4
+        )
+        async with helper, anyio.create_task_group() as tg:
+
+            async def serve() -> None:
+                await helper.work(run_id="r")
+
+            tg.start_soon(serve)
+            await until(lambda: bool(rows(db, "SELECT * FROM workers")))
+            with anyio.fail_after(30):
+                result = await coordinator.run([Task("work", i) for i in range(20)], run_id="r")
+        assert result.status == "success"
+        by = collections.Counter(name for name, _ in calls)
+        assert sum(by.values()) == 20
+        assert by["here"] <= 2, by  # the one it ran at once, and the one that waited for it
+
+
+def holding(db: Path, owner: str | None) -> list[str]:
+    """The ids of run "r"'s rows `owner` (a worker's name; None: the coordinator) holds claimed
+    or running, as the file says now."""
+    lease = "lease_owner IS NULL" if owner is None else "lease_owner = ?"
+    return [
+        task_id
+        for (task_id,) in rows(
+            db,
+            f"SELECT id FROM tasks WHERE run_id = 'r' AND {lease} "
+            "AND state IN ('claimed', 'running')",
+            *(() if owner is None else (owner,)),
+        )
+    ]
 
 
 class TestAFileLockedByAStoppedWorker:

@@ -102,6 +102,9 @@ class Heard:
     def hold(self, held: bool) -> None:
         pass
 
+    def room(self, kind: str) -> int:
+        return 1 << 30  # no agent of its own to fill: no limit
+
     def since(self, mark: int) -> list[tuple[str, str]]:
         return self.events[mark:]
 

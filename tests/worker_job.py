@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from orchestra import Context, Orchestrator, RetryableError, Task, agent
+from orchestra import Concurrency, Context, Orchestrator, RetryableError, Task, agent
 from orchestra.stores import SQLiteStore
 
 
@@ -86,6 +86,22 @@ def one_at_a_time() -> Orchestrator:
         return await double(task, ctx)
 
     return Orchestrator(agents=[single])
+
+
+def sharing_one_place() -> Orchestrator:
+    """Two agents of kind "work" (each `double`) sharing one `Concurrency(1)`: one call at a time
+    in all, though each agent alone could make one."""
+    place = Concurrency(1)
+
+    @agent(kinds=["work"], name="left", concurrency=place)
+    async def left(task: Task, ctx: Context) -> Any:
+        return await double(task, ctx)
+
+    @agent(kinds=["work"], name="right", concurrency=place)
+    async def right(task: Task, ctx: Context) -> Any:
+        return await double(task, ctx)
+
+    return Orchestrator(agents=[left, right])
 
 
 def agents_stopping_in_a_commit() -> Orchestrator:

@@ -20,18 +20,19 @@ from __future__ import annotations
 import asyncio
 import math
 from random import Random
-from sys import getrefcount
+from sys import getrefcount, maxsize
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._breaker import CLOSED
 from .._clock import loop_time
+from .._concurrency import Concurrency
 from .._log import TASK_ID, CurrentTask
 from .._task import RUNNING, Attempt
 from ._attempt import Attempts
 from ._recovery import Recovery
-from ._routing import Router
+from ._routing import DEFAULT_COST, Router
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ("Dispatcher",)
 
 _YIELD_EVERY = 64  # a runner whose agents never suspend still lets the loop run this often
+UNBOUNDED = maxsize  # `room`: no bound
 
 
 class Dispatcher:
@@ -70,6 +72,7 @@ class Dispatcher:
         self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._agents_of: dict[str, list[AgentSlot]] = {}  # the agents `room` counts, by kind
         # The run's own tasks (its runners) live in an asyncio.TaskGroup that `Run.execute` owns:
         # starting a task there costs a third of anyio's `start_soon` (measured ~9 µs against
         # ~28 µs here), which is what a pool of hundreds of runners pays before the first call.
@@ -406,6 +409,67 @@ class Dispatcher:
             return record, token, routed, None
         cost = router.reserve(record, token, routed)
         return None if cost is None else (record, token, routed, cost)
+
+    # -- room (a store that shares the run with other processes asks) ---------------------------
+
+    def room(self, kind: str) -> int:
+        """How many more tasks of `kind` could start now: the free places of its agents and of
+        its chain's, at most the global limit's free places, less the tasks waiting in their
+        lanes and the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s
+        free places when fewer (counted once for the agents that share it), less its attempts
+        in flight; one at most while it has other limits (a rate, a budget: how many they let
+        through, only reserving tells), and while they have no room now, one if no task waits
+        for it yet (it waits in its lane, whose timer wakes the run), else none. While an agent
+        of the kind is down (its breaker not closed), no bound (`UNBOUNDED`). O(agents of the
+        kind + tasks waiting). Not on the in-memory path: only a store that shares the run with
+        other processes asks (see `stores/_room.py`)."""
+        router = self.router
+        slots = self._agents_of.get(kind)
+        if slots is None:
+            by_name = self.registry.slots
+            found = dict.fromkeys(router.kind_slots.get(kind, ()))
+            found.update(dict.fromkeys(by_name[n] for n in router.chains.get(kind, ())))
+            slots = self._agents_of[kind] = list(found)
+        free = 0
+        waiting = router.queued(kind)
+        shared: dict[Concurrency, int] | None = None  # places under a shared `Concurrency`
+        for slot in slots:
+            queued = router.queued(slot)
+            waiting += queued
+            if slot.breaker.state is not CLOSED:
+                # Down: its kind's tasks are claimed as they come and wait for its probe, each
+                # charged an attempt when the probe fails, so that an agent down for good fails
+                # them fast; set aside, they would wait uncharged, a few at a time.
+                return UNBOUNDED
+            places = slot.limit - slot.in_flight
+            limiters = router.limiters(slot)
+            under: Concurrency | None = None
+            if limiters and places > 0:
+                now = self._time()
+                for limiter in limiters:
+                    if isinstance(limiter, Concurrency):
+                        left = limiter.limit - limiter.in_use
+                        if under is None or left < under.limit - under.in_use:
+                            under = limiter
+                        places = min(places, left)
+                    else:  # room for one at most: how many more, only reserving tells
+                        places = min(places, 1)
+                    if limiter.peek(now, DEFAULT_COST) > 0:  # room at T (a rate, a pause)
+                        # One task waits for it: its lane's timer or watcher wakes the run then.
+                        places = min(places, 0 if queued else 1)
+            if places <= 0:
+                continue
+            if under is None:
+                free += places
+            else:  # agents sharing one limit have its free places once, not once each
+                shared = shared or {}
+                shared[under] = shared.get(under, 0) + places
+        if shared:
+            for limiter, places in shared.items():
+                free += min(places, limiter.limit - limiter.in_use)
+        capacity = self._capacity
+        cap = capacity.limit - capacity.limiter.in_use
+        return (free if free < cap else cap) - waiting
 
     # -- timers ----------------------------------------------------------------------------------
 

@@ -541,6 +541,16 @@ class Router:
                 lane.queued = True
                 self.recheck.append(lane)
 
+    def queued(self, key: AgentSlot | str) -> int:
+        """The tasks waiting in the lane of an agent (or of a kind), not ended while they waited.
+        O(tasks in it)."""
+        lane = self._lanes.get(key)
+        if lane is None or not lane.heap:
+            return 0
+        return sum(
+            1 for _, _, rec, token in lane.heap if rec.token == token and rec.state is CLAIMED
+        )
+
     def next_agent(self, record: Record, slot: AgentSlot) -> Any:
         """The name of the agent after `slot` in `record`'s chain (without an explicit chain: the
         least loaded usable agent of the kind not used up), or `NONE_LEFT`."""

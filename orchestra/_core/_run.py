@@ -189,6 +189,9 @@ class Run:
     def hold(self, held: bool) -> None:
         self.dispatcher.hold(held)
 
+    def room(self, kind: str) -> int:
+        return self.dispatcher.room(kind)
+
     def finished(self, record: Record) -> None:
         status = record.status
         if status is SUCCEEDED and self._count_only and record.started is not None:

@@ -242,6 +242,9 @@ class _Nobody:
     def hold(self, held: bool) -> None:
         pass
 
+    def room(self, kind: str) -> int:
+        return 1 << 30  # nothing is claimed there
+
 
 def _plan_model(
     kinds: Sequence[str], payloads: Mapping[str, type[BaseModel]], max_tasks: int

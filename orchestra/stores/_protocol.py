@@ -99,6 +99,12 @@ class Listener(Protocol):
         """The store's writes are behind the run (True: a durable store's writer thread): start
         no new attempt until it says they caught up (False). Attempts running go on."""
 
+    def room(self, kind: str) -> int:
+        """How many more tasks of `kind` the run's agents could start now (their free places
+        under their own limits and the global one, less the tasks already waiting for them). A
+        store that shares the run with other processes claims no more than that: the rest stays
+        claimable by a process with room."""
+
 
 class Selector:
     """Which tasks a `cancel` means: every field given must match (none given: every task).

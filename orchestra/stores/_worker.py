@@ -34,7 +34,7 @@ from .._log import get_logger
 from .._output import jsonable, stored_json
 from .._task import CANCELLED, SUCCEEDED, Attempt, Task, TaskResult
 from ._sqlite import _leases as leases
-from ._worker_run import WorkerStore
+from ._worker_run import WorkerRun, WorkerStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Generator, Sequence
@@ -170,6 +170,7 @@ class Worker:
         }
         # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
         self.held: dict[str, Claimed] = {}
+        self.local: WorkerRun | None = None  # its local run's store, once open
         self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
         self.ends: list[tuple[Claimed, TaskResult]] = []  # ended, to write
         # Attempts that failed here while their tasks go on (a retry), to write as they fail;
@@ -193,6 +194,10 @@ class Worker:
     def claim_of(self, task_id: str) -> Claimed | None:
         """The claim under which this worker holds `task_id`, if it does."""
         return self.held.get(task_id)
+
+    def opened(self, run: WorkerRun) -> None:
+        """Its local run has its store: claims ask it what its agents can start now."""
+        self.local = run
 
     def ended(self, claimed: Claimed, result: TaskResult) -> None:
         """A held task ended here: its end is written with the next group commit."""
@@ -285,6 +290,21 @@ class Worker:
                 self._room = anyio.Event()
                 await self._room.wait()
                 continue
+            local = self.local
+            if local is not None:
+                # What the agents can start now (a shared limit another user fills, a rate or
+                # a breaker's wait that holds a task already), within the room above.
+                ended = {claimed.id for claimed, _ in self.ends + self.writing}
+                for kind, n in list(rooms.items()):
+                    ids = [i for i, c in self.held.items() if c.kind == kind and i not in ended]
+                    live = local.room(kind, ids)
+                    if live < n:
+                        rooms[kind] = live
+                rooms = {k: n for k, n in rooms.items() if n > 0}
+                room = min(room, sum(rooms.values()))
+                if not rooms:  # room comes with a release here, or a refill: looked at again
+                    await anyio.sleep(self.poll)
+                    continue
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the file says this worker holds, not only what it heard of.
             batch, runs = await self.call(

@@ -18,12 +18,12 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from .._exceptions import InputError
 from .._output import stored_json
-from .._task import FAILED, SUCCEEDED, TERMINAL, TaskResult
+from .._task import FAILED, PENDING, READY, SUCCEEDED, TERMINAL, TaskResult
 from ._memory import MemoryRun
 from ._protocol import KEEP
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from .._admission import Admission
     from .._record import Record
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from ._sqlite._leases import Claimed
 
 __all__ = ("Host", "WorkerRun", "WorkerStore")
+
+_UNSTARTED = frozenset((None, PENDING, READY))  # a held task's state before its run takes it up
 
 
 class Host(Protocol):
@@ -42,6 +44,7 @@ class Host(Protocol):
     wall0: float
 
     def claim_of(self, task_id: str) -> Claimed | None: ...
+    def opened(self, run: WorkerRun) -> None: ...
     def ended(self, claimed: Claimed, result: TaskResult) -> None: ...
     def attempt_failed(self, claimed: Claimed, attempt: Attempt) -> None: ...
     def spawns(self, task_id: str, spawned: list[dict[str, Any]]) -> None: ...
@@ -85,7 +88,9 @@ class WorkerRun:
         self._host = host
         self._admission = admission
         self._memory = memory = MemoryRun(run_id, admission, listener, clock, task_timeout, compact)
+        self._listener = listener
         host.wall0 = time.time()
+        host.opened(self)
         # The ids this worker gave spawns of the running attempt of each task (by its id): the
         # coordinator names them again, as it names its own, since only it knows the run's ids.
         self._named_here: dict[str, set[str]] = {}
@@ -113,6 +118,14 @@ class WorkerRun:
     @property
     def pending(self) -> int:
         return self._memory.pending
+
+    def room(self, kind: str, held: Iterable[str]) -> int:
+        """How many more tasks of `kind` the worker's agents could start now (`Listener.room`),
+        less the ones of `held` (the ids of the kind the worker holds) its run has not taken up
+        yet (not admitted, or ready: neither running nor waiting for an agent). O(held)."""
+        state_of = self._memory.state_of
+        unstarted = sum(state_of(i) in _UNSTARTED for i in held)
+        return self._listener.room(kind) - unstarted
 
     # -- what differs: admission of a claimed task -----------------------------------------------
 

@@ -42,6 +42,7 @@ from ..._output import stored_json
 from ..._task import FAILED, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
+from .._room import Room
 from . import _leases as leases
 from . import _writes as writes
 from ._keys import Keys
@@ -122,6 +123,7 @@ class SQLiteRun:
             run_id, self.name, store, loop, listener, memory, self._rows, self._keys, self._sharing
         )
         self._resume = Resume(run_id, admission, self._rows, (rows, attempts) if rows else None)
+        self._room = Room(self, listener)  # claims sized by what the agents can start
         store.open_runs[run_id] = self
 
     # -- counters (the memory run's) -------------------------------------------------------------
@@ -176,6 +178,9 @@ class SQLiteRun:
 
     def hold(self, held: bool) -> None:
         self._listener.hold(held)
+
+    def room(self, kind: str) -> int:
+        return self._listener.room(kind)
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,
@@ -296,15 +301,44 @@ class SQLiteRun:
         # Not written down: in one process a claimed task is a ready one once the process is gone.
         if self._runnable:
             return self._runnable.pop()
-        record = self._memory.claim()
-        if self._keys.waiting:
-            # A task waiting for its key's result stays claimed, held here, never started:
-            # `Keys._poll` ends it with the result, or hands it back (`run_here`).
-            while record is not None and self._keys.waiting.get(record.task.key) is record:  # type: ignore[arg-type]
-                record = self._memory.claim()
-        if record is not None and self._sharing.offered and self._sharing.held_back(record):
+        # Only what this process's agents can start now (`_room`): a worker may come and claim
+        # the rest from the file at any time.
+        room = self._room
+        aside = room.aside
+        record = room.take() if aside else None
+        if record is None:
+            memory = self._memory
+            waiting = self._keys.waiting
+            credit = room.credit
+            while True:
+                record = memory.claim()
+                if record is None:
+                    return None
+                # A task waiting for its key's result stays claimed, held here, never started:
+                # `Keys._poll` ends it with the result, or hands it back (`run_here`).
+                if waiting and waiting.get(record.task.key) is record:  # type: ignore[arg-type]
+                    continue
+                kind = record.kind
+                left = credit.get(kind, 0)
+                if left > 0 and kind not in aside:  # `Room.fits`'s common case, inline
+                    credit[kind] = left - 1
+                    break
+                if room.fits(record):
+                    break
+        if self._sharing.offered and self._sharing.held_back(record):
             return None  # a worker process may claim it too: the file decides (`_share`)
         return record
+
+    def taken(self, kind: str) -> int:
+        """The tasks of `kind` claimed here and not handed to the dispatcher yet: asked of the
+        file, or granted (`_runnable`, with the ones a key's wait let go)."""
+        taken = self._sharing.claiming_kinds.get(kind, 0)
+        if self._runnable:
+            taken += sum(r.kind == kind for r in self._runnable)
+        return taken
+
+    def take(self, record: Record) -> int:
+        return self._memory.take(record)
 
     def heartbeat(self, record: Record, token: int) -> bool:
         return self._memory.heartbeat(record, token)

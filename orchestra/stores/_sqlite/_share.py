@@ -13,6 +13,7 @@ look at the workers.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..._exceptions import InputError
@@ -91,6 +92,7 @@ class Sharing:
         self.shared = False
         self.offered: set[str] = set()
         self.claiming: set[str] = set()
+        self.claiming_kinds: Counter[str] = Counter()  # `claiming`, counted by kind
         # Asked for (`claiming`) when a window took its lease back from a worker: the file holds
         # the row for this process now, so the refusal that comes is not a worker's hold.
         self.taken_back: set[str] = set()
@@ -115,6 +117,7 @@ class Sharing:
         run = self._run
         self.offered.discard(record.id)
         self.claiming.add(record.id)
+        self.claiming_kinds[record.kind] += 1
         loop = self._loop
         assert loop is not None  # a run is shared only with a loop to poll from
         answer = self._store.submit(leases.claim_offered, run.run_id, record.id, run.name)
@@ -124,6 +127,7 @@ class Sharing:
         """The file's answer to `_claim_offered`: run the task here, or it is a worker's."""
         run = self._run
         self.claiming.discard(record.id)
+        self.claiming_kinds[record.kind] -= 1
         if record.state in TERMINAL or run.closed:
             return
         taken_back = record.id in self.taken_back
