@@ -513,6 +513,9 @@ class _Listener:
     def hold(self, held: bool) -> None:
         pass
 
+    def room(self, kind: str) -> int:
+        return 1 << 30  # no agent of its own to fill: no limit
+
 
 TAGS = ("g1", "g2")
 
