@@ -335,7 +335,7 @@ class TestAHolderProcess:
     async def test_paused_past_its_lease_its_next_write_is_refused(
         self, conn: asyncpg.Connection, pg_dsn: str
     ) -> None:
-        child = start_holder(pg_dsn, "r", "c1", 1.0)
+        child = start_holder(pg_dsn, "r", "c1", 2.0)  # slack for a loaded machine
         held = await next_line(child)
         assert held.startswith("held ")
         while await ticks(conn, "r", "c1") < 3:
