@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -111,3 +111,15 @@ async def pg_empty_dsn(pg: PgDatabases) -> AsyncIterator[str]:
     dsn = await pg.create(migrated=False)
     yield dsn
     await pg.drop(dsn)
+
+
+@pytest.fixture
+async def pg_conn(pg_dsn: str) -> AsyncIterator[Any]:
+    """A connection to a new database with orchestra's schema (an `asyncpg.Connection`)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()

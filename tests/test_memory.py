@@ -14,6 +14,7 @@ from orchestra import Context, Orchestrator, Task, agent
 from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
 from orchestra.stores import MemoryStore
+from tests.helpers import NullListener
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -22,31 +23,6 @@ if TYPE_CHECKING:
 @agent(kinds=["work"])
 async def echo(task: Task, ctx: Context) -> Any:
     return task.payload
-
-
-class _Listener:
-    quiet: list[Any] | None = None
-
-    def ready(self, record: Any) -> None:
-        pass
-
-    def ready_all(self, records: Any) -> None:
-        pass
-
-    def finished(self, record: Any) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def stop(self, reason: str) -> None:
-        pass
-
-    def hold(self, held: bool) -> None:
-        pass
-
-    def room(self, kind: str) -> int:
-        return 1 << 30  # no agent of its own to fill: no limit
 
 
 class Payload:
@@ -86,7 +62,7 @@ def open_run(listener: Any, *, compact: bool) -> Any:
 
 class TestStreamedRuns:
     def _store(self) -> Any:
-        return open_run(_Listener(), compact=True)
+        return open_run(NullListener(), compact=True)
 
     def _succeed(self, store: Any) -> None:
         record = store.claim()
@@ -240,7 +216,7 @@ class TestTheCollector:
         assert gc.get_freeze_count() == 0
 
 
-class _Quiet(_Listener):
+class _Quiet(NullListener):
     """A listener that takes plain successes in `quiet` and records what it hears."""
 
     def __init__(self) -> None:

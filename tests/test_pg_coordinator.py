@@ -41,13 +41,8 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 
 
 @pytest.fixture
-async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    """A connection to a new database with orchestra's schema."""
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        yield conn
-    finally:
-        await conn.close()
+def conn(pg_conn: asyncpg.Connection) -> asyncpg.Connection:
+    return pg_conn
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from orchestra.stores._postgres._claims import End, claim, complete
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._listen import channel_of
 from orchestra.stores._postgres._settle import close_input, transaction
+from tests.helpers import NullListener
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -492,31 +493,6 @@ async def blocked(
 # -- the model: the memory store's semantics, the same in the database -------------------------
 
 
-class _Listener:
-    quiet: list[Any] | None = None
-
-    def ready(self, record: Any) -> None:
-        pass
-
-    def ready_all(self, records: Any) -> None:
-        pass
-
-    def finished(self, record: Any) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def stop(self, reason: str) -> None:
-        pass
-
-    def hold(self, held: bool) -> None:
-        pass
-
-    def room(self, kind: str) -> int:
-        return 1 << 30  # no agent of its own to fill: no limit
-
-
 TAGS = ("g1", "g2")
 
 
@@ -599,7 +575,7 @@ class TestTheMemoryStoresSemantics:
 
     async def _play(self, dsn: str, scenario: dict[str, Any]) -> None:
         memory = MemoryStore().open_run(
-            "m", admission=admission(), listener=_Listener(), clock=lambda: 0.0,
+            "m", admission=admission(), listener=NullListener(), clock=lambda: 0.0,
             task_timeout=None, compact=False,
         )  # fmt: skip
         conn = await asyncpg.connect(dsn)

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
 
 import anyio
 import asyncpg
@@ -33,19 +32,12 @@ from orchestra.stores._postgres._processes import (
 from tests.helpers import REPO, spawn
 from tests.test_pg_claims import admit, expire
 
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 
 
 @pytest.fixture
-async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        yield conn
-    finally:
-        await conn.close()
+def conn(pg_conn: asyncpg.Connection) -> asyncpg.Connection:
+    return pg_conn
 
 
 async def stop_beating(conn: asyncpg.Connection, owner: str) -> None:
