@@ -1317,51 +1317,26 @@ class TestClaimsFitTheRoom:
         assert max(held) <= 2, held
 
     @pytest.mark.subprocess
-    async def test_a_worker_whose_agent_has_a_limit_claims_no_more_than_it_can_start(
-        self, tmp_path: Path
+    @pytest.mark.parametrize(
+        "agents",
+        [
+            # its only agent runs one task at a time (`concurrency=1`, under the default limit)
+            "tests/worker_job.py:one_at_a_time",
+            # two agents of its kind share one `Concurrency(1)`: each alone could start a task,
+            # both together only one
+            "tests/worker_job.py:sharing_one_place",
+        ],
+        ids=["limited-agent", "agents-sharing-one-place"],
+    )
+    async def test_a_worker_claims_no_more_than_its_agents_can_start(
+        self, tmp_path: Path, agents: str
     ) -> None:
-        """A worker whose only agent runs one task at a time (`concurrency=1`, under the default
-        limit of 100) beside a worker of room 4: the first holds one task at a time, the other
-        takes the rest."""
+        """Beside a worker of room 4, the worker whose agents can start one task holds one task at
+        a time; the other takes the most."""
         db = tmp_path / "runs.db"
         calls = tmp_path / "calls"
         SQLiteStore(db).runs()
-        single = start_worker(db, calls, delay=0.2, agents="tests/worker_job.py:one_at_a_time")
-        wide = start_worker(db, calls, delay=0.2, concurrency=4)
-        await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
-        names = dict(rows(db, "SELECT pid, owner FROM workers"))
-        held: list[int] = []
-
-        async def sample() -> None:
-            while True:
-                held.append(len(holding(db, names[single.pid])))
-                await anyio.sleep(0.01)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sample)
-                result, _ = await coordinate(db, [Task("work", i) for i in range(40)])
-                tg.cancel_scope.cancel()
-        finally:
-            errs = wait_all([single, wide])
-        assert [w.returncode for w in (single, wide)] == [0, 0], errs
-        assert result.status == "success"
-        by_pid = collections.Counter(p for _, p in ran(calls))
-        assert sum(by_pid.values()) == 40
-        assert by_pid[wide.pid] >= 20, by_pid
-        assert max(held) <= 1, held
-
-    @pytest.mark.subprocess
-    async def test_a_worker_whose_agents_share_one_place_claims_one_task_at_a_time(
-        self, tmp_path: Path
-    ) -> None:
-        """Two agents of the worker's kind share one `Concurrency(1)`: each alone could start a
-        task, both together only one. The worker holds one task at a time; the other worker, of
-        room 4, takes the rest."""
-        db = tmp_path / "runs.db"
-        calls = tmp_path / "calls"
-        SQLiteStore(db).runs()
-        single = start_worker(db, calls, delay=0.2, agents="tests/worker_job.py:sharing_one_place")
+        single = start_worker(db, calls, delay=0.2, agents=agents)
         wide = start_worker(db, calls, delay=0.2, concurrency=4)
         await until(lambda: len(rows(db, "SELECT * FROM workers")) == 2, 30)
         names = dict(rows(db, "SELECT pid, owner FROM workers"))
@@ -1384,6 +1359,7 @@ class TestClaimsFitTheRoom:
         by_pid = collections.Counter(p for _, p in ran(calls))
         assert sum(by_pid.values()) == 40
         assert by_pid[single.pid] > 0, by_pid
+        assert by_pid[wide.pid] >= 20, by_pid
         assert max(held) <= 1, held
 
     async def test_a_coordinator_whose_agent_is_out_of_rate_takes_one_task_to_wait_for_it(
