@@ -1,4 +1,4 @@
-"""Claim + complete throughput on PostgreSQL: orchestra's claims (`orchestra.stores._postgres._claims`)
+"""Claim + complete throughput on PostgreSQL: orchestra's claims (`orchestra.stores._postgres._leases`)
 against pgqueuer and a raw asyncpg loop, on one server in the same run.
 
 ``python -m benchmarks.pg_claims [N] [REPS]`` (default 20,000 no-op tasks, 3 repetitions; needs the
@@ -32,7 +32,7 @@ from typing import Any
 
 import asyncpg
 
-from orchestra.stores._postgres._claims import SERVER_SETTINGS, End, claim, complete
+from orchestra.stores._postgres._leases import SERVER_SETTINGS, End, claim, complete
 from orchestra.stores._postgres._schema import migrate
 from orchestra.stores._postgres._server import embedded_server
 

@@ -27,8 +27,8 @@ import asyncpg
 
 from orchestra import Task
 from orchestra._admission import Admission
-from orchestra.stores._postgres._claims import SERVER_SETTINGS, End, claim, complete
 from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._leases import SERVER_SETTINGS, End, claim, complete
 from orchestra.stores._postgres._schema import migrate
 from orchestra.stores._postgres._server import embedded_server
 

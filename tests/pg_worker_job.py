@@ -14,7 +14,7 @@ import sys
 
 import anyio
 
-from orchestra.stores._postgres._claims import claim, connect
+from orchestra.stores._postgres._leases import claim, connect
 from orchestra.stores._postgres._processes import Presence
 
 

@@ -5,7 +5,7 @@ sent; two parents completed at once readying their child once; and a model test:
 operations through a `MemoryRun` and through the database end in the same states.
 
 A task is claimed for a test by `take` (its lease written straight into its row): the claim
-itself is `_claims`' and its tests'."""
+itself is `_leases`' and its tests'."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from orchestra import InputError, Task
 from orchestra._admission import Admission
 from orchestra._task import FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
-from orchestra.stores._postgres._claims import End, claim, complete
 from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._leases import End, claim, complete
 from orchestra.stores._postgres._listen import channel_of
 from orchestra.stores._postgres._settle import close_input, transaction
 from tests.helpers import NullListener

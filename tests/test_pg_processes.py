@@ -17,7 +17,7 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestra.stores._postgres._claims import MAX_LOST, claim
+from orchestra.stores._postgres._leases import MAX_LOST, claim
 from orchestra.stores._postgres._listen import Listener, channel_of
 from orchestra.stores._postgres._processes import (
     _SWEEP_LOCK,
@@ -30,7 +30,7 @@ from orchestra.stores._postgres._processes import (
     sweep,
 )
 from tests.helpers import REPO, spawn
-from tests.test_pg_claims import admit, expire
+from tests.test_pg_leases import admit, expire
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 

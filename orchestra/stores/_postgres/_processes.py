@@ -5,7 +5,7 @@ Every process that runs tasks (a worker, a coordinator with agents) registers in
 pushed on, its counters added to), and says when it stops (``gone``). Nobody watches over them:
 every live process runs `sweep` now and then (a third of its lease, say), which
 
-- takes back the task leases that expired (`_claims.take_back_expired`: the attempt counted as
+- takes back the task leases that expired (`_leases.take_back_expired`: the attempt counted as
   ``LeaseExpired``, a task lost too often failed, to the dead letters), and wakes the runs whose
   tasks are ready again (`_listen.notify`);
 - marks gone the processes whose beat expired.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import anyio
 import asyncpg
 
-from ._claims import MAX_LOST, TakenBack, connect, take_back_expired
+from ._leases import MAX_LOST, TakenBack, connect, take_back_expired
 from ._listen import notify
 
 if TYPE_CHECKING:

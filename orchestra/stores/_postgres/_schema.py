@@ -16,7 +16,7 @@ event, idempotency key and worker process, with these differences:
 - **Leases** are (``lease_owner``, ``token``, ``lease_expires``) on a task, (``owner``, ``token``,
   ``expires``) on a run (its coordinator's) and on a key. A token is a value of the sequence
   ``lease_tokens``: every claim gets a fresh one, greater than any before, and every later write
-  carries it (fencing: `_claims.py`, `_coordinator.py`).
+  carries it (fencing: `_leases.py`, `_coordinator.py`).
 - **Readiness is in the database**: ``waiting`` counts what a pending task still waits for (its
   unfinished dependencies and groups), and ``edges`` says whose end concerns whom, so that the
   process completing a task can make its dependents ready in the same transaction (`_settle.py`).

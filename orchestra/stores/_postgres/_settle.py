@@ -1,5 +1,5 @@
 """Settling on PostgreSQL: what an end frees or dooms in a run's graph, in the transaction that
-ended it (`_claims.complete`, and `_graph.admit` for what it skips at once).
+ended it (`_leases.complete`, and `_graph.admit` for what it skips at once).
 
 The meanings are the memory store's `Graph.release`: a success takes one off its dependents' and
 its groups' waiters' ``waiting`` and makes the ones at zero ready; any other end skips what waits
@@ -104,7 +104,7 @@ async def settle(
     state) in the order they ended: what waited for a success and waits for nothing else now is
     made ready; what waited for anything else is skipped, and so on down; groups count their
     members' ends and close. Notifies the run's channel when something became ready. Call it in
-    the transaction that ended them (`_claims.complete` does)."""
+    the transaction that ended them (`_leases.complete` does)."""
     if not ended:
         return Settled([], [])
     return await end_cascade(conn, run_id, list(ended))

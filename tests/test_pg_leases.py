@@ -1,4 +1,4 @@
-"""Leases on PostgreSQL (`orchestra.stores._postgres._claims`), on the session's real server and real
+"""Leases on PostgreSQL (`orchestra.stores._postgres._leases`), on the session's real server and real
 connections: claims by kinds, rooms, priority and admission order; concurrent claimers never
 sharing a task; heartbeats, completions and failures fenced by the lease token; expired leases
 taken back once, poison tasks failed; hand-backs; every time on the database's clock.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pytest
 
-from orchestra.stores._postgres._claims import (
+from orchestra.stores._postgres._leases import (
     MAX_LOST,
     End,
     claim,
