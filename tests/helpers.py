@@ -192,30 +192,3 @@ def trips_after(tasks: int, cooldown: float = 30.0) -> BreakerPolicy:
 
 # A breaker that never opens, for tests whose failures are the scenario's, not an outage.
 NEVER_OPENS = BreakerPolicy(min_calls=1_000_000)
-
-
-class NullListener:
-    """A run's listener that hears nothing: for a store driven by hand, with no run around it."""
-
-    quiet: list[Any] | None = None
-
-    def ready(self, record: Any) -> None:
-        pass
-
-    def ready_all(self, records: Any) -> None:
-        pass
-
-    def finished(self, record: Any) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def stop(self, reason: str) -> None:
-        pass
-
-    def hold(self, held: bool) -> None:
-        pass
-
-    def room(self, kind: str) -> int:
-        return 1 << 30  # no agent of its own to fill: no limit

@@ -14,7 +14,7 @@ from orchestra import Context, Orchestrator, Task, agent
 from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
 from orchestra.stores import MemoryStore
-from tests.helpers import NullListener
+from orchestra.stores._protocol import NoListener
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -62,7 +62,7 @@ def open_run(listener: Any, *, compact: bool) -> Any:
 
 class TestStreamedRuns:
     def _store(self) -> Any:
-        return open_run(NullListener(), compact=True)
+        return open_run(NoListener(), compact=True)
 
     def _succeed(self, store: Any) -> None:
         record = store.claim()
@@ -216,7 +216,7 @@ class TestTheCollector:
         assert gc.get_freeze_count() == 0
 
 
-class _Quiet(NullListener):
+class _Quiet(NoListener):
     """A listener that takes plain successes in `quiet` and records what it hears."""
 
     def __init__(self) -> None:

@@ -26,7 +26,7 @@ from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, claim, complete
 from orchestra.stores._postgres._listen import channel_of
 from orchestra.stores._postgres._settle import close_input, transaction
-from tests.helpers import NullListener
+from orchestra.stores._protocol import NoListener
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -575,7 +575,7 @@ class TestTheMemoryStoresSemantics:
 
     async def _play(self, dsn: str, scenario: dict[str, Any]) -> None:
         memory = MemoryStore().open_run(
-            "m", admission=admission(), listener=NullListener(), clock=lambda: 0.0,
+            "m", admission=admission(), listener=NoListener(), clock=lambda: 0.0,
             task_timeout=None, compact=False,
         )  # fmt: skip
         conn = await asyncpg.connect(dsn)

@@ -22,6 +22,7 @@ from .._exceptions import ConfigError, InputError
 from .._retry import RetryPolicy
 from .._task import Task
 from ..stores._memory import MemoryStore
+from ..stores._protocol import NoListener
 from ._claude_agent import ClaudeAgent, StructuredOutputError
 from ._claude_calls import DEFAULT_RETRY, Tab, ask
 
@@ -207,7 +208,7 @@ class ClaudePlanner:
         scratch = MemoryStore().open_run(
             "plan",
             admission=Admission(self.kinds, {k: [m] for k, m in self.payloads.items()}),
-            listener=_Nobody(),
+            listener=NoListener(),
             clock=lambda: 0.0,
             task_timeout=None,
             compact=False,
@@ -217,33 +218,6 @@ class ClaudePlanner:
 
     def __repr__(self) -> str:
         return f"ClaudePlanner(model={self._agent.model!r}, kinds={list(self.kinds)!r})"
-
-
-class _Nobody:
-    """The scratch store's listener: nothing runs there."""
-
-    quiet = None
-
-    def ready(self, record: Any) -> None:
-        pass
-
-    def ready_all(self, records: Any) -> None:
-        pass
-
-    def finished(self, record: Any) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def stop(self, reason: str) -> None:
-        pass
-
-    def hold(self, held: bool) -> None:
-        pass
-
-    def room(self, kind: str) -> int:
-        return 1 << 30  # nothing is claimed there
 
 
 def _plan_model(

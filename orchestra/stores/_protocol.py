@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .._admission import Admission
     from .._task import Attempt, Task, TaskResult
 
-__all__ = ("KEEP", "Listener", "RunStore", "Selector", "Store", "StoredTask")
+__all__ = ("KEEP", "Listener", "NoListener", "RunStore", "Selector", "Store", "StoredTask")
 
 KEEP: Final[Any] = object()
 """`fail(..., next_agent=KEEP)`: the task stays with the agent it has."""
@@ -104,6 +104,35 @@ class Listener(Protocol):
         under their own limits and the global one, less the tasks already waiting for them). A
         store that shares the run with other processes claims no more than that: the rest stays
         claimable by a process with room."""
+
+
+class NoListener:
+    """A listener that hears nothing: for a run store driven without a run around it (a scratch
+    store that only checks tasks, a test that calls the transitions by hand). Its `room` has no
+    bound: nothing of its own fills it."""
+
+    quiet: list[Any] | None = None
+
+    def ready(self, record: Any) -> None:
+        pass
+
+    def ready_all(self, records: Sequence[Any]) -> None:
+        pass
+
+    def finished(self, record: Any) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def stop(self, reason: str) -> None:
+        pass
+
+    def hold(self, held: bool) -> None:
+        pass
+
+    def room(self, kind: str) -> int:
+        return 1 << 30
 
 
 class Selector:
