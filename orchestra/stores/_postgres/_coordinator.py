@@ -36,13 +36,13 @@ import anyio
 import asyncpg
 
 from ..._exceptions import StoreError
+from ._background import Background
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from datetime import datetime
     from types import TracebackType
 
-    from anyio.abc import TaskGroup
 
 __all__ = (
     "Lease",
@@ -247,12 +247,10 @@ class LeaseKeeper:
         self.lost = anyio.Event()
         self._pool = pool
         self._on_lost = on_lost
-        self._group: TaskGroup | None = None
+        self._background = Background()
 
     async def __aenter__(self) -> LeaseKeeper:
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(self._renew_while_held)
+        await self._background.start(self._renew_while_held)
         return self
 
     async def __aexit__(
@@ -261,9 +259,7 @@ class LeaseKeeper:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._group is not None
-        self._group.cancel_scope.cancel()
-        return await self._group.__aexit__(exc_type, exc, tb)
+        return await self._background.stop(exc_type, exc, tb)
 
     async def _renew_while_held(self) -> None:
         every = self.lease.lease / RENEWALS_PER_LEASE

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import asyncpg
 
+from ._background import Background
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
-    from anyio.abc import TaskGroup
 
 __all__ = ("GLOBAL_CHANNEL", "Listener", "Wakeup", "channel_of", "notify")
 
@@ -108,13 +109,11 @@ class Listener:
         self._backoff = backoff
         self._max_backoff = max_backoff
         self._ping = ping
-        self._group: TaskGroup | None = None
+        self._background = Background()
 
     async def __aenter__(self) -> Listener:
         conn = await self._listen()
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(self._keep_listening, conn)
+        await self._background.start(self._keep_listening, conn)
         return self
 
     async def __aexit__(
@@ -123,9 +122,7 @@ class Listener:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._group is not None
-        self._group.cancel_scope.cancel()
-        return await self._group.__aexit__(exc_type, exc, tb)
+        return await self._background.stop(exc_type, exc, tb)
 
     def _deliver(self, _conn: object, _pid: int, channel: str, payload: object) -> None:
         self._on_notify(channel, str(payload))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import anyio
 import asyncpg
 
+from ._background import Background
 from ._leases import MAX_LOST, TakenBack, connect, take_back_expired
 from ._listen import notify
 
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
-    from anyio.abc import TaskGroup
 
 __all__ = ("Presence", "Swept", "beat", "deregister", "live", "register", "sweep")
 
@@ -169,14 +169,12 @@ class Presence:
         self._run_id = run_id
         self._on_swept = on_swept
         self._conn: asyncpg.Connection | None = None
-        self._group: TaskGroup | None = None
+        self._background = Background()
 
     async def __aenter__(self) -> Presence:
         self._conn = await connect(self._dsn)
         await self._register(self._conn)
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(self._beat_and_sweep)
+        await self._background.start(self._beat_and_sweep)
         return self
 
     async def __aexit__(
@@ -185,10 +183,8 @@ class Presence:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._group is not None
-        self._group.cancel_scope.cancel()
         try:
-            return await self._group.__aexit__(exc_type, exc, tb)
+            return await self._background.stop(exc_type, exc, tb)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._lease):
                 await self._stop()
