@@ -162,6 +162,26 @@ def _holder(db: Path, key: str) -> str | None:
     return None if row is None else str(row[0])
 
 
+class Gated:
+    """An agent of "work" that doubles its payload, recording each call; a task whose id it gates
+    says it was called (`called[id]`) and waits for `go[id]` before it answers."""
+
+    def __init__(self, *gated: str) -> None:
+        self.calls: list[str] = []
+        self.called = {task_id: asyncio.Event() for task_id in gated}
+        self.go = {task_id: asyncio.Event() for task_id in gated}
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            self.calls.append(task.id)
+            if task.id in self.go:
+                self.called[task.id].set()
+                await self.go[task.id].wait()
+            return task.payload * 2
+
+        self.agent = work
+
+
 class TestASuccessDuringItsWindowsCommit:
     """A keyed task that succeeds while the window that wrote it running is being committed: its
     key is written succeeded by the next window, never released as a failure."""
@@ -171,17 +191,8 @@ class TestASuccessDuringItsWindowsCommit:
     ) -> None:
         db = tmp_path / "runs.db"
         holder, other = SQLiteStore(db, window=0.2), SQLiteStore(db, window=0.01)
-        calls: list[str] = []
-        called = {"a": asyncio.Event(), "b": asyncio.Event()}
-        go = {"a": asyncio.Event(), "b": asyncio.Event()}
-
-        @agent(kinds=["work"])
-        async def work(task: Task, ctx: Context) -> Any:
-            calls.append(task.id)
-            if task.id in go:
-                called[task.id].set()
-                await go[task.id].wait()
-            return task.payload * 2
+        gated = Gated("a", "b")
+        calls, called, go, work = gated.calls, gated.called, gated.go, gated.agent
 
         async with Orchestrator(agents=[work], store=holder) as orch:
             first = orch.start(
@@ -228,17 +239,8 @@ class TestAWaitersLookAtTheFile:
         # "w" must stay held, not be handed to the freed slot and run the key a second time.
         db = tmp_path / "runs.db"
         holder, other = SQLiteStore(db, window=0.01), SQLiteStore(db, window=0.01)
-        calls: list[str] = []
-        called = {"a": asyncio.Event(), "x": asyncio.Event()}
-        go = {"a": asyncio.Event(), "x": asyncio.Event()}
-
-        @agent(kinds=["work"])
-        async def work(task: Task, ctx: Context) -> Any:
-            calls.append(task.id)
-            if task.id in go:
-                called[task.id].set()
-                await go[task.id].wait()
-            return task.payload * 2
+        gated = Gated("a", "x")
+        calls, called, go, work = gated.calls, gated.called, gated.go, gated.agent
 
         first = asyncio.ensure_future(
             Orchestrator(agents=[work], store=holder).run(
