@@ -264,6 +264,11 @@ WITH ends AS (
         e.state || ' from ' || $2 || ' refused: its lease (token ' || e.token
         || ') is no longer held'
     FROM ends AS e WHERE e.id NOT IN (SELECT id FROM done)
+), heard AS (
+    -- the coordinator's run follows the ends it did not write itself (`orchestra.ended`)
+    INSERT INTO orchestra.ended (run_id, id)
+    SELECT $1, id FROM done
+    WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
 SELECT id FROM done
 """
@@ -436,6 +441,8 @@ WITH expired AS (
         'taken back from ' || lease_owner || ' (token ' || token || ')'
         || CASE WHEN failed THEN ': failed, lost too often' ELSE '' END
     FROM taken
+), heard AS (
+    INSERT INTO orchestra.ended (run_id, id) SELECT run_id, id FROM taken WHERE failed
 )
 SELECT * FROM taken
 """
@@ -452,5 +459,18 @@ async def take_back_expired(
     each task is ready again, or failed once its lease was lost `max_lost` times; the attempt
     the lease was for is recorded (``LeaseExpired``). Safe to call from any number of processes
     at once: each expired lease is taken back by one of them."""
-    rows: list[Any] = await conn.fetch(_TAKE_BACK, run_id, max_lost, limit)
-    return [TakenBack._make(row) for row in rows]
+
+    async def step(conn: asyncpg.Connection) -> list[TakenBack]:
+        taken = [
+            TakenBack._make(row) for row in await conn.fetch(_TAKE_BACK, run_id, max_lost, limit)
+        ]
+        # A task failed so ends: what waits for it is skipped, its groups counted (by run).
+        failed: dict[str, list[tuple[str, str]]] = {}
+        for back in taken:
+            if back.failed:
+                failed.setdefault(back.run_id, []).append((back.id, "failed"))
+        for run, ended in failed.items():
+            await settle(conn, run, ended)
+        return taken
+
+    return await transaction(conn, step)

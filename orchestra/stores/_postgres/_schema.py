@@ -240,7 +240,23 @@ _V1 = (
         FROM orchestra.tasks WHERE state = 'failed'""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+_V2 = (
+    # The ends of a run's tasks that its coordinator did not write itself (a worker's completion,
+    # a lease lost too often), for the coordinator to take in: its run follows them
+    # (`_run.py`). A feed, consumed: the coordinator deletes what it read in the transaction
+    # that reads it, so each end is heard once however the transactions that wrote them
+    # committed (a cursor over a sequence would skip one that committed after a later one).
+    """CREATE TABLE orchestra.ended (
+        run_id text NOT NULL,
+        id text NOT NULL,
+        n bigint GENERATED ALWAYS AS IDENTITY,
+        PRIMARY KEY (run_id, n)
+    )""",
+    # What a task's attempt spawned (read with the spawner's end).
+    "CREATE INDEX tasks_by_parent ON orchestra.tasks (run_id, parent) WHERE parent IS NOT NULL",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

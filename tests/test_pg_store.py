@@ -1,0 +1,85 @@
+"""`PostgresStore`: its settings, its connections in a thread of their own, and the errors of a
+database it cannot use, on the session's real server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from orchestra import ConfigError, StoreError
+from orchestra.stores._postgres._store import PostgresStore
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
+
+
+async def _version(conn: object) -> int:
+    return await conn.fetchval("SELECT version FROM orchestra.schema_version")  # type: ignore[attr-defined,no-any-return]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"dsn": "sqlite:///x.db"}, "needs a DSN"),
+        ({"dsn": 5}, "needs a DSN"),
+        ({"dsn": "postgresql://h/db", "lease": 0}, "lease must be a positive"),
+        ({"dsn": "postgresql://h/db", "poll": "1"}, "poll must be a number"),
+        ({"dsn": "postgresql://h/db", "max_connections": 1}, "at least 2"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_connection(kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        PostgresStore(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_password_is_never_shown() -> None:
+    store = PostgresStore("postgresql://app:s3cret@db.example:6543/runs")
+    try:
+        assert "s3cret" not in repr(store)
+        assert "db.example:6543/runs" in repr(store)
+    finally:
+        store.close()
+    with pytest.raises(ConfigError) as caught:
+        PostgresStore("postgres:/app:s3cret@db")  # not a URL a driver reads
+    assert "s3cret" not in str(caught.value)
+
+
+async def test_jobs_run_in_the_stores_thread_on_a_migrated_database(pg_empty_dsn: str) -> None:
+    store = PostgresStore(pg_empty_dsn)
+    try:
+        assert store.database.call(_version) >= 2  # from a thread that is not the store's
+        assert await store.database.run(_version) >= 2  # awaited from this loop
+        answers = await asyncio.gather(*(store.database.run(_version) for _ in range(20)))
+        assert len(set(answers)) == 1
+    finally:
+        store.close()
+    with pytest.raises(StoreError, match="was closed"):
+        await store.database.run(_version)
+
+
+async def test_an_unreachable_server_is_a_store_error_that_says_what_to_do() -> None:
+    store = PostgresStore(f"postgresql://app:pw@127.0.0.1:{_closed_port()}/runs")
+    try:
+        with pytest.raises(StoreError) as caught:
+            await store.database.run(_version)
+    finally:
+        store.close()
+    message = str(caught.value)
+    assert "cannot reach it" in message and "is the server running" in message
+    assert "pw@" not in message
+
+
+async def test_a_missing_database_is_named(pg_dsn: str) -> None:
+    store = PostgresStore(pg_dsn.rpartition("/")[0] + "/no_such_db")
+    try:
+        with pytest.raises(StoreError, match="does not exist: create it"):
+            await store.database.run(_version)
+    finally:
+        store.close()
