@@ -34,7 +34,9 @@ def _closed_port() -> int:
         ({"dsn": "postgresql://h/db", "max_connections": 1}, "at least 2"),
     ],
 )
-def test_bad_settings_are_refused_before_any_connection(kwargs: dict[str, object], says: str) -> None:
+def test_bad_settings_are_refused_before_any_connection(
+    kwargs: dict[str, object], says: str
+) -> None:
     with pytest.raises(ConfigError, match=says):
         PostgresStore(**kwargs)  # type: ignore[arg-type]
 
@@ -72,7 +74,8 @@ async def test_an_unreachable_server_is_a_store_error_that_says_what_to_do() -> 
     finally:
         store.close()
     message = str(caught.value)
-    assert "cannot reach it" in message and "is the server running" in message
+    assert "cannot reach it" in message
+    assert "is the server running" in message
     assert "pw@" not in message
 
 

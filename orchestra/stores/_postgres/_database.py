@@ -104,7 +104,7 @@ class Database:
                     server_settings=SERVER_SETTINGS,
                     timeout=_CONNECT_TIMEOUT,
                 )
-            except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
                 raise StoreError(explain(exc, self.dsn)) from exc
             try:
                 async with pool.acquire() as conn:
@@ -207,7 +207,7 @@ def explain(exc: BaseException, dsn: str) -> str:
             "the user may not do this (orchestra needs to create its schema `orchestra` and write "
             "its tables): grant it, or use a user that may"
         )
-    elif isinstance(exc, asyncio.TimeoutError | TimeoutError):
+    elif isinstance(exc, TimeoutError):
         hint = f"no answer within {_CONNECT_TIMEOUT:g} s: is the server up and reachable?"
     elif isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
         hint = "cannot reach it, or the connection was lost: is the server running, and the DSN's host and port right?"

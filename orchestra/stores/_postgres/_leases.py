@@ -60,12 +60,14 @@ __all__ = (
     "SERVER_SETTINGS",
     "Claimed",
     "End",
+    "Failed",
     "TakenBack",
     "claim",
     "complete",
     "connect",
     "fail",
     "heartbeat",
+    "note",
     "release",
     "take_back_expired",
 )
@@ -109,7 +111,9 @@ class Claimed(NamedTuple):
 
 class End(NamedTuple):
     """How a claimed task ended, for `complete`: `state` is terminal (succeeded, failed,
-    cancelled, skipped); `output` JSON text or None."""
+    cancelled, skipped); `output` JSON text or None; `attempts` every attempt it had, when its
+    process retried it under the lease (None: the claims counted them); `defaulted`, its output
+    is its kind's default; `started`, when its first attempt here started (wall time, seconds)."""
 
     id: str
     token: int
@@ -118,6 +122,26 @@ class End(NamedTuple):
     agent: str | None = None
     error: str | None = None
     error_type: str | None = None
+    attempts: int | None = None
+    defaulted: bool = False
+    started: float | None = None
+
+
+class Failed(NamedTuple):
+    """A failed attempt of a claimed task, for the ``attempts`` table (`complete`, `note`):
+    `started` wall time in seconds."""
+
+    number: int
+    agent: str
+    error_type: str
+    message: str
+    started: float | None = None
+    duration: float | None = None
+    retry_in: float | None = None
+    traceback: str | None = None
+    status_code: int | None = None
+    api_error_type: str | None = None
+    request_id: str | None = None
 
 
 class TakenBack(NamedTuple):
@@ -249,11 +273,14 @@ async def heartbeat(
 _COMPLETE = """
 WITH ends AS (
     SELECT * FROM unnest($3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-        $8::text[], $9::text[]) AS e (id, token, state, output, agent, error, error_type)
+        $8::text[], $9::text[], $10::integer[], $11::boolean[], $12::float8[])
+        AS e (id, token, state, output, agent, error, error_type, attempts, defaulted, started)
 ), done AS (
     UPDATE orchestra.tasks AS t
     SET state = e.state, output = e.output::json, agent = e.agent, error = e.error,
-        error_type = e.error_type, finished = now(), lease_owner = NULL, lease_expires = NULL
+        error_type = e.error_type, finished = now(), lease_owner = NULL, lease_expires = NULL,
+        attempts = coalesce(e.attempts, t.attempts), defaulted = e.defaulted,
+        started = coalesce(t.started, to_timestamp(e.started))
     FROM ends AS e
     WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token AND t.lease_owner = $2
         AND t.state IN ('claimed', 'running')
@@ -293,12 +320,14 @@ async def complete(
     *,
     spawned: Mapping[str, Sequence[Task]] | None = None,
     admission: Admission | None = None,
+    failures: Mapping[str, Sequence[Failed]] | None = None,
 ) -> list[bool]:
     """End claimed tasks of `run_id`, each only while `owner` holds its lease under the token it
     carries, and settle them in the same transaction (`_settle.settle`: dependents made ready or
     skipped, groups counted, the run's channel notified). `spawned`: the tasks each end's
-    attempt spawned, by its id, admitted with it (checked by `admission`, the run's). Returns,
-    for each end, whether it was written; a refused one is in the journal (its spawns dropped).
+    attempt spawned, by its id, admitted with it (checked by `admission`, the run's);
+    `failures`: its failed attempts not yet written (`note`), by its id. Returns, for each end,
+    whether it was written; a refused one is in the journal (its spawns and attempts dropped).
 
     Raises:
         InputError: a spawn was refused: nothing was written.
@@ -322,8 +351,60 @@ async def complete(
                 )  # fmt: skip
         rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
         written = {row[0] for row in rows}
+        if failures:
+            await _record(
+                conn, run_id,
+                [(task_id, f) for task_id, fs in failures.items() if task_id in written for f in fs],
+            )  # fmt: skip
         await settle(conn, run_id, [(end.id, end.state) for end in ends if end.id in written])
         return [end.id in written for end in ends]
+
+    done: list[bool] = await transaction(conn, step)
+    return done
+
+
+_ATTEMPTS = """
+INSERT INTO orchestra.attempts (run_id, task_id, number, agent, error_type, message, started,
+    duration, retry_in, traceback, status_code, api_error_type, request_id)
+SELECT $1, a.id, a.number, a.agent, a.error_type, a.message, to_timestamp(a.started), a.duration,
+    a.retry_in, a.traceback, a.status_code, a.api_error_type, a.request_id
+FROM unnest($2::text[], $3::integer[], $4::text[], $5::text[], $6::text[], $7::float8[],
+    $8::float8[], $9::float8[], $10::text[], $11::integer[], $12::text[], $13::text[])
+    AS a (id, number, agent, error_type, message, started, duration, retry_in, traceback,
+        status_code, api_error_type, request_id)
+"""
+
+
+async def _record(
+    conn: asyncpg.Connection, run_id: str, failed: Sequence[tuple[str, Failed]]
+) -> None:
+    if failed:
+        await conn.execute(
+            _ATTEMPTS, run_id, *_columns([(task_id, *f) for task_id, f in failed], 12)
+        )
+
+
+async def note(
+    conn: asyncpg.Connection,
+    run_id: str,
+    owner: str,
+    failed: Sequence[tuple[str, int, Failed]],
+) -> list[bool]:
+    """Record failed attempts of claimed tasks that go on (retried by `owner` under its lease),
+    `failed` as (task id, token, attempt): each only while `owner` holds the task under that
+    token. Returns, for each, whether it was written."""
+    if not failed:
+        return []
+
+    async def step(conn: asyncpg.Connection) -> list[bool]:
+        held = {
+            row[0]
+            for row in await conn.fetch(
+                _HELD, run_id, owner, [f[0] for f in failed], [f[1] for f in failed]
+            )
+        }
+        await _record(conn, run_id, [(task_id, f) for task_id, _, f in failed if task_id in held])
+        return [task_id in held for task_id, _, _ in failed]
 
     done: list[bool] = await transaction(conn, step)
     return done

@@ -7,7 +7,6 @@ them (`_database.py`), and an embedded server for trying it (`embedded`). Each r
 
 from __future__ import annotations
 
-import os
 import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from ..._exceptions import ConfigError
 from ._database import Database, where
 
 if TYPE_CHECKING:
+    import os
     from collections.abc import Callable
 
     from ..._admission import Admission
