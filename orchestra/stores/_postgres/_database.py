@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -94,8 +94,9 @@ class Database:
             return self._pool
         assert self._opening is not None
         async with self._opening:
-            if self._pool is not None:  # opened while this job waited
-                return self._pool
+            opened = self._opened()  # (again: another job may have opened it while this waited)
+            if opened is not None:
+                return opened
             try:
                 pool = await asyncpg.create_pool(
                     self.dsn,
@@ -108,12 +109,15 @@ class Database:
                 raise StoreError(explain(exc, self.dsn)) from exc
             try:
                 async with pool.acquire() as conn:
-                    await migrate(conn)
+                    await migrate(cast("asyncpg.Connection", conn))
             except BaseException:
                 await pool.close()
                 raise
             self._pool = pool
             return pool
+
+    def _opened(self) -> asyncpg.Pool | None:
+        return self._pool
 
     async def _with_connection(
         self, job: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]
@@ -121,7 +125,8 @@ class Database:
         pool = await self.pool()
         try:
             async with pool.acquire() as conn:
-                return await job(conn, *args)
+                # (a pooled connection proxies a `Connection`: the jobs are typed for that)
+                return await job(cast("asyncpg.Connection", conn), *args)
         except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
             if isinstance(exc, asyncpg.InterfaceError) and "closed" not in str(exc):
                 raise
