@@ -22,7 +22,7 @@ from orchestra.stores._postgres._server import EmbeddedServer, embedded_server
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
 
-__all__ = ("PgDatabases", "pg", "pg_dsn", "pg_empty_dsn")
+__all__ = ("PgDatabases", "pg", "pg_dsn", "pg_empty_dsn", "pg_stores", "postgres_store")
 
 _MIGRATED = "orchestra_migrated"  # the template of the databases with orchestra's schema
 
@@ -123,3 +123,39 @@ async def pg_conn(pg_dsn: str) -> AsyncIterator[Any]:
         yield conn
     finally:
         await conn.close()
+
+
+# The stores `postgres_store` made for the test that runs now (`pg_stores`), and the session's
+# databases: the store contract suite's factories take no arguments.
+_STORES: list[tuple[Any, str]] = []
+_SESSION: list[PgDatabases] = []
+
+
+def postgres_store() -> Any:
+    """A `PostgresStore` on a new database of the session's server (for the store contract
+    suite, whose factories take no arguments: the test asks for `pg_stores` first)."""
+    import asyncio
+
+    from orchestra.stores._postgres._store import PostgresStore
+
+    assert _SESSION, "postgres_store needs the pg_stores fixture"
+    dsn = asyncio.run(_SESSION[0].create())
+    store = PostgresStore(dsn)
+    _STORES.append((store, dsn))
+    return store
+
+
+@pytest.fixture
+def pg_stores(pg: PgDatabases) -> Iterator[None]:
+    """Lets `postgres_store` make stores in this test; closes them and drops their databases
+    after it."""
+    import asyncio
+
+    _SESSION[:] = [pg]
+    try:
+        yield
+    finally:
+        made, _STORES[:] = list(_STORES), []
+        for store, dsn in made:
+            store.close()
+            asyncio.run(pg.drop(dsn))

@@ -48,6 +48,7 @@ from orchestra._task import (
 from orchestra.stores import MemoryStore
 from orchestra.stores._protocol import KEEP, Selector
 from tests.helpers import sqlite_store
+from tests.pg import postgres_store
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 # The stores under contract: one factory per store (a durable one builds its store on a fresh file
 # or schema). Adding a store to the suite is adding it here.
-STORES: list[Callable[[], Store]] = [MemoryStore, sqlite_store]
+STORES: list[Callable[[], Store]] = [MemoryStore, sqlite_store, postgres_store]
 
 KINDS = ("a", "b")
 
@@ -184,9 +185,19 @@ def attempt(agent: str = "x", number: int = 1, message: str = "boom") -> Attempt
     )
 
 
-@pytest.fixture(params=STORES, ids=lambda factory: getattr(factory, "__name__", repr(factory)))
+@pytest.fixture(
+    params=[
+        pytest.param(f, marks=[pytest.mark.postgres, pytest.mark.subprocess])
+        if f is postgres_store
+        else f
+        for f in STORES
+    ],
+    ids=lambda factory: getattr(factory, "__name__", repr(factory)),
+)
 def store_factory(request: pytest.FixtureRequest) -> Callable[[], Store]:
     factory: Callable[[], Store] = request.param
+    if factory is postgres_store:  # on the session's server: a database per store it makes
+        request.getfixturevalue("pg_stores")
     return factory
 
 

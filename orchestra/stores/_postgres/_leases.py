@@ -69,6 +69,7 @@ __all__ = (
     "heartbeat",
     "note",
     "release",
+    "requeue",
     "take_back_expired",
 )
 
@@ -487,6 +488,33 @@ async def release(
         return set()
     runs, ids, tokens = _columns(held, 3)
     rows = await conn.fetch(_RELEASE, owner, runs, ids, tokens)
+    return {(row[0], row[1]) for row in rows}
+
+
+_REQUEUE = f"""
+UPDATE orchestra.tasks AS t
+SET state = 'ready', seq = nextval('orchestra.queue_order') * {QUEUE_STEP},
+    priority = coalesce(h.priority, t.priority), lease_owner = NULL, lease_expires = NULL
+FROM unnest($2::text[], $3::text[], $4::bigint[], $5::integer[])
+    AS h (run_id, id, token, priority)
+WHERE t.run_id = h.run_id AND t.id = h.id AND t.token = h.token AND t.lease_owner = $1
+    AND t.state IN ('claimed', 'running')
+RETURNING t.run_id, t.id
+"""
+
+
+async def requeue(
+    conn: asyncpg.Connection, owner: str, held: Sequence[tuple[str, str, int, int | None]]
+) -> set[tuple[str, str]]:
+    """Put claimed tasks whose attempt failed back in their run's queue, behind the tasks ready
+    at their priority (a retry due now, as in memory), `held` as (run id, task id, token,
+    priority: its new one, or None to keep it): the attempt stays counted, the next claim counts
+    the next one. Returns the (run id, task id)
+    requeued (a task whose lease `owner` lost meanwhile is not its to requeue). The caller
+    notifies the runs' channels."""
+    if not held:
+        return set()
+    rows = await conn.fetch(_REQUEUE, owner, *_columns(held, 4))
     return {(row[0], row[1]) for row in rows}
 
 

@@ -1,0 +1,106 @@
+"""What a coordinator learns from the database, and the ends only it decides, in SQL.
+
+- **Heard ends** (`heard`): the tasks of its run that other processes ended (a worker's
+  completion, a lease lost too often), taken from the feed ``orchestra.ended`` (`_leases.complete`
+  and `_leases.take_back_expired` write it in the transaction of the end): each row is deleted in
+  the transaction that reads it, so every end is heard once, whatever order the transactions that
+  wrote them committed in. With each end come its failed attempts and the tasks its attempt
+  spawned (admitted in the same transaction), for the coordinator's run to take in as if the task
+  had ended there.
+- **Decided ends** (`decide`): tasks the coordinator ends itself (a cancel, a deadline passed), not
+  as a lease holder: written under the fence of its lease on the run (`_coordinator.fenced`),
+  whoever holds the task (a worker holding one finds its lease gone at its next heartbeat, and its
+  completion is refused), and settled in the same transaction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ._settle import columns, settle
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import asyncpg
+
+__all__ = ("Heard", "decide", "heard")
+
+
+class Heard(NamedTuple):
+    """Ends heard from the feed: `ends` rows (id, state, output JSON, agent, error, error_type,
+    attempts, started (wall seconds), defaulted), in the order they were written; `failures`
+    rows (task id, number, agent, error_type, message, started, duration, retry_in, traceback,
+    status_code, api_error_type, request_id); `spawned` rows (parent, id, kind, payload JSON,
+    priority, depends_on, depends_on_tags, tags, key, timeout, critical, metadata JSON), each
+    parent's in their order."""
+
+    ends: list[Any]
+    failures: list[Any]
+    spawned: list[Any]
+
+
+_HEARD = """
+WITH taken AS (
+    DELETE FROM orchestra.ended WHERE run_id = $1 RETURNING id, n
+)
+SELECT t.id, t.state, t.output::text, t.agent, t.error, t.error_type, t.attempts,
+    extract(epoch FROM t.started)::float8, t.defaulted
+FROM taken JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = taken.id
+ORDER BY taken.n
+"""
+
+_FAILURES = """
+SELECT task_id, number, agent, error_type, message, extract(epoch FROM started)::float8,
+    duration, retry_in, traceback, status_code, api_error_type, request_id
+FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
+ORDER BY task_id, number
+"""
+
+_SPAWNED = """
+SELECT parent, id, kind, payload::text, priority, depends_on, depends_on_tags, tags, key,
+    timeout, critical, metadata::text
+FROM orchestra.tasks WHERE run_id = $1 AND parent = ANY ($2::text[])
+ORDER BY parent, idx
+"""
+
+
+async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
+    """Take the ends of `run_id` that other processes wrote since the last call."""
+    async with conn.transaction():
+        ends = list(await conn.fetch(_HEARD, run_id))
+        if not ends:
+            return Heard([], [], [])
+        ids = [row[0] for row in ends]
+        failures = list(await conn.fetch(_FAILURES, run_id, ids))
+        spawned = list(await conn.fetch(_SPAWNED, run_id, ids))
+    return Heard(ends, failures, spawned)
+
+
+_DECIDE = """
+UPDATE orchestra.tasks AS t
+SET state = d.state, error = d.error, error_type = d.error_type, output = d.output::json,
+    agent = d.agent, defaulted = d.defaulted, finished = now(), lease_owner = NULL,
+    lease_expires = NULL
+FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+    $8::boolean[]) AS d (id, state, error, error_type, output, agent, defaulted)
+WHERE t.run_id = $1 AND t.id = d.id
+    AND t.state NOT IN ('succeeded', 'failed', 'cancelled', 'skipped')
+RETURNING t.id, t.state
+"""
+
+
+async def decide(
+    conn: asyncpg.Connection,
+    run_id: str,
+    ends: Sequence[tuple[str, str, str | None, str | None, str | None, str | None, bool]],
+) -> list[str]:
+    """End tasks of `run_id` as the coordinator decided, `ends` as (id, state, error,
+    error_type, output JSON, agent, defaulted), in the caller's transaction (the fenced one),
+    settling them. A task already ended is left as it is. Returns the ids ended now."""
+    if not ends:
+        return []
+    rows = await conn.fetch(_DECIDE, run_id, *columns(ends, 7))
+    done = {row[0]: row[1] for row in rows}
+    await settle(conn, run_id, [(e[0], done[e[0]]) for e in ends if e[0] in done])
+    return [e[0] for e in ends if e[0] in done]
