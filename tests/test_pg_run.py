@@ -1,0 +1,152 @@
+"""Runs on PostgreSQL end to end: `Orchestrator(store=PostgresStore(dsn))` on the session's real
+server, with real agents — what the coordinator's run (`_postgres/_run.py`) writes, claims and
+hears, checked against the database's rows."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import pytest
+
+from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, Task, agent
+from orchestra.stores._postgres._store import PostgresStore
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
+
+
+@pytest.fixture
+async def store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
+    store = PostgresStore(pg_dsn, poll=0.2)
+    yield store
+    store.close()
+
+
+async def states(dsn: str, run_id: str) -> dict[str, str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT id, state FROM orchestra.tasks WHERE run_id = $1", run_id)
+    finally:
+        await conn.close()
+    return {row["id"]: row["state"] for row in rows}
+
+
+@agent(kinds=["work"])
+async def double(task: Task, ctx: Context) -> int:
+    return int(task.payload["n"]) * 2
+
+
+@agent(kinds=["sum"])
+async def add(task: Task, ctx: Context) -> int:
+    return sum(int(v) for v in ctx.deps.values())
+
+
+@agent(kinds=["split"])
+async def split(task: Task, ctx: Context) -> str:
+    for i in range(int(task.payload["n"])):
+        ctx.spawn(Task("work", {"n": i}))
+    return "split"
+
+
+class TestARun:
+    async def test_every_task_runs_once_and_the_database_says_so(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        tasks = [Task("work", {"n": i}, id=f"w{i}") for i in range(300)]
+        tasks.append(Task("sum", {}, id="total", depends_on=[f"w{i}" for i in range(10)]))
+        async with Orchestrator(agents=[double, add], store=store) as orch:
+            result = await orch.run(tasks, run_id="r1")
+        assert result.status == "success", result.errors
+        assert result.data["total"] == sum(2 * i for i in range(10))
+        assert result.metadata.counts["succeeded"] == 301
+        assert set((await states(pg_dsn, "r1")).values()) == {"succeeded"}
+
+    async def test_spawned_tasks_are_admitted_and_run(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        async with Orchestrator(agents=[double, split], store=store) as orch:
+            result = await orch.run([Task("split", {"n": 5}, id="s")], run_id="r2")
+        assert result.status == "success", result.errors
+        found = await states(pg_dsn, "r2")
+        assert len(found) == 6
+        assert set(found.values()) == {"succeeded"}
+
+    async def test_failed_attempts_are_written_and_a_task_that_fails_for_good_fails(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        calls: dict[str, int] = {}
+
+        @agent(kinds=["flaky"], retry=RetryPolicy(max_attempts=3, base=0.01, jitter="none"))
+        async def flaky(task: Task, ctx: Context) -> str:
+            calls[task.id] = calls.get(task.id, 0) + 1
+            if task.payload["bad"]:
+                raise PermanentError("never")
+            if calls[task.id] < 3:
+                raise ConnectionError("dropped")
+            return "ok"
+
+        async with Orchestrator(agents=[flaky], store=store) as orch:
+            result = await orch.run(
+                [Task("flaky", {"bad": False}, id="f"), Task("flaky", {"bad": True}, id="b")],
+                run_id="r3",
+            )
+        assert result.data == {"f": "ok"}
+        assert calls == {"f": 3, "b": 1}
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            rows = await conn.fetch(
+                "SELECT task_id, number, error_type FROM orchestra.attempts ORDER BY 1, 2"
+            )
+            task = await conn.fetchrow("SELECT attempts, state FROM orchestra.tasks WHERE id = 'f'")
+        finally:
+            await conn.close()
+        assert [tuple(r) for r in rows] == [
+            ("b", 1, "PermanentError"), ("f", 1, "ConnectionError"), ("f", 2, "ConnectionError"),
+        ]  # fmt: skip
+        assert task is not None
+        assert (task["attempts"], task["state"]) == (3, "succeeded")
+        assert (await states(pg_dsn, "r3"))["b"] == "failed"
+
+    async def test_a_cancel_is_written_and_its_dependents_skipped(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        import anyio
+
+        gate = anyio.Event()
+
+        @agent(kinds=["slow"])
+        async def slow(task: Task, ctx: Context) -> str:
+            await gate.wait()
+            return "done"
+
+        async with Orchestrator(agents=[slow, add], store=store, concurrency=1) as orch:
+            handle = orch.start(
+                [
+                    Task("slow", {}, id="a"),
+                    Task("slow", {}, id="b", priority=5),
+                    Task("sum", {}, id="after", depends_on=["b"]),
+                ],
+                run_id="r4",
+            )
+            await anyio.sleep(0.3)
+            handle.cancel(task_id=["b"])
+            gate.set()
+            result = await handle
+        assert result.data == {"a": "done"}
+        found = await states(pg_dsn, "r4")
+        assert found == {"a": "succeeded", "b": "cancelled", "after": "skipped"}
+
+    async def test_the_run_is_closed_and_given_up_at_its_end(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        async with Orchestrator(agents=[double], store=store) as orch:
+            await orch.run([Task("work", {"n": 1}, id="x")], run_id="r5")
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            run: Any = await conn.fetchrow("SELECT state, owner FROM orchestra.runs WHERE id='r5'")
+        finally:
+            await conn.close()
+        assert (run["state"], run["owner"]) == ("closed", None)
