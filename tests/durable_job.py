@@ -1,6 +1,7 @@
 """A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
 
-Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``.
+Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``;
+DB a SQLite file, or a PostgreSQL DSN (``postgresql://...``: a `PostgresStore`).
 Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
 test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
 
@@ -91,7 +92,13 @@ async def main() -> None:
     parser.add_argument("--window", type=float, default=0.05)
     parser.add_argument("--stream", action="store_true")
     parser.parse_args(namespace=ARGS)
-    store = SQLiteStore(ARGS.db, window=ARGS.window)
+    store: Any
+    if ARGS.db.startswith("postgresql://"):
+        from orchestra.stores._postgres._store import PostgresStore
+
+        store = PostgresStore(ARGS.db, poll=0.05)
+    else:
+        store = SQLiteStore(ARGS.db, window=ARGS.window)
     orch = Orchestrator(agents=[work], store=store, concurrency=2, seed=1)
     source: Any = streamed() if ARGS.stream else tasks()
     result = await orch.run(source, run_id=ARGS.run_id)

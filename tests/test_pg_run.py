@@ -4,16 +4,22 @@ hears, checked against the database's rows."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import asyncpg
 import pytest
 
-from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, Task, agent
+from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
 from orchestra.stores._postgres._store import PostgresStore
+from tests.helpers import REPO
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 
@@ -113,8 +119,6 @@ class TestARun:
     async def test_a_cancel_is_written_and_its_dependents_skipped(
         self, store: PostgresStore, pg_dsn: str
     ) -> None:
-        import anyio
-
         gate = anyio.Event()
 
         @agent(kinds=["slow"])
@@ -150,3 +154,84 @@ class TestARun:
         finally:
             await conn.close()
         assert (run["state"], run["owner"]) == ("closed", None)
+
+
+JOB = REPO / "tests" / "durable_job.py"
+
+
+def job(dsn: str, calls: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """Run tests/durable_job.py (run id "r") on `dsn` to its end or to its kill."""
+    return subprocess.run(
+        [sys.executable, str(JOB), dsn, "r", str(calls), *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+        check=False,
+    )
+
+
+async def committed(dsn: str) -> dict[str, tuple[str, int]]:
+    """Each task's state and attempts, as another process reads them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT id, state, attempts FROM orchestra.tasks WHERE run_id='r'")
+    finally:
+        await conn.close()
+    return {row[0]: (row[1], row[2]) for row in rows}
+
+
+EVERY_TASK = sorted({*(f"w{i}" for i in range(24)), "split", "total"} | {f"s{i}" for i in range(3)})
+
+
+class TestResumeAfterKill:
+    """The SQLite store's kill points (tests/test_sqlite.py), on PostgreSQL: a coordinator
+    SIGKILLed mid-run, the run resumed by its id in a new process."""
+
+    @pytest.mark.parametrize(
+        "options",
+        [("--kill", "calls:3"), ("--kill", "calls:14"), ("--kill", "calls:25"),
+         ("--kill", "input:4", "--stream"), ("--kill", "input:20", "--stream"),
+         ("--kill", "calls:12", "--stream")],
+        ids=lambda o: " ".join(o),
+    )  # fmt: skip
+    async def test_no_success_runs_again_and_every_task_ends_once(
+        self, pg_dsn: str, tmp_path: Path, options: tuple[str, ...]
+    ) -> None:
+        calls = tmp_path / "calls.txt"
+        killed = await anyio.to_thread.run_sync(job, pg_dsn, calls, *options)
+        assert killed.returncode == -9, killed.stderr
+        before = await committed(pg_dsn)
+        done_before = {i for i, (state, _) in before.items() if state == "succeeded"}
+        calls.write_text("")
+        resumed = await anyio.to_thread.run_sync(job, pg_dsn, calls, *options[2:])
+        assert resumed.returncode == 0, resumed.stderr
+        result = RunResult.model_validate_json(resumed.stdout)
+        ran_again = set(calls.read_text().split())
+        assert not done_before & ran_again
+        assert result.status == "success", result.errors
+        assert result.metadata.total == 29
+        assert result.metadata.resumed == len(done_before)
+        assert result.data["total"]["value"] == sum(2 * i for i in range(4))
+        after = await committed(pg_dsn)
+        assert sorted(after) == EVERY_TASK
+        assert {state for state, _ in after.values()} == {"succeeded"}
+        # A task the killed process held ran again, its lost attempt counted.
+        for task_id, (state, attempts) in before.items():
+            if state in ("claimed", "running"):
+                assert after[task_id] == ("succeeded", attempts + 1)
+
+    async def test_a_finished_run_run_again_executes_nothing(
+        self, pg_dsn: str, tmp_path: Path
+    ) -> None:
+        calls = tmp_path / "calls.txt"
+        first = await anyio.to_thread.run_sync(job, pg_dsn, calls)
+        assert first.returncode == 0, first.stderr
+        calls.write_text("")
+        again = await anyio.to_thread.run_sync(job, pg_dsn, calls)
+        assert again.returncode == 0, again.stderr
+        assert calls.read_text() == ""
+        result = RunResult.model_validate_json(again.stdout)
+        assert result.data == RunResult.model_validate_json(first.stdout).data
+        assert result.metadata.resumed == 29

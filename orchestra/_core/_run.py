@@ -253,6 +253,11 @@ class Run:
         self._streamed = not whole
         self.listeners_changed()
         registry = config.registry
+        # A store whose run another process may hold waits here until it is this one's (an
+        # optional part of the protocol: `PostgresStore.prepare_run`, a standby coordinator).
+        prepare = getattr(config.store, "prepare_run", None)
+        if prepare is not None:
+            await prepare(self.run_id)
         self.store = config.store.open_run(
             self.run_id,
             admission=Admission(

@@ -49,11 +49,13 @@ from ..._output import json_text, jsonable, stored_json
 from ..._task import CLAIMED, READY, RUNNING, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
+from .._resume import Resume
 from . import _coordinator as coordinator
 from . import _follow as follow
 from . import _leases as leases
 from ._graph import admit_in
 from ._listen import Wakeup, channel_of, notify
+from ._rows import Rows, load
 from ._settle import close_input
 
 if TYPE_CHECKING:
@@ -101,7 +103,7 @@ class PostgresRun:
         self._wall0 = time.time()  # the wall time of the mirror's zero (`memory.t0`)
         self._kinds = sorted(admission.kinds)
         # This process, as the database knows it: the run's lease and its tasks' leases.
-        self.name = f"{socket.gethostname()}:{os.getpid()}:{store.owner}"
+        self.name = coordinator_name(store)
         # The tasks this process holds under a lease of the database: id -> its claim.
         self._held: dict[str, leases.Claimed] = {}
         # Claimed here, not handed to the engine yet: (priority, order, record), best first.
@@ -119,7 +121,7 @@ class PostgresRun:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand (the contract suite): every call writes at once
             self._loop = None
-        taken = self._db.call(_open, run_id, self.name, store.lease)
+        taken, rows, attempts = self._db.call(_open, run_id, self.name, store.lease)
         if isinstance(taken, coordinator.Holder):
             raise StoreError(
                 f"run {run_id!r} is being run by another coordinator ({taken.owner}, its lease "
@@ -128,6 +130,9 @@ class PostgresRun:
                 "--dsn ...`), or run this again once it is over"
             )
         self._lease: coordinator.Lease = taken
+        # What an earlier coordinator left of the run, taken back when the input comes again.
+        reader = Rows(self._wall0, self._wall0 - memory.t0)
+        self._resume = Resume(run_id, admission, reader, (rows, attempts) if rows else None)
         del memory
         self._wakeup = Wakeup()
         self._tasks: list[asyncio.Task[None]] = []
@@ -197,21 +202,57 @@ class PostgresRun:
         forward: bool,
         first_index: int = 0,
     ) -> int:
-        added = self._memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+        self._take_back()
         _storable(tasks, where)
+        generated: set[int] = set()
+        resume = self._resume
+        memory = self._memory
+        if resume.stored:
+            generated = resume.match(tasks, first_index)
+            gone = [i for i, task in enumerate(tasks) if resume.gone(task, memory)]
+            if gone:  # (a streamed chunk only: independent stretches around what is gone)
+                added = start = 0
+                for stop in [*gone, len(tasks)]:
+                    if start < stop:
+                        added += memory.admit(
+                            tasks[start:stop], where=where, forward=forward,
+                            first_index=first_index + start, generated=generated,
+                        )  # fmt: skip
+                    start = stop + 1
+                kept = [t for i, t in enumerate(tasks) if i not in set(gone)]
+                self._queue("admit", (kept, where, forward, first_index))
+                self._backlog += len(kept)
+                return added
+        added = memory.admit(
+            tasks, where=where, forward=forward, first_index=first_index, generated=generated
+        )
         self._queue("admit", (list(tasks), where, forward, first_index))
         self._backlog += len(tasks)
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
-        self._memory.admit_one(task, index)
+        self._take_back()
         _storable((task,), "input item")
+        generated = False
+        resume = self._resume
+        if resume.stored:
+            generated = bool(resume.match((task,), index))
+            if resume.gone(task, self._memory):
+                return
+        self._memory.admit_one(task, index, generated=generated)
         self._queue("admit", ([task], "input item", False, index))
         self._backlog += 1
 
     def close_input(self) -> None:
+        self._take_back()
         self._memory.close_input()
         self._queue("close_input", None)
+
+    def _take_back(self) -> None:
+        """What an earlier coordinator left of this run, taken back as the input starts coming
+        (the ends it saw heard by the run; what other processes hold stays theirs: ready in the
+        mirror, claimed in the database until they end it or their lease lapses)."""
+        self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
 
     def backpressure(self) -> asyncio.Future[None] | None:
         if self._backlog < _BACKLOG or self._loop is None:
@@ -642,19 +683,80 @@ class PostgresRun:
             raise StoreError(f"{self._store!r} could not write run {self.run_id!r}: {error}")
 
 
+def coordinator_name(store: PostgresStore) -> str:
+    """This process's name as the database knows it (``host:pid:store id``): the holder of its
+    runs' leases and of its tasks' leases."""
+    return f"{socket.gethostname()}:{os.getpid()}:{store.owner}"
+
+
 # -- the jobs (run in the store's thread, on a pooled connection) --------------------------------
+
+
+async def take_over(
+    conn: asyncpg.Connection, run_id: str, owner: str, lease: float, poll: float
+) -> None:
+    """Wait, as a standby, until `run_id` is free for `owner`, and take it (`PostgresStore.
+    prepare_run`)."""
+    host = socket.gethostname()
+    said = False
+    while True:
+        held = await coordinator.holder(conn, run_id)
+        if held is None or held.owner is None or held.owner == owner or held.remaining <= 0:
+            break
+        name, _, rest = held.owner.partition(":")
+        pid = rest.partition(":")[0]
+        if name == host and pid.isdigit() and not _alive(int(pid)):
+            # Its process is gone (this host can tell): its lease is let go of now.
+            await conn.execute(
+                "UPDATE orchestra.runs SET expires = now() - interval '1 second' "
+                "WHERE id = $1 AND owner = $2",
+                run_id, held.owner,
+            )  # fmt: skip
+            break
+        if not said:
+            log.info(
+                "waiting for the run's coordinator to let go (a standby)",
+                run_id=run_id, holder=held.owner, remaining=round(held.remaining, 1),
+            )  # fmt: skip
+            said = True
+        await asyncio.sleep(min(poll, held.remaining) + 0.005)
+    await coordinator.take_over(conn, run_id, owner=owner, lease=lease, poll=poll)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 async def _open(
     conn: asyncpg.Connection, run_id: str, owner: str, lease: float
-) -> coordinator.Lease | coordinator.Holder:
+) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any]]:
+    """Take the run (made when new) and read what an earlier coordinator left of it; the tasks
+    that coordinator held are taken back at once (their attempts counted), its process gone."""
     taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
-    if taken is not None:
-        await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
-        return taken
-    held = await coordinator.holder(conn, run_id)
-    assert held is not None  # acquire makes the run
-    return held
+    if taken is None:
+        held = await coordinator.holder(conn, run_id)
+        assert held is not None  # acquire makes the run
+        return held, [], []
+    await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
+    # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
+    # they held is taken back now, not when its lease would lapse.
+    expired = await conn.fetchval(
+        "WITH before AS (SELECT DISTINCT agent FROM orchestra.events "
+        "WHERE run_id = $1 AND event = 'coordinator' AND agent <> $2) "
+        "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second' "
+        "WHERE run_id = $1 AND lease_owner IN (SELECT agent FROM before) RETURNING 1",
+        run_id, owner,
+    )  # fmt: skip
+    if expired:
+        await leases.take_back_expired(conn, run_id)
+    rows, attempts = await load(conn, run_id)
+    return taken, rows, attempts
 
 
 async def _claim_step(
@@ -722,6 +824,16 @@ async def _apply(
         i = j
     return refused
 
+
+class _NoRemote:
+    """A resumed run's tasks other processes hold need nothing at resume: the database keeps
+    their leases, and their ends come through the feed."""
+
+    def resume(self, records: Sequence[Record], rows: Sequence[Any]) -> int:
+        return 0
+
+
+_NO_REMOTE = _NoRemote()
 
 _FENCED = frozenset(("admit", "decide", "priority", "close_input"))
 

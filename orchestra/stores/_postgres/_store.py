@@ -110,6 +110,16 @@ class PostgresStore:
 
     # -- the Store protocol ----------------------------------------------------------------------
 
+    async def prepare_run(self, run_id: str) -> None:
+        """Wait until this process may coordinate `run_id` (awaited by the run before
+        `open_run`): at once for a new run or one nobody holds; for a run another coordinator
+        holds, as its *standby*, until that one lets go or its lease lapses (it died, or was
+        cut off for a whole lease), then take it over. A holder on this host whose process is
+        gone is taken over at once."""
+        from ._run import coordinator_name, take_over
+
+        await self.database.run(take_over, run_id, coordinator_name(self), self.lease, self.poll)
+
     def open_run(
         self,
         run_id: str,
