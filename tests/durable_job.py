@@ -59,7 +59,7 @@ async def work(task: Task, ctx: Context) -> dict[str, Any]:
             ctx.spawn(Task("work", 100 + i, id=f"s{i}"))
     if task.id == "total":
         return {"id": task.id, "value": sum(d["value"] for d in ctx.deps.values())}
-    await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else 0.004)
+    await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else ARGS.sleep)
     if ARGS.kill == f"after:{task.id}":
         DONE.append(task.id)
     return {"id": task.id, "value": task.payload * 2}
@@ -91,12 +91,14 @@ async def main() -> None:
     parser.add_argument("--kill")
     parser.add_argument("--window", type=float, default=0.05)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.004)  # each agent call's
+    parser.add_argument("--lease", type=float, default=30.0)  # (PostgreSQL)
     parser.parse_args(namespace=ARGS)
     store: Any
     if ARGS.db.startswith("postgresql://"):
         from orchestra.stores._postgres._store import PostgresStore
 
-        store = PostgresStore(ARGS.db, poll=0.05)
+        store = PostgresStore(ARGS.db, poll=0.05, lease=ARGS.lease)
     else:
         store = SQLiteStore(ARGS.db, window=ARGS.window)
     orch = Orchestrator(agents=[work], store=store, concurrency=2, seed=1)

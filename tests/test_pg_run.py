@@ -5,8 +5,10 @@ hears, checked against the database's rows."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -15,7 +17,7 @@ import pytest
 
 from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
 from orchestra.stores._postgres._store import PostgresStore
-from tests.helpers import REPO
+from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -235,3 +237,80 @@ class TestResumeAfterKill:
         result = RunResult.model_validate_json(again.stdout)
         assert result.data == RunResult.model_validate_json(first.stdout).data
         assert result.metadata.resumed == 29
+
+
+def start_job(dsn: str, calls: Path, *options: str) -> subprocess.Popen[str]:
+    return spawn(
+        [sys.executable, str(JOB), dsn, "r", str(calls), *options],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+async def lines(path: Path, at_least: int, timeout: float = 30.0) -> list[str]:
+    """The lines of `path`, once it has `at_least` of them."""
+    with anyio.fail_after(timeout):
+        while True:
+            found = path.read_text().split() if path.exists() else []
+            if len(found) >= at_least:
+                return found
+            await anyio.sleep(0.02)
+
+
+async def finish(process: subprocess.Popen[str], timeout: float = 60.0) -> tuple[int, str, str]:
+    out, err = await anyio.to_thread.run_sync(lambda: process.communicate(timeout=timeout))
+    return process.returncode, out, err
+
+
+class TestStandby:
+    async def test_a_standby_takes_a_killed_coordinators_run_over_with_nothing_redone(
+        self, pg_dsn: str, tmp_path: Path
+    ) -> None:
+        first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+        a = start_job(pg_dsn, first, "--sleep", "0.15")
+        await lines(first, 4)
+        b = start_job(pg_dsn, second, "--sleep", "0.01")
+        await anyio.sleep(1.0)
+        assert b.poll() is None  # waiting, as a standby ...
+        assert not second.exists() or second.read_text() == ""  # ... running nothing
+        a.kill()
+        await anyio.to_thread.run_sync(a.wait)
+        before = await committed(pg_dsn)
+        done_before = {i for i, (state, _) in before.items() if state == "succeeded"}
+        assert done_before
+        code, out, err = await finish(b)
+        assert code == 0, err
+        result = RunResult.model_validate_json(out)
+        assert result.status == "success", result.errors
+        assert result.metadata.resumed == len(done_before)
+        assert not done_before & set(second.read_text().split())
+        after = await committed(pg_dsn)
+        assert sorted(after) == EVERY_TASK
+        assert {state for state, _ in after.values()} == {"succeeded"}
+
+    async def test_a_coordinator_paused_past_its_lease_is_fenced_off_when_it_wakes(
+        self, pg_dsn: str, tmp_path: Path
+    ) -> None:
+        first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+        a = start_job(pg_dsn, first, "--sleep", "0.15", "--lease", "1.5")
+        await lines(first, 4)
+        a.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        b = start_job(pg_dsn, second, "--sleep", "0.01", "--lease", "1.5")
+        code, out, err = await finish(b)
+        took = time.monotonic() - started
+        assert code == 0, err
+        assert took >= 1.0  # it waited for the lease of a live (stopped) holder to lapse
+        result = RunResult.model_validate_json(out)
+        assert result.status == "success", result.errors
+        settled = await committed(pg_dsn)
+        a.send_signal(signal.SIGCONT)
+        code, _, err = await finish(a)
+        assert code != 0
+        assert "lost its lease on the run" in err
+        # Nothing the woken coordinator did changed the run: every task ended once, as it was.
+        assert await committed(pg_dsn) == settled
+        assert sorted(settled) == EVERY_TASK
