@@ -4,11 +4,13 @@ hears, checked against the database's rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -18,9 +20,11 @@ import pytest
 from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
 from orchestra.stores._postgres._store import PostgresStore
 from tests.helpers import REPO, spawn
+from tests.test_cli import JOB as CLI_JOB
+from tests.test_cli import invoke, lines_of
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
@@ -40,6 +44,15 @@ async def states(dsn: str, run_id: str) -> dict[str, str]:
     finally:
         await conn.close()
     return {row["id"]: row["state"] for row in rows}
+
+
+async def attempts_of(dsn: str, run_id: str) -> dict[str, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT id, attempts FROM orchestra.tasks WHERE run_id=$1", run_id)
+    finally:
+        await conn.close()
+    return {row["id"]: row["attempts"] for row in rows}
 
 
 @agent(kinds=["work"])
@@ -314,3 +327,49 @@ class TestStandby:
         # Nothing the woken coordinator did changed the run: every task ended once, as it was.
         assert await committed(pg_dsn) == settled
         assert sorted(settled) == EVERY_TASK
+
+
+class TestTheCommand:
+    """`orchestra run ... --dsn URL`: the run kept in PostgreSQL, resumed by running the command
+    again with its --run-id."""
+
+    @pytest.fixture
+    def job(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+        name = f"job_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(CLI_JOB)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        yield name
+        sys.modules.pop(name, None)
+
+    def test_a_run_kept_in_postgresql_resumes_with_nothing_run_again(
+        self, job: str, tmp_path: Path, pg_dsn: str
+    ) -> None:
+        source = tmp_path / "input.jsonl"
+        source.write_text(
+            "".join(
+                json.dumps({"kind": "double", "payload": i, "id": f"t{i}"}) + "\n" for i in range(5)
+            )
+        )
+        command = ("run", f"{job}:build", str(source), "--dsn", pg_dsn, "--run-id", "r1")
+        first = invoke(*command)
+        assert first.exit_code == 0, first.output
+        assert {r["task_id"]: r["output"] for r in lines_of(first.stdout)} == {
+            f"t{i}": 2 * i for i in range(5)
+        }
+        again = invoke(*command)
+        assert again.exit_code == 0, again.output
+        # Nothing ran again: each task has the one attempt of the first run.
+        assert anyio.run(attempts_of, pg_dsn, "r1") == {f"t{i}": 1 for i in range(5)}
+        assert anyio.run(states, pg_dsn, "r1") == {f"t{i}": "succeeded" for i in range(5)}
+
+    def test_a_file_and_a_database_at_once_is_a_usage_error(self, job: str, tmp_path: Path) -> None:
+        source = tmp_path / "input.jsonl"
+        source.write_text(json.dumps({"kind": "double", "payload": 1}) + "\n")
+        result = invoke(
+            "run", f"{job}:build", str(source), "--db", str(tmp_path / "r.db"),
+            "--dsn", "postgresql://app:s3cret@db/x",
+        )  # fmt: skip
+        assert result.exit_code == 2, result.output
+        assert "not both" in result.stderr
+        assert "s3cret" not in result.output

@@ -199,33 +199,48 @@ def run(
             show_default=False,
         ),
     ] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(
+            "--dsn",
+            metavar="URL",
+            help="Keep the run in this PostgreSQL database (PostgresStore, the postgres extra): "
+            "workers on other machines join it (`orchestra worker --dsn`), and the same command "
+            "run again with its --run-id resumes it, or, while the run's coordinator lives, "
+            "waits as its standby and takes the run over if it dies.",
+            show_default=False,
+        ),
+    ] = None,
     run_id: Annotated[
         str | None,
         typer.Option(
             "--run-id",
             metavar="ID",
-            help="The run's id (a fresh one by default, printed at the end). With --db, an id "
-            "the file already holds resumes that run: what succeeded is not run again, what "
-            "`orchestra runs retry` reopened runs again.",
+            help="The run's id (a fresh one by default, printed at the end). With --db or "
+            "--dsn, an id the store already holds resumes that run: what succeeded is not run "
+            "again, what `orchestra runs retry` reopened runs again.",
             show_default=False,
         ),
     ] = None,
 ) -> None:
     """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
 
-    With --db the run is kept in a SQLite file: the same command with --run-id resumes it (give
-    the same input again) or runs the tasks `orchestra runs retry` reopened.
+    With --db the run is kept in a SQLite file, with --dsn in a PostgreSQL database: the same
+    command with --run-id resumes it (give the same input again) or runs the tasks `orchestra
+    runs retry` reopened.
 
     Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
     """
     orch = _load(target)
-    store = None
-    if db is not None:
+    store: Any = None
+    if db is not None and dsn is not None:
+        raise _fail("give --db FILE or --dsn URL, not both")
+    if db is not None or dsn is not None:
         try:
-            store = SQLiteStore(db)
+            store = SQLiteStore(db) if db is not None else _postgres(dsn)
         except (ConfigError, StoreError) as exc:
             raise _fail(str(exc)) from None
-        orch.store = store  # the factory made it for this command: its runs go to the file
+        orch.store = store  # the factory made it for this command: its runs go there
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
@@ -257,22 +272,35 @@ def run(
         where = "stdout" if output is None or str(output) == "-" else str(output)
         console.print(f"{batch.written} task results written to {where}", markup=False)
     if db is not None:
-        for line in _resume_hints(result, target, input, db):
+        for line in _resume_hints(result, target, input, f"--db {db}", str(db)):
+            console.print(line, markup=False)
+    elif dsn is not None:  # (the DSN is not printed: it may hold a password)
+        for line in _resume_hints(result, target, input, "--dsn $DSN", repr(store)):
             console.print(line, markup=False)
     raise typer.Exit(EXIT_CODES[result.status])
 
 
-def _resume_hints(result: RunResult, target: str, input: Path, db: Path) -> list[str]:
-    """What to type to resume the run kept in `db`, or to retry its failed tasks."""
+def _postgres(dsn: str | None) -> Any:
+    """`PostgresStore(dsn)`, or the error that says which extra to install."""
+    try:
+        from orchestra.stores import PostgresStore
+    except ModuleNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    return PostgresStore(dsn)  # type: ignore[arg-type]
+
+
+def _resume_hints(
+    result: RunResult, target: str, input: Path, option: str, where: str
+) -> list[str]:
+    """What to type to resume the run kept in the store (`option`: --db FILE or --dsn), or to
+    retry its failed tasks."""
     rid = result.metadata.run_id
-    again = f"orchestra run {target} {input} --db {db} --run-id {rid}"
-    lines = [f"run {rid} is kept in {db}"]
+    again = f"orchestra run {target} {input} {option} --run-id {rid}"
+    lines = [f"run {rid} is kept in {where}"]
     if result.status == "cancelled":
         lines.append(f"  resume it: {again}")
     elif result.errors:
-        lines.append(
-            f"  retry its failed tasks: orchestra runs retry {rid} --db {db}, then {again}"
-        )
+        lines.append(f"  retry its failed tasks: orchestra runs retry {rid} {option}, then {again}")
     return lines
 
 
