@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -18,6 +20,7 @@ import asyncpg
 import pytest
 
 from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
+from orchestra.stores._postgres._server import embedded_server
 from orchestra.stores._postgres._store import PostgresStore
 from tests.helpers import REPO, spawn
 from tests.test_cli import JOB as CLI_JOB
@@ -25,7 +28,6 @@ from tests.test_cli import invoke, lines_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
-    from pathlib import Path
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 
@@ -373,3 +375,52 @@ class TestTheCommand:
         assert result.exit_code == 2, result.output
         assert "not both" in result.stderr
         assert "s3cret" not in result.output
+
+
+class TestADatabaseRestart:
+    async def test_a_run_under_load_loses_nothing_when_its_database_restarts(self) -> None:
+        with tempfile.TemporaryDirectory() as parent:
+            os.chmod(parent, 0o755)  # reachable by the server's user when root
+            directory = Path(parent) / "data"
+            server = embedded_server(directory, durable=True)
+            port = server.port
+            calls: dict[str, int] = {}
+
+            @agent(kinds=["work"], concurrency=20)
+            async def work(task: Task, ctx: Context) -> int:
+                calls[task.id] = calls.get(task.id, 0) + 1
+                await anyio.sleep(0.01)
+                return int(task.payload)
+
+            async def restart() -> None:
+                nonlocal server
+                while len(calls) < 150:
+                    await anyio.sleep(0.01)
+                await anyio.to_thread.run_sync(server.stop)
+                down.append(len(calls))
+                await anyio.sleep(0.5)
+                server = await anyio.to_thread.run_sync(
+                    lambda: embedded_server(directory, durable=True, port=port)
+                )
+
+            down: list[int] = []  # how many tasks had run when the server was down
+            store = PostgresStore(server.dsn, poll=0.1, lease=10)
+            try:
+                async with (
+                    Orchestrator(agents=[work], store=store) as orch,
+                    anyio.create_task_group() as tg,
+                ):
+                    tg.start_soon(restart)
+                    tasks = [Task("work", i, id=f"t{i}") for i in range(600)]
+                    result = await orch.run(tasks, run_id="restarted")
+                assert result.status == "success", result.errors
+                assert down[0] < 600  # the run was under way
+                assert result.data == {f"t{i}": i for i in range(600)}
+                found = await states(server.dsn, "restarted")
+                assert found == {f"t{i}": "succeeded" for i in range(600)}
+                # Executions at least once, each counted: a task run again was one whose end
+                # the restart cut off.
+                assert set(calls) == set(found)
+            finally:
+                store.close()
+                server.stop()

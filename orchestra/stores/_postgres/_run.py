@@ -633,9 +633,9 @@ class PostgresRun:
                 # (a copy: the run's loop changes the dict meanwhile; `dict.copy` is one step)
                 held = self._held.copy()
                 if held:
-                    async with pool.acquire() as conn:
-                        await leases.heartbeat(
-                            conn,  # type: ignore[arg-type]
+                    with contextlib.suppress(StoreError):  # out of reach: the next beat tries
+                        await self._db.within(
+                            leases.heartbeat,
                             self.name,
                             [(c.run_id, c.id, c.token) for c in held.values()],
                             lease=store.lease,
