@@ -51,6 +51,7 @@ _LOST: Final = (
     asyncpg.CannotConnectNowError,  # the server is starting up or shutting down
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
+    asyncpg.InternalClientError,  # "not connected", a protocol cut off mid-statement
 )
 
 
@@ -153,8 +154,13 @@ class Database:
         while True:
             try:
                 async with pool.acquire() as conn:
-                    # (a pooled connection proxies a `Connection`: the jobs are typed for that)
-                    return await job(cast("asyncpg.Connection", conn), *args, **options)
+                    try:
+                        # (a pooled connection proxies a `Connection`: the jobs are typed so)
+                        return await job(cast("asyncpg.Connection", conn), *args, **options)
+                    except asyncpg.InternalClientError:
+                        # Its protocol broke with the connection (mid-statement): never reused.
+                        conn.terminate()
+                        raise
             except _LOST as exc:
                 if isinstance(exc, asyncpg.InterfaceError) and "closed" not in str(exc):
                     raise

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -490,15 +491,23 @@ class PostgresRun:
         self._hand_out(claimed)
 
     async def _claim_loop(self) -> None:
+        loop = self._loop
+        assert loop is not None
         poll = self._store.poll
+        every = self._store.lease / 3
+        swept = -math.inf
         while not self.closed:
             await self._wakeup.wait(poll)
             if self.closed or self._error is not None:
                 return
+            sweep = loop.time() - swept >= every
+            if sweep:
+                swept = loop.time()
             try:
                 heard, claimed = await self._db.run(
-                    _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None
-                )
+                    _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None,
+                    sweep,
+                )  # fmt: skip
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -766,7 +775,12 @@ async def _claim_step(
     owner: str,
     lease: float,
     limit: int | None,
+    sweep: bool = False,
 ) -> tuple[follow.Heard, list[leases.Claimed]]:
+    if sweep:
+        # Leases that lapsed (a worker gone; a claim whose answer a lost connection dropped):
+        # taken back here too, so that a run with no live worker left never waits for them.
+        await leases.take_back_expired(conn, run_id)
     heard = await follow.heard(conn, run_id)
     claimed: list[leases.Claimed] = []
     if any(room > 0 for room in rooms.values()):
