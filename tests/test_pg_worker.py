@@ -167,7 +167,9 @@ class TestInOneProcess:
         }
         assert rows["p/work#2"]["parent"] == rows["p.five"]["parent"] == "p"
         assert {r["agent"] for r in rows.values()} == {"runner"}
-        assert {i: (r["attempts"], r["lease_owner"]) for i, r in rows.items()} == {i: (1, None) for i in rows}
+        assert {i: (r["attempts"], r["lease_owner"]) for i, r in rows.items()} == dict.fromkeys(
+            rows, (1, None)
+        )
         # The coordinator follows what others ended: every end is in its feed, once.
         ended = await pg_conn.fetch("SELECT id FROM orchestra.ended WHERE run_id = 'r'")
         assert sorted(r["id"] for r in ended) == sorted(rows)
@@ -240,6 +242,70 @@ class TestInOneProcess:
             rows = await until_ended(pg_conn, "second", 2, within=20)
             tg.cancel_scope.cancel()
         assert {i: value(r) for i, r in rows.items()} == {"a": 4, "b": 6}
+
+    async def test_a_lease_lost_to_another_process_cancels_its_attempt_counted_lost(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection
+    ) -> None:
+        started = anyio.Event()
+        cancelled: list[str] = []
+
+        @agent(kinds=["slow"])
+        async def waits(task: Task, ctx: Context) -> Any:
+            started.set()
+            try:
+                await anyio.sleep(3600)
+            except BaseException:
+                cancelled.append(task.id)
+                raise
+
+        await open_run(pg_conn, "r", [Task("slow", 0, id="s")])
+        work = Work(Orchestrator(agents=[waits]), pg_dsn, run_id="r", lease=0.6)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            await started.wait()
+            # Another process holds it now (as after a take-back and a claim): a newer token.
+            await pg_conn.execute(
+                "UPDATE orchestra.tasks SET lease_owner = 'other', "
+                "token = nextval('orchestra.lease_tokens') WHERE id = 's'"
+            )
+            await until(lambda: cancelled == ["s"], 10)  # its next heartbeat heard it
+            await pg_conn.execute(
+                "UPDATE orchestra.tasks SET state = 'succeeded', lease_owner = NULL WHERE id = 's'"
+            )
+            await close_run(pg_conn, "r")
+        assert work.report is not None
+        assert (work.report.lost, work.report.completed, work.report.refused) == (1, 0, 0)
+        counted = await pg_conn.fetchrow(
+            "SELECT claimed, completed, refused FROM orchestra.workers"
+        )
+        assert counted is not None
+        assert tuple(counted) == (1, 0, 0)  # as its report says
+        # Its cancelled end was not written over the other process's task.
+        row = await pg_conn.fetchrow("SELECT state, error_type FROM orchestra.tasks")
+        assert row is not None
+        assert tuple(row) == ("succeeded", None)
+
+    async def test_a_cancelled_worker_hands_back_what_it_holds_uncounted(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection
+    ) -> None:
+        started: list[str] = []
+
+        @agent(kinds=["slow"], concurrency=2)
+        async def waits(task: Task, ctx: Context) -> Any:
+            started.append(task.id)
+            await anyio.sleep(3600)
+
+        await open_run(pg_conn, "r", [Task("slow", i, id=f"s{i}") for i in range(3)])
+        work = Work(Orchestrator(agents=[waits]), pg_dsn, run_id="r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            await until(lambda: len(started) == 2)  # as many as its agent can start
+            tg.cancel_scope.cancel()
+        rows = await pg_conn.fetch("SELECT id, state, attempts, lease_owner FROM orchestra.tasks")
+        assert sorted(tuple(r) for r in rows) == [(f"s{i}", "ready", 0, None) for i in range(3)]
+        assert await attempts_of(pg_conn, "r") == {}
+        gone = await pg_conn.fetchval("SELECT gone IS NOT NULL FROM orchestra.workers")
+        assert gone
 
     async def test_a_store_that_is_not_shared_is_a_config_error_naming_both(self) -> None:
         orch = Orchestrator(agents=[runner])

@@ -34,7 +34,7 @@ import anyio
 import asyncpg
 
 from ..._exceptions import InputError, StoreError
-from ..._task import FAILED
+from ..._task import CANCELLED, FAILED
 from .._worker_run import ending
 from ._database import explain
 from ._leases import End, Failed, claim, complete, heartbeat, note, release
@@ -166,9 +166,12 @@ class PostgresWorkerBackend:
             _complete, name, runs, noted, admission
         )
         accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
-        if self._presence is not None:
+        if self._presence is not None:  # counted as the worker's report counts them
             self._presence.completed += sum(accepted)
-            self._presence.refused += len(accepted) - sum(accepted)
+            self._presence.refused += sum(
+                not ok and result.status != CANCELLED
+                for ok, (_, result, *_) in zip(accepted, ends, strict=True)
+            )
         return accepted
 
     async def release(self, name: str, held: Sequence[Claim] | None) -> int:
