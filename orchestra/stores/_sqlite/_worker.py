@@ -51,11 +51,11 @@ class SQLiteWorkerBackend:
     async def present(
         self, name: str, run_id: str | None, kinds: Sequence[str]
     ) -> AsyncIterator[None]:
+        # Shielded: the row commits in the writer thread even when a cancel lands before the
+        # answer is back, and only the `finally` takes it out again.
+        with anyio.CancelScope(shield=True):
+            await self._call(leases.register, name, run_id, kinds, time.time())
         try:
-            # Shielded: the row commits in the writer thread even when a cancel lands before the
-            # answer is back, and only the `finally` takes it out again.
-            with anyio.CancelScope(shield=True):
-                await self._call(leases.register, name, run_id, kinds, time.time())
             yield
         finally:
             with anyio.CancelScope(shield=True):
