@@ -31,7 +31,7 @@ from .._exceptions import ConfigError, InputError, StoreError
 from .._failure import describe, format_traceback, scrub, with_type
 from .._version import __version__
 from ..stores import SQLiteStore
-from ..stores._worker import Worker
+from ..stores._worker import Worker, backend_of
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._runs import runs_app
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from .._core._orchestrator import Orchestrator
     from .._result import RunResult
+    from ..stores._postgres._store import PostgresStore
     from ..stores._worker import WorkReport
 
 __all__ = ("app", "main", "run_demo", "run_job")
@@ -352,12 +353,6 @@ def _writing(path: Path | None) -> Iterator[IO[str]]:
 
 @app.command()
 def worker(
-    db: Annotated[
-        Path,
-        typer.Option(
-            "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
-        ),
-    ],
     agents: Annotated[
         str,
         typer.Option(
@@ -369,6 +364,21 @@ def worker(
             show_default=False,
         ),
     ],
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
+        ),
+    ] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(
+            "--dsn",
+            metavar="postgresql://...",
+            help="The PostgreSQL database the runs are kept in (PostgresStore).",
+            show_default=False,
+        ),
+    ] = None,
     kinds: Annotated[
         str | None,
         typer.Option(
@@ -393,21 +403,49 @@ def worker(
             min=0.5,
         ),
     ] = 30.0,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="With --dsn: on SIGTERM or Ctrl-C, how long the running attempts may take to "
+            "finish (a second signal cancels them at once).",
+            min=0.0,
+        ),
+    ] = 10.0,
 ) -> None:
-    """Work for the runs of a SQLite file: claim ready tasks, run them, write back the results.
+    """Work for the runs of a shared store: claim ready tasks, run them, write back the results.
 
-    Start as many as you like, on the file the runs' own processes use (`SQLiteStore(path)`). Ctrl-C
-    or SIGTERM stops a worker: what it claimed and did not finish goes back to the queue.
+    Start as many as you like, on the file (--db) or the database (--dsn) the runs' own processes
+    use (`SQLiteStore(path)`, `PostgresStore(dsn)`). With --db, Ctrl-C or SIGTERM stops a worker at
+    once: what it claimed and did not finish goes back to the queue (exit 130). With --dsn, the
+    first signal drains it: it claims no more, lets the running attempts finish within --grace,
+    hands back the rest at once and exits 0; a second signal cancels at once (exit 130).
 
-    Exit code: 0 done (the run of --run-id is over), 130 stopped, 2 usage error.
+    Exit code: 0 done (the run of --run-id is over, or drained), 130 stopped, 2 usage error.
     """
-    if not db.is_file():
+    if (db is None) == (dsn is None):
+        raise _fail(
+            "give exactly one of --db FILE (SQLite) and --dsn postgresql://... (PostgreSQL)"
+        )
+    if db is not None and not db.is_file():
         raise _fail(f"no such file: {db} (a run creates it: orch.run(..., run_id=...))")
     orch = _load(agents)
     try:
-        store = SQLiteStore(db, lease=lease)
+        store: SQLiteStore | PostgresStore
+        if db is not None:
+            store = SQLiteStore(db, lease=lease)
+            drain = None
+        else:
+            assert dsn is not None
+            store = _postgres_store(dsn, lease)
+            drain = grace
         wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
-        report, interrupted = asyncio.run(_work(orch, store, wanted, run_id))
+        try:
+            report, interrupted = asyncio.run(_work(orch, store, wanted, run_id, drain))
+        finally:
+            if not isinstance(store, SQLiteStore):  # (a file's writer thread ends with the process)
+                store.close()
     except (ConfigError, InputError, StoreError) as exc:
         raise _fail(str(exc)) from None
     _stderr().print(
@@ -418,19 +456,40 @@ def worker(
     raise typer.Exit(INTERRUPTED if interrupted else 0)
 
 
+def _postgres_store(dsn: str, lease: float) -> PostgresStore:
+    """A `PostgresStore` on `dsn`; a usage error when the `postgres` extra is not installed."""
+    try:
+        from ..stores._postgres._store import PostgresStore
+    except ImportError as exc:
+        raise _fail(
+            f"--dsn needs the `postgres` extra (pip install 'orchestra[postgres]'): {exc}"
+        ) from None
+    return PostgresStore(dsn, lease=lease)
+
+
 async def _work(
-    orch: Orchestrator, store: SQLiteStore, kinds: list[str] | None, run_id: str | None
+    orch: Orchestrator,
+    store: SQLiteStore | PostgresStore,
+    kinds: list[str] | None,
+    run_id: str | None,
+    grace: float | None,
 ) -> tuple[WorkReport, bool]:
-    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it (what it holds is handed
-    back); its report, and whether a signal stopped it."""
+    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it; its report, and whether a
+    signal cancelled it. `grace` None: the first signal cancels (what it holds is handed back);
+    a number: the first signal drains the worker (`Worker.drain`), a second one cancels."""
     loop = asyncio.get_running_loop()
     stopped = False
     async with orch:
-        worker = Worker(orch, store, run_id, kinds, 0.1)
+        backend = backend_of(store)
+        worker = Worker(orch, backend, run_id, kinds, backend.poll)
         job = asyncio.ensure_future(worker.run())
+        draining: asyncio.Task[None] | None = None
 
         def stop() -> None:
-            nonlocal stopped
+            nonlocal stopped, draining
+            if grace is not None and draining is None:
+                draining = asyncio.ensure_future(worker.drain(grace))
+                return
             stopped = True
             job.cancel()
 
@@ -444,6 +503,10 @@ async def _work(
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if draining is not None:
+                draining.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await draining
     return worker.report, stopped
 
 

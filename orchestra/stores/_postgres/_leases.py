@@ -385,6 +385,13 @@ async def _record(
         )
 
 
+_NOTED = """
+UPDATE orchestra.tasks AS t SET attempts = greatest(t.attempts, n.attempts)
+FROM unnest($2::text[], $3::integer[]) AS n (id, attempts)
+WHERE t.run_id = $1 AND t.id = n.id
+"""
+
+
 async def note(
     conn: asyncpg.Connection,
     run_id: str,
@@ -393,7 +400,8 @@ async def note(
 ) -> list[bool]:
     """Record failed attempts of claimed tasks that go on (retried by `owner` under its lease),
     `failed` as (task id, token, attempt): each only while `owner` holds the task under that
-    token. Returns, for each, whether it was written."""
+    token, its attempts counted up to the retry that follows. Returns, for each, whether it was
+    written."""
     if not failed:
         return []
 
@@ -405,6 +413,14 @@ async def note(
             )
         }
         await _record(conn, run_id, [(task_id, f) for task_id, _, f in failed if task_id in held])
+        # The lease now stands for the attempt after the last one noted: a lease lost, or a task
+        # handed back, counts (or uncounts) that one, numbered after the failures written.
+        last: dict[str, int] = {}
+        for task_id, _, f in failed:
+            if task_id in held:
+                last[task_id] = max(last.get(task_id, 0), f.number)
+        if last:
+            await conn.execute(_NOTED, run_id, list(last), [n + 1 for n in last.values()])
         return [task_id in held for task_id, _, _ in failed]
 
     done: list[bool] = await transaction(conn, step)
