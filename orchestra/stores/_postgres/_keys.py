@@ -1,0 +1,331 @@
+"""Idempotency keys on PostgreSQL: claimed, renewed, finished and waited for across runs and
+processes, as functions over one asyncpg connection.
+
+The meanings are the SQLite store's (`orchestra.stores._sqlite._keys`): a key is a row of
+``orchestra.keys``; the first submitter claims it and runs its task, whose end is written into the
+row; the others wait for that end and reuse a success (the task ends with the stored output,
+without executing), or take the key over from a task that did not succeed. Here a hold is a lease,
+as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token from the sequence
+``lease_tokens`` and an expiry on the database's clock.
+
+- **Claim** (`claim`): many keys at once, each answered for its task: `Mine` (a fresh token: run
+  the task), `Stored` (it succeeded before: its output and agent) or `Held` (another live task
+  holds it: who, and how long its lease has left). A key is taken over (`Mine`) when its task
+  failed, when its lease expired (the holder's process died or stopped renewing), or when the
+  hold is this very task's (a resumed run, a standby coordinator: the older token is fenced off).
+  One ``INSERT ... ON CONFLICT DO UPDATE`` decides each key atomically against concurrent
+  claimers, and locks the rows it did not take, so the answer read next in the same transaction
+  is the state those rows keep until it commits.
+- **Renew** (`renew`): the holder extends the leases it still holds (owner and token match).
+- **Finish**: a keyed task's end is written into its key's row in the transaction that ends the
+  task (`finish_tasks`, which `_leases.complete` calls: a success with its output, anything else
+  failed, for the next submitter to take over); the holder may also end a hold itself (`finish`:
+  a task its run ended without a completion, a hold it lets go of), fenced by owner and token.
+- **Waiting**: every finish sends a NOTIFY on `KEY_CHANNEL` (its payload: `signal_of` the key),
+  delivered when its transaction commits; a waiter (`Waiting`) asks again (`claim`) when it hears
+  its key, or once the holder's lease runs out, whichever comes first.
+
+No time comes from the caller: leases and their expiry are the database's ``now()``; a `Held`
+says how many seconds its lease has left, so a waiter on a machine whose clock is off waits the
+right time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
+
+from ._settle import columns, transaction
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    import asyncpg
+
+__all__ = (
+    "KEY_CHANNEL",
+    "Answer",
+    "Held",
+    "KeyEnd",
+    "Mine",
+    "Stored",
+    "Waiting",
+    "claim",
+    "finish",
+    "finish_tasks",
+    "renew",
+    "signal_of",
+)
+
+KEY_CHANNEL: Final = "orchestra.keys"
+"""The channel a key's finish is announced on (its payload: `signal_of` the key). Not of the form
+``orchestra:<run id>`` (`_listen.channel_of`), so no run's channel can be it."""
+
+_MAX_SIGNAL: Final = 200  # bytes of a key sent as itself; longer ones as a digest (NOTIFY < 8000)
+
+
+def signal_of(key: str) -> str:
+    """The payload of `key`'s notifications on `KEY_CHANNEL`: the key itself, or, for a key longer
+    than 200 bytes, ``#`` and the hex SHA-256 of it (the same as the SQL of `_SIGNAL` makes)."""
+    data = key.encode()
+    if len(data) <= _MAX_SIGNAL:
+        return key
+    return "#" + hashlib.sha256(data).hexdigest()
+
+
+# `signal_of` in SQL, of a column or parameter named `key`.
+_SIGNAL = f"""CASE WHEN octet_length(key) <= {_MAX_SIGNAL} THEN key
+    ELSE '#' || encode(sha256(convert_to(key, 'UTF8')), 'hex') END"""
+
+
+class Mine(NamedTuple):
+    """The key is the caller's task's now: run it. `token` fences the hold (`renew`, `finish`)."""
+
+    token: int
+
+
+class Stored(NamedTuple):
+    """The key succeeded before: end the task with this result, without executing it. `output` is
+    JSON text (``null`` for a None output)."""
+
+    output: str
+    agent: str | None
+
+
+class Held(NamedTuple):
+    """Another live task holds the key: `owner`'s, task `task_id` of run `run_id`, its lease
+    running out in `left` seconds (the database's clock). Wait for its finish, then ask again."""
+
+    owner: str
+    run_id: str
+    task_id: str
+    left: float
+
+
+Answer: TypeAlias = Mine | Stored | Held
+"""What `claim` answers for one key."""
+
+
+# Each key taken by its claimer (inserted, or taken over) in key order (concurrent claimers of
+# several keys lock them in one order); the rows not taken are locked all the same (DO UPDATE
+# locks the conflicting row whether its WHERE holds or not), so `_READ` sees them as they stay.
+_CLAIM = """
+INSERT INTO orchestra.keys AS k (key, owner, token, expires, run_id, task_id, state)
+SELECT w.key, $2, nextval('orchestra.lease_tokens'), now() + make_interval(secs => $3), $1,
+    w.task_id, 'claimed'
+FROM unnest($4::text[], $5::text[]) AS w (key, task_id)
+ORDER BY w.key
+ON CONFLICT (key) DO UPDATE
+SET owner = excluded.owner, token = excluded.token, expires = excluded.expires,
+    run_id = excluded.run_id, task_id = excluded.task_id, state = 'claimed', output = NULL,
+    agent = NULL, error = NULL
+WHERE k.state = 'failed'
+    OR (k.state = 'claimed' AND (k.expires < now()
+        OR (k.run_id = excluded.run_id AND k.task_id = excluded.task_id)))
+RETURNING k.key, k.token
+"""
+
+_READ = """
+SELECT key, state, coalesce(output::text, 'null'), agent, owner, run_id, task_id,
+    greatest(extract(epoch FROM expires - now()), 0)::float8
+FROM orchestra.keys WHERE key = ANY ($1::text[])
+"""
+
+
+async def claim(
+    conn: asyncpg.Connection,
+    run_id: str,
+    wanted: Sequence[tuple[str, str]],
+    *,
+    owner: str,
+    lease: float,
+) -> list[Answer]:
+    """Claim each key of `wanted`, (key, task id) pairs of `run_id`, for `owner` under a lease of
+    `lease` seconds on the database's clock, in one transaction. Returns an answer per pair, in
+    their order: `Mine`, `Stored` or `Held`.
+
+    Raises:
+        ValueError: a key is wanted twice (the tasks of a run that share a key follow the one
+            that holds it: only that one claims it).
+    """
+    if not wanted:
+        return []
+    keys, task_ids = columns(wanted, 2)
+    if len(set(keys)) != len(keys):
+        twice = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"claim: keys wanted twice in one claim: {twice}")
+
+    async def step(conn: asyncpg.Connection) -> dict[str, Answer]:
+        taken: dict[str, Answer] = {
+            key: Mine(token)
+            for key, token in await conn.fetch(_CLAIM, run_id, owner, float(lease), keys, task_ids)
+        }
+        rest = [key for key in keys if key not in taken]
+        if rest:
+            for key, state, output, agent, holder, held_run, held_task, left in await conn.fetch(
+                _READ, rest
+            ):
+                # Locked by `_CLAIM` and not taken: a success, or a live hold of another task.
+                if state == "succeeded":
+                    taken[key] = Stored(output, agent)
+                else:
+                    taken[key] = Held(holder, held_run, held_task, left)
+        return taken
+
+    answers = await transaction(conn, step)
+    return [answers[key] for key in keys]
+
+
+_RENEW = """
+UPDATE orchestra.keys AS k SET expires = now() + make_interval(secs => $4)
+FROM unnest($2::text[], $3::bigint[]) AS h (key, token)
+WHERE k.key = h.key AND k.token = h.token AND k.owner = $1 AND k.state = 'claimed'
+RETURNING k.key
+"""
+
+
+async def renew(
+    conn: asyncpg.Connection, owner: str, held: Sequence[tuple[str, int]], *, lease: float
+) -> set[str]:
+    """Extend the holds `owner` has, `held` as (key, token), to `lease` seconds from now (the
+    database's clock). A hold whose lease expired but that nobody took over is still its holder's
+    and is extended. Returns the keys it no longer holds (taken over, or finished)."""
+    if not held:
+        return set()
+    keys, tokens = columns(held, 2)
+    rows = await conn.fetch(_RENEW, owner, keys, tokens, float(lease))
+    return set(keys) - {row[0] for row in rows}
+
+
+class KeyEnd(NamedTuple):
+    """How a hold ends, for `finish`: `succeeded` with its task's `output` (JSON text) and
+    `agent`, or failed (`error` says why), for the next submitter to take over."""
+
+    key: str
+    token: int
+    succeeded: bool
+    output: str | None = None
+    agent: str | None = None
+    error: str | None = None
+
+
+_FINISH = f"""
+WITH done AS (
+    UPDATE orchestra.keys AS k
+    SET state = CASE WHEN e.ok THEN 'succeeded' ELSE 'failed' END,
+        output = CASE WHEN e.ok THEN e.output::json END,
+        agent = CASE WHEN e.ok THEN e.agent END,
+        error = CASE WHEN e.ok THEN NULL ELSE e.error END
+    FROM unnest($2::text[], $3::bigint[], $4::boolean[], $5::text[], $6::text[], $7::text[])
+        AS e (key, token, ok, output, agent, error)
+    WHERE k.key = e.key AND k.token = e.token AND k.owner = $1 AND k.state = 'claimed'
+    RETURNING k.key
+)
+SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
+"""
+
+
+async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -> list[bool]:
+    """End holds of `owner`, each only while it holds the key under the token it carries, and
+    announce them on `KEY_CHANNEL` (when the caller's transaction commits, if it is in one).
+    Returns, for each end, whether it was written."""
+    if not ends:
+        return []
+    rows = await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)))
+    written = {row[0] for row in rows}
+    return [end.key in written for end in ends]
+
+
+# A task's end written into its key's row: only while the row names that task as its holder.
+_FINISH_TASKS = f"""
+WITH done AS (
+    UPDATE orchestra.keys AS k
+    SET state = CASE WHEN t.state = 'succeeded' THEN 'succeeded' ELSE 'failed' END,
+        output = CASE WHEN t.state = 'succeeded' THEN coalesce(t.output, 'null'::json) END,
+        agent = CASE WHEN t.state = 'succeeded' THEN t.agent END,
+        error = CASE WHEN t.state = 'succeeded' THEN NULL
+            ELSE t.state || coalesce(': ' || t.error, '') END
+    FROM orchestra.tasks AS t
+    WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL
+        AND t.state IN ('succeeded', 'failed', 'cancelled', 'skipped')
+        AND k.key = t.key AND k.run_id = t.run_id AND k.task_id = t.id AND k.state = 'claimed'
+    RETURNING k.key
+)
+SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
+"""
+
+
+async def finish_tasks(conn: asyncpg.Connection, run_id: str, task_ids: Iterable[str]) -> list[str]:
+    """Write the ends of tasks of `run_id` that this transaction has just ended into their keys'
+    rows (a success with its output and agent, any other end failed, for the next submitter to
+    take over), and announce them on `KEY_CHANNEL`; tasks without a key, or not ended, are
+    passed over. Call it in the transaction that ended them, after their rows were written
+    (`_leases.complete` does). Returns the keys written.
+
+    A key is written only while its row names the task as its holder and is not finished: a key
+    taken over by another task (its lease expired) is that task's now. The fence is the task's
+    own: its end was written only under its lease, in this transaction, and the key's row is
+    locked here. A hold's token is not asked for: the process that completes a task (a worker)
+    is not the one that claimed its key (the coordinator), and a hold taken again by the same
+    task (a standby coordinator resuming the run) is still the one this end belongs to."""
+    ids = list(task_ids)
+    if not ids:
+        return []
+    return [row[0] for row in await conn.fetch(_FINISH_TASKS, run_id, ids)]
+
+
+class Waiting:
+    """The keys a run waits for while other tasks hold them, and when to ask for each again: as
+    soon as its finish is heard on `KEY_CHANNEL` (`heard`, a `_listen.Listener`'s callback), else
+    once its holder's lease has run out (`Held.left`: a holder that died is taken over then).
+    Times are the caller's clock (any monotonic one): only durations come from the database."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}  # key -> when to ask again at the latest
+        self._by_signal: dict[str, set[str]] = {}  # payload -> the keys it announces
+        self._heard: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._until
+
+    def wait(self, key: str, held: Held, now: float) -> None:
+        """Wait for `key`, which `claim` answered `held` at `now`."""
+        self._until[key] = now + held.left
+        self._by_signal.setdefault(signal_of(key), set()).add(key)
+        self._heard.discard(key)
+
+    def heard(self, _channel: str, payload: str) -> bool:
+        """A finish was announced (`payload`: `signal_of` its key). True when a key waited for
+        is due now (another key with the same digest may be woken too: it asks, and waits on)."""
+        keys = self._by_signal.get(payload)
+        if not keys:
+            return False
+        self._heard.update(keys)
+        return True
+
+    def forget(self, key: str) -> None:
+        """Stop waiting for `key` (its task ended otherwise)."""
+        if self._until.pop(key, None) is not None:
+            signal = signal_of(key)
+            keys = self._by_signal[signal]
+            keys.discard(key)
+            if not keys:
+                del self._by_signal[signal]
+        self._heard.discard(key)
+
+    def due(self, now: float) -> list[str]:
+        """The keys to ask for again now (heard finished, or their holder's lease ran out),
+        no longer waited for: `claim` them, and `wait` again for the ones still `Held`."""
+        keys = [key for key, until in self._until.items() if key in self._heard or until <= now]
+        for key in keys:
+            self.forget(key)
+        return keys
+
+    def next_look(self) -> float:
+        """When the first lease waited for runs out (``inf`` when none is): the latest time to
+        look again without a notification (a lost one, or a listener away)."""
+        return min(self._until.values(), default=math.inf)

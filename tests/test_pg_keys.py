@@ -1,0 +1,561 @@
+"""Idempotency keys on PostgreSQL (`orchestra.stores._postgres._keys`), on the session's real server
+and real connections: a key claimed by one of 100 concurrent submitters while the others see it
+held, then all reuse its stored result; holds renewed, expired and taken over, failed keys taken
+over; a keyed task's end written into its key with the completion that ends it (and none when the
+completion is refused); finishes announced on the key channel; and a model check of the claims
+against the SQLite store's, step by step.
+
+A lease is made to run out by moving its expiry into the past on the server, not by waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import asyncpg
+import pytest
+
+from orchestra import Task
+from orchestra._admission import Admission
+from orchestra._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._keys import (
+    KEY_CHANNEL,
+    Held,
+    KeyEnd,
+    Mine,
+    Stored,
+    Waiting,
+    claim,
+    finish,
+    renew,
+    signal_of,
+)
+from orchestra.stores._postgres._leases import (
+    MAX_LOST,
+    End,
+    complete,
+    take_back_expired,
+)
+from orchestra.stores._postgres._leases import claim as claim_tasks
+from orchestra.stores._postgres._listen import Listener
+from orchestra.stores._sqlite import _writes as sqlite_writes
+from orchestra.stores._sqlite._schema import migrate as sqlite_migrate
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
+
+LEASE = 30.0
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def expire(conn: asyncpg.Connection, *keys: str) -> None:
+    """The holds of these keys run out (their expiry a second ago, on the server's clock)."""
+    await conn.execute(
+        "UPDATE orchestra.keys SET expires = now() - interval '1 second' WHERE key = ANY ($1)",
+        list(keys),
+    )
+
+
+async def key_row(conn: asyncpg.Connection, key: str) -> dict[str, Any]:
+    found = await conn.fetchrow(
+        "SELECT owner, token, run_id, task_id, state, output::text AS output, agent, error "
+        "FROM orchestra.keys WHERE key = $1",
+        key,
+    )
+    assert found is not None, f"no row for key {key!r}"
+    return dict(found)
+
+
+async def mine(
+    conn: asyncpg.Connection, key: str, *, owner: str = "c1", run: str = "r", task: str = "t"
+) -> int:
+    """Claim `key` for task `task` of `run`, which must get it: its token."""
+    (answer,) = await claim(conn, run, [(key, task)], owner=owner, lease=LEASE)
+    assert isinstance(answer, Mine), answer
+    return answer.token
+
+
+async def admitted(conn: asyncpg.Connection, run: str, *tasks: Task) -> None:
+    """Admit `tasks` into `run` (made if new), as a coordinator's admission writes them."""
+    await conn.execute("INSERT INTO orchestra.runs (id) VALUES ($1) ON CONFLICT DO NOTHING", run)
+    await admit(conn, run, tasks, admission=Admission(("work",), {}))
+
+
+async def leased(conn: asyncpg.Connection, run: str, task_id: str, owner: str = "w1") -> int:
+    """Lease the ready task `task_id` of `run` to the worker `owner`: its token."""
+    claimed = await claim_tasks(conn, run, {"work": 100}, owner=owner, lease=LEASE)
+    tokens = {task.id: task.token for task in claimed}
+    assert task_id in tokens, f"{task_id} was not claimable: {sorted(tokens)}"
+    return tokens[task_id]
+
+
+class Heard:
+    """The payloads a listener delivered on the key channel, and a way to wait for one."""
+
+    def __init__(self) -> None:
+        self.payloads: list[str] = []
+        self._more = anyio.Event()
+
+    def __call__(self, channel: str, payload: str) -> None:
+        assert channel == KEY_CHANNEL
+        self.payloads.append(payload)
+        self._more.set()
+
+    async def until(self, payload: str) -> None:
+        with anyio.fail_after(10):
+            while payload not in self.payloads:
+                await self._more.wait()
+                self._more = anyio.Event()
+
+
+class TestClaim:
+    async def test_a_new_key_is_the_claimers_under_a_fresh_token(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        first = await mine(conn, "k1", task="a")
+        second = await mine(conn, "k2", task="b")
+        assert second > first > 0
+        row = await key_row(conn, "k1")
+        assert (row["owner"], row["token"], row["run_id"], row["task_id"], row["state"]) == (
+            "c1", first, "r", "a", "claimed",
+        )  # fmt: skip
+
+    async def test_a_key_a_live_task_holds_is_held_with_its_holder_and_the_lease_it_has_left(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await mine(conn, "k", owner="c1", run="r1", task="a")
+        (answer,) = await claim(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert isinstance(answer, Held)
+        assert (answer.owner, answer.run_id, answer.task_id) == ("c1", "r1", "a")
+        assert 0 < answer.left <= LEASE
+        assert (await key_row(conn, "k"))["task_id"] == "a"  # unchanged
+
+    async def test_many_keys_at_once_are_each_answered_for_their_task_in_order(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        held = await mine(conn, "held", owner="c1", run="r1", task="a")
+        done = await mine(conn, "done", owner="c1", run="r1", task="b")
+        assert await finish(conn, "c1", [KeyEnd("done", done, True, '{"x": 1}', "agent-1")]) == [
+            True
+        ]
+        answers = await claim(
+            conn, "r2", [("new", "n"), ("done", "d"), ("held", "h")], owner="c2", lease=LEASE
+        )
+        assert isinstance(answers[0], Mine)
+        assert answers[1] == Stored('{"x": 1}', "agent-1")
+        assert isinstance(answers[2], Held)
+        assert (answers[2].run_id, answers[2].task_id) == ("r1", "a")
+        assert (await key_row(conn, "held"))["token"] == held
+
+    async def test_a_none_output_is_stored_as_json_null(self, conn: asyncpg.Connection) -> None:
+        token = await mine(conn, "k")
+        await finish(conn, "c1", [KeyEnd("k", token, True, None, "a")])
+        assert await claim(conn, "r2", [("k", "x")], owner="c2", lease=LEASE) == [
+            Stored("null", "a")
+        ]
+
+    async def test_the_holding_task_claiming_again_takes_its_hold_back_and_fences_the_old_token(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # A standby coordinator resuming the run claims the keys of its tasks again: they are its
+        # own, under a new token, and the paused old coordinator can no longer renew or end them.
+        old = await mine(conn, "k", owner="old", run="r", task="a")
+        new = await mine(conn, "k", owner="standby", run="r", task="a")
+        assert new > old
+        assert await renew(conn, "old", [("k", old)], lease=LEASE) == {"k"}
+        assert await finish(conn, "old", [KeyEnd("k", old, False, error="late")]) == [False]
+        row = await key_row(conn, "k")
+        assert (row["owner"], row["token"], row["state"]) == ("standby", new, "claimed")
+
+    async def test_a_key_wanted_twice_in_one_claim_is_refused(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        with pytest.raises(ValueError, match=r"\['k'\]"):
+            await claim(conn, "r", [("k", "a"), ("j", "b"), ("k", "c")], owner="c", lease=LEASE)
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
+
+
+class TestOneHundredConcurrentSubmissions:
+    async def test_one_holds_the_key_the_others_see_it_held_then_all_reuse_its_result(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        n = 100
+        conns = await asyncio.gather(*(asyncpg.connect(pg_dsn) for _ in range(n)))
+        try:
+            go = asyncio.Event()
+
+            async def submit(i: int) -> Any:
+                await go.wait()
+                (answer,) = await claim(conns[i], f"r{i}", [("k", "t")], owner=f"c{i}", lease=LEASE)
+                return answer
+
+            submissions = [asyncio.ensure_future(submit(i)) for i in range(n)]
+            go.set()  # all at once, each on its own connection
+            answers = await asyncio.gather(*submissions)
+            holders = [i for i, answer in enumerate(answers) if isinstance(answer, Mine)]
+            assert len(holders) == 1
+            (holder,) = holders
+            for i, answer in enumerate(answers):
+                if i != holder:
+                    assert answer == Held(f"c{holder}", f"r{holder}", "t", answer.left)
+
+            # The holder's task runs on a worker, whose completion writes the key's result.
+            run = f"r{holder}"
+            heard = Heard()
+            async with Listener(pg_dsn, [KEY_CHANNEL], on_notify=heard):
+                await admitted(conn, run, Task("work", 21, id="t", key="k"))
+                token = await leased(conn, run, "t")
+                done = End("t", token, SUCCEEDED, '{"answer": 42}', "work")
+                assert await complete(conn, run, "w1", [done]) == [True]
+                await heard.until("k")
+
+            again = await asyncio.gather(
+                *(
+                    claim(conns[i], f"r{i}", [("k", "t")], owner=f"c{i}", lease=LEASE)
+                    for i in range(n)
+                )
+            )
+            assert again == [[Stored('{"answer": 42}', "work")]] * n
+        finally:
+            await asyncio.gather(*(c.close() for c in conns))
+
+
+class TestExpiryAndTakeOver:
+    async def test_an_expired_hold_is_taken_over_and_its_old_holder_writes_nothing(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        old = await mine(conn, "k", owner="dead", run="r1", task="a")
+        (held,) = await claim(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert isinstance(held, Held)
+        await expire(conn, "k")
+        new = await mine(conn, "k", owner="c2", run="r2", task="b")
+        assert new > old
+        assert await renew(conn, "dead", [("k", old)], lease=LEASE) == {"k"}
+        assert await finish(conn, "dead", [KeyEnd("k", old, True, '"late"', "x")]) == [False]
+        row = await key_row(conn, "k")
+        assert (row["owner"], row["run_id"], row["task_id"], row["state"], row["output"]) == (
+            "c2", "r2", "b", "claimed", None,
+        )  # fmt: skip
+
+    async def test_renew_keeps_a_hold_past_the_lease_it_was_claimed_with(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        (kept,) = await claim(conn, "r1", [("kept", "a")], owner="c1", lease=0)
+        (lapsed,) = await claim(conn, "r1", [("lapsed", "b")], owner="c1", lease=0)
+        assert isinstance(kept, Mine)
+        assert isinstance(lapsed, Mine)
+        # Both leases ran out as they were taken (zero seconds); only one is renewed.
+        assert await renew(conn, "c1", [("kept", kept.token)], lease=LEASE) == set()
+        answers = await claim(conn, "r2", [("kept", "x"), ("lapsed", "y")], owner="c2", lease=LEASE)
+        assert isinstance(answers[0], Held)
+        assert answers[0].left > LEASE / 2
+        assert isinstance(answers[1], Mine)
+
+    async def test_a_renewal_with_a_stale_token_or_another_owner_is_refused(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1")
+        await expire(conn, "k")
+        assert await renew(conn, "c1", [("k", token - 1)], lease=LEASE) == {"k"}
+        assert await renew(conn, "c2", [("k", token)], lease=LEASE) == {"k"}
+        (answer,) = await claim(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert isinstance(answer, Mine)  # neither renewal kept it alive
+
+    async def test_a_finished_key_is_no_longer_renewed(self, conn: asyncpg.Connection) -> None:
+        token = await mine(conn, "k")
+        await finish(conn, "c1", [KeyEnd("k", token, True, "1", "a")])
+        assert await renew(conn, "c1", [("k", token)], lease=LEASE) == {"k"}
+
+
+class TestFailedKeys:
+    async def test_a_key_whose_holder_failed_is_taken_over_by_the_next_claimer(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        assert await finish(conn, "c1", [KeyEnd("k", token, False, error="failed: no")]) == [True]
+        assert (await key_row(conn, "k"))["error"] == "failed: no"
+        await mine(conn, "k", owner="c2", run="r2", task="b")
+        row = await key_row(conn, "k")
+        assert (row["owner"], row["task_id"], row["state"], row["error"]) == (
+            "c2", "b", "claimed", None,
+        )  # fmt: skip
+
+    async def test_a_failed_completion_fails_its_key_for_the_next_claimer(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"))
+        await mine(conn, "k", run="r1", task="a")
+        token = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", token, FAILED, error="boom", error_type="E")])
+        row = await key_row(conn, "k")
+        assert (row["state"], row["error"], row["output"]) == ("failed", "failed: boom", None)
+        await mine(conn, "k", owner="c2", run="r2", task="b")
+
+    async def test_a_keyed_task_skipped_with_a_completion_fails_its_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(
+            conn, "r1", Task("work", 1, id="a"), Task("work", 2, id="b", key="k", depends_on=["a"])
+        )
+        await mine(conn, "k", run="r1", task="b")
+        token = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", token, CANCELLED)])
+        row = await key_row(conn, "k")
+        assert (row["state"], row["error"]) == ("failed", f"{SKIPPED}: dependency 'a' cancelled")
+
+    async def test_a_keyed_task_lost_too_often_fails_its_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"))
+        await mine(conn, "k", run="r1", task="a")
+        for _ in range(MAX_LOST):
+            await leased(conn, "r1", "a")
+            await conn.execute(
+                "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second'"
+            )
+            await take_back_expired(conn)
+        row = await key_row(conn, "k")
+        assert row["state"] == "failed"
+        assert row["error"].startswith(f"{FAILED}: its lease expired {MAX_LOST} times")
+
+
+class TestCompletion:
+    async def test_a_keyed_tasks_success_is_stored_in_its_key_with_its_completion(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b"))
+        await mine(conn, "k", owner="coordinator", run="r1", task="a")
+        claimed = await claim_tasks(conn, "r1", {"work": 2}, owner="w1", lease=LEASE)
+        ends = [
+            End(task.id, task.token, SUCCEEDED, f'{{"n": {task.payload}}}', "work")
+            for task in claimed
+        ]
+        written = await complete(conn, "r1", "w1", ends)
+        assert written == [True, True]
+        row = await key_row(conn, "k")
+        assert (row["state"], row["output"], row["agent"], row["owner"]) == (
+            "succeeded", '{"n": 1}', "work", "coordinator",
+        )  # fmt: skip
+        assert await claim(conn, "r2", [("k", "x")], owner="c2", lease=LEASE) == [
+            Stored('{"n": 1}', "work")
+        ]
+
+    async def test_a_completion_refused_for_a_stale_lease_writes_no_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"))
+        await mine(conn, "k", run="r1", task="a")
+        paused = await leased(conn, "r1", "a", owner="w1")
+        await conn.execute("UPDATE orchestra.tasks SET lease_expires = now() - interval '1 s'")
+        await take_back_expired(conn)
+        fresh = await leased(conn, "r1", "a", owner="w2")
+        late = await complete(conn, "r1", "w1", [End("a", paused, SUCCEEDED, '"late"', "work")])
+        assert late == [False]
+        row = await key_row(conn, "k")
+        assert (row["state"], row["output"]) == ("claimed", None)
+        await complete(conn, "r1", "w2", [End("a", fresh, SUCCEEDED, '"fresh"', "work")])
+        row = await key_row(conn, "k")
+        assert (row["state"], row["output"]) == ("succeeded", '"fresh"')
+
+    async def test_a_key_taken_over_by_another_task_is_not_written_by_its_old_holders_end(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"))
+        await mine(conn, "k", owner="c1", run="r1", task="a")
+        token = await leased(conn, "r1", "a")
+        await expire(conn, "k")
+        await mine(conn, "k", owner="c2", run="r2", task="b")
+        assert await complete(conn, "r1", "w1", [End("a", token, SUCCEEDED, "1", "work")]) == [True]
+        row = await key_row(conn, "k")
+        assert (row["run_id"], row["task_id"], row["state"]) == ("r2", "b", "claimed")
+
+    async def test_a_completion_waits_for_nothing_but_its_own_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # A task whose key another run holds (its run should have held it back) ends without
+        # touching that key; a task without a key writes no key at all.
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b"))
+        await mine(conn, "k", owner="c0", run="r0", task="z")
+        claimed = await claim_tasks(conn, "r1", {"work": 2}, owner="w1", lease=LEASE)
+        ends = [End(task.id, task.token, SUCCEEDED, "1", "work") for task in claimed]
+        assert await complete(conn, "r1", "w1", ends) == [True, True]
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 1
+        assert (await key_row(conn, "k"))["state"] == "claimed"
+
+
+class TestAnnouncements:
+    async def test_every_finish_is_heard_on_the_key_channel_once_committed(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        heard = Heard()
+        async with Listener(pg_dsn, [KEY_CHANNEL], on_notify=heard):
+            token = await mine(conn, "direct")
+            async with conn.transaction():
+                await finish(conn, "c1", [KeyEnd("direct", token, False, error="no")])
+                assert heard.payloads == []  # (a notification is delivered at commit)
+            await heard.until("direct")
+            await admitted(conn, "r1", Task("work", 1, id="a", key="completed"))
+            await mine(conn, "completed", run="r1", task="a")
+            task = await leased(conn, "r1", "a")
+            await complete(conn, "r1", "w1", [End("a", task, SUCCEEDED, "1", "work")])
+            await heard.until("completed")
+
+    async def test_a_long_key_is_announced_as_the_digest_signal_of_makes(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        key = "é" * 150  # 300 bytes
+        heard = Heard()
+        async with Listener(pg_dsn, [KEY_CHANNEL], on_notify=heard):
+            token = await mine(conn, key)
+            await finish(conn, "c1", [KeyEnd(key, token, True, "1", "a")])
+            await heard.until(signal_of(key))
+        assert signal_of(key).startswith("#")
+        assert signal_of(key) != signal_of(key + "x")
+        assert signal_of("short") == "short"
+
+
+class TestWaiting:
+    def test_a_key_is_due_when_its_finish_is_heard(self) -> None:
+        waiting = Waiting()
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=100.0)
+        waiting.wait("j", Held("c", "r", "u", 30.0), now=100.0)
+        assert waiting.due(101.0) == []
+        assert not waiting.heard(KEY_CHANNEL, "other")
+        assert waiting.heard(KEY_CHANNEL, "k")
+        assert waiting.due(101.0) == ["k"]
+        assert "k" not in waiting
+        assert len(waiting) == 1
+
+    def test_a_key_is_due_when_its_holders_lease_runs_out_unheard(self) -> None:
+        waiting = Waiting()
+        waiting.wait("k", Held("c", "r", "t", 5.0), now=100.0)
+        waiting.wait("j", Held("c", "r", "u", 9.0), now=100.0)
+        assert waiting.next_look() == 105.0
+        assert waiting.due(104.9) == []
+        assert waiting.due(105.0) == ["k"]
+        assert waiting.next_look() == 109.0
+
+    def test_a_key_forgotten_or_waited_for_again_is_not_due_from_an_old_announcement(
+        self,
+    ) -> None:
+        waiting = Waiting()
+        waiting.wait("k", Held("c", "r", "t", 5.0), now=0.0)
+        waiting.heard(KEY_CHANNEL, "k")
+        waiting.wait("k", Held("c2", "r2", "t2", 5.0), now=1.0)  # asked again: held anew
+        assert waiting.due(2.0) == []
+        waiting.forget("k")
+        assert waiting.due(100.0) == []
+        assert waiting.next_look() == float("inf")
+        assert not waiting.heard(KEY_CHANNEL, "k")
+
+    def test_keys_of_one_digest_are_all_woken_by_it(self) -> None:
+        waiting = Waiting()
+        long = "x" * 300
+        waiting.wait(long, Held("c", "r", "t", 5.0), now=0.0)
+        assert waiting.heard(KEY_CHANNEL, signal_of(long))
+        assert waiting.due(0.0) == [long]
+
+
+class SQLiteKeys:
+    """The model: the SQLite store's key claims (`_writes.claim_keys`) and key writes
+    (`_writes.write`), on a file of its own, driven with the same steps."""
+
+    def __init__(self, path: Path) -> None:
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        sqlite_migrate(self.conn, str(path))
+
+    def claim(self, owner: str, run: str, task: str, key: str) -> tuple[str, Any, Any]:
+        (answer,) = sqlite_writes.claim_keys(
+            self.conn, owner, run, [(key, task)], time.time(), LEASE
+        )
+        return answer
+
+    def finish(self, owner: str, key: str, output: str | None) -> None:
+        keys: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], None]
+        if output is not None:
+            keys = ([(output, "agent", key, owner)], [], None)
+        else:
+            keys = ([], [("failed: no", time.time(), key, owner)], None)
+        sqlite_writes.write(self.conn, "model", ([], []), ([], []), [], [], keys=keys)
+
+    def expire(self, key: str) -> None:
+        self.conn.execute("UPDATE keys SET heartbeat = 0 WHERE key = ?", (key,))
+
+    def owner(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT owner FROM keys WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def rows(self) -> dict[str, tuple[Any, ...]]:
+        rows = self.conn.execute("SELECT key, run_id, task_id, state, output, agent FROM keys")
+        return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def as_sqlite(answer: Any) -> tuple[str, Any, Any]:
+    """A PostgreSQL answer in the words of SQLite's."""
+    if isinstance(answer, Mine):
+        return ("mine", None, None)
+    if isinstance(answer, Stored):
+        return ("done", answer.output, answer.agent)
+    return ("wait", answer.run_id, answer.task_id)
+
+
+class TestModel:
+    @pytest.mark.parametrize("seed", range(4))
+    async def test_claims_finishes_and_expiries_answer_as_the_sqlite_stores(
+        self, conn: asyncpg.Connection, tmp_path: Path, seed: int
+    ) -> None:
+        rng = random.Random(seed)
+        model = SQLiteKeys(tmp_path / "model.db")
+        keys = ["k0", "k1", "k2"]
+        submitters = [(f"c{i}", f"r{i}", f"t{i % 2}") for i in range(4)]  # owner, run, task
+        holds: dict[str, tuple[str, int]] = {}  # key -> (owner, token) of its live hold
+        stale: list[tuple[str, str, int]] = []  # (key, owner, token) of holds taken over
+        for step in range(120):
+            key = rng.choice(keys)
+            action = rng.random()
+            if action < 0.5:
+                owner, run, task = rng.choice(submitters)
+                (answer,) = await claim(conn, run, [(key, task)], owner=owner, lease=LEASE)
+                assert as_sqlite(answer) == model.claim(owner, run, task, key), step
+                if isinstance(answer, Mine):
+                    if key in holds and holds[key][0] != owner:
+                        stale.append((key, *holds[key]))
+                    holds[key] = (owner, answer.token)
+            elif action < 0.75 and key in holds:
+                owner, token = holds.pop(key)
+                output = f'"{step}"' if rng.random() < 0.6 else None
+                end = KeyEnd(key, token, output is not None, output, "agent", "failed: no")
+                assert await finish(conn, owner, [end]) == [True]
+                model.finish(owner, key, output)
+            elif action < 0.85 and stale:
+                # A holder whose key another owner took over ends late: refused by both (SQLite
+                # fences by owner alone: only while the key's row names another owner).
+                key, owner, token = stale.pop(rng.randrange(len(stale)))
+                if model.owner(key) == owner:
+                    continue
+                late = KeyEnd(key, token, True, '"late"', "x")
+                assert await finish(conn, owner, [late]) == [False], step
+                model.finish(owner, key, '"late"')
+            else:
+                await expire(conn, key)
+                model.expire(key)
+            found = await conn.fetch(
+                "SELECT key, run_id, task_id, state, output::text, agent FROM orchestra.keys"
+            )
+            assert {row[0]: tuple(row[1:]) for row in found} == model.rows(), step
