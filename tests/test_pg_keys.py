@@ -30,8 +30,11 @@ from orchestra.stores._postgres._keys import (
     Mine,
     Stored,
     Waiting,
+    admit_keys,
+    ask_again,
     claim,
     finish,
+    held_back,
     renew,
     signal_of,
 )
@@ -43,6 +46,7 @@ from orchestra.stores._postgres._leases import (
 )
 from orchestra.stores._postgres._leases import claim as claim_tasks
 from orchestra.stores._postgres._listen import Listener
+from orchestra.stores._postgres._settle import transaction
 from orchestra.stores._sqlite import _writes as sqlite_writes
 from orchestra.stores._sqlite._schema import migrate as sqlite_migrate
 
@@ -470,6 +474,121 @@ class TestWaiting:
         waiting.wait(long, Held("c", "r", "t", 5.0), now=0.0)
         assert waiting.heard(KEY_CHANNEL, signal_of(long))
         assert waiting.due(0.0) == [long]
+
+
+async def states(conn: asyncpg.Connection, run: str) -> dict[str, str]:
+    rows = await conn.fetch("SELECT id, state FROM orchestra.tasks WHERE run_id = $1", run)
+    return {row[0]: row[1] for row in rows}
+
+
+async def admitted_with_keys(
+    conn: asyncpg.Connection, run: str, *tasks: Task, owner: str = "c2"
+) -> dict[str, Any]:
+    """Admit `tasks` into `run` and claim their keys in the same transaction, as a coordinator
+    does: the answers by task id."""
+
+    async def step(conn: asyncpg.Connection) -> dict[str, Any]:
+        await admitted(conn, run, *tasks)
+        wanted = [(task.key, task.id) for task in tasks if task.key is not None]
+        return await admit_keys(conn, run, wanted, owner=owner, lease=LEASE)
+
+    answers: dict[str, Any] = await transaction(conn, step)
+    return answers
+
+
+class TestARunsKeyedTasks:
+    async def test_a_task_whose_key_another_run_holds_is_held_back_until_the_key_is_its(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await mine(conn, "k", owner="c1", run="r1", task="a")
+        answers = await admitted_with_keys(conn, "r2", Task("work", 1, id="b", key="k"))
+        assert isinstance(answers["b"], Held)
+        assert await states(conn, "r2") == {"b": "pending"}
+        assert await claim_tasks(conn, "r2", {"work": 10}, owner="w", lease=LEASE) == []
+        assert await held_back(conn, "r2") == [("k", "b")]
+        # Asked again while the holder lives: still held back.
+        assert isinstance(
+            (await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE))["b"], Held
+        )
+        assert await states(conn, "r2") == {"b": "pending"}
+        # The holder fails: the key is b's, and b is ready.
+        token = (await key_row(conn, "k"))["token"]
+        await finish(conn, "c1", [KeyEnd("k", token, False, error="failed: no")])
+        answers = await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert isinstance(answers["b"], Mine)
+        assert await states(conn, "r2") == {"b": "ready"}
+        assert await held_back(conn, "r2") == []
+        assert (await key_row(conn, "k"))["task_id"] == "b"
+
+    async def test_a_held_task_ends_with_the_holders_success_unexecuted_and_frees_its_dependents(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r1", Task("work", 1, id="a", key="k"))
+        await mine(conn, "k", owner="c1", run="r1", task="a")
+        await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="b", key="k"), Task("work", 2, id="c", depends_on=["b"])
+        )
+        token = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", token, SUCCEEDED, '{"v": 1}', "work")])
+        answers = await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert answers == {"b": Stored('{"v": 1}', "work")}
+        row = await conn.fetchrow(
+            "SELECT state, output::text, agent, attempts FROM orchestra.tasks "
+            "WHERE run_id = 'r2' AND id = 'b'"
+        )
+        assert tuple(row) == ("succeeded", '{"v": 1}', "work", 0)  # type: ignore[arg-type]
+        assert await states(conn, "r2") == {"b": "succeeded", "c": "ready"}
+
+    async def test_a_task_whose_key_succeeded_before_ends_at_admission_with_its_result(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "work")])
+        answers = await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="b", key="k"), Task("work", 2, id="c", depends_on=["b"])
+        )
+        assert answers == {"b": Stored('"done"', "work")}
+        assert await states(conn, "r2") == {"b": "succeeded", "c": "ready"}
+
+    async def test_a_held_task_that_waits_for_a_dependency_too_is_ready_only_once_both_are_done(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="d"), Task("work", 2, id="b", key="k", depends_on=["d"])
+        )
+        await finish(conn, "c1", [KeyEnd("k", token, False, error="failed: no")])
+        await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
+        assert await states(conn, "r2") == {"d": "ready", "b": "pending"}
+        d = await leased(conn, "r2", "d")
+        await complete(conn, "r2", "w1", [End("d", d, SUCCEEDED, "1", "work")])
+        assert (await states(conn, "r2"))["b"] == "ready"
+
+    async def test_a_task_holding_its_key_runs_as_admitted_and_its_end_is_the_keys(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        answers = await admitted_with_keys(conn, "r1", Task("work", 1, id="a", key="k"))
+        assert isinstance(answers["a"], Mine)
+        token = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", token, SUCCEEDED, "7", "work")])
+        assert await claim(conn, "r9", [("k", "z")], owner="c9", lease=LEASE) == [
+            Stored("7", "work")
+        ]
+
+    async def test_a_held_task_that_ended_meanwhile_is_passed_over(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="d"), Task("work", 2, id="b", key="k", depends_on=["d"])
+        )
+        d = await leased(conn, "r2", "d")
+        await complete(conn, "r2", "w1", [End("d", d, FAILED, error="no")])
+        assert (await states(conn, "r2"))["b"] == SKIPPED
+        await finish(conn, "c1", [KeyEnd("k", token, False, error="failed: no")])
+        assert await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE) == {}
+        assert (await key_row(conn, "k"))["state"] == "failed"  # nobody took it
+        assert await held_back(conn, "r2") == []
 
 
 class SQLiteKeys:

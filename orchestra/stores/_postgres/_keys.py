@@ -22,8 +22,18 @@ as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token fr
   failed, for the next submitter to take over); the holder may also end a hold itself (`finish`:
   a task its run ended without a completion, a hold it lets go of), fenced by owner and token.
 - **Waiting**: every finish sends a NOTIFY on `KEY_CHANNEL` (its payload: `signal_of` the key),
-  delivered when its transaction commits; a waiter (`Waiting`) asks again (`claim`) when it hears
-  its key, or once the holder's lease runs out, whichever comes first.
+  delivered when its transaction commits; a waiter (`Waiting`) asks again when it hears its key,
+  or once the holder's lease runs out, whichever comes first.
+- **A run's keyed tasks**: readiness lives in the database, so a task whose key another task
+  holds must not be ready there, or any worker would claim it. `admit_keys`, in the transaction
+  that admits the tasks, claims their keys and acts on the answers: a task whose key is its own
+  goes on as admitted, one whose key succeeded before ends with that result (unexecuted, its
+  dependents readied), one whose key is held is *held back*: one more thing its ``waiting``
+  counts, said in the journal (``key_waits``), so neither a claim nor a dependency's end makes it
+  ready. `ask_again` (for the keys `Waiting` says are due) lets it go once the key is its own
+  (``key_taken``: ready when it waits for nothing else) or ends it with the result
+  (``key_reused``); `held_back` reads from the journal what a coordinator taking the run over
+  must wait for.
 
 No time comes from the caller: leases and their expiry are the database's ``now()``; a `Held`
 says how many seconds its lease has left, so a waiter on a machine whose clock is off waits the
@@ -36,7 +46,8 @@ import hashlib
 import math
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
-from ._settle import columns, transaction
+from ..._task import SUCCEEDED
+from ._settle import columns, make_ready, settle, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -51,9 +62,12 @@ __all__ = (
     "Mine",
     "Stored",
     "Waiting",
+    "admit_keys",
+    "ask_again",
     "claim",
     "finish",
     "finish_tasks",
+    "held_back",
     "renew",
     "signal_of",
 )
@@ -273,6 +287,168 @@ async def finish_tasks(conn: asyncpg.Connection, run_id: str, task_ids: Iterable
     if not ids:
         return []
     return [row[0] for row in await conn.fetch(_FINISH_TASKS, run_id, ids)]
+
+
+# -- a run's keyed tasks: held back while another task holds their key ---------------------------
+
+_LOCK_TASKS = """
+SELECT t.id, t.state FROM orchestra.tasks AS t
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[])
+ORDER BY t.id
+FOR UPDATE
+"""
+
+# The tasks of a run held back for their keys: pending ones whose last key event says so. The
+# journal tells it (a task's row does not: `waiting` counts its dependencies and groups too).
+_HELD_BACK = """
+SELECT task_id, key FROM (
+    SELECT DISTINCT ON (e.task_id) e.task_id, t.key, e.event
+    FROM orchestra.events AS e
+    JOIN orchestra.tasks AS t ON t.run_id = e.run_id AND t.id = e.task_id
+    WHERE e.run_id = $1 AND e.event IN ('key_waits', 'key_taken', 'key_reused')
+        AND t.state = 'pending' AND ($2::text[] IS NULL OR e.task_id = ANY ($2::text[]))
+    ORDER BY e.task_id, e.seq DESC
+) AS last
+WHERE event = 'key_waits'
+ORDER BY task_id
+"""
+
+# Held back: one more thing to wait for, so neither a claim nor `make_ready` takes it.
+_HOLD = """
+WITH held AS (
+    UPDATE orchestra.tasks AS t SET waiting = t.waiting + 1, state = 'pending'
+    FROM unnest($2::text[], $3::text[]) AS h (id, detail)
+    WHERE t.run_id = $1 AND t.id = h.id AND t.state IN ('pending', 'ready')
+    RETURNING t.id, h.detail
+)
+INSERT INTO orchestra.events (run_id, task_id, event, detail)
+SELECT $1, id, 'key_waits', detail FROM held
+"""
+
+_LET_GO = """
+WITH freed AS (
+    UPDATE orchestra.tasks AS t SET waiting = t.waiting - 1
+    FROM unnest($2::text[], $3::text[]) AS h (id, detail)
+    WHERE t.run_id = $1 AND t.id = h.id AND t.state = 'pending'
+    RETURNING t.id, t.waiting, h.detail
+), journal AS (
+    INSERT INTO orchestra.events (run_id, task_id, event, detail)
+    SELECT $1, id, 'key_taken', detail FROM freed
+)
+SELECT id FROM freed WHERE waiting = 0
+"""
+
+_REUSE = """
+WITH reused AS (
+    UPDATE orchestra.tasks AS t
+    SET state = 'succeeded', output = u.output::json, agent = u.agent, finished = now()
+    FROM unnest($2::text[], $3::text[], $4::text[], $5::text[]) AS u (id, output, agent, detail)
+    WHERE t.run_id = $1 AND t.id = u.id AND t.state IN ('pending', 'ready')
+    RETURNING t.id, u.detail
+), journal AS (
+    INSERT INTO orchestra.events (run_id, task_id, event, detail)
+    SELECT $1, id, 'key_reused', detail FROM reused
+)
+SELECT id FROM reused
+"""
+
+
+async def admit_keys(
+    conn: asyncpg.Connection,
+    run_id: str,
+    wanted: Sequence[tuple[str, str]],
+    *,
+    owner: str,
+    lease: float,
+) -> dict[str, Answer]:
+    """Claim the keys of tasks of `run_id` just admitted, `wanted` as (key, task id), for `owner`
+    (the run's coordinator), and act on each answer: `Mine`, the task goes on as admitted (it
+    holds the key: its end will be the key's); `Stored`, it ends now, succeeded with the stored
+    output and agent, unexecuted (settled: what waits for it is readied); `Held`, it is held
+    back (not ready, so no process claims it) until `ask_again` gives it the key or its result.
+
+    Call it in the transaction that admits the tasks (`_graph.admit` runs in the caller's
+    transaction), so that no process claims a keyed task before its key is decided; pass only
+    the tasks that hold their key in the run (not the ones following another task of the run).
+    Tasks already ended (skipped at admission) claim nothing and get no answer. Returns the
+    answers by task id; wait for the `Held` ones (`Waiting`)."""
+    return await _decide(conn, run_id, wanted, owner, lease, again=False)
+
+
+async def ask_again(
+    conn: asyncpg.Connection,
+    run_id: str,
+    wanted: Sequence[tuple[str, str]],
+    *,
+    owner: str,
+    lease: float,
+) -> dict[str, Answer]:
+    """Claim again the keys of tasks of `run_id` held back for them (`admit_keys`), `wanted` as
+    (key, task id): the keys `Waiting.due` gives. `Mine` (the holder failed, or its lease ran
+    out), the task is let go: ready once it waits for nothing else; `Stored`, it ends with the
+    result, unexecuted; `Held`, it stays held back (wait again). A task no longer held back (it
+    ended meanwhile: skipped, cancelled) is passed over and gets no answer."""
+    return await _decide(conn, run_id, wanted, owner, lease, again=True)
+
+
+async def held_back(
+    conn: asyncpg.Connection, run_id: str, task_ids: Sequence[str] | None = None
+) -> list[tuple[str, str]]:
+    """The tasks of `run_id` held back for their keys, as (key, task id): what a coordinator that
+    takes the run over waits for (`ask_again` them at once). `task_ids`: only among these."""
+    rows = await conn.fetch(_HELD_BACK, run_id, None if task_ids is None else list(task_ids))
+    return [(row[1], row[0]) for row in rows]
+
+
+async def _decide(
+    conn: asyncpg.Connection,
+    run_id: str,
+    wanted: Sequence[tuple[str, str]],
+    owner: str,
+    lease: float,
+    *,
+    again: bool,
+) -> dict[str, Answer]:
+    if not wanted:
+        return {}
+    key_of = {task_id: key for key, task_id in wanted}
+
+    async def step(conn: asyncpg.Connection) -> dict[str, Answer]:
+        # The tasks' rows first (a completion locks a task's row before its key's), so that
+        # none ends or is claimed while its key is decided.
+        rows = await conn.fetch(_LOCK_TASKS, run_id, sorted(key_of))
+        live = [row[0] for row in rows if row[1] in ("pending", "ready")]
+        if again:
+            held = {task_id for _, task_id in await held_back(conn, run_id, live)}
+            live = [task_id for task_id in live if task_id in held]
+        asked = [(key_of[task_id], task_id) for task_id in live]
+        answers = dict(
+            zip(live, await claim(conn, run_id, asked, owner=owner, lease=lease), strict=True)
+        )
+        hold: list[tuple[str, str]] = []
+        let_go: list[tuple[str, str]] = []
+        reuse: list[tuple[str, str, str | None, str]] = []
+        for task_id, answer in answers.items():
+            key = key_of[task_id]
+            if isinstance(answer, Stored):
+                why = f"key {key!r} succeeded before"
+                reuse.append((task_id, answer.output, answer.agent, why))
+            elif isinstance(answer, Held) and not again:
+                why = f"key {key!r} is held by task {answer.task_id!r} of run {answer.run_id!r}"
+                hold.append((task_id, f"{why} ({answer.owner})"))
+            elif isinstance(answer, Mine) and again:
+                let_go.append((task_id, f"key {key!r} taken (token {answer.token})"))
+        if hold:
+            await conn.execute(_HOLD, run_id, *columns(hold, 2))
+        if let_go:
+            freed = [row[0] for row in await conn.fetch(_LET_GO, run_id, *columns(let_go, 2))]
+            await make_ready(conn, run_id, freed)
+        if reuse:
+            ended = [row[0] for row in await conn.fetch(_REUSE, run_id, *columns(reuse, 4))]
+            await settle(conn, run_id, [(task_id, SUCCEEDED) for task_id in ended])
+        return answers
+
+    return await transaction(conn, step)
 
 
 class Waiting:
