@@ -403,6 +403,83 @@ class TestCompletion:
         assert (await key_row(conn, "k"))["state"] == "claimed"
 
 
+class TestAKeySharedInItsRun:
+    """The tasks of a run that share a key are one piece of work: one holds the key, the others
+    follow it, and one of them takes it over when it does not succeed (the run's graph decides
+    which). The key's row is the run's hold: whichever of them ends the work ends the key."""
+
+    @staticmethod
+    async def follower(conn: asyncpg.Connection, run: str, task_id: str) -> None:
+        """`task_id` waits in its run as a follower does (never ready while its holder lives)."""
+        await conn.execute(
+            "UPDATE orchestra.tasks SET state = 'pending', waiting = 1 "
+            "WHERE run_id = $1 AND id = $2",
+            run, task_id,
+        )  # fmt: skip
+
+    @staticmethod
+    async def takes_over(conn: asyncpg.Connection, run: str, task_id: str) -> None:
+        """`task_id` took the key over in its run: ready (whatever the graph made of it)."""
+        await conn.execute(
+            "UPDATE orchestra.tasks SET state = 'ready', waiting = 0 "
+            "WHERE run_id = $1 AND id = $2 AND state IN ('pending', 'ready')",
+            run, task_id,
+        )  # fmt: skip
+
+    async def test_a_holder_that_fails_leaves_the_key_to_the_task_of_its_run_that_takes_over(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(
+            conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b", key="k")
+        )
+        await self.follower(conn, "r1", "b")
+        await mine(conn, "k", run="r1", task="a")
+        a = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", a, FAILED, error="no")])
+        assert (await key_row(conn, "k"))["state"] == "claimed"  # not another run's to take
+        (answer,) = await claim(conn, "r2", [("k", "x")], owner="c2", lease=LEASE)
+        assert isinstance(answer, Held)
+        await self.takes_over(conn, "r1", "b")
+        b = await leased(conn, "r1", "b")
+        await complete(conn, "r1", "w1", [End("b", b, SUCCEEDED, '"by b"', "work")])
+        assert await claim(conn, "r2", [("k", "x")], owner="c2", lease=LEASE) == [
+            Stored('"by b"', "work")
+        ]
+
+    async def test_the_key_fails_once_no_task_of_its_run_is_left_to_run_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(
+            conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b", key="k")
+        )
+        await self.follower(conn, "r1", "b")
+        await mine(conn, "k", run="r1", task="a")
+        a = await leased(conn, "r1", "a")
+        await complete(conn, "r1", "w1", [End("a", a, FAILED, error="no")])
+        await self.takes_over(conn, "r1", "b")
+        b = await leased(conn, "r1", "b")
+        await complete(conn, "r1", "w1", [End("b", b, FAILED, error="no again")])
+        row = await key_row(conn, "k")
+        assert (row["state"], row["error"]) == ("failed", "failed: no again")
+
+    async def test_a_success_and_a_failure_of_one_key_in_one_completion_store_the_success(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(
+            conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b", key="k")
+        )
+        await mine(conn, "k", run="r1", task="a")
+        claimed = await claim_tasks(conn, "r1", {"work": 2}, owner="w1", lease=LEASE)
+        tokens = {task.id: task.token for task in claimed}
+        ends = [
+            End("a", tokens["a"], FAILED, error="no"),
+            End("b", tokens["b"], SUCCEEDED, "2", "work"),
+        ]
+        assert await complete(conn, "r1", "w1", ends) == [True, True]
+        row = await key_row(conn, "k")
+        assert (row["state"], row["output"]) == ("succeeded", "2")
+
+
 class TestAnnouncements:
     async def test_every_finish_is_heard_on_the_key_channel_once_committed(
         self, conn: asyncpg.Connection, pg_dsn: str

@@ -18,9 +18,11 @@ as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token fr
   is the state those rows keep until it commits.
 - **Renew** (`renew`): the holder extends the leases it still holds (owner and token match).
 - **Finish**: a keyed task's end is written into its key's row in the transaction that ends the
-  task (`finish_tasks`, which `_leases.complete` calls: a success with its output, anything else
-  failed, for the next submitter to take over); the holder may also end a hold itself (`finish`:
-  a task its run ended without a completion, a hold it lets go of), fenced by owner and token.
+  task, while the task's run holds the key (`finish_tasks`, which `_leases.complete` calls: a
+  success with its output; anything else failed, for the next submitter to take over, once no
+  task of the run with that key is left to run it); the holder may also end a hold itself
+  (`finish`: a task its run ended without a completion, a hold it lets go of), fenced by owner
+  and token.
 - **Waiting**: every finish sends a NOTIFY on `KEY_CHANNEL` (its payload: `signal_of` the key),
   delivered when its transaction commits; a waiter (`Waiting`) asks again when it hears its key,
   or once the holder's lease runs out, whichever comes first.
@@ -251,19 +253,29 @@ async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -
     return [end.key in written for end in ends]
 
 
-# A task's end written into its key's row: only while the row names that task as its holder.
+# A task's end written into its key's row, while its run holds the key: a success at once; any
+# other end only when no task of the run with that key is left to end it (the one that takes the
+# key over in the run runs it). One end per key: a success first.
 _FINISH_TASKS = f"""
-WITH done AS (
-    UPDATE orchestra.keys AS k
-    SET state = CASE WHEN t.state = 'succeeded' THEN 'succeeded' ELSE 'failed' END,
-        output = CASE WHEN t.state = 'succeeded' THEN coalesce(t.output, 'null'::json) END,
-        agent = CASE WHEN t.state = 'succeeded' THEN t.agent END,
-        error = CASE WHEN t.state = 'succeeded' THEN NULL
-            ELSE t.state || coalesce(': ' || t.error, '') END
+WITH ended AS (
+    SELECT DISTINCT ON (t.key) t.key, t.state, t.output, t.agent, t.error
     FROM orchestra.tasks AS t
     WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL
         AND t.state IN ('succeeded', 'failed', 'cancelled', 'skipped')
-        AND k.key = t.key AND k.run_id = t.run_id AND k.task_id = t.id AND k.state = 'claimed'
+    ORDER BY t.key, t.state = 'succeeded' DESC, t.id
+), done AS (
+    UPDATE orchestra.keys AS k
+    SET state = CASE WHEN e.state = 'succeeded' THEN 'succeeded' ELSE 'failed' END,
+        output = CASE WHEN e.state = 'succeeded' THEN coalesce(e.output, 'null'::json) END,
+        agent = CASE WHEN e.state = 'succeeded' THEN e.agent END,
+        error = CASE WHEN e.state = 'succeeded' THEN NULL
+            ELSE e.state || coalesce(': ' || e.error, '') END
+    FROM ended AS e
+    WHERE k.key = e.key AND k.run_id = $1 AND k.state = 'claimed'
+        AND (e.state = 'succeeded' OR NOT EXISTS (
+            SELECT FROM orchestra.tasks AS o
+            WHERE o.run_id = $1 AND o.key = e.key
+                AND o.state NOT IN ('succeeded', 'failed', 'cancelled', 'skipped')))
     RETURNING k.key
 )
 SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
@@ -272,17 +284,20 @@ SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
 
 async def finish_tasks(conn: asyncpg.Connection, run_id: str, task_ids: Iterable[str]) -> list[str]:
     """Write the ends of tasks of `run_id` that this transaction has just ended into their keys'
-    rows (a success with its output and agent, any other end failed, for the next submitter to
-    take over), and announce them on `KEY_CHANNEL`; tasks without a key, or not ended, are
-    passed over. Call it in the transaction that ended them, after their rows were written
-    (`_leases.complete` does). Returns the keys written.
+    rows, and announce them on `KEY_CHANNEL`: a success with its output and agent; any other end
+    as failed (for the next submitter to take over) once no task of the run with that key is
+    left unended (one that took the key over in the run will end it). Tasks without a key, or not
+    ended, are passed over. Call it in the transaction that ended them, after their rows were
+    written (`_leases.complete` does). Returns the keys written.
 
-    A key is written only while its row names the task as its holder and is not finished: a key
-    taken over by another task (its lease expired) is that task's now. The fence is the task's
-    own: its end was written only under its lease, in this transaction, and the key's row is
-    locked here. A hold's token is not asked for: the process that completes a task (a worker)
-    is not the one that claimed its key (the coordinator), and a hold taken again by the same
-    task (a standby coordinator resuming the run) is still the one this end belongs to."""
+    A key is written only while its run holds it (the row is claimed by the run): a key taken
+    over by another run (its lease expired) is that run's now. The fence is the task's own: its
+    end was written only under its lease, in this transaction, and the key's row is locked here.
+    A hold's token is not asked for: the process that completes a task (a worker) is not the one
+    that claimed its key (the run's coordinator), a hold taken again by the run (a standby
+    coordinator resuming it) is still the one this end belongs to, and within a run the tasks
+    that share a key are one piece of work (the others follow the one that holds it, and one of
+    them takes it over if it does not succeed)."""
     ids = list(task_ids)
     if not ids:
         return []

@@ -330,8 +330,8 @@ async def complete(
     attempt spawned, by its id, admitted with it (checked by `admission`, the run's);
     `failures`: its failed attempts not yet written (`note`), by its id. Returns, for each end,
     whether it was written; a refused one is in the journal (its spawns and attempts dropped).
-    The idempotency key of a task that ended (or was skipped) takes its end, when the key's row
-    names that task as its holder (`_keys.finish_tasks`), announced to the key's waiters.
+    The idempotency key of a task that ended (or was skipped) takes its end while the task's run
+    holds the key (`_keys.finish_tasks`), announced to the key's waiters.
 
     Raises:
         InputError: a spawn was refused: nothing was written.
