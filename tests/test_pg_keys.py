@@ -31,6 +31,7 @@ from orchestra.stores._postgres._keys import (
     Stored,
     Waiting,
     admit_keys,
+    adopt,
     ask_again,
     claim,
     finish,
@@ -174,7 +175,7 @@ class TestClaim:
             Stored("null", "a")
         ]
 
-    async def test_the_holding_task_claiming_again_takes_its_hold_back_and_fences_the_old_token(
+    async def test_the_holding_run_claiming_again_takes_its_hold_back_and_fences_the_old_token(
         self, conn: asyncpg.Connection
     ) -> None:
         # A standby coordinator resuming the run claims the keys of its tasks again: they are its
@@ -186,6 +187,31 @@ class TestClaim:
         assert await finish(conn, "old", [KeyEnd("k", old, False, error="late")]) == [False]
         row = await key_row(conn, "k")
         assert (row["owner"], row["token"], row["state"]) == ("standby", new, "claimed")
+
+    async def test_a_hold_is_its_runs_whichever_of_its_tasks_claims_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # (the run's graph makes the others follow the one that holds it: one piece of work)
+        first = await mine(conn, "k", run="r", task="a")
+        second = await mine(conn, "k", run="r", task="b")
+        assert second > first
+        (answer,) = await claim(conn, "other", [("k", "c")], owner="c2", lease=LEASE)
+        assert isinstance(answer, Held)
+        assert (answer.run_id, answer.task_id) == ("r", "b")
+
+    async def test_a_coordinator_taking_the_run_over_adopts_all_its_holds(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        old = {key: await mine(conn, key, owner="old", run="r", task=key) for key in ("k", "j")}
+        done = await mine(conn, "done", owner="old", run="r", task="d")
+        await finish(conn, "old", [KeyEnd("done", done, True, "1", "a")])
+        await mine(conn, "elsewhere", owner="c2", run="r2", task="e")
+        adopted = await adopt(conn, "r", owner="standby", lease=LEASE)
+        assert sorted(adopted) == ["j", "k"]
+        assert all(adopted[key] > old[key] for key in adopted)
+        assert await renew(conn, "old", list(old.items()), lease=LEASE) == {"j", "k"}
+        assert await renew(conn, "standby", list(adopted.items()), lease=LEASE) == set()
+        assert (await key_row(conn, "elsewhere"))["owner"] == "c2"
 
     async def test_a_key_wanted_twice_in_one_claim_is_refused(
         self, conn: asyncpg.Connection

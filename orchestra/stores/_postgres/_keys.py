@@ -9,13 +9,15 @@ as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token fr
 ``lease_tokens`` and an expiry on the database's clock.
 
 - **Claim** (`claim`): many keys at once, each answered for its task: `Mine` (a fresh token: run
-  the task), `Stored` (it succeeded before: its output and agent) or `Held` (another live task
-  holds it: who, and how long its lease has left). A key is taken over (`Mine`) when its task
-  failed, when its lease expired (the holder's process died or stopped renewing), or when the
-  hold is this very task's (a resumed run, a standby coordinator: the older token is fenced off).
-  One ``INSERT ... ON CONFLICT DO UPDATE`` decides each key atomically against concurrent
-  claimers, and locks the rows it did not take, so the answer read next in the same transaction
-  is the state those rows keep until it commits.
+  the task), `Stored` (it succeeded before: its output and agent) or `Held` (a live task of
+  another run holds it: whose, and how long its lease has left). A hold is its run's: within a
+  run the tasks that share a key are one piece of work (the run's graph makes them follow the
+  one that holds it). A key is taken over (`Mine`) when its task failed, when its lease expired
+  (the holder's process died or stopped renewing), or when the claimer's run holds it already (a
+  resumed run, a standby coordinator: the older token is fenced off; `adopt` takes all of a
+  run's holds at once). One ``INSERT ... ON CONFLICT DO UPDATE`` decides each key atomically
+  against concurrent claimers, and locks the rows it did not take, so the answer read next in
+  the same transaction is the state those rows keep until it commits.
 - **Renew** (`renew`): the holder extends the leases it still holds (owner and token match).
 - **Finish**: a keyed task's end is written into its key's row in the transaction that ends the
   task, while the task's run holds the key (`finish_tasks`, which `_leases.complete` calls: a
@@ -65,6 +67,7 @@ __all__ = (
     "Stored",
     "Waiting",
     "admit_keys",
+    "adopt",
     "ask_again",
     "claim",
     "finish",
@@ -110,8 +113,9 @@ class Stored(NamedTuple):
 
 
 class Held(NamedTuple):
-    """Another live task holds the key: `owner`'s, task `task_id` of run `run_id`, its lease
-    running out in `left` seconds (the database's clock). Wait for its finish, then ask again."""
+    """A live task of another run holds the key: `owner`'s, task `task_id` of run `run_id`, its
+    lease running out in `left` seconds (the database's clock). Wait for its finish, then ask
+    again."""
 
     owner: str
     run_id: str
@@ -137,8 +141,7 @@ SET owner = excluded.owner, token = excluded.token, expires = excluded.expires,
     run_id = excluded.run_id, task_id = excluded.task_id, state = 'claimed', output = NULL,
     agent = NULL, error = NULL
 WHERE k.state = 'failed'
-    OR (k.state = 'claimed' AND (k.expires < now()
-        OR (k.run_id = excluded.run_id AND k.task_id = excluded.task_id)))
+    OR (k.state = 'claimed' AND (k.expires < now() OR k.run_id = excluded.run_id))
 RETURNING k.key, k.token
 """
 
@@ -191,6 +194,28 @@ async def claim(
 
     answers = await transaction(conn, step)
     return [answers[key] for key in keys]
+
+
+_ADOPT = """
+UPDATE orchestra.keys AS k
+SET owner = $2, token = nextval('orchestra.lease_tokens'),
+    expires = now() + make_interval(secs => $3)
+WHERE k.key IN (
+    SELECT key FROM orchestra.keys WHERE run_id = $1 AND state = 'claimed'
+    ORDER BY key FOR UPDATE
+)
+RETURNING k.key, k.token
+"""
+
+
+async def adopt(
+    conn: asyncpg.Connection, run_id: str, *, owner: str, lease: float
+) -> dict[str, int]:
+    """Take every hold of `run_id` for `owner` (a coordinator that took the run over), each under
+    a fresh token and lease: the old coordinator's renewals and finishes are refused from now on.
+    Returns the tokens by key."""
+    rows = await conn.fetch(_ADOPT, run_id, owner, float(lease))
+    return {row[0]: row[1] for row in rows}
 
 
 _RENEW = """
