@@ -429,6 +429,97 @@ class TestCompletion:
         assert (await key_row(conn, "k"))["state"] == "claimed"
 
 
+class TestManyRunsSharingKeys:
+    async def test_each_key_runs_once_per_failure_and_every_run_ends_with_its_result(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # 40 runs admit tasks with the same 5 keys at once, each in its own order, as their
+        # coordinators would (admission and `admit_keys` in one transaction). A worker runs what
+        # the database lets it claim; the first execution of k0 fails. Every coordinator waits
+        # for its held keys (`Waiting`, fed by one listener on the key channel) and asks again.
+        runs, keys = 40, [f"k{j}" for j in range(5)]
+        rng = random.Random(7)
+        conns = await asyncio.gather(*(asyncpg.connect(pg_dsn) for _ in range(runs)))
+        executed: list[str] = []
+        waiting = [Waiting() for _ in range(runs)]
+        woken = asyncio.Event()
+
+        def heard(channel: str, payload: str) -> None:
+            hits = [w.heard(channel, payload) for w in waiting]  # every waiter hears it
+            if any(hits):
+                woken.set()
+
+        async def coordinator(i: int) -> dict[str, Any]:
+            order = rng.sample(keys, len(keys))
+            tasks = [Task("work", key, id=f"t-{key}", key=key) for key in order]
+            return await admitted_with_keys(conns[i], f"r{i}", *tasks, owner=f"c{i}")
+
+        try:
+            async with Listener(pg_dsn, [KEY_CHANNEL], on_notify=heard):
+                answers = await asyncio.gather(*(coordinator(i) for i in range(runs)))
+                for key in keys:
+                    holders = [i for i in range(runs) if isinstance(answers[i][f"t-{key}"], Mine)]
+                    assert len(holders) == 1, key
+                for i in range(runs):
+                    for task_id, answer in answers[i].items():
+                        if isinstance(answer, Held):
+                            waiting[i].wait(task_id[2:], answer, time.monotonic())
+                with anyio.fail_after(60):
+                    while True:
+                        ran = await self.work(conn, runs, executed)
+                        asked = False
+                        for i in range(runs):
+                            due = waiting[i].due(time.monotonic())
+                            if not due:
+                                continue
+                            asked = True
+                            wanted = [(key, f"t-{key}") for key in due]
+                            again = await ask_again(
+                                conns[i], f"r{i}", wanted, owner=f"c{i}", lease=LEASE
+                            )
+                            for task_id, answer in again.items():
+                                if isinstance(answer, Held):
+                                    waiting[i].wait(task_id[2:], answer, time.monotonic())
+                        if not (ran or asked):
+                            if not any(waiting):
+                                break
+                            with anyio.move_on_after(0.5):
+                                await woken.wait()
+                            woken.clear()
+        finally:
+            await asyncio.gather(*(c.close() for c in conns))
+        assert sorted(executed) == sorted([*keys, "k0"])  # k0 failed once, then ran again
+        rows = await conn.fetch(
+            "SELECT run_id, id, state, output::text FROM orchestra.tasks ORDER BY run_id, id"
+        )
+        failed = [row for row in rows if row["state"] == FAILED]
+        assert len(failed) == 1
+        assert failed[0]["id"] == "t-k0"
+        succeeded = [row for row in rows if row["state"] == SUCCEEDED]
+        assert len(succeeded) == runs * len(keys) - 1
+        assert all(row["output"] == f'"{row["id"][2:]}!"' for row in succeeded)
+
+    @staticmethod
+    async def work(conn: asyncpg.Connection, runs: int, executed: list[str]) -> bool:
+        """One worker's pass over every run: claim what is ready, run it, complete it (k0 fails
+        its first execution). True when it ran something."""
+        ran = False
+        for i in range(runs):
+            claimed = await claim_tasks(conn, f"r{i}", {"work": 10}, owner="w", lease=LEASE)
+            ends = []
+            for task in claimed:
+                key = task.id[2:]
+                executed.append(key)
+                if key == "k0" and executed.count("k0") == 1:
+                    ends.append(End(task.id, task.token, FAILED, error="first try"))
+                else:
+                    ends.append(End(task.id, task.token, SUCCEEDED, f'"{key}!"', "work"))
+            if ends:
+                ran = True
+                assert all(await complete(conn, f"r{i}", "w", ends))
+        return ran
+
+
 class TestAKeySharedInItsRun:
     """The tasks of a run that share a key are one piece of work: one holds the key, the others
     follow it, and one of them takes it over when it does not succeed (the run's graph decides
