@@ -99,7 +99,8 @@ _SIGNAL = f"""CASE WHEN octet_length(key) <= {_MAX_SIGNAL} THEN key
 
 
 class Mine(NamedTuple):
-    """The key is the caller's task's now: run it. `token` fences the hold (`renew`, `finish`)."""
+    """The key is the caller's now (its run's hold): run the task. `token` fences the hold
+    (`renew`, `finish`)."""
 
     token: int
 
