@@ -662,6 +662,13 @@ class TestWaiting:
         assert waiting.next_look() == float("inf")
         assert not waiting.heard(KEY_CHANNEL, "k")
 
+    def test_every_key_is_due_when_the_listener_comes_back(self) -> None:
+        waiting = Waiting()
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=0.0)
+        waiting.wait("j", Held("c", "r", "u", 30.0), now=0.0)
+        waiting.hear_all()
+        assert sorted(waiting.due(1.0)) == ["j", "k"]
+
     def test_keys_of_one_digest_are_all_woken_by_it(self) -> None:
         waiting = Waiting()
         long = "x" * 300

@@ -524,6 +524,11 @@ class Waiting:
         self._heard.update(keys)
         return True
 
+    def hear_all(self) -> None:
+        """Every key waited for is due (a listener that listens again after a lost connection:
+        what was announced meanwhile is lost, so ask for them all; its ``on_reconnect``)."""
+        self._heard.update(self._until)
+
     def forget(self, key: str) -> None:
         """Stop waiting for `key` (its task ended otherwise)."""
         if self._until.pop(key, None) is not None:
