@@ -37,6 +37,7 @@ from orchestra.stores._postgres._keys import (
     finish,
     held_back,
     renew,
+    renew_run,
     signal_of,
 )
 from orchestra.stores._postgres._leases import (
@@ -306,6 +307,22 @@ class TestExpiryAndTakeOver:
         assert await renew(conn, "c2", [("k", token)], lease=LEASE) == {"k"}
         (answer,) = await claim(conn, "r2", [("k", "b")], owner="c2", lease=LEASE)
         assert isinstance(answer, Mine)  # neither renewal kept it alive
+
+    async def test_a_runs_coordinator_renews_all_its_holds_and_only_those(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        for key in ("k", "j", "taken", "done"):
+            await claim(conn, "r1", [(key, key)], owner="c1", lease=0)
+        await mine(conn, "other", owner="c1", run="r2", task="o")  # the same process, another run
+        await expire(conn, "other")
+        await mine(conn, "taken", owner="c2", run="r3", task="x")  # (its lease had run out)
+        token = (await key_row(conn, "done"))["token"]
+        await finish(conn, "c1", [KeyEnd("done", token, True, "1", "a")])
+        assert await renew_run(conn, "r1", "c1", lease=LEASE) == 2
+        answers = await claim(
+            conn, "r4", [("k", "a"), ("j", "b"), ("other", "c")], owner="c4", lease=LEASE
+        )
+        assert [type(answer) for answer in answers] == [Held, Held, Mine]
 
     async def test_a_finished_key_is_no_longer_renewed(self, conn: asyncpg.Connection) -> None:
         token = await mine(conn, "k")

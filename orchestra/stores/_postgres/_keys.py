@@ -18,7 +18,8 @@ as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token fr
   run's holds at once). One ``INSERT ... ON CONFLICT DO UPDATE`` decides each key atomically
   against concurrent claimers, and locks the rows it did not take, so the answer read next in
   the same transaction is the state those rows keep until it commits.
-- **Renew** (`renew`): the holder extends the leases it still holds (owner and token match).
+- **Renew** (`renew`): the holder extends the leases it still holds (owner and token match);
+  `renew_run`, all of a run's holds that are still its coordinator's.
 - **Finish**: a keyed task's end is written into its key's row in the transaction that ends the
   task, while the task's run holds the key (`finish_tasks`, which `_leases.complete` calls: a
   success with its output; anything else failed, for the next submitter to take over, once no
@@ -74,6 +75,7 @@ __all__ = (
     "finish_tasks",
     "held_back",
     "renew",
+    "renew_run",
     "signal_of",
 )
 
@@ -238,6 +240,21 @@ async def renew(
     keys, tokens = columns(held, 2)
     rows = await conn.fetch(_RENEW, owner, keys, tokens, float(lease))
     return set(keys) - {row[0] for row in rows}
+
+
+_RENEW_RUN = """
+UPDATE orchestra.keys SET expires = now() + make_interval(secs => $3)
+WHERE run_id = $1 AND owner = $2 AND state = 'claimed'
+"""
+
+
+async def renew_run(conn: asyncpg.Connection, run_id: str, owner: str, *, lease: float) -> int:
+    """Extend every hold of `run_id` that `owner` has (its coordinator's, with the run's own
+    lease), to `lease` seconds from now: no tokens to keep. A hold another run took over, or
+    that a coordinator taking the run over adopted (`adopt`), is no longer `owner`'s and stays
+    as it is. Returns how many were extended."""
+    status: str = await conn.execute(_RENEW_RUN, run_id, owner, float(lease))
+    return int(status.rpartition(" ")[2])
 
 
 class KeyEnd(NamedTuple):
