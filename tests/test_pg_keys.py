@@ -36,6 +36,7 @@ from orchestra.stores._postgres._keys import (
     claim,
     finish,
     held_back,
+    release_run,
     renew,
     renew_run,
     signal_of,
@@ -612,6 +613,36 @@ class TestAKeySharedInItsRun:
         assert await complete(conn, "r1", "w1", ends) == [True, True]
         row = await key_row(conn, "k")
         assert (row["state"], row["output"]) == ("succeeded", "2")
+
+
+class TestAStoppedRun:
+    async def test_lets_go_of_its_holds_but_those_of_tasks_a_worker_runs(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        await admitted_with_keys(
+            conn, "r1", Task("work", 1, id="a", key="ka"), Task("work", 2, id="b", key="kb"),
+            Task("work", 3, id="c", key="kc"), owner="c1",
+        )  # fmt: skip
+        await mine(conn, "elsewhere", owner="c1", run="r2", task="e")
+        claimed = await claim_tasks(conn, "r1", {"work": 2}, owner="w1", lease=LEASE)
+        assert [task.id for task in claimed] == ["a", "b"]
+        b = claimed[1].token
+        await complete(conn, "r1", "w1", [End("b", b, SUCCEEDED, "2", "work")])
+        heard = Heard()
+        async with Listener(pg_dsn, [KEY_CHANNEL], on_notify=heard):
+            assert await release_run(conn, "r1", "c1") == ["kc"]
+            await heard.until("kc")
+        states_of = {
+            key: (await key_row(conn, key))["state"] for key in ("ka", "kb", "kc", "elsewhere")
+        }
+        assert states_of == {
+            "ka": "claimed", "kb": "succeeded", "kc": "failed", "elsewhere": "claimed"
+        }  # fmt: skip
+        assert (await key_row(conn, "kc"))["error"] == "released: its run ended first"
+        # The resumed run claims it again.
+        assert isinstance(
+            (await claim(conn, "r1", [("kc", "c")], owner="c1b", lease=LEASE))[0], Mine
+        )
 
 
 class TestAnnouncements:

@@ -25,7 +25,7 @@ as a task's is (`_leases.py`): the holder's name (``owner``), a fencing token fr
   success with its output; anything else failed, for the next submitter to take over, once no
   task of the run with that key is left to run it); the holder may also end a hold itself
   (`finish`: a task its run ended without a completion, a hold it lets go of), fenced by owner
-  and token.
+  and token; a run stopped unfinished lets go of its holds (`release_run`).
 - **Waiting**: every finish sends a NOTIFY on `KEY_CHANNEL` (its payload: `signal_of` the key),
   delivered when its transaction commits; a waiter (`Waiting`) asks again when it hears its key,
   or once the holder's lease runs out, whichever comes first.
@@ -74,6 +74,7 @@ __all__ = (
     "finish",
     "finish_tasks",
     "held_back",
+    "release_run",
     "renew",
     "renew_run",
     "signal_of",
@@ -294,6 +295,30 @@ async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -
     rows = await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)))
     written = {row[0] for row in rows}
     return [end.key in written for end in ends]
+
+
+# A run that stops with tasks unfinished lets go of its holds, but for the keys of tasks a worker
+# runs (claimed or running): their completion ends the key.
+_RELEASE_RUN = f"""
+WITH done AS (
+    UPDATE orchestra.keys AS k SET state = 'failed', error = $3
+    WHERE k.run_id = $1 AND k.owner = $2 AND k.state = 'claimed' AND NOT EXISTS (
+        SELECT FROM orchestra.tasks AS t
+        WHERE t.run_id = $1 AND t.key = k.key AND t.state IN ('claimed', 'running'))
+    RETURNING k.key
+)
+SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
+"""
+
+
+async def release_run(conn: asyncpg.Connection, run_id: str, owner: str) -> list[str]:
+    """`owner`, the coordinator of `run_id`, stops it with tasks unfinished (to be resumed): its
+    holds are let go, as a failure would, so that a run waiting for one takes it at once instead
+    of waiting out the lease (the resumed run claims it again, or reuses that run's result),
+    except the keys of tasks a worker is running (their completion ends the key). Announced on
+    `KEY_CHANNEL`. Returns the keys let go."""
+    rows = await conn.fetch(_RELEASE_RUN, run_id, owner, "released: its run ended first")
+    return [row[0] for row in rows]
 
 
 # A task's end written into its key's row, while its run holds the key: a success at once; any
