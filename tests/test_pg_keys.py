@@ -215,12 +215,17 @@ class TestClaim:
         assert await renew(conn, "standby", list(adopted.items()), lease=LEASE) == set()
         assert (await key_row(conn, "elsewhere"))["owner"] == "c2"
 
-    async def test_a_key_wanted_twice_in_one_claim_is_refused(
+    async def test_tasks_of_a_run_wanting_one_key_get_one_answer(
         self, conn: asyncpg.Connection
     ) -> None:
-        with pytest.raises(ValueError, match=r"\['k'\]"):
-            await claim(conn, "r", [("k", "a"), ("j", "b"), ("k", "c")], owner="c", lease=LEASE)
-        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
+        answers = await claim(
+            conn, "r", [("k", "a"), ("j", "b"), ("k", "c")], owner="c", lease=LEASE
+        )
+        assert isinstance(answers[0], Mine)
+        assert answers[2] == answers[0]
+        assert (await key_row(conn, "k"))["task_id"] == "a"
+        again = await claim(conn, "r2", [("k", "x"), ("k", "y")], owner="c2", lease=LEASE)
+        assert again[0] == again[1] == Held("c", "r", "a", again[0].left)  # type: ignore[union-attr]
 
 
 class TestOneHundredConcurrentSubmissions:

@@ -166,18 +166,12 @@ async def claim(
 ) -> list[Answer]:
     """Claim each key of `wanted`, (key, task id) pairs of `run_id`, for `owner` under a lease of
     `lease` seconds on the database's clock, in one transaction. Returns an answer per pair, in
-    their order: `Mine`, `Stored` or `Held`.
-
-    Raises:
-        ValueError: a key is wanted twice (the tasks of a run that share a key follow the one
-            that holds it: only that one claims it).
-    """
+    their order: `Mine`, `Stored` or `Held`. Tasks of the run wanting one key get one answer (the
+    hold is the run's; the row names the first of them)."""
     if not wanted:
         return []
-    keys, task_ids = columns(wanted, 2)
-    if len(set(keys)) != len(keys):
-        twice = sorted({key for key in keys if keys.count(key) > 1})
-        raise ValueError(f"claim: keys wanted twice in one claim: {twice}")
+    first = dict(reversed(wanted))  # key -> the first task that wants it
+    keys, task_ids = list(first), list(first.values())
 
     async def step(conn: asyncpg.Connection) -> dict[str, Answer]:
         taken: dict[str, Answer] = {
@@ -197,7 +191,7 @@ async def claim(
         return taken
 
     answers = await transaction(conn, step)
-    return [answers[key] for key in keys]
+    return [answers[key] for key, _ in wanted]
 
 
 _ADOPT = """
