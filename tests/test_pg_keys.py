@@ -543,6 +543,78 @@ class TestManyRunsSharingKeys:
         return ran
 
 
+class TestConcurrentWriters:
+    async def test_claims_renewals_finishes_and_completions_of_shared_keys_never_deadlock(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # Each step runs inside a transaction of the caller's, where a deadlock is not retried
+        # (as in a coordinator's fenced write): every writer of several keys must lock them in
+        # one order. 12 processes with runs of their own take, renew and end 8 shared keys in
+        # random orders; a worker completes keyed tasks of their runs meanwhile.
+        keys = [f"k{j}" for j in range(8)]
+        n = 12
+        for i in range(n):
+            await admitted(
+                conn, f"r{i}", *(Task("work", j, id=key, key=key) for j, key in enumerate(keys))
+            )
+        conns = await asyncio.gather(*(asyncpg.connect(pg_dsn) for _ in range(n + 1)))
+        rng = random.Random(3)
+        steps = 0
+
+        async def coordinator(i: int) -> None:
+            nonlocal steps
+            me, run, c = f"c{i}", f"r{i}", conns[i]
+            tokens: dict[str, int] = {}
+            for _ in range(60):
+                mine_now = rng.sample(keys, rng.randint(1, len(keys)))
+                action = rng.random()
+                async with c.transaction():
+                    if action < 0.4:
+                        answers = await claim(
+                            c, run, [(k, k) for k in mine_now], owner=me, lease=0.05
+                        )
+                        tokens.update(
+                            (k, a.token)
+                            for k, a in zip(mine_now, answers, strict=True)
+                            if isinstance(a, Mine)
+                        )
+                    elif action < 0.55:
+                        await renew(c, me, list(tokens.items()), lease=LEASE)
+                    elif action < 0.65:
+                        await renew_run(c, run, me, lease=0.05)
+                    elif action < 0.85:
+                        ends = [
+                            KeyEnd(k, t, rng.random() < 0.3, "1", "a", "no")
+                            for k, t in tokens.items()
+                        ]
+                        rng.shuffle(ends)
+                        await finish(c, me, ends)
+                        tokens.clear()
+                    elif action < 0.95:
+                        await release_run(c, run, me)
+                    else:
+                        tokens = await adopt(c, run, owner=me, lease=0.05)
+                steps += 1
+
+        async def worker() -> None:
+            c = conns[n]
+            for _ in range(n):
+                for i in rng.sample(range(n), n):
+                    async with c.transaction():
+                        claimed = await claim_tasks(c, f"r{i}", {"work": 3}, owner="w", lease=LEASE)
+                        ends = [
+                            End(t.id, t.token, rng.choice([SUCCEEDED, FAILED]), "1", "work")
+                            for t in claimed
+                        ]
+                        await complete(c, f"r{i}", "w", ends)
+
+        try:
+            await asyncio.gather(*(coordinator(i) for i in range(n)), worker())
+        finally:
+            await asyncio.gather(*(c.close() for c in conns))
+        assert steps == n * 60
+
+
 class TestAKeySharedInItsRun:
     """The tasks of a run that share a key are one piece of work: one holds the key, the others
     follow it, and one of them takes it over when it does not succeed (the run's graph decides

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
 from ..._task import SUCCEEDED
 from ._settle import columns, make_ready, settle, transaction
@@ -194,15 +194,33 @@ async def claim(
     return [answers[key] for key, _ in wanted]
 
 
+# Every statement that changes several keys' rows locks them first in key order, as `_CLAIM`
+# does: an update locks rows in whatever order its plan meets them, and two transactions locking
+# the same rows in two orders deadlock (PostgreSQL aborts one of them).
+_LOCK_OWNED = """
+SELECT key FROM orchestra.keys
+WHERE owner = $1 AND key = ANY ($2::text[]) AND state = 'claimed'
+ORDER BY key
+FOR UPDATE
+"""
+
+_LOCK_RUN = """
+SELECT key FROM orchestra.keys
+WHERE run_id = $1 AND owner = $2 AND state = 'claimed'
+ORDER BY key
+FOR UPDATE
+"""
+
+_LOCK_RUN_ALL = """
+SELECT key FROM orchestra.keys WHERE run_id = $1 AND state = 'claimed' ORDER BY key FOR UPDATE
+"""
+
 _ADOPT = """
-UPDATE orchestra.keys AS k
+UPDATE orchestra.keys
 SET owner = $2, token = nextval('orchestra.lease_tokens'),
     expires = now() + make_interval(secs => $3)
-WHERE k.key IN (
-    SELECT key FROM orchestra.keys WHERE run_id = $1 AND state = 'claimed'
-    ORDER BY key FOR UPDATE
-)
-RETURNING k.key, k.token
+WHERE run_id = $1 AND state = 'claimed'
+RETURNING key, token
 """
 
 
@@ -212,8 +230,12 @@ async def adopt(
     """Take every hold of `run_id` for `owner` (a coordinator that took the run over), each under
     a fresh token and lease: the old coordinator's renewals and finishes are refused from now on.
     Returns the tokens by key."""
-    rows = await conn.fetch(_ADOPT, run_id, owner, float(lease))
-    return {row[0]: row[1] for row in rows}
+
+    async def step(conn: asyncpg.Connection) -> list[Any]:
+        await conn.execute(_LOCK_RUN_ALL, run_id)
+        return await conn.fetch(_ADOPT, run_id, owner, float(lease))
+
+    return {row[0]: row[1] for row in await transaction(conn, step)}
 
 
 _RENEW = """
@@ -233,7 +255,12 @@ async def renew(
     if not held:
         return set()
     keys, tokens = columns(held, 2)
-    rows = await conn.fetch(_RENEW, owner, keys, tokens, float(lease))
+
+    async def step(conn: asyncpg.Connection) -> list[Any]:
+        await conn.execute(_LOCK_OWNED, owner, keys)
+        return await conn.fetch(_RENEW, owner, keys, tokens, float(lease))
+
+    rows = await transaction(conn, step)
     return set(keys) - {row[0] for row in rows}
 
 
@@ -248,8 +275,13 @@ async def renew_run(conn: asyncpg.Connection, run_id: str, owner: str, *, lease:
     lease), to `lease` seconds from now: no tokens to keep. A hold another run took over, or
     that a coordinator taking the run over adopted (`adopt`), is no longer `owner`'s and stays
     as it is. Returns how many were extended."""
-    status: str = await conn.execute(_RENEW_RUN, run_id, owner, float(lease))
-    return int(status.rpartition(" ")[2])
+
+    async def step(conn: asyncpg.Connection) -> str:
+        await conn.execute(_LOCK_RUN, run_id, owner)
+        status: str = await conn.execute(_RENEW_RUN, run_id, owner, float(lease))
+        return status
+
+    return int((await transaction(conn, step)).rpartition(" ")[2])
 
 
 class KeyEnd(NamedTuple):
@@ -286,8 +318,12 @@ async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -
     Returns, for each end, whether it was written."""
     if not ends:
         return []
-    rows = await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)))
-    written = {row[0] for row in rows}
+
+    async def step(conn: asyncpg.Connection) -> list[Any]:
+        await conn.execute(_LOCK_OWNED, owner, [end.key for end in ends])
+        return await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)))
+
+    written = {row[0] for row in await transaction(conn, step)}
     return [end.key in written for end in ends]
 
 
@@ -311,9 +347,23 @@ async def release_run(conn: asyncpg.Connection, run_id: str, owner: str) -> list
     of waiting out the lease (the resumed run claims it again, or reuses that run's result),
     except the keys of tasks a worker is running (their completion ends the key). Announced on
     `KEY_CHANNEL`. Returns the keys let go."""
-    rows = await conn.fetch(_RELEASE_RUN, run_id, owner, "released: its run ended first")
-    return [row[0] for row in rows]
 
+    async def step(conn: asyncpg.Connection) -> list[Any]:
+        await conn.execute(_LOCK_RUN, run_id, owner)
+        return await conn.fetch(_RELEASE_RUN, run_id, owner, "released: its run ended first")
+
+    return [row[0] for row in await transaction(conn, step)]
+
+
+# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`).
+_LOCK_KEYS = """
+SELECT k.key FROM orchestra.keys AS k
+WHERE k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
+    SELECT t.key FROM orchestra.tasks AS t
+    WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL)
+ORDER BY k.key
+FOR UPDATE OF k
+"""
 
 # A task's end written into its key's row, while its run holds the key: a success at once; any
 # other end only when no task of the run with that key is left to end it (the one that takes the
@@ -363,6 +413,7 @@ async def finish_tasks(conn: asyncpg.Connection, run_id: str, task_ids: Iterable
     ids = list(task_ids)
     if not ids:
         return []
+    await conn.execute(_LOCK_KEYS, run_id, ids)
     return [row[0] for row in await conn.fetch(_FINISH_TASKS, run_id, ids)]
 
 
