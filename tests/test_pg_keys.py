@@ -1,9 +1,11 @@
 """Idempotency keys on PostgreSQL (`orchestra.stores._postgres._keys`), on the session's real server
 and real connections: a key claimed by one of 100 concurrent submitters while the others see it
-held, then all reuse its stored result; holds renewed, expired and taken over, failed keys taken
-over; a keyed task's end written into its key with the completion that ends it (and none when the
-completion is refused); finishes announced on the key channel; and a model check of the claims
-against the SQLite store's, step by step.
+held, then all reuse its stored result; holds renewed, expired, taken over and adopted, failed keys
+taken over; a keyed task's end written into its key with the completion that ends it (and none
+when the completion is refused); a run's task whose key another run holds held back in the
+database until the key is its own or its result is stored; 40 runs sharing keys end to end;
+concurrent writers of shared keys that never deadlock; finishes announced on the key channel; and
+a model check of the claims against the SQLite store's, step by step.
 
 A lease is made to run out by moving its expiry into the past on the server, not by waiting."""
 
