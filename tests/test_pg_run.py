@@ -265,18 +265,23 @@ def start_job(dsn: str, calls: Path, *options: str) -> subprocess.Popen[str]:
     )
 
 
-async def lines(path: Path, at_least: int, timeout: float = 30.0) -> list[str]:
-    """The lines of `path`, once it has `at_least` of them."""
-    with anyio.fail_after(timeout):
+def _words(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+async def lines(path: Path, at_least: int) -> list[str]:
+    """The lines of `path`, once it has `at_least` of them (30 s at most)."""
+    with anyio.fail_after(30):
         while True:
-            found = path.read_text().split() if path.exists() else []
+            found = await anyio.to_thread.run_sync(_words, path)
             if len(found) >= at_least:
                 return found
             await anyio.sleep(0.02)
 
 
-async def finish(process: subprocess.Popen[str], timeout: float = 60.0) -> tuple[int, str, str]:
-    out, err = await anyio.to_thread.run_sync(lambda: process.communicate(timeout=timeout))
+async def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """Wait for `process` (60 s at most): its exit code, stdout and stderr."""
+    out, err = await anyio.to_thread.run_sync(lambda: process.communicate(timeout=60))
     return process.returncode, out, err
 
 
