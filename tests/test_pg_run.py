@@ -429,3 +429,64 @@ class TestADatabaseRestart:
             finally:
                 store.close()
                 server.stop()
+
+
+class TestACoordinatorWithWorkers:
+    async def test_three_worker_processes_and_the_coordinator_run_10000_tasks_each_once(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, tmp_path: Path
+    ) -> None:
+        from tests.test_pg_worker import live_workers, ran, start_worker, until, wait_all
+
+        calls = tmp_path / "calls"
+        workers = [start_worker(pg_dsn, calls, run_id="big") for _ in range(3)]
+        here: list[str] = []
+
+        @agent(kinds=["work"], concurrency=2)
+        async def mine(task: Task, ctx: Context) -> int:
+            here.append(task.id)
+            return int(task.payload) * 2
+
+        try:
+            await until(lambda: _same(live_workers(pg_conn), 3), 30)
+            spawner = Task("split", 5, id="split")
+            tasks = [Task("work", i, id=f"t{i}") for i in range(10_000)]
+            tasks.append(Task("total", 0, id="total", depends_on=["t0", "t1", "t2"]))
+
+            @agent(kinds=["split", "total"])
+            async def other(task: Task, ctx: Context) -> int:
+                if task.kind == "split":
+                    for i in range(5):
+                        ctx.spawn(Task("work", 100_000 + i, id=f"s{i}"))
+                    return 0
+                return sum(int(v) for v in ctx.deps.values())
+
+            store = PostgresStore(pg_dsn, poll=0.2)
+            try:
+                async with Orchestrator(agents=[mine, other], store=store) as orch:
+                    result = await orch.run([spawner, *tasks], run_id="big")
+            finally:
+                store.close()
+        finally:
+            errs = await wait_all(workers)
+        assert result.status == "success", result.errors
+        assert result.metadata.total == 10_007
+        assert result.data["total"] == 2 * (0 + 1 + 2)
+        assert result.data["s4"] == 2 * 100_004
+        rows = await pg_conn.fetch("SELECT id, state, attempts FROM orchestra.tasks")
+        assert len(rows) == 10_007
+        assert {(r["state"], r["attempts"]) for r in rows} == {("succeeded", 1)}
+        # Every "work" task executed exactly once, by a worker or the coordinator; the workers
+        # did most of it (the coordinator's agent takes two at a time).
+        executed = [t for t, _ in ran(calls)] + here
+        work = {r["id"] for r in rows} - {"split", "total"}
+        assert sorted(executed) == sorted(work)
+        assert len({p for _, p in ran(calls)}) == 3
+        assert len(here) < len(executed) / 2
+        assert not await pg_conn.fetchval(
+            "SELECT count(*) FROM orchestra.events WHERE event = 'refused'"
+        )
+        assert [w.returncode for w in workers] == [0, 0, 0], errs  # their run closed: they left
+
+
+async def _same(value: Any, expected: int) -> bool:
+    return bool(await value == expected)

@@ -29,10 +29,10 @@ from ..._task import (
 if TYPE_CHECKING:
     import asyncpg
 
-__all__ = ("Rows", "load")
+__all__ = ("STATES", "Rows", "load")
 
 # The interned constants: the engine compares states by `is`.
-_STATES: Final = {
+STATES: Final = {
     s: s
     for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
 }
@@ -100,7 +100,7 @@ class Rows:
             metadata=None if metadata is None else json.loads(metadata),
         )  # fmt: skip
         record = Record(task, idx, None if parent is None else stored[parent][0], named)
-        record.state = state = _STATES[state]
+        record.state = state = STATES[state]
         record.attempts = attempts
         record.agent_tries = agent_tries
         record.target = target

@@ -56,7 +56,7 @@ from . import _follow as follow
 from . import _leases as leases
 from ._graph import admit_in
 from ._listen import Wakeup, channel_of, notify
-from ._rows import Rows, load
+from ._rows import STATES, Rows, load
 from ._settle import close_input
 
 if TYPE_CHECKING:
@@ -596,7 +596,7 @@ class PostgresRun:
             value = None if output is None else json.loads(output)
             try:
                 memory.settle(
-                    record, token, state, value, spawned=spawned.get(task_id, ()), agent=agent,
+                    record, token, STATES[state], value, spawned=spawned.get(task_id, ()), agent=agent,
                     error=error, error_type=error_type, defaulted=defaulted,
                 )  # fmt: skip
             except InputError as exc:  # the database took them: the mirror must too
