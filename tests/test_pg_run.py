@@ -490,3 +490,86 @@ class TestACoordinatorWithWorkers:
 
 async def _same(value: Any, expected: int) -> bool:
     return bool(await value == expected)
+
+
+class TestKeysAcrossRuns:
+    """Idempotency keys across runs and processes, through the coordinator's run."""
+
+    async def test_a_later_run_reuses_a_keys_result_without_executing(
+        self, store: PostgresStore
+    ) -> None:
+        calls: list[str] = []
+
+        @agent(kinds=["charge"])
+        async def charge(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            return f"charged {task.payload}"
+
+        async with Orchestrator(agents=[charge, add], store=store) as orch:
+            first = await orch.run([Task("charge", 10, id="c", key="order-1")], run_id="k1")
+            second = await orch.run(
+                [
+                    Task("charge", 10, id="again", key="order-1"),
+                    Task("charge", 20, id="other", key="order-2"),
+                ],
+                run_id="k2",
+            )
+        assert first.data == {"c": "charged 10"}
+        assert second.data == {"again": "charged 10", "other": "charged 20"}
+        assert calls == ["c", "other"]
+
+    async def test_a_run_waits_for_a_key_another_run_holds_then_reuses_its_result(
+        self, pg_dsn: str
+    ) -> None:
+        calls: list[str] = []
+        gate = anyio.Event()
+
+        @agent(kinds=["charge"])
+        async def charge(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            await gate.wait()
+            return f"charged {task.payload}"
+
+        one, two = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        try:
+            async with (
+                Orchestrator(agents=[charge], store=one) as first,
+                Orchestrator(agents=[charge], store=two) as second,
+            ):
+                holder = first.start([Task("charge", 1, id="a", key="k")], run_id="r-a")
+                await until_called(calls, 1)
+                waiter = second.start([Task("charge", 1, id="b", key="k")], run_id="r-b")
+                await anyio.sleep(0.5)
+                assert calls == ["a"]  # b waits: the key is a's run's
+                assert not waiter.done
+                gate.set()
+                done_a, done_b = await holder, await waiter
+        finally:
+            one.close()
+            two.close()
+        assert done_a.data == {"a": "charged 1"}
+        assert done_b.data == {"b": "charged 1"}
+        assert calls == ["a"]
+
+    async def test_a_failed_key_is_taken_over_by_the_next_run(self, store: PostgresStore) -> None:
+        calls: list[str] = []
+
+        @agent(kinds=["charge"], retry=RetryPolicy(max_attempts=1))
+        async def charge(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            if task.payload == "bad":
+                raise PermanentError("card declined")
+            return "ok"
+
+        async with Orchestrator(agents=[charge], store=store) as orch:
+            failed = await orch.run([Task("charge", "bad", id="x", key="k")], run_id="f1")
+            again = await orch.run([Task("charge", "good", id="y", key="k")], run_id="f2")
+        assert failed.status == "failed"
+        assert again.data == {"y": "ok"}
+        assert calls == ["x", "y"]
+
+
+async def until_called(calls: list[str], n: int) -> None:
+    with anyio.fail_after(10):
+        while len(calls) < n:
+            await anyio.sleep(0.01)

@@ -66,8 +66,24 @@ class Database:
             database restarting) before it fails with `StoreError`.
     """
 
-    def __init__(self, dsn: str, *, max_connections: int = 4, reconnect_for: float = 30.0) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        max_connections: int = 4,
+        reconnect_for: float = 30.0,
+        idle_in_transaction: float | None = None,
+    ) -> None:
         self.dsn = dsn
+        # A process paused inside a transaction (SIGSTOP, a frozen VM) would keep its row locks,
+        # and every process that needs those rows would wait on it: the server ends its session
+        # once it sat idle inside a transaction this long (shorter than a lease, so that what
+        # waits for its lease to lapse is not held up by its locks as well).
+        self.settings = dict(SERVER_SETTINGS)
+        if idle_in_transaction is not None:
+            self.settings["idle_in_transaction_session_timeout"] = (
+                f"{max(1, int(idle_in_transaction * 1000))}ms"
+            )
         self.max_connections = max_connections
         self.reconnect_for = reconnect_for
         self.closed = False
@@ -120,7 +136,7 @@ class Database:
                     self.dsn,
                     min_size=1,
                     max_size=self.max_connections,
-                    server_settings=SERVER_SETTINGS,
+                    server_settings=self.settings,
                     timeout=_CONNECT_TIMEOUT,
                 )
             except (TimeoutError, OSError, asyncpg.PostgresError) as exc:

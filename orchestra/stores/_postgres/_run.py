@@ -40,7 +40,7 @@ import os
 import socket
 import time
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic_core import to_json
 
@@ -53,6 +53,7 @@ from .._protocol import KEEP
 from .._resume import Resume
 from . import _coordinator as coordinator
 from . import _follow as follow
+from . import _keys as keys
 from . import _leases as leases
 from ._graph import admit_in
 from ._listen import Wakeup, channel_of, notify
@@ -122,7 +123,7 @@ class PostgresRun:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand (the contract suite): every call writes at once
             self._loop = None
-        taken, rows, attempts = self._db.call(_open, run_id, self.name, store.lease)
+        taken, rows, attempts, held_back = self._db.call(_open, run_id, self.name, store.lease)
         if isinstance(taken, coordinator.Holder):
             raise StoreError(
                 f"run {run_id!r} is being run by another coordinator ({taken.owner}, its lease "
@@ -135,6 +136,12 @@ class PostgresRun:
         reader = Rows(self._wall0, self._wall0 - memory.t0)
         self._resume = Resume(run_id, admission, reader, (rows, attempts) if rows else None)
         del memory
+        # Keys another run holds, waited for (`_keys.Waiting`), and the tasks held back for each.
+        self._waiting = keys.Waiting()
+        self._key_tasks: dict[str, list[str]] = {}
+        self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
+        for key, task_id in held_back:  # (a run taken over: asked again at once)
+            self._wait_key(key, task_id, 0.0)
         self._wakeup = Wakeup()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: Future[Any] | None = None
@@ -221,13 +228,13 @@ class PostgresRun:
                         )  # fmt: skip
                     start = stop + 1
                 kept = [t for i, t in enumerate(tasks) if i not in set(gone)]
-                self._queue("admit", (kept, where, forward, first_index))
+                self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
                 self._backlog += len(kept)
                 return added
         added = memory.admit(
             tasks, where=where, forward=forward, first_index=first_index, generated=generated
         )
-        self._queue("admit", (list(tasks), where, forward, first_index))
+        self._queue("admit", (list(tasks), where, forward, first_index, self._keys_of(tasks)))
         self._backlog += len(tasks)
         return added
 
@@ -241,13 +248,29 @@ class PostgresRun:
             if resume.gone(task, self._memory):
                 return
         self._memory.admit_one(task, index, generated=generated)
-        self._queue("admit", ([task], "input item", False, index))
+        self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
         self._backlog += 1
 
     def close_input(self) -> None:
         self._take_back()
         self._memory.close_input()
         self._queue("close_input", None)
+
+    def _keys_of(self, tasks: Sequence[Any]) -> list[tuple[str, str]]:
+        """The keys the run's new tasks hold in the run (a follower of another task of the run
+        claims none: it ends with its holder), as (key, task id), to claim across runs."""
+        memory = self._memory
+        wanted = []
+        for task in tasks:
+            key = getattr(task, "key", None)
+            if key is None:
+                continue
+            record = memory.record_of(task.id)
+            if record is not None and record.state not in TERMINAL and memory.holds_key(record):
+                wanted.append((key, task.id))
+        if wanted:
+            self._keyed = True
+        return wanted
 
     def _take_back(self) -> None:
         """What an earlier coordinator left of this run, taken back as the input starts coming
@@ -428,11 +451,11 @@ class PostgresRun:
     def _flush_now(self) -> None:
         ops, self._ops = self._ops, []
         try:
-            refused = self._db.call(_apply, self.run_id, self._lease, self._admission, ops)
+            done = self._db.call(_apply, self.run_id, self._lease, self._admission, ops)
         except BaseException as exc:
             self._keep_error(exc)
             return
-        self._applied(ops, refused)
+        self._applied(ops, done)
 
     async def _write_behind(self) -> None:
         dirty = self._dirty
@@ -445,15 +468,17 @@ class PostgresRun:
                 continue
             self._inflight = self._db.submit(_apply, self.run_id, self._lease, self._admission, ops)
             try:
-                refused = await asyncio.wrap_future(self._inflight)
+                done = await asyncio.wrap_future(self._inflight)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
                 self._keep_error(exc)
                 return
-            self._applied(ops, refused)
+            self._applied(ops, done)
 
-    def _applied(self, ops: list[tuple[str, Any]], refused: list[str]) -> None:
+    def _applied(self, ops: list[tuple[str, Any]], done: Applied) -> None:
+        refused = done.refused
+        self._answered(done.answers)
         self._backlog -= sum(len(op[0]) for kind, op in ops if kind == "admit")
         if self._backlog < _BACKLOG and self._drained is not None:
             if not self._drained.done():
@@ -465,6 +490,49 @@ class PostgresRun:
                 "completion refused: the lease was lost", run_id=self.run_id, task_ids=refused
             )
         self._wakeup.set()  # what these writes made ready may be claimed now
+
+    # -- keys another run holds ------------------------------------------------------------------
+
+    def _answered(self, answers: dict[str, keys.Answer]) -> None:
+        """What the database answered for the keys of the run's tasks: a stored result ends the
+        task here as it ended there (unexecuted); a key held elsewhere is waited for."""
+        if not answers:
+            return
+        memory = self._memory
+        for task_id, answer in answers.items():
+            if isinstance(answer, keys.Stored):
+                record = memory.record_of(task_id)
+                if record is None or record.state in TERMINAL:
+                    continue
+                token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
+                self._held.pop(task_id, None)
+                memory.settle(
+                    record, token, SUCCEEDED, json.loads(answer.output), agent=answer.agent
+                )
+            elif isinstance(answer, keys.Held):
+                record = memory.record_of(task_id)
+                if record is not None and record.task.key is not None:
+                    self._wait_key(record.task.key, task_id, answer.left)
+
+    def _wait_key(self, key: str, task_id: str, left: float) -> None:
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        self._waiting.wait(key, keys.Held("", "", "", left), now)
+        self._key_tasks.setdefault(key, []).append(task_id)
+
+    def _keys_due(self) -> list[tuple[str, str]]:
+        """The held-back tasks whose keys are to be asked for again now, as (key, task id)."""
+        if not self._key_tasks:
+            return []
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        return [
+            (key, task_id)
+            for key in self._waiting.due(now)
+            for task_id in self._key_tasks.pop(key, ())
+        ]
+
+    def _key_heard(self, channel: str, payload: str) -> None:
+        if self._waiting.heard(channel, payload):
+            self._wakeup.set()
 
     def _keep_error(self, error: BaseException) -> None:
         if self._error is None:
@@ -480,6 +548,13 @@ class PostgresRun:
 
     def _step(self, *, limit: int | None = None) -> None:
         """Hear the ends written elsewhere and claim what the agents can start (blocking)."""
+        asked = self._keys_due()
+        if asked:
+            try:
+                self._answered(self._db.call(_ask_again, self.run_id, self._lease, asked))
+            except BaseException as exc:
+                self._keep_error(exc)
+                return
         try:
             heard, claimed = self._db.call(
                 _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, limit
@@ -497,9 +572,19 @@ class PostgresRun:
         every = self._store.lease / 3
         swept = -math.inf
         while not self.closed:
-            await self._wakeup.wait(poll)
+            await self._wakeup.wait(max(0.0, min(poll, self._waiting.next_look() - loop.time())))
             if self.closed or self._error is not None:
                 return
+            asked = self._keys_due()
+            if asked:
+                try:
+                    answers = await self._db.run(_ask_again, self.run_id, self._lease, asked)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    self._keep_error(exc)
+                    return
+                self._answered(answers)
             sweep = loop.time() - swept >= every
             if sweep:
                 swept = loop.time()
@@ -627,19 +712,31 @@ class PostgresRun:
                 ),
             )  # fmt: skip
 
-        def woken(_channel: str, _payload: str) -> None:
+        def woken(channel: str, payload: str) -> None:
+            if channel == keys.KEY_CHANNEL:
+                loop.call_soon_threadsafe(self._key_heard, channel, payload)
+            else:
+                loop.call_soon_threadsafe(self._wakeup.set)
+
+        def reconnected() -> None:  # what was announced meanwhile is lost: ask again for all
+            loop.call_soon_threadsafe(self._waiting.hear_all)
             loop.call_soon_threadsafe(self._wakeup.set)
 
         async with (
             coordinator.LeaseKeeper(pool, self._lease, on_lost=lost),
             Listener(
-                self._db.dsn, [channel_of(self.run_id)], on_notify=woken,
-                on_reconnect=lambda: woken("", ""),
+                self._db.dsn, [channel_of(self.run_id), keys.KEY_CHANNEL], on_notify=woken,
+                on_reconnect=reconnected,
             ),
         ):  # fmt: skip
             while True:
                 await asyncio.sleep(store.lease / 3)
                 # (a copy: the run's loop changes the dict meanwhile; `dict.copy` is one step)
+                if self._keyed:  # the run's holds of keys, renewed with its tasks' leases
+                    with contextlib.suppress(StoreError):
+                        await self._db.within(
+                            keys.renew_run, self.run_id, self.name, lease=store.lease
+                        )
                 held = self._held.copy()
                 if held:
                     with contextlib.suppress(StoreError):  # out of reach: the next beat tries
@@ -682,7 +779,7 @@ class PostgresRun:
         held = [(c.run_id, c.id, c.token) for c in self._held.values()]
         self._held.clear()
         try:
-            self._db.call(_close, self._lease, held, done)
+            self._db.call(_close, self._lease, held, done, self._keyed)
         except StoreError as exc:
             self._error = self._error or exc
         error = self._error
@@ -744,14 +841,14 @@ def _alive(pid: int) -> bool:
 
 async def _open(
     conn: asyncpg.Connection, run_id: str, owner: str, lease: float
-) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any]]:
+) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any], list[tuple[str, str]]]:
     """Take the run (made when new) and read what an earlier coordinator left of it; the tasks
     that coordinator held are taken back at once (their attempts counted), its process gone."""
     taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
     if taken is None:
-        held = await coordinator.holder(conn, run_id)
-        assert held is not None  # acquire makes the run
-        return held, [], []
+        holder = await coordinator.holder(conn, run_id)
+        assert holder is not None  # acquire makes the run
+        return holder, [], [], []
     await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
     # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
     # they held is taken back now, not when its lease would lapse.
@@ -765,7 +862,11 @@ async def _open(
     if expired:
         await leases.take_back_expired(conn, run_id)
     rows, attempts = await load(conn, run_id)
-    return taken, rows, attempts
+    held: list[tuple[str, str]] = []
+    if rows:  # the run's holds of keys are this coordinator's now; what waited, waits again
+        await keys.adopt(conn, run_id, owner=owner, lease=lease)
+        held = await keys.held_back(conn, run_id)
+    return taken, rows, attempts, held
 
 
 async def _claim_step(
@@ -792,17 +893,36 @@ async def _release(conn: asyncpg.Connection, owner: str, held: list[tuple[str, s
     await leases.release(conn, owner, held)
 
 
+class Applied(NamedTuple):
+    """What the database made of the run's writes: the ends it refused (a lease lost), and its
+    answers for the keys of the tasks admitted (by task id)."""
+
+    refused: list[str]
+    answers: dict[str, keys.Answer]
+
+
+async def _ask_again(
+    conn: asyncpg.Connection,
+    run_id: str,
+    lease: coordinator.Lease,
+    wanted: list[tuple[str, str]],
+) -> dict[str, keys.Answer]:
+    async with coordinator.fenced(conn, lease):
+        return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+
+
 async def _apply(
     conn: asyncpg.Connection,
     run_id: str,
     lease: coordinator.Lease,
     admission: Admission,
     ops: list[tuple[str, Any]],
-) -> list[str]:
+) -> Applied:
     """Tell the database what the run did, in order: the coordinator's own writes (input,
     decided ends, priorities, the input's close) fenced by its lease on the run, its tasks' ends
     and failed attempts fenced by their leases. Returns the ids whose end was refused."""
     refused: list[str] = []
+    answers: dict[str, keys.Answer] = {}
     i = 0
     while i < len(ops):
         kind = ops[i][0]
@@ -818,7 +938,10 @@ async def _apply(
             async with coordinator.fenced(conn, lease):
                 readied = False
                 for what, op in _merged(group):
-                    readied = await _fenced_op(conn, run_id, admission, what, op) or readied
+                    readied = (
+                        await _fenced_op(conn, run_id, lease, admission, what, op, answers)
+                        or readied
+                    )
                 if readied:
                     await notify(conn, run_id)
         elif kind == "end":
@@ -836,7 +959,7 @@ async def _apply(
             if await leases.requeue(conn, lease.owner, [op for _, op in group]):
                 await notify(conn, run_id)
         i = j
-    return refused
+    return Applied(refused, answers)
 
 
 class _NoRemote:
@@ -857,15 +980,15 @@ def _merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     merged: list[tuple[str, Any]] = []
     for what, op in group:
         if what == "admit" and merged and merged[-1][0] == "admit":
-            tasks, where, forward, first = merged[-1][1]
-            more, where2, forward2, first2 = op
+            tasks, where, forward, first, wanted = merged[-1][1]
+            more, where2, forward2, first2, wanted2 = op
             if (where, forward, where2, forward2) == (
                 "input item",
                 False,
                 "input item",
                 False,
             ) and (first2 == first + len(tasks)):
-                merged[-1] = ("admit", (tasks + more, where, forward, first))
+                merged[-1] = ("admit", (tasks + more, where, forward, first, wanted + wanted2))
                 continue
         if what == "decide" and merged and merged[-1][0] == "decide":
             merged[-1] = ("decide", [*merged[-1][1], op])
@@ -875,15 +998,26 @@ def _merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 async def _fenced_op(
-    conn: asyncpg.Connection, run_id: str, admission: Admission, what: str, op: Any
+    conn: asyncpg.Connection,
+    run_id: str,
+    lease: coordinator.Lease,
+    admission: Admission,
+    what: str,
+    op: Any,
+    answers: dict[str, keys.Answer],
 ) -> bool:
     """One of the coordinator's own writes; True when it may have made tasks ready."""
     if what == "admit":
-        tasks, where, forward, first = op
+        tasks, where, forward, first, wanted = op
         _, ready, _ = await admit_in(conn, run_id, tasks, admission, where, forward, first, None)
+        if wanted:  # in the admission's transaction: no keyed task is claimed before its key
+            answers.update(
+                await keys.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+            )
         return bool(ready)
     if what == "decide":
-        await follow.decide(conn, run_id, op)
+        ended, skipped = await follow.decide(conn, run_id, op)
+        await keys.finish_tasks(conn, run_id, ended + skipped)
         return False
     if what == "priority":
         task_id, priority = op
@@ -902,10 +1036,15 @@ async def _close(
     lease: coordinator.Lease,
     held: list[tuple[str, str, int]],
     done: bool,
+    keyed: bool,
 ) -> None:
-    """Hand back the tasks still held, unstarted (no attempt counted), mark the run closed when
-    all its tasks ended, and give the run up (a standby or the next coordinator takes it now)."""
+    """Hand back the tasks still held, unstarted (no attempt counted), and, unless every task
+    ended, the keys the run holds (another run waiting for one takes it over); mark the run
+    closed when all its tasks ended, and give the run up (a standby or the next coordinator takes
+    it now)."""
     await leases.release(conn, lease.owner, held)
+    if keyed and not done:
+        await keys.release_run(conn, lease.run_id, lease.owner)
     if done:
         with contextlib.suppress(coordinator.LeaseLost):
             async with coordinator.fenced(conn, lease):

@@ -74,7 +74,9 @@ class PostgresStore:
         self.lease = float(lease)
         self.poll = float(poll)
         self.owner = uuid.uuid4().hex[:12]  # this store's processes, as the database knows them
-        self.database = Database(dsn, max_connections=max_connections)
+        self.database = Database(
+            dsn, max_connections=max_connections, idle_in_transaction=self.lease / 3
+        )
         self.server: EmbeddedServer | None = None  # the embedded server it started, if any
         self._closer = weakref.finalize(self, _close, self.database, None)
 
