@@ -6,7 +6,8 @@ clock is off. The agents are ``tests/pg_work_job.py:agents``:
 
 - kind ``work`` doubles its payload, after ``$WORKER_DELAY`` seconds (default 0);
 - kind ``slow`` returns its payload after 1.5 s;
-- kind ``flaky`` fails its first attempt with a retry a minute later, then succeeds.
+- kind ``flaky`` fails its first attempt with a retry a minute later, then succeeds;
+- kind ``poison`` kills its process (SIGKILL) as it starts: a task that takes down every worker.
 
 Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (one ``write`` of one
 line to a file opened for appending: lines of concurrent processes never interleave) as it starts.
@@ -15,6 +16,7 @@ line to a file opened for appending: lines of concurrent processes never interle
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -57,9 +59,16 @@ async def flaky(task: Task, ctx: Context) -> Any:
     return task.payload
 
 
+@agent(kinds=["poison"])
+async def poison(task: Task, ctx: Context) -> Any:
+    _record(task.id)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def agents() -> Orchestrator:
     return Orchestrator(
-        agents=[double, slow, flaky], concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8"))
+        agents=[double, slow, flaky, poison],
+        concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")),
     )
 
 

@@ -58,7 +58,7 @@ pytestmark = [
     pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
 ]
 
-KINDS = ["work", "split", "sum", "flaky", "bad", "slow"]
+KINDS = ["work", "split", "sum", "flaky", "bad", "slow", "poison"]
 ENDED = ("succeeded", "failed", "cancelled", "skipped")
 
 
@@ -332,6 +332,7 @@ def start_worker(
     lease: float = 30.0,
     delay: float = 0.0,
     shift: float = 0.0,
+    kinds: str | None = None,
 ) -> subprocess.Popen[str]:
     """``orchestra worker --dsn DSN`` with tests/pg_work_job.py's agents."""
     env = {
@@ -342,6 +343,8 @@ def start_worker(
         "PYTHONPATH": str(REPO),
     }
     args = ["--dsn", dsn, "--agents", "tests/pg_work_job.py:agents", "--lease", str(lease)]
+    if kinds is not None:
+        args += ["--kinds", kinds]
     if run_id is not None:
         args += ["--run-id", run_id]
     return spawn(
@@ -555,3 +558,30 @@ class TestWorkerProcesses:
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+class TestAPoisonTask:
+    async def test_a_task_that_kills_every_worker_it_reaches_fails_to_the_dead_letters(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, tmp_path: Path
+    ) -> None:
+        calls = tmp_path / "calls"
+        # A worker that never takes the poison, and sweeps: the victims die one after another.
+        sweeper = start_worker(pg_dsn, calls, lease=1.0, kinds="work")
+        victims = [start_worker(pg_dsn, calls, lease=1.0, kinds="poison") for _ in range(4)]
+        try:
+            await until(lambda: _equals(live_workers(pg_conn), 5), 30)
+            await open_run(pg_conn, "r", [Task("poison", 0, id="p"), Task("work", 1, id="w")])
+            rows = await until_ended(pg_conn, "r", 2, within=60)
+            await close_run(pg_conn, "r")
+        finally:
+            await wait_all([sweeper, *victims])
+        assert rows["w"]["state"] == "succeeded"
+        assert (rows["p"]["state"], rows["p"]["error_type"]) == ("failed", "LeaseExpired")
+        killed = [v for v in victims if v.returncode == -signal.SIGKILL]
+        assert len(killed) == 3  # three lost leases, then no fourth process was given it
+        assert sorted(p for t, p in ran(calls) if t == "p") == sorted(v.pid for v in killed)
+        assert (await attempts_of(pg_conn, "r"))["p"] == [
+            (1, "LeaseExpired"), (2, "LeaseExpired"), (3, "LeaseExpired"),
+        ]  # fmt: skip
+        dead = await pg_conn.fetch("SELECT task_id FROM orchestra.dead_letters WHERE run_id = 'r'")
+        assert [r["task_id"] for r in dead] == ["p"]
