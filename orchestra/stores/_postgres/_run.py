@@ -7,7 +7,7 @@ the ends the others write.
 keeps it in step with the database:
 
 - **Input** is checked and named by the mirror (the engine's `InputError` comes from there, before
-  anything is written), then written behind, in order, by one writer (`_apply`) inside the fence
+  anything is written), then written behind, in order, by one writer (`jobs.apply`) inside the fence
   of the coordinator's lease on the run (`_coordinator.fenced`); the database checks it again.
 - **Claims** go through the database only (`_leases.claim`, sized by what the run's agents can
   start: `Listener.room`), whatever the mirror says is ready: a task the mirror holds as ready may
@@ -34,37 +34,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
-import os
-import socket
 import time
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
 
 from ..._exceptions import InputError, StoreError
 from ..._log import get_logger
 from ..._output import json_text, jsonable, stored_json
-from ..._task import CLAIMED, READY, RUNNING, SUCCEEDED, TERMINAL, Attempt, Task
+from ..._task import READY, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
 from .._resume import Resume
 from . import _coordinator as coordinator
-from . import _follow as follow
+from . import _jobs as jobs
 from . import _keys as keys
 from . import _leases as leases
-from ._graph import admit_in
-from ._listen import Wakeup, channel_of, notify
-from ._rows import STATES, Rows, load
-from ._settle import close_input
+from ._behind import Behind
+from ._hearing import Hearing
+from ._listen import Wakeup, channel_of
+from ._rows import Rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
-
-    import asyncpg
 
     from ..._admission import Admission
     from ..._record import Record
@@ -74,9 +69,6 @@ if TYPE_CHECKING:
 __all__ = ("PostgresRun",)
 
 log = get_logger("orchestra")
-
-# Input written behind at most this far (tasks) before a streamed input waits for the writer.
-_BACKLOG = 10_000
 
 
 class PostgresRun:
@@ -105,15 +97,12 @@ class PostgresRun:
         self._wall0 = time.time()  # the wall time of the mirror's zero (`memory.t0`)
         self._kinds = sorted(admission.kinds)
         # This process, as the database knows it: the run's lease and its tasks' leases.
-        self.name = coordinator_name(store)
+        self.name = jobs.coordinator_name(store)
         # The tasks this process holds under a lease of the database: id -> its claim.
         self._held: dict[str, leases.Claimed] = {}
         # Claimed here, not handed to the engine yet: (priority, order, record), best first.
         self._runnable: list[tuple[int, int, Record]] = []
         self._order = 0
-        self._ops: list[tuple[str, Any]] = []  # what the database has not been told yet, in order
-        self._backlog = 0  # input tasks among `_ops`
-        self._drained: asyncio.Future[None] | None = None  # a streamed input waits on it
         self._error: BaseException | None = None
         self.closed = False
         self._ending: list[Record] | None = None  # the mirror's ends during a cancel
@@ -123,7 +112,9 @@ class PostgresRun:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand (the contract suite): every call writes at once
             self._loop = None
-        taken, rows, attempts, held_back = self._db.call(_open, run_id, self.name, store.lease)
+        taken, rows, attempts, held_back = self._db.call(
+            jobs.open_run, run_id, self.name, store.lease
+        )
         if isinstance(taken, coordinator.Holder):
             raise StoreError(
                 f"run {run_id!r} is being run by another coordinator ({taken.owner}, its lease "
@@ -136,22 +127,23 @@ class PostgresRun:
         reader = Rows(self._wall0, self._wall0 - memory.t0)
         self._resume = Resume(run_id, admission, reader, (rows, attempts) if rows else None)
         del memory
-        # Keys another run holds, waited for (`_keys.Waiting`), and the tasks held back for each.
-        self._waiting = keys.Waiting()
-        self._key_tasks: dict[str, list[str]] = {}
+        self._wakeup = Wakeup()
+        self._hearing = Hearing(
+            run_id, self._memory, self._held, self._wall0, self._loop, self._wakeup,
+            self._keep_error,
+        )  # fmt: skip
         self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
         for key, task_id in held_back:  # (a run taken over: asked again at once)
-            self._wait_key(key, task_id, 0.0)
-        self._wakeup = Wakeup()
+            self._hearing.wait_key(key, task_id, 0.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: Future[Any] | None = None
-        self._inflight: Future[Any] | None = None
-        self._dirty: asyncio.Event | None = None
+        self._behind = Behind(
+            self._db, run_id, self._lease, admission, self._loop, self._applied, self._keep_error
+        )
+        self._queue = self._behind.queue
         if self._loop is not None:
-            self._dirty = asyncio.Event()
             self._tasks = [
-                self._loop.create_task(self._write_behind(), name=f"orchestra-pg-write:{run_id}"),
-                self._loop.create_task(self._claim_loop(), name=f"orchestra-pg-claim:{run_id}"),
+                self._loop.create_task(self._claim_loop(), name=f"orchestra-pg-claim:{run_id}")
             ]
             self._background = self._db.spawn(self._keep)
 
@@ -229,13 +221,11 @@ class PostgresRun:
                     start = stop + 1
                 kept = [t for i, t in enumerate(tasks) if i not in set(gone)]
                 self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
-                self._backlog += len(kept)
                 return added
         added = memory.admit(
             tasks, where=where, forward=forward, first_index=first_index, generated=generated
         )
         self._queue("admit", (list(tasks), where, forward, first_index, self._keys_of(tasks)))
-        self._backlog += len(tasks)
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
@@ -249,7 +239,6 @@ class PostgresRun:
                 return
         self._memory.admit_one(task, index, generated=generated)
         self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
-        self._backlog += 1
 
     def close_input(self) -> None:
         self._take_back()
@@ -279,11 +268,7 @@ class PostgresRun:
         self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
 
     def backpressure(self) -> asyncio.Future[None] | None:
-        if self._backlog < _BACKLOG or self._loop is None:
-            return None
-        if self._drained is None:
-            self._drained = self._loop.create_future()
-        return self._drained
+        return self._behind.backpressure()
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
         self._memory.check_spawn(task, parent, pending)
@@ -438,101 +423,17 @@ class PostgresRun:
         self._queue("priority", (task_id, priority))
         return True
 
-    # -- the writer: what the database has not been told yet -------------------------------------
+    # -- what the database made of the writes ---------------------------------------------------
 
-    def _queue(self, kind: str, op: Any) -> None:
-        self._ops.append((kind, op))
-        if self._loop is None:
-            self._flush_now()
-        else:
-            assert self._dirty is not None
-            self._dirty.set()
-
-    def _flush_now(self) -> None:
-        ops, self._ops = self._ops, []
-        try:
-            done = self._db.call(_apply, self.run_id, self._lease, self._admission, ops)
-        except BaseException as exc:
-            self._keep_error(exc)
-            return
-        self._applied(ops, done)
-
-    async def _write_behind(self) -> None:
-        dirty = self._dirty
-        assert dirty is not None
-        while True:
-            await dirty.wait()
-            dirty.clear()
-            ops, self._ops = self._ops, []
-            if not ops:
-                continue
-            self._inflight = self._db.submit(_apply, self.run_id, self._lease, self._admission, ops)
-            try:
-                done = await asyncio.wrap_future(self._inflight)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                self._keep_error(exc)
-                return
-            self._applied(ops, done)
-
-    def _applied(self, ops: list[tuple[str, Any]], done: Applied) -> None:
+    def _applied(self, done: jobs.Applied) -> None:
         refused = done.refused
-        self._answered(done.answers)
-        self._backlog -= sum(len(op[0]) for kind, op in ops if kind == "admit")
-        if self._backlog < _BACKLOG and self._drained is not None:
-            if not self._drained.done():
-                self._drained.set_result(None)
-            self._drained = None
+        self._hearing.answered(done.answers)
         if refused:
             self.refused += len(refused)
             log.warning(
                 "completion refused: the lease was lost", run_id=self.run_id, task_ids=refused
             )
         self._wakeup.set()  # what these writes made ready may be claimed now
-
-    # -- keys another run holds ------------------------------------------------------------------
-
-    def _answered(self, answers: dict[str, keys.Answer]) -> None:
-        """What the database answered for the keys of the run's tasks: a stored result ends the
-        task here as it ended there (unexecuted); a key held elsewhere is waited for."""
-        if not answers:
-            return
-        memory = self._memory
-        for task_id, answer in answers.items():
-            if isinstance(answer, keys.Stored):
-                record = memory.record_of(task_id)
-                if record is None or record.state in TERMINAL:
-                    continue
-                token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
-                self._held.pop(task_id, None)
-                memory.settle(
-                    record, token, SUCCEEDED, json.loads(answer.output), agent=answer.agent
-                )
-            elif isinstance(answer, keys.Held):
-                record = memory.record_of(task_id)
-                if record is not None and record.task.key is not None:
-                    self._wait_key(record.task.key, task_id, answer.left)
-
-    def _wait_key(self, key: str, task_id: str, left: float) -> None:
-        now = self._loop.time() if self._loop is not None else time.monotonic()
-        self._waiting.wait(key, keys.Held("", "", "", left), now)
-        self._key_tasks.setdefault(key, []).append(task_id)
-
-    def _keys_due(self) -> list[tuple[str, str]]:
-        """The held-back tasks whose keys are to be asked for again now, as (key, task id)."""
-        if not self._key_tasks:
-            return []
-        now = self._loop.time() if self._loop is not None else time.monotonic()
-        return [
-            (key, task_id)
-            for key in self._waiting.due(now)
-            for task_id in self._key_tasks.pop(key, ())
-        ]
-
-    def _key_heard(self, channel: str, payload: str) -> None:
-        if self._waiting.heard(channel, payload):
-            self._wakeup.set()
 
     def _keep_error(self, error: BaseException) -> None:
         if self._error is None:
@@ -548,21 +449,23 @@ class PostgresRun:
 
     def _step(self, *, limit: int | None = None) -> None:
         """Hear the ends written elsewhere and claim what the agents can start (blocking)."""
-        asked = self._keys_due()
+        asked = self._hearing.keys_due()
         if asked:
             try:
-                self._answered(self._db.call(_ask_again, self.run_id, self._lease, asked))
+                self._hearing.answered(
+                    self._db.call(jobs.ask_again, self.run_id, self._lease, asked)
+                )
             except BaseException as exc:
                 self._keep_error(exc)
                 return
         try:
             heard, claimed = self._db.call(
-                _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, limit
+                jobs.claim_step, self.run_id, self._rooms(), self.name, self._store.lease, limit
             )
         except BaseException as exc:
             self._keep_error(exc)
             return
-        self._take_in(heard)
+        self._hearing.take_in(heard)
         self._hand_out(claimed)
 
     async def _claim_loop(self) -> None:
@@ -572,25 +475,25 @@ class PostgresRun:
         every = self._store.lease / 3
         swept = -math.inf
         while not self.closed:
-            await self._wakeup.wait(max(0.0, min(poll, self._waiting.next_look() - loop.time())))
+            await self._wakeup.wait(max(0.0, min(poll, self._hearing.next_look() - loop.time())))
             if self.closed or self._error is not None:
                 return
-            asked = self._keys_due()
+            asked = self._hearing.keys_due()
             if asked:
                 try:
-                    answers = await self._db.run(_ask_again, self.run_id, self._lease, asked)
+                    answers = await self._db.run(jobs.ask_again, self.run_id, self._lease, asked)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as exc:
                     self._keep_error(exc)
                     return
-                self._answered(answers)
+                self._hearing.answered(answers)
             sweep = loop.time() - swept >= every
             if sweep:
                 swept = loop.time()
             try:
                 heard, claimed = await self._db.run(
-                    _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None,
+                    jobs.claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None,
                     sweep,
                 )  # fmt: skip
             except asyncio.CancelledError:
@@ -601,10 +504,10 @@ class PostgresRun:
             if self._over():
                 if claimed:  # not ours to run any more: back at once, no attempt counted
                     self._db.submit(
-                        _release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
+                        jobs.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
                     )
                 return
-            self._take_in(heard)
+            self._hearing.take_in(heard)
             self._hand_out(claimed)
 
     def _over(self) -> bool:
@@ -626,68 +529,13 @@ class PostgresRun:
         if early:
             back = [(c.run_id, c.id, c.token) for c in early]
             if self._loop is None:
-                self._db.call(_release, self.name, back)
+                self._db.call(jobs.release, self.name, back)
             else:
-                self._db.submit(_release, self.name, back)
+                self._db.submit(jobs.release, self.name, back)
                 self._wakeup.set()
         if self._loop is not None:
             for _ in range(len(claimed) - len(early)):
                 self._listener.wake()
-
-    def _take_in(self, heard: follow.Heard) -> None:
-        """Play the ends written elsewhere into the mirror, as if they had happened here."""
-        if not heard.ends:
-            return
-        memory = self._memory
-        failures: dict[str, list[Attempt]] = {}
-        for row in heard.failures:
-            failures.setdefault(row[0], []).append(
-                Attempt(
-                    number=row[1], agent=row[2], error_type=row[3], message=row[4],
-                    started=0.0 if row[5] is None else row[5] - self._wall0,
-                    duration=row[6] or 0.0, retry_in=row[7], traceback=row[8],
-                    status_code=row[9], api_error_type=row[10], request_id=row[11],
-                )
-            )  # fmt: skip
-        spawned: dict[str, list[Task]] = {}
-        for row in heard.spawned:
-            spawned.setdefault(row[0], []).append(_task(row[1:]))
-        for (
-            task_id,
-            state,
-            output,
-            agent,
-            error,
-            error_type,
-            attempts,
-            started,
-            defaulted,
-        ) in heard.ends:
-            record = memory.record_of(task_id)
-            if record is None or record.state in TERMINAL:
-                continue  # ended here meanwhile (a cancel, a deadline): the mirror's is final
-            if self._held.pop(task_id, None) is not None or record.state in (CLAIMED, RUNNING):
-                token = record.token  # ours once; another process ended it since
-            else:
-                token = memory.take(record)
-            record.attempts = attempts
-            more = failures.get(task_id)
-            if more:
-                known = {a.number for a in record.failures or ()}
-                new = [a for a in more if a.number not in known]
-                record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
-            if started is not None and record.t_start is None:
-                record.t_start = started - self._wall0 + memory.t0
-            value = None if output is None else json.loads(output)
-            try:
-                memory.settle(
-                    record, token, STATES[state], value, spawned=spawned.get(task_id, ()), agent=agent,
-                    error=error, error_type=error_type, defaulted=defaulted,
-                )  # fmt: skip
-            except InputError as exc:  # the database took them: the mirror must too
-                self._keep_error(
-                    StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
-                )
 
     # -- the background, in the database's thread ------------------------------------------------
 
@@ -714,13 +562,12 @@ class PostgresRun:
 
         def woken(channel: str, payload: str) -> None:
             if channel == keys.KEY_CHANNEL:
-                loop.call_soon_threadsafe(self._key_heard, channel, payload)
+                loop.call_soon_threadsafe(self._hearing.key_heard, channel, payload)
             else:
                 loop.call_soon_threadsafe(self._wakeup.set)
 
-        def reconnected() -> None:  # what was announced meanwhile is lost: ask again for all
-            loop.call_soon_threadsafe(self._waiting.hear_all)
-            loop.call_soon_threadsafe(self._wakeup.set)
+        def reconnected() -> None:
+            loop.call_soon_threadsafe(self._hearing.reconnected)
 
         async with (
             coordinator.LeaseKeeper(pool, self._lease, on_lost=lost),
@@ -767,19 +614,14 @@ class PostgresRun:
         self.closed = True
         for task in self._tasks:
             task.cancel()
-        inflight = self._inflight
-        if inflight is not None:
-            with contextlib.suppress(BaseException):
-                inflight.result()
-        if self._ops and self._error is None:
-            self._flush_now()
+        self._behind.close()
         if self._background is not None:
             self._background.cancel()
         done = self._error is None and not self._memory.unfinished
         held = [(c.run_id, c.id, c.token) for c in self._held.values()]
         self._held.clear()
         try:
-            self._db.call(_close, self._lease, held, done, self._keyed)
+            self._db.call(jobs.close_run, self._lease, held, done, self._keyed)
         except StoreError as exc:
             self._error = self._error or exc
         error = self._error
@@ -787,179 +629,6 @@ class PostgresRun:
             if isinstance(error, StoreError):
                 raise error
             raise StoreError(f"{self._store!r} could not write run {self.run_id!r}: {error}")
-
-
-def coordinator_name(store: PostgresStore) -> str:
-    """This process's name as the database knows it (``host:pid:store id``): the holder of its
-    runs' leases and of its tasks' leases."""
-    return f"{socket.gethostname()}:{os.getpid()}:{store.owner}"
-
-
-# -- the jobs (run in the store's thread, on a pooled connection) --------------------------------
-
-
-async def take_over(
-    conn: asyncpg.Connection, run_id: str, owner: str, lease: float, poll: float
-) -> None:
-    """Wait, as a standby, until `run_id` is free for `owner`, and take it (`PostgresStore.
-    prepare_run`)."""
-    host = socket.gethostname()
-    said = False
-    while True:
-        held = await coordinator.holder(conn, run_id)
-        if held is None or held.owner is None or held.owner == owner or held.remaining <= 0:
-            break
-        name, _, rest = held.owner.partition(":")
-        pid = rest.partition(":")[0]
-        if name == host and pid.isdigit() and not _alive(int(pid)):
-            # Its process is gone (this host can tell): its lease is let go of now.
-            await conn.execute(
-                "UPDATE orchestra.runs SET expires = now() - interval '1 second' "
-                "WHERE id = $1 AND owner = $2",
-                run_id, held.owner,
-            )  # fmt: skip
-            break
-        if not said:
-            log.info(
-                "waiting for the run's coordinator to let go (a standby)",
-                run_id=run_id, holder=held.owner, remaining=round(held.remaining, 1),
-            )  # fmt: skip
-            said = True
-        await asyncio.sleep(min(poll, held.remaining) + 0.005)
-    await coordinator.take_over(conn, run_id, owner=owner, lease=lease, poll=poll)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
-
-
-async def _open(
-    conn: asyncpg.Connection, run_id: str, owner: str, lease: float
-) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any], list[tuple[str, str]]]:
-    """Take the run (made when new) and read what an earlier coordinator left of it; the tasks
-    that coordinator held are taken back at once (their attempts counted), its process gone."""
-    taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
-    if taken is None:
-        holder = await coordinator.holder(conn, run_id)
-        assert holder is not None  # acquire makes the run
-        return holder, [], [], []
-    await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
-    # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
-    # they held is taken back now, not when its lease would lapse.
-    expired = await conn.fetchval(
-        "WITH before AS (SELECT DISTINCT agent FROM orchestra.events "
-        "WHERE run_id = $1 AND event = 'coordinator' AND agent <> $2) "
-        "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second' "
-        "WHERE run_id = $1 AND lease_owner IN (SELECT agent FROM before) RETURNING 1",
-        run_id, owner,
-    )  # fmt: skip
-    if expired:
-        await leases.take_back_expired(conn, run_id)
-    rows, attempts = await load(conn, run_id)
-    held: list[tuple[str, str]] = []
-    if rows:  # the run's holds of keys are this coordinator's now; what waited, waits again
-        await keys.adopt(conn, run_id, owner=owner, lease=lease)
-        held = await keys.held_back(conn, run_id)
-    return taken, rows, attempts, held
-
-
-async def _claim_step(
-    conn: asyncpg.Connection,
-    run_id: str,
-    rooms: dict[str, int],
-    owner: str,
-    lease: float,
-    limit: int | None,
-    sweep: bool = False,
-) -> tuple[follow.Heard, list[leases.Claimed]]:
-    if sweep:
-        # Leases that lapsed (a worker gone; a claim whose answer a lost connection dropped):
-        # taken back here too, so that a run with no live worker left never waits for them.
-        await leases.take_back_expired(conn, run_id)
-    heard = await follow.heard(conn, run_id)
-    claimed: list[leases.Claimed] = []
-    if any(room > 0 for room in rooms.values()):
-        claimed = await leases.claim(conn, run_id, rooms, owner=owner, lease=lease, limit=limit)
-    return heard, claimed
-
-
-async def _release(conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]]) -> None:
-    await leases.release(conn, owner, held)
-
-
-class Applied(NamedTuple):
-    """What the database made of the run's writes: the ends it refused (a lease lost), and its
-    answers for the keys of the tasks admitted (by task id)."""
-
-    refused: list[str]
-    answers: dict[str, keys.Answer]
-
-
-async def _ask_again(
-    conn: asyncpg.Connection,
-    run_id: str,
-    lease: coordinator.Lease,
-    wanted: list[tuple[str, str]],
-) -> dict[str, keys.Answer]:
-    async with coordinator.fenced(conn, lease):
-        return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
-
-
-async def _apply(
-    conn: asyncpg.Connection,
-    run_id: str,
-    lease: coordinator.Lease,
-    admission: Admission,
-    ops: list[tuple[str, Any]],
-) -> Applied:
-    """Tell the database what the run did, in order: the coordinator's own writes (input,
-    decided ends, priorities, the input's close) fenced by its lease on the run, its tasks' ends
-    and failed attempts fenced by their leases. Returns the ids whose end was refused."""
-    refused: list[str] = []
-    answers: dict[str, keys.Answer] = {}
-    i = 0
-    while i < len(ops):
-        kind = ops[i][0]
-        j = i
-        while (
-            j < len(ops)
-            and (ops[j][0] in _FENCED) == (kind in _FENCED)
-            and (kind in _FENCED or ops[j][0] == kind)
-        ):
-            j += 1
-        group = ops[i:j]
-        if kind in _FENCED:
-            async with coordinator.fenced(conn, lease):
-                readied = False
-                for what, op in _merged(group):
-                    readied = (
-                        await _fenced_op(conn, run_id, lease, admission, what, op, answers)
-                        or readied
-                    )
-                if readied:
-                    await notify(conn, run_id)
-        elif kind == "end":
-            ends = [op[0] for _, op in group]
-            spawned = {op[0].id: op[1] for _, op in group if op[1]}
-            failures = {op[0].id: op[2] for _, op in group if op[2]}
-            done = await leases.complete(
-                conn, run_id, lease.owner, ends, spawned=spawned, admission=admission,
-                failures=failures,
-            )  # fmt: skip
-            refused.extend(end.id for end, ok in zip(ends, done, strict=True) if not ok)
-        elif kind == "note":
-            await leases.note(conn, run_id, lease.owner, [op for _, op in group])
-        else:  # "requeue"
-            if await leases.requeue(conn, lease.owner, [op for _, op in group]):
-                await notify(conn, run_id)
-        i = j
-    return Applied(refused, answers)
 
 
 class _NoRemote:
@@ -971,88 +640,6 @@ class _NoRemote:
 
 
 _NO_REMOTE = _NoRemote()
-
-_FENCED = frozenset(("admit", "decide", "priority", "close_input"))
-
-
-def _merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Consecutive items of a streamed input (each its own op) as one batch."""
-    merged: list[tuple[str, Any]] = []
-    for what, op in group:
-        if what == "admit" and merged and merged[-1][0] == "admit":
-            tasks, where, forward, first, wanted = merged[-1][1]
-            more, where2, forward2, first2, wanted2 = op
-            if (where, forward, where2, forward2) == (
-                "input item",
-                False,
-                "input item",
-                False,
-            ) and (first2 == first + len(tasks)):
-                merged[-1] = ("admit", (tasks + more, where, forward, first, wanted + wanted2))
-                continue
-        if what == "decide" and merged and merged[-1][0] == "decide":
-            merged[-1] = ("decide", [*merged[-1][1], op])
-            continue
-        merged.append((what, [op] if what == "decide" else op))
-    return merged
-
-
-async def _fenced_op(
-    conn: asyncpg.Connection,
-    run_id: str,
-    lease: coordinator.Lease,
-    admission: Admission,
-    what: str,
-    op: Any,
-    answers: dict[str, keys.Answer],
-) -> bool:
-    """One of the coordinator's own writes; True when it may have made tasks ready."""
-    if what == "admit":
-        tasks, where, forward, first, wanted = op
-        _, ready, _ = await admit_in(conn, run_id, tasks, admission, where, forward, first, None)
-        if wanted:  # in the admission's transaction: no keyed task is claimed before its key
-            answers.update(
-                await keys.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
-            )
-        return bool(ready)
-    if what == "decide":
-        ended, skipped = await follow.decide(conn, run_id, op)
-        await keys.finish_tasks(conn, run_id, ended + skipped)
-        return False
-    if what == "priority":
-        task_id, priority = op
-        await conn.execute(
-            "UPDATE orchestra.tasks SET priority = $3 WHERE run_id = $1 AND id = $2 "
-            "AND state IN ('pending', 'ready', 'retry_wait')",
-            run_id, task_id, priority,
-        )  # fmt: skip
-        return False
-    await close_input(conn, run_id)  # "close_input": notifies what it readies
-    return False
-
-
-async def _close(
-    conn: asyncpg.Connection,
-    lease: coordinator.Lease,
-    held: list[tuple[str, str, int]],
-    done: bool,
-    keyed: bool,
-) -> None:
-    """Hand back the tasks still held, unstarted (no attempt counted), and, unless every task
-    ended, the keys the run holds (another run waiting for one takes it over); mark the run
-    closed when all its tasks ended, and give the run up (a standby or the next coordinator takes
-    it now)."""
-    await leases.release(conn, lease.owner, held)
-    if keyed and not done:
-        await keys.release_run(conn, lease.run_id, lease.owner)
-    if done:
-        with contextlib.suppress(coordinator.LeaseLost):
-            async with coordinator.fenced(conn, lease):
-                await conn.execute(
-                    "UPDATE orchestra.runs SET state = 'closed', updated = now() WHERE id = $1",
-                    lease.run_id,
-                )
-    await coordinator.hand_over(conn, lease)
 
 
 def _storable(tasks: Sequence[Any], where: str) -> None:
@@ -1072,14 +659,3 @@ def _storable(tasks: Sequence[Any], where: str) -> None:
                     task_id=task.id,
                     field=field,
                 ) from None
-
-
-def _task(row: Sequence[Any]) -> Task:
-    """A task as its row holds it (a spawned one, heard with its spawner's end)."""
-    (task_id, kind, payload, priority, depends_on, depends_on_tags, tags, key, timeout,
-     critical, metadata) = row  # fmt: skip
-    return Task(
-        kind, json.loads(payload), id=task_id, priority=priority, depends_on=depends_on or (),
-        depends_on_tags=depends_on_tags or (), tags=tags or (), key=key, timeout=timeout,
-        critical=critical, metadata=None if metadata is None else json.loads(metadata),
-    )  # fmt: skip

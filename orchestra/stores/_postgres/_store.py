@@ -118,7 +118,7 @@ class PostgresStore:
         holds, as its *standby*, until that one lets go or its lease lapses (it died, or was
         cut off for a whole lease), then take it over. A holder on this host whose process is
         gone is taken over at once."""
-        from ._run import coordinator_name, take_over
+        from ._jobs import coordinator_name, take_over
 
         await self.database.run(take_over, run_id, coordinator_name(self), self.lease, self.poll)
 
