@@ -4,6 +4,7 @@ hears, checked against the database's rows."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -573,3 +574,48 @@ async def until_called(calls: list[str], n: int) -> None:
     with anyio.fail_after(10):
         while len(calls) < n:
             await anyio.sleep(0.01)
+
+
+class TestAPausedCoordinator:
+    async def test_leaves_every_task_to_the_workers_dependencies_and_spawns_too(
+        self, pg_dsn: str
+    ) -> None:
+        calls: list[tuple[str, str]] = []
+
+        def recorder(name: str) -> Any:
+            @agent(kinds=["split", "work", "sum"])
+            async def record(task: Task, ctx: Context) -> Any:
+                calls.append((name, task.id))
+                if task.kind == "split":
+                    for i in range(3):
+                        ctx.spawn(Task("work", i, id=f"{task.id}.{i}"))
+                    return "split"
+                if task.kind == "sum":
+                    return sorted(ctx.deps)
+                return int(task.payload) * 2
+
+            return record
+
+        tasks = [
+            Task("split", 3, id="a"),
+            Task("work", 5, id="b"),
+            Task("sum", None, id="c", depends_on=["a", "b"]),
+        ]
+        here, there = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        try:
+            coordinator = Orchestrator(agents=[recorder("here")], store=here)
+            helper = Orchestrator(agents=[recorder("there")])
+            async with coordinator, helper, anyio.create_task_group() as tg:
+                handle = coordinator.start(tasks, run_id="r")
+                handle.pause()  # nothing starts here: every task is the worker's
+                tg.start_soon(functools.partial(helper.work, there, run_id="r"))
+                result = await handle
+                tg.cancel_scope.cancel()
+        finally:
+            here.close()
+            there.close()
+        assert {name for name, _ in calls} == {"there"}
+        assert result.status == "success", result.errors
+        assert result.data["c"] == ["a", "b"]
+        assert result.data["a.2"] == 4
+        assert sorted(t for _, t in calls) == ["a", "a.0", "a.1", "a.2", "b", "c"]
