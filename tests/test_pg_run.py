@@ -619,3 +619,53 @@ class TestAPausedCoordinator:
         assert result.data["c"] == ["a", "b"]
         assert result.data["a.2"] == 4
         assert sorted(t for _, t in calls) == ["a", "a.0", "a.1", "a.2", "b", "c"]
+
+
+class TestALeaseTheCoordinatorLost:
+    async def test_its_late_end_is_refused_then_written_under_a_fresh_lease(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection
+    ) -> None:
+        from orchestra.stores._postgres._leases import take_back_expired
+
+        gate, started = anyio.Event(), anyio.Event()
+        calls: list[str] = []
+
+        @agent(kinds=["slow"])
+        async def slow(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            started.set()
+            await gate.wait()
+            return "late"
+
+        store = PostgresStore(pg_dsn, poll=0.1, lease=1.5)
+        try:
+            async with Orchestrator(agents=[slow], store=store) as orch:
+                handle = orch.start([Task("slow", 0, id="s")], run_id="r")
+                with anyio.fail_after(10):
+                    await started.wait()
+                run = handle_run(handle)
+                # As if this process had been cut off for a whole lease: the database takes
+                # the task back (the attempt counted), and the next heartbeat hears it.
+                await pg_conn.execute(
+                    "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 s' "
+                    "WHERE id = 's'"
+                )
+                assert [t.id for t in await take_back_expired(pg_conn, "r")] == ["s"]
+                with anyio.fail_after(10):
+                    while "s" not in run._lost:
+                        await anyio.sleep(0.05)
+                gate.set()
+                result = await handle
+        finally:
+            store.close()
+        assert result.data == {"s": "late"}
+        assert calls == ["s"]  # run once: the end was the one written, not a second run
+        assert run.refused == 1
+        row = await pg_conn.fetchrow("SELECT state, output::text FROM orchestra.tasks")
+        assert row is not None
+        assert (row["state"], row["output"]) == ("succeeded", '"late"')
+
+
+def handle_run(handle: Any) -> Any:
+    """The `PostgresRun` under a run handle (for what only the store knows)."""
+    return handle._run.store

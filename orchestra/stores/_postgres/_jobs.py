@@ -279,6 +279,13 @@ async def fenced_op(
     return False
 
 
+_RELEASE_UNREAD = """
+UPDATE orchestra.tasks SET state = 'ready', attempts = attempts - 1, lease_owner = NULL,
+    lease_expires = NULL
+WHERE run_id = $1 AND lease_owner = $2 AND state = 'claimed'
+"""
+
+
 async def close_run(
     conn: asyncpg.Connection,
     lease: coordinator.Lease,
@@ -286,11 +293,13 @@ async def close_run(
     done: bool,
     keyed: bool,
 ) -> None:
-    """Hand back the tasks still held, unstarted (no attempt counted), and, unless every task
+    """Hand back the tasks still held, unstarted (no attempt counted) — and any other claim of
+    this process on the run (one whose answer the run's end left unread) — and, unless every task
     ended, the keys the run holds (another run waiting for one takes it over); mark the run
     closed when all its tasks ended, and give the run up (a standby or the next coordinator takes
     it now)."""
     await leases.release(conn, lease.owner, held)
+    await conn.execute(_RELEASE_UNREAD, lease.run_id, lease.owner)
     if keyed and not done:
         await keys.release_run(conn, lease.run_id, lease.owner)
     if done:

@@ -100,6 +100,7 @@ class PostgresRun:
         self.name = jobs.coordinator_name(store)
         # The tasks this process holds under a lease of the database: id -> its claim.
         self._held: dict[str, leases.Claimed] = {}
+        self._lost: set[str] = set()  # held once, taken back since (`_leases_lost`)
         # Claimed here, not handed to the engine yet: (priority, order, record), best first.
         self._runnable: list[tuple[int, int, Record]] = []
         self._order = 0
@@ -368,19 +369,24 @@ class PostgresRun:
             error_type=error_type, defaulted=defaulted, attempt=attempt,
         ):  # fmt: skip
             return False
-        if text is None and record.output is not None:  # a rejected output, kept as JSON can
-            text = to_json(jsonable(record.output)).decode()
         claimed = self._held.pop(record.id, None)
         if claimed is not None:
-            started = None if record.t_start is None else self._wall(record.t_start)
-            end = leases.End(
-                record.id, claimed.token, status, text, agent, error, error_type,
-                record.attempts, defaulted, started,
-            )  # fmt: skip
             failed = [] if attempt is None else [self._failed(attempt)]
-            self._queue("end", (end, list(spawned), failed))
+            self._queue("end", (self._end_of(record, claimed.token, text), list(spawned), failed))
+        elif record.id in self._lost:
+            # Its lease was taken back: the end is not written under it (refused), but as the
+            # run's decision, as a cancel is (a process that claimed it since is fenced off).
+            self._lost.discard(record.id)
+            self.refused += 1
+            end = self._end_of(record, 0, text)
+            self._queue(
+                "decide", (record.id, status, error, error_type, end.output, agent, defaulted)
+            )
         else:  # not a lease of ours: decided here (a deadline passed while it waited)
-            self._queue("decide", (record.id, status, error, error_type, text, agent, defaulted))
+            end = self._end_of(record, 0, text)
+            self._queue(
+                "decide", (record.id, status, error, error_type, end.output, agent, defaulted)
+            )
         return True
 
     def succeed(self, record: Any, token: int, output: Any, agent: str) -> bool:
@@ -517,8 +523,15 @@ class PostgresRun:
     def _hand_out(self, claimed: list[leases.Claimed]) -> None:
         memory = self._memory
         early = []
+        ended = 0
         for task in claimed:
             record = memory.record_of(task.id)
+            if record is not None and record.state in TERMINAL:
+                # Ended here after the database took its lease back (this process cut off for
+                # a lease): the database learns that end now, under this fresh lease.
+                self._queue("end", (self._end_of(record, task.token), [], []))
+                ended += 1
+                continue
             if record is None or record.state is not READY:
                 # Made ready by an end this process has not heard yet (it came between the
                 # feed's read and the claim): handed back, claimed again once heard.
@@ -534,7 +547,7 @@ class PostgresRun:
                 self._db.submit(jobs.release, self.name, back)
                 self._wakeup.set()
         if self._loop is not None:
-            for _ in range(len(claimed) - len(early)):
+            for _ in range(len(claimed) - len(early) - ended):
                 self._listener.wake()
 
     # -- the background, in the database's thread ------------------------------------------------
@@ -587,12 +600,37 @@ class PostgresRun:
                 held = self._held.copy()
                 if held:
                     with contextlib.suppress(StoreError):  # out of reach: the next beat tries
-                        await self._db.within(
+                        gone = await self._db.within(
                             leases.heartbeat,
                             self.name,
                             [(c.run_id, c.id, c.token) for c in held.values()],
                             lease=store.lease,
                         )
+                        if gone:
+                            loop.call_soon_threadsafe(self._leases_lost, {i for _, i in gone})
+
+    def _leases_lost(self, lost: set[str]) -> None:
+        """Leases of this process's tasks the database took back (its renewals did not get
+        through for a whole lease): their ends are not this process's to write any more."""
+        for task_id in lost:
+            if self._held.pop(task_id, None) is not None:
+                self._lost.add(task_id)
+        if lost:
+            log.warning("leases lost", run_id=self.run_id, task_ids=sorted(lost))
+
+    def _end_of(self, record: Record, token: int, text: str | None = None) -> leases.End:
+        """How an ended record ended, as the database writes it (`text`: its output's JSON,
+        when the caller has it)."""
+        if text is None and record.output is not None:
+            if record.status is SUCCEEDED:
+                text = stored_json(record.output, record.id, record.agent)
+            else:  # a rejected output, kept as JSON can
+                text = to_json(jsonable(record.output)).decode()
+        started = None if record.t_start is None else self._wall(record.t_start)
+        return leases.End(
+            record.id, token, record.status, text, record.agent, record.error,
+            record.error_type, record.attempts, record.defaulted, started,
+        )  # fmt: skip
 
     def _wall(self, t: float) -> float:
         return self._wall0 + (t - self._memory.t0)
