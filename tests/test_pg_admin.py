@@ -1,0 +1,504 @@
+"""A PostgreSQL database read and repaired for its user (`PostgresStore.runs`, `.events`,
+`.workers`, `.dead_letters`, `.retry`), on the session's real server.
+
+Histories are made as processes make them: the coordinator's lease on the run (`acquire`), its
+tasks admitted (`_graph.admit`), claimed and completed by a worker (`_leases.claim`, `fail`,
+`complete`), a worker registered (`_processes.register`). The reads are compared with the SQLite
+store's answers for the same history made through its public API; a retry is followed by the
+reopened tasks claimed and completed like any worker's, and what waited for them runs too."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import pytest
+
+from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
+from orchestra._admission import Admission
+from orchestra.stores import SQLiteStore
+from orchestra.stores._postgres._coordinator import acquire
+from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._leases import End, Failed, claim, complete, fail, release
+from orchestra.stores._postgres._listen import channel_of
+from orchestra.stores._postgres._processes import deregister, register
+from orchestra.stores._postgres._settle import close_input
+from orchestra.stores._postgres._store import PostgresStore
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+    from pathlib import Path
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
+
+WORKER = "host-a:101:w1"
+
+
+def admission() -> Admission:
+    return Admission(("work",), {})
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to a new database with orchestra's schema, and run ``r`` held by a
+    coordinator."""
+    conn = await asyncpg.connect(pg_dsn)
+    assert await acquire(conn, "r", owner="coordinator", lease=30) is not None
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def store(pg_dsn: str) -> Iterator[PostgresStore]:
+    store = PostgresStore(pg_dsn)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+async def run_one(
+    conn: asyncpg.Connection,
+    task_id: str,
+    *,
+    fails: int = 0,
+    ends: str = "succeeded",
+    run_id: str = "r",
+) -> None:
+    """Claim the ready task `task_id` as the worker, fail `fails` attempts (each retried at
+    once), then end it `ends` (a failure carries its last failed attempt, as a worker's does)."""
+    for _ in range(fails + 1):
+        claimed = await claim(conn, run_id, {"work": 100}, owner=WORKER, lease=30)
+        [mine] = [c for c in claimed if c.id == task_id]
+        # The others are not this test's to run now: handed back as they were.
+        others = [(run_id, c.id, c.token) for c in claimed if c.id != task_id]
+        assert len(await release(conn, WORKER, others)) == len(others)
+        began = time.time()
+        if mine.attempts <= fails:
+            assert await fail(
+                conn, run_id, mine.id, mine.token, owner=WORKER, agent="work",
+                error_type="ConnectionError", message="reset", duration=0.001,
+            )  # fmt: skip
+            continue
+        failures = {}
+        if ends == "failed":
+            failures[mine.id] = [
+                Failed(
+                    mine.attempts, "work", "PermanentError", "refused", began, 0.001,
+                    traceback="Traceback (most recent call last):\nPermanentError: refused\n",
+                )
+            ]  # fmt: skip
+        end = End(
+            mine.id, mine.token, ends,
+            output=f'{{"id": "{mine.id}"}}' if ends == "succeeded" else None,
+            agent="work",
+            error="refused" if ends == "failed" else None,
+            error_type="PermanentError" if ends == "failed" else None,
+            started=began,
+        )  # fmt: skip
+        assert await complete(conn, run_id, WORKER, [end], failures=failures) == [True]
+
+
+async def states(conn: asyncpg.Connection, run_id: str = "r") -> dict[str, str]:
+    rows = await conn.fetch("SELECT id, state FROM orchestra.tasks WHERE run_id = $1", run_id)
+    return {row[0]: row[1] for row in rows}
+
+
+async def ready(conn: asyncpg.Connection, run_id: str = "r") -> list[str]:
+    rows = await conn.fetch(
+        "SELECT id FROM orchestra.tasks WHERE run_id = $1 AND state = 'ready' ORDER BY id", run_id
+    )
+    return [row[0] for row in rows]
+
+
+# -- the simple history, on both stores ----------------------------------------------------------
+
+
+def simple_tasks() -> list[Task]:
+    """`ok` succeeds, `d` fails for good, `after` (waiting for `d`) is skipped."""
+    return [
+        Task("work", 1, id="ok"),
+        Task("work", "bad", id="d"),
+        Task("work", 2, id="after", depends_on=["d"]),
+    ]
+
+
+async def simple_pg(conn: asyncpg.Connection) -> None:
+    await admit(conn, "r", simple_tasks(), admission=admission())
+    await close_input(conn, "r")
+    await run_one(conn, "ok")
+    await run_one(conn, "d", ends="failed")
+
+
+async def simple_sqlite(path: Path) -> SQLiteStore:
+    @agent(kinds=["work"])
+    async def work(task: Task, ctx: Context) -> Any:
+        if task.payload == "bad":
+            raise PermanentError("refused")
+        return {"id": task.id}
+
+    result = await Orchestrator(agents=[work], store=SQLiteStore(path, window=0.01)).run(
+        simple_tasks(), run_id="r"
+    )
+    assert result.metadata.counts["failed"] == 1
+    return SQLiteStore(path)
+
+
+class TestTheReadsHaveTheSQLiteStoresShapes:
+    async def test_runs_count_the_same_tasks_with_the_same_fields(
+        self, conn: asyncpg.Connection, store: PostgresStore, tmp_path: Path
+    ) -> None:
+        await simple_pg(conn)
+        sqlite = await simple_sqlite(tmp_path / "runs.db")
+        [theirs] = sqlite.runs()
+        [ours] = store.runs()
+        sqlite.close()
+        assert ours["counts"] == theirs["counts"] == {"succeeded": 1, "failed": 1, "skipped": 1}
+        shared = {"id", "created", "updated", "state", "opened", "owner", "counts"}
+        assert shared <= theirs.keys()
+        assert shared <= ours.keys()
+        assert ours["id"] == "r"
+        assert ours["owner"] == "coordinator"
+        assert ours["held"] is True
+        assert isinstance(ours["created"], float)
+        assert abs(ours["created"] - time.time()) < 60
+
+    async def test_a_tasks_journal_runs_from_its_admission_to_its_end_as_on_sqlite(
+        self, conn: asyncpg.Connection, store: PostgresStore, tmp_path: Path
+    ) -> None:
+        await simple_pg(conn)
+        sqlite = await simple_sqlite(tmp_path / "runs.db")
+        theirs = sqlite.events("r", "d")
+        sqlite.close()
+        ours = store.events("r", "d")
+        assert (
+            [e["event"] for e in ours]
+            == [e["event"] for e in theirs]
+            == [
+                "admitted",
+                "started",
+                "attempt_failed",
+                "failed",
+            ]
+        )
+        assert [set(e) for e in ours] == [set(e) for e in theirs]
+        failed = ours[2]
+        assert (failed["agent"], failed["attempt"], failed["detail"]) == (
+            "work",
+            1,
+            "PermanentError: refused",
+        )
+        assert ours[-1]["detail"] == "refused"
+        assert all(isinstance(e["at"], float) for e in ours)
+        assert [e["at"] for e in ours] == sorted(e["at"] for e in ours)
+
+    async def test_the_runs_journal_holds_every_task_and_the_coordinators_lease(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await simple_pg(conn)
+        journal = store.events("r")
+        assert {(e["task_id"], e["event"]) for e in journal if e["event"] != "admitted"} == {
+            (None, "coordinator"),
+            ("ok", "started"),
+            ("ok", "succeeded"),
+            ("d", "started"),
+            ("d", "attempt_failed"),
+            ("d", "failed"),
+            ("after", "skipped"),
+        }
+        [took] = [e for e in journal if e["event"] == "coordinator"]
+        assert isinstance(took["seq"], int)  # a row of the journal, not of a task
+        assert "took the run" in took["detail"]
+
+    async def test_a_retried_attempt_is_in_the_journal_before_the_end(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await admit(conn, "r", [Task("work", 1, id="t")], admission=admission())
+        await run_one(conn, "t", fails=2)
+        trace = [(e["event"], e["attempt"]) for e in store.events("r", "t")]
+        assert trace == [
+            ("admitted", None),
+            ("attempt_failed", 1),
+            ("attempt_failed", 2),
+            ("started", 3),
+            ("succeeded", 3),
+        ]
+
+    async def test_dead_letters_carry_every_attempt_as_on_sqlite(
+        self, conn: asyncpg.Connection, store: PostgresStore, tmp_path: Path
+    ) -> None:
+        await simple_pg(conn)
+        sqlite = await simple_sqlite(tmp_path / "runs.db")
+        [theirs] = sqlite.dead_letters("r")
+        sqlite.close()
+        [ours] = store.dead_letters("r")
+        assert ours.keys() == theirs.keys()
+        # (`error` is the text its process wrote: the engine's there, this test's here)
+        for field in ("run_id", "task_id", "kind", "payload", "attempts", "error_type"):
+            assert ours[field] == theirs[field], field
+        assert [a.keys() for a in ours["attempts_list"]] == [
+            a.keys() for a in theirs["attempts_list"]
+        ]
+        [attempt] = ours["attempts_list"]
+        assert (attempt["number"], attempt["agent"], attempt["message"]) == (1, "work", "refused")
+        assert attempt["traceback"].startswith("Traceback")
+        assert isinstance(attempt["started"], float)
+
+    async def test_workers_are_listed_live_or_gone_with_what_they_hold(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await admit(
+            conn, "r", [Task("work", i, id=f"t{i}") for i in range(3)], admission=admission()
+        )
+        await register(conn, WORKER, host="host-a", pid=101, lease=30, kinds=["work"], run_id="r")
+        await register(conn, "host-b:7:w2", host="host-b", pid=7, lease=30)
+        await claim(conn, "r", {"work": 2}, owner=WORKER, lease=30)
+        await deregister(conn, "host-b:7:w2")
+        found = {w["owner"]: w for w in store.workers()}
+        assert found[WORKER]["live"] is True
+        assert found[WORKER]["holding"] == 2
+        assert found[WORKER]["kinds"] == ["work"]
+        assert found[WORKER]["run_id"] == "r"
+        assert found["host-b:7:w2"]["live"] is False
+        assert found["host-b:7:w2"]["kinds"] is None
+        assert isinstance(found["host-b:7:w2"]["gone"], float)
+        # The fields SQLite's list has, with the same types.
+        shared = {
+            "owner", "host", "pid", "run_id", "kinds", "started", "heartbeat", "live",
+            "claimed", "completed", "holding",
+        }  # fmt: skip
+        assert shared <= found[WORKER].keys()
+        assert isinstance(found[WORKER]["heartbeat"], float)
+
+
+class TestUnknownIds:
+    async def test_an_unknown_run_is_refused_naming_the_runs_there(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await simple_pg(conn)
+        for read in (
+            lambda: store.events("nope"),
+            lambda: store.dead_letters("nope"),
+            lambda: store.retry("nope"),
+        ):
+            with pytest.raises(
+                InputError, match=r"no run 'nope' in this database \(its runs: 'r'\)"
+            ):
+                read()
+
+    async def test_an_unknown_task_is_refused(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await simple_pg(conn)
+        with pytest.raises(InputError, match="run 'r' has no task 'nope'") as raised:
+            store.events("r", "nope")
+        assert raised.value.task_id == "nope"
+
+    @pytest.mark.parametrize(
+        ("task", "says"),
+        [("ok", "task 'ok' of run 'r' is succeeded, not failed"), ("nope", "has no task 'nope'")],
+    )
+    async def test_retrying_a_task_that_is_not_a_failed_one_is_refused_and_changes_nothing(
+        self, conn: asyncpg.Connection, store: PostgresStore, task: str, says: str
+    ) -> None:
+        await simple_pg(conn)
+        before = await states(conn)
+        with pytest.raises(InputError, match=says):
+            store.retry("r", ["d", task])
+        assert await states(conn) == before
+
+    def test_one_string_for_the_ids_is_refused(self, store: PostgresStore) -> None:
+        with pytest.raises(InputError, match="a collection of ids, not one string"):
+            store.retry("r", "d")
+
+
+# -- retry ---------------------------------------------------------------------------------------
+
+
+def graph_tasks() -> list[Task]:
+    """`d` and `x` fail; `after` waits for `d`, `both` for `d` and `x`; the group `g` has members
+    `m1` and `m2` (which waits for `d`), `summary` waits for the group."""
+    return [
+        Task("work", 0, id="ok"),
+        Task("work", "bad", id="d"),
+        Task("work", "bad", id="x"),
+        Task("work", 0, id="after", depends_on=["d"]),
+        Task("work", 0, id="both", depends_on=["d", "x"]),
+        Task("work", 0, id="m1", tags=["g"]),
+        Task("work", 0, id="m2", tags=["g"], depends_on=["d"]),
+        Task("work", 0, id="summary", depends_on_tags=["g"]),
+    ]
+
+
+async def graph_pg(conn: asyncpg.Connection) -> None:
+    await admit(conn, "r", graph_tasks(), admission=admission())
+    await close_input(conn, "r")
+    await run_one(conn, "ok")
+    await run_one(conn, "m1")
+    await run_one(conn, "d", fails=1, ends="failed")
+    await run_one(conn, "x", ends="failed")
+    # Admitted once `d` had failed: skipped at once, with no edge from `d` to wake it.
+    await admit(
+        conn, "r", [Task("work", 0, id="late", depends_on=["d"])],
+        admission=admission(), forward=False,
+    )  # fmt: skip
+    assert await states(conn) == {
+        "ok": "succeeded", "d": "failed", "x": "failed", "after": "skipped", "both": "skipped",
+        "m1": "succeeded", "m2": "skipped", "summary": "skipped", "late": "skipped",
+    }  # fmt: skip
+    await conn.execute("UPDATE orchestra.runs SET state = 'closed' WHERE id = 'r'")
+
+
+async def group(conn: asyncpg.Connection, tag: str = "g") -> tuple[int, bool, str | None]:
+    row = await conn.fetchrow(
+        "SELECT open, closed, failed FROM orchestra.groups WHERE run_id = 'r' AND tag = $1", tag
+    )
+    assert row is not None
+    return row["open"], row["closed"], row["failed"]
+
+
+class TestRetry:
+    async def test_a_failed_task_is_ready_and_its_skipped_dependents_wait_for_it(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await graph_pg(conn)
+        assert await group(conn) == (0, True, "group 'g' member 'm2' skipped")
+        assert store.retry("r", ["d"]) == ["d"]
+        assert await states(conn) == {
+            "ok": "succeeded", "d": "ready", "x": "failed", "after": "pending",
+            "both": "skipped", "m1": "succeeded", "m2": "pending", "summary": "pending",
+            "late": "pending",
+        }  # fmt: skip
+        waiting = dict(
+            await conn.fetch("SELECT id, waiting FROM orchestra.tasks WHERE state = 'pending'")
+        )
+        assert waiting == {"after": 1, "m2": 1, "summary": 1, "late": 1}
+        assert await group(conn) == (1, False, None)  # m2 open again; nothing failed it now
+        [run] = store.runs()
+        assert run["state"] == "open"
+        assert run["counts"] == {
+            "succeeded": 2, "ready": 1, "failed": 1, "pending": 4, "skipped": 1
+        }  # fmt: skip
+
+    async def test_the_reopened_tasks_run_to_success_through_workers_alone(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await graph_pg(conn)
+        store.retry("r", ["d"])
+        await run_one(conn, "d")
+        assert await ready(conn) == ["after", "late", "m2"]
+        for task_id in ("after", "late", "m2"):
+            await run_one(conn, task_id)
+        assert await ready(conn) == ["summary"]  # the group closed with its last member
+        await run_one(conn, "summary")
+        assert await states(conn) == {
+            "ok": "succeeded", "d": "succeeded", "x": "failed", "after": "succeeded",
+            "both": "skipped", "m1": "succeeded", "m2": "succeeded", "summary": "succeeded",
+            "late": "succeeded",
+        }  # fmt: skip
+        assert await group(conn) == (0, True, None)
+        # Its attempts kept: two failed before the retry, the success the third.
+        attempts = await conn.fetchval("SELECT attempts FROM orchestra.tasks WHERE id = 'd'")
+        assert attempts == 3
+        assert [e["event"] for e in store.events("r", "d")] == [
+            "admitted", "attempt_failed", "started", "attempt_failed", "failed", "retried",
+            "started", "succeeded",
+        ]  # fmt: skip
+        assert store.dead_letters("r")[0]["task_id"] == "x"
+
+    async def test_every_failed_task_without_ids_and_what_only_they_doomed(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await graph_pg(conn)
+        assert store.retry("r") == ["d", "x"]
+        assert await ready(conn) == ["d", "x"]
+        await run_one(conn, "x")
+        await run_one(conn, "d")
+        assert await ready(conn) == ["after", "both", "late", "m2"]
+        assert store.retry("r") == []  # nothing failed any more
+        assert store.dead_letters("r") == []
+
+    async def test_a_task_doomed_by_another_failure_stays_skipped_until_that_one_is_retried(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await graph_pg(conn)
+        store.retry("r", ["d"])
+        await run_one(conn, "d")
+        assert (await states(conn))["both"] == "skipped"
+        store.retry("r", ["x"])
+        assert (await states(conn))["both"] == "pending"
+        await run_one(conn, "x")
+        assert "both" in await ready(conn)
+
+    async def test_a_reopened_task_fails_again_and_skips_its_dependents_again(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await graph_pg(conn)
+        store.retry("r", ["d"])
+        await run_one(conn, "d", ends="failed")
+        found = await states(conn)
+        assert {t: found[t] for t in ("d", "after", "m2", "summary", "late")} == {
+            "d": "failed", "after": "skipped", "m2": "skipped", "summary": "skipped",
+            "late": "skipped",
+        }  # fmt: skip
+        assert await group(conn) == (0, True, "group 'g' member 'm2' skipped")
+        [letter] = [x for x in store.dead_letters("r") if x["task_id"] == "d"]
+        assert [a["number"] for a in letter["attempts_list"]] == [1, 2, 3]
+
+    async def test_a_worker_listening_on_the_run_is_woken(
+        self, conn: asyncpg.Connection, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        await graph_pg(conn)
+        heard: list[tuple[str, str]] = []
+        listener = await asyncpg.connect(pg_dsn)
+
+        def hear(_: Any, pid: int, channel: str, payload: object) -> None:
+            heard.append((channel, str(payload)))
+
+        try:
+            await listener.add_listener(channel_of("r"), hear)
+            await listener.add_listener("orchestra", hear)
+            store.retry("r", ["d"])
+            await listener.execute("SELECT 1")  # notifications arrive before its answer
+        finally:
+            await listener.close()
+        assert {channel for channel, _ in heard} == {channel_of("r"), "orchestra"}
+        assert any('"work"' in payload for channel, payload in heard if channel == channel_of("r"))
+
+    async def test_a_task_lost_too_often_gets_its_leases_budget_back(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await admit(conn, "r", [Task("work", 0, id="poison")], admission=admission())
+        await conn.execute(
+            "UPDATE orchestra.tasks SET state = 'failed', lost = 3, attempts = 3, "
+            "finished = now(), error_type = 'LeaseExpired', error = 'lost' WHERE id = 'poison'"
+        )
+        assert store.retry("r") == ["poison"]
+        row = await conn.fetchrow("SELECT state, lost, attempts FROM orchestra.tasks")
+        assert row is not None
+        assert tuple(row) == ("ready", 0, 3)
+
+    async def test_a_group_named_after_a_retried_spawner_waits_for_it_again(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        # `p` fails: the group named after it (its spawns') had a member fail too, and its
+        # waiter was skipped. Retrying both reopens the group until `p` ends again.
+        await admit(
+            conn, "r",
+            [Task("work", "bad", id="p"), Task("work", "bad", id="c", tags=["p"]),
+             Task("work", 0, id="w", depends_on_tags=["p"])],
+            admission=admission(),
+        )  # fmt: skip
+        await close_input(conn, "r")
+        await run_one(conn, "c", ends="failed")
+        await run_one(conn, "p", ends="failed")
+        assert await group(conn, "p") == (0, True, "group 'p' member 'c' failed")
+        assert store.retry("r") == ["p", "c"]
+        assert await group(conn, "p") == (1, False, None)
+        await run_one(conn, "c")
+        assert "w" not in await ready(conn)  # its group closes once `p` ended
+        await run_one(conn, "p")
+        assert await ready(conn) == ["w"]
