@@ -9,6 +9,7 @@ reopened tasks claimed and completed like any worker's, and what waited for them
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -372,9 +373,8 @@ class TestRetry:
             "both": "skipped", "m1": "succeeded", "m2": "pending", "summary": "pending",
             "late": "pending",
         }  # fmt: skip
-        waiting = dict(
-            await conn.fetch("SELECT id, waiting FROM orchestra.tasks WHERE state = 'pending'")
-        )
+        rows = await conn.fetch("SELECT id, waiting FROM orchestra.tasks WHERE state = 'pending'")
+        waiting = {row["id"]: row["waiting"] for row in rows}
         assert waiting == {"after": 1, "m2": 1, "summary": 1, "late": 1}
         assert await group(conn) == (1, False, None)  # m2 open again; nothing failed it now
         [run] = store.runs()
@@ -502,3 +502,47 @@ class TestRetry:
         assert "w" not in await ready(conn)  # its group closes once `p` ended
         await run_one(conn, "p")
         assert await ready(conn) == ["w"]
+
+
+class TestRetryBesideACompletion:
+    async def test_a_dependency_that_ends_while_the_retry_waits_is_seen_done(
+        self, conn: asyncpg.Connection, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        # `x` waits for `a` (failed: retried) and `b` (running). `b`'s completion holds its row
+        # while the retry starts: the retry waits for it, then counts `b` done. Had it counted
+        # `b` as running, `b`'s settling (which saw `x` skipped) would never free it.
+        await admit(
+            conn, "r",
+            [Task("work", "bad", id="a"), Task("work", 0, id="b"),
+             Task("work", 0, id="x", depends_on=["a", "b"])],
+            admission=admission(),
+        )  # fmt: skip
+        [b] = [
+            c for c in await claim(conn, "r", {"work": 2}, owner=WORKER, lease=30) if c.id == "b"
+        ]
+        await conn.execute(
+            "UPDATE orchestra.tasks SET state = 'ready', attempts = 0, lease_owner = NULL "
+            "WHERE id = 'a'"
+        )
+        await run_one(conn, "a", ends="failed")
+        assert (await states(conn))["x"] == "skipped"
+        completing = await asyncpg.connect(pg_dsn)
+        try:
+            transaction = completing.transaction()
+            await transaction.start()
+            ended = End("b", b.token, "succeeded", output="0", agent="work")
+            assert await complete(completing, "r", WORKER, [ended]) == [True]
+            retrying = asyncio.ensure_future(asyncio.to_thread(store.retry, "r"))
+            while not await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ):
+                assert not retrying.done(), retrying
+                await asyncio.sleep(0.01)
+            await transaction.commit()
+            assert await retrying == ["a"]
+        finally:
+            await completing.close()
+        assert await conn.fetchval("SELECT waiting FROM orchestra.tasks WHERE id = 'x'") == 1
+        await run_one(conn, "a")
+        assert await ready(conn) == ["x"]
