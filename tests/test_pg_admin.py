@@ -517,13 +517,9 @@ class TestRetryBesideACompletion:
              Task("work", 0, id="x", depends_on=["a", "b"])],
             admission=admission(),
         )  # fmt: skip
-        [b] = [
-            c for c in await claim(conn, "r", {"work": 2}, owner=WORKER, lease=30) if c.id == "b"
-        ]
-        await conn.execute(
-            "UPDATE orchestra.tasks SET state = 'ready', attempts = 0, lease_owner = NULL "
-            "WHERE id = 'a'"
-        )
+        claimed = {c.id: c for c in await claim(conn, "r", {"work": 2}, owner=WORKER, lease=30)}
+        b = claimed["b"]
+        await release(conn, WORKER, [("r", "a", claimed["a"].token)])
         await run_one(conn, "a", ends="failed")
         assert (await states(conn))["x"] == "skipped"
         completing = await asyncpg.connect(pg_dsn)
