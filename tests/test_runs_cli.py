@@ -445,3 +445,28 @@ class TestWhereTheRunsAre:
         dsn = "postgresql://u:p%40ss@h/db"
         assert _hidden("p%40ss and p@ss", dsn) == "*** and ***"
         assert _hidden("x s3 y", "postgresql://u:s3@[bad/db") == "x *** y"
+
+
+@pytest.mark.subprocess
+@pytest.mark.postgres
+class TestADatabaseWithoutRuns:
+    @pytest.mark.parametrize(
+        "command",
+        [("list",), ("workers",), ("show", "r"), ("dead", "r"), ("retry", "r")],
+        ids=" ".join,
+    )
+    async def test_is_a_usage_error_and_is_left_without_orchestras_schema(
+        self, pg_empty_dsn: str, command: tuple[str, ...]
+    ) -> None:
+        import asyncpg
+
+        result = invoke("runs", *command, "--dsn", pg_empty_dsn)
+        assert result.exit_code == 2, result.output
+        assert "has no orchestra runs (no orchestra schema)" in result.stderr
+        conn = await asyncpg.connect(pg_empty_dsn)
+        try:
+            assert not await conn.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = 'orchestra')"
+            )
+        finally:
+            await conn.close()

@@ -129,7 +129,17 @@ def _read(db: Path | None, dsn: str | None, read: Callable[[Any], Any]) -> Any:
         postgres = _postgres(dsn)
         import asyncpg  # (installed: the store `_postgres` made needs it)
 
+        from ..stores._postgres import _admin
+        from ..stores._postgres._database import where
+
         try:
+            # Asked first: opening the store makes orchestra's schema in a database that has
+            # none, and a command that reads must not make it in a database given by mistake.
+            if not postgres.database.spawn(_admin.made, dsn).result():
+                raise _fail(
+                    f"{where(dsn)} has no orchestra runs (no orchestra schema): give the DSN of "
+                    "the database a PostgresStore keeps its runs in"
+                )
             return read(postgres)
         # A DSN asyncpg cannot read (a bad port, an unknown sslmode) it refuses with a
         # ValueError or an InterfaceError, before any connection.

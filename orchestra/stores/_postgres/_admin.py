@@ -25,17 +25,19 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Final
 
-from ..._exceptions import InputError
+import asyncpg
+
+from ..._exceptions import InputError, StoreError
 from ..._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED
+from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
+from ._schema import version_of
 from ._settle import columns, lock_groups, make_ready, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    import asyncpg
-
-__all__ = ("dead", "events", "retry", "runs", "workers")
+__all__ = ("dead", "events", "made", "retry", "runs", "workers")
 
 # What can no longer succeed: a task waiting for one of these, or for a group with a member in
 # one of these, is skipped.
@@ -52,6 +54,25 @@ def _dicts(rows: Iterable[asyncpg.Record]) -> list[dict[str, Any]]:
 
 
 # -- reading -----------------------------------------------------------------------------------
+
+
+async def made(dsn: str) -> bool:
+    """Whether the database at `dsn` has orchestra's schema: asked on a connection of its own,
+    since the store's pool makes the schema when it opens (a reader that only looks, such as
+    ``orchestra runs``, asks first, and does not make it in a database given by mistake).
+
+    Raises:
+        StoreError: the database cannot be reached, or its ``orchestra`` schema is not ours.
+    """
+    try:
+        conn = await asyncpg.connect(dsn, timeout=_CONNECT_TIMEOUT)
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise StoreError(explain(exc, dsn)) from exc
+    try:
+        return await version_of(conn) > 0
+    finally:
+        await conn.close()
+
 
 _RUNS = f"""
 SELECT id, {_epoch("created")}, {_epoch("updated")}, state, opened, owner, token,
