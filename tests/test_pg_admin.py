@@ -503,6 +503,29 @@ class TestRetry:
         await run_one(conn, "p")
         assert await ready(conn) == ["w"]
 
+    async def test_a_group_that_may_close_is_not_waited_for_as_at_admission(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        # `g`'s only member succeeded and the input is closed, but nobody waited for it: it
+        # never closed. `w`, admitted then, waits only for `d` (failed), as admission counted.
+        await admit(
+            conn, "r", [Task("work", 0, id="m", tags=["g"]), Task("work", "bad", id="d")],
+            admission=admission(),
+        )  # fmt: skip
+        await close_input(conn, "r")
+        await run_one(conn, "m")
+        await run_one(conn, "d", ends="failed")
+        await admit(
+            conn, "r", [Task("work", 0, id="w", depends_on=["d"], depends_on_tags=["g"])],
+            admission=admission(), forward=False,
+        )  # fmt: skip
+        assert (await states(conn))["w"] == "skipped"
+        assert await group(conn) == (0, False, None)
+        store.retry("r")
+        assert await conn.fetchval("SELECT waiting FROM orchestra.tasks WHERE id = 'w'") == 1
+        await run_one(conn, "d")
+        assert await ready(conn) == ["w"]
+
 
 class TestRetryBesideACompletion:
     async def test_a_dependency_that_ends_while_the_retry_waits_is_seen_done(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import asyncpg
 
 from ..._exceptions import InputError, StoreError
-from ..._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED
+from ..._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED, TERMINAL
 from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
 from ._schema import version_of
@@ -44,9 +44,9 @@ __all__ = ("dead", "events", "made", "retry", "runs", "workers")
 _DOOMED: Final = frozenset((FAILED, CANCELLED, SKIPPED))
 
 
-def _epoch(column: str, name: str | None = None) -> str:
-    """A ``timestamptz`` column as wall-clock seconds (a float, NULL kept)."""
-    return f"extract(epoch FROM {column})::float8 AS {name or column.rpartition('.')[2]}"
+def _epoch(column: str) -> str:
+    """A ``timestamptz`` column as wall-clock seconds (a float, NULL kept), under its name."""
+    return f"extract(epoch FROM {column})::float8 AS {column.rpartition('.')[2]}"
 
 
 def _dicts(rows: Iterable[asyncpg.Record]) -> list[dict[str, Any]]:
@@ -297,25 +297,23 @@ async def retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | Non
 async def _retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | None) -> list[str]:
     # The run's row first: a coordinator's fenced write (which holds it FOR SHARE, then writes
     # tasks) is wholly before or after this.
-    if (
-        await conn.fetchval("SELECT true FROM orchestra.runs WHERE id = $1 FOR UPDATE", run_id)
-        is None
-    ):
+    input_closed = await conn.fetchval(
+        "SELECT input_closed FROM orchestra.runs WHERE id = $1 FOR UPDATE", run_id
+    )
+    if input_closed is None:
         await _known(conn, run_id)
     # Every task of the run locked (in id order), then read: a dependency that ends while this
     # runs ends before (it is seen done) or after (its completion sees the dependents pending,
     # with their edges, and frees them).
     rows = await conn.fetch(
         "SELECT id, state, depends_on, depends_on_tags, tags, "
-        "extract(epoch FROM finished)::float8 AS finished FROM orchestra.tasks "
-        "WHERE run_id = $1 ORDER BY id FOR UPDATE",
+        "extract(epoch FROM finished)::float8 AS finished, admitted, idx, seq "
+        "FROM orchestra.tasks WHERE run_id = $1 ORDER BY id FOR UPDATE",
         run_id,
     )
-    order = await conn.fetch(
-        "SELECT id FROM orchestra.tasks WHERE run_id = $1 ORDER BY admitted, idx, seq", run_id
-    )
     tasks = {row["id"]: _Task(row) for row in rows}
-    ranked = [row[0] for row in order]
+    # In the order they were admitted (their queue places change as they become ready).
+    ranked = [row["id"] for row in sorted(rows, key=lambda r: (r["admitted"], r["idx"], r["seq"]))]
     if task_ids is None:
         failed = [task_id for task_id in ranked if tasks[task_id].state == FAILED]
     else:
@@ -337,7 +335,19 @@ async def _retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | No
     ids = [task_id for task_id in ranked if task_id in reopened]
 
     groups = await _recount_groups(conn, run_id, tasks, reopened, state)
-    closed = {tag for tag, group in groups.items() if group.closed}
+
+    def done(tag: str) -> bool:
+        """Whether a group is waited for no more: closed, or as good as closed, as admission
+        judges it (`_graph._closable`): it closes only when an end concerns it, and none will."""
+        group = groups.get(tag)
+        if group is not None and group.closed:
+            return True
+        return (
+            input_closed
+            and (group is None or (group.open == 0 and group.failed is None))
+            and state.get(tag, SUCCEEDED) in TERMINAL
+        )
+
     waiting: list[int] = []
     edges: list[tuple[bool, str, str]] = []
     for task_id in ids:
@@ -348,7 +358,7 @@ async def _retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | No
                 count += 1
                 edges.append((False, dep, task_id))
         for tag in task.depends_on_tags:
-            if tag not in closed:
+            if not done(tag):
                 count += 1
                 edges.append((True, tag, task_id))
         waiting.append(count)
