@@ -157,6 +157,11 @@ WITH t AS (
         started + make_interval(secs => coalesce(duration, 0)) AS ended
     FROM orchestra.attempts WHERE run_id = $1 AND ($2::text IS NULL OR task_id = $2)
         AND started IS NOT NULL
+), last AS (
+    -- the last thing said of each task by a journal row or a failed attempt
+    SELECT task_id, max(at) AS at FROM (
+        SELECT task_id, at FROM e UNION ALL SELECT task_id, ended FROM a
+    ) AS said GROUP BY task_id
 )
 SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM (
     SELECT NULL::bigint AS seq, t.run_id, t.id AS task_id, t.admitted AS at,
@@ -178,11 +183,10 @@ SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM 
     FROM t WHERE t.started IS NOT NULL AND t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = 'started' AND e.attempt = t.attempts)
     UNION ALL
-    SELECT NULL, t.run_id, t.id,
-        greatest(t.finished, (SELECT max(e.at) FROM e WHERE e.task_id = t.id),
-            (SELECT max(a.ended) FROM a WHERE a.task_id = t.id)),
-        t.state, t.agent, t.attempts, t.error, 4
-    FROM t WHERE t.finished IS NOT NULL AND NOT EXISTS (
+    SELECT NULL, t.run_id, t.id, greatest(t.finished, last.at), t.state, t.agent, t.attempts,
+        t.error, 4
+    FROM t LEFT JOIN last ON last.task_id = t.id
+    WHERE t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = t.state AND e.attempt = t.attempts)
 ) AS journal
 ORDER BY at, rank, seq NULLS FIRST, task_id
@@ -233,6 +237,13 @@ WITH t AS (
     SELECT * FROM orchestra.tasks WHERE run_id = $1 AND id = ANY ($2::text[])
 ), e AS (
     SELECT * FROM orchestra.events WHERE run_id = $1 AND task_id = ANY ($2::text[])
+), last AS (
+    SELECT task_id, max(at) AS at FROM (
+        SELECT task_id, at FROM e
+        UNION ALL
+        SELECT task_id, started + make_interval(secs => coalesce(duration, 0))
+        FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
+    ) AS said GROUP BY task_id
 )
 INSERT INTO orchestra.events (run_id, task_id, at, event, agent, attempt, detail)
 SELECT run_id, task_id, at, event, agent, attempt, detail FROM (
@@ -241,12 +252,10 @@ SELECT run_id, task_id, at, event, agent, attempt, detail FROM (
     FROM t WHERE t.started IS NOT NULL AND t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = 'started' AND e.attempt = t.attempts)
     UNION ALL
-    SELECT t.run_id, t.id,
-        greatest(t.finished, (SELECT max(e.at) FROM e WHERE e.task_id = t.id),
-            (SELECT max(a.started + make_interval(secs => coalesce(a.duration, 0)))
-             FROM orchestra.attempts AS a WHERE a.run_id = t.run_id AND a.task_id = t.id)),
-        t.state, t.agent, t.attempts, t.error, 1
-    FROM t WHERE t.finished IS NOT NULL AND NOT EXISTS (
+    SELECT t.run_id, t.id, greatest(t.finished, last.at), t.state, t.agent, t.attempts,
+        t.error, 1
+    FROM t LEFT JOIN last ON last.task_id = t.id
+    WHERE t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = t.state AND e.attempt = t.attempts)
 ) AS kept
 ORDER BY at, rank, task_id
