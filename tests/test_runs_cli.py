@@ -392,6 +392,24 @@ class TestOverPostgres:
         assert result.exit_code == 2
         assert says in result.stderr
 
+    async def test_a_user_the_database_does_not_let_read_is_a_usage_error(
+        self, dsn: str, pg_dsn: str
+    ) -> None:
+        import uuid
+
+        import asyncpg
+
+        role = f"reader_{uuid.uuid4().hex[:12]}"
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(f'CREATE ROLE "{role}" LOGIN')
+            result = self.run("list", "--dsn", dsn.replace("//postgres:", f"//{role}:"))
+            assert result.exit_code == 2, result.output
+            assert "permission denied for schema orchestra" in result.stderr
+        finally:
+            await conn.execute(f'DROP ROLE "{role}"')
+            await conn.close()
+
 
 class TestWhereTheRunsAre:
     def test_both_a_file_and_a_database_is_a_usage_error(self, tmp_path: Path) -> None:

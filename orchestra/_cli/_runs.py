@@ -142,8 +142,15 @@ def _read(db: Path | None, dsn: str | None, read: Callable[[Any], Any]) -> Any:
                 )
             return read(postgres)
         # A DSN asyncpg cannot read (a bad port, an unknown sslmode) it refuses with a
-        # ValueError or an InterfaceError, before any connection.
-        except (InputError, StoreError, ValueError, asyncpg.InterfaceError) as exc:
+        # ValueError or an InterfaceError, before any connection; a user the database does not
+        # let read orchestra's tables gets a PostgresError (permission denied).
+        except (
+            InputError,
+            StoreError,
+            ValueError,
+            asyncpg.InterfaceError,
+            asyncpg.PostgresError,
+        ) as exc:
             raise _fail(_hidden(str(exc), dsn)) from None
         finally:
             postgres.close()
