@@ -10,15 +10,20 @@ reopened tasks claimed and completed like any worker's, and what waited for them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
 
 from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
 from orchestra._admission import Admission
+from orchestra._task import FAILED
 from orchestra.stores import SQLiteStore
+from orchestra.stores._postgres import _admin as admin
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, Failed, claim, complete, fail, release
@@ -28,8 +33,10 @@ from orchestra.stores._postgres._settle import close_input
 from orchestra.stores._postgres._store import PostgresStore
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator, Iterator, Sequence
     from pathlib import Path
+
+    from tests.pg import PgDatabases
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.postgres]
 
@@ -565,3 +572,138 @@ class TestRetryBesideACompletion:
         assert await conn.fetchval("SELECT waiting FROM orchestra.tasks WHERE id = 'x'") == 1
         await run_one(conn, "a")
         assert await ready(conn) == ["x"]
+
+
+# -- the model: a repaired run ends as if the retried tasks had never failed ---------------------
+
+TAGS = ("g1", "g2")
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> dict[str, Any]:
+    """A DAG with groups admitted whole, a streamed batch (waiters only: a member of a group that
+    closed is refused) admitted after some steps, the tasks whose first attempt fails for good,
+    and which of them are retried (None: all)."""
+    specs: list[dict[str, Any]] = []
+    n = draw(st.integers(1, 7))
+    for i in range(n + draw(st.integers(0, 3))):
+        first = i < n
+        before = [s["id"] for s in specs]
+        specs.append({
+            "id": f"t{i}",
+            "first": first,
+            "depends_on": draw(st.lists(st.sampled_from(before), unique=True, max_size=2))
+            if before else [],
+            "tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)) if first else [],
+            "depends_on_tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
+        })  # fmt: skip
+    ids = [s["id"] for s in specs]
+    bad = draw(st.lists(st.sampled_from(ids), unique=True))
+    some = st.lists(st.sampled_from(bad), unique=True) if bad else st.just([])
+    retried = draw(st.one_of(st.none(), some))
+    return {"specs": specs, "bad": bad, "retried": retried, "stream_at": draw(st.integers(0, 8))}
+
+
+def model_tasks(specs: Sequence[dict[str, Any]]) -> list[Task]:
+    return [
+        Task("work", 0, id=s["id"], depends_on=s["depends_on"], tags=s["tags"],
+             depends_on_tags=s["depends_on_tags"])
+        for s in specs
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def model_dsn(pg: PgDatabases) -> Iterator[str]:
+    """A database with orchestra's schema for every example of a model test (a run each)."""
+    dsn = asyncio.run(pg.create())
+    yield dsn
+    asyncio.run(pg.drop(dsn))
+
+
+class TestARepairedRun:
+    """Hypothesis draws DAGs with groups, a streamed batch, tasks that fail, and the failed ones
+    retried (all, or some). A run played to its end, retried, and played again by workers alone
+    ends in the states (and group counts) of a run in which only the tasks not retried failed."""
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(history=histories())
+    def test_ends_as_if_the_retried_tasks_had_never_failed(
+        self, model_dsn: str, history: dict[str, Any]
+    ) -> None:
+        asyncio.run(self._check(model_dsn, history))
+
+    async def _check(self, dsn: str, history: dict[str, Any]) -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            n = await conn.fetchval("SELECT count(*) FROM orchestra.runs")
+            repaired, reference = f"a{n}", f"b{n}"
+            bad = set(history["bad"])
+            await self._play(conn, repaired, history, failing=bad)
+            failed = {t for t, state in (await states(conn, repaired)).items() if state == FAILED}
+            # (a task drawn to fail that never ran, skipped, is not a failed one to name)
+            named = None if history["retried"] is None else [
+                t for t in history["retried"] if t in failed
+            ]  # fmt: skip
+            reopened = await admin.retry(conn, repaired, named)
+            assert set(reopened) == (failed if named is None else set(named))
+            # What never ran before fails at its first attempt, as it would have.
+            await self._play(conn, repaired, history, failing=bad - failed, admitted=True)
+            await self._play(conn, reference, history, failing=bad - set(reopened))
+            assert await states(conn, repaired) == await states(conn, reference)
+            assert await self._groups(conn, repaired) == await self._groups(conn, reference)
+        finally:
+            await conn.close()
+
+    async def _play(
+        self,
+        conn: asyncpg.Connection,
+        run: str,
+        history: dict[str, Any],
+        *,
+        failing: set[str],
+        admitted: bool = False,
+    ) -> None:
+        """Admit the run (unless `admitted`) and claim its ready tasks one by one until none is,
+        failing those of `failing`; the streamed batch goes in after `stream_at` steps."""
+        first = [s for s in history["specs"] if s["first"]]
+        streamed = [s for s in history["specs"] if not s["first"]]
+        if not admitted:
+            await conn.execute("INSERT INTO orchestra.runs (id) VALUES ($1)", run)
+            try:
+                await admit(conn, run, model_tasks(first), admission=admission())
+            except InputError:  # a cycle through a group: nothing to play
+                reject()
+            await close_input(conn, run)
+        step = 0
+        while True:
+            if not admitted and streamed and step == history["stream_at"]:
+                with contextlib.suppress(InputError):  # refused in both runs alike
+                    await admit(
+                        conn, run, model_tasks(streamed), admission=admission(), forward=False
+                    )
+                streamed = []
+            claimed = await claim(conn, run, {"work": 1}, owner=WORKER, lease=30)
+            if not claimed:
+                if streamed and not admitted:
+                    step = history["stream_at"]
+                    continue
+                return
+            [task] = claimed
+            state = "failed" if task.id in failing else "succeeded"
+            await complete(conn, run, WORKER, [End(task.id, task.token, state, "0")])
+            step += 1
+
+    async def _groups(self, conn: asyncpg.Connection, run: str) -> dict[str, Any]:
+        """Each group's members, open ones, and whether it failed. (Not whether it closed: a
+        group closes when an end concerns it and somebody waits for it, and one run's waiter may
+        come after the last end, the other's before; with the input closed and nothing open, its
+        waiters are freed or skipped alike.)"""
+        rows = await conn.fetch(
+            "SELECT tag, members, open, failed IS NOT NULL FROM orchestra.groups WHERE run_id = $1",
+            run,
+        )
+        return {row[0]: tuple(row[1:]) for row in rows}
