@@ -576,7 +576,7 @@ class TestRetryBesideACompletion:
 
 # -- the model: a repaired run ends as if the retried tasks had never failed ---------------------
 
-TAGS = ("g1", "g2")
+TAGS = ("g1", "g2", "t0")  # (`t0` names a group its task owns: it closes once `t0` ended)
 
 
 @st.composite
