@@ -126,34 +126,7 @@ def _read(db: Path | None, dsn: str | None, read: Callable[[Any], Any]) -> Any:
             "(a PostgresStore's database)" + (", not both" if db is not None else "")
         )
     if dsn is not None:
-        postgres = _postgres(dsn)
-        import asyncpg  # (installed: the store `_postgres` made needs it)
-
-        from ..stores._postgres import _admin
-        from ..stores._postgres._database import where
-
-        try:
-            # Asked first: opening the store makes orchestra's schema in a database that has
-            # none, and a command that reads must not make it in a database given by mistake.
-            if not postgres.database.spawn(_admin.made, dsn).result():
-                raise _fail(
-                    f"{where(dsn)} has no orchestra runs (no orchestra schema): give the DSN of "
-                    "the database a PostgresStore keeps its runs in"
-                )
-            return read(postgres)
-        # A DSN asyncpg cannot read (a bad port, an unknown sslmode) it refuses with a
-        # ValueError or an InterfaceError, before any connection; a user the database does not
-        # let read orchestra's tables gets a PostgresError (permission denied).
-        except (
-            InputError,
-            StoreError,
-            ValueError,
-            asyncpg.InterfaceError,
-            asyncpg.PostgresError,
-        ) as exc:
-            raise _fail(_hidden(str(exc), dsn)) from None
-        finally:
-            postgres.close()
+        return _read_postgres(dsn, read)
     assert db is not None
     if not db.is_file():
         raise _fail(f"{str(db)!r}: no such file (give the SQLite file of a SQLiteStore with --db)")
@@ -162,6 +135,37 @@ def _read(db: Path | None, dsn: str | None, read: Callable[[Any], Any]) -> Any:
         return read(store)
     except (InputError, StoreError) as exc:
         raise _fail(str(exc)) from None
+    finally:
+        store.close()
+
+
+def _read_postgres(dsn: str, read: Callable[[Any], Any]) -> Any:
+    store = _postgres(dsn)
+    import asyncpg  # (installed: the store `_postgres` made needs it)
+
+    from ..stores._postgres import _admin
+    from ..stores._postgres._database import where
+
+    try:
+        # Asked first: opening the store makes orchestra's schema in a database that has none,
+        # and a command that reads must not make it in a database given by mistake.
+        if not store.database.spawn(_admin.made, dsn).result():
+            raise _fail(
+                f"{where(dsn)} has no orchestra runs (no orchestra schema): give the DSN of the "
+                "database a PostgresStore keeps its runs in"
+            )
+        return read(store)
+    # A DSN asyncpg cannot read (a bad port, an unknown sslmode) it refuses with a ValueError or
+    # an InterfaceError, before any connection; a user the database does not let read
+    # orchestra's tables gets a PostgresError (permission denied).
+    except (
+        InputError,
+        StoreError,
+        ValueError,
+        asyncpg.InterfaceError,
+        asyncpg.PostgresError,
+    ) as exc:
+        raise _fail(_hidden(str(exc), dsn)) from None
     finally:
         store.close()
 
