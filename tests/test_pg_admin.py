@@ -707,3 +707,45 @@ class TestARepairedRun:
             run,
         )
         return {row[0]: tuple(row[1:]) for row in rows}
+
+
+class TestARetriedRunResumed:
+    """The orchestrator's own run on PostgreSQL: a task fails for good and skips what waits for
+    it; `retry` reopens them in the database; the run's next coordinator (the same
+    ``orch.run(..., run_id=...)``) runs them, and nothing that succeeded runs again."""
+
+    async def test_the_next_run_of_its_id_runs_the_reopened_tasks_with_their_attempts_kept(
+        self, pg_dsn: str
+    ) -> None:
+        healed = False
+        calls: list[str] = []
+
+        @agent(kinds=["work"])
+        async def work(task: Task, ctx: Context) -> Any:
+            calls.append(task.id)
+            if task.payload == "bad" and not healed:
+                raise PermanentError("refused")
+            return {"id": task.id}
+
+        def orchestrator() -> Orchestrator:
+            return Orchestrator(agents=[work], store=PostgresStore(pg_dsn, poll=0.2))
+
+        first = await orchestrator().run(simple_tasks(), run_id="r")
+        assert first.metadata.counts["failed"] == 1
+        store = PostgresStore(pg_dsn)
+        try:
+            assert store.retry("r") == ["d"]
+            healed = True
+            calls.clear()
+            again = await orchestrator().run(simple_tasks(), run_id="r")
+            assert again.status == "success", again.errors
+            assert sorted(calls) == ["after", "d"]  # `ok` is not executed again
+            assert again.data == {"ok": {"id": "ok"}, "d": {"id": "d"}, "after": {"id": "after"}}
+            trace = [e["event"] for e in store.events("r", "d")]
+            assert trace[:5] == ["admitted", "started", "attempt_failed", "failed", "retried"]
+            assert trace[-1] == "succeeded"
+            assert store.events("r", "d")[-1]["attempt"] == 2  # the first attempt is counted
+            assert store.dead_letters("r") == []
+            assert store.retry("r") == []
+        finally:
+            store.close()

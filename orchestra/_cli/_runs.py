@@ -27,7 +27,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .._exceptions import ConfigError, InputError, StoreError
-from .._extras import install_hint
 from .._failure import with_type
 from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
@@ -104,12 +103,9 @@ def _hidden(text: str, dsn: str) -> str:
 
 def _postgres(dsn: str) -> PostgresStore:
     try:
-        from ..stores._postgres._store import PostgresStore
-    except ImportError as exc:
-        raise _fail(
-            f"--dsn needs {exc.name or 'asyncpg'}, which the `postgres` extra installs: "
-            f"{install_hint('postgres')}"
-        ) from None
+        from ..stores import PostgresStore
+    except ModuleNotFoundError as exc:  # (its message says which extra to install)
+        raise _fail(str(exc)) from None
     try:
         return PostgresStore(dsn)
     except ConfigError as exc:
@@ -320,7 +316,7 @@ def retry(
     ] = None,
 ) -> None:
     """Make failed tasks runnable again: with --db the next run of this run id on the file runs
-    them; with --dsn any worker serving the run, or its next coordinator."""
+    them; with --dsn any worker serving the run at once, or the run's next coordinator."""
     reopened: list[str] = _read(db, dsn, lambda store: store.retry(run_id, task or None))
     console = _stdout()
     if not reopened:
@@ -328,10 +324,12 @@ def retry(
         return
     again = f"run {run_id}: {len(reopened)} failed task(s) runnable again ({', '.join(reopened)}); "
     if dsn is not None:
+        # (the DSN is not printed: it may hold a password)
         console.print(
-            again + "workers serving the run (orchestra worker --dsn ...) run them now, its "
-            f"dependents after them; without one, run it again: orch.run(..., "
-            f"run_id={run_id!r}) on a PostgresStore of this database"
+            again + "workers serving the run (orchestra worker --dsn $DSN) run them now, what "
+            "waits for them after them; without one, run it again: orchestra run "
+            f"MODULE:FACTORY INPUT.jsonl --dsn $DSN --run-id {run_id} (from Python: "
+            f"orch.run(..., run_id={run_id!r}) on a PostgresStore of this database)"
         )
         return
     console.print(
