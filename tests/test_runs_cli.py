@@ -488,3 +488,14 @@ class TestADatabaseWithoutRuns:
             )
         finally:
             await conn.close()
+
+
+class TestCoordinatorColumnOnPostgres:
+    def test_a_runs_coordinator_is_shown_while_its_lease_holds_on_the_databases_clock(
+        self,
+    ) -> None:
+        # `held` is the database's judgement (its clock): the local clock is not asked.
+        run = {"owner": "vm:7:abc", "expires": 0.0}
+        assert _coordinator({**run, "held": True}, time.time()) == "vm:7:abc"
+        assert _coordinator({**run, "held": False}, 0.0) == ""
+        assert _coordinator({"owner": None, "held": False}, 0.0) == ""

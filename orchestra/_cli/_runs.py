@@ -59,7 +59,8 @@ Dsn = Annotated[
     typer.Option(
         "--dsn",
         help="The PostgreSQL database the runs are kept in (PostgresStore), as "
-        "postgresql://user:password@host:port/database.",
+        "postgresql://user@host:port/database (a password may stand after the user, or come "
+        "from PGPASSWORD or ~/.pgpass, out of the command line).",
         show_default=False,
     ),
 ]
