@@ -414,6 +414,9 @@ class TestRetry:
             "admitted", "attempt_failed", "started", "attempt_failed", "failed", "retried",
             "started", "succeeded",
         ]  # fmt: skip
+        assert [e["event"] for e in store.events("r", "late")] == [
+            "admitted", "skipped", "retried", "started", "succeeded",
+        ]  # fmt: skip
         assert store.dead_letters("r")[0]["task_id"] == "x"
 
     async def test_every_failed_task_without_ids_and_what_only_they_doomed(
