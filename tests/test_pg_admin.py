@@ -31,6 +31,7 @@ from orchestra.stores._postgres._listen import channel_of
 from orchestra.stores._postgres._processes import deregister, register
 from orchestra.stores._postgres._settle import close_input
 from orchestra.stores._postgres._store import PostgresStore
+from orchestra.stores._sqlite import _leases as sqlite_leases
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -256,7 +257,7 @@ class TestTheReadsHaveTheSQLiteStoresShapes:
         assert isinstance(attempt["started"], float)
 
     async def test_workers_are_listed_live_or_gone_with_what_they_hold(
-        self, conn: asyncpg.Connection, store: PostgresStore
+        self, conn: asyncpg.Connection, store: PostgresStore, tmp_path: Path
     ) -> None:
         await admit(
             conn, "r", [Task("work", i, id=f"t{i}") for i in range(3)], admission=admission()
@@ -273,13 +274,19 @@ class TestTheReadsHaveTheSQLiteStoresShapes:
         assert found["host-b:7:w2"]["live"] is False
         assert found["host-b:7:w2"]["kinds"] is None
         assert isinstance(found["host-b:7:w2"]["gone"], float)
-        # The fields SQLite's list has, with the same types.
-        shared = {
-            "owner", "host", "pid", "run_id", "kinds", "started", "heartbeat", "live",
-            "claimed", "completed", "holding",
-        }  # fmt: skip
-        assert shared <= found[WORKER].keys()
-        assert isinstance(found[WORKER]["heartbeat"], float)
+        # The fields SQLite's list has for the same worker, with the same types.
+        sqlite = SQLiteStore(tmp_path / "runs.db")
+        try:
+            sqlite.call(sqlite_leases.register, WORKER, "r", ["work"], time.time())
+            [theirs] = sqlite.workers()
+        finally:
+            sqlite.close()
+        ours = found[WORKER]
+        assert theirs.keys() <= ours.keys()
+        assert {k: type(v) for k, v in theirs.items()} == {k: type(ours[k]) for k in theirs}
+        assert {k: theirs[k] for k in ("owner", "host", "pid", "run_id", "kinds", "live")} == {
+            k: ours[k] for k in ("owner", "host", "pid", "run_id", "kinds", "live")
+        }
 
 
 class TestUnknownIds:
