@@ -520,6 +520,32 @@ class TestRetry:
         await run_one(conn, "p")
         assert await ready(conn) == ["w"]
 
+    async def test_a_group_closed_by_its_retried_spawners_end_opens_for_its_spawns_again(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        # `p` failed, which closed the group named after it (its spawns'): nothing more could
+        # come. Retried, `p` may spawn into it again, and `w` waits for what it spawns.
+        await admit(
+            conn, "r",
+            [Task("work", "bad", id="p"),
+             Task("work", 0, id="w", depends_on=["p"], depends_on_tags=["p"])],
+            admission=admission(),
+        )  # fmt: skip
+        await close_input(conn, "r")
+        await run_one(conn, "p", ends="failed")
+        assert await group(conn, "p") == (0, True, None)
+        store.retry("r")
+        assert await group(conn, "p") == (0, False, None)
+        [p] = await claim(conn, "r", {"work": 1}, owner=WORKER, lease=30)
+        spawned = {"p": [Task("work", 0, id="c", tags=["p"])]}
+        ended = End("p", p.token, "succeeded", output="0", agent="work")
+        assert await complete(
+            conn, "r", WORKER, [ended], spawned=spawned, admission=admission()
+        ) == [True]  # fmt: skip
+        assert await ready(conn) == ["c"]  # `w` waits for the group, open with `c`
+        await run_one(conn, "c")
+        assert await ready(conn) == ["w"]
+
     async def test_a_group_that_may_close_is_not_waited_for_as_at_admission(
         self, conn: asyncpg.Connection, store: PostgresStore
     ) -> None:

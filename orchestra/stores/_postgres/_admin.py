@@ -477,8 +477,9 @@ async def _recount_groups(
     """The groups the reopened tasks are members of, wait for or are named after, locked and
     counted again with their members' states after the retry (`state`): `open` their members not
     terminal, `failed` the first member (by its end) that can no longer succeed, if any; a group
-    that closed reopens when a member of it is reopened, or the task named after it is while it
-    had failed (its waiters, skipped, are reopened and wait for it to close again)."""
+    that closed reopens when a member of it is reopened, or the task named after it is (more
+    members may come from it again: the group closes once it ended again, as it would have had
+    it never ended)."""
     tags: set[str] = set()
     for task_id in reopened:
         task = tasks[task_id]
@@ -507,7 +508,7 @@ async def _recount_groups(
                 if not doomed
                 else f"group {tag!r} member {doomed[0].id!r} {state[doomed[0].id]}"
             )
-        closed = group.closed and not (reopens or (tag in reopened and group.failed is not None))
+        closed = group.closed and not (reopens or tag in reopened)
         open_ = sum(state[m.id] not in _DOOMED and state[m.id] != SUCCEEDED for m in ids)
         counted[tag] = _Counted(open_, closed, failed)
     changed = [
