@@ -19,7 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from orchestra import Context, InputError, Orchestrator, PermanentError, Task, agent
+from orchestra import (
+    Context,
+    InputError,
+    Orchestrator,
+    PermanentError,
+    RunResult,
+    Task,
+    agent,
+)
 from orchestra._admission import Admission
 from orchestra._task import FAILED
 from orchestra.stores import SQLiteStore
@@ -763,17 +771,23 @@ class TestARetriedRunResumed:
                 raise PermanentError("refused")
             return {"id": task.id}
 
-        def orchestrator() -> Orchestrator:
-            return Orchestrator(agents=[work], store=PostgresStore(pg_dsn, poll=0.2))
+        async def run() -> RunResult:
+            store = PostgresStore(pg_dsn, poll=0.2)
+            try:
+                return await Orchestrator(agents=[work], store=store).run(
+                    simple_tasks(), run_id="r"
+                )
+            finally:
+                store.close()
 
-        first = await orchestrator().run(simple_tasks(), run_id="r")
+        first = await run()
         assert first.metadata.counts["failed"] == 1
         store = PostgresStore(pg_dsn)
         try:
             assert store.retry("r") == ["d"]
             healed = True
             calls.clear()
-            again = await orchestrator().run(simple_tasks(), run_id="r")
+            again = await run()
             assert again.status == "success", again.errors
             assert sorted(calls) == ["after", "d"]  # `ok` is not executed again
             assert again.data == {"ok": {"id": "ok"}, "d": {"id": "d"}, "after": {"id": "after"}}
