@@ -244,6 +244,32 @@ class TestTheReadsHaveTheSQLiteStoresShapes:
             ("succeeded", 3),
         ]
 
+    async def test_a_worker_whose_clock_is_ahead_dates_nothing_after_the_tasks_end(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        # Its failed attempt says it ended ten minutes from now; the task ended on the
+        # database's clock, and the journal keeps that order, before a retry and after it.
+        await admit(
+            conn, "r", [Task("work", 0, id="t"), Task("work", 0, id="u")], admission=admission()
+        )
+        claimed = {c.id: c for c in await claim(conn, "r", {"work": 2}, owner=WORKER, lease=30)}
+        ahead = time.time() + 600
+        failed = Failed(1, "work", "PermanentError", "refused", ahead, 0.001)
+        ended = [
+            End("t", claimed["t"].token, "failed", agent="work", error="refused", started=ahead),
+            End("u", claimed["u"].token, "succeeded", output="0", agent="work"),
+        ]
+        await complete(conn, "r", WORKER, ended, failures={"t": [failed]})
+        journal = store.events("r")
+        assert max(e["at"] for e in journal) < time.time() + 60
+        trace = [e["event"] for e in journal if e["task_id"] == "t"]
+        assert trace == ["admitted", "started", "attempt_failed", "failed"]
+        store.retry("r")
+        [t] = await claim(conn, "r", {"work": 1}, owner=WORKER, lease=30)
+        await complete(conn, "r", WORKER, [End("t", t.token, "succeeded", output="0")])
+        trace = [e["event"] for e in store.events("r", "t")]
+        assert trace == ["admitted", "started", "attempt_failed", "failed", "retried", "succeeded"]
+
     async def test_dead_letters_carry_every_attempt_as_on_sqlite(
         self, conn: asyncpg.Connection, store: PostgresStore, tmp_path: Path
     ) -> None:

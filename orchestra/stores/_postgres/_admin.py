@@ -143,25 +143,24 @@ def _no_run(run_id: str, known: Sequence[str]) -> None:
 # taken back, writes refused, retries, ...), and what the rows of a task say and no event row
 # does: its admission, its failed attempts (`attempts`: their end is their start plus their
 # duration; an attempt lost with its lease has no start and its `lease_expired` event says it),
-# its last start and its end. A task's end is dated no earlier than anything else said of it:
-# a failed attempt's end is the attempt's own clock reading, the task's end the database's, a
-# hair apart either way, and the end comes last. As in the SQLite store, the events one instant
-# holds are ordered admitted, ready, started, the rest, the end.
+# its last start and its end. An attempt's times are its process's clock readings, a task's end
+# the database's: a process whose clock is ahead would date its attempts after the task's end,
+# so what a task's row says is dated no later than its end (or now, for a task not ended), and
+# its end no earlier than the last journal row about it. As in the SQLite store, the events one
+# instant holds are ordered admitted, ready, started, the rest, the end.
 _JOURNAL = f"""
 WITH t AS (
     SELECT * FROM orchestra.tasks WHERE run_id = $1 AND ($2::text IS NULL OR id = $2)
 ), e AS (
     SELECT * FROM orchestra.events WHERE run_id = $1 AND ($2::text IS NULL OR task_id = $2)
 ), a AS (
-    SELECT task_id, number, agent, error_type, message,
-        started + make_interval(secs => coalesce(duration, 0)) AS ended
-    FROM orchestra.attempts WHERE run_id = $1 AND ($2::text IS NULL OR task_id = $2)
-        AND started IS NOT NULL
+    SELECT a.task_id, a.number, a.agent, a.error_type, a.message,
+        least(a.started + make_interval(secs => coalesce(a.duration, 0)),
+            coalesce(t.finished, now())) AS ended
+    FROM orchestra.attempts AS a JOIN t ON t.id = a.task_id
+    WHERE a.run_id = $1 AND a.started IS NOT NULL
 ), last AS (
-    -- the last thing said of each task by a journal row or a failed attempt
-    SELECT task_id, max(at) AS at FROM (
-        SELECT task_id, at FROM e UNION ALL SELECT task_id, ended FROM a
-    ) AS said GROUP BY task_id
+    SELECT task_id, max(at) AS at FROM e GROUP BY task_id
 )
 SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM (
     SELECT NULL::bigint AS seq, t.run_id, t.id AS task_id, t.admitted AS at,
@@ -179,7 +178,8 @@ SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM 
         SELECT FROM e WHERE e.task_id = a.task_id AND e.event = 'attempt_failed'
             AND e.attempt = a.number)
     UNION ALL
-    SELECT NULL, t.run_id, t.id, t.started, 'started', t.agent, t.attempts, NULL, 2
+    SELECT NULL, t.run_id, t.id, least(t.started, t.finished), 'started', t.agent, t.attempts,
+        NULL, 2
     FROM t WHERE t.started IS NOT NULL AND t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = 'started' AND e.attempt = t.attempts)
     UNION ALL
@@ -231,34 +231,39 @@ async def dead(conn: asyncpg.Connection, run_id: str) -> list[dict[str, Any]]:
 # -- retry -------------------------------------------------------------------------------------
 
 # What `retry` writes into the journal before it reopens a task: the events its row said (its
-# last start, its end), which the reopened row no longer says, dated as `_JOURNAL` dates them.
+# last start, its failed attempts, its end), which the reopened row no longer dates, dated as
+# `_JOURNAL` dates them.
 _KEEP = """
 WITH t AS (
     SELECT * FROM orchestra.tasks WHERE run_id = $1 AND id = ANY ($2::text[])
 ), e AS (
     SELECT * FROM orchestra.events WHERE run_id = $1 AND task_id = ANY ($2::text[])
 ), last AS (
-    SELECT task_id, max(at) AS at FROM (
-        SELECT task_id, at FROM e
-        UNION ALL
-        SELECT task_id, started + make_interval(secs => coalesce(duration, 0))
-        FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
-    ) AS said GROUP BY task_id
+    SELECT task_id, max(at) AS at FROM e GROUP BY task_id
 )
 INSERT INTO orchestra.events (run_id, task_id, at, event, agent, attempt, detail)
 SELECT run_id, task_id, at, event, agent, attempt, detail FROM (
-    SELECT t.run_id, t.id AS task_id, t.started AS at, 'started' AS event, t.agent,
-        t.attempts AS attempt, NULL::text AS detail, 0 AS rank
+    SELECT t.run_id, t.id AS task_id, least(t.started, t.finished) AS at, 'started' AS event,
+        t.agent, t.attempts AS attempt, NULL::text AS detail, 0 AS rank
     FROM t WHERE t.started IS NOT NULL AND t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = 'started' AND e.attempt = t.attempts)
     UNION ALL
+    SELECT t.run_id, t.id,
+        least(a.started + make_interval(secs => coalesce(a.duration, 0)),
+            coalesce(t.finished, now())),
+        'attempt_failed', a.agent, a.number, a.error_type || ': ' || a.message, 1
+    FROM t JOIN orchestra.attempts AS a ON a.run_id = t.run_id AND a.task_id = t.id
+    WHERE a.started IS NOT NULL AND NOT EXISTS (
+        SELECT FROM e WHERE e.task_id = t.id AND e.event = 'attempt_failed'
+            AND e.attempt = a.number)
+    UNION ALL
     SELECT t.run_id, t.id, greatest(t.finished, last.at), t.state, t.agent, t.attempts,
-        t.error, 1
+        t.error, 2
     FROM t LEFT JOIN last ON last.task_id = t.id
     WHERE t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = t.state AND e.attempt = t.attempts)
 ) AS kept
-ORDER BY at, rank, task_id
+ORDER BY at, rank, task_id, attempt
 """
 
 # A reopened task starts its chain of agents again: with no agent to go to (`target` NULL), its
