@@ -32,6 +32,7 @@ from orchestra._admission import Admission
 from orchestra._task import FAILED
 from orchestra.stores import SQLiteStore
 from orchestra.stores._postgres import _admin as admin
+from orchestra.stores._postgres import _keys as keys
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, Failed, claim, complete, fail, release
@@ -604,6 +605,73 @@ class TestRetry:
         assert await ready(conn) == ["w"]
 
 
+async def key_row(conn: asyncpg.Connection, key: str = "K") -> tuple[Any, ...]:
+    row = await conn.fetchrow(
+        "SELECT run_id, state, owner, output::text FROM orchestra.keys WHERE key = $1", key
+    )
+    assert row is not None
+    return tuple(row)
+
+
+class TestRetryOfKeyedTasks:
+    """A reopened task with an idempotency key claims it again for its run, as its admission did:
+    its end is the key's again; a key that succeeded in another run since ends it with that
+    result; a key another run holds now keeps it back."""
+
+    async def keyed_failure(self, conn: asyncpg.Connection) -> None:
+        """Run ``r``: `k` (key ``K``) fails, `after` (waiting for it) is skipped."""
+        tasks = [
+            Task("work", "bad", id="k", key="K"),
+            Task("work", 0, id="after", depends_on=["k"]),
+        ]
+        await admit(conn, "r", tasks, admission=admission())
+        await keys.admit_keys(conn, "r", [("K", "k")], owner="coordinator", lease=30)
+        await run_one(conn, "k", ends="failed")
+        assert (await key_row(conn))[:2] == ("r", "failed")
+
+    async def other_run(self, conn: asyncpg.Connection, *, ends: str | None) -> None:
+        """Run ``r2`` takes key ``K`` over for its task `k2`, which ends `ends` (None: runs on)."""
+        assert await acquire(conn, "r2", owner="other", lease=30) is not None
+        await admit(conn, "r2", [Task("work", 0, id="k2", key="K")], admission=admission())
+        answers = await keys.admit_keys(conn, "r2", [("K", "k2")], owner="other", lease=30)
+        assert isinstance(answers["k2"], keys.Mine)
+        if ends is not None:
+            await run_one(conn, "k2", ends=ends, run_id="r2")
+
+    async def test_the_key_is_the_runs_again_and_the_retried_success_is_written_to_it(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await self.keyed_failure(conn)
+        store.retry("r")
+        assert await key_row(conn) == ("r", "claimed", "coordinator", None)
+        await run_one(conn, "k")
+        assert await key_row(conn) == ("r", "succeeded", "coordinator", '{"id": "k"}')
+        assert await ready(conn) == ["after"]
+
+    async def test_a_key_that_succeeded_in_another_run_since_ends_the_task_with_its_result(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await self.keyed_failure(conn)
+        await self.other_run(conn, ends="succeeded")
+        store.retry("r")
+        row = await conn.fetchrow("SELECT state, output::text FROM orchestra.tasks WHERE id = 'k'")
+        assert row is not None
+        assert tuple(row) == ("succeeded", '{"id": "k2"}')  # unexecuted: the key's result
+        assert await ready(conn) == ["after"]
+
+    async def test_a_key_another_run_holds_keeps_the_task_back(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await self.keyed_failure(conn)
+        await self.other_run(conn, ends=None)
+        store.retry("r")
+        row = await conn.fetchrow("SELECT state, waiting FROM orchestra.tasks WHERE id = 'k'")
+        assert row is not None
+        assert tuple(row) == ("pending", 1)  # no worker claims it
+        assert await ready(conn) == []
+        assert await keys.held_back(conn, "r") == [("K", "k")]
+
+
 class TestRetryBesideACompletion:
     async def test_a_dependency_that_ends_while_the_retry_waits_is_seen_done(
         self, conn: asyncpg.Connection, store: PostgresStore, pg_dsn: str
@@ -718,7 +786,7 @@ class TestARepairedRun:
             named = None if history["retried"] is None else [
                 t for t in history["retried"] if t in failed
             ]  # fmt: skip
-            reopened = await admin.retry(conn, repaired, named)
+            reopened = await admin.retry(conn, repaired, named, owner="admin", lease=30)
             assert set(reopened) == (failed if named is None else set(named))
             # What never ran before fails at its first attempt, as it would have.
             await self._play(conn, repaired, history, failing=bad - failed, admitted=True)
@@ -784,8 +852,9 @@ class TestARetriedRunResumed:
     it; `retry` reopens them in the database; the run's next coordinator (the same
     ``orch.run(..., run_id=...)``) runs them, and nothing that succeeded runs again."""
 
+    @pytest.mark.parametrize("key", [None, "K"], ids=["no key", "keyed"])
     async def test_the_next_run_of_its_id_runs_the_reopened_tasks_with_their_attempts_kept(
-        self, pg_dsn: str
+        self, pg_dsn: str, key: str | None
     ) -> None:
         healed = False
         calls: list[str] = []
@@ -800,9 +869,9 @@ class TestARetriedRunResumed:
         async def run() -> RunResult:
             store = PostgresStore(pg_dsn, poll=0.2)
             try:
-                return await Orchestrator(agents=[work], store=store).run(
-                    simple_tasks(), run_id="r"
-                )
+                tasks = simple_tasks()
+                tasks[1] = Task("work", "bad", id="d", key=key)
+                return await Orchestrator(agents=[work], store=store).run(tasks, run_id="r")
             finally:
                 store.close()
 
@@ -825,3 +894,9 @@ class TestARetriedRunResumed:
             assert store.retry("r") == []
         finally:
             store.close()
+        if key is not None:  # the key says the retried success, for the next run that has it
+            conn = await asyncpg.connect(pg_dsn)
+            try:
+                assert (await key_row(conn))[:2] == ("r", "succeeded")
+            finally:
+                await conn.close()

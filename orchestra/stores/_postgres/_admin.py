@@ -29,6 +29,7 @@ import asyncpg
 
 from ..._exceptions import InputError, StoreError
 from ..._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED, TERMINAL
+from . import _keys as keys
 from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
 from ._schema import version_of
@@ -284,7 +285,7 @@ WHERE t.run_id = $1 AND t.id = u.id
 
 
 class _Task:
-    __slots__ = ("depends_on", "depends_on_tags", "finished", "id", "state", "tags")
+    __slots__ = ("depends_on", "depends_on_tags", "finished", "id", "key", "state", "tags")
 
     def __init__(self, row: asyncpg.Record) -> None:
         self.id: str = row["id"]
@@ -294,33 +295,51 @@ class _Task:
         self.depends_on_tags: list[str] = list(dict.fromkeys(row["depends_on_tags"] or ()))
         self.tags: list[str] = list(dict.fromkeys(row["tags"] or ()))
         self.finished: float = row["finished"] or 0.0
+        self.key: str | None = row["key"]
 
 
-async def retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | None) -> list[str]:
+async def retry(
+    conn: asyncpg.Connection,
+    run_id: str,
+    task_ids: list[str] | None,
+    *,
+    owner: str,
+    lease: float,
+) -> list[str]:
     """Make the failed tasks of `run_id` (those of `task_ids`) runnable again, and the skipped
     tasks downstream of them that nothing else dooms; returns the ids of the failed tasks
     reopened. Their attempts are kept (the count, and every failed one); the chain of agents
-    starts again. What waits for nothing is ready at once (the run's listeners notified)."""
+    starts again. What waits for nothing is ready at once (the run's listeners notified).
+
+    A reopened task with an idempotency key claims it again for the run, as its admission did
+    (`_keys.admit_keys`), under `lease` seconds, for the run's coordinator if one holds the run,
+    else for `owner` (the next coordinator adopts the run's holds): a key that succeeded since
+    ends the task with that result, unexecuted; one another run holds keeps it back until that
+    run is done with it."""
 
     async def step(conn: asyncpg.Connection) -> list[str]:
-        return await _retry(conn, run_id, task_ids)
+        return await _retry(conn, run_id, task_ids, owner, lease)
 
     return await transaction(conn, step)
 
 
-async def _retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | None) -> list[str]:
+async def _retry(
+    conn: asyncpg.Connection, run_id: str, task_ids: list[str] | None, owner: str, lease: float
+) -> list[str]:
     # The run's row first: a coordinator's fenced write (which holds it FOR SHARE, then writes
     # tasks) is wholly before or after this.
-    input_closed = await conn.fetchval(
-        "SELECT input_closed FROM orchestra.runs WHERE id = $1 FOR UPDATE", run_id
+    run = await conn.fetchrow(
+        "SELECT input_closed, owner FROM orchestra.runs WHERE id = $1 FOR UPDATE", run_id
     )
-    if input_closed is None:
+    if run is None:
         await _known(conn, run_id)
+    assert run is not None
+    input_closed: bool = run["input_closed"]
     # Every task of the run locked (in id order), then read: a dependency that ends while this
     # runs ends before (it is seen done) or after (its completion sees the dependents pending,
     # with their edges, and frees them).
     rows = await conn.fetch(
-        "SELECT id, state, depends_on, depends_on_tags, tags, "
+        "SELECT id, state, depends_on, depends_on_tags, tags, key, "
         "extract(epoch FROM finished)::float8 AS finished, admitted, idx, seq "
         "FROM orchestra.tasks WHERE run_id = $1 ORDER BY id FOR UPDATE",
         run_id,
@@ -404,6 +423,18 @@ async def _retry(conn: asyncpg.Connection, run_id: str, task_ids: list[str] | No
     await conn.execute(
         "UPDATE orchestra.runs SET state = 'open', updated = now() WHERE id = $1", run_id
     )
+    # Each key once, by the first reopened task with it (the others follow it in the run, as at
+    # admission), unless a task of the run not reopened is still on its way with it.
+    live = {t.key for t in tasks.values() if t.id not in reopened and t.state not in TERMINAL}
+    wanted: dict[str, str] = {}
+    for task_id in ids:
+        key = tasks[task_id].key
+        if key is not None and key not in live:
+            wanted.setdefault(key, task_id)
+    if wanted:
+        await keys.admit_keys(
+            conn, run_id, list(wanted.items()), owner=run["owner"] or owner, lease=lease
+        )
     ready = await make_ready(conn, run_id, [i for i, n in zip(ids, waiting, strict=True) if n == 0])
     if ready:
         # (`make_ready` told the run's channel; this tells the processes that serve any run)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..._config import finite
@@ -178,7 +179,9 @@ class PostgresStore:
         downstream of it that nothing else dooms; the run is open again. A worker serving the run,
         or the run's next coordinator (``orch.run(..., run_id=run_id)`` on this database), runs
         them. Their attempts are kept (the count, and every failed one); the chain of agents
-        starts again. Returns the ids of the failed tasks reopened.
+        starts again. A reopened task's idempotency key is claimed again for the run: a key that
+        succeeded since ends the task with that result; one another run holds keeps it back
+        until that run is done with it. Returns the ids of the failed tasks reopened.
 
         Raises:
             InputError: no such run, or a task of `task_ids` that is not a failed task of it.
@@ -187,8 +190,12 @@ class PostgresStore:
             raise InputError(
                 "task_ids must be a collection of ids, not one string", field="task_ids"
             )
+        from ._jobs import coordinator_name
+
         ids = None if task_ids is None else [str(i) for i in task_ids]
-        return self.database.call(admin.retry, run_id, ids)  # type: ignore[no-any-return]
+        return self.database.call(  # type: ignore[no-any-return]
+            partial(admin.retry, owner=coordinator_name(self), lease=self.lease), run_id, ids
+        )
 
 
 def _close(database: Database, server: EmbeddedServer | None) -> None:
