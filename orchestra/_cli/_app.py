@@ -590,7 +590,8 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
     return "\n".join(lines)
 
 
-app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (_runs.py)
+# orchestra runs list|workers|show|dead|retry, each on --db FILE or --dsn URL (_runs.py)
+app.add_typer(runs_app)
 
 
 def main() -> None:
