@@ -115,3 +115,13 @@ class TestTheExtra:
         )
         assert done.returncode != 0
         assert "pip install 'orchestra-runtime[postgres]'" in done.stderr
+
+
+async def test_an_unreadable_dsn_is_a_store_error_that_says_so() -> None:
+    store = PostgresStore("postgresql://app:s3cret@host:notaport/db")
+    try:
+        with pytest.raises(StoreError, match="the DSN cannot be read") as caught:
+            await store.database.run(_version)
+    finally:
+        store.close()
+    assert "s3cret" not in str(caught.value)

@@ -139,7 +139,10 @@ class Database:
                     server_settings=self.settings,
                     timeout=_CONNECT_TIMEOUT,
                 )
-            except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+            except (
+                TimeoutError, OSError, ValueError, asyncpg.PostgresError,
+                asyncpg.ClientConfigurationError,
+            ) as exc:  # fmt: skip
                 raise StoreError(explain(exc, self.dsn)) from exc
             try:
                 async with pool.acquire() as conn:
@@ -265,6 +268,8 @@ def explain(exc: BaseException, dsn: str) -> str:
             "the user may not do this (orchestra needs to create its schema `orchestra` and write "
             "its tables): grant it, or use a user that may"
         )
+    elif isinstance(exc, ValueError | asyncpg.ClientConfigurationError):
+        hint = "the DSN cannot be read: check its form (postgresql://user:password@host:port/db)"
     elif isinstance(exc, TimeoutError):
         hint = f"no answer within {_CONNECT_TIMEOUT:g} s: is the server up and reachable?"
     elif isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
