@@ -969,6 +969,12 @@ class TestModel:
     ) -> None:
         rng = random.Random(seed)
         model = SQLiteKeys(tmp_path / "model.db")
+        try:
+            await self._play(conn, rng, model)
+        finally:
+            model.conn.close()
+
+    async def _play(self, conn: asyncpg.Connection, rng: random.Random, model: SQLiteKeys) -> None:
         keys = ["k0", "k1", "k2"]
         submitters = [(f"c{i}", f"r{i}", f"t{i % 2}") for i in range(4)]  # owner, run, task
         holds: dict[str, tuple[str, int]] = {}  # key -> (owner, token) of its live hold
