@@ -494,6 +494,7 @@ async def blocked(
 
 
 TAGS = ("g1", "g2")
+KEYS = ("k1", "k2")  # a few keys, shared by several tasks of a run
 
 
 @st.composite
@@ -512,6 +513,7 @@ def task_specs(draw: st.DrawFn, known: list[str], prefix: str, n: int) -> list[d
             if before else [],
             "tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
             "depends_on_tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
+            "key": draw(st.one_of(st.none(), st.sampled_from(KEYS))),
         })  # fmt: skip
     return specs
 
@@ -519,7 +521,7 @@ def task_specs(draw: st.DrawFn, known: list[str], prefix: str, n: int) -> list[d
 def build(specs: Sequence[dict[str, Any]]) -> list[Task]:
     return [
         Task(s["kind"], s["id"], id=s["id"], priority=s["priority"], depends_on=s["depends_on"],
-             tags=s["tags"], depends_on_tags=s["depends_on_tags"])
+             tags=s["tags"], depends_on_tags=s["depends_on_tags"], key=s["key"])
         for s in specs
     ]  # fmt: skip
 
@@ -545,6 +547,11 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "close_at": draw(st.integers(0, 6)),
         "steps": steps,
     }
+
+
+def ran(task_id: str, token: int, state: str) -> End:
+    """The end of an attempt of the model test: its output and agent name the task that ran."""
+    return End(task_id, token, state, json.dumps(task_id), task_id)
 
 
 @pytest.fixture
@@ -626,24 +633,24 @@ class TestTheMemoryStoresSemantics:
                         record,
                         record.token,
                         status,
-                        1,
+                        record.id,
                         spawned=list(spawned.values()),
-                        agent="x",
+                        agent=record.id,
                         error=None if status == SUCCEEDED else "no",
                     )
                 except InputError as exc:
                     refused[0] = (exc.task_id, exc.field)
                 try:
                     await complete(
-                        conn, run, "w", [End(task.id, task.token, status, "1")],
+                        conn, run, "w", [ran(task.id, task.token, status)],
                         spawned={task.id: build(specs)}, admission=sql_admission,
                     )  # fmt: skip
                 except InputError as exc:
                     refused[1] = (exc.task_id, exc.field)
                 assert refused[0] == refused[1]
                 if refused[0] is not None:  # spawns refused: the attempt ends without them
-                    memory.settle(record, record.token, status, 1, agent="x")
-                    await complete(conn, run, "w", [End(task.id, task.token, status, "1")])
+                    memory.settle(record, record.token, status, record.id, agent=record.id)
+                    await complete(conn, run, "w", [ran(task.id, task.token, status)])
                 await self._same(memory, conn, run)
             # What is left, claimed in turn: the same order to the end.
             while True:
@@ -654,8 +661,8 @@ class TestTheMemoryStoresSemantics:
                 if record is None:
                     break
                 memory.start(record, record.token, "x")
-                memory.settle(record, record.token, SUCCEEDED, 1, agent="x")
-                await complete(conn, run, "w", [End(record.id, claimed[0].token, SUCCEEDED, "1")])
+                memory.settle(record, record.token, SUCCEEDED, record.id, agent=record.id)
+                await complete(conn, run, "w", [ran(record.id, claimed[0].token, SUCCEEDED)])
                 await self._same(memory, conn, run)
         finally:
             await conn.close()
@@ -663,6 +670,16 @@ class TestTheMemoryStoresSemantics:
     async def _same(self, memory: Any, conn: asyncpg.Connection, run: str) -> None:
         expected = {r.id: r.state for r in memory.records()}
         assert await states(conn, run) == expected
+        # A task that succeeded has the output and agent of the task that ran: itself, or the
+        # holder of its key that it followed.
+        rows = await conn.fetch(
+            "SELECT id, output::text, agent FROM orchestra.tasks "
+            "WHERE run_id = $1 AND state = 'succeeded'",
+            run,
+        )
+        assert {r[0]: (json.loads(r[1]), r[2]) for r in rows} == {
+            r.id: (r.output, r.agent) for r in memory.records() if r.state == SUCCEEDED
+        }
         for record in memory.records():
             if record.state == SKIPPED:
                 assert record.error_type == "DependencyFailed"
