@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from orchestra import InputError, Task
 from orchestra._admission import Admission
-from orchestra._task import FAILED, SKIPPED, SUCCEEDED
+from orchestra._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, claim, complete
@@ -332,6 +332,229 @@ class TestSettling:
         ]
 
 
+class TestKeysWithinARun:
+    """A task whose key another task of the run holds is the same work: it follows that task."""
+
+    async def test_followers_never_run_and_end_with_the_holders_output_and_agent(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="k1", key="same"), Task("a", id="k2", key="same"),
+             Task("b", id="d", depends_on=["k2"])],
+            admission=admission(),
+        )  # fmt: skip
+        await admit(conn, "r", [Task("a", id="k3", key="same")], admission=admission())
+        assert await states(conn) == {
+            "k1": "ready",
+            "k2": "pending",
+            "k3": "pending",
+            "d": "pending",
+        }
+        assert [await waiting(conn, t) for t in ("k2", "k3")] == [1, 1]
+        token = await take(conn, "k1")
+        await complete(conn, "r", "w", [End("k1", token, SUCCEEDED, '{"v": 1}', "x")])
+        rows = await conn.fetch(
+            "SELECT id, state, output::text, agent, attempts FROM orchestra.tasks "
+            "WHERE id IN ('k2', 'k3') ORDER BY id"
+        )
+        assert [tuple(r) for r in rows] == [
+            ("k2", "succeeded", '{"v": 1}', "x", 0), ("k3", "succeeded", '{"v": 1}', "x", 0)
+        ]  # fmt: skip
+        assert (await states(conn))["d"] == "ready"  # what waited for a follower, freed by it
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.follows") == 0
+
+    async def test_a_task_admitted_once_its_holder_succeeded_ends_at_admission(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="k1", key="same")], admission=admission())
+        token = await take(conn, "k1")
+        await complete(conn, "r", "w", [End("k1", token, SUCCEEDED, '"once"', "x")])
+        admitted = await admit(
+            conn, "r", [Task("a", id="k2", key="same"), Task("b", id="d", depends_on=["k2"])],
+            admission=admission(),
+        )  # fmt: skip
+        assert admitted.ready == ["d"]
+        row = await conn.fetchrow(
+            "SELECT state, output::text, agent FROM orchestra.tasks WHERE id = 'k2'"
+        )
+        assert row is not None
+        assert tuple(row) == ("succeeded", '"once"', "x")
+
+    async def test_tasks_of_one_batch_that_follow_a_holder_that_succeeded_all_end_with_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # b depends on a: a's end makes b ready, and b ends all the same, as in memory.
+        await admit(conn, "r", [Task("a", id="k1", key="same")], admission=admission())
+        await finish(conn, "k1")
+        await admit(
+            conn, "r",
+            [Task("a", id="a", key="same"), Task("a", id="b", key="same", depends_on=["a"])],
+            admission=admission(),
+        )  # fmt: skip
+        assert await states(conn) == {"k1": "succeeded", "a": "succeeded", "b": "succeeded"}
+
+    async def test_a_holder_that_does_not_succeed_hands_the_key_to_the_next_in_line(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r", [Task("a", id=f"k{i}", key="same") for i in (1, 2, 3)],
+            admission=admission(),
+        )  # fmt: skip
+        await finish(conn, "k1", FAILED)
+        assert await states(conn) == {"k1": "failed", "k2": "ready", "k3": "pending"}
+        assert await conn.fetchval("SELECT holder FROM orchestra.run_keys") == "k2"
+        await finish(conn, "k2", FAILED)
+        assert (await states(conn))["k3"] == "ready"
+        await finish(conn, "k3")
+        assert set((await states(conn)).values()) == {"failed", "succeeded"}
+
+    async def test_a_follower_waits_for_its_own_dependencies_too_once_it_holds_the_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(
+            conn, "r",
+            [Task("a", id="p"), Task("a", id="k1", key="same"),
+             Task("a", id="k2", key="same", depends_on=["p"])],
+            admission=admission(),
+        )  # fmt: skip
+        assert await waiting(conn, "k2") == 2
+        await finish(conn, "k1", FAILED)
+        assert ((await states(conn))["k2"], await waiting(conn, "k2")) == ("pending", 1)
+        await finish(conn, "p")
+        assert (await states(conn))["k2"] == "ready"
+
+    async def test_a_holder_that_waits_for_a_later_task_with_its_key_follows_that_task(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # h waits for group g; r, with h's key, joins g: were r to follow h, neither would run.
+        await admit(
+            conn, "r", [Task("a", id="h", key="same", depends_on_tags=["g"])],
+            admission=admission(),
+        )  # fmt: skip
+        admitted = await admit(
+            conn, "r", [Task("a", id="r", key="same", tags=["g"])], admission=admission(),
+            forward=False,
+        )  # fmt: skip
+        assert admitted.ready == ["r"]
+        assert await conn.fetchval("SELECT holder FROM orchestra.run_keys") == "r"
+        assert await conn.fetchval("SELECT took_key FROM orchestra.tasks WHERE id = 'r'")
+        token = await take(conn, "r")
+        await complete(conn, "r", "w", [End("r", token, SUCCEEDED, '"done"', "y")])
+        row = await conn.fetchrow(
+            "SELECT state, output::text, agent FROM orchestra.tasks WHERE id = 'h'"
+        )
+        assert row is not None
+        assert tuple(row) == ("succeeded", '"done"', "y")
+
+    async def test_a_follower_admitted_while_its_holder_ends_ends_with_it(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="k1", key="same")], admission=admission())
+        token = await take(conn, "k1")
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            admitting = conn.transaction()
+            await admitting.start()
+            await admit(conn, "r", [Task("a", id="k2", key="same")], admission=admission())
+            ending = asyncio.ensure_future(
+                complete(other, "r", "w", [End("k1", token, SUCCEEDED, '"v"', "x")])
+            )
+            await blocked(conn, other, ending)  # on the key the admission holds
+            await admitting.commit()
+            assert await ending == [True]
+        finally:
+            await other.close()
+        assert await states(conn) == {"k1": "succeeded", "k2": "succeeded"}
+
+    async def test_a_follower_admitted_while_its_holder_fails_takes_the_key(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [Task("a", id="k1", key="same")], admission=admission())
+        token = await take(conn, "k1")
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            ending = other.transaction()
+            await ending.start()
+            await complete(other, "r", "w", [End("k1", token, FAILED)])
+            admitting = asyncio.ensure_future(
+                admit(conn, "r", [Task("a", id="k2", key="same")], admission=admission())
+            )
+            await blocked(other, conn, admitting)  # on the key the end holds
+            await ending.commit()
+            assert (await admitting).ready == ["k2"]
+        finally:
+            await other.close()
+        assert await states(conn) == {"k1": "failed", "k2": "ready"}
+
+
+class Ends(NoListener):
+    """A listener that records the ends it hears: (id, output, agent), in order."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, Any, str | None]] = []
+
+    def finished(self, record: Any) -> None:
+        self.ended.append((record.task_id, record.output, record.agent))
+
+
+class TestTheCoordinatorsMirror:
+    """The coordinator's run (`PostgresRun`, driven by hand) hears the ends a worker writes and
+    plays them into its mirror as the database settled them."""
+
+    @pytest.fixture
+    def coordinator(self, model_dsn: str) -> Iterator[tuple[Any, Ends]]:
+        from orchestra.stores._postgres._store import PostgresStore
+
+        store = PostgresStore(model_dsn)
+        ends = Ends()
+        try:
+            yield store.open_run(
+                "run", admission=admission(), listener=ends, clock=lambda: 0.0,
+                task_timeout=None, compact=False,
+            ), ends  # fmt: skip
+        finally:
+            store.close()
+
+    @staticmethod
+    async def worker(dsn: str, task_id: str) -> list[str]:
+        """Claim `task_id` as another process, succeed it ("v", agent "w"); the feed then."""
+        conn = await asyncpg.connect(dsn)
+        try:
+            (task,) = await claim(conn, "run", {"a": 1}, owner="worker", lease=30)
+            assert task.id == task_id
+            await complete(conn, "run", "worker", [End(task_id, task.token, SUCCEEDED, '"v"', "w")])
+            feed: list[str] = await conn.fetchval("SELECT array_agg(id) FROM orchestra.ended")
+            return feed
+        finally:
+            await conn.close()
+
+    def test_a_workers_success_is_heard_with_its_output_and_frees_its_dependents(
+        self, model_dsn: str, coordinator: tuple[Any, Ends]
+    ) -> None:
+        run, ends = coordinator
+        run.admit([Task("a", id="p"), Task("b", id="d", depends_on=["p"])], where="tasks",
+                  forward=True)  # fmt: skip
+        assert asyncio.run(self.worker(model_dsn, "p")) == ["p"]
+        record = run.claim()  # hears the feed, then claims what the end freed
+        assert ends.ended == [("p", "v", "w")]
+        assert record is not None
+        assert record.id == "d"
+
+    def test_a_followers_end_is_heard_once(
+        self, model_dsn: str, coordinator: tuple[Any, Ends]
+    ) -> None:
+        # The database ends the follower in the worker's transaction; the feed has the holder's
+        # end alone, and the coordinator's mirror ends the follower from it, as the database did.
+        run, ends = coordinator
+        run.admit([Task("a", id="k1", key="same"), Task("a", id="k2", key="same")],
+                  where="tasks", forward=True)  # fmt: skip
+        assert asyncio.run(self.worker(model_dsn, "k1")) == ["k1"]
+        assert run.claim() is None
+        assert ends.ended == [("k1", "v", "w"), ("k2", "v", "w")]
+        assert run.unfinished == 0
+
+
 class TestConcurrentSettling:
     async def test_two_parents_completed_at_once_ready_their_child_once(
         self, pg_dsn: str, conn: asyncpg.Connection
@@ -513,7 +736,7 @@ def task_specs(draw: st.DrawFn, known: list[str], prefix: str, n: int) -> list[d
             if before else [],
             "tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
             "depends_on_tags": draw(st.lists(st.sampled_from(TAGS), unique=True, max_size=1)),
-            "key": draw(st.one_of(st.none(), st.sampled_from(KEYS))),
+            "key": draw(st.sampled_from((None, *KEYS, KEYS[0]))),
         })  # fmt: skip
     return specs
 
@@ -679,6 +902,24 @@ class TestTheMemoryStoresSemantics:
         )
         assert {r[0]: (json.loads(r[1]), r[2]) for r in rows} == {
             r.id: (r.output, r.agent) for r in memory.records() if r.state == SUCCEEDED
+        }
+        # The same task holds each key; or both holders ended without succeeding (tasks skipped
+        # by one cascade, in another order): either way the next task with the key takes it over.
+        rows = await conn.fetch("SELECT key, holder FROM orchestra.run_keys WHERE run_id = $1", run)
+        held = {r[0]: r[1] for r in rows}
+        lost = {r.id for r in memory.records() if r.state in (FAILED, CANCELLED, SKIPPED)}
+        expected_keys = {r.task.key: r.id for r in memory.records() if memory.holds_key(r)}
+        assert held.keys() == expected_keys.keys()
+        for key, holder in expected_keys.items():
+            assert held[key] == holder or {held[key], holder} <= lost
+        rows = await conn.fetch(
+            "SELECT id, took_key, waiting, state FROM orchestra.tasks WHERE run_id = $1", run
+        )
+        assert {r[0] for r in rows if r[1]} == {
+            r.id for r in memory.records() if memory.took_key(r)
+        }
+        assert {r[0]: r[2] for r in rows if r[3] == "pending"} == {
+            r.id: r.waiting for r in memory.records() if r.state == PENDING
         }
         for record in memory.records():
             if record.state == SKIPPED:

@@ -304,12 +304,15 @@ FROM unnest($2::text[], $3::integer[], $4::boolean[]) AS u (id, more, took)
 WHERE t.run_id = $1 AND t.id = u.id
 """
 
-# A task whose key's holder had succeeded ends with its result (unless it ended meanwhile: a skip).
+# A task whose key's holder had succeeded ends with its result, unless it ended meanwhile (a
+# skip). It may have been made ready meanwhile, by the end of another such task it depends on: as
+# in memory, it ends all the same (no one can have claimed it: this transaction made it ready).
 _REUSE = """
 UPDATE orchestra.tasks AS t
 SET state = 'succeeded', output = h.output, agent = h.agent, finished = now()
 FROM orchestra.tasks AS h
-WHERE t.run_id = $1 AND t.id = $2 AND t.state = 'pending' AND h.run_id = $1 AND h.id = $3
+WHERE t.run_id = $1 AND t.id = $2 AND t.state IN ('pending', 'ready') AND h.run_id = $1
+    AND h.id = $3
 RETURNING t.id
 """
 

@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Any
@@ -545,8 +546,10 @@ class PostgresRun:
                 record.t_start = started - self._wall0 + memory.t0
             value = None if output is None else json.loads(output)
             try:
+                # The memory store tells states apart by identity (its constants, interned); the
+                # driver's strings are new objects: a success heard as one would end as a failure.
                 memory.settle(
-                    record, token, state, value, spawned=spawned.get(task_id, ()), agent=agent,
+                    record, token, sys.intern(state), value, spawned=spawned.get(task_id, ()), agent=agent,
                     error=error, error_type=error_type, defaulted=defaulted,
                 )  # fmt: skip
             except InputError as exc:  # the database took them: the mirror must too

@@ -4,7 +4,12 @@ ended it (`_leases.complete`, and `_graph.admit` for what it skips at once).
 The meanings are the memory store's `Graph.release`: a success takes one off its dependents' and
 its groups' waiters' ``waiting`` and makes the ones at zero ready; any other end skips what waits
 for it, its groups' waiters included, and so on down; a group closes once every member succeeded
-and no more can come (the run's input closed, and the task whose id is the tag ended). What
+and no more can come (the run's input closed, and the task whose id is the tag ended). A task
+that held its key within the run (``run_keys``) ends the tasks that follow it (``follows``) with
+its output and agent when it succeeded, each end settled in turn, or hands the key to the first of
+them still unfinished when it did not (`Graph._followed`). These ends are written by whichever
+process settles the holder's end, and go to no feed: a coordinator that hears the holder's end
+(`_follow.heard`) ends its followers in its mirror, as it skips its dependents. What
 became ready is queued in the order the memory store would queue it (``tasks.seq``,
 `QUEUE_STEP`), and a NOTIFY on the run's channel (`channel_of`) carries the run id and the kinds
 of what became ready, delivered when the transaction commits, so idle processes wake.
