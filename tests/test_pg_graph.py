@@ -1,8 +1,9 @@
 """A run's graph on PostgreSQL (`orchestra.stores._postgres._graph`), on the session's real server:
 admission all or nothing with the memory store's checks; settling in the completion's
-transaction (dependents made ready, failures skipping what waits, groups, spawns); the wake-up
-sent; two parents completed at once readying their child once; and a model test: the same
-operations through a `MemoryRun` and through the database end in the same states.
+transaction (dependents made ready, failures skipping what waits, groups, spawns); keys within a
+run (a task with the key another task holds follows it); the wake-up sent; two parents completed
+at once readying their child once; the coordinator's mirror hearing a worker's ends; and a model
+test: the same operations through a `MemoryRun` and through the database end in the same states.
 
 A task is claimed for a test by `take` (its lease written straight into its row): the claim
 itself is `_leases`' and its tests'."""
@@ -387,12 +388,13 @@ class TestKeysWithinARun:
         # b depends on a: a's end makes b ready, and b ends all the same, as in memory.
         await admit(conn, "r", [Task("a", id="k1", key="same")], admission=admission())
         await finish(conn, "k1")
-        await admit(
+        admitted = await admit(
             conn, "r",
             [Task("a", id="a", key="same"), Task("a", id="b", key="same", depends_on=["a"])],
             admission=admission(),
         )  # fmt: skip
         assert await states(conn) == {"k1": "succeeded", "a": "succeeded", "b": "succeeded"}
+        assert admitted.ready == []
 
     async def test_a_holder_that_does_not_succeed_hands_the_key_to_the_next_in_line(
         self, conn: asyncpg.Connection
@@ -786,11 +788,12 @@ def model_dsn(pg: PgDatabases) -> Iterator[str]:
 
 
 class TestTheMemoryStoresSemantics:
-    """Hypothesis draws DAGs with groups, two batches (a whole list, then a streamed one), a close
-    of the input at some step, and attempts that succeed (spawning some tasks) or fail for good;
-    the same operations go to a `MemoryRun` and to the database, claiming the best ready task from
-    each. After every step both hold the same tasks in the same states, and claim the same task
-    next (priority, then the order they became ready)."""
+    """Hypothesis draws DAGs with groups and a few keys shared by several tasks, two batches (a
+    whole list, then a streamed one), a close of the input at some step, and attempts that succeed
+    (spawning some tasks) or fail for good; the same operations go to a `MemoryRun` and to the
+    database, claiming the best ready task from each. After every step both hold the same tasks in
+    the same states (with the same outputs and agents, the same key holders, and as many things
+    waited for), and claim the same task next (priority, then the order they became ready)."""
 
     @settings(
         max_examples=100,

@@ -221,6 +221,7 @@ async def admit_in(
     # with its result, each settled in turn, then the batch's tasks waiting for nothing are ready.
     for task_id, holder in reused:
         if await conn.fetchval(_REUSE, run_id, task_id, holder) is not None:
+            ready = [r for r in ready if r[0] != task_id]  # (made ready by an earlier one)
             settled = await end_cascade(conn, run_id, [(task_id, SUCCEEDED)])
             ready.extend(settled.ready)
             skipped.extend(settled.skipped)
