@@ -196,6 +196,18 @@ class TestGroups:
         settled = await close_input(conn, "r")
         assert settled.ready == [("w", "b")]
 
+    async def test_closing_the_input_frees_the_waiters_of_groups_in_the_order_they_were_named(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # As in memory: groups close in the order the run's tasks first named them, not by tag.
+        await admit(
+            conn, "r",
+            [Task("a", id="w2", depends_on_tags=["g2"]), Task("a", id="w1", depends_on_tags=["g1"])],
+            admission=admission(),
+        )  # fmt: skip
+        settled = await close_input(conn, "r")
+        assert settled.ready == [("w2", "a"), ("w1", "a")]
+
     async def test_a_group_closes_only_once_the_task_named_after_it_ended(
         self, conn: asyncpg.Connection
     ) -> None:

@@ -467,7 +467,7 @@ async def _known(
     """A `Graph` of what the database knows that the checks and the wiring of `tasks` read,
     those rows locked."""
     ids: set[str] = set()
-    tags: set[str] = set()
+    tags: dict[str, None] = {}  # in the order the wiring meets them (the groups' order in memory)
     upstream: list[str] = []
     for task in tasks:
         if not isinstance(task, Task):
@@ -477,8 +477,8 @@ async def _known(
         deps = _strings(task.depends_on)
         ids.update(deps)
         member_of = _strings(task.tags)
-        tags.update(member_of)
-        tags.update(_strings(task.depends_on_tags))
+        tags.update(dict.fromkeys(member_of))
+        tags.update(dict.fromkeys(_strings(task.depends_on_tags)))
         if not forward and member_of and deps:
             upstream.extend(deps)
     ids.update(tags)  # the tasks that own the groups
@@ -498,11 +498,13 @@ async def _known(
             rows = await conn.fetch(_KEY_HOLDERS, run_id, keys)
             graph.keys.update((r[0], r[1]) for r in rows)
     if tags:
-        # Every group the batch names, locked: a missing one is made (empty) so that it can be.
+        # Every group the batch names, locked: a missing one is made (empty) so that it can be,
+        # numbered in the order the memory store makes them (`close_input` goes by it).
         await conn.execute(
-            "INSERT INTO orchestra.groups (run_id, tag) SELECT $1, unnest($2::text[]) "
+            "INSERT INTO orchestra.groups (run_id, tag) SELECT $1, g.tag "
+            "FROM unnest($2::text[]) WITH ORDINALITY AS g (tag, n) ORDER BY g.n "
             "ON CONFLICT DO NOTHING",
-            run_id, sorted(tags),
+            run_id, list(tags),
         )  # fmt: skip
         await conn.execute(LOCK_GROUPS, run_id, sorted(tags))
         for tag, closed, failed, open_, waiters in await conn.fetch(_GROUPS, run_id, sorted(tags)):

@@ -279,6 +279,9 @@ _V3 = (
         FOREIGN KEY (run_id, follower) REFERENCES orchestra.tasks (run_id, id) ON DELETE CASCADE
     )""",
     "CREATE INDEX follows_by_holder ON orchestra.follows (run_id, holder, n)",
+    # The order a run's groups were made in (as its tasks name them): the order the input's close
+    # closes them in, and readies their waiters in, as in memory.
+    "ALTER TABLE orchestra.groups ADD COLUMN n bigint GENERATED ALWAYS AS IDENTITY",
 )
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)

@@ -121,8 +121,10 @@ async def close_input(conn: asyncpg.Connection, run_id: str) -> Settled:
 
     async def step(conn: asyncpg.Connection) -> Settled:
         await conn.execute("UPDATE orchestra.runs SET input_closed = true WHERE id = $1", run_id)
+        # In the order the groups were made, as the memory store closes them (and so readies
+        # their waiters).
         tags = [r[0] for r in await conn.fetch(
-            "SELECT tag FROM orchestra.groups WHERE run_id = $1 AND NOT closed", run_id
+            "SELECT tag FROM orchestra.groups WHERE run_id = $1 AND NOT closed ORDER BY n", run_id
         )]  # fmt: skip
         readied: list[str] = []
         if tags:
