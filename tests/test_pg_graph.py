@@ -706,7 +706,9 @@ class TestConcurrentSettling:
             for other in others:
                 await other.close()
         assert list(done) == ["x", "y"]
-        assert sorted(tries.values()) == [1, 2]  # PostgreSQL aborted one, which ran again
+        # PostgreSQL aborted one, which ran again; on a busy machine its second try may take its
+        # first lock before the other wakes to the lock it waited for, and deadlock it once more.
+        assert sorted(tries.values()) in ([1, 2], [2, 2])
 
 
 async def blocked(
