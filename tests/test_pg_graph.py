@@ -423,6 +423,22 @@ class TestKeysWithinARun:
         await finish(conn, "k3")
         assert set((await states(conn)).values()) == {"failed", "succeeded"}
 
+    async def test_heirs_made_ready_by_one_failure_are_queued_in_the_memory_stores_order(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # p's failure dooms h2, then a; the memory store skips the last one doomed first (a
+        # stack), and all that its skip dooms before the rest: a, h1 (f1 gets k1), then h2.
+        await admit(
+            conn, "r",
+            [Task("a", id="p"), Task("a", id="h2", key="k2", depends_on=["p"]),
+             Task("a", id="a", depends_on=["p"]), Task("a", id="h1", key="k1", depends_on=["a"]),
+             Task("a", id="f2", key="k2"), Task("a", id="f1", key="k1")],
+            admission=admission(),
+        )  # fmt: skip
+        await finish(conn, "p", FAILED)
+        order = [t.id for t in await claim(conn, "r", {"a": 5}, owner="w", lease=30)]
+        assert order == ["f1", "f2"]
+
     async def test_a_follower_waits_for_its_own_dependencies_too_once_it_holds_the_key(
         self, conn: asyncpg.Connection
     ) -> None:

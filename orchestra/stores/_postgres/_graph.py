@@ -57,7 +57,7 @@ from ._settle import (
     columns,
     end_cascade,
     make_ready,
-    skip_pending,
+    skip_cascade,
     transaction,
 )
 
@@ -212,9 +212,9 @@ async def admit_in(
     if any(task.key is not None for task in batch):
         reused = await _follow_keys(conn, run_id, batch, {t for t, _ in skip}, edges)
     ready: list[tuple[str, str]] = []
-    skipped = [task_id for task_id, _ in skip]
+    skipped: list[str] = []
     if skip:
-        settled = await end_cascade(conn, run_id, await skip_pending(conn, run_id, skip))
+        settled = await skip_cascade(conn, run_id, skip)
         ready.extend(settled.ready)
         skipped.extend(settled.skipped)
     # As `MemoryRun._wire`: the skips first, then the tasks whose key's holder had succeeded end

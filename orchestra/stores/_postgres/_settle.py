@@ -43,6 +43,7 @@ __all__ = (
     "lock_groups",
     "make_ready",
     "settle",
+    "skip_cascade",
     "skip_pending",
     "transaction",
 )
@@ -174,19 +175,73 @@ WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND (t.tags IS NOT NULL OR t.key
 async def end_cascade(
     conn: asyncpg.Connection, run_id: str, ended: list[tuple[str, str]]
 ) -> Settled:
-    """`Graph.release` for ended tasks, and for what their ends skip, round after round; then
-    what was freed is made ready (unless skipped meanwhile, as in memory)."""
+    """`Graph.release` for ended tasks, then for what their ends skip, and so on down (`_skip`);
+    then what was freed is made ready (unless skipped meanwhile, as in memory)."""
     readied: list[str] = []
+    skip: list[tuple[str, str]] = []
+    await _release(conn, run_id, ended, readied, skip)
+    skipped = await _skip(conn, run_id, skip, readied) if skip else []
+    return Settled(await make_ready(conn, run_id, readied), skipped)
+
+
+async def skip_cascade(
+    conn: asyncpg.Connection, run_id: str, skip: Sequence[tuple[str, str]]
+) -> Settled:
+    """Skip these pending tasks (id, why), in this order, each with what its skip skips in turn
+    (as `MemoryRun._wire` ends each one it skips at admission); then what was freed is made
+    ready."""
+    readied: list[str] = []
+    skipped = await _skip(conn, run_id, list(reversed(skip)), readied)
+    return Settled(await make_ready(conn, run_id, readied), skipped)
+
+
+async def _skip(
+    conn: asyncpg.Connection,
+    run_id: str,
+    stack: list[tuple[str, str]],
+    readied: list[str],
+) -> list[str]:
+    """Skip the tasks of `stack` (id, why) and what waits for them, and so on down, as the memory
+    store does (`MemoryRun._end`): a stack, the last pushed skipped first, each skip's release
+    pushing what it dooms. Returns the ids skipped.
+
+    What a cascade of skips makes ready (a key handed on, a group closed by the skip of the task
+    it is named after) is queued in the order the memory store reaches it. That order is the
+    stack's, one task at a time, a few statements each; most cascades make at most one task
+    ready, and then any order of the same skips does: those go by rounds (all the tasks one
+    round skips in a few statements), in a savepoint, and only a cascade that made several tasks
+    ready is undone and done again one task at a time."""
+    cascade_ready: list[str] = []
     skipped: list[str] = []
-    while ended:
-        skip: list[tuple[str, str]] = []
-        await _release(conn, run_id, ended, readied, skip)
-        if not skip:
-            break
-        ended = await skip_pending(conn, run_id, skip)
-        skipped.extend(task_id for task_id, _ in ended)
-    ready = await make_ready(conn, run_id, readied)
-    return Settled(ready, skipped)
+    savepoint = conn.transaction()
+    await savepoint.start()
+    try:
+        # (reversed: a task pushed twice is skipped for the reason pushed last, as in memory)
+        ended = await skip_pending(conn, run_id, stack[::-1])
+        while ended:
+            skipped.extend(task_id for task_id, _ in ended)
+            more: list[tuple[str, str]] = []
+            await _release(conn, run_id, ended, cascade_ready, more)
+            ended = await skip_pending(conn, run_id, more[::-1]) if more else []
+    except BaseException:
+        await savepoint.rollback()
+        raise
+    if len(cascade_ready) < 2:
+        await savepoint.commit()
+        readied.extend(cascade_ready)
+        return skipped
+    await savepoint.rollback()
+    skipped = []
+    stack = list(stack)
+    while stack:
+        task_id, why = stack.pop()
+        if not await skip_pending(conn, run_id, [(task_id, why)]):
+            continue  # ended already (skipped by an earlier push)
+        skipped.append(task_id)
+        more = []
+        await _release(conn, run_id, [(task_id, SKIPPED)], readied, more)
+        stack.extend(more)
+    return skipped
 
 
 async def _release(
