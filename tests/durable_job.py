@@ -1,6 +1,7 @@
 """A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
 
-Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``.
+Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``;
+DB a SQLite file, or a PostgreSQL DSN (``postgresql://...``: a `PostgresStore`).
 Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
 test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
 
@@ -58,7 +59,7 @@ async def work(task: Task, ctx: Context) -> dict[str, Any]:
             ctx.spawn(Task("work", 100 + i, id=f"s{i}"))
     if task.id == "total":
         return {"id": task.id, "value": sum(d["value"] for d in ctx.deps.values())}
-    await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else 0.004)
+    await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else ARGS.sleep)
     if ARGS.kill == f"after:{task.id}":
         DONE.append(task.id)
     return {"id": task.id, "value": task.payload * 2}
@@ -90,8 +91,16 @@ async def main() -> None:
     parser.add_argument("--kill")
     parser.add_argument("--window", type=float, default=0.05)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.004)  # each agent call's
+    parser.add_argument("--lease", type=float, default=30.0)  # (PostgreSQL)
     parser.parse_args(namespace=ARGS)
-    store = SQLiteStore(ARGS.db, window=ARGS.window)
+    store: Any
+    if ARGS.db.startswith("postgresql://"):
+        from orchestra.stores._postgres._store import PostgresStore
+
+        store = PostgresStore(ARGS.db, poll=0.05, lease=ARGS.lease)
+    else:
+        store = SQLiteStore(ARGS.db, window=ARGS.window)
     orch = Orchestrator(agents=[work], store=store, concurrency=2, seed=1)
     source: Any = streamed() if ARGS.stream else tasks()
     result = await orch.run(source, run_id=ARGS.run_id)

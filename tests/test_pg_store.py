@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -86,3 +88,40 @@ async def test_a_missing_database_is_named(pg_dsn: str) -> None:
             await store.database.run(_version)
     finally:
         store.close()
+
+
+class TestTheExtra:
+    def test_asyncpg_is_loaded_only_by_who_uses_postgresql(self) -> None:
+        code = (
+            "import sys, orchestra, orchestra.stores\n"
+            "assert 'asyncpg' not in sys.modules, 'imported asyncpg'\n"
+            "from orchestra.stores import PostgresStore\n"
+            "assert 'asyncpg' in sys.modules\n"
+            "assert PostgresStore.__module__ == 'orchestra.stores'\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+
+    def test_without_asyncpg_the_error_says_which_extra_to_install(self) -> None:
+        code = (
+            "import sys\n"
+            "sys.modules['asyncpg'] = None\n"
+            "from orchestra.stores import PostgresStore\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        assert done.returncode != 0
+        assert "pip install 'orchestra-runtime[postgres]'" in done.stderr
+
+
+async def test_an_unreadable_dsn_is_a_store_error_that_says_so() -> None:
+    store = PostgresStore("postgresql://app:s3cret@host:notaport/db")
+    try:
+        with pytest.raises(StoreError, match="the DSN cannot be read") as caught:
+            await store.database.run(_version)
+    finally:
+        store.close()
+    assert "s3cret" not in str(caught.value)

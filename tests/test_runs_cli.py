@@ -290,3 +290,212 @@ class TestCoordinatorColumn:
         )
         # Another host's process cannot be looked at: its heartbeat is all there is.
         assert _coordinator({**run, "owner": "elsewhere:1:x"}, now) == "elsewhere:1"
+
+
+@pytest.mark.subprocess
+@pytest.mark.postgres
+class TestOverPostgres:
+    """Every command with --dsn reads (and retries) a PostgreSQL database as --db does a file.
+    The history is made as a coordinator and a worker make it (`tests/test_pg_admin.py`); the
+    session's server trusts local connections, so a password in the DSN is taken and unused:
+    it must show nowhere."""
+
+    PASSWORD = "s3cret-pw"
+
+    @pytest.fixture
+    async def dsn(self, pg_dsn: str) -> str:
+        """A database with run "r" (`ok` succeeded, `d` failed, `after` skipped) and a worker."""
+        import asyncpg
+
+        from orchestra.stores._postgres._coordinator import acquire
+        from orchestra.stores._postgres._processes import register
+        from tests.test_pg_admin import WORKER, simple_pg
+
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await acquire(conn, "r", owner="coordinator", lease=30)
+            await simple_pg(conn)
+            await register(conn, WORKER, host="host-a", pid=101, lease=30, kinds=["work"])
+        finally:
+            await conn.close()
+        return pg_dsn.replace("postgres@", f"postgres:{self.PASSWORD}@")
+
+    def run(self, *args: str) -> Result:
+        result = invoke("runs", *args)
+        assert self.PASSWORD not in result.stdout + result.stderr
+        return result
+
+    async def test_list_counts_the_tasks_of_each_run(self, dsn: str) -> None:
+        result = self.run("list", "--dsn", dsn)
+        assert result.exit_code == 0, result.output
+        assert "1 failed" in result.stdout
+        assert "coordinator" in result.stdout  # it holds the run
+        [run] = [
+            json.loads(line)
+            for line in self.run("list", "--dsn", dsn, "--jsonl").stdout.splitlines()
+        ]
+        assert run["id"] == "r"
+        assert run["counts"] == {"succeeded": 1, "failed": 1, "skipped": 1}
+
+    async def test_show_traces_a_task_and_sums_up_the_run(self, dsn: str) -> None:
+        result = self.run("show", "r", "--dsn", dsn, "--task", "d", "--jsonl")
+        assert result.exit_code == 0, result.output
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [e["event"] for e in events] == ["admitted", "started", "attempt_failed", "failed"]
+        table = self.run("show", "r", "--dsn", dsn, "--events")
+        assert table.exit_code == 0, table.output
+        assert "attempt_failed" in table.stdout
+        assert "skipped" in table.stdout
+        summed = self.run("show", "r", "--dsn", dsn)
+        assert summed.exit_code == 0, summed.output
+        assert "run r: open" in summed.stdout
+
+    async def test_dead_lists_each_attempt_with_its_traceback(self, dsn: str) -> None:
+        result = self.run("dead", "r", "--dsn", dsn)
+        assert result.exit_code == 0, result.output
+        assert "d (work): PermanentError" in result.stdout
+        assert "attempt 1 on work" in result.stdout
+        assert "Traceback" in result.stdout
+
+    async def test_workers_lists_the_live_ones_with_what_they_hold(self, dsn: str) -> None:
+        result = self.run("workers", "--dsn", dsn)
+        assert result.exit_code == 0, result.output
+        assert "host-a:101:w1" in result.stdout
+        [worker] = map(json.loads, self.run("workers", "--dsn", dsn, "--jsonl").stdout.splitlines())
+        assert (worker["live"], worker["kinds"], worker["holding"]) == (True, ["work"], 0)
+
+    async def test_retry_makes_the_failed_task_ready_in_the_database(self, dsn: str) -> None:
+        result = self.run("retry", "r", "--dsn", dsn)
+        assert result.exit_code == 0, result.output
+        assert "1 failed task(s) runnable again (d)" in result.stdout
+        assert "workers serving the run" in result.stdout
+        lines = self.run("list", "--dsn", dsn, "--jsonl").stdout.splitlines()
+        assert json.loads(lines[0])["counts"] == {"succeeded": 1, "ready": 1, "pending": 1}
+        again = self.run("retry", "r", "--dsn", dsn)
+        assert "no failed task to retry" in again.stdout
+
+    @pytest.mark.parametrize(
+        ("command", "says"),
+        [
+            (("show", "nope"), "no run 'nope' in this database (its runs: 'r')"),
+            (("dead", "nope"), "no run 'nope' in this database (its runs: 'r')"),
+            (("retry", "nope"), "no run 'nope' in this database (its runs: 'r')"),
+            (("show", "r", "--task", "nope"), "run 'r' has no task 'nope'"),
+            (("retry", "r", "--task", "ok"), "is succeeded, not failed"),
+        ],
+        ids=" ".join,
+    )
+    async def test_unknown_ids_are_usage_errors(
+        self, dsn: str, command: tuple[str, ...], says: str
+    ) -> None:
+        result = self.run(*command, "--dsn", dsn)
+        assert result.exit_code == 2
+        assert says in result.stderr
+
+    async def test_a_user_the_database_does_not_let_read_is_a_usage_error(
+        self, dsn: str, pg_dsn: str
+    ) -> None:
+        import uuid
+
+        import asyncpg
+
+        role = f"reader_{uuid.uuid4().hex[:12]}"
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(f'CREATE ROLE "{role}" LOGIN')
+            result = self.run("list", "--dsn", dsn.replace("//postgres:", f"//{role}:"))
+            assert result.exit_code == 2, result.output
+            assert "permission denied for schema orchestra" in result.stderr
+        finally:
+            await conn.execute(f'DROP ROLE "{role}"')
+            await conn.close()
+
+
+class TestWhereTheRunsAre:
+    def test_both_a_file_and_a_database_is_a_usage_error(self, tmp_path: Path) -> None:
+        result = invoke(
+            "runs", "list", "--db", str(tmp_path / "x.db"), "--dsn", "postgresql://h/db"
+        )
+        assert result.exit_code == 2
+        assert "--db FILE" in result.stderr
+        assert "not both" in result.stderr
+
+    @pytest.mark.parametrize(
+        "command",
+        [("list",), ("workers",), ("show", "r"), ("dead", "r"), ("retry", "r")],
+        ids=" ".join,
+    )
+    def test_neither_is_a_usage_error(self, command: tuple[str, ...]) -> None:
+        result = invoke("runs", *command)
+        assert result.exit_code == 2
+        assert "--db FILE" in result.stderr
+        assert "--dsn URL" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("dsn", "says"),
+        [
+            ("mysql://u:s3cret-pw@h/db", "PostgresStore needs a DSN"),
+            ("postgresql://u:s3cret-pw@[bad/db", "Invalid IPv6 URL"),
+            ("postgresql://u:s3cret-pw@127.0.0.1:1/db?sslmode=bogus", "sslmode"),
+        ],
+        ids=["not postgresql", "unreadable", "bad option"],
+    )
+    def test_a_dsn_that_cannot_be_used_is_a_usage_error_without_its_password(
+        self, dsn: str, says: str
+    ) -> None:
+        result = invoke("runs", "list", "--dsn", dsn)
+        assert result.exit_code == 2, result.output
+        assert says in result.stderr
+        assert "s3cret-pw" not in result.output + result.stderr
+
+    def test_a_database_out_of_reach_is_a_usage_error_without_its_password(self) -> None:
+        with socket.socket() as free:  # a port nothing listens on
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        result = invoke("runs", "list", "--dsn", f"postgresql://u:s3cret-pw@127.0.0.1:{port}/db")
+        assert result.exit_code == 2, result.output
+        assert f"PostgreSQL at 127.0.0.1:{port}/db: cannot reach it" in result.stderr
+        assert "s3cret-pw" not in result.output + result.stderr
+
+    def test_the_password_is_masked_as_written_and_decoded(self) -> None:
+        from orchestra._cli._runs import _hidden
+
+        dsn = "postgresql://u:p%40ss@h/db"
+        assert _hidden("p%40ss and p@ss", dsn) == "*** and ***"
+        assert _hidden("x s3 y", "postgresql://u:s3@[bad/db") == "x *** y"
+
+
+@pytest.mark.subprocess
+@pytest.mark.postgres
+class TestADatabaseWithoutRuns:
+    @pytest.mark.parametrize(
+        "command",
+        [("list",), ("workers",), ("show", "r"), ("dead", "r"), ("retry", "r")],
+        ids=" ".join,
+    )
+    async def test_is_a_usage_error_and_is_left_without_orchestras_schema(
+        self, pg_empty_dsn: str, command: tuple[str, ...]
+    ) -> None:
+        import asyncpg
+
+        result = invoke("runs", *command, "--dsn", pg_empty_dsn)
+        assert result.exit_code == 2, result.output
+        assert "has no orchestra runs (no orchestra schema)" in result.stderr
+        conn = await asyncpg.connect(pg_empty_dsn)
+        try:
+            assert not await conn.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = 'orchestra')"
+            )
+        finally:
+            await conn.close()
+
+
+class TestCoordinatorColumnOnPostgres:
+    def test_a_runs_coordinator_is_shown_while_its_lease_holds_on_the_databases_clock(
+        self,
+    ) -> None:
+        # `held` is the database's judgement (its clock): the local clock is not asked.
+        run = {"owner": "vm:7:abc", "expires": 0.0}
+        assert _coordinator({**run, "held": True}, time.time()) == "vm:7:abc"
+        assert _coordinator({**run, "held": False}, 0.0) == ""
+        assert _coordinator({"owner": None, "held": False}, 0.0) == ""

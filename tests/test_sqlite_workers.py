@@ -44,7 +44,8 @@ from orchestra._cli._app import app
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.stores._sqlite._leases import Claimed
-from orchestra.stores._worker import Worker
+from orchestra.stores._sqlite._worker import SQLiteWorkerBackend
+from orchestra.stores._worker import Worker, backend_of
 from orchestra.stores._worker_run import WorkerStore
 from tests.helpers import REPO, spawn
 
@@ -439,7 +440,7 @@ class TestInOneProcess:
         through `settle`); claimed again later, it must be a new task there, not one already
         admitted (it would never run, its lease renewed forever)."""
         orch = Orchestrator(agents=[recorder("there", [])])
-        worker = Worker(orch, SQLiteStore(tmp_path / "runs.db"), "r", None, 0.1)
+        worker = Worker(orch, backend_of(SQLiteStore(tmp_path / "runs.db")), "r", None, 0.1)
         claimed = Claimed(("r", "t", 1, 1, "work", "3", 0, None, 0, None, 0, None, None, None))
         worker.held["t"] = claimed
         heard: list[str] = []
@@ -532,16 +533,16 @@ class TestInOneProcess:
         db = tmp_path / "runs.db"
         store = SQLiteStore(db)
         registered = anyio.Event()
-        real_call = Worker.call
+        real_call = SQLiteWorkerBackend._call
 
-        async def call(self: Worker, job: Any, *args: Any) -> Any:
+        async def call(self: SQLiteWorkerBackend, job: Any, *args: Any) -> Any:
             answer = await real_call(self, job, *args)
             if job.__name__ == "register":
                 registered.set()
                 await anyio.sleep(0.2)  # the cancel lands here, the answer not yet back
             return answer
 
-        monkeypatch.setattr(Worker, "call", call)
+        monkeypatch.setattr(SQLiteWorkerBackend, "_call", call)
         helper = Orchestrator(agents=[recorder("there", [])], store=SQLiteStore(db))
         async with helper, anyio.create_task_group() as tg:
             tg.start_soon(lambda: helper.work(run_id="r", kinds=["work"]))

@@ -1509,10 +1509,13 @@ class TestProperties:
         self, store_factory: Callable[[], Store]
     ) -> None:
         machine = type("StoreMachine", (StoreMachine,), {"factory": staticmethod(store_factory)})
+        # A PostgreSQL store makes a database per example and writes every step through: fewer
+        # examples (its own model test against the memory store is tests/test_pg_graph.py's).
+        examples = 40 if store_factory is postgres_store else 150
         run_state_machine_as_test(
             machine,
             settings=settings(
-                max_examples=150,
+                max_examples=examples,
                 stateful_step_count=40,
                 deadline=None,
                 suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],

@@ -31,7 +31,7 @@ from .._exceptions import ConfigError, InputError, StoreError
 from .._failure import describe, format_traceback, scrub, with_type
 from .._version import __version__
 from ..stores import SQLiteStore
-from ..stores._worker import Worker
+from ..stores._worker import Worker, backend_of
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._runs import runs_app
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from .._core._orchestrator import Orchestrator
     from .._result import RunResult
+    from ..stores._postgres._store import PostgresStore
     from ..stores._worker import WorkReport
 
 __all__ = ("app", "main", "run_demo", "run_job")
@@ -199,33 +200,48 @@ def run(
             show_default=False,
         ),
     ] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(
+            "--dsn",
+            metavar="URL",
+            help="Keep the run in this PostgreSQL database (PostgresStore, the postgres extra): "
+            "workers on other machines join it (`orchestra worker --dsn`), and the same command "
+            "run again with its --run-id resumes it, or, while the run's coordinator lives, "
+            "waits as its standby and takes the run over if it dies.",
+            show_default=False,
+        ),
+    ] = None,
     run_id: Annotated[
         str | None,
         typer.Option(
             "--run-id",
             metavar="ID",
-            help="The run's id (a fresh one by default, printed at the end). With --db, an id "
-            "the file already holds resumes that run: what succeeded is not run again, what "
-            "`orchestra runs retry` reopened runs again.",
+            help="The run's id (a fresh one by default, printed at the end). With --db or "
+            "--dsn, an id the store already holds resumes that run: what succeeded is not run "
+            "again, what `orchestra runs retry` reopened runs again.",
             show_default=False,
         ),
     ] = None,
 ) -> None:
     """Run your orchestrator over a JSONL input: results as JSONL, a summary on stderr.
 
-    With --db the run is kept in a SQLite file: the same command with --run-id resumes it (give
-    the same input again) or runs the tasks `orchestra runs retry` reopened.
+    With --db the run is kept in a SQLite file, with --dsn in a PostgreSQL database: the same
+    command with --run-id resumes it (give the same input again) or runs the tasks `orchestra
+    runs retry` reopened.
 
     Exit code: 0 success, 1 failed, 3 partial, 130 interrupted or cancelled, 2 usage error.
     """
     orch = _load(target)
-    store = None
-    if db is not None:
+    store: Any = None
+    if db is not None and dsn is not None:
+        raise _fail("give --db FILE or --dsn URL, not both")
+    if db is not None or dsn is not None:
         try:
-            store = SQLiteStore(db)
+            store = SQLiteStore(db) if db is not None else _postgres(dsn)
         except (ConfigError, StoreError) as exc:
             raise _fail(str(exc)) from None
-        orch.store = store  # the factory made it for this command: its runs go to the file
+        orch.store = store  # the factory made it for this command: its runs go there
     try:
         source = "stdin" if str(input) == "-" else str(input)
         with _reading(input) as stream:
@@ -257,22 +273,35 @@ def run(
         where = "stdout" if output is None or str(output) == "-" else str(output)
         console.print(f"{batch.written} task results written to {where}", markup=False)
     if db is not None:
-        for line in _resume_hints(result, target, input, db):
+        for line in _resume_hints(result, target, input, f"--db {db}", str(db)):
+            console.print(line, markup=False)
+    elif dsn is not None:  # (the DSN is not printed: it may hold a password)
+        for line in _resume_hints(result, target, input, "--dsn $DSN", repr(store)):
             console.print(line, markup=False)
     raise typer.Exit(EXIT_CODES[result.status])
 
 
-def _resume_hints(result: RunResult, target: str, input: Path, db: Path) -> list[str]:
-    """What to type to resume the run kept in `db`, or to retry its failed tasks."""
+def _postgres(dsn: str | None) -> Any:
+    """`PostgresStore(dsn)`, or the error that says which extra to install."""
+    try:
+        from orchestra.stores import PostgresStore
+    except ModuleNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    return PostgresStore(dsn)  # type: ignore[arg-type]
+
+
+def _resume_hints(
+    result: RunResult, target: str, input: Path, option: str, where: str
+) -> list[str]:
+    """What to type to resume the run kept in the store (`option`: --db FILE or --dsn), or to
+    retry its failed tasks."""
     rid = result.metadata.run_id
-    again = f"orchestra run {target} {input} --db {db} --run-id {rid}"
-    lines = [f"run {rid} is kept in {db}"]
+    again = f"orchestra run {target} {input} {option} --run-id {rid}"
+    lines = [f"run {rid} is kept in {where}"]
     if result.status == "cancelled":
         lines.append(f"  resume it: {again}")
     elif result.errors:
-        lines.append(
-            f"  retry its failed tasks: orchestra runs retry {rid} --db {db}, then {again}"
-        )
+        lines.append(f"  retry its failed tasks: orchestra runs retry {rid} {option}, then {again}")
     return lines
 
 
@@ -324,12 +353,6 @@ def _writing(path: Path | None) -> Iterator[IO[str]]:
 
 @app.command()
 def worker(
-    db: Annotated[
-        Path,
-        typer.Option(
-            "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
-        ),
-    ],
     agents: Annotated[
         str,
         typer.Option(
@@ -341,6 +364,21 @@ def worker(
             show_default=False,
         ),
     ],
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
+        ),
+    ] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(
+            "--dsn",
+            metavar="postgresql://...",
+            help="The PostgreSQL database the runs are kept in (PostgresStore).",
+            show_default=False,
+        ),
+    ] = None,
     kinds: Annotated[
         str | None,
         typer.Option(
@@ -365,21 +403,49 @@ def worker(
             min=0.5,
         ),
     ] = 30.0,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="With --dsn: on SIGTERM or Ctrl-C, how long the running attempts may take to "
+            "finish (a second signal cancels them at once).",
+            min=0.0,
+        ),
+    ] = 10.0,
 ) -> None:
-    """Work for the runs of a SQLite file: claim ready tasks, run them, write back the results.
+    """Work for the runs of a shared store: claim ready tasks, run them, write back the results.
 
-    Start as many as you like, on the file the runs' own processes use (`SQLiteStore(path)`). Ctrl-C
-    or SIGTERM stops a worker: what it claimed and did not finish goes back to the queue.
+    Start as many as you like, on the file (--db) or the database (--dsn) the runs' own processes
+    use (`SQLiteStore(path)`, `PostgresStore(dsn)`). With --db, Ctrl-C or SIGTERM stops a worker at
+    once: what it claimed and did not finish goes back to the queue (exit 130). With --dsn, the
+    first signal drains it: it claims no more, lets the running attempts finish within --grace,
+    hands back the rest at once and exits 0; a second signal cancels at once (exit 130).
 
-    Exit code: 0 done (the run of --run-id is over), 130 stopped, 2 usage error.
+    Exit code: 0 done (the run of --run-id is over, or drained), 130 stopped, 2 usage error.
     """
-    if not db.is_file():
+    if (db is None) == (dsn is None):
+        raise _fail(
+            "give exactly one of --db FILE (SQLite) and --dsn postgresql://... (PostgreSQL)"
+        )
+    if db is not None and not db.is_file():
         raise _fail(f"no such file: {db} (a run creates it: orch.run(..., run_id=...))")
     orch = _load(agents)
     try:
-        store = SQLiteStore(db, lease=lease)
+        store: SQLiteStore | PostgresStore
+        if db is not None:
+            store = SQLiteStore(db, lease=lease)
+            drain = None
+        else:
+            assert dsn is not None
+            store = _postgres_store(dsn, lease)
+            drain = grace
         wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
-        report, interrupted = asyncio.run(_work(orch, store, wanted, run_id))
+        try:
+            report, interrupted = asyncio.run(_work(orch, store, wanted, run_id, drain))
+        finally:
+            if not isinstance(store, SQLiteStore):  # (a file's writer thread ends with the process)
+                store.close()
     except (ConfigError, InputError, StoreError) as exc:
         raise _fail(str(exc)) from None
     _stderr().print(
@@ -390,19 +456,40 @@ def worker(
     raise typer.Exit(INTERRUPTED if interrupted else 0)
 
 
+def _postgres_store(dsn: str, lease: float) -> PostgresStore:
+    """A `PostgresStore` on `dsn`; a usage error when the `postgres` extra is not installed."""
+    try:
+        from ..stores._postgres._store import PostgresStore
+    except ImportError as exc:
+        raise _fail(
+            f"--dsn needs the `postgres` extra (pip install 'orchestra[postgres]'): {exc}"
+        ) from None
+    return PostgresStore(dsn, lease=lease)
+
+
 async def _work(
-    orch: Orchestrator, store: SQLiteStore, kinds: list[str] | None, run_id: str | None
+    orch: Orchestrator,
+    store: SQLiteStore | PostgresStore,
+    kinds: list[str] | None,
+    run_id: str | None,
+    grace: float | None,
 ) -> tuple[WorkReport, bool]:
-    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it (what it holds is handed
-    back); its report, and whether a signal stopped it."""
+    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it; its report, and whether a
+    signal cancelled it. `grace` None: the first signal cancels (what it holds is handed back);
+    a number: the first signal drains the worker (`Worker.drain`), a second one cancels."""
     loop = asyncio.get_running_loop()
     stopped = False
     async with orch:
-        worker = Worker(orch, store, run_id, kinds, 0.1)
+        backend = backend_of(store)
+        worker = Worker(orch, backend, run_id, kinds, backend.poll)
         job = asyncio.ensure_future(worker.run())
+        draining: asyncio.Task[None] | None = None
 
         def stop() -> None:
-            nonlocal stopped
+            nonlocal stopped, draining
+            if grace is not None and draining is None:
+                draining = asyncio.ensure_future(worker.drain(grace))
+                return
             stopped = True
             job.cancel()
 
@@ -416,6 +503,10 @@ async def _work(
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if draining is not None:
+                draining.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await draining
     return worker.report, stopped
 
 
@@ -499,7 +590,8 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
     return "\n".join(lines)
 
 
-app.add_typer(runs_app)  # orchestra runs list|show|dead|retry (_runs.py)
+# orchestra runs list|workers|show|dead|retry, each on --db FILE or --dsn URL (_runs.py)
+app.add_typer(runs_app)
 
 
 def main() -> None:

@@ -1,27 +1,32 @@
-"""`orchestra runs`: the durable runs of a SQLite file (`SQLiteStore`), read and retried.
+"""`orchestra runs`: the durable runs of a SQLite file (`SQLiteStore`) or of a PostgreSQL database
+(`PostgresStore`), read and retried.
 
 ``list``, ``show RUN_ID [--events] [--task ID] [--jsonl]``, ``dead RUN_ID [--jsonl]``, ``retry RUN_ID
-[--task ID ...]``, ``workers [--jsonl]``, each with ``--db FILE``. Each command is a thin shell over the store's Python API
-(`SQLiteStore.runs`, `.events`, `.dead_letters`, `.retry`): tables on stdout through rich, JSON lines
-with ``--jsonl`` (one object a line, for `jq` and friends). Exit codes as the rest of the CLI: 0, and
-2 for a usage error (a missing file, an unknown run or task id, a file that is not a SQLite store).
+[--task ID ...]``, ``workers [--jsonl]``, each with ``--db FILE`` or ``--dsn URL`` (one of them). Each
+command is a thin shell over the store's Python API (`.runs`, `.events`, `.dead_letters`,
+`.retry`, `.workers`, the same on both stores): tables on stdout through rich, JSON lines with
+``--jsonl`` (one object a line, for `jq` and friends). Exit codes as the rest of the CLI: 0, and 2
+for a usage error (a missing file, an unknown run or task id, a file that is not a SQLite store, a
+database that cannot be reached). A DSN's password is never printed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
+from urllib.parse import unquote, urlsplit
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .._exceptions import InputError, StoreError
+from .._exceptions import ConfigError, InputError, StoreError
 from .._failure import with_type
 from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
@@ -29,19 +34,35 @@ from ..stores._sqlite import _leases as leases
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..stores._postgres._store import PostgresStore
+
 __all__ = ("runs_app",)
 
 USAGE: Final = 2
 
 runs_app = typer.Typer(
     name="runs",
-    help="Inspect and retry the durable runs of a SQLite file (SQLiteStore).",
+    help="Inspect and retry the durable runs of a SQLite file (--db) or a PostgreSQL database "
+    "(--dsn).",
     no_args_is_help=True,
     add_completion=False,
 )
 
 Db = Annotated[
-    Path, typer.Option("--db", help="The SQLite file the runs are kept in (SQLiteStore).")
+    Path | None,
+    typer.Option(
+        "--db", help="The SQLite file the runs are kept in (SQLiteStore).", show_default=False
+    ),
+]
+Dsn = Annotated[
+    str | None,
+    typer.Option(
+        "--dsn",
+        help="The PostgreSQL database the runs are kept in (PostgresStore), as "
+        "postgresql://user@host:port/database (a password may stand after the user, or come "
+        "from PGPASSWORD or ~/.pgpass, out of the command line).",
+        show_default=False,
+    ),
 ]
 RunId = Annotated[str, typer.Argument(help="The run id (`orch.run(..., run_id=...)`).")]
 Jsonl = Annotated[
@@ -65,9 +86,45 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(USAGE)
 
 
-def _read(db: Path, read: Callable[[SQLiteStore], Any]) -> Any:
-    """`read(store)` on the file, its refusals (no such file, run or task; not a store) as usage
-    errors: a message on stderr and exit code 2, never a traceback."""
+def _hidden(text: str, dsn: str) -> str:
+    """`text` with the password of `dsn` masked, wherever it appears (a driver's message may
+    quote the DSN)."""
+    try:
+        password = urlsplit(dsn).password
+    except ValueError:  # an unreadable DSN: mask whatever stands between "user:" and "@"
+        password = None
+        found = re.match(r"[^:]+://[^:@/]*:([^@]*)@", dsn)
+        if found:
+            password = found.group(1)
+    if password:
+        for form in dict.fromkeys((password, unquote(password))):  # as written, and decoded
+            text = text.replace(form, "***")
+    return text
+
+
+def _postgres(dsn: str) -> PostgresStore:
+    try:
+        from ..stores import PostgresStore
+    except ModuleNotFoundError as exc:  # (its message says which extra to install)
+        raise _fail(str(exc)) from None
+    try:
+        return PostgresStore(dsn)
+    except ConfigError as exc:
+        raise _fail(_hidden(str(exc), dsn)) from None
+
+
+def _read(db: Path | None, dsn: str | None, read: Callable[[Any], Any]) -> Any:
+    """`read(store)` on the file (`--db`) or the database (`--dsn`), its refusals (no such file,
+    database, run or task; not a store) as usage errors: a message on stderr and exit code 2,
+    never a traceback."""
+    if (db is None) == (dsn is None):
+        raise _fail(
+            "give where the runs are kept: --db FILE (a SQLiteStore's file) or --dsn URL "
+            "(a PostgresStore's database)" + (", not both" if db is not None else "")
+        )
+    if dsn is not None:
+        return _read_postgres(dsn, read)
+    assert db is not None
     if not db.is_file():
         raise _fail(f"{str(db)!r}: no such file (give the SQLite file of a SQLiteStore with --db)")
     store = SQLiteStore(db)
@@ -79,8 +136,42 @@ def _read(db: Path, read: Callable[[SQLiteStore], Any]) -> Any:
         store.close()
 
 
+def _read_postgres(dsn: str, read: Callable[[Any], Any]) -> Any:
+    store = _postgres(dsn)
+    import asyncpg  # (installed: the store `_postgres` made needs it)
+
+    from ..stores._postgres import _admin
+    from ..stores._postgres._database import where
+
+    try:
+        # Asked first: opening the store makes orchestra's schema in a database that has none,
+        # and a command that reads must not make it in a database given by mistake.
+        if not store.database.spawn(_admin.made, dsn).result():
+            raise _fail(
+                f"{where(dsn)} has no orchestra runs (no orchestra schema): give the DSN of the "
+                "database a PostgresStore keeps its runs in"
+            )
+        return read(store)
+    # A DSN asyncpg cannot read (a bad port, an unknown sslmode) it refuses with a ValueError or
+    # an InterfaceError, before any connection; a user the database does not let read
+    # orchestra's tables gets a PostgresError (permission denied).
+    except (
+        InputError,
+        StoreError,
+        ValueError,
+        asyncpg.InterfaceError,
+        asyncpg.PostgresError,
+    ) as exc:
+        raise _fail(_hidden(str(exc), dsn)) from None
+    finally:
+        store.close()
+
+
 def _coordinator(run: dict[str, Any], now: float) -> str:
-    """The process running a run now (``host:pid``, "shared" when workers may claim from it)."""
+    """The process running a run now (``host:pid``, "shared" when workers may claim from it; on
+    PostgreSQL the coordinator's name, while its lease holds)."""
+    if "held" in run:  # PostgreSQL: the lease, judged on the database's clock
+        return str(run["owner"]) if run["held"] and run["owner"] else ""
     owner, seen, lease = run.get("owner"), run.get("heartbeat"), run.get("lease") or 30.0
     if owner is None or seen is None or now - seen >= lease or not leases.is_alive(owner):
         return ""  # none, or it is gone (its lease lapsed, or its pid on this host ended)
@@ -102,9 +193,9 @@ def _jsonl(rows: list[dict[str, Any]]) -> None:
 
 
 @runs_app.command("list")
-def list_runs(db: Db, jsonl: Jsonl = False) -> None:
-    """Every run in the file, oldest first, with its tasks counted by state."""
-    runs: list[dict[str, Any]] = _read(db, SQLiteStore.runs)
+def list_runs(db: Db = None, dsn: Dsn = None, jsonl: Jsonl = False) -> None:
+    """Every run in the store, oldest first, with its tasks counted by state."""
+    runs: list[dict[str, Any]] = _read(db, dsn, lambda store: store.runs())
     if jsonl:
         _jsonl(runs)
         return
@@ -125,9 +216,9 @@ def list_runs(db: Db, jsonl: Jsonl = False) -> None:
 
 
 @runs_app.command("workers")
-def list_workers(db: Db, jsonl: Jsonl = False) -> None:
-    """The worker processes of the file (`orchestra worker`), live or gone without leaving."""
-    found: list[dict[str, Any]] = _read(db, SQLiteStore.workers)
+def list_workers(db: Db = None, dsn: Dsn = None, jsonl: Jsonl = False) -> None:
+    """The worker processes of the store (`orchestra worker`), live or gone."""
+    found: list[dict[str, Any]] = _read(db, dsn, lambda store: store.workers())
     if jsonl:
         _jsonl(found)
         return
@@ -149,7 +240,8 @@ def list_workers(db: Db, jsonl: Jsonl = False) -> None:
 @runs_app.command()
 def show(
     run_id: RunId,
-    db: Db,
+    db: Db = None,
+    dsn: Dsn = None,
     events: Annotated[bool, typer.Option("--events", help="The run's journal, in order.")] = False,
     task: Annotated[
         str | None, typer.Option("--task", help="One task's journal, from admitted to its end.")
@@ -158,7 +250,7 @@ def show(
 ) -> None:
     """A run: its tasks counted by state; with --events its journal, with --task one task's."""
     if events or task is not None or jsonl:
-        journal: list[dict[str, Any]] = _read(db, lambda store: store.events(run_id, task))
+        journal: list[dict[str, Any]] = _read(db, dsn, lambda store: store.events(run_id, task))
         if jsonl:
             _jsonl(journal)
             return
@@ -174,10 +266,10 @@ def show(
             )
         _stdout().print(table)
         return
-    runs: list[dict[str, Any]] = _read(db, SQLiteStore.runs)
+    runs: list[dict[str, Any]] = _read(db, dsn, lambda store: store.runs())
     run = next((r for r in runs if r["id"] == run_id), None)
     if run is None:
-        _read(db, lambda store: store.events(run_id))  # the store's refusal, naming the runs
+        _read(db, dsn, lambda store: store.events(run_id))  # the store's refusal, naming the runs
         return
     console = _stdout()
     console.print(f"run {run['id']}: {run['state']}, opened {run['opened']} time(s)")
@@ -189,9 +281,9 @@ def show(
 
 
 @runs_app.command()
-def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
+def dead(run_id: RunId, db: Db = None, dsn: Dsn = None, jsonl: Jsonl = False) -> None:
     """The dead letters of a run: the tasks that failed for good, each with every attempt."""
-    letters: list[dict[str, Any]] = _read(db, lambda store: store.dead_letters(run_id))
+    letters: list[dict[str, Any]] = _read(db, dsn, lambda store: store.dead_letters(run_id))
     if jsonl:
         _jsonl(letters)
         return
@@ -217,21 +309,32 @@ def dead(run_id: RunId, db: Db, jsonl: Jsonl = False) -> None:
 @runs_app.command()
 def retry(
     run_id: RunId,
-    db: Db,
+    db: Db = None,
+    dsn: Dsn = None,
     task: Annotated[
         list[str] | None,
         typer.Option("--task", help="A failed task to retry (repeat it); all of them without."),
     ] = None,
 ) -> None:
-    """Make failed tasks runnable again: the next run of this run id on this file runs them."""
-    reopened: list[str] = _read(db, lambda store: store.retry(run_id, task or None))
+    """Make failed tasks runnable again: with --db the next run of this run id on the file runs
+    them; with --dsn any worker serving the run at once, or the run's next coordinator."""
+    reopened: list[str] = _read(db, dsn, lambda store: store.retry(run_id, task or None))
     console = _stdout()
     if not reopened:
         console.print(f"run {run_id}: no failed task to retry")
         return
+    again = f"run {run_id}: {len(reopened)} failed task(s) runnable again ({', '.join(reopened)}); "
+    if dsn is not None:
+        # (the DSN is not printed: it may hold a password)
+        console.print(
+            again + "workers serving the run (orchestra worker --dsn $DSN) run them now, what "
+            "waits for them after them; without one, run it again: orchestra run "
+            f"MODULE:FACTORY INPUT.jsonl --dsn $DSN --run-id {run_id} (from Python: "
+            f"orch.run(..., run_id={run_id!r}) on a PostgresStore of this database)"
+        )
+        return
     console.print(
-        f"run {run_id}: {len(reopened)} failed task(s) runnable again ({', '.join(reopened)}); "
-        f"run them with the run's command and input again: orchestra run MODULE:FACTORY "
+        again + f"run them with the run's command and input again: orchestra run MODULE:FACTORY "
         f"INPUT.jsonl --db {db} --run-id {run_id} (from Python: orch.run(..., "
         f"run_id={run_id!r}) on this file)"
     )

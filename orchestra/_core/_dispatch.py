@@ -422,7 +422,10 @@ class Dispatcher:
         for it yet (it waits in its lane, whose timer wakes the run), else none. While an agent
         of the kind is down (its breaker not closed), no bound (`UNBOUNDED`). O(agents of the
         kind + tasks waiting). Not on the in-memory path: only a store that shares the run with
-        other processes asks (see `stores/_room.py`)."""
+        other processes asks (see `stores/_room.py`). None while the run is paused or held: what
+        it claimed would wait here while another process could run it."""
+        if self.halted:
+            return 0
         router = self.router
         slots = self._agents_of.get(kind)
         if slots is None:

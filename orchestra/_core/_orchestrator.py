@@ -42,7 +42,7 @@ from .._registry import Registry
 from .._retry import RetryPolicy, Timeouts
 from .._task import TERMINAL, Task
 from ..stores import MemoryStore, SQLiteStore
-from ..stores._worker import WorkReport, work
+from ..stores._worker import Worker, WorkReport, backend_of
 from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._lifecycle import Lifecycle
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from .._clock import FakeClock
     from .._result import RunResult
     from .._verify import Check
+    from ..stores._postgres._store import PostgresStore
     from ..stores._protocol import Store
 
 __all__ = ("Orchestrator",)
@@ -435,34 +436,36 @@ class Orchestrator:
 
     async def work(
         self,
-        store: SQLiteStore | None = None,
+        store: SQLiteStore | PostgresStore | None = None,
         *,
         run_id: str | None = None,
         kinds: Sequence[str] | None = None,
-        poll: float = 0.1,
+        poll: float | None = None,
     ) -> WorkReport:
-        """Work as a worker process for the runs other processes keep in a SQLite file: claim
-        ready tasks of `kinds` (default: every kind this orchestrator's agents serve) under a
-        lease, run them with this orchestrator's agents, limits, retries and fallbacks, and write
-        back what they came to. With `run_id`, serve that run only and return once it is over;
-        without, serve every run of the file until cancelled (a cancel hands back the tasks not
-        started). `store` defaults to this orchestrator's. See "Durable runs and workers" in the
-        documentation.
+        """Work as a worker process for the runs other processes keep in a shared store (a
+        `SQLiteStore` file, a `PostgresStore` database): claim ready tasks of `kinds` (default:
+        every kind this orchestrator's agents serve) under a lease, run them with this
+        orchestrator's agents, limits, retries and fallbacks, and write back what they came to.
+        With `run_id`, serve that run only and return once it is over; without, serve every run
+        of the store until cancelled (a cancel hands back the tasks not started). `poll`: seconds
+        between looks at the store when nothing woke the worker (default: 0.1 on SQLite, the
+        PostgresStore's `poll` on PostgreSQL, where LISTEN/NOTIFY wakes it at once). `store`
+        defaults to this orchestrator's. See "Durable runs and workers" in the documentation.
 
         Raises:
-            ConfigError: no SQLite store, or kinds no agent here serves.
+            ConfigError: no SQLite or PostgreSQL store, or kinds no agent here serves.
         """
         _check_asyncio("work()")
         store = store if store is not None else self._config.store
-        if not isinstance(store, SQLiteStore):
-            raise ConfigError(
-                f"work() needs a SQLiteStore (the file the runs are kept in), got {store!r}"
-            )
+        backend = backend_of(store)
+        every = backend.poll if poll is None else poll
+
+        def job() -> Awaitable[WorkReport]:
+            return Worker(self, backend, run_id, kinds, every).run()
+
         if self._lifecycle.in_async_with:
-            return await work(self, store, run_id=run_id, kinds=kinds, poll=poll)
-        return await self._lifecycle.around(
-            lambda: work(self, store, run_id=run_id, kinds=kinds, poll=poll)
-        )
+            return await job()
+        return await self._lifecycle.around(job)
 
     def _busy(self) -> bool:
         """Whether a run of it is starting or going on (its lifecycle closes only after)."""

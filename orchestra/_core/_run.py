@@ -247,6 +247,12 @@ class Run:
     async def _execute(self, source: Iterable[Task] | AsyncIterable[Task]) -> RunResult:
         config = self.config
         loop = asyncio.get_running_loop()
+        # A store whose run another process may hold waits here until it is this one's (an
+        # optional part of the protocol: `PostgresStore.prepare_run`, a standby coordinator):
+        # before the run's zero, which its store takes as its own when it opens.
+        prepare = getattr(config.store, "prepare_run", None)
+        if prepare is not None:
+            await prepare(self.run_id)
         self.t0 = loop.time()  # virtual under a FakeClock
         wall0 = datetime.now(UTC)
         whole = isinstance(source, list | tuple)

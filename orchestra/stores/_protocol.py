@@ -405,7 +405,11 @@ class Store(Protocol):
     """Where runs keep their tasks: `Orchestrator(store=...)`. `MemoryStore` (the default) and
     `SQLiteStore` ship with orchestra; a store of your own implements this and `RunStore`. The
     repository's contract tests (`tests/test_store_contract.py`) drive any store through the
-    protocol: one line there adds yours."""
+    protocol: one line there adds yours.
+
+    Optional: ``async def prepare_run(self, run_id: str) -> None``, awaited before `open_run`
+    when a store defines it: a store whose run another process may hold waits there until it
+    may open it (`PostgresStore` waits as a standby for the run's coordinator to let go)."""
 
     def open_run(
         self,

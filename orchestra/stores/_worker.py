@@ -1,22 +1,23 @@
-"""Worker processes: `Orchestrator.work` runs the tasks other processes' runs keep in a SQLite file.
+"""Worker processes: `Orchestrator.work` runs the tasks other processes' runs keep in a shared
+store (a SQLite file on one machine, a PostgreSQL database reached from many).
 
-A run on a `SQLiteStore` has one coordinator (the process that runs it: it admits the input,
-readies tasks, settles them, builds the result). More processes join it as *workers*: each
-claims ready tasks of its kinds from the file under a lease (`_sqlite._leases.claim`), runs them with
-its own agents, limits, retries and fallbacks, and writes back what they came to
-(`_sqlite._leases.complete`), fenced by the lease's token: a worker whose lease lapsed (killed,
-paused past it) has its late completion refused, and its tasks run again elsewhere, the attempt
-counted.
+A run on a shared store has one coordinator (the process that runs it: it admits the input,
+builds the result). More processes join it as *workers*: each claims ready tasks of its kinds
+under a lease, runs them with its own agents, limits, retries and fallbacks, and writes back what
+they came to, fenced by the lease's token: a worker whose lease lapsed (killed, paused past it)
+has its late completion refused, and its tasks run again elsewhere, the attempt counted.
 
 There is no second run loop: a worker is an ordinary run of its orchestrator (`Owner`) whose input
-is the file's ready queue (an async iterator that claims as the run has room) and whose results go
-back to the file. That run's store is a `WorkerRun` (`orchestra.stores._worker_run`): the memory
-store, but for what the file changes.
+is the store's ready queue (an async iterator that claims as the run has room) and whose results
+go back to the store. That run's store is a `WorkerRun` (`orchestra.stores._worker_run`): the
+memory store, but for what the shared store changes. What differs between the shared stores (how
+a claim, a heartbeat, a completion is written, who keeps the worker's row, what wakes an idle
+worker) is its `Backend`: `_sqlite._worker` (calls in the file's writer thread) and
+`_postgres._worker` (jobs on the database's connections).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -27,24 +28,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-from pydantic_core import to_json
 
-from .._exceptions import ConfigError, InvalidOutput, StoreError
+from .._exceptions import ConfigError, StoreError
 from .._log import get_logger
-from .._output import jsonable, stored_json
-from .._task import CANCELLED, SUCCEEDED, Attempt, Task, TaskResult
-from ._sqlite import _leases as leases
+from .._task import CANCELLED, Attempt, Task, TaskResult
+from ._sqlite._store import SQLiteStore
+from ._sqlite._worker import SQLiteWorkerBackend
 from ._worker_run import WorkerRun, WorkerStore
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Generator, Sequence
+    from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+    from contextlib import AbstractAsyncContextManager
 
+    from .._admission import Admission
     from .._registry import Registry
     from ._protocol import Store
-    from ._sqlite._leases import Claimed
-    from ._sqlite._store import SQLiteStore
+    from ._worker_run import Claim
 
-__all__ = ("LocalRun", "Owner", "WorkReport", "Worker", "work")
+__all__ = ("Backend", "LocalRun", "Owner", "WorkReport", "Worker", "backend_of")
 
 log = get_logger("orchestra")
 
@@ -80,15 +81,72 @@ class Results(Protocol):
     async def aclose(self) -> None: ...
 
 
+class Backend(Protocol):
+    """What a worker asks of the shared store it works for. Every call is a write or a read of
+    that store; `Claim`s are the store's own."""
+
+    lease: float  # seconds a claim lasts unrenewed (the worker renews every third of it)
+    poll: float  # seconds between looks when nothing woke the worker, unless it is given one
+
+    def name(self, suffix: str) -> str:
+        """The worker's name in the store (``host:pid:suffix``)."""
+        ...
+
+    def present(
+        self, name: str, run_id: str | None, kinds: Sequence[str]
+    ) -> AbstractAsyncContextManager[object]:
+        """The worker's row in the store (and whatever keeps it alive) while the block runs."""
+        ...
+
+    async def claim(
+        self, name: str, run_id: str | None, rooms: Mapping[str, int], room: int
+    ) -> tuple[Sequence[Claim], bool]:
+        """Claim up to `room` ready tasks, of each kind at most its room in `rooms`, of `run_id`
+        (None: any run); and whether `run_id` may be over (then `closed` is asked)."""
+        ...
+
+    async def closed(self, run_id: str) -> bool:
+        """Whether `run_id`'s row says it is over."""
+        ...
+
+    async def wait(self, poll: float) -> None:
+        """Wait until new work may be ready: a wake-up, or `poll` seconds."""
+        ...
+
+    async def heartbeat(self, name: str, held: Sequence[Claim]) -> set[tuple[str, str]]:
+        """Renew the leases of `held`; the (run id, task id) of the ones no longer held."""
+        ...
+
+    async def complete(
+        self,
+        name: str,
+        wall0: float,
+        ends: Sequence[tuple[Claim, TaskResult, Sequence[Attempt], Any]],
+        notes: Sequence[tuple[Claim, Attempt]],
+        admission: Admission | None,
+    ) -> list[bool]:
+        """Write the ends of held tasks (each with its failed attempts not yet written, and what
+        its attempt spawned: the tasks and the ids given here) and the failed attempts of held
+        tasks that go on (`notes`), fenced by their tokens; `wall0` is the wall time the local
+        run's times count from; `admission`, the checks of the worker's run (its agents' kinds
+        and payload models), for the spawns. Returns whether each end was accepted."""
+        ...
+
+    async def release(self, name: str, held: Sequence[Claim] | None) -> int:
+        """Hand back claims (None: every one the store says `name` holds): ready again at once,
+        the attempts not counted. Returns how many were still its own."""
+        ...
+
+
 @dataclass
 class WorkReport:
     """What a worker did, returned by `Orchestrator.work`.
 
     Attributes:
-        worker: its name in the file (``host:pid:id``).
+        worker: its name in the store (``host:pid:id``).
         claimed: tasks it claimed.
-        completed: tasks whose end it wrote (succeeded, failed, ...), accepted by the file.
-        refused: completions the file refused: the lease had lapsed, or the coordinator had
+        completed: tasks whose end it wrote (succeeded, failed, ...), accepted by the store.
+        refused: completions the store refused: the lease had lapsed, or the coordinator had
             ended the task (a cancel, a deadline); the task's fate was decided elsewhere.
         lost: running tasks it cancelled because it no longer held their lease.
         released: claimed tasks it handed back unstarted when it stopped.
@@ -102,15 +160,28 @@ class WorkReport:
     released: int = 0
 
 
-async def work(
-    orch: Owner,
-    store: SQLiteStore,
-    *,
-    run_id: str | None,
-    kinds: Sequence[str] | None,
-    poll: float,
-) -> WorkReport:
-    return await Worker(orch, store, run_id, kinds, poll).run()
+def backend_of(store: object) -> Backend:
+    """The worker's side of `store`, a `SQLiteStore` or a `PostgresStore`.
+
+    Raises:
+        ConfigError: any other store.
+    """
+    if isinstance(store, SQLiteStore):
+        return SQLiteWorkerBackend(store)
+    try:
+        # Imported only for a store that is not SQLite's: the core never imports asyncpg, and a
+        # PostgresStore cannot exist unless this module (and asyncpg) could be imported.
+        from ._postgres._store import PostgresStore
+        from ._postgres._worker import PostgresWorkerBackend
+    except ImportError:
+        pass
+    else:
+        if isinstance(store, PostgresStore):
+            return PostgresWorkerBackend(store)
+    raise ConfigError(
+        f"work() needs a SQLiteStore (the file the runs are kept in) or a PostgresStore (the "
+        f"database they are kept in), got {store!r}"
+    )
 
 
 class Worker:
@@ -119,7 +190,7 @@ class Worker:
     def __init__(
         self,
         orch: Owner,
-        store: SQLiteStore,
+        backend: Backend,
         run_id: str | None,
         kinds: Sequence[str] | None,
         poll: float,
@@ -153,14 +224,14 @@ class Worker:
         if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll < math.inf:
             raise ConfigError(f"poll must be a positive number of seconds, got {poll!r}")
         self.orch = orch
-        self.store = store
+        self.backend = backend
         self.run_id = run_id
         self.kinds = wanted
         self.poll = float(poll)
-        self.name = leases.identity(uuid.uuid4().hex[:12])
+        self.name = backend.name(uuid.uuid4().hex[:12])
         self.report = WorkReport(self.name)
         # What its agents can start at once, in all and per kind: a worker holds no more than
-        # that, so tasks waiting for a slot stay in the file for other workers (a worker that
+        # that, so tasks waiting for a slot stay in the store for other workers (a worker that
         # claimed up to its global limit held them under leases it renewed while they queued).
         agents = {slot.name: slot.concurrent for kind in wanted for slot in by_kind[kind]}
         self.capacity = min(orch.concurrency, sum(agents.values()))
@@ -169,29 +240,33 @@ class Worker:
             for kind in wanted
         }
         # The tasks this worker holds, by id: claimed, running, or ended and not yet written.
-        self.held: dict[str, Claimed] = {}
+        self.held: dict[str, Claim] = {}
         self.local: WorkerRun | None = None  # its local run's store, once open
-        self.spawned: dict[str, list[dict[str, Any]]] = {}  # id -> what its attempt spawned
-        self.ends: list[tuple[Claimed, TaskResult]] = []  # ended, to write
+        # id -> what its attempt spawned, and the ids given here to the ones spawned unnamed
+        self.spawned: dict[str, tuple[list[Task], set[str]]] = {}
+        self.ends: list[tuple[Claim, TaskResult]] = []  # ended, to write
         # Attempts that failed here while their tasks go on (a retry), to write as they fail;
         # and the highest attempt number of each held task written (or being written) so.
-        self.failed: list[tuple[Claimed, Attempt]] = []
+        self.failed: list[tuple[Claim, Attempt]] = []
         self.noted: dict[str, int] = {}
-        self.writing: list[tuple[Claimed, TaskResult]] = []  # ended, being written
+        self.writing: list[tuple[Claim, TaskResult]] = []  # ended, being written
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
         self._finished = False  # the run it serves is over: stop claiming
+        self._handle: LocalRun | None = None
         # The wall time of the local run's zero (its records' times count from it): its store
         # sets it when the run opens.
         self.wall0 = time.time()
 
-    async def call(self, job: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self.store.submit(job, *args))
+    @property
+    def stopping(self) -> bool:
+        """Whether it is stopping (drained or cancelled): it claims no more."""
+        return self._stopping
 
     # -- what its local run tells it (`_worker_run.Host`) ----------------------------------------
 
-    def claim_of(self, task_id: str) -> Claimed | None:
+    def claim_of(self, task_id: str) -> Claim | None:
         """The claim under which this worker holds `task_id`, if it does."""
         return self.held.get(task_id)
 
@@ -199,30 +274,47 @@ class Worker:
         """Its local run has its store: claims ask it what its agents can start now."""
         self.local = run
 
-    def ended(self, claimed: Claimed, result: TaskResult) -> None:
+    def ended(self, claimed: Claim, result: TaskResult) -> None:
         """A held task ended here: its end is written with the next group commit."""
         self.ends.append((claimed, result))
         self._ended.set()
 
-    def attempt_failed(self, claimed: Claimed, attempt: Attempt) -> None:
+    def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None:
         """A held task's attempt failed and the task goes on: written as it fails."""
         self.failed.append((claimed, attempt))
         self._ended.set()
 
-    def spawns(self, task_id: str, spawned: list[dict[str, Any]]) -> None:
+    def spawns(self, task_id: str, spawned: list[Task], named_here: set[str]) -> None:
         """What the attempt that ends `task_id` spawned, written with its end."""
-        self.spawned[task_id] = spawned
+        self.spawned[task_id] = (spawned, named_here)
 
     # -- the worker's life -----------------------------------------------------------------------
 
     async def run(self) -> WorkReport:
-        store = self.store
-        # Shielded: the row commits in the writer thread even when a cancel lands before the
-        # answer is back, and only the `finally` below (`_leave`) takes it out again.
-        with anyio.CancelScope(shield=True):
-            await self.call(leases.register, self.name, self.run_id, self.kinds, time.time())
+        async with self.backend.present(self.name, self.run_id, self.kinds):
+            await self._serve()
+        log.info(
+            "worker stopped",
+            worker=self.name,
+            claimed=self.report.claimed,
+            completed=self.report.completed,
+        )
+        return self.report
+
+    async def drain(self, grace: float) -> None:
+        """Stop gracefully: claim no more, give the running attempts `grace` seconds to finish
+        (their ends are written), and hand back the rest at once (`run` then returns)."""
+        self._stopping = True
+        self._room.set()
+        handle = self._handle
+        if handle is not None and not handle.done:
+            with contextlib.suppress(Exception):  # its end is not ours to report
+                await handle.stop(grace=grace)
+
+    async def _serve(self) -> None:
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
+        self._handle = handle
         results = handle.results()
         try:
             try:
@@ -232,18 +324,18 @@ class Worker:
                     async for result in results:
                         claimed = self.held.get(result.task_id)
                         if result.error_type == "Stopped":
-                            # The local run stopped (a KeyboardInterrupt in an agent): the
-                            # worker stops as on Ctrl-C, handing the task back (`_leave`),
-                            # not ending it in the coordinator's run.
+                            # The local run stopped (a KeyboardInterrupt in an agent, a drain):
+                            # the task is handed back (`_leave`), not ended in the
+                            # coordinator's run.
                             continue
                         if claimed is not None:
                             self.ended(claimed, result)
                     await handle
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
-                # The file failed under a heartbeat or a completion's write (full, locked,
-                # corrupt): the caller gets the `StoreError` that says so, as the coordinator's
-                # run raises it, not the task group's ExceptionGroup around it.
+                # The store failed under a heartbeat or a completion's write (full, locked,
+                # corrupt, out of reach): the caller gets the `StoreError` that says so, as the
+                # coordinator's run raises it, not the task group's ExceptionGroup around it.
                 error = _store_error(group)
                 if error is None:
                     raise
@@ -253,14 +345,6 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 await results.aclose()
                 await self._leave(handle)
-        log.info(
-            "worker stopped",
-            worker=self.name,
-            claimed=self.report.claimed,
-            completed=self.report.completed,
-        )
-        del store
-        return self.report
 
     async def _leave(self, handle: LocalRun) -> None:
         """However the worker ends: stop its run, write what ended, hand back the rest."""
@@ -269,19 +353,16 @@ class Worker:
         if not handle.done:
             with contextlib.suppress(Exception):  # its end is not ours to report
                 await handle.stop(grace=0)
-        try:
-            await self._write()
-            # Every task the file says it still holds, after the claims already in the writer
-            # thread's queue (one a stop cancelled commits all the same, its answer dropped): a
-            # claim left leased by a gone worker would wait out the lease and count an attempt.
-            self.report.released += await self.call(leases.release, self.name, None)
-        finally:
-            await self.call(leases.unregister, self.name)
+        await self._write()
+        # Every task the store says it still holds, after the claims already under way (one a
+        # stop cancelled commits all the same, its answer dropped): a claim left leased by a
+        # gone worker would wait out the lease and count an attempt.
+        self.report.released += await self.backend.release(self.name, None)
 
     # -- claims: the local run's input -----------------------------------------------------------
 
     async def _claims(self) -> AsyncIterator[Task]:
-        store = self.store
+        backend = self.backend
         while not (self._stopping or self._finished):
             room = self.capacity - len(self.held)
             held = Counter(claimed.kind for claimed in self.held.values())
@@ -306,22 +387,25 @@ class Worker:
                     await anyio.sleep(self.poll)
                     continue
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
-            # whatever the file says this worker holds, not only what it heard of.
-            batch, runs = await self.call(
-                leases.claim, self.name, self.run_id, rooms, room, time.time(), store.lease
-            )
+            # whatever the store says this worker holds, not only what it heard of.
+            batch, maybe_over = await backend.claim(self.name, self.run_id, rooms, room)
             if (
                 self.run_id is not None
-                and self.run_id not in runs
+                and maybe_over
+                and not batch
                 and not self.held
-                and await self.call(_closed, self.run_id)
+                and await backend.closed(self.run_id)
             ):
                 self._finished = True
                 return
+            if self.stopping:  # a drain began while this claim was written: none of it runs
+                with anyio.CancelScope(shield=True):
+                    self.report.released += await backend.release(self.name, list(batch))
+                return
             if not batch:
-                await anyio.sleep(self.poll)
+                await backend.wait(self.poll)
                 continue
-            taking: dict[str, Claimed] = {}
+            taking: dict[str, Claim] = {}
             clash = []  # another run's task of the same id is here: handed back, for a while
             for claimed in batch:
                 if claimed.id in self.held or claimed.id in taking:
@@ -333,9 +417,7 @@ class Worker:
             self.report.claimed += len(taking)
             if clash:
                 with anyio.CancelScope(shield=True):
-                    await self.call(
-                        leases.release, self.name, [(c.run_id, c.id, c.token) for c in clash]
-                    )
+                    await backend.release(self.name, clash)
             for claimed in taking.values():
                 yield Task(
                     claimed.kind,
@@ -365,26 +447,20 @@ class Worker:
         failed, self.failed = self.failed, []
         self.writing = ends
         noted = self.noted
-        notes = []
         for claimed, attempt in failed:
-            notes.append(
-                (claimed.run_id, claimed.id, claimed.token, self._attempt_row(claimed, attempt))
-            )
             noted[claimed.id] = max(noted.get(claimed.id, 0), attempt.number)
         rows = []
-        attempts = []
         for claimed, result in ends:
-            rows.append(self._end_row(claimed, result))
             written = noted.get(claimed.id, 0)
-            attempts.append(
-                [self._attempt_row(claimed, a) for a in result.failures or () if a.number > written]
-            )
+            failures = [a for a in result.failures or () if a.number > written]
+            rows.append((claimed, result, failures, self.spawned.get(claimed.id)))
         try:
-            # Shielded: a worker told to stop mid-write still learns which completions the file
+            # Shielded: a worker told to stop mid-write still learns which completions the store
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
-                accepted = await self.call(
-                    leases.complete, self.name, time.time(), rows, attempts, notes
+                admission = None if self.local is None else self.local.admission
+                accepted = await self.backend.complete(
+                    self.name, self.wall0, rows, failed, admission
                 )
         finally:
             self.writing = []
@@ -404,58 +480,17 @@ class Worker:
                 )
         self._room.set()
 
-    def _attempt_row(self, claimed: Claimed, a: Attempt) -> tuple[Any, ...]:
-        return (claimed.run_id, claimed.id, a.number, a.agent, a.error_type, a.message,
-                self.wall0 + a.started, a.duration, a.retry_in, a.traceback, a.status_code,
-                a.api_error_type, a.request_id)  # fmt: skip
-
-    def _end_row(self, claimed: Claimed, result: TaskResult) -> tuple[Any, ...]:
-        status = result.status
-        output = None
-        error, error_type = result.error, result.error_type
-        spawned = self.spawned.get(claimed.id)
-        if status == SUCCEEDED:
-            try:
-                output = stored_json(result.output, claimed.id, result.agent)
-            except InvalidOutput as exc:  # checked when it settled: this is a last resort
-                status = "failed"
-                error_type = "InvalidOutput"
-                error = str(exc)
-                spawned = None
-        elif result.output is not None:  # a rejected output, kept for the record as JSON can
-            output = to_json(jsonable(result.output)).decode()
-        started = None if result.started is None else self.wall0 + result.started
-        return (
-            status,
-            output,
-            result.agent,
-            error,
-            error_type,
-            int(result.defaulted),
-            result.attempts,
-            started,
-            time.time(),
-            # Metadata is free data: what JSON cannot say is kept as its repr, as a coordinator
-            # stores it (the payloads were checked at the spawn).
-            None if not spawned else to_json(spawned, fallback=repr).decode(),
-            claimed.run_id,
-            claimed.id,
-            claimed.token,
-        )
-
     # -- leases ----------------------------------------------------------------------------------
 
     async def _beat(self, handle: LocalRun) -> None:
         """Renew the leases every third of one; cancel the attempts of the tasks no longer held."""
-        store = self.store
+        backend = self.backend
         while True:
-            await anyio.sleep(store.lease / 3)
-            held, _ = await self.call(leases.beat, self.name, time.time(), store.lease)
+            await anyio.sleep(backend.lease / 3)
+            lost_here = await backend.heartbeat(self.name, list(self.held.values()))
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
-                i
-                for i, c in self.held.items()
-                if (c.run_id, c.id, c.token) not in held and i not in ended
+                i for i, c in self.held.items() if (c.run_id, c.id) in lost_here and i not in ended
             ]
             if lost:
                 self.report.lost += len(lost)
@@ -473,8 +508,3 @@ def _store_error(group: BaseExceptionGroup[BaseException]) -> StoreError | None:
             if found is not None:
                 return found
     return None
-
-
-def _closed(conn: Any, run_id: str) -> bool:
-    row = conn.execute("SELECT state FROM runs WHERE id = ?", (run_id,)).fetchone()
-    return row is not None and row[0] == "closed"

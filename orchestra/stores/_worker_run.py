@@ -1,11 +1,11 @@
 """The store of a worker process's local run: a memory run with three differences.
 
-A worker (`orchestra.stores._worker`) runs the tasks it claims from a SQLite file as an ordinary
-run of its orchestrator, whose store is a `WorkerRun`: it holds a `MemoryRun` and passes every
-transition to it, but for three differences, each said where it is: a claimed task's dependencies'
-outputs come from the file, what an attempt spawns goes to the coordinator instead of running
-here, and an ended task is forgotten (a worker runs for days). What it tells its worker (an end, a
-failed attempt, spawns to write) goes through `Host`.
+A worker (`orchestra.stores._worker`) runs the tasks it claims from a shared store (a SQLite file,
+a PostgreSQL database) as an ordinary run of its orchestrator, whose store is a `WorkerRun`: it
+holds a `MemoryRun` and passes every transition to it, but for three differences, each said where
+it is: a claimed task's dependencies' outputs come from the shared store, what an attempt spawns
+is written with its end instead of running here, and an ended task is forgotten (a worker runs for
+days). What it tells its worker (an end, a failed attempt, spawns to write) goes through `Host`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from .._exceptions import InputError
-from .._output import stored_json
+from .._exceptions import InputError, InvalidOutput
+from .._output import jsonable, stored_json
 from .._task import FAILED, PENDING, READY, SUCCEEDED, TERMINAL, TaskResult
 from ._memory import MemoryRun
 from ._protocol import KEEP
@@ -29,25 +29,52 @@ if TYPE_CHECKING:
     from .._record import Record
     from .._task import Attempt, Task
     from ._protocol import Listener
-    from ._sqlite._leases import Claimed
 
-__all__ = ("Host", "WorkerRun", "WorkerStore")
+__all__ = ("Claim", "Host", "WorkerRun", "WorkerStore", "ending", "spawn_data")
 
 _UNSTARTED = frozenset((None, PENDING, READY))  # a held task's state before its run takes it up
 
 
+class Claim(Protocol):
+    """A task as a worker claimed it from its shared store (each store's ``Claimed``): what
+    rebuilds its `Task`, its lease's token, and its dependencies' outputs (JSON text by id)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def token(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def payload(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def timeout(self) -> float | None: ...
+    @property
+    def critical(self) -> bool | int: ...
+    @property
+    def metadata(self) -> str | None: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def deps(self) -> dict[str, str | None]: ...
+
+
 class Host(Protocol):
     """What a worker's local run asks of its worker: the claim under which it holds a task, and
-    where the file's writes go."""
+    where the shared store's writes go."""
 
     # The wall time of the local run's zero (its records' times count from it): set when it opens.
     wall0: float
 
-    def claim_of(self, task_id: str) -> Claimed | None: ...
+    def claim_of(self, task_id: str) -> Claim | None: ...
     def opened(self, run: WorkerRun) -> None: ...
-    def ended(self, claimed: Claimed, result: TaskResult) -> None: ...
-    def attempt_failed(self, claimed: Claimed, attempt: Attempt) -> None: ...
-    def spawns(self, task_id: str, spawned: list[dict[str, Any]]) -> None: ...
+    def ended(self, claimed: Claim, result: TaskResult) -> None: ...
+    def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None: ...
+    def spawns(self, task_id: str, spawned: list[Task], named_here: set[str]) -> None: ...
 
 
 class WorkerStore:
@@ -110,6 +137,11 @@ class WorkerRun:
         self.reprioritize = memory.reprioritize
         self.queue_depths = memory.queue_depths
         self.close = memory.close
+
+    @property
+    def admission(self) -> Admission:
+        """The checks of the worker's run (its agents' kinds and payload models)."""
+        return self._admission
 
     @property
     def unfinished(self) -> int:
@@ -239,7 +271,7 @@ class WorkerRun:
             stored_json(output, record.id, agent)
         named_here = self._named_here.pop(record.id, ())
         if spawned and live:
-            self._host.spawns(record.id, [_spawned(t, t.id in named_here) for t in spawned])
+            self._host.spawns(record.id, list(spawned), set(named_here))
         ended = self._memory.settle(
             record, token, status, output, agent=agent, error=error, error_type=error_type,
             defaulted=defaulted, attempt=attempt,
@@ -252,7 +284,27 @@ class WorkerRun:
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
 
 
-def _spawned(task: Task, named_here: bool) -> dict[str, Any]:
+def ending(
+    result: TaskResult, spawned: Sequence[Task] | None
+) -> tuple[str, str | None, str | None, str | None, Sequence[Task] | None]:
+    """How a held task's end is written: its state, its output as JSON text, its error and error
+    type, and its spawns (dropped with an output that cannot be stored)."""
+    status = result.status
+    output = None
+    error, error_type = result.error, result.error_type
+    if status == SUCCEEDED:
+        try:
+            output = stored_json(result.output, result.task_id, result.agent)
+        except InvalidOutput as exc:  # checked when it settled: this is a last resort
+            return FAILED, None, str(exc), "InvalidOutput", None
+    elif result.output is not None:  # a rejected output, kept for the record as JSON can
+        output = to_json(jsonable(result.output)).decode()
+    return status, output, error, error_type, spawned
+
+
+def spawn_data(task: Task, named_here: bool) -> dict[str, Any]:
+    """A task an attempt spawned on a worker, as JSON data for a coordinator that names it
+    (`named_here`: the id is the worker's guess, the coordinator names it again)."""
     return {
         "kind": task.kind,
         "payload": task.payload,

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Final, cast
 from urllib.parse import urlsplit
@@ -38,6 +40,19 @@ if TYPE_CHECKING:
 __all__ = ("Database", "explain", "where")
 
 _CONNECT_TIMEOUT: Final = 10.0  # seconds a new connection may take before the store gives up
+_BACKOFF: Final = 0.05  # the first wait before a job runs again on a new connection
+_MAX_BACKOFF: Final = 2.0
+
+# What says the connection was lost, not that the job was wrong.
+_LOST: Final = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,  # the server is starting up or shutting down
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.InternalClientError,  # "not connected", a protocol cut off mid-statement
+)
 
 
 class Database:
@@ -47,11 +62,30 @@ class Database:
         dsn: the database's connection string (``postgresql://user:password@host:port/db``).
         max_connections: the pool's size: the connections jobs run on at once (the listener's
             connection is one more).
+        reconnect_for: seconds a job whose connection was lost keeps trying on new ones (a
+            database restarting) before it fails with `StoreError`.
     """
 
-    def __init__(self, dsn: str, *, max_connections: int = 4) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        max_connections: int = 4,
+        reconnect_for: float = 30.0,
+        idle_in_transaction: float | None = None,
+    ) -> None:
         self.dsn = dsn
+        # A process paused inside a transaction (SIGSTOP, a frozen VM) would keep its row locks,
+        # and every process that needs those rows would wait on it: the server ends its session
+        # once it sat idle inside a transaction this long (shorter than a lease, so that what
+        # waits for its lease to lapse is not held up by its locks as well).
+        self.settings = dict(SERVER_SETTINGS)
+        if idle_in_transaction is not None:
+            self.settings["idle_in_transaction_session_timeout"] = (
+                f"{max(1, int(idle_in_transaction * 1000))}ms"
+            )
         self.max_connections = max_connections
+        self.reconnect_for = reconnect_for
         self.closed = False
         self._pool: asyncpg.Pool | None = None
         self._lock = threading.Lock()
@@ -63,7 +97,7 @@ class Database:
 
     def submit(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Future[Any]:
         """Run ``await job(conn, *args)`` on a pooled connection, in the store's thread."""
-        return self.spawn(self._with_connection, job, args)
+        return self.spawn(self.within, job, *args)
 
     def spawn(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Future[Any]:
         """Run ``await job(*args)`` in the store's thread (a job that takes connections itself,
@@ -102,10 +136,13 @@ class Database:
                     self.dsn,
                     min_size=1,
                     max_size=self.max_connections,
-                    server_settings=SERVER_SETTINGS,
+                    server_settings=self.settings,
                     timeout=_CONNECT_TIMEOUT,
                 )
-            except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+            except (
+                TimeoutError, OSError, ValueError, asyncpg.PostgresError,
+                asyncpg.ClientConfigurationError,
+            ) as exc:  # fmt: skip
                 raise StoreError(explain(exc, self.dsn)) from exc
             try:
                 async with pool.acquire() as conn:
@@ -119,18 +156,37 @@ class Database:
     def _opened(self) -> asyncpg.Pool | None:
         return self._pool
 
-    async def _with_connection(
-        self, job: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]
+    async def within(
+        self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **options: Any
     ) -> Any:
+        """``await job(conn, *args)`` on a pooled connection, from the store's thread itself (a
+        background loop's job), run again on a new connection when the one it had was lost."""
         pool = await self.pool()
-        try:
-            async with pool.acquire() as conn:
-                # (a pooled connection proxies a `Connection`: the jobs are typed for that)
-                return await job(cast("asyncpg.Connection", conn), *args)
-        except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
-            if isinstance(exc, asyncpg.InterfaceError) and "closed" not in str(exc):
-                raise
-            raise StoreError(explain(exc, self.dsn)) from exc
+        # A connection lost once the database was reached (a restart, a failover, a network
+        # cut): the job runs again on a new one, after a capped backoff, for `reconnect_for`
+        # seconds. A job is one transaction, rolled back when its connection was lost; one
+        # whose commit got through but whose answer did not is refused or a no-op when run
+        # again (fenced by its lease's token, or the same admission), at worst a failed
+        # attempt's row twice.
+        deadline = time.monotonic() + self.reconnect_for
+        backoff = _BACKOFF
+        while True:
+            try:
+                async with pool.acquire() as conn:
+                    try:
+                        # (a pooled connection proxies a `Connection`: the jobs are typed so)
+                        return await job(cast("asyncpg.Connection", conn), *args, **options)
+                    except asyncpg.InternalClientError:
+                        # Its protocol broke with the connection (mid-statement): never reused.
+                        conn.terminate()
+                        raise
+            except _LOST as exc:
+                if isinstance(exc, asyncpg.InterfaceError) and "closed" not in str(exc):
+                    raise
+                if time.monotonic() + backoff > deadline:
+                    raise StoreError(explain(exc, self.dsn)) from exc
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, _MAX_BACKOFF)
 
     # -- the thread ------------------------------------------------------------------------------
 
@@ -212,6 +268,8 @@ def explain(exc: BaseException, dsn: str) -> str:
             "the user may not do this (orchestra needs to create its schema `orchestra` and write "
             "its tables): grant it, or use a user that may"
         )
+    elif isinstance(exc, ValueError | asyncpg.ClientConfigurationError):
+        hint = "the DSN cannot be read: check its form (postgresql://user:password@host:port/db)"
     elif isinstance(exc, TimeoutError):
         hint = f"no answer within {_CONNECT_TIMEOUT:g} s: is the server up and reachable?"
     elif isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError):

@@ -94,13 +94,14 @@ async def decide(
     conn: asyncpg.Connection,
     run_id: str,
     ends: Sequence[tuple[str, str, str | None, str | None, str | None, str | None, bool]],
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """End tasks of `run_id` as the coordinator decided, `ends` as (id, state, error,
     error_type, output JSON, agent, defaulted), in the caller's transaction (the fenced one),
-    settling them. A task already ended is left as it is. Returns the ids ended now."""
+    settling them. A task already ended is left as it is. Returns the ids ended now, and the
+    ids skipped because of them."""
     if not ends:
-        return []
+        return [], []
     rows = await conn.fetch(_DECIDE, run_id, *columns(ends, 7))
     done = {row[0]: row[1] for row in rows}
-    await settle(conn, run_id, [(e[0], done[e[0]]) for e in ends if e[0] in done])
-    return [e[0] for e in ends if e[0] in done]
+    settled = await settle(conn, run_id, [(e[0], done[e[0]]) for e in ends if e[0] in done])
+    return [e[0] for e in ends if e[0] in done], settled.skipped

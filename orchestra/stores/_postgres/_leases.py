@@ -47,6 +47,7 @@ import asyncpg
 
 from .._protocol import KEEP
 from ._graph import admit_in
+from ._keys import finish_tasks
 from ._settle import QUEUE_STEP, settle, transaction
 
 if TYPE_CHECKING:
@@ -285,7 +286,7 @@ WITH ends AS (
     FROM ends AS e
     WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token AND t.lease_owner = $2
         AND t.state IN ('claimed', 'running')
-    RETURNING t.id
+    RETURNING t.id, t.key IS NOT NULL AS keyed
 ), refused AS (
     INSERT INTO orchestra.events (run_id, task_id, event, agent, detail)
     SELECT $1, e.id, 'refused', e.agent,
@@ -298,7 +299,7 @@ WITH ends AS (
     SELECT $1, id FROM done
     WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
-SELECT id FROM done
+SELECT id, keyed FROM done
 """
 
 
@@ -329,6 +330,8 @@ async def complete(
     attempt spawned, by its id, admitted with it (checked by `admission`, the run's);
     `failures`: its failed attempts not yet written (`note`), by its id. Returns, for each end,
     whether it was written; a refused one is in the journal (its spawns and attempts dropped).
+    The idempotency key of a task that ended (or was skipped) takes its end while the task's run
+    holds the key (`_keys.finish_tasks`), announced to the key's waiters.
 
     Raises:
         InputError: a spawn was refused: nothing was written.
@@ -352,12 +355,17 @@ async def complete(
                 )  # fmt: skip
         rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
         written = {row[0] for row in rows}
+        keyed = any(row[1] for row in rows)
         if failures:
             await _record(
                 conn, run_id,
                 [(task_id, f) for task_id, fs in failures.items() if task_id in written for f in fs],
             )  # fmt: skip
-        await settle(conn, run_id, [(end.id, end.state) for end in ends if end.id in written])
+        ended = [(end.id, end.state) for end in ends if end.id in written]
+        settled = await settle(conn, run_id, ended)
+        if keyed or settled.skipped:
+            # The keys of what ended (the skipped too) take its end: waiters hear it at commit.
+            await finish_tasks(conn, run_id, [task_id for task_id, _ in ended] + settled.skipped)
         return [end.id in written for end in ends]
 
     done: list[bool] = await transaction(conn, step)
@@ -385,6 +393,13 @@ async def _record(
         )
 
 
+_NOTED = """
+UPDATE orchestra.tasks AS t SET attempts = greatest(t.attempts, n.attempts)
+FROM unnest($2::text[], $3::integer[]) AS n (id, attempts)
+WHERE t.run_id = $1 AND t.id = n.id
+"""
+
+
 async def note(
     conn: asyncpg.Connection,
     run_id: str,
@@ -393,7 +408,8 @@ async def note(
 ) -> list[bool]:
     """Record failed attempts of claimed tasks that go on (retried by `owner` under its lease),
     `failed` as (task id, token, attempt): each only while `owner` holds the task under that
-    token. Returns, for each, whether it was written."""
+    token, its attempts counted up to the retry that follows. Returns, for each, whether it was
+    written."""
     if not failed:
         return []
 
@@ -405,6 +421,14 @@ async def note(
             )
         }
         await _record(conn, run_id, [(task_id, f) for task_id, _, f in failed if task_id in held])
+        # The lease now stands for the attempt after the last one noted: a lease lost, or a task
+        # handed back, counts (or uncounts) that one, numbered after the failures written.
+        last: dict[str, int] = {}
+        for task_id, _, f in failed:
+            if task_id in held:
+                last[task_id] = max(last.get(task_id, 0), f.number)
+        if last:
+            await conn.execute(_NOTED, run_id, list(last), [n + 1 for n in last.values()])
         return [task_id in held for task_id, _, _ in failed]
 
     done: list[bool] = await transaction(conn, step)
@@ -579,7 +603,8 @@ async def take_back_expired(
             if back.failed:
                 failed.setdefault(back.run_id, []).append((back.id, "failed"))
         for run, ended in failed.items():
-            await settle(conn, run, ended)
+            settled = await settle(conn, run, ended)
+            await finish_tasks(conn, run, [task_id for task_id, _ in ended] + settled.skipped)
         return taken
 
     return await transaction(conn, step)

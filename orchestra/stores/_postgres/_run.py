@@ -7,7 +7,7 @@ the ends the others write.
 keeps it in step with the database:
 
 - **Input** is checked and named by the mirror (the engine's `InputError` comes from there, before
-  anything is written), then written behind, in order, by one writer (`_apply`) inside the fence
+  anything is written), then written behind, in order, by one writer (`jobs.apply`) inside the fence
   of the coordinator's lease on the run (`_coordinator.fenced`); the database checks it again.
 - **Claims** go through the database only (`_leases.claim`, sized by what the run's agents can
   start: `Listener.room`), whatever the mirror says is ready: a task the mirror holds as ready may
@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import socket
-import sys
+import math
 import time
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Any
@@ -47,21 +44,22 @@ from pydantic_core import to_json
 from ..._exceptions import InputError, StoreError
 from ..._log import get_logger
 from ..._output import json_text, jsonable, stored_json
-from ..._task import CLAIMED, READY, RUNNING, SUCCEEDED, TERMINAL, Attempt, Task
+from ..._task import READY, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
+from .._resume import Resume
 from . import _coordinator as coordinator
-from . import _follow as follow
+from . import _jobs as jobs
+from . import _keys as keys
 from . import _leases as leases
-from ._graph import admit_in
-from ._listen import Wakeup, channel_of, notify
-from ._settle import close_input
+from ._behind import Behind
+from ._hearing import Hearing
+from ._listen import Wakeup, channel_of
+from ._rows import Rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
-
-    import asyncpg
 
     from ..._admission import Admission
     from ..._record import Record
@@ -71,9 +69,6 @@ if TYPE_CHECKING:
 __all__ = ("PostgresRun",)
 
 log = get_logger("orchestra")
-
-# Input written behind at most this far (tasks) before a streamed input waits for the writer.
-_BACKLOG = 10_000
 
 
 class PostgresRun:
@@ -102,15 +97,13 @@ class PostgresRun:
         self._wall0 = time.time()  # the wall time of the mirror's zero (`memory.t0`)
         self._kinds = sorted(admission.kinds)
         # This process, as the database knows it: the run's lease and its tasks' leases.
-        self.name = f"{socket.gethostname()}:{os.getpid()}:{store.owner}"
+        self.name = jobs.coordinator_name(store)
         # The tasks this process holds under a lease of the database: id -> its claim.
         self._held: dict[str, leases.Claimed] = {}
+        self._lost: set[str] = set()  # held once, taken back since (`_leases_lost`)
         # Claimed here, not handed to the engine yet: (priority, order, record), best first.
         self._runnable: list[tuple[int, int, Record]] = []
         self._order = 0
-        self._ops: list[tuple[str, Any]] = []  # what the database has not been told yet, in order
-        self._backlog = 0  # input tasks among `_ops`
-        self._drained: asyncio.Future[None] | None = None  # a streamed input waits on it
         self._error: BaseException | None = None
         self.closed = False
         self._ending: list[Record] | None = None  # the mirror's ends during a cancel
@@ -120,7 +113,9 @@ class PostgresRun:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand (the contract suite): every call writes at once
             self._loop = None
-        taken = self._db.call(_open, run_id, self.name, store.lease)
+        taken, rows, attempts, held_back = self._db.call(
+            jobs.open_run, run_id, self.name, store.lease
+        )
         if isinstance(taken, coordinator.Holder):
             raise StoreError(
                 f"run {run_id!r} is being run by another coordinator ({taken.owner}, its lease "
@@ -129,17 +124,27 @@ class PostgresRun:
                 "--dsn ...`), or run this again once it is over"
             )
         self._lease: coordinator.Lease = taken
+        # What an earlier coordinator left of the run, taken back when the input comes again.
+        reader = Rows(self._wall0, self._wall0 - memory.t0)
+        self._resume = Resume(run_id, admission, reader, (rows, attempts) if rows else None)
         del memory
         self._wakeup = Wakeup()
+        self._hearing = Hearing(
+            run_id, self._memory, self._held, self._wall0, self._loop, self._wakeup,
+            self._keep_error,
+        )  # fmt: skip
+        self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
+        for key, task_id in held_back:  # (a run taken over: asked again at once)
+            self._hearing.wait_key(key, task_id, 0.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: Future[Any] | None = None
-        self._inflight: Future[Any] | None = None
-        self._dirty: asyncio.Event | None = None
+        self._behind = Behind(
+            self._db, run_id, self._lease, admission, self._loop, self._applied, self._keep_error
+        )
+        self._queue = self._behind.queue
         if self._loop is not None:
-            self._dirty = asyncio.Event()
             self._tasks = [
-                self._loop.create_task(self._write_behind(), name=f"orchestra-pg-write:{run_id}"),
-                self._loop.create_task(self._claim_loop(), name=f"orchestra-pg-claim:{run_id}"),
+                self._loop.create_task(self._claim_loop(), name=f"orchestra-pg-claim:{run_id}")
             ]
             self._background = self._db.spawn(self._keep)
 
@@ -198,28 +203,73 @@ class PostgresRun:
         forward: bool,
         first_index: int = 0,
     ) -> int:
-        added = self._memory.admit(tasks, where=where, forward=forward, first_index=first_index)
+        self._take_back()
         _storable(tasks, where)
-        self._queue("admit", (list(tasks), where, forward, first_index))
-        self._backlog += len(tasks)
+        generated: set[int] = set()
+        resume = self._resume
+        memory = self._memory
+        if resume.stored:
+            generated = resume.match(tasks, first_index)
+            gone = [i for i, task in enumerate(tasks) if resume.gone(task, memory)]
+            if gone:  # (a streamed chunk only: independent stretches around what is gone)
+                added = start = 0
+                for stop in [*gone, len(tasks)]:
+                    if start < stop:
+                        added += memory.admit(
+                            tasks[start:stop], where=where, forward=forward,
+                            first_index=first_index + start, generated=generated,
+                        )  # fmt: skip
+                    start = stop + 1
+                kept = [t for i, t in enumerate(tasks) if i not in set(gone)]
+                self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
+                return added
+        added = memory.admit(
+            tasks, where=where, forward=forward, first_index=first_index, generated=generated
+        )
+        self._queue("admit", (list(tasks), where, forward, first_index, self._keys_of(tasks)))
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
-        self._memory.admit_one(task, index)
+        self._take_back()
         _storable((task,), "input item")
-        self._queue("admit", ([task], "input item", False, index))
-        self._backlog += 1
+        generated = False
+        resume = self._resume
+        if resume.stored:
+            generated = bool(resume.match((task,), index))
+            if resume.gone(task, self._memory):
+                return
+        self._memory.admit_one(task, index, generated=generated)
+        self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
 
     def close_input(self) -> None:
+        self._take_back()
         self._memory.close_input()
         self._queue("close_input", None)
 
+    def _keys_of(self, tasks: Sequence[Any]) -> list[tuple[str, str]]:
+        """The keys the run's new tasks hold in the run (a follower of another task of the run
+        claims none: it ends with its holder), as (key, task id), to claim across runs."""
+        memory = self._memory
+        wanted = []
+        for task in tasks:
+            key = getattr(task, "key", None)
+            if key is None:
+                continue
+            record = memory.record_of(task.id)
+            if record is not None and record.state not in TERMINAL and memory.holds_key(record):
+                wanted.append((key, task.id))
+        if wanted:
+            self._keyed = True
+        return wanted
+
+    def _take_back(self) -> None:
+        """What an earlier coordinator left of this run, taken back as the input starts coming
+        (the ends it saw heard by the run; what other processes hold stays theirs: ready in the
+        mirror, claimed in the database until they end it or their lease lapses)."""
+        self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
+
     def backpressure(self) -> asyncio.Future[None] | None:
-        if self._backlog < _BACKLOG or self._loop is None:
-            return None
-        if self._drained is None:
-            self._drained = self._loop.create_future()
-        return self._drained
+        return self._behind.backpressure()
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
         self._memory.check_spawn(task, parent, pending)
@@ -319,19 +369,24 @@ class PostgresRun:
             error_type=error_type, defaulted=defaulted, attempt=attempt,
         ):  # fmt: skip
             return False
-        if text is None and record.output is not None:  # a rejected output, kept as JSON can
-            text = to_json(jsonable(record.output)).decode()
         claimed = self._held.pop(record.id, None)
         if claimed is not None:
-            started = None if record.t_start is None else self._wall(record.t_start)
-            end = leases.End(
-                record.id, claimed.token, status, text, agent, error, error_type,
-                record.attempts, defaulted, started,
-            )  # fmt: skip
             failed = [] if attempt is None else [self._failed(attempt)]
-            self._queue("end", (end, list(spawned), failed))
+            self._queue("end", (self._end_of(record, claimed.token, text), list(spawned), failed))
+        elif record.id in self._lost:
+            # Its lease was taken back: the end is not written under it (refused), but as the
+            # run's decision, as a cancel is (a process that claimed it since is fenced off).
+            self._lost.discard(record.id)
+            self.refused += 1
+            end = self._end_of(record, 0, text)
+            self._queue(
+                "decide", (record.id, status, error, error_type, end.output, agent, defaulted)
+            )
         else:  # not a lease of ours: decided here (a deadline passed while it waited)
-            self._queue("decide", (record.id, status, error, error_type, text, agent, defaulted))
+            end = self._end_of(record, 0, text)
+            self._queue(
+                "decide", (record.id, status, error, error_type, end.output, agent, defaulted)
+            )
         return True
 
     def succeed(self, record: Any, token: int, output: Any, agent: str) -> bool:
@@ -374,50 +429,11 @@ class PostgresRun:
         self._queue("priority", (task_id, priority))
         return True
 
-    # -- the writer: what the database has not been told yet -------------------------------------
+    # -- what the database made of the writes ---------------------------------------------------
 
-    def _queue(self, kind: str, op: Any) -> None:
-        self._ops.append((kind, op))
-        if self._loop is None:
-            self._flush_now()
-        else:
-            assert self._dirty is not None
-            self._dirty.set()
-
-    def _flush_now(self) -> None:
-        ops, self._ops = self._ops, []
-        try:
-            refused = self._db.call(_apply, self.run_id, self._lease, self._admission, ops)
-        except BaseException as exc:
-            self._keep_error(exc)
-            return
-        self._applied(ops, refused)
-
-    async def _write_behind(self) -> None:
-        dirty = self._dirty
-        assert dirty is not None
-        while True:
-            await dirty.wait()
-            dirty.clear()
-            ops, self._ops = self._ops, []
-            if not ops:
-                continue
-            self._inflight = self._db.submit(_apply, self.run_id, self._lease, self._admission, ops)
-            try:
-                refused = await asyncio.wrap_future(self._inflight)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                self._keep_error(exc)
-                return
-            self._applied(ops, refused)
-
-    def _applied(self, ops: list[tuple[str, Any]], refused: list[str]) -> None:
-        self._backlog -= sum(len(op[0]) for kind, op in ops if kind == "admit")
-        if self._backlog < _BACKLOG and self._drained is not None:
-            if not self._drained.done():
-                self._drained.set_result(None)
-            self._drained = None
+    def _applied(self, done: jobs.Applied) -> None:
+        refused = done.refused
+        self._hearing.answered(done.answers)
         if refused:
             self.refused += len(refused)
             log.warning(
@@ -439,26 +455,53 @@ class PostgresRun:
 
     def _step(self, *, limit: int | None = None) -> None:
         """Hear the ends written elsewhere and claim what the agents can start (blocking)."""
+        asked = self._hearing.keys_due()
+        if asked:
+            try:
+                self._hearing.answered(
+                    self._db.call(jobs.ask_again, self.run_id, self._lease, asked)
+                )
+            except BaseException as exc:
+                self._keep_error(exc)
+                return
         try:
             heard, claimed = self._db.call(
-                _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, limit
+                jobs.claim_step, self.run_id, self._rooms(), self.name, self._store.lease, limit
             )
         except BaseException as exc:
             self._keep_error(exc)
             return
-        self._take_in(heard)
+        self._hearing.take_in(heard)
         self._hand_out(claimed)
 
     async def _claim_loop(self) -> None:
+        loop = self._loop
+        assert loop is not None
         poll = self._store.poll
+        every = self._store.lease / 3
+        swept = -math.inf
         while not self.closed:
-            await self._wakeup.wait(poll)
+            await self._wakeup.wait(max(0.0, min(poll, self._hearing.next_look() - loop.time())))
             if self.closed or self._error is not None:
                 return
+            asked = self._hearing.keys_due()
+            if asked:
+                try:
+                    answers = await self._db.run(jobs.ask_again, self.run_id, self._lease, asked)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    self._keep_error(exc)
+                    return
+                self._hearing.answered(answers)
+            sweep = loop.time() - swept >= every
+            if sweep:
+                swept = loop.time()
             try:
                 heard, claimed = await self._db.run(
-                    _claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None
-                )
+                    jobs.claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None,
+                    sweep,
+                )  # fmt: skip
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -467,10 +510,10 @@ class PostgresRun:
             if self._over():
                 if claimed:  # not ours to run any more: back at once, no attempt counted
                     self._db.submit(
-                        _release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
+                        jobs.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
                     )
                 return
-            self._take_in(heard)
+            self._hearing.take_in(heard)
             self._hand_out(claimed)
 
     def _over(self) -> bool:
@@ -480,8 +523,15 @@ class PostgresRun:
     def _hand_out(self, claimed: list[leases.Claimed]) -> None:
         memory = self._memory
         early = []
+        ended = 0
         for task in claimed:
             record = memory.record_of(task.id)
+            if record is not None and record.state in TERMINAL:
+                # Ended here after the database took its lease back (this process cut off for
+                # a lease): the database learns that end now, under this fresh lease.
+                self._queue("end", (self._end_of(record, task.token), [], []))
+                ended += 1
+                continue
             if record is None or record.state is not READY:
                 # Made ready by an end this process has not heard yet (it came between the
                 # feed's read and the claim): handed back, claimed again once heard.
@@ -492,70 +542,13 @@ class PostgresRun:
         if early:
             back = [(c.run_id, c.id, c.token) for c in early]
             if self._loop is None:
-                self._db.call(_release, self.name, back)
+                self._db.call(jobs.release, self.name, back)
             else:
-                self._db.submit(_release, self.name, back)
+                self._db.submit(jobs.release, self.name, back)
                 self._wakeup.set()
         if self._loop is not None:
-            for _ in range(len(claimed) - len(early)):
+            for _ in range(len(claimed) - len(early) - ended):
                 self._listener.wake()
-
-    def _take_in(self, heard: follow.Heard) -> None:
-        """Play the ends written elsewhere into the mirror, as if they had happened here."""
-        if not heard.ends:
-            return
-        memory = self._memory
-        failures: dict[str, list[Attempt]] = {}
-        for row in heard.failures:
-            failures.setdefault(row[0], []).append(
-                Attempt(
-                    number=row[1], agent=row[2], error_type=row[3], message=row[4],
-                    started=0.0 if row[5] is None else row[5] - self._wall0,
-                    duration=row[6] or 0.0, retry_in=row[7], traceback=row[8],
-                    status_code=row[9], api_error_type=row[10], request_id=row[11],
-                )
-            )  # fmt: skip
-        spawned: dict[str, list[Task]] = {}
-        for row in heard.spawned:
-            spawned.setdefault(row[0], []).append(_task(row[1:]))
-        for (
-            task_id,
-            state,
-            output,
-            agent,
-            error,
-            error_type,
-            attempts,
-            started,
-            defaulted,
-        ) in heard.ends:
-            record = memory.record_of(task_id)
-            if record is None or record.state in TERMINAL:
-                continue  # ended here meanwhile (a cancel, a deadline): the mirror's is final
-            if self._held.pop(task_id, None) is not None or record.state in (CLAIMED, RUNNING):
-                token = record.token  # ours once; another process ended it since
-            else:
-                token = memory.take(record)
-            record.attempts = attempts
-            more = failures.get(task_id)
-            if more:
-                known = {a.number for a in record.failures or ()}
-                new = [a for a in more if a.number not in known]
-                record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
-            if started is not None and record.t_start is None:
-                record.t_start = started - self._wall0 + memory.t0
-            value = None if output is None else json.loads(output)
-            try:
-                # The memory store tells states apart by identity (its constants, interned); the
-                # driver's strings are new objects: a success heard as one would end as a failure.
-                memory.settle(
-                    record, token, sys.intern(state), value, spawned=spawned.get(task_id, ()), agent=agent,
-                    error=error, error_type=error_type, defaulted=defaulted,
-                )  # fmt: skip
-            except InputError as exc:  # the database took them: the mirror must too
-                self._keep_error(
-                    StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
-                )
 
     # -- the background, in the database's thread ------------------------------------------------
 
@@ -580,28 +573,64 @@ class PostgresRun:
                 ),
             )  # fmt: skip
 
-        def woken(_channel: str, _payload: str) -> None:
-            loop.call_soon_threadsafe(self._wakeup.set)
+        def woken(channel: str, payload: str) -> None:
+            if channel == keys.KEY_CHANNEL:
+                loop.call_soon_threadsafe(self._hearing.key_heard, channel, payload)
+            else:
+                loop.call_soon_threadsafe(self._wakeup.set)
+
+        def reconnected() -> None:
+            loop.call_soon_threadsafe(self._hearing.reconnected)
 
         async with (
             coordinator.LeaseKeeper(pool, self._lease, on_lost=lost),
             Listener(
-                self._db.dsn, [channel_of(self.run_id)], on_notify=woken,
-                on_reconnect=lambda: woken("", ""),
+                self._db.dsn, [channel_of(self.run_id), keys.KEY_CHANNEL], on_notify=woken,
+                on_reconnect=reconnected,
             ),
         ):  # fmt: skip
             while True:
                 await asyncio.sleep(store.lease / 3)
                 # (a copy: the run's loop changes the dict meanwhile; `dict.copy` is one step)
+                if self._keyed:  # the run's holds of keys, renewed with its tasks' leases
+                    with contextlib.suppress(StoreError):
+                        await self._db.within(
+                            keys.renew_run, self.run_id, self.name, lease=store.lease
+                        )
                 held = self._held.copy()
                 if held:
-                    async with pool.acquire() as conn:
-                        await leases.heartbeat(
-                            conn,  # type: ignore[arg-type]
+                    with contextlib.suppress(StoreError):  # out of reach: the next beat tries
+                        gone = await self._db.within(
+                            leases.heartbeat,
                             self.name,
                             [(c.run_id, c.id, c.token) for c in held.values()],
                             lease=store.lease,
                         )
+                        if gone:
+                            loop.call_soon_threadsafe(self._leases_lost, {i for _, i in gone})
+
+    def _leases_lost(self, lost: set[str]) -> None:
+        """Leases of this process's tasks the database took back (its renewals did not get
+        through for a whole lease): their ends are not this process's to write any more."""
+        for task_id in lost:
+            if self._held.pop(task_id, None) is not None:
+                self._lost.add(task_id)
+        if lost:
+            log.warning("leases lost", run_id=self.run_id, task_ids=sorted(lost))
+
+    def _end_of(self, record: Record, token: int, text: str | None = None) -> leases.End:
+        """How an ended record ended, as the database writes it (`text`: its output's JSON,
+        when the caller has it)."""
+        if text is None and record.output is not None:
+            if record.status is SUCCEEDED:
+                text = stored_json(record.output, record.id, record.agent)
+            else:  # a rejected output, kept as JSON can
+                text = to_json(jsonable(record.output)).decode()
+        started = None if record.t_start is None else self._wall(record.t_start)
+        return leases.End(
+            record.id, token, record.status, text, record.agent, record.error,
+            record.error_type, record.attempts, record.defaulted, started,
+        )  # fmt: skip
 
     def _wall(self, t: float) -> float:
         return self._wall0 + (t - self._memory.t0)
@@ -623,19 +652,14 @@ class PostgresRun:
         self.closed = True
         for task in self._tasks:
             task.cancel()
-        inflight = self._inflight
-        if inflight is not None:
-            with contextlib.suppress(BaseException):
-                inflight.result()
-        if self._ops and self._error is None:
-            self._flush_now()
+        self._behind.close()
         if self._background is not None:
             self._background.cancel()
         done = self._error is None and not self._memory.unfinished
         held = [(c.run_id, c.id, c.token) for c in self._held.values()]
         self._held.clear()
         try:
-            self._db.call(_close, self._lease, held, done)
+            self._db.call(jobs.close_run, self._lease, held, done, self._keyed)
         except StoreError as exc:
             self._error = self._error or exc
         error = self._error
@@ -645,152 +669,15 @@ class PostgresRun:
             raise StoreError(f"{self._store!r} could not write run {self.run_id!r}: {error}")
 
 
-# -- the jobs (run in the store's thread, on a pooled connection) --------------------------------
+class _NoRemote:
+    """A resumed run's tasks other processes hold need nothing at resume: the database keeps
+    their leases, and their ends come through the feed."""
+
+    def resume(self, records: Sequence[Record], rows: Sequence[Any]) -> int:
+        return 0
 
 
-async def _open(
-    conn: asyncpg.Connection, run_id: str, owner: str, lease: float
-) -> coordinator.Lease | coordinator.Holder:
-    taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
-    if taken is not None:
-        await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
-        return taken
-    held = await coordinator.holder(conn, run_id)
-    assert held is not None  # acquire makes the run
-    return held
-
-
-async def _claim_step(
-    conn: asyncpg.Connection,
-    run_id: str,
-    rooms: dict[str, int],
-    owner: str,
-    lease: float,
-    limit: int | None,
-) -> tuple[follow.Heard, list[leases.Claimed]]:
-    heard = await follow.heard(conn, run_id)
-    claimed: list[leases.Claimed] = []
-    if any(room > 0 for room in rooms.values()):
-        claimed = await leases.claim(conn, run_id, rooms, owner=owner, lease=lease, limit=limit)
-    return heard, claimed
-
-
-async def _release(conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]]) -> None:
-    await leases.release(conn, owner, held)
-
-
-async def _apply(
-    conn: asyncpg.Connection,
-    run_id: str,
-    lease: coordinator.Lease,
-    admission: Admission,
-    ops: list[tuple[str, Any]],
-) -> list[str]:
-    """Tell the database what the run did, in order: the coordinator's own writes (input,
-    decided ends, priorities, the input's close) fenced by its lease on the run, its tasks' ends
-    and failed attempts fenced by their leases. Returns the ids whose end was refused."""
-    refused: list[str] = []
-    i = 0
-    while i < len(ops):
-        kind = ops[i][0]
-        j = i
-        while (
-            j < len(ops)
-            and (ops[j][0] in _FENCED) == (kind in _FENCED)
-            and (kind in _FENCED or ops[j][0] == kind)
-        ):
-            j += 1
-        group = ops[i:j]
-        if kind in _FENCED:
-            async with coordinator.fenced(conn, lease):
-                readied = False
-                for what, op in _merged(group):
-                    readied = await _fenced_op(conn, run_id, admission, what, op) or readied
-                if readied:
-                    await notify(conn, run_id)
-        elif kind == "end":
-            ends = [op[0] for _, op in group]
-            spawned = {op[0].id: op[1] for _, op in group if op[1]}
-            failures = {op[0].id: op[2] for _, op in group if op[2]}
-            done = await leases.complete(
-                conn, run_id, lease.owner, ends, spawned=spawned, admission=admission,
-                failures=failures,
-            )  # fmt: skip
-            refused.extend(end.id for end, ok in zip(ends, done, strict=True) if not ok)
-        elif kind == "note":
-            await leases.note(conn, run_id, lease.owner, [op for _, op in group])
-        else:  # "requeue"
-            if await leases.requeue(conn, lease.owner, [op for _, op in group]):
-                await notify(conn, run_id)
-        i = j
-    return refused
-
-
-_FENCED = frozenset(("admit", "decide", "priority", "close_input"))
-
-
-def _merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Consecutive items of a streamed input (each its own op) as one batch."""
-    merged: list[tuple[str, Any]] = []
-    for what, op in group:
-        if what == "admit" and merged and merged[-1][0] == "admit":
-            tasks, where, forward, first = merged[-1][1]
-            more, where2, forward2, first2 = op
-            if (where, forward, where2, forward2) == (
-                "input item",
-                False,
-                "input item",
-                False,
-            ) and (first2 == first + len(tasks)):
-                merged[-1] = ("admit", (tasks + more, where, forward, first))
-                continue
-        if what == "decide" and merged and merged[-1][0] == "decide":
-            merged[-1] = ("decide", [*merged[-1][1], op])
-            continue
-        merged.append((what, [op] if what == "decide" else op))
-    return merged
-
-
-async def _fenced_op(
-    conn: asyncpg.Connection, run_id: str, admission: Admission, what: str, op: Any
-) -> bool:
-    """One of the coordinator's own writes; True when it may have made tasks ready."""
-    if what == "admit":
-        tasks, where, forward, first = op
-        _, ready, _ = await admit_in(conn, run_id, tasks, admission, where, forward, first, None)
-        return bool(ready)
-    if what == "decide":
-        await follow.decide(conn, run_id, op)
-        return False
-    if what == "priority":
-        task_id, priority = op
-        await conn.execute(
-            "UPDATE orchestra.tasks SET priority = $3 WHERE run_id = $1 AND id = $2 "
-            "AND state IN ('pending', 'ready', 'retry_wait')",
-            run_id, task_id, priority,
-        )  # fmt: skip
-        return False
-    await close_input(conn, run_id)  # "close_input": notifies what it readies
-    return False
-
-
-async def _close(
-    conn: asyncpg.Connection,
-    lease: coordinator.Lease,
-    held: list[tuple[str, str, int]],
-    done: bool,
-) -> None:
-    """Hand back the tasks still held, unstarted (no attempt counted), mark the run closed when
-    all its tasks ended, and give the run up (a standby or the next coordinator takes it now)."""
-    await leases.release(conn, lease.owner, held)
-    if done:
-        with contextlib.suppress(coordinator.LeaseLost):
-            async with coordinator.fenced(conn, lease):
-                await conn.execute(
-                    "UPDATE orchestra.runs SET state = 'closed', updated = now() WHERE id = $1",
-                    lease.run_id,
-                )
-    await coordinator.hand_over(conn, lease)
+_NO_REMOTE = _NoRemote()
 
 
 def _storable(tasks: Sequence[Any], where: str) -> None:
@@ -810,14 +697,3 @@ def _storable(tasks: Sequence[Any], where: str) -> None:
                     task_id=task.id,
                     field=field,
                 ) from None
-
-
-def _task(row: Sequence[Any]) -> Task:
-    """A task as its row holds it (a spawned one, heard with its spawner's end)."""
-    (task_id, kind, payload, priority, depends_on, depends_on_tags, tags, key, timeout,
-     critical, metadata) = row  # fmt: skip
-    return Task(
-        kind, json.loads(payload), id=task_id, priority=priority, depends_on=depends_on or (),
-        depends_on_tags=depends_on_tags or (), tags=tags or (), key=key, timeout=timeout,
-        critical=critical, metadata=None if metadata is None else json.loads(metadata),
-    )  # fmt: skip

@@ -12,7 +12,8 @@ process settles the holder's end, and go to no feed: a coordinator that hears th
 (`_follow.heard`) ends its followers in its mirror, as it skips its dependents. What
 became ready is queued in the order the memory store would queue it (``tasks.seq``,
 `QUEUE_STEP`), and a NOTIFY on the run's channel (`channel_of`) carries the run id and the kinds
-of what became ready, delivered when the transaction commits, so idle processes wake.
+of what became ready, and one on `GLOBAL_CHANNEL` the run id (for the processes that serve every
+run), delivered when the transaction commits, so idle processes wake.
 
 Each statement that reads what an end concerns runs after the rows it depends on were locked
 (READ COMMITTED takes a snapshot per statement), so nothing admitted meanwhile is missed. Rows are
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 import asyncpg
 
 from ..._task import SKIPPED, SUCCEEDED
-from ._listen import channel_of
+from ._listen import GLOBAL_CHANNEL, channel_of
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -551,7 +552,8 @@ WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq), fr
     WHERE t.run_id = $1 AND t.id = freed.id
     RETURNING t.id, t.kind, t.seq
 ), woken AS (
-    SELECT pg_notify($3, json_build_object('run', $1::text, 'kinds', k.kinds)::text)
+    SELECT pg_notify($3, json_build_object('run', $1::text, 'kinds', k.kinds)::text),
+        pg_notify($4, $1::text)
     FROM (SELECT array_agg(DISTINCT kind ORDER BY kind) AS kinds FROM readied) AS k
     WHERE k.kinds IS NOT NULL
 )
@@ -567,5 +569,7 @@ async def make_ready(
     (a NOTIFY, delivered when the transaction commits). Returns them as (id, kind)."""
     if not ids:
         return []
-    rows = await conn.fetch(_READY, run_id, list(dict.fromkeys(ids)), channel_of(run_id))
+    rows = await conn.fetch(
+        _READY, run_id, list(dict.fromkeys(ids)), channel_of(run_id), GLOBAL_CHANNEL
+    )
     return [(r[0], r[1]) for r in sorted(rows, key=lambda r: r[2])]

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..._config import finite
-from ..._exceptions import ConfigError
+from ..._exceptions import ConfigError, InputError
+from . import _admin as admin
 from ._database import Database, where
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from ..._admission import Admission
     from .._protocol import Listener
@@ -74,7 +76,9 @@ class PostgresStore:
         self.lease = float(lease)
         self.poll = float(poll)
         self.owner = uuid.uuid4().hex[:12]  # this store's processes, as the database knows them
-        self.database = Database(dsn, max_connections=max_connections)
+        self.database = Database(
+            dsn, max_connections=max_connections, idle_in_transaction=self.lease / 3
+        )
         self.server: EmbeddedServer | None = None  # the embedded server it started, if any
         self._closer = weakref.finalize(self, _close, self.database, None)
 
@@ -110,6 +114,16 @@ class PostgresStore:
 
     # -- the Store protocol ----------------------------------------------------------------------
 
+    async def prepare_run(self, run_id: str) -> None:
+        """Wait until this process may coordinate `run_id` (awaited by the run before
+        `open_run`): at once for a new run or one nobody holds; for a run another coordinator
+        holds, as its *standby*, until that one lets go or its lease lapses (it died, or was
+        cut off for a whole lease), then take it over. A holder on this host whose process is
+        gone is taken over at once."""
+        from ._jobs import coordinator_name, take_over
+
+        await self.database.run(take_over, run_id, coordinator_name(self), self.lease, self.poll)
+
     def open_run(
         self,
         run_id: str,
@@ -123,6 +137,65 @@ class PostgresStore:
         from ._run import PostgresRun
 
         return PostgresRun(self, run_id, admission, listener, clock, task_timeout, compact)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run in the database, oldest first, with its task counts by state (`counts`):
+        `id`, `created` and `updated` (wall time), `state` (``open``, ``closed``), `opened` (how
+        many coordinators have run it), its coordinator's lease (`owner`, `token`, `expires`;
+        `held` while it runs, on the database's clock) and `input_closed`."""
+        return self.database.call(admin.runs)  # type: ignore[no-any-return]
+
+    def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
+        """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
+        an event read from a task's row or its failed attempts), `run_id`, `task_id`, `at` (wall
+        time), `event` (``admitted``, ``started``, ``attempt_failed``, ``lease_expired``,
+        ``refused``, ``retried``, ``coordinator``, or the end: ``succeeded``, ``failed``,
+        ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`.
+
+        Raises:
+            InputError: the database has no such run, or the run no such task.
+        """
+        return self.database.call(admin.events, run_id, task_id)  # type: ignore[no-any-return]
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The processes that ran tasks of the database (``orchestra worker``, coordinators with
+        agents), oldest first: `owner`, `host`, `pid`, `run_id` (the one run it serves, or None),
+        `kinds` (None: every kind it has agents for), `started`, `heartbeat`, `expires` and `gone`
+        (wall time; `gone` None until it stopped or was found dead), `live` (not gone, its beat
+        not expired), `claimed`, `completed`, `refused` (writes refused: its lease was lost), and
+        `holding` (tasks it holds now)."""
+        return self.database.call(admin.workers)  # type: ignore[no-any-return]
+
+    def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
+        """The tasks of a run that failed for good, each with every failed attempt
+        (`attempts_list`, with its traceback); `InputError` if the database has no such run."""
+        return self.database.call(admin.dead, run_id)  # type: ignore[no-any-return]
+
+    def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:
+        """Make the failed tasks of a run (or those of `task_ids`) runnable again, in the database:
+        each is ready (or pending until what it waits for is done), and so are the skipped tasks
+        downstream of it that nothing else dooms; the run is open again. A worker serving the run,
+        or the run's next coordinator (``orch.run(..., run_id=run_id)`` on this database), runs
+        them. Their attempts are kept (the count, and every failed one); the chain of agents
+        starts again. A reopened task's idempotency key is claimed again for the run: a key that
+        succeeded since ends the task with that result; one another run holds keeps it back
+        until that run is done with it. Returns the ids of the failed tasks reopened.
+
+        Raises:
+            InputError: no such run, or a task of `task_ids` that is not a failed task of it.
+        """
+        if isinstance(task_ids, str):
+            raise InputError(
+                "task_ids must be a collection of ids, not one string", field="task_ids"
+            )
+        from ._jobs import coordinator_name
+
+        ids = None if task_ids is None else [str(i) for i in task_ids]
+        return self.database.call(  # type: ignore[no-any-return]
+            partial(admin.retry, owner=coordinator_name(self), lease=self.lease), run_id, ids
+        )
 
 
 def _close(database: Database, server: EmbeddedServer | None) -> None:

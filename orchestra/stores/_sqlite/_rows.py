@@ -234,6 +234,9 @@ class Rows:
             )
         return failures
 
+    def took_key(self, row: Any) -> bool:
+        return bool(row[32])
+
     def record(
         self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]
     ) -> Record:

@@ -7,7 +7,7 @@ memory run, and the records it touched (the ones it was handed, and every one th
 reports ready or ended, which covers spawns, cascades and groups) are marked for its `Window`,
 which writes them as rows once a window (`_window.py`, with what that costs and when a
 result is durable). Opening a run id the file knows takes back what an earlier process left of it
-(`Resume`, `_resume.py`); idempotency keys are claimed, waited for and reused through the
+(`Resume`, `stores/_resume.py`); idempotency keys are claimed, waited for and reused through the
 file by the run's `Keys` (`_keys.py`).
 
 **Several processes.** A worker process claims with one statement in a
@@ -42,11 +42,11 @@ from ..._output import stored_json
 from ..._task import FAILED, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
+from .._resume import Resume
 from .._room import Room
 from . import _leases as leases
 from . import _writes as writes
 from ._keys import Keys
-from ._resume import Resume
 from ._rows import Rows, encode
 from ._share import Sharing
 from ._window import Window

@@ -301,7 +301,7 @@ def _heard(record: Record, more: list[Attempt] | None) -> None:
 
 
 def _task(data: dict[str, Any]) -> Task:
-    """A task a worker's attempt spawned, as the worker wrote it (`_spawned` in
+    """A task a worker's attempt spawned, as the worker wrote it (`spawn_data` in
     stores/_worker_run.py), without the id the worker gave one it spawned unnamed (`_name` names
     it)."""
     return Task(

@@ -6,7 +6,7 @@ the file. The rest, by concept:
 
 - `_window.py`: what a run changed, written once a window; backpressure on the writer
 - `_rows.py`: a task's record as a row, and back; what a row cannot hold, refused
-- `_resume.py`: a run taken back from its rows, its input matched against them
+- `stores/_resume.py` (shared with PostgreSQL): a run taken back from its rows, its input matched
 - `_keys.py`: idempotency keys claimed, waited for and reused through the file
 - `_share.py`: a run shared with worker processes, the coordinator's side
 - `_writer.py`: the one connection and the thread that uses it

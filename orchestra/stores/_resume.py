@@ -1,6 +1,8 @@
 """A durable run resumed: the rows an earlier process left, taken back into the run's memory run.
 
-Opening a run id the file knows loads its rows (`_writes.open_run`): ended tasks come back
+Both durable stores resume this way (SQLite's `_sqlite/_run.py`, PostgreSQL's coordinator,
+`_postgres/_run.py`); each reads its own rows (`Reader`). Opening a run id the store knows loads
+its rows: ended tasks come back
 as they ended (outputs as JSON values), the others wait again (claimed or running ones lost their
 worker and run again, their attempts counted; a retry waiting for its due time is ready at once; a
 task's timeout starts again). The run hears the ended ones (`finished`) when the input is admitted
@@ -12,24 +14,47 @@ matched by id (generated ids are generated again in the same order): the same ta
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from ..._exceptions import InputError
-from ..._task import TERMINAL, Task
+from .._exceptions import InputError
+from .._task import TERMINAL, Task
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..._admission import Admission
-    from ..._record import Record
-    from .._memory import MemoryRun
-    from .._protocol import Listener
-    from ._rows import Rows
-    from ._share import Sharing
+    from .._admission import Admission
+    from .._record import Record
+    from .._task import Attempt
+    from ._memory import MemoryRun
+    from ._protocol import Listener
 
-__all__ = ("Resume",)
+__all__ = ("Reader", "Remote", "Resume")
+
+
+class Reader(Protocol):
+    """How a store's rows become records (`_sqlite/_rows.py`, `_postgres/_rows.py`)."""
+
+    def failures(self, attempt_rows: list[Any]) -> dict[str, list[Attempt]]:
+        """The failed attempts of the stored tasks, by task id, in order."""
+        ...
+
+    def record(
+        self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]
+    ) -> Record:
+        """The record of a task row (`stored`: id -> (record, payload JSON), filled in)."""
+        ...
+
+    def took_key(self, row: Any) -> bool:
+        """Whether the row's task took its key over at admission (`MemoryRun.took_key`)."""
+        ...
+
+
+class Remote(Protocol):
+    """What other processes hold or completed of a resumed run (SQLite's `Sharing`)."""
+
+    def resume(self, records: Sequence[Record], rows: Sequence[Any]) -> int: ...
 
 
 class Resume:
@@ -41,7 +66,7 @@ class Resume:
         self,
         run_id: str,
         admission: Admission,
-        rows: Rows,
+        rows: Reader,
         loaded: tuple[list[Any], list[Any]] | None,
     ) -> None:
         self.run_id = run_id
@@ -51,7 +76,7 @@ class Resume:
         # The tasks the file held, once taken back: id -> (record, payload JSON).
         self.stored: dict[str, tuple[Record, str]] = {}
 
-    def take_back(self, memory: MemoryRun, listener: Listener, sharing: Sharing) -> int:
+    def take_back(self, memory: MemoryRun, listener: Listener, sharing: Remote) -> int:
         """Take back what the earlier process left (once, when the input starts coming, as the run
         is ready to hear it): the records restored in `memory`, the ended ones heard by
         `listener`, what worker processes hold or completed handed to `sharing`. Returns how many
@@ -68,7 +93,9 @@ class Resume:
         for record in records:
             if record.state not in TERMINAL and record.kind in admission.kinds:
                 admission.check(record.task, "stored task", None, lambda _: False)  # its model
-        took_keys = [row[0] for row in rows if row[32]]
+        took_keys = [
+            record.id for record, row in zip(records, rows, strict=True) if self._rows.took_key(row)
+        ]
         memory.restore(records, took_keys)
         ended = [r for r in records if r.state in TERMINAL]
         for record in ended:

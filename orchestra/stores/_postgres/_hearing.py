@@ -1,0 +1,175 @@
+"""What a coordinator hears from the database, played into its run's mirror (`_run.py`).
+
+- **Ends written elsewhere** (`take_in`): a worker's completion, a lease lost too often, heard
+  from the feed (`_follow.heard`), are played into the mirror as if they had happened in this
+  process (the task claimed there, ended with the database's outcome, its failed attempts and its
+  spawns taken in), so that the run's report, events, results and aggregate see every end once.
+- **Keys another run holds** (`answered`, `keys_due`, `key_heard`): the database's answers for the
+  keys of the run's tasks (`_keys.admit_keys`, `ask_again`): a stored result ends the task in the
+  mirror as the database ended it (unexecuted); a key held elsewhere is waited for, until its
+  finish is heard on the keys' channel or its holder's lease runs out (`_keys.Waiting`), then
+  asked for again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..._exceptions import InputError, StoreError
+from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Attempt, Task
+from . import _keys as keys
+from ._rows import STATES
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Sequence
+
+    from .._memory import MemoryRun
+    from . import _follow as follow
+    from . import _leases as leases
+    from ._listen import Wakeup
+
+__all__ = ("Hearing",)
+
+
+class Hearing:
+    """What one coordinator's run hears from the database (module docstring)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        memory: MemoryRun,
+        held: dict[str, leases.Claimed],
+        wall0: float,
+        loop: asyncio.AbstractEventLoop | None,
+        wakeup: Wakeup,
+        keep_error: Callable[[BaseException], None],
+    ) -> None:
+        self.run_id = run_id
+        self._memory = memory
+        self._held = held  # the run's: the tasks it holds under a lease of the database
+        self._wall0 = wall0
+        self._loop = loop
+        self._wakeup = wakeup
+        self._keep_error = keep_error
+        # Keys another run holds, waited for, and the tasks held back for each.
+        self._waiting = keys.Waiting()
+        self._key_tasks: dict[str, list[str]] = {}
+
+    def next_look(self) -> float:
+        """When the first hold waited for runs out, on the run's clock (``inf``: none)."""
+        return self._waiting.next_look()
+
+    def reconnected(self) -> None:
+        """The listener listens again: what was announced meanwhile is lost, ask for every key."""
+        self._waiting.hear_all()
+        self._wakeup.set()
+
+    def take_in(self, heard: follow.Heard) -> None:
+        """Play the ends written elsewhere into the mirror, as if they had happened here."""
+        if not heard.ends:
+            return
+        memory = self._memory
+        failures: dict[str, list[Attempt]] = {}
+        for row in heard.failures:
+            failures.setdefault(row[0], []).append(
+                Attempt(
+                    number=row[1], agent=row[2], error_type=row[3], message=row[4],
+                    started=0.0 if row[5] is None else row[5] - self._wall0,
+                    duration=row[6] or 0.0, retry_in=row[7], traceback=row[8],
+                    status_code=row[9], api_error_type=row[10], request_id=row[11],
+                )
+            )  # fmt: skip
+        spawned: dict[str, list[Task]] = {}
+        for row in heard.spawned:
+            spawned.setdefault(row[0], []).append(_task(row[1:]))
+        for (
+            task_id,
+            state,
+            output,
+            agent,
+            error,
+            error_type,
+            attempts,
+            started,
+            defaulted,
+        ) in heard.ends:
+            record = memory.record_of(task_id)
+            if record is None or record.state in TERMINAL:
+                continue  # ended here meanwhile (a cancel, a deadline): the mirror's is final
+            if self._held.pop(task_id, None) is not None or record.state in (CLAIMED, RUNNING):
+                token = record.token  # ours once; another process ended it since
+            else:
+                token = memory.take(record)
+            record.attempts = attempts
+            more = failures.get(task_id)
+            if more:
+                known = {a.number for a in record.failures or ()}
+                new = [a for a in more if a.number not in known]
+                record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
+            if started is not None and record.t_start is None:
+                record.t_start = started - self._wall0 + memory.t0
+            value = None if output is None else json.loads(output)
+            try:
+                memory.settle(
+                    record, token, STATES[state], value, spawned=spawned.get(task_id, ()), agent=agent,
+                    error=error, error_type=error_type, defaulted=defaulted,
+                )  # fmt: skip
+            except InputError as exc:  # the database took them: the mirror must too
+                self._keep_error(
+                    StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
+                )
+
+    def answered(self, answers: dict[str, keys.Answer]) -> None:
+        """What the database answered for the keys of the run's tasks: a stored result ends the
+        task here as it ended there (unexecuted); a key held elsewhere is waited for."""
+        if not answers:
+            return
+        memory = self._memory
+        for task_id, answer in answers.items():
+            if isinstance(answer, keys.Stored):
+                record = memory.record_of(task_id)
+                if record is None or record.state in TERMINAL:
+                    continue
+                token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
+                self._held.pop(task_id, None)
+                memory.settle(
+                    record, token, SUCCEEDED, json.loads(answer.output), agent=answer.agent
+                )
+            elif isinstance(answer, keys.Held):
+                record = memory.record_of(task_id)
+                if record is not None and record.task.key is not None:
+                    self.wait_key(record.task.key, task_id, answer.left)
+
+    def wait_key(self, key: str, task_id: str, left: float) -> None:
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        self._waiting.wait(key, keys.Held("", "", "", left), now)
+        self._key_tasks.setdefault(key, []).append(task_id)
+
+    def keys_due(self) -> list[tuple[str, str]]:
+        """The held-back tasks whose keys are to be asked for again now, as (key, task id)."""
+        if not self._key_tasks:
+            return []
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        return [
+            (key, task_id)
+            for key in self._waiting.due(now)
+            for task_id in self._key_tasks.pop(key, ())
+        ]
+
+    def key_heard(self, channel: str, payload: str) -> None:
+        if self._waiting.heard(channel, payload):
+            self._wakeup.set()
+
+
+def _task(row: Sequence[Any]) -> Task:
+    """A task as its row holds it (a spawned one, heard with its spawner's end)."""
+    (task_id, kind, payload, priority, depends_on, depends_on_tags, tags, key, timeout,
+     critical, metadata) = row  # fmt: skip
+    return Task(
+        kind, json.loads(payload), id=task_id, priority=priority, depends_on=depends_on or (),
+        depends_on_tags=depends_on_tags or (), tags=tags or (), key=key, timeout=timeout,
+        critical=critical, metadata=None if metadata is None else json.loads(metadata),
+    )  # fmt: skip

@@ -1,0 +1,312 @@
+"""The coordinator's jobs on PostgreSQL: what its run (`_run.py`) asks of the database, each run in
+the store's thread on a pooled connection (`_database.py`).
+
+- `take_over` / `open_run`: wait as a standby until the run is free, take it, read what an earlier
+  coordinator left of it (its tasks taken back, its keys adopted);
+- `apply`: the run's writes, in order: the coordinator's own (input, decided ends, priorities, the
+  input's close) fenced by its lease on the run, its tasks' ends and failed attempts fenced by
+  their leases;
+- `claim_step`: the ends other processes wrote heard, lapsed leases swept, tasks claimed;
+- `ask_again`: the keys another run held, asked for again;
+- `close_run`: what the run still holds handed back, the run closed and given up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..._log import get_logger
+from . import _coordinator as coordinator
+from . import _follow as follow
+from . import _keys as keys
+from . import _leases as leases
+from ._graph import admit_in
+from ._listen import notify
+from ._rows import load
+from ._settle import close_input
+
+if TYPE_CHECKING:
+    import asyncpg
+
+    from ..._admission import Admission
+    from ._store import PostgresStore
+
+__all__ = (
+    "Applied",
+    "apply",
+    "ask_again",
+    "claim_step",
+    "close_run",
+    "coordinator_name",
+    "open_run",
+    "release",
+    "take_over",
+)
+
+log = get_logger("orchestra")
+
+
+def coordinator_name(store: PostgresStore) -> str:
+    """This process's name as the database knows it (``host:pid:store id``): the holder of its
+    runs' leases and of its tasks' leases."""
+    return f"{socket.gethostname()}:{os.getpid()}:{store.owner}"
+
+
+async def take_over(
+    conn: asyncpg.Connection, run_id: str, owner: str, lease: float, poll: float
+) -> None:
+    """Wait, as a standby, until `run_id` is free for `owner`, and take it (`PostgresStore.
+    prepare_run`)."""
+    host = socket.gethostname()
+    said = False
+    while True:
+        held = await coordinator.holder(conn, run_id)
+        if held is None or held.owner is None or held.owner == owner or held.remaining <= 0:
+            break
+        name, _, rest = held.owner.partition(":")
+        pid = rest.partition(":")[0]
+        if name == host and pid.isdigit() and not _alive(int(pid)):
+            # Its process is gone (this host can tell): its lease is let go of now.
+            await conn.execute(
+                "UPDATE orchestra.runs SET expires = now() - interval '1 second' "
+                "WHERE id = $1 AND owner = $2",
+                run_id, held.owner,
+            )  # fmt: skip
+            break
+        if not said:
+            log.info(
+                "waiting for the run's coordinator to let go (a standby)",
+                run_id=run_id, holder=held.owner, remaining=round(held.remaining, 1),
+            )  # fmt: skip
+            said = True
+        await asyncio.sleep(min(poll, held.remaining) + 0.005)
+    await coordinator.take_over(conn, run_id, owner=owner, lease=lease, poll=poll)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+async def open_run(
+    conn: asyncpg.Connection, run_id: str, owner: str, lease: float
+) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any], list[tuple[str, str]]]:
+    """Take the run (made when new) and read what an earlier coordinator left of it; the tasks
+    that coordinator held are taken back at once (their attempts counted), its process gone."""
+    taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
+    if taken is None:
+        holder = await coordinator.holder(conn, run_id)
+        assert holder is not None  # acquire makes the run
+        return holder, [], [], []
+    await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
+    # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
+    # they held is taken back now, not when its lease would lapse.
+    expired = await conn.fetchval(
+        "WITH before AS (SELECT DISTINCT agent FROM orchestra.events "
+        "WHERE run_id = $1 AND event = 'coordinator' AND agent <> $2) "
+        "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second' "
+        "WHERE run_id = $1 AND lease_owner IN (SELECT agent FROM before) RETURNING 1",
+        run_id, owner,
+    )  # fmt: skip
+    if expired:
+        await leases.take_back_expired(conn, run_id)
+    rows, attempts = await load(conn, run_id)
+    held: list[tuple[str, str]] = []
+    if rows:  # the run's holds of keys are this coordinator's now; what waited, waits again
+        await keys.adopt(conn, run_id, owner=owner, lease=lease)
+        held = await keys.held_back(conn, run_id)
+    return taken, rows, attempts, held
+
+
+async def claim_step(
+    conn: asyncpg.Connection,
+    run_id: str,
+    rooms: dict[str, int],
+    owner: str,
+    lease: float,
+    limit: int | None,
+    sweep: bool = False,
+) -> tuple[follow.Heard, list[leases.Claimed]]:
+    if sweep:
+        # Leases that lapsed (a worker gone; a claim whose answer a lost connection dropped):
+        # taken back here too, so that a run with no live worker left never waits for them.
+        await leases.take_back_expired(conn, run_id)
+    heard = await follow.heard(conn, run_id)
+    claimed: list[leases.Claimed] = []
+    if any(room > 0 for room in rooms.values()):
+        claimed = await leases.claim(conn, run_id, rooms, owner=owner, lease=lease, limit=limit)
+    return heard, claimed
+
+
+async def release(conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]]) -> None:
+    await leases.release(conn, owner, held)
+
+
+class Applied(NamedTuple):
+    """What the database made of the run's writes: the ends it refused (a lease lost), and its
+    answers for the keys of the tasks admitted (by task id)."""
+
+    refused: list[str]
+    answers: dict[str, keys.Answer]
+
+
+async def ask_again(
+    conn: asyncpg.Connection,
+    run_id: str,
+    lease: coordinator.Lease,
+    wanted: list[tuple[str, str]],
+) -> dict[str, keys.Answer]:
+    async with coordinator.fenced(conn, lease):
+        return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+
+
+async def apply(
+    conn: asyncpg.Connection,
+    run_id: str,
+    lease: coordinator.Lease,
+    admission: Admission,
+    ops: list[tuple[str, Any]],
+) -> Applied:
+    """Tell the database what the run did, in order: the coordinator's own writes (input,
+    decided ends, priorities, the input's close) fenced by its lease on the run, its tasks' ends
+    and failed attempts fenced by their leases. Returns the ids whose end was refused."""
+    refused: list[str] = []
+    answers: dict[str, keys.Answer] = {}
+    i = 0
+    while i < len(ops):
+        kind = ops[i][0]
+        j = i
+        while (
+            j < len(ops)
+            and (ops[j][0] in _FENCED) == (kind in _FENCED)
+            and (kind in _FENCED or ops[j][0] == kind)
+        ):
+            j += 1
+        group = ops[i:j]
+        if kind in _FENCED:
+            async with coordinator.fenced(conn, lease):
+                readied = False
+                for what, op in merged(group):
+                    readied = (
+                        await fenced_op(conn, run_id, lease, admission, what, op, answers)
+                        or readied
+                    )
+                if readied:
+                    await notify(conn, run_id)
+        elif kind == "end":
+            ends = [op[0] for _, op in group]
+            spawned = {op[0].id: op[1] for _, op in group if op[1]}
+            failures = {op[0].id: op[2] for _, op in group if op[2]}
+            done = await leases.complete(
+                conn, run_id, lease.owner, ends, spawned=spawned, admission=admission,
+                failures=failures,
+            )  # fmt: skip
+            refused.extend(end.id for end, ok in zip(ends, done, strict=True) if not ok)
+        elif kind == "note":
+            await leases.note(conn, run_id, lease.owner, [op for _, op in group])
+        else:  # "requeue"
+            if await leases.requeue(conn, lease.owner, [op for _, op in group]):
+                await notify(conn, run_id)
+        i = j
+    return Applied(refused, answers)
+
+
+_FENCED = frozenset(("admit", "decide", "priority", "close_input"))
+
+
+def merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Consecutive items of a streamed input (each its own op) as one batch."""
+    merged: list[tuple[str, Any]] = []
+    for what, op in group:
+        if what == "admit" and merged and merged[-1][0] == "admit":
+            tasks, where, forward, first, wanted = merged[-1][1]
+            more, where2, forward2, first2, wanted2 = op
+            if (where, forward, where2, forward2) == (
+                "input item",
+                False,
+                "input item",
+                False,
+            ) and (first2 == first + len(tasks)):
+                merged[-1] = ("admit", (tasks + more, where, forward, first, wanted + wanted2))
+                continue
+        if what == "decide" and merged and merged[-1][0] == "decide":
+            merged[-1] = ("decide", [*merged[-1][1], op])
+            continue
+        merged.append((what, [op] if what == "decide" else op))
+    return merged
+
+
+async def fenced_op(
+    conn: asyncpg.Connection,
+    run_id: str,
+    lease: coordinator.Lease,
+    admission: Admission,
+    what: str,
+    op: Any,
+    answers: dict[str, keys.Answer],
+) -> bool:
+    """One of the coordinator's own writes; True when it may have made tasks ready."""
+    if what == "admit":
+        tasks, where, forward, first, wanted = op
+        _, ready, _ = await admit_in(conn, run_id, tasks, admission, where, forward, first, None)
+        if wanted:  # in the admission's transaction: no keyed task is claimed before its key
+            answers.update(
+                await keys.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+            )
+        return bool(ready)
+    if what == "decide":
+        ended, skipped = await follow.decide(conn, run_id, op)
+        await keys.finish_tasks(conn, run_id, ended + skipped)
+        return False
+    if what == "priority":
+        task_id, priority = op
+        await conn.execute(
+            "UPDATE orchestra.tasks SET priority = $3 WHERE run_id = $1 AND id = $2 "
+            "AND state IN ('pending', 'ready', 'retry_wait')",
+            run_id, task_id, priority,
+        )  # fmt: skip
+        return False
+    await close_input(conn, run_id)  # "close_input": notifies what it readies
+    return False
+
+
+_RELEASE_UNREAD = """
+UPDATE orchestra.tasks SET state = 'ready', attempts = attempts - 1, lease_owner = NULL,
+    lease_expires = NULL
+WHERE run_id = $1 AND lease_owner = $2 AND state = 'claimed'
+"""
+
+
+async def close_run(
+    conn: asyncpg.Connection,
+    lease: coordinator.Lease,
+    held: list[tuple[str, str, int]],
+    done: bool,
+    keyed: bool,
+) -> None:
+    """Hand back the tasks still held, unstarted (no attempt counted) — and any other claim of
+    this process on the run (one whose answer the run's end left unread) — and, unless every task
+    ended, the keys the run holds (another run waiting for one takes it over); mark the run
+    closed when all its tasks ended, and give the run up (a standby or the next coordinator takes
+    it now)."""
+    await leases.release(conn, lease.owner, held)
+    await conn.execute(_RELEASE_UNREAD, lease.run_id, lease.owner)
+    if keyed and not done:
+        await keys.release_run(conn, lease.run_id, lease.owner)
+    if done:
+        with contextlib.suppress(coordinator.LeaseLost):
+            async with coordinator.fenced(conn, lease):
+                await conn.execute(
+                    "UPDATE orchestra.runs SET state = 'closed', updated = now() WHERE id = $1",
+                    lease.run_id,
+                )
+    await coordinator.hand_over(conn, lease)

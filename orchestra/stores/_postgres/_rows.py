@@ -1,0 +1,126 @@
+"""A resumed run's rows on PostgreSQL, read back into records (`stores/_resume.Reader`).
+
+What `Resume` takes back, as the SQLite store's `_rows.py` reads it from its file: a task's row
+becomes its `Record` (ended as it ended, times counted from the coordinator's zero `wall0`), and
+the ``attempts`` rows its failed attempts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Final
+
+from ..._record import Record
+from ..._task import (
+    CANCELLED,
+    CLAIMED,
+    FAILED,
+    PENDING,
+    READY,
+    RETRY_WAIT,
+    RUNNING,
+    SKIPPED,
+    SUCCEEDED,
+    TERMINAL,
+    Attempt,
+    Task,
+)
+
+if TYPE_CHECKING:
+    import asyncpg
+
+__all__ = ("STATES", "Rows", "load")
+
+# The interned constants: the engine compares states by `is`.
+STATES: Final = {
+    s: s
+    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
+}
+
+# A spawner's row before its spawns' (they are admitted in a later transaction), a batch's rows in
+# their order.
+_TASKS = """
+SELECT id, parent, idx, named, kind, payload::text, depends_on, depends_on_tags, tags, key,
+    timeout, critical, metadata::text, priority, state, attempts, agent_tries, target, tried,
+    feedback::text, extract(epoch FROM started)::float8, extract(epoch FROM finished)::float8,
+    output::text, agent, error, error_type, defaulted, took_key
+FROM orchestra.tasks WHERE run_id = $1
+ORDER BY admitted, parent IS NOT NULL, idx
+"""
+
+_ATTEMPTS = """
+SELECT task_id, number, agent, error_type, message, extract(epoch FROM started)::float8,
+    duration, retry_in, traceback, status_code, api_error_type, request_id
+FROM orchestra.attempts WHERE run_id = $1
+ORDER BY task_id, number
+"""
+
+
+async def load(conn: asyncpg.Connection, run_id: str) -> tuple[list[Any], list[Any]]:
+    """The rows of `run_id`'s tasks (admission order) and of their failed attempts."""
+    tasks = list(await conn.fetch(_TASKS, run_id))
+    if not tasks:
+        return [], []
+    return tasks, list(await conn.fetch(_ATTEMPTS, run_id))
+
+
+class Rows:
+    """Records from one run's rows (`stores/_resume.Reader`)."""
+
+    __slots__ = ("offset", "wall0")
+
+    def __init__(self, wall0: float, offset: float) -> None:
+        self.wall0 = wall0  # wall time of the mirror's zero
+        self.offset = offset  # loop time + offset = wall time
+
+    def failures(self, attempt_rows: list[Any]) -> dict[str, list[Attempt]]:
+        failures: dict[str, list[Attempt]] = {}
+        for a in attempt_rows:
+            failures.setdefault(a[0], []).append(
+                Attempt(
+                    number=a[1], agent=a[2], error_type=a[3], message=a[4],
+                    started=(a[5] or self.wall0) - self.wall0, duration=a[6] or 0.0,
+                    retry_in=a[7], traceback=a[8], status_code=a[9], api_error_type=a[10],
+                    request_id=a[11],
+                )
+            )  # fmt: skip
+        return failures
+
+    def record(
+        self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]
+    ) -> Record:
+        (task_id, parent, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
+         timeout, critical, metadata, priority, state, attempts, agent_tries, target, tried,
+         feedback, started, finished, output, agent, error, error_type, defaulted,
+         _took_key) = row  # fmt: skip
+        task = Task(
+            kind, json.loads(payload), id=task_id, priority=priority,
+            depends_on=depends_on or [], depends_on_tags=depends_on_tags or [], tags=tags or [],
+            key=key, timeout=timeout, critical=critical,
+            metadata=None if metadata is None else json.loads(metadata),
+        )  # fmt: skip
+        record = Record(task, idx, None if parent is None else stored[parent][0], named)
+        record.state = state = STATES[state]
+        record.attempts = attempts
+        record.agent_tries = agent_tries
+        record.target = target
+        record.tried = None if tried is None else list(tried)
+        record.feedback = None if feedback is None else json.loads(feedback)
+        record.failures = failures.get(task_id)
+        if started is not None:
+            record.t_start = started - self.offset
+        if output is not None:
+            record.output = json.loads(output)
+        if state in TERMINAL:
+            record.status = state  # type: ignore[assignment]
+            record.agent = agent
+            record.started = None if started is None else started - self.wall0
+            record.finished = (finished or self.wall0) - self.wall0
+            record.error = error
+            record.error_type = error_type
+            record.defaulted = defaulted
+        stored[task_id] = (record, payload)
+        return record
+
+    def took_key(self, row: Any) -> bool:
+        return bool(row[27])

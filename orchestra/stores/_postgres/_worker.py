@@ -1,0 +1,350 @@
+"""A worker process's side of a PostgreSQL database: what `orchestra.stores._worker.Worker` asks
+of the store it works for (its `Backend`), as jobs of `_leases` on the store's connections
+(`PostgresStore.database`).
+
+- **Claims** (`_leases.claim`): of the worker's run, or, serving every run, of each open run with
+  ready tasks of its kinds, oldest first, until its room is used.
+- **Completions** (`_leases.complete`), one transaction per run for what ended meanwhile (a group
+  commit): each end carries its attempts, its failed attempts not yet noted, and its attempt's
+  spawns, admitted with it under the checks of the worker's run (its agents' kinds and payload
+  models, as the coordinator's would be: the same agents). A spawn the run refuses (a duplicate
+  id, an unknown dependency) fails its spawner with an ``InputError``, as a coordinator fails it,
+  and the others' ends are written all the same. Failed attempts of a task retried here are
+  written as they fail (`_leases.note`).
+- **Presence** (`_processes.Presence`): the worker's row, its beat, and the sweep that takes back
+  the expired leases of dead processes; **wake-ups** (`_listen.Listener`) on its run's channel,
+  or the global one when it serves every run, with the store's `poll` behind them.
+
+Every time is the database's: leases and expiries are ``now()`` there, and the times of the
+worker's own attempts (measured on its monotonic clock, from the wall time its local run started)
+are moved onto the database's clock by the difference the worker measured when it joined, so a
+worker whose clock is off writes the same times as one whose clock is right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import asyncpg
+
+from ..._exceptions import InputError, StoreError
+from ..._task import CANCELLED, FAILED
+from .._worker_run import ending
+from ._database import explain
+from ._leases import End, Failed, claim, complete, heartbeat, note, release
+from ._listen import GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
+from ._processes import Presence
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Mapping, Sequence
+
+    from ..._admission import Admission
+    from ..._task import Attempt, Task, TaskResult
+    from .._worker_run import Claim
+    from ._leases import Claimed
+    from ._store import PostgresStore
+
+__all__ = ("PostgresWorkerBackend",)
+
+# What a database out of reach raises under the presence and the listener (their own
+# connections, not the pool's, whose errors `Database` explains already).
+_LOST = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+class PostgresWorkerBackend:
+    """The claims, heartbeats and completions of a worker on `store`'s database."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        self.database = store.database
+        self.lease = store.lease
+        self.poll = store.poll
+        self._wakeup = Wakeup()
+        self._presence: Presence | None = None
+        self._offset = 0.0  # the database's clock less this process's wall clock, seconds
+
+    def name(self, suffix: str) -> str:
+        return f"{socket.gethostname()}:{os.getpid()}:{suffix}"
+
+    @contextlib.asynccontextmanager
+    async def present(
+        self, name: str, run_id: str | None, kinds: Sequence[str]
+    ) -> AsyncIterator[None]:
+        database = self.database
+        await database.run(_now)  # the pool opened, the schema migrated (a StoreError if not)
+        before = time.time()
+        now: float = await database.run(_now)
+        self._offset = now - (before + time.time()) / 2
+        channel = GLOBAL_CHANNEL if run_id is None else channel_of(run_id)
+        wake = self._wakeup.set
+        presence: Presence | None = None
+        try:
+            async with (
+                Presence(
+                    database.dsn, name, host=socket.gethostname(), pid=os.getpid(),
+                    lease=self.lease, kinds=kinds, run_id=run_id, on_swept=wake,
+                ) as presence,
+                Listener(database.dsn, [channel], on_notify=wake, on_reconnect=wake),
+            ):  # fmt: skip
+                self._presence = presence
+                try:
+                    yield
+                finally:
+                    self._presence = None
+        except _LOST as exc:
+            raise StoreError(explain(exc, database.dsn)) from exc
+        finally:
+            if presence is not None:
+                # What it did since its last beat, which the presence (gone now, its beats over)
+                # did not take to its row: the row says what the worker did, to its end.
+                with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
+                    await database.run(
+                        _counted, name, presence.claimed, presence.completed, presence.refused
+                    )
+
+    async def claim(
+        self, name: str, run_id: str | None, rooms: Mapping[str, int], room: int
+    ) -> tuple[list[Claimed], bool]:
+        claimed, closed = await self.database.run(
+            _claim, name, run_id, dict(rooms), room, self.lease
+        )
+        if self._presence is not None:
+            self._presence.claimed += len(claimed)
+        # A claim counts the attempt its lease is for; the worker's run counts it again when it
+        # starts it: it is given the attempts made before.
+        return [c._replace(attempts=c.attempts - 1) for c in claimed], closed
+
+    async def closed(self, run_id: str) -> bool:
+        return bool(await self.database.run(_closed, run_id))
+
+    async def wait(self, poll: float) -> None:
+        await self._wakeup.wait(poll)
+
+    async def heartbeat(self, name: str, held: Sequence[Claim]) -> set[tuple[str, str]]:
+        leases = [(c.run_id, c.id, c.token) for c in held]
+        lost: set[tuple[str, str]] = await self.database.run(_heartbeat, name, leases, self.lease)
+        return lost
+
+    async def complete(
+        self,
+        name: str,
+        wall0: float,
+        ends: Sequence[tuple[Claim, TaskResult, Sequence[Attempt], Any]],
+        notes: Sequence[tuple[Claim, Attempt]],
+        admission: Admission | None,
+    ) -> list[bool]:
+        wall = wall0 + self._offset
+        runs: dict[str, _Ends] = {}
+        for claimed, result, failures, spawned in ends:
+            of_run = runs.setdefault(claimed.run_id, _Ends())
+            tasks, named_here = spawned if spawned is not None else (None, set())
+            state, output, error, error_type, kept = ending(result, tasks)
+            started = None if result.started is None else wall + result.started
+            end = End(claimed.id, claimed.token, state, output, result.agent, error, error_type,
+                      result.attempts, bool(result.defaulted), started)  # fmt: skip
+            of_run.ends.append(end)
+            if failures:
+                of_run.failures[claimed.id] = [_failed(wall, a) for a in failures]
+            if kept:
+                # A task spawned unnamed goes without the id given it here: the database names it
+                # after its spawner, skipping the ids its run has (`_graph.admit_in`).
+                of_run.spawned[claimed.id] = [
+                    _unnamed(t) if t.id in named_here else t for t in kept
+                ]
+        noted: dict[str, list[tuple[str, int, Failed]]] = {}
+        for claimed, attempt in notes:
+            noted.setdefault(claimed.run_id, []).append(
+                (claimed.id, claimed.token, _failed(wall, attempt))
+            )
+        written: dict[tuple[str, str], bool] = await self.database.run(
+            _complete, name, runs, noted, admission
+        )
+        accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
+        if self._presence is not None:  # counted as the worker's report counts them
+            self._presence.completed += sum(accepted)
+            self._presence.refused += sum(
+                not ok and result.status != CANCELLED
+                for ok, (_, result, *_) in zip(accepted, ends, strict=True)
+            )
+        return accepted
+
+    async def release(self, name: str, held: Sequence[Claim] | None) -> int:
+        leases = None if held is None else [(c.run_id, c.id, c.token) for c in held]
+        released: int = await self.database.run(_release, name, leases)
+        return released
+
+
+class _Ends:
+    """A run's part of a group commit."""
+
+    __slots__ = ("ends", "failures", "spawned")
+
+    def __init__(self) -> None:
+        self.ends: list[End] = []
+        self.failures: dict[str, list[Failed]] = {}
+        self.spawned: dict[str, list[Task]] = {}
+
+
+def _failed(wall: float, a: Attempt) -> Failed:
+    return Failed(a.number, a.agent, a.error_type, a.message, wall + a.started, a.duration,
+                  a.retry_in, a.traceback, a.status_code, a.api_error_type, a.request_id)  # fmt: skip
+
+
+def _unnamed(task: Task) -> Task:
+    task = copy.copy(task)
+    task.id = None  # type: ignore[assignment]  # named by the admission
+    return task
+
+
+# -- jobs (each on a pooled connection, in the store's thread) -----------------------------------
+
+
+async def _counted(
+    conn: asyncpg.Connection, owner: str, claimed: int, completed: int, refused: int
+) -> None:
+    await conn.execute(
+        "UPDATE orchestra.workers SET claimed = claimed + $2, completed = completed + $3, "
+        "refused = refused + $4 WHERE owner = $1",
+        owner, claimed, completed, refused,
+    )  # fmt: skip
+
+
+async def _now(conn: asyncpg.Connection) -> float:
+    now: float = await conn.fetchval("SELECT extract(epoch FROM now())::float8")
+    return now
+
+
+# The open runs with ready tasks of some kinds, oldest first (a worker that serves every run).
+_RUNS_READY = """
+SELECT r.id FROM orchestra.runs AS r
+WHERE r.state = 'open' AND EXISTS (
+    SELECT 1 FROM orchestra.tasks AS t
+    WHERE t.run_id = r.id AND t.state = 'ready' AND t.kind = ANY ($1::text[])
+)
+ORDER BY r.created, r.id
+"""
+
+
+async def _claim(
+    conn: asyncpg.Connection,
+    owner: str,
+    run_id: str | None,
+    rooms: dict[str, int],
+    room: int,
+    lease: float,
+) -> tuple[list[Claimed], bool]:
+    """What `Backend.claim` answers: the tasks claimed; with a run, whether its row says it is
+    over (when nothing was claimed)."""
+    if run_id is not None:
+        batch = await claim(conn, run_id, rooms, owner=owner, lease=lease, limit=room)
+        return batch, not batch and await _closed(conn, run_id)
+    claimed: list[Claimed] = []
+    for run in [row[0] for row in await conn.fetch(_RUNS_READY, list(rooms))]:
+        batch = await claim(conn, run, rooms, owner=owner, lease=lease, limit=room)
+        claimed.extend(batch)
+        room -= len(batch)
+        for task in batch:
+            rooms[task.kind] -= 1
+        rooms = {kind: n for kind, n in rooms.items() if n > 0}
+        if room <= 0 or not rooms:
+            break
+    return claimed, False
+
+
+async def _closed(conn: asyncpg.Connection, run_id: str) -> bool:
+    state = await conn.fetchval("SELECT state FROM orchestra.runs WHERE id = $1", run_id)
+    return bool(state == "closed")
+
+
+async def _heartbeat(
+    conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]], lease: float
+) -> set[tuple[str, str]]:
+    return await heartbeat(conn, owner, held, lease=lease)
+
+
+async def _complete(
+    conn: asyncpg.Connection,
+    owner: str,
+    runs: dict[str, _Ends],
+    noted: dict[str, list[tuple[str, int, Failed]]],
+    admission: Admission | None,
+) -> dict[tuple[str, str], bool]:
+    """The failed attempts of tasks that go on, then each run's ends in a transaction of its own;
+    whether each end was written, by (run id, task id)."""
+    for run_id, failed in noted.items():
+        await note(conn, run_id, owner, failed)
+    written: dict[tuple[str, str], bool] = {}
+    for run_id, of_run in runs.items():
+        try:
+            done = await complete(
+                conn, run_id, owner, of_run.ends, spawned=of_run.spawned,
+                admission=admission, failures=of_run.failures,
+            )  # fmt: skip
+        except InputError:
+            # A spawn was refused, and nothing written: each end alone, then, so that only the
+            # spawner whose spawns were refused fails for it.
+            done = [
+                await _complete_one(conn, run_id, owner, of_run, e, admission) for e in of_run.ends
+            ]
+        for end, ok in zip(of_run.ends, done, strict=True):
+            written[(run_id, end.id)] = ok
+    return written
+
+
+async def _complete_one(
+    conn: asyncpg.Connection,
+    run_id: str,
+    owner: str,
+    of_run: _Ends,
+    end: End,
+    admission: Admission | None,
+) -> bool:
+    failures = {end.id: of_run.failures[end.id]} if end.id in of_run.failures else None
+    spawned = of_run.spawned.get(end.id)
+    if spawned:
+        try:
+            [ok] = await complete(
+                conn, run_id, owner, [end], spawned={end.id: spawned}, admission=admission,
+                failures=failures,
+            )  # fmt: skip
+        except InputError as exc:
+            end = end._replace(
+                state=FAILED, output=None, error_type="InputError",
+                error=f"the tasks it spawned (on a worker) were refused: {exc}",
+            )  # fmt: skip
+        else:
+            return ok
+    [ok] = await complete(conn, run_id, owner, [end], failures=failures)
+    return ok
+
+
+# Every claim `owner` still holds unstarted, handed back as `_leases.release` hands back some (a
+# stopping worker: the answer of a claim its stop cancelled may have been dropped, the claim
+# committed all the same).
+_RELEASE_ALL = """
+UPDATE orchestra.tasks AS t
+SET state = 'ready', attempts = t.attempts - 1, lease_owner = NULL, lease_expires = NULL
+WHERE t.lease_owner = $1 AND t.state = 'claimed'
+RETURNING t.run_id, t.id
+"""
+
+
+async def _release(
+    conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]] | None
+) -> int:
+    """Hand back claims (`held`, or every one `owner` holds), and wake the processes that serve
+    their runs: they are ready at once."""
+    async with conn.transaction():
+        if held is None:
+            released = {(row[0], row[1]) for row in await conn.fetch(_RELEASE_ALL, owner)}
+        else:
+            released = await release(conn, owner, held)
+        for run_id in sorted({run for run, _ in released}):
+            await notify(conn, run_id, "ready")
+    return len(released)
