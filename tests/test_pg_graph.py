@@ -477,6 +477,22 @@ class TestKeysWithinARun:
         assert row is not None
         assert tuple(row) == ("succeeded", '"done"', "y")
 
+    async def test_a_streamed_member_depending_on_a_follower_of_its_groups_waiter_is_refused(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # k2 follows k1, which waits for group g: a member of g depending on k2 would wait for k1
+        # through it, a cycle nothing would ever end.
+        for task in (Task("a", id="k1", key="same", depends_on_tags=["g"]),
+                     Task("a", id="k2", key="same")):  # fmt: skip
+            await admit(conn, "r", [task], admission=admission(), forward=False)
+        with pytest.raises(InputError, match="cycle") as refused:
+            await admit(
+                conn, "r", [Task("a", id="m", tags=["g"], depends_on=["k2"])],
+                admission=admission(), forward=False,
+            )  # fmt: skip
+        assert (refused.value.task_id, refused.value.field) == ("m", "tags")
+        assert "m" not in await states(conn)
+
     async def test_a_follower_admitted_while_its_holder_ends_ends_with_it(
         self, pg_dsn: str, conn: asyncpg.Connection
     ) -> None:
