@@ -350,7 +350,9 @@ async def _pass_keys(
     heirs: list[tuple[str, str]] = []  # (key, heir)
     rest: list[tuple[str, str, int]] = []  # (follower, its new holder, n)
     for task_id, state in ended:
-        live = [f for f in line.get(task_id, ()) if f[2] not in _ENDED]
+        # A follower waits for its holder, so the ones still to come are pending (the others
+        # ended meanwhile: skipped, cancelled).
+        live = [f for f in line.get(task_id, ()) if f[2] == "pending"]
         if not live:
             continue
         if state == SUCCEEDED:
@@ -368,9 +370,6 @@ async def _pass_keys(
         for follower, _ in ending:
             if follower in done:  # its end frees what waited for it, before its holder's groups
                 await _release(conn, run_id, [(follower, SUCCEEDED)], readied, skip)
-
-
-_ENDED: Final = frozenset(("succeeded", "failed", "cancelled", "skipped"))
 
 
 class _Group:
