@@ -683,6 +683,8 @@ class TestAKeySharedInItsRun:
             conn, "r1", Task("work", 1, id="a", key="k"), Task("work", 2, id="b", key="k")
         )
         await mine(conn, "k", run="r1", task="a")
+        # b follows a in the run's graph: made ready by hand, so that both end in one completion.
+        await self.takes_over(conn, "r1", "b")
         claimed = await claim_tasks(conn, "r1", {"work": 2}, owner="w1", lease=LEASE)
         tokens = {task.id: task.token for task in claimed}
         ends = [

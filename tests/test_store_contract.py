@@ -61,12 +61,6 @@ STORES: list[Callable[[], Store]] = [MemoryStore, sqlite_store, postgres_store]
 
 KINDS = ("a", "b")
 
-# What the PostgreSQL store does not do yet: a task that follows its key's holder in the run.
-_PG_KEYS_IN_RUN = frozenset((
-    "test_tasks_with_the_same_key_execute_once",
-    "test_a_streamed_member_that_depends_on_a_follower_of_its_groups_waiter_is_refused",
-))  # fmt: skip
-
 
 class Typed(BaseModel):
     """The payload model of the kind "typed" (admission validates it)."""
@@ -204,12 +198,6 @@ def store_factory(request: pytest.FixtureRequest) -> Callable[[], Store]:
     factory: Callable[[], Store] = request.param
     if factory is postgres_store:  # on the session's server: a database per store it makes
         request.getfixturevalue("pg_stores")
-        if request.node.originalname in _PG_KEYS_IN_RUN:
-            request.applymarker(
-                pytest.mark.xfail(
-                    strict=True, reason="keys within a run are not followed in the database yet"
-                )
-            )
     return factory
 
 

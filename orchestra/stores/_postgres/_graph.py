@@ -20,8 +20,12 @@ batch's edges). The writes are a few statements over arrays (``unnest``): tasks,
 counts; then what waits for something that failed is skipped, and what waits for nothing is
 ready.
 
-Not here yet: idempotency keys within a run (a task whose key another task of the run holds runs
-itself here; the memory store makes it follow that task).
+**Keys within a run** (`Graph.keys`, `Graph._follow`): ``run_keys`` says which task of the run
+holds each key, ``follows`` which tasks follow it, in line. A task admitted with a key another
+task of the run holds follows it (waits for it: one more in ``waiting``), ends at once with its
+result if it has succeeded, or takes the key over if it ended otherwise, or if it waits for this
+task (it then follows this one). The key's row is locked first, so the holder's end (`_settle`,
+which ends its followers or hands the key on) comes wholly before the admission or after it.
 """
 
 from __future__ import annotations
@@ -50,11 +54,10 @@ from .._graph_checks import GraphChecks
 from ._settle import (
     LOCK_GROUPS,
     QUEUE_STEP,
-    Settled,
     columns,
     end_cascade,
     make_ready,
-    skip_pending,
+    skip_cascade,
     transaction,
 )
 
@@ -205,13 +208,193 @@ async def admit_in(
             "SET members = g.members + excluded.members, open = g.open + excluded.open",
             run_id, tags, [touched[t][0] for t in tags], [touched[t][1] for t in tags],
         )  # fmt: skip
-    settled = Settled([], [])
+    reused: list[tuple[str, str]] = []
+    if any(task.key is not None for task in batch):
+        reused = await _follow_keys(conn, run_id, batch, {t for t, _ in skip}, edges)
+    ready: list[tuple[str, str]] = []
+    skipped: list[str] = []
     if skip:
-        settled = await end_cascade(conn, run_id, await skip_pending(conn, run_id, skip))
-    # As `MemoryRun._wire`: what the skips freed first, then the batch's tasks waiting for nothing.
-    ready = [*settled.ready, *await make_ready(conn, run_id, list(new))]
-    skipped = [task_id for task_id, _ in skip]
-    return list(new), ready, [*skipped, *settled.skipped]
+        settled = await skip_cascade(conn, run_id, skip)
+        ready.extend(settled.ready)
+        skipped.extend(settled.skipped)
+    # As `MemoryRun._wire`: the skips first, then the tasks whose key's holder had succeeded end
+    # with its result, each settled in turn, then the batch's tasks waiting for nothing are ready.
+    for task_id, holder in reused:
+        if await conn.fetchval(_REUSE, run_id, task_id, holder) is not None:
+            ready = [r for r in ready if r[0] != task_id]  # (made ready by an earlier one)
+            settled = await end_cascade(conn, run_id, [(task_id, SUCCEEDED)])
+            ready.extend(settled.ready)
+            skipped.extend(settled.skipped)
+    ready.extend(await make_ready(conn, run_id, list(new)))
+    return list(new), ready, skipped
+
+
+# -- keys within a run -------------------------------------------------------------------------
+
+# The batch's keys, each held by the first task admitted with it (none of the run had it), then
+# locked (see `_settle._HELD_KEYS`); the holders' states are read by the next statement, whose
+# snapshot comes after the lock.
+_NEW_KEYS = """
+INSERT INTO orchestra.run_keys (run_id, key, holder)
+SELECT $1, k.key, k.holder FROM unnest($2::text[], $3::text[]) AS k (key, holder)
+ON CONFLICT DO NOTHING
+"""
+
+_LOCK_KEYS = """
+SELECT k.key, k.holder FROM orchestra.run_keys AS k
+WHERE k.run_id = $1 AND k.key = ANY ($2::text[])
+ORDER BY k.key
+FOR UPDATE
+"""
+
+_STATES_OF = """
+SELECT t.id, t.state FROM orchestra.tasks AS t WHERE t.run_id = $1 AND t.id = ANY ($2::text[])
+"""
+
+# Whether the task $2 waits, through its unfinished dependencies, the members of the open groups
+# it waits for and the holders of the keys it follows, for the task $3 (`Graph._waits_for`).
+_WAITS_FOR = """
+WITH RECURSIVE up (id) AS (
+    SELECT $2::text
+    UNION
+    SELECT n.id
+    FROM up JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = up.id
+    CROSS JOIN LATERAL (
+        SELECT d AS id FROM unnest(t.depends_on) AS d
+        UNION ALL
+        SELECT m.id FROM unnest(t.depends_on_tags) AS w (tag)
+        JOIN orchestra.groups AS g ON g.run_id = $1 AND g.tag = w.tag AND NOT g.closed
+        JOIN orchestra.tasks AS m ON m.run_id = $1 AND m.tags @> ARRAY[w.tag]
+        UNION ALL
+        SELECT k.holder FROM orchestra.run_keys AS k
+        WHERE k.run_id = $1 AND k.key = t.key AND k.holder <> t.id
+    ) AS next
+    JOIN orchestra.tasks AS n ON n.run_id = $1 AND n.id = next.id
+    WHERE n.state NOT IN ('succeeded', 'failed', 'cancelled', 'skipped')
+)
+SELECT EXISTS (SELECT FROM up WHERE id = $3)
+"""
+
+# A task that followed the holder $2 follows the new holder $3 first, before the ones that
+# followed it (they follow $3 now, in their places).
+_SWAP = """
+WITH moved AS (
+    UPDATE orchestra.follows SET holder = $3 WHERE run_id = $1 AND holder = $2 RETURNING n
+)
+INSERT INTO orchestra.follows (run_id, follower, holder, n)
+SELECT $1, $2, $3, coalesce(
+    (SELECT min(n) FROM moved) - 1, nextval(pg_get_serial_sequence('orchestra.follows', 'n')))
+"""
+
+_FOLLOW = """
+INSERT INTO orchestra.follows (run_id, follower, holder)
+SELECT $1, f.follower, f.holder FROM unnest($2::text[], $3::text[])
+    WITH ORDINALITY AS f (follower, holder, n)
+ORDER BY f.n
+"""
+
+_HOLDERS = """
+UPDATE orchestra.run_keys AS k SET holder = u.holder
+FROM unnest($2::text[], $3::text[]) AS u (key, holder)
+WHERE k.run_id = $1 AND k.key = u.key
+"""
+
+_WAITS_MORE = """
+UPDATE orchestra.tasks AS t SET waiting = t.waiting + u.more, took_key = t.took_key OR u.took
+FROM unnest($2::text[], $3::integer[], $4::boolean[]) AS u (id, more, took)
+WHERE t.run_id = $1 AND t.id = u.id
+"""
+
+# A task whose key's holder had succeeded ends with its result, unless it ended meanwhile (a
+# skip). It may have been made ready meanwhile, by the end of another such task it depends on: as
+# in memory, it ends all the same (no one can have claimed it: this transaction made it ready).
+_REUSE = """
+UPDATE orchestra.tasks AS t
+SET state = 'succeeded', output = h.output, agent = h.agent, finished = now()
+FROM orchestra.tasks AS h
+WHERE t.run_id = $1 AND t.id = $2 AND t.state IN ('pending', 'ready') AND h.run_id = $1
+    AND h.id = $3
+RETURNING t.id
+"""
+
+
+async def _follow_keys(
+    conn: asyncpg.Connection,
+    run_id: str,
+    batch: Sequence[Task],
+    skipped: set[str],
+    edges: Sequence[tuple[bool, str, str]],
+) -> list[tuple[str, str]]:
+    """`Graph.wire`'s keys for a batch just written: a task whose key another task of the run
+    holds follows it (waits for it, to end with its result), takes the key over (its holder
+    ended without succeeding, or waits for it: then the holder follows it), or, its holder having
+    succeeded, is returned (with that holder's id) to end at once. Each in turn, as in memory."""
+    firsts: dict[str, str] = {}
+    for task in batch:
+        if task.key is not None:
+            firsts.setdefault(task.key, task.id)
+    await conn.execute(_NEW_KEYS, run_id, list(firsts), list(firsts.values()))
+    holders = {r[0]: r[1] for r in await conn.fetch(_LOCK_KEYS, run_id, sorted(firsts))}
+    new = {task.id for task in batch}
+    states: dict[str, str] = dict.fromkeys(new, PENDING)
+    old = [h for h in set(holders.values()) if h not in new]
+    if old:
+        states.update((r[0], r[1]) for r in await conn.fetch(_STATES_OF, run_id, old))
+    # Whom something of the batch waits for: only such a task (or a group's member) can be waited
+    # for by its key's holder (`Graph._waits_for` is free for the others).
+    awaited = {source for on_group, source, _ in edges if not on_group}
+    keyed = [
+        t for t in batch if t.key is not None and t.id not in skipped and holders[t.key] != t.id
+    ]
+    changed: dict[str, str] = {}  # key -> its new holder
+    follows: list[tuple[str, str]] = []  # (follower, holder), not written yet
+    more: dict[str, int] = {}  # task -> what it waits for more
+    took: set[str] = set()
+    reused: list[tuple[str, str]] = []
+    for task in keyed:
+        key: str = task.key  # type: ignore[assignment]
+        holder = holders[key]
+        state = states[holder]
+        if state == SUCCEEDED:
+            reused.append((task.id, holder))
+            continue
+        if state in TERMINAL:  # it failed, or was cancelled or skipped: this one runs
+            holders[key] = changed[key] = task.id
+            took.add(task.id)
+            continue
+        if state == PENDING and (task.id in awaited or task.tags):
+            if holder not in new:  # its state may have changed since read: read it locked
+                state = await conn.fetchval(
+                    "SELECT state FROM orchestra.tasks WHERE run_id = $1 AND id = $2 FOR UPDATE",
+                    run_id, holder,
+                )  # fmt: skip
+                states[holder] = state
+            if state == PENDING:
+                if changed:  # the walk reads who holds the keys now
+                    await conn.execute(_HOLDERS, run_id, list(changed), list(changed.values()))
+                if await conn.fetchval(_WAITS_FOR, run_id, holder, task.id):
+                    # Were this one to wait for its holder, neither would ever run: it holds the
+                    # key, and the holder (and the tasks that followed it) follow this one.
+                    holders[key] = changed[key] = task.id
+                    took.add(task.id)
+                    if follows:
+                        await conn.execute(_FOLLOW, run_id, *columns(follows, 2))
+                        follows = []
+                    await conn.execute(_SWAP, run_id, holder, task.id)
+                    more[holder] = more.get(holder, 0) + 1
+                    continue
+        follows.append((task.id, holder))
+        more[task.id] = more.get(task.id, 0) + 1
+    if follows:
+        await conn.execute(_FOLLOW, run_id, *columns(follows, 2))
+    if changed:
+        await conn.execute(_HOLDERS, run_id, list(changed), list(changed.values()))
+    if more or took:
+        ids = list(dict.fromkeys([*more, *took]))
+        await conn.execute(
+            _WAITS_MORE, run_id, ids, [more.get(i, 0) for i in ids], [i in took for i in ids]
+        )
+    return reused
 
 
 def _closable(
@@ -238,14 +421,21 @@ ORDER BY t.id
 FOR SHARE
 """
 
-# The tasks upstream of some (through their dependencies), for the group cycle check of a
-# streamed or spawned member: read, not locked (an upstream task's end changes no edge of them).
+# The tasks upstream of some (through their dependencies, and from an unfinished task that
+# follows the holder of its key to that holder), for the group cycle check of a streamed or
+# spawned member: read, not locked (an upstream task's end changes no edge of them).
 _UPSTREAM = """
 WITH RECURSIVE up (id) AS (
     SELECT unnest($2::text[])
     UNION
-    SELECT d FROM up JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = up.id,
-        unnest(t.depends_on) AS d
+    SELECT next.id FROM up JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = up.id
+    CROSS JOIN LATERAL (
+        SELECT d AS id FROM unnest(t.depends_on) AS d
+        UNION ALL
+        SELECT k.holder FROM orchestra.run_keys AS k
+        WHERE k.run_id = $1 AND k.key = t.key AND k.holder <> t.id
+            AND t.state NOT IN ('succeeded', 'failed', 'cancelled', 'skipped')
+    ) AS next
 )
 SELECT t.id, t.kind, t.payload::text, t.priority, t.depends_on, t.depends_on_tags, t.tags, t.key,
     t.state
@@ -253,6 +443,9 @@ FROM orchestra.tasks AS t JOIN up USING (id)
 WHERE t.run_id = $1
 """
 
+_KEY_HOLDERS = """
+SELECT key, holder FROM orchestra.run_keys WHERE run_id = $1 AND key = ANY ($2::text[])
+"""
 
 _GROUPS = """
 SELECT g.tag, g.closed, g.failed, g.open,
@@ -274,7 +467,7 @@ async def _known(
     """A `Graph` of what the database knows that the checks and the wiring of `tasks` read,
     those rows locked."""
     ids: set[str] = set()
-    tags: set[str] = set()
+    tags: dict[str, None] = {}  # in the order the wiring meets them (the groups' order in memory)
     upstream: list[str] = []
     for task in tasks:
         if not isinstance(task, Task):
@@ -284,8 +477,8 @@ async def _known(
         deps = _strings(task.depends_on)
         ids.update(deps)
         member_of = _strings(task.tags)
-        tags.update(member_of)
-        tags.update(_strings(task.depends_on_tags))
+        tags.update(dict.fromkeys(member_of))
+        tags.update(dict.fromkeys(_strings(task.depends_on_tags)))
         if not forward and member_of and deps:
             upstream.extend(deps)
     ids.update(tags)  # the tasks that own the groups
@@ -299,12 +492,19 @@ async def _known(
         for row in await conn.fetch(_UPSTREAM, run_id, upstream):
             if row[0] not in records:
                 records[row[0]] = _record(row)
+        # Who holds the keys of those tasks: the checks follow a follower to its holder.
+        keys = sorted({r.task.key for r in records.values() if r.task.key is not None})
+        if keys:
+            rows = await conn.fetch(_KEY_HOLDERS, run_id, keys)
+            graph.keys.update((r[0], r[1]) for r in rows)
     if tags:
-        # Every group the batch names, locked: a missing one is made (empty) so that it can be.
+        # Every group the batch names, locked: a missing one is made (empty) so that it can be,
+        # numbered in the order the memory store makes them (`close_input` goes by it).
         await conn.execute(
-            "INSERT INTO orchestra.groups (run_id, tag) SELECT $1, unnest($2::text[]) "
+            "INSERT INTO orchestra.groups (run_id, tag) SELECT $1, g.tag "
+            "FROM unnest($2::text[]) WITH ORDINALITY AS g (tag, n) ORDER BY g.n "
             "ON CONFLICT DO NOTHING",
-            run_id, sorted(tags),
+            run_id, list(tags),
         )  # fmt: skip
         await conn.execute(LOCK_GROUPS, run_id, sorted(tags))
         for tag, closed, failed, open_, waiters in await conn.fetch(_GROUPS, run_id, sorted(tags)):

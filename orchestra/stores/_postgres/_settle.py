@@ -4,7 +4,12 @@ ended it (`_leases.complete`, and `_graph.admit` for what it skips at once).
 The meanings are the memory store's `Graph.release`: a success takes one off its dependents' and
 its groups' waiters' ``waiting`` and makes the ones at zero ready; any other end skips what waits
 for it, its groups' waiters included, and so on down; a group closes once every member succeeded
-and no more can come (the run's input closed, and the task whose id is the tag ended). What
+and no more can come (the run's input closed, and the task whose id is the tag ended). A task
+that held its key within the run (``run_keys``) ends the tasks that follow it (``follows``) with
+its output and agent when it succeeded, each end settled in turn, or hands the key to the first of
+them still unfinished when it did not (`Graph._followed`). These ends are written by whichever
+process settles the holder's end, and go to no feed: a coordinator that hears the holder's end
+(`_follow.heard`) ends its followers in its mirror, as it skips its dependents. What
 became ready is queued in the order the memory store would queue it (``tasks.seq``,
 `QUEUE_STEP`), and a NOTIFY on the run's channel (`channel_of`) carries the run id and the kinds
 of what became ready, and one on `GLOBAL_CHANNEL` the run id (for the processes that serve every
@@ -39,6 +44,7 @@ __all__ = (
     "lock_groups",
     "make_ready",
     "settle",
+    "skip_cascade",
     "skip_pending",
     "transaction",
 )
@@ -117,8 +123,10 @@ async def close_input(conn: asyncpg.Connection, run_id: str) -> Settled:
 
     async def step(conn: asyncpg.Connection) -> Settled:
         await conn.execute("UPDATE orchestra.runs SET input_closed = true WHERE id = $1", run_id)
+        # In the order the groups were made, as the memory store closes them (and so readies
+        # their waiters).
         tags = [r[0] for r in await conn.fetch(
-            "SELECT tag FROM orchestra.groups WHERE run_id = $1 AND NOT closed", run_id
+            "SELECT tag FROM orchestra.groups WHERE run_id = $1 AND NOT closed ORDER BY n", run_id
         )]  # fmt: skip
         readied: list[str] = []
         if tags:
@@ -153,46 +161,215 @@ WITH ended AS (
     WHERE t.run_id = $1 AND t.id = hit.id
     RETURNING t.id, t.waiting, hit.first, hit.doomed_by
 )
-SELECT true AS dependent, id, waiting, first, doomed_by, NULL::text[] AS tags, false AS owns
+SELECT true AS dependent, id, waiting, first, doomed_by, NULL::text[] AS tags, false AS owns,
+    NULL::text AS key
 FROM freed
 UNION ALL
 SELECT false, t.id, NULL, NULL, NULL, t.tags, EXISTS (
-    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id)
+    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id), t.key
 FROM orchestra.tasks AS t
-WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND (t.tags IS NOT NULL OR EXISTS (
-    SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id))
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND (t.tags IS NOT NULL OR t.key IS NOT NULL
+    OR EXISTS (SELECT FROM orchestra.groups AS g WHERE g.run_id = $1 AND g.tag = t.id))
 """
 
 
 async def end_cascade(
     conn: asyncpg.Connection, run_id: str, ended: list[tuple[str, str]]
 ) -> Settled:
-    """`Graph.release` for ended tasks, and for what their ends skip, round after round; then
-    what was freed is made ready (unless skipped meanwhile, as in memory)."""
+    """`Graph.release` for ended tasks, then for what their ends skip, and so on down (`_skip`);
+    then what was freed is made ready (unless skipped meanwhile, as in memory)."""
     readied: list[str] = []
+    skip: list[tuple[str, str]] = []
+    await _release(conn, run_id, ended, readied, skip)
+    skipped = await _skip(conn, run_id, skip, readied) if skip else []
+    return Settled(await make_ready(conn, run_id, readied), skipped)
+
+
+async def skip_cascade(
+    conn: asyncpg.Connection, run_id: str, skip: Sequence[tuple[str, str]]
+) -> Settled:
+    """Skip these pending tasks (id, why), in this order, each with what its skip skips in turn
+    (as `MemoryRun._wire` ends each one it skips at admission); then what was freed is made
+    ready."""
+    readied: list[str] = []
+    skipped = await _skip(conn, run_id, list(reversed(skip)), readied)
+    return Settled(await make_ready(conn, run_id, readied), skipped)
+
+
+async def _skip(
+    conn: asyncpg.Connection,
+    run_id: str,
+    stack: list[tuple[str, str]],
+    readied: list[str],
+) -> list[str]:
+    """Skip the tasks of `stack` (id, why) and what waits for them, and so on down, as the memory
+    store does (`MemoryRun._end`): a stack, the last pushed skipped first, each skip's release
+    pushing what it dooms. Returns the ids skipped.
+
+    What a cascade of skips makes ready (a key handed on, a group closed by the skip of the task
+    it is named after) is queued in the order the memory store reaches it. That order is the
+    stack's, one task at a time, a few statements each; most cascades make at most one task
+    ready, and then any order of the same skips does: those go by rounds (all the tasks one
+    round skips in a few statements), in a savepoint, and only a cascade that made several tasks
+    ready is undone and done again one task at a time."""
+    cascade_ready: list[str] = []
     skipped: list[str] = []
-    while ended:
-        skip: list[tuple[str, str]] = []
-        status_of = dict(ended)
-        rows = await conn.fetch(
-            _ENDS, run_id, [task_id for task_id, _ in ended],
-            [state == SUCCEEDED for _, state in ended],
-        )  # fmt: skip
-        freed = sorted((r for r in rows if r[0]), key=lambda r: r[3])
-        for _, task_id, waiting, _, doomed_by, _, _ in freed:
-            if doomed_by is not None:
-                skip.append((task_id, f"dependency {doomed_by!r} {status_of[doomed_by]}"))
-            elif waiting == 0:
-                readied.append(task_id)
-        concerned = [r[1:] for r in rows if not r[0]]
-        if concerned:
-            await _release_groups(conn, run_id, ended, concerned, readied, skip)
-        if not skip:
-            break
-        ended = await skip_pending(conn, run_id, skip)
-        skipped.extend(task_id for task_id, _ in ended)
-    ready = await make_ready(conn, run_id, readied)
-    return Settled(ready, skipped)
+    savepoint = conn.transaction()
+    await savepoint.start()
+    try:
+        # (reversed: a task pushed twice is skipped for the reason pushed last, as in memory)
+        ended = await skip_pending(conn, run_id, stack[::-1])
+        while ended:
+            skipped.extend(task_id for task_id, _ in ended)
+            more: list[tuple[str, str]] = []
+            await _release(conn, run_id, ended, cascade_ready, more)
+            ended = await skip_pending(conn, run_id, more[::-1]) if more else []
+    except BaseException:
+        await savepoint.rollback()
+        raise
+    if len(cascade_ready) < 2:
+        await savepoint.commit()
+        readied.extend(cascade_ready)
+        return skipped
+    await savepoint.rollback()
+    skipped = []
+    stack = list(stack)
+    while stack:
+        task_id, why = stack.pop()
+        if not await skip_pending(conn, run_id, [(task_id, why)]):
+            continue  # ended already (skipped by an earlier push)
+        skipped.append(task_id)
+        more = []
+        await _release(conn, run_id, [(task_id, SKIPPED)], readied, more)
+        stack.extend(more)
+    return skipped
+
+
+async def _release(
+    conn: asyncpg.Connection,
+    run_id: str,
+    ended: list[tuple[str, str]],
+    readied: list[str],
+    skip: list[tuple[str, str]],
+) -> None:
+    """One round of `end_cascade`, in the memory store's order: what waited for the ended tasks
+    (freed, or doomed: on `skip`), then the tasks that follow them (their keys), then their
+    groups."""
+    status_of = dict(ended)
+    rows = await conn.fetch(
+        _ENDS, run_id, [task_id for task_id, _ in ended],
+        [state == SUCCEEDED for _, state in ended],
+    )  # fmt: skip
+    freed = sorted((r for r in rows if r[0]), key=lambda r: r[3])
+    for _, task_id, waiting, _, doomed_by, _, _, _ in freed:
+        if doomed_by is not None:
+            skip.append((task_id, f"dependency {doomed_by!r} {status_of[doomed_by]}"))
+        elif waiting == 0:
+            readied.append(task_id)
+    concerned = [r[1:] for r in rows if not r[0]]
+    keyed = [(r[0], r[6]) for r in concerned if r[6] is not None]
+    if keyed:
+        await _pass_keys(conn, run_id, ended, keyed, readied, skip)
+    grouped = [r for r in concerned if r[4] is not None or r[5]]
+    if grouped:
+        await _release_groups(conn, run_id, ended, grouped, readied, skip)
+
+
+# -- keys within a run: the ends of what follows a key's holder ---------------------------------
+
+# The keys the ended tasks hold, locked: an admission that would make a task follow one of them
+# locks its key first, so it comes wholly before this end (its follower is seen below) or after
+# (it sees the holder ended). The followers are read by the next statement, whose snapshot comes
+# after the lock (see `LOCK_GROUPS`).
+_HELD_KEYS = """
+SELECT k.key, k.holder FROM orchestra.run_keys AS k
+JOIN unnest($2::text[], $3::text[]) AS e (id, key) ON k.key = e.key AND k.holder = e.id
+WHERE k.run_id = $1
+ORDER BY k.key
+FOR UPDATE OF k
+"""
+
+# The followers of ended holders, taken off them (the ones that go on are put back under their
+# heir), with their states and their places in line.
+_TAKE_FOLLOWERS = """
+DELETE FROM orchestra.follows AS f USING orchestra.tasks AS t
+WHERE f.run_id = $1 AND f.holder = ANY ($2::text[]) AND t.run_id = $1 AND t.id = f.follower
+RETURNING f.holder, f.follower, f.n, t.state
+"""
+
+# Followers of a holder that succeeded end with its result: the same work, done once.
+_END_FOLLOWERS = """
+UPDATE orchestra.tasks AS t
+SET state = 'succeeded', output = h.output, agent = h.agent, finished = now()
+FROM unnest($2::text[], $3::text[]) AS f (id, holder)
+JOIN orchestra.tasks AS h ON h.run_id = $1 AND h.id = f.holder
+WHERE t.run_id = $1 AND t.id = f.id AND t.state = 'pending'
+RETURNING t.id
+"""
+
+# The first follower of a holder that did not succeed takes its key, and waits for it no more;
+# the others follow that heir, in their places.
+_HAND_ON = """
+WITH keys AS (
+    UPDATE orchestra.run_keys AS k SET holder = h.heir
+    FROM unnest($2::text[], $3::text[]) AS h (key, heir)
+    WHERE k.run_id = $1 AND k.key = h.key
+), rest AS (
+    INSERT INTO orchestra.follows (run_id, follower, holder, n)
+    SELECT $1, r.follower, r.holder, r.n
+    FROM unnest($4::text[], $5::text[], $6::bigint[]) AS r (follower, holder, n)
+)
+UPDATE orchestra.tasks AS t SET waiting = t.waiting - 1
+FROM unnest($3::text[]) AS h (heir)
+WHERE t.run_id = $1 AND t.id = h.heir
+RETURNING t.id, t.waiting
+"""
+
+
+async def _pass_keys(
+    conn: asyncpg.Connection,
+    run_id: str,
+    ended: Sequence[tuple[str, str]],
+    keyed: Sequence[tuple[str, str]],
+    readied: list[str],
+    skip: list[tuple[str, str]],
+) -> None:
+    """`Graph._followed` for the ended tasks (`keyed`: those with a key, as (id, key)) that held
+    their keys: a holder that succeeded ends its followers with its output and agent (each end
+    settled in turn, as in memory); one that did not hands its key to its first follower still
+    unfinished (ready once it waits for nothing else), whom the others now follow."""
+    held = await conn.fetch(_HELD_KEYS, run_id, *columns(keyed, 2))
+    if not held:
+        return
+    key_of = {holder: key for key, holder in held}
+    rows = sorted(await conn.fetch(_TAKE_FOLLOWERS, run_id, list(key_of)), key=lambda r: r[2])
+    line: dict[str, list[tuple[str, int, str]]] = {}  # holder -> (follower, n, state), in line
+    for holder, follower, n, state in rows:
+        line.setdefault(holder, []).append((follower, n, state))
+    ending: list[tuple[str, str]] = []  # (follower, holder)
+    heirs: list[tuple[str, str]] = []  # (key, heir)
+    rest: list[tuple[str, str, int]] = []  # (follower, its new holder, n)
+    for task_id, state in ended:
+        # A follower waits for its holder, so the ones still to come are pending (the others
+        # ended meanwhile: skipped, cancelled).
+        live = [f for f in line.get(task_id, ()) if f[2] == "pending"]
+        if not live:
+            continue
+        if state == SUCCEEDED:
+            ending.extend((follower, task_id) for follower, _, _ in live)
+            continue
+        heir = live[0][0]
+        heirs.append((key_of[task_id], heir))
+        rest.extend((follower, heir, n) for follower, n, _ in live[1:])
+    if heirs:
+        rows = await conn.fetch(_HAND_ON, run_id, *columns(heirs, 2), *columns(rest, 3))
+        free = {heir for heir, waiting in rows if waiting == 0}
+        readied.extend(heir for _, heir in heirs if heir in free)
+    if ending:
+        done = {r[0] for r in await conn.fetch(_END_FOLLOWERS, run_id, *columns(ending, 2))}
+        for follower, _ in ending:
+            if follower in done:  # its end frees what waited for it, before its holder's groups
+                await _release(conn, run_id, [(follower, SUCCEEDED)], readied, skip)
 
 
 class _Group:
