@@ -30,6 +30,11 @@ FAILED: Final = "failed"
 CANCELLED: Final = "cancelled"
 SKIPPED: Final = "skipped"
 TERMINAL: Final = frozenset((SUCCEEDED, FAILED, CANCELLED, SKIPPED))
+STATE_OF: Final = {
+    s: s
+    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
+}
+"""A state read back from a database, as the interned constant (`STATE_OF[row_state]`)."""
 
 _EMPTY: tuple[str, ...] = ()
 

@@ -37,14 +37,8 @@ from ..._exceptions import InputError
 from ..._output import json_text
 from ..._record import Record
 from ..._task import (
-    CANCELLED,
-    CLAIMED,
-    FAILED,
     PENDING,
-    READY,
-    RETRY_WAIT,
-    RUNNING,
-    SKIPPED,
+    STATE_OF,
     SUCCEEDED,
     TERMINAL,
     Task,
@@ -407,10 +401,7 @@ def _closable(
     return owner is None or owner.state in TERMINAL
 
 
-_STATES: Final = {
-    s: s
-    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
-}
+_STATES: Final = STATE_OF
 
 _KNOWN = """
 SELECT t.id, t.kind, t.payload::text, t.priority, t.depends_on, t.depends_on_tags, t.tags, t.key,

@@ -12,15 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..._record import Record
 from ..._task import (
-    CANCELLED,
-    CLAIMED,
-    FAILED,
-    PENDING,
-    READY,
-    RETRY_WAIT,
-    RUNNING,
-    SKIPPED,
-    SUCCEEDED,
+    STATE_OF,
     TERMINAL,
     Attempt,
     Task,
@@ -31,11 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ("STATES", "Rows", "load")
 
-# The interned constants: the engine compares states by `is`.
-STATES: Final = {
-    s: s
-    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
-}
+STATES: Final = STATE_OF  # the interned constants: the engine compares states by `is`
 
 # A spawner's row before its spawns' (they are admitted in a later transaction), a batch's rows in
 # their order.

@@ -21,15 +21,9 @@ from ..._exceptions import InputError
 from ..._output import jsonable
 from ..._record import Record
 from ..._task import (
-    CANCELLED,
     CLAIMED,
-    FAILED,
-    PENDING,
     READY,
-    RETRY_WAIT,
-    RUNNING,
-    SKIPPED,
-    SUCCEEDED,
+    STATE_OF,
     TERMINAL,
     Attempt,
     Task,
@@ -40,10 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ("STATES", "Rows", "encode")
 
-STATES: dict[str, str] = {
-    s: s
-    for s in (PENDING, READY, CLAIMED, RUNNING, RETRY_WAIT, SUCCEEDED, FAILED, CANCELLED, SKIPPED)
-}
+STATES: dict[str, str] = {**STATE_OF}
 STATES["done"] = CLAIMED  # completed by a worker: the coordinator settles it when it resumes
 
 
