@@ -52,6 +52,7 @@ _LOST: Final = (
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
     asyncpg.InternalClientError,  # "not connected", a protocol cut off mid-statement
+    asyncpg.QueryCanceledError,  # past `statement_timeout`: this process was paused mid-way
 )
 
 
@@ -73,6 +74,7 @@ class Database:
         max_connections: int = 4,
         reconnect_for: float = 30.0,
         idle_in_transaction: float | None = None,
+        statement_timeout: float | None = None,
     ) -> None:
         self.dsn = dsn
         # A process paused inside a transaction (SIGSTOP, a frozen VM) would keep its row locks,
@@ -84,6 +86,10 @@ class Database:
             self.settings["idle_in_transaction_session_timeout"] = (
                 f"{max(1, int(idle_in_transaction * 1000))}ms"
             )
+        if statement_timeout is not None:
+            # The same for one paused between the messages of one statement (the server then
+            # waits for it, "active", not idle): the statement is cancelled, its locks let go.
+            self.settings["statement_timeout"] = f"{max(1, int(statement_timeout * 1000))}ms"
         self.max_connections = max_connections
         self.reconnect_for = reconnect_for
         self.closed = False

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ("PostgresStore",)
 
+# Seconds a statement may take at least (more with a longer lease): a batch of a large run's
+# admission, a read of all its tasks take a few seconds on a busy server.
+_LONGEST_STATEMENT = 5.0
+
 
 class PostgresStore:
     """Keeps runs in a PostgreSQL database: a run survives its process, and worker processes on
@@ -77,7 +81,10 @@ class PostgresStore:
         self.poll = float(poll)
         self.owner = uuid.uuid4().hex[:12]  # this store's processes, as the database knows them
         self.database = Database(
-            dsn, max_connections=max_connections, idle_in_transaction=self.lease / 3
+            dsn,
+            max_connections=max_connections,
+            idle_in_transaction=self.lease / 3,
+            statement_timeout=max(self.lease, _LONGEST_STATEMENT),
         )
         self.server: EmbeddedServer | None = None  # the embedded server it started, if any
         self._closer = weakref.finalize(self, _close, self.database, None)
