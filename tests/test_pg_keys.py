@@ -616,6 +616,70 @@ class TestConcurrentWriters:
             await asyncio.gather(*(c.close() for c in conns))
         assert steps == n * 60
 
+    async def test_a_completion_writes_only_the_keys_it_locked_in_order(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # A completion locks its run's keys in key order, then writes their ends. A key its run
+        # took meanwhile (the claim committed while the completion waited for a later key) is
+        # one it did not lock: writing it would lock it out of order, behind a writer of the
+        # run's keys that holds it and waits for one the completion holds.
+        await admitted(conn, "r1", *(Task("work", j, id=k, key=k) for j, k in enumerate("ace")))
+        await mine(conn, "a", owner="c2", run="r2", task="a")  # another run's, run out below
+        await expire(conn, "a")
+        await mine(conn, "c", owner="c1", run="r1", task="c")
+        await mine(conn, "e", owner="c1", run="r1", task="e")
+        claimed = await claim_tasks(conn, "r1", {"work": 3}, owner="w1", lease=LEASE)
+        ends = [End(t.id, t.token, SUCCEEDED, '"out"', "work") for t in claimed]
+        assert sorted(e.id for e in ends) == ["a", "c", "e"]
+        worker, writer, blocker = [await asyncpg.connect(pg_dsn) for _ in range(3)]
+
+        async def completes() -> list[bool]:
+            async with worker.transaction():  # a deadlock here is not retried
+                return await complete(worker, "r1", "w1", ends)
+
+        async def renews(tokens: list[tuple[str, int]]) -> set[str]:
+            async with writer.transaction():
+                return await renew(writer, "c1", tokens, lease=LEASE)
+
+        try:
+            stuck = blocker.transaction()
+            await stuck.start()
+            await blocker.execute("SELECT FROM orchestra.keys WHERE key = 'e' FOR UPDATE")
+            completion = asyncio.ensure_future(completes())
+            await waits_for_a_lock(conn, worker, completion)  # "c" locked, "e" waited for
+            token = await mine(conn, "a", owner="c1", run="r1", task="a")  # r1 takes "a" over
+            renewal = asyncio.ensure_future(
+                renews([("a", token), ("c", (await key_row(conn, "c"))["token"])])
+            )
+            await waits_for_a_lock(conn, writer, renewal)  # "a" locked, "c" waited for
+            await stuck.rollback()
+            done = await asyncio.gather(completion, renewal, return_exceptions=True)
+        finally:
+            for other in (worker, writer, blocker):
+                await other.close()
+        assert done == [[True, True, True], {"c"}]  # "c" ended while the renewal waited
+        assert [(await key_row(conn, k))["state"] for k in "ace"] == [
+            "claimed",
+            "succeeded",
+            "succeeded",
+        ]  # "a" was not r1's when the completion locked its keys: its new hold stays
+
+
+async def waits_for_a_lock(
+    conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
+) -> None:
+    """Wait until `other`, running `step`, waits for a lock."""
+    pid = other.get_server_pid()
+    for _ in range(500):
+        assert not step.done(), step
+        waiting = await conn.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the other connection did not wait for a lock")
+
 
 class TestAKeySharedInItsRun:
     """The tasks of a run that share a key are one piece of work: one holds the key, the others
