@@ -27,6 +27,7 @@ from orchestra._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._keys import (
     KEY_CHANNEL,
+    Answer,
     Held,
     KeyEnd,
     Mine,
@@ -616,62 +617,76 @@ class TestConcurrentWriters:
             await asyncio.gather(*(c.close() for c in conns))
         assert steps == n * 60
 
-    async def test_a_completion_writes_only_the_keys_it_locked_in_order(
+    async def test_a_claim_of_the_run_while_a_completion_locks_its_keys_never_deadlocks(
         self, conn: asyncpg.Connection, pg_dsn: str
     ) -> None:
-        # A completion locks its run's keys in key order, then writes their ends. A key its run
-        # took meanwhile (the claim committed while the completion waited for a later key) is
-        # one it did not lock: writing it would lock it out of order, behind a writer of the
-        # run's keys that holds it and waits for one the completion holds.
+        # A completion locks its keys' rows in key order, then writes their ends, in a statement
+        # of a newer snapshot. Its run claims one of them (another run's hold ran out) while the
+        # completion waits for a later key: were that row not locked first, the write would lock
+        # it then, out of order, behind a writer of the run's keys holding it and waiting for a
+        # key the completion holds. Every step here runs in a transaction of the caller's, where
+        # a deadlock is not retried.
         await admitted(conn, "r1", *(Task("work", j, id=k, key=k) for j, k in enumerate("ace")))
-        await mine(conn, "a", owner="c2", run="r2", task="a")  # another run's, run out below
+        await mine(conn, "a", owner="c2", run="r2", task="a")
         await expire(conn, "a")
         await mine(conn, "c", owner="c1", run="r1", task="c")
         await mine(conn, "e", owner="c1", run="r1", task="e")
         claimed = await claim_tasks(conn, "r1", {"work": 3}, owner="w1", lease=LEASE)
         ends = [End(t.id, t.token, SUCCEEDED, '"out"', "work") for t in claimed]
         assert sorted(e.id for e in ends) == ["a", "c", "e"]
-        worker, writer, blocker = [await asyncpg.connect(pg_dsn) for _ in range(3)]
+        worker, claimer, writer, blocker = [await asyncpg.connect(pg_dsn) for _ in range(4)]
 
         async def completes() -> list[bool]:
-            async with worker.transaction():  # a deadlock here is not retried
+            async with worker.transaction():
                 return await complete(worker, "r1", "w1", ends)
 
-        async def renews(tokens: list[tuple[str, int]]) -> set[str]:
+        async def claims() -> list[Answer]:
+            async with claimer.transaction():
+                return await claim(claimer, "r1", [("a", "a")], owner="c1", lease=LEASE)
+
+        async def renews() -> int:
             async with writer.transaction():
-                return await renew(writer, "c1", tokens, lease=LEASE)
+                return await renew_run(writer, "r1", "c1", lease=LEASE)
 
         try:
             stuck = blocker.transaction()
             await stuck.start()
             await blocker.execute("SELECT FROM orchestra.keys WHERE key = 'e' FOR UPDATE")
             completion = asyncio.ensure_future(completes())
-            await waits_for_a_lock(conn, worker, completion)  # "c" locked, "e" waited for
-            token = await mine(conn, "a", owner="c1", run="r1", task="a")  # r1 takes "a" over
-            renewal = asyncio.ensure_future(
-                renews([("a", token), ("c", (await key_row(conn, "c"))["token"])])
-            )
-            await waits_for_a_lock(conn, writer, renewal)  # "a" locked, "c" waited for
+            await waits_for_a_lock(conn, worker, completion)  # for "e", with "c" locked
+            claiming = asyncio.ensure_future(claims())  # "a" for r1: waits for the completion
+            await waits_for_a_lock(conn, claimer, claiming, or_ends=True)
+            renewal = asyncio.ensure_future(renews())  # r1's holds in key order
+            await waits_for_a_lock(conn, writer, renewal)
             await stuck.rollback()
-            done = await asyncio.gather(completion, renewal, return_exceptions=True)
+            done = await asyncio.gather(completion, claiming, renewal, return_exceptions=True)
         finally:
-            for other in (worker, writer, blocker):
+            for other in (worker, claimer, writer, blocker):
                 await other.close()
-        assert done == [[True, True, True], {"c"}]  # "c" ended while the renewal waited
+        assert done[0] == [True, True, True]
+        assert isinstance(done[1], list), done[1]
+        assert isinstance(done[1][0], Mine)
+        assert done[2] == 0  # what it found of r1's had ended by the time it held it
         assert [(await key_row(conn, k))["state"] for k in "ace"] == [
             "claimed",
             "succeeded",
             "succeeded",
-        ]  # "a" was not r1's when the completion locked its keys: its new hold stays
+        ]  # "a" was another run's when the completion ended its task: r1 holds it now
 
 
 async def waits_for_a_lock(
-    conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
+    conn: asyncpg.Connection,
+    other: asyncpg.Connection,
+    step: asyncio.Future[Any],
+    *,
+    or_ends: bool = False,
 ) -> None:
-    """Wait until `other`, running `step`, waits for a lock."""
+    """Wait until `other`, running `step`, waits for a lock (or, `or_ends`, `step` is done)."""
     pid = other.get_server_pid()
     for _ in range(500):
-        assert not step.done(), step
+        if step.done():
+            assert or_ends, step
+            return
         waiting = await conn.fetchval(
             "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
         )

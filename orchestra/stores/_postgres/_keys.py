@@ -363,10 +363,12 @@ async def release_run(conn: asyncpg.Connection, run_id: str, owner: str) -> list
     return [row[0] for row in await transaction(conn, step)]
 
 
-# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`).
+# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`): every row
+# of the tasks' keys, whoever holds it now, so that a claim of the run committed meanwhile waits
+# for this end instead of making a row match that was not locked.
 _LOCK_KEYS = """
 SELECT k.key FROM orchestra.keys AS k
-WHERE k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
+WHERE k.key IN (
     SELECT t.key FROM orchestra.tasks AS t
     WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL)
 ORDER BY k.key
