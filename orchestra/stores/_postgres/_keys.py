@@ -363,12 +363,12 @@ async def release_run(conn: asyncpg.Connection, run_id: str, owner: str) -> list
     return [row[0] for row in await transaction(conn, step)]
 
 
-# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`): every row
-# of the tasks' keys, whoever holds it now, so that a claim of the run committed meanwhile waits
-# for this end instead of making a row match that was not locked.
+# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`): the run's
+# holds only (a completion locks no other run's key, so none orders it against that run's rows).
+# A claim of the run that commits while this waits is not written by this end (it came after).
 _LOCK_KEYS = """
 SELECT k.key FROM orchestra.keys AS k
-WHERE k.key IN (
+WHERE k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
     SELECT t.key FROM orchestra.tasks AS t
     WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL)
 ORDER BY k.key
