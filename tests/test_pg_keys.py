@@ -663,6 +663,49 @@ class TestConcurrentWriters:
             "succeeded",
         ]  # "a" was another run's when the completion ended its task: r1 holds it now
 
+    async def test_leases_taken_back_in_two_runs_and_a_key_asked_for_again_never_deadlock(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # Taking leases back ends the tasks lost too often of several runs in one transaction:
+        # were the keys of the first run's locked before the second run's tasks are settled, it
+        # would hold r1's key "k" while waiting for r2's task "b", which a coordinator asking for
+        # "k" again has locked (a claim locks its tasks first, then their keys).
+        await admitted_with_keys(conn, "r1", Task("work", 1, id="a", key="k"), owner="c1")
+        answers = await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="y"), Task("work", 2, id="b", key="k", depends_on=["y"])
+        )
+        assert isinstance(answers["b"], Held)  # held back for r1's "a"
+        await leased(conn, "r1", "a")
+        await leased(conn, "r2", "y")
+        await conn.execute(  # lost once more, each fails: r1's first
+            "UPDATE orchestra.tasks SET lost = $1, lease_expires = now() - "
+            "CASE run_id WHEN 'r1' THEN interval '2 seconds' ELSE interval '1 second' END "
+            "WHERE lease_owner IS NOT NULL",
+            MAX_LOST - 1,
+        )
+        taker, asker = [await asyncpg.connect(pg_dsn) for _ in range(2)]
+
+        async def takes_back() -> list[tuple[str, str]]:
+            async with taker.transaction():  # a deadlock here is not retried
+                return [(t.run_id, t.id) for t in await take_back_expired(taker)]
+
+        try:
+            async with asker.transaction():  # a coordinator's fenced write: not retried either
+                await asker.execute(  # `ask_again` locks its tasks first
+                    "SELECT FROM orchestra.tasks WHERE run_id = 'r2' AND id = 'b' FOR UPDATE"
+                )
+                taking = asyncio.ensure_future(takes_back())
+                await waits_for_a_lock(conn, taker, taking)  # for "b", to skip it
+                again = await ask_again(asker, "r2", [("k", "b")], owner="c2", lease=LEASE)
+            taken = await taking
+        finally:
+            for other in (taker, asker):
+                await other.close()
+        assert isinstance(again["b"], Held)  # "a" had not ended yet when "k" was asked for
+        assert taken == [("r1", "a"), ("r2", "y")]
+        assert await states(conn, "r2") == {"y": FAILED, "b": SKIPPED}
+        assert (await key_row(conn, "k"))["state"] == "failed"
+
 
 async def waits_for_a_lock(
     conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
