@@ -656,7 +656,7 @@ class TestConcurrentWriters:
         finally:
             for other in (worker, writer, blocker):
                 await other.close()
-        assert done == [[True, True, True], 1]  # "a": "c" and "e" ended before it held them
+        assert list(done) == [[True, True, True], 1]  # "a": "c" and "e" ended before it held them
         assert [(await key_row(conn, k))["state"] for k in "ace"] == [
             "claimed",
             "succeeded",
