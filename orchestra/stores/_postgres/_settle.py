@@ -53,7 +53,7 @@ run_keys and groups, and so meets an admission (run_keys, then a pending holder'
 `_decide` settles a reused result after locking keys (no transaction locks those tasks after
 keys it holds: a completion locks only its run's holds, and a key becomes the run's when the
 claim commits). PostgreSQL aborts one of two deadlocked transactions: `transaction` runs it
-again; a coordinator's fenced write (`_jobs.apply`) is not run again.
+again, and so does `_jobs` a coordinator's fenced write.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = (
     "LOCK_GROUPS",
     "QUEUE_STEP",
+    "RETRIES",
     "Settled",
     "close_input",
     "columns",
@@ -89,7 +90,8 @@ QUEUE_STEP: Final = 1 << 24
 """A task's place in its run's queue (``tasks.seq``) is a value of the sequence ``queue_order``
 times this, plus its rank among the tasks queued by the same statement."""
 
-_RETRIES: Final = 5  # a transaction aborted by a deadlock is run again this many times
+RETRIES: Final = 5
+"""A transaction aborted by a deadlock is run again this many times."""
 
 
 class Settled(NamedTuple):
@@ -108,12 +110,12 @@ async def transaction(
     transaction already, `step` runs in it (a deadlock then aborts the caller's, which retries)."""
     if conn.is_in_transaction():
         return await step(conn)
-    for attempt in range(_RETRIES):
+    for attempt in range(RETRIES):
         try:
             async with conn.transaction():
                 return await step(conn)
         except asyncpg.DeadlockDetectedError:
-            if attempt == _RETRIES - 1:
+            if attempt == RETRIES - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
 
