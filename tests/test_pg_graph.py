@@ -23,6 +23,8 @@ from orchestra import InputError, Task
 from orchestra._admission import Admission
 from orchestra._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED
 from orchestra.stores import MemoryStore
+from orchestra.stores._postgres import _coordinator as coordinator
+from orchestra.stores._postgres import _jobs as jobs
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, claim, complete
 from orchestra.stores._postgres._listen import channel_of
@@ -741,6 +743,45 @@ class TestConcurrentSettling:
         # PostgreSQL aborted one, which ran again; on a busy machine its second try may take its
         # first lock before the other wakes to the lock it waited for, and deadlock it once more.
         assert sorted(tries.values()) in ([1, 2], [2, 2])
+
+    async def test_a_coordinators_write_aborted_to_break_a_deadlock_runs_again(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # Closing the input locks the groups, then their waiters; an end locks its dependents,
+        # then its groups: "w" depends on "x" (a member of g1) and waits for g2, which the close
+        # closes. PostgreSQL aborts the close (its wait is the one that times out first here);
+        # the coordinator's fenced write runs again, as any other transaction would.
+        lease = await coordinator.acquire(conn, "r", owner="c", lease=30)
+        assert lease is not None
+        tasks = [
+            Task("a", id="x", tags=["g1"]),
+            Task("a", id="y", tags=["g2"]),
+            Task("a", id="w", depends_on=["x"], depends_on_tags=["g2"]),
+        ]
+        await admit(conn, "r", tasks, admission=admission())
+        claimed = {t.id: t.token for t in await claim(conn, "r", {"a": 2}, owner="p", lease=30)}
+        assert await complete(conn, "r", "p", [End("y", claimed["y"], SUCCEEDED, "1")])
+        worker, writer, blocker = [await asyncpg.connect(pg_dsn) for _ in range(3)]
+        await worker.execute("SET deadlock_timeout = '10s'")  # the writer finds the deadlock
+        try:
+            stuck = blocker.transaction()
+            await stuck.start()
+            await blocker.execute("SELECT FROM orchestra.tasks WHERE id = 'w' FOR UPDATE")
+            ending = asyncio.ensure_future(
+                complete(worker, "r", "p", [End("x", claimed["x"], SUCCEEDED, "1")])
+            )
+            await blocked(conn, worker, ending)  # "x" ended, for its dependent "w"
+            closing = asyncio.ensure_future(
+                jobs.apply(writer, "r", lease, admission(), [("close_input", None)])
+            )
+            await blocked(conn, writer, closing)  # g1 and g2 locked, for g2's waiter "w"
+            await stuck.rollback()
+            done = await asyncio.gather(ending, closing)
+        finally:
+            for other in (worker, writer, blocker):
+                await other.close()
+        assert done[0] == [True]
+        assert await states(conn) == {"x": SUCCEEDED, "y": SUCCEEDED, "w": "ready"}
 
 
 async def blocked(

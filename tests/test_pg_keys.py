@@ -616,6 +616,112 @@ class TestConcurrentWriters:
             await asyncio.gather(*(c.close() for c in conns))
         assert steps == n * 60
 
+    async def test_a_claim_of_the_run_while_a_completion_locks_its_keys_never_deadlocks(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # A completion locks its run's holds in key order, then writes their ends in a statement
+        # of a newer snapshot. Its run takes one more key over (another run's hold ran out) while
+        # the completion waits for a later key: the write must not take that row too (locking it
+        # then, out of order, behind a writer of the run's holds that has it and waits for a key
+        # the completion holds). Each runs in a transaction of the caller's: no retry.
+        await admitted(conn, "r1", *(Task("work", j, id=k, key=k) for j, k in enumerate("ace")))
+        await mine(conn, "a", owner="c2", run="r2", task="a")
+        await expire(conn, "a")
+        await mine(conn, "c", owner="c1", run="r1", task="c")
+        await mine(conn, "e", owner="c1", run="r1", task="e")
+        claimed = await claim_tasks(conn, "r1", {"work": 3}, owner="w1", lease=LEASE)
+        ends = [End(t.id, t.token, SUCCEEDED, '"out"', "work") for t in claimed]
+        assert sorted(e.id for e in ends) == ["a", "c", "e"]
+        worker, writer, blocker = [await asyncpg.connect(pg_dsn) for _ in range(3)]
+
+        async def completes() -> list[bool]:
+            async with worker.transaction():
+                return await complete(worker, "r1", "w1", ends)
+
+        async def renews() -> int:
+            async with writer.transaction():
+                return await renew_run(writer, "r1", "c1", lease=LEASE)
+
+        try:
+            stuck = blocker.transaction()
+            await stuck.start()
+            await blocker.execute("SELECT FROM orchestra.keys WHERE key = 'e' FOR UPDATE")
+            completion = asyncio.ensure_future(completes())
+            await waits_for_a_lock(conn, worker, completion)  # for "e", with "c" locked
+            await mine(conn, "a", owner="c1", run="r1", task="a")  # taken over meanwhile
+            renewal = asyncio.ensure_future(renews())  # r1's holds in key order
+            await waits_for_a_lock(conn, writer, renewal)
+            await stuck.rollback()
+            done = await asyncio.gather(completion, renewal, return_exceptions=True)
+        finally:
+            for other in (worker, writer, blocker):
+                await other.close()
+        assert list(done) == [[True, True, True], 1]  # "a": "c" and "e" ended before it held them
+        assert [(await key_row(conn, k))["state"] for k in "ace"] == [
+            "claimed",
+            "succeeded",
+            "succeeded",
+        ]  # "a" was another run's when the completion ended its task: r1 holds it now
+
+    async def test_leases_taken_back_in_two_runs_and_a_key_asked_for_again_never_deadlock(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # Taking leases back ends the tasks lost too often of several runs in one transaction:
+        # were the keys of the first run's locked before the second run's tasks are settled, it
+        # would hold r1's key "k" while waiting for r2's task "b", which a coordinator asking for
+        # "k" again has locked (a claim locks its tasks first, then their keys).
+        await admitted_with_keys(conn, "r1", Task("work", 1, id="a", key="k"), owner="c1")
+        answers = await admitted_with_keys(
+            conn, "r2", Task("work", 1, id="y"), Task("work", 2, id="b", key="k", depends_on=["y"])
+        )
+        assert isinstance(answers["b"], Held)  # held back for r1's "a"
+        await leased(conn, "r1", "a")
+        await leased(conn, "r2", "y")
+        await conn.execute(  # lost once more, each fails: r1's first
+            "UPDATE orchestra.tasks SET lost = $1, lease_expires = now() - "
+            "CASE run_id WHEN 'r1' THEN interval '2 seconds' ELSE interval '1 second' END "
+            "WHERE lease_owner IS NOT NULL",
+            MAX_LOST - 1,
+        )
+        taker, asker = [await asyncpg.connect(pg_dsn) for _ in range(2)]
+
+        async def takes_back() -> list[tuple[str, str]]:
+            async with taker.transaction():  # a deadlock here is not retried
+                return [(t.run_id, t.id) for t in await take_back_expired(taker)]
+
+        try:
+            async with asker.transaction():  # a coordinator's fenced write: not retried either
+                await asker.execute(  # `ask_again` locks its tasks first
+                    "SELECT FROM orchestra.tasks WHERE run_id = 'r2' AND id = 'b' FOR UPDATE"
+                )
+                taking = asyncio.ensure_future(takes_back())
+                await waits_for_a_lock(conn, taker, taking)  # for "b", to skip it
+                again = await ask_again(asker, "r2", [("k", "b")], owner="c2", lease=LEASE)
+            taken = await taking
+        finally:
+            for other in (taker, asker):
+                await other.close()
+        assert isinstance(again["b"], Held)  # "a" had not ended yet when "k" was asked for
+        assert taken == [("r1", "a"), ("r2", "y")]
+        assert await states(conn, "r2") == {"y": FAILED, "b": SKIPPED}
+        assert (await key_row(conn, "k"))["state"] == "failed"
+
+
+async def waits_for_a_lock(
+    conn: asyncpg.Connection, other: asyncpg.Connection, step: asyncio.Future[Any]
+) -> None:
+    """Wait until `other`, running `step`, waits for a lock."""
+    pid = other.get_server_pid()
+    for _ in range(500):
+        assert not step.done(), step
+        waiting = await conn.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the other connection did not wait for a lock")
+
 
 class TestAKeySharedInItsRun:
     """The tasks of a run that share a key are one piece of work: one holds the key, the others

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import os
 import socket
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import asyncpg
 
 from ..._log import get_logger
 from . import _coordinator as coordinator
@@ -27,16 +29,17 @@ from . import _leases as leases
 from ._graph import admit_in
 from ._listen import notify
 from ._rows import load
-from ._settle import close_input
+from ._settle import RETRIES, close_input
 
 if TYPE_CHECKING:
-    import asyncpg
+    from collections.abc import Awaitable, Callable
 
     from ..._admission import Admission
     from ._store import PostgresStore
 
 __all__ = (
     "Applied",
+    "again_on_deadlock",
     "apply",
     "ask_again",
     "claim_step",
@@ -46,6 +49,8 @@ __all__ = (
     "release",
     "take_over",
 )
+
+_T = TypeVar("_T")
 
 log = get_logger("orchestra")
 
@@ -165,8 +170,25 @@ async def ask_again(
     lease: coordinator.Lease,
     wanted: list[tuple[str, str]],
 ) -> dict[str, keys.Answer]:
-    async with coordinator.fenced(conn, lease):
-        return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+    async def write() -> dict[str, keys.Answer]:
+        async with coordinator.fenced(conn, lease):
+            return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+
+    return await again_on_deadlock(write)
+
+
+async def again_on_deadlock(write: Callable[[], Awaitable[_T]]) -> _T:
+    """`write` (a fenced transaction of the coordinator's), run again when PostgreSQL aborted it
+    to break a deadlock, as `_settle.transaction` runs any other: a settle cascade locks rows of
+    a run in an order an admission or the input's close may meet the other way round (the lock
+    order in `_settle`). The aborted one left nothing."""
+    for attempt in range(RETRIES):
+        try:
+            return await write()
+        except asyncpg.DeadlockDetectedError:
+            if attempt == RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def apply(
@@ -193,15 +215,21 @@ async def apply(
             j += 1
         group = ops[i:j]
         if kind in _FENCED:
-            async with coordinator.fenced(conn, lease):
-                readied = False
-                for what, op in merged(group):
-                    readied = (
-                        await fenced_op(conn, run_id, lease, admission, what, op, answers)
-                        or readied
-                    )
-                if readied:
-                    await notify(conn, run_id)
+
+            async def write(group: list[tuple[str, Any]] = group) -> None:
+                found: dict[str, keys.Answer] = {}  # kept once committed
+                async with coordinator.fenced(conn, lease):
+                    readied = False
+                    for what, op in merged(group):
+                        readied = (
+                            await fenced_op(conn, run_id, lease, admission, what, op, found)
+                            or readied
+                        )
+                    if readied:
+                        await notify(conn, run_id)
+                answers.update(found)
+
+            await again_on_deadlock(write)
         elif kind == "end":
             ends = [op[0] for _, op in group]
             spawned = {op[0].id: op[1] for _, op in group if op[1]}

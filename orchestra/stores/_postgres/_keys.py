@@ -196,7 +196,10 @@ async def claim(
 
 # Every statement that changes several keys' rows locks them first in key order, as `_CLAIM`
 # does: an update locks rows in whatever order its plan meets them, and two transactions locking
-# the same rows in two orders deadlock (PostgreSQL aborts one of them).
+# the same rows in two orders deadlock (PostgreSQL aborts one of them). The update then writes
+# only the rows locked (``key = ANY`` of them): its own snapshot is newer, and a row that came to
+# match meanwhile (a claim of the run, or of the same owner on another connection, committed
+# while the lock waited for a later key) would be locked there, out of order.
 _LOCK_OWNED = """
 SELECT key FROM orchestra.keys
 WHERE owner = $1 AND key = ANY ($2::text[]) AND state = 'claimed'
@@ -219,7 +222,7 @@ _ADOPT = """
 UPDATE orchestra.keys
 SET owner = $2, token = nextval('orchestra.lease_tokens'),
     expires = now() + make_interval(secs => $3)
-WHERE run_id = $1 AND state = 'claimed'
+WHERE run_id = $1 AND state = 'claimed' AND key = ANY ($4::text[])
 RETURNING key, token
 """
 
@@ -232,8 +235,8 @@ async def adopt(
     Returns the tokens by key."""
 
     async def step(conn: asyncpg.Connection) -> list[Any]:
-        await conn.execute(_LOCK_RUN_ALL, run_id)
-        return await conn.fetch(_ADOPT, run_id, owner, float(lease))
+        locked = [row[0] for row in await conn.fetch(_LOCK_RUN_ALL, run_id)]
+        return await conn.fetch(_ADOPT, run_id, owner, float(lease), locked)
 
     return {row[0]: row[1] for row in await transaction(conn, step)}
 
@@ -242,6 +245,7 @@ _RENEW = """
 UPDATE orchestra.keys AS k SET expires = now() + make_interval(secs => $4)
 FROM unnest($2::text[], $3::bigint[]) AS h (key, token)
 WHERE k.key = h.key AND k.token = h.token AND k.owner = $1 AND k.state = 'claimed'
+    AND k.key = ANY ($5::text[])
 RETURNING k.key
 """
 
@@ -257,8 +261,8 @@ async def renew(
     keys, tokens = columns(held, 2)
 
     async def step(conn: asyncpg.Connection) -> list[Any]:
-        await conn.execute(_LOCK_OWNED, owner, keys)
-        return await conn.fetch(_RENEW, owner, keys, tokens, float(lease))
+        locked = [row[0] for row in await conn.fetch(_LOCK_OWNED, owner, keys)]
+        return await conn.fetch(_RENEW, owner, keys, tokens, float(lease), locked)
 
     rows = await transaction(conn, step)
     return set(keys) - {row[0] for row in rows}
@@ -266,7 +270,7 @@ async def renew(
 
 _RENEW_RUN = """
 UPDATE orchestra.keys SET expires = now() + make_interval(secs => $3)
-WHERE run_id = $1 AND owner = $2 AND state = 'claimed'
+WHERE run_id = $1 AND owner = $2 AND state = 'claimed' AND key = ANY ($4::text[])
 """
 
 
@@ -277,8 +281,8 @@ async def renew_run(conn: asyncpg.Connection, run_id: str, owner: str, *, lease:
     as it is. Returns how many were extended."""
 
     async def step(conn: asyncpg.Connection) -> str:
-        await conn.execute(_LOCK_RUN, run_id, owner)
-        status: str = await conn.execute(_RENEW_RUN, run_id, owner, float(lease))
+        locked = [row[0] for row in await conn.fetch(_LOCK_RUN, run_id, owner)]
+        status: str = await conn.execute(_RENEW_RUN, run_id, owner, float(lease), locked)
         return status
 
     return int((await transaction(conn, step)).rpartition(" ")[2])
@@ -306,6 +310,7 @@ WITH done AS (
     FROM unnest($2::text[], $3::bigint[], $4::boolean[], $5::text[], $6::text[], $7::text[])
         AS e (key, token, ok, output, agent, error)
     WHERE k.key = e.key AND k.token = e.token AND k.owner = $1 AND k.state = 'claimed'
+        AND k.key = ANY ($8::text[])
     RETURNING k.key
 )
 SELECT key, pg_notify('{KEY_CHANNEL}', {_SIGNAL}) FROM done
@@ -320,8 +325,8 @@ async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -
         return []
 
     async def step(conn: asyncpg.Connection) -> list[Any]:
-        await conn.execute(_LOCK_OWNED, owner, [end.key for end in ends])
-        return await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)))
+        locked = [row[0] for row in await conn.fetch(_LOCK_OWNED, owner, [e.key for e in ends])]
+        return await conn.fetch(_FINISH, owner, *columns(ends, len(KeyEnd._fields)), locked)
 
     written = {row[0] for row in await transaction(conn, step)}
     return [end.key in written for end in ends]
@@ -332,7 +337,8 @@ async def finish(conn: asyncpg.Connection, owner: str, ends: Sequence[KeyEnd]) -
 _RELEASE_RUN = f"""
 WITH done AS (
     UPDATE orchestra.keys AS k SET state = 'failed', error = $3
-    WHERE k.run_id = $1 AND k.owner = $2 AND k.state = 'claimed' AND NOT EXISTS (
+    WHERE k.run_id = $1 AND k.owner = $2 AND k.state = 'claimed' AND k.key = ANY ($4::text[])
+        AND NOT EXISTS (
         SELECT FROM orchestra.tasks AS t
         WHERE t.run_id = $1 AND t.key = k.key AND t.state IN ('claimed', 'running'))
     RETURNING k.key
@@ -349,13 +355,17 @@ async def release_run(conn: asyncpg.Connection, run_id: str, owner: str) -> list
     `KEY_CHANNEL`. Returns the keys let go."""
 
     async def step(conn: asyncpg.Connection) -> list[Any]:
-        await conn.execute(_LOCK_RUN, run_id, owner)
-        return await conn.fetch(_RELEASE_RUN, run_id, owner, "released: its run ended first")
+        locked = [row[0] for row in await conn.fetch(_LOCK_RUN, run_id, owner)]
+        return await conn.fetch(
+            _RELEASE_RUN, run_id, owner, "released: its run ended first", locked
+        )
 
     return [row[0] for row in await transaction(conn, step)]
 
 
-# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`).
+# The rows `_FINISH_TASKS` may write, locked first in key order (see `_LOCK_OWNED`): the run's
+# holds only (a completion locks no other run's key, so none orders it against that run's rows).
+# A claim of the run that commits while this waits is not written by this end (it came after).
 _LOCK_KEYS = """
 SELECT k.key FROM orchestra.keys AS k
 WHERE k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
@@ -383,7 +393,7 @@ WITH ended AS (
         error = CASE WHEN e.state = 'succeeded' THEN NULL
             ELSE e.state || coalesce(': ' || e.error, '') END
     FROM ended AS e
-    WHERE k.key = e.key AND k.run_id = $1 AND k.state = 'claimed'
+    WHERE k.key = e.key AND k.run_id = $1 AND k.state = 'claimed' AND k.key = ANY ($3::text[])
         AND (e.state = 'succeeded' OR NOT EXISTS (
             SELECT FROM orchestra.tasks AS o
             WHERE o.run_id = $1 AND o.key = e.key
@@ -413,8 +423,8 @@ async def finish_tasks(conn: asyncpg.Connection, run_id: str, task_ids: Iterable
     ids = list(task_ids)
     if not ids:
         return []
-    await conn.execute(_LOCK_KEYS, run_id, ids)
-    return [row[0] for row in await conn.fetch(_FINISH_TASKS, run_id, ids)]
+    locked = [row[0] for row in await conn.fetch(_LOCK_KEYS, run_id, ids)]
+    return [row[0] for row in await conn.fetch(_FINISH_TASKS, run_id, ids, locked)]
 
 
 # -- a run's keyed tasks: held back while another task holds their key ---------------------------

@@ -602,9 +602,16 @@ async def take_back_expired(
         for back in taken:
             if back.failed:
                 failed.setdefault(back.run_id, []).append((back.id, "failed"))
-        for run, ended in failed.items():
-            settled = await settle(conn, run, ended)
-            await finish_tasks(conn, run, [task_id for task_id, _ in ended] + settled.skipped)
+        # Every run settled before any key is locked: keys come last in every transaction that
+        # locks tasks (a claim locks its run's tasks and then keys, as this would otherwise lock
+        # one run's keys and then another's tasks). Runs in id order, so that two of these lock
+        # the runs' holds in one order.
+        keyed: list[tuple[str, list[str]]] = []
+        for run in sorted(failed):
+            settled = await settle(conn, run, failed[run])
+            keyed.append((run, [task_id for task_id, _ in failed[run]] + settled.skipped))
+        for run, task_ids in keyed:
+            await finish_tasks(conn, run, task_ids)
         return taken
 
     return await transaction(conn, step)

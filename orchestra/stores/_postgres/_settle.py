@@ -20,6 +20,40 @@ Each statement that reads what an end concerns runs after the rows it depends on
 locked in sorted order where a statement can choose; an end that reaches both tasks and groups
 may still meet another transaction locking them the other way round: PostgreSQL then aborts one
 of them with a deadlock error, and `transaction` runs it again.
+
+**Lock order.** The one order is runs, tasks, run_keys, follows, groups, keys; within a kind, by
+id, key or tag (``ORDER BY ... FOR UPDATE``, or ``_CLAIM``'s ``ORDER BY``), and runs by id where
+one transaction settles several. A statement that writes rows locked by an earlier one writes
+only those (its snapshot is newer: a row that came to match meanwhile would be locked then, out
+of order). The paths that lock more than one kind in one transaction:
+
+============================  ==============================================================
+path                          rows locked, in this order
+============================  ==============================================================
+admission (`_graph.admit_in`  runs (share: the fence, ``input_closed``) > tasks named (share,
+in a fenced write, then       by id) > groups (by tag) > run_keys (by key) > tasks (a pending
+`admit_keys`)                 holder, followers) > follows > settle > keys
+settle (`settle`)             tasks (dependents, by id) > run_keys (by key) > follows > tasks
+                              (followers) > groups (by tag) > tasks (waiters, by id); again
+                              for each round of skips
+complete; fenced decide       tasks (ended) > settle > keys (`finish_tasks`: the run's holds
+(`_follow.decide`)            of the ended and skipped tasks, by key)
+take_back_expired             tasks (expired, SKIP LOCKED) > settle of each run > keys
+close_input (fenced)          runs > groups (by tag) > tasks (waiters, by id)
+retry (`_admin`)              runs > tasks (every task of the run, by id) > groups > keys
+admit_keys, ask_again         tasks (the keyed, by id) > keys (`_CLAIM`, by key) > tasks (the
+(`_keys._decide`)             same) > settle of a reused result
+claim, renew, renew_run,      keys only, by key (`release_run` reads tasks without locking)
+finish, release_run, adopt
+============================  ==============================================================
+
+What goes against the order, and so may deadlock: a settle cascade locks tasks again after
+run_keys and groups, and so meets an admission (run_keys, then a pending holder's task row) or
+`close_input` (groups, then their waiters) that locks the same rows the other way round; and
+`_decide` settles a reused result after locking keys (no transaction locks those tasks after
+keys it holds: a completion locks only its run's holds, and a key becomes the run's when the
+claim commits). PostgreSQL aborts one of two deadlocked transactions: `transaction` runs it
+again, and so does `_jobs` a coordinator's fenced write.
 """
 
 from __future__ import annotations
@@ -37,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = (
     "LOCK_GROUPS",
     "QUEUE_STEP",
+    "RETRIES",
     "Settled",
     "close_input",
     "columns",
@@ -55,7 +90,8 @@ QUEUE_STEP: Final = 1 << 24
 """A task's place in its run's queue (``tasks.seq``) is a value of the sequence ``queue_order``
 times this, plus its rank among the tasks queued by the same statement."""
 
-_RETRIES: Final = 5  # a transaction aborted by a deadlock is run again this many times
+RETRIES: Final = 5
+"""A transaction aborted by a deadlock is run again this many times."""
 
 
 class Settled(NamedTuple):
@@ -74,12 +110,12 @@ async def transaction(
     transaction already, `step` runs in it (a deadlock then aborts the caller's, which retries)."""
     if conn.is_in_transaction():
         return await step(conn)
-    for attempt in range(_RETRIES):
+    for attempt in range(RETRIES):
         try:
             async with conn.transaction():
                 return await step(conn)
         except asyncpg.DeadlockDetectedError:
-            if attempt == _RETRIES - 1:
+            if attempt == RETRIES - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
 
