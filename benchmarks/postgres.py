@@ -288,15 +288,15 @@ async def _orchestra(dsn: str, n: int, workers: int) -> dict[str, Any]:
             handle.pause()
             await _until(probe, _ADMITTED, n, what=f"the coordinator did not admit {n} tasks")
             admit_s = time.perf_counter() - began
-            start = time.perf_counter()
+            start, wall = time.perf_counter(), time.time()
             procs.go()
             handle.resume()
             result = await handle
             run_s = time.perf_counter() - start
         outputs = await procs.outputs()
-        once = await probe.fetchval(
-            "SELECT count(*) FROM orchestra.tasks WHERE run_id = $1 AND state = 'succeeded' "
-            "AND attempts = 1",
+        once, last = await probe.fetchrow(
+            "SELECT count(*) FILTER (WHERE state = 'succeeded' AND attempts = 1), "
+            "extract(epoch FROM max(finished)) FROM orchestra.tasks WHERE run_id = $1",
             RUN_ID,
         )
     finally:
@@ -310,6 +310,9 @@ async def _orchestra(dsn: str, n: int, workers: int) -> dict[str, Any]:
         "run_s": run_s,
         "tasks_per_s": n / run_s,
         "admit_s": admit_s,
+        # When the last task's end was written (the database's clock: this host's), from the go:
+        # the rest of `run_s` is the coordinator hearing the ends and closing the run.
+        "last_end_s": float(last) - wall,
         "by_worker": by_worker,
         "by_coordinator": n - sum(by_worker),
     }

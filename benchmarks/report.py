@@ -589,10 +589,10 @@ def _postgres(rows: list[Row]) -> list[str]:
             name, workers = r["variant"], "0"
         label = _PG_NAMES.get(name, name)
         if "tasks_per_s" not in r:
-            body.append([workers, label, f"{r['n']:,}", _failed_cell(r), "", "", "", ""])
+            body.append([workers, label, f"{r['n']:,}", _failed_cell(r), "", "", "", "", ""])
             continue
         x_raw, x_pgq = r.get("x_raw"), r.get("x_pgqueuer")
-        admit = r.get("admit_s")
+        admit, last = r.get("admit_s"), r.get("last_end_s")
         body.append(
             [
                 workers,
@@ -602,6 +602,7 @@ def _postgres(rows: list[Row]) -> list[str]:
                 _spread(r["tasks_per_s"]),
                 "—" if x_raw is None else f"{num(x_raw)}x",
                 "—" if x_pgq is None else f"{num(x_pgq)}x",
+                "" if last is None else _spread(last),
                 "" if admit is None else _spread(admit),
             ]
         )
@@ -615,6 +616,7 @@ def _postgres(rows: list[Row]) -> list[str]:
             "tasks/s",
             "vs raw",
             "vs pgqueuer",
+            "last end written (s)",
             "admission, untimed (s)",
         ],
         body,
@@ -628,7 +630,7 @@ def _postgres(rows: list[Row]) -> list[str]:
         "coordinator's `RunResult` (every claim leased and fenced by its token, every completion "
         "committed with its dependents settled, every end heard by the coordinator); its own "
         "agent has one slot and takes 10 ms a call, so it runs a handful. The coordinator alone: "
-        "its own no-op agent at limit 100 runs them all. The peers: their queue filled untimed, "
+        "its own no-op agent at limit 100 runs them all. Last end written: the latest task's `finished` in the database, from the go (the rest of the run's time is the coordinator hearing the ends and closing the run). The peers: their queue filled untimed, "
         "timed from the go to the last process's end of work.",
     ]
     lat = next((r for r in rows if r["variant"] == "pg_latency"), None)

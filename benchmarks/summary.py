@@ -90,7 +90,7 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
         row["run_s"] = stats(e["run_s"] for e in extras)
         row["tasks_per_s"] = stats(e["tasks_per_s"] for e in extras)
         row["workers"] = extras[0]["workers"]
-        for name in ("admit_s", "by_coordinator"):  # scenario 12: orchestra's coordinator
+        for name in ("admit_s", "last_end_s", "by_coordinator"):  # scenario 12: orchestra
             if name in extras[0]:
                 row[name] = stats(float(e[name]) for e in extras)
     if "p50_ms" in extras[0]:  # scenario 12: submit-to-first-claim latency
