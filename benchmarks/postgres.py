@@ -26,6 +26,9 @@ then waiting for ``go`` on stdin.
   - ``pg_raw_W``, the floor: ``UPDATE jobs ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED
     LIMIT 100) RETURNING``, then one ``UPDATE`` of the batch by ids; no lease, no token.
   - ``pgqueuer_W``: pgqueuer's `QueueManager` (batch size 100, drain mode, a no-op entrypoint).
+  - ``procrastinate_W``: procrastinate's worker (concurrency 100, ``wait=False``: it returns once
+    the queue is empty; jobs written with ``batch_defer_async``) over N / `PROCRASTINATE_SHARE`
+    tasks: it fetches one job per query.
 
   For the last three the queue is filled untimed, and the clock runs from ``go`` to the last
   process's exit (each has drained the queue and closed its connection).
@@ -43,7 +46,6 @@ then waiting for ``go`` on stdin.
   coordinator's name comes from), so the standby must wait for the lease to lapse: target ≤ lease
   + 1 s.
 
-Not measured here: procrastinate (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ WAIT = 120.0
 ROOT = Path(__file__).resolve().parent.parent
 #: Every variant of the scenario, by the number of processes where it has one.
 WORKERS = (1, 2, 4)
-CONTENDERS = ("orchestra", "leases", "raw", "pgqueuer")
+CONTENDERS = ("orchestra", "leases", "raw", "pgqueuer", "procrastinate")
+#: procrastinate takes one job per query and commits each (about 40 jobs/s on this machine's
+#: disk): it runs N divided by this.
+PROCRASTINATE_SHARE = 100
 
 
 # --------------------------------------------------------------------------- the server
@@ -504,9 +509,10 @@ def build(spec: Spec) -> Workload:
     return throughput(spec, contender, int(workers))
 
 
+PG_PREFIXED = ("orchestra", "leases", "raw")
 VARIANTS = (
     "pg_coordinator",
-    *(f"{'' if c == 'pgqueuer' else 'pg_'}{c}_{w}" for c in CONTENDERS for w in WORKERS),
+    *(f"{'pg_' if c in PG_PREFIXED else ''}{c}_{w}" for c in CONTENDERS for w in WORKERS),
     "pg_latency",
     "pg_takeover_local",
     "pg_takeover_remote",
@@ -557,6 +563,15 @@ async def fill(contender: str, dsn: str, n: int) -> None:
                 n,
             )
             await conn.execute("VACUUM ANALYZE jobs")
+        elif contender == "procrastinate":
+            app, task, _ = _procrastinate(dsn)
+            async with app.open_async():
+                await app.schema_manager.apply_schema_async()
+                for start in range(0, n, 1000):
+                    await task.batch_defer_async(
+                        *({"i": i} for i in range(start, min(n, start + 1000)))
+                    )
+            await conn.execute("VACUUM ANALYZE procrastinate_jobs")
         else:
             from pgqueuer import AsyncpgDriver, Queries
 
@@ -595,6 +610,8 @@ async def claim_all(contender: str, dsn: str, name: str) -> int:
             while rows := await conn.fetch(_RAW_CLAIM, BATCH):
                 await conn.execute(_RAW_DONE, [row[0] for row in rows])
                 done += len(rows)
+        elif contender == "procrastinate":
+            done = await _procrastinate_work(dsn)
         else:
             done = await _pgqueuer(conn)
     finally:
@@ -619,6 +636,31 @@ async def _pgqueuer(conn: asyncpg.Connection) -> int:
         batch_size=BATCH, mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1)
     )
     return count
+
+
+def _procrastinate(dsn: str) -> tuple[Any, Any, list[int]]:
+    """A procrastinate app on `dsn` with a no-op task counting its calls (in the list)."""
+    import procrastinate
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
+    calls = [0]
+
+    @app.task(name=KIND)
+    async def noop(i: int) -> None:
+        calls[0] += 1
+
+    return app, noop, calls
+
+
+async def _procrastinate_work(dsn: str) -> int:
+    # Its worker with as many slots as the others' batch; `wait=False`: it returns once no job
+    # is left. Each slot fetches one job per query: procrastinate has no batch fetch.
+    app, _, calls = _procrastinate(dsn)
+    async with app.open_async():
+        await app.run_worker_async(
+            concurrency=BATCH, wait=False, install_signal_handlers=False, delete_jobs="never"
+        )
+    return calls[0]
 
 
 async def _started() -> None:
@@ -701,7 +743,7 @@ def main(argv: list[str]) -> int:
     else:
         print(
             "usage: python -m benchmarks.postgres worker DSN RUN noop|stamp | claimer "
-            "leases|raw|pgqueuer DSN NAME | coordinate DSN RUN N LEASE",
+            "leases|raw|pgqueuer|procrastinate DSN NAME | coordinate DSN RUN N LEASE",
             file=sys.stderr,
         )
         return 2

@@ -577,6 +577,7 @@ _PG_NAMES = {
     "pg_leases": "orchestra's claim/complete statements alone",
     "pg_raw": "raw asyncpg loop (the floor)",
     "pgqueuer": "pgqueuer, batch 100",
+    "procrastinate": "procrastinate, concurrency 100 (N / 100)",
 }
 
 

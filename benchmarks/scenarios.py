@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .failures import VARIANTS as FAILURE_VARIANTS
 from .failures import buggy_tasks
+from .postgres import PROCRASTINATE_SHARE
 from .spec import LOOPS, Spec
 
 #: Variants of scenario 2 and 3 (LangGraph is added at its own sizes).
@@ -91,8 +92,11 @@ class Sizes:
     pg_latency_n: int = 300
     pg_time_scale: float = 1.0
     pg_remote: bool = True
-    #: Every contender of scenario 12 (the smoke: orchestra, the raw floor and pgqueuer).
-    pg_contenders: tuple[str, ...] = ("pg_orchestra", "pg_leases", "pg_raw", "pgqueuer")
+    #: Every contender of scenario 12 (the smoke: orchestra, the raw floor and pgqueuer);
+    #: procrastinate at a hundredth of the size (one job per query: about 40/s here).
+    pg_contenders: tuple[str, ...] = (
+        "pg_orchestra", "pg_leases", "pg_raw", "pgqueuer", "procrastinate",
+    )  # fmt: skip
     limit: int = 100
     reps: int = 5
 
@@ -354,7 +358,17 @@ def plan(sizes: Sizes) -> list[Scenario]:
     )
     pg.groups.append([Case(Spec("postgres", "pg_coordinator", sizes.pg_n, limit))])
     pg.groups.extend(
-        [Case(Spec("postgres", f"{c}_{w}", sizes.pg_n, limit)) for c in sizes.pg_contenders]
+        [
+            Case(
+                Spec(
+                    "postgres",
+                    f"{c}_{w}",
+                    sizes.pg_n // (PROCRASTINATE_SHARE if c == "procrastinate" else 1),
+                    limit,
+                )
+            )
+            for c in sizes.pg_contenders
+        ]
         for w in sizes.pg_workers
     )
     pg.groups.append([Case(Spec("postgres", "pg_latency", sizes.pg_latency_n, limit))])
