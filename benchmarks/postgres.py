@@ -299,11 +299,13 @@ async def _orchestra(dsn: str, n: int, workers: int) -> dict[str, Any]:
             result = await handle
             run_s = time.perf_counter() - start
         outputs = await procs.outputs()
-        once, last = await probe.fetchrow(
+        counted = await probe.fetchrow(
             "SELECT count(*) FILTER (WHERE state = 'succeeded' AND attempts = 1), "
             "extract(epoch FROM max(finished)) FROM orchestra.tasks WHERE run_id = $1",
             RUN_ID,
         )
+        assert counted is not None  # an aggregate's one row
+        once, last = counted
     finally:
         procs.kill()
         await probe.close()

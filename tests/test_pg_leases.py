@@ -273,11 +273,11 @@ class TestTheCoordinatorHearsOfEnds:
         payloads: list[str] = []
         sentinel = asyncio.Event()
 
-        def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+        def heard(_conn: Any, _pid: int, _channel: str, payload: object) -> None:
             if payload == "sentinel":
                 sentinel.set()
             else:
-                payloads.append(payload)
+                payloads.append(str(payload))
 
         listener = await asyncpg.connect(pg_dsn)
         try:
