@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import anyio.lowlevel
 
 from .._exceptions import ConfigError, StoreError
 from .._log import get_logger
@@ -444,7 +445,7 @@ class Worker:
             count = -1
             while count != len(self.ends):
                 count = len(self.ends)
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             self._ended = anyio.Event()
             await self._write()
 
