@@ -298,6 +298,12 @@ class TestTheCoordinatorHearsOfEnds:
         await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
         assert await self.heard(pg_dsn, conn, "worker") == [ENDED]
 
+    async def test_a_completion_in_a_run_nobody_holds_notifies_nobody(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("t1", "a", 0), ("t2", "a", 0)])
+        assert await self.heard(pg_dsn, conn, "worker") == []
+
     async def test_the_coordinators_own_completion_notifies_nobody(
         self, pg_dsn: str, conn: asyncpg.Connection
     ) -> None:

@@ -300,10 +300,11 @@ WITH ends AS (
     SELECT $1, id FROM done
     WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
 ), woken AS (
-    -- and hears of them at the commit: an end that readies nothing notifies nobody otherwise,
-    -- and a coordinator with nothing left to claim would wait for its poll
+    -- and, while one holds the run, hears of them at the commit: an end that readies nothing
+    -- notifies nobody otherwise, and a coordinator with nothing left to claim would wait for its
+    -- poll (one that takes the run later reads the feed as it starts)
     SELECT pg_notify($13, $14) FROM (SELECT 1 FROM done LIMIT 1) AS d
-    WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
+    WHERE $2 <> (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
 SELECT id, keyed FROM done LEFT JOIN woken ON true
 """
