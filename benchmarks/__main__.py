@@ -15,6 +15,7 @@ it so the suite never rots. No timing is ever asserted: a run fails only when a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import subprocess
@@ -27,7 +28,17 @@ from typing import Any
 from .child import MARKER
 from .machine import machine_info
 from .report import write_all
-from .scenarios import FULL, PRESETS, SCENARIOS, SMOKE, Case, parse_selectors, plan, select
+from .scenarios import (
+    FULL,
+    PRESETS,
+    SCENARIOS,
+    SMOKE,
+    Case,
+    Scenario,
+    parse_selectors,
+    plan,
+    select,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ROOT = PACKAGE_DIR.parent
@@ -59,6 +70,46 @@ def run_child(case: Case, timeout: float) -> dict[str, Any]:
         "error": f"child exited {proc.returncode} without a result",
         "stderr": proc.stderr[-2000:],
     }
+
+
+def server_for(scenario: str) -> contextlib.AbstractContextManager[object]:
+    """What a scenario's children share: scenario 12's one PostgreSQL server, its DSN in their
+    environment."""
+    if scenario == "postgres":
+        from .postgres import shared_server
+
+        return shared_server()
+    return contextlib.nullcontext()
+
+
+def run_scenario(
+    scenario: Scenario, reps: int, timeout: float, started: float, records: list[dict[str, Any]]
+) -> int:
+    """Every case of `scenario`, `reps` times, variants alternating; the records appended to
+    `records`; how many failed."""
+    failures = 0
+    for rep in range(reps):
+        for group in scenario.groups:
+            shift = rep % len(group)
+            for case in group[shift:] + group[:shift]:
+                if case.max_reps is not None and rep >= case.max_reps:
+                    continue
+                record = run_child(case, timeout)
+                record["rep"] = rep
+                records.append(record)
+                elapsed = time.perf_counter() - started
+                if "error" in record:
+                    failures += 1
+                    print(f"  FAILED {case.spec.label()}: {record['error']}", flush=True)
+                    if record.get("stderr"):
+                        print("    " + record["stderr"].strip().replace("\n", "\n    "))
+                else:
+                    print(
+                        f"  [{elapsed:6.0f} s] rep {rep + 1}/{reps} {case.spec.label()}: "
+                        f"{record['wall_s']:.4f} s, peak RSS {record['peak_rss_kb'] / 1024:.0f} MiB",
+                        flush=True,
+                    )
+    return failures
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -128,27 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for scenario in scenarios:
         print(f"== {scenario.title}", flush=True)
-        for rep in range(reps):
-            for group in scenario.groups:
-                shift = rep % len(group)
-                for case in group[shift:] + group[:shift]:
-                    if case.max_reps is not None and rep >= case.max_reps:
-                        continue
-                    record = run_child(case, timeout)
-                    record["rep"] = rep
-                    records.append(record)
-                    elapsed = time.perf_counter() - started
-                    if "error" in record:
-                        failures += 1
-                        print(f"  FAILED {case.spec.label()}: {record['error']}", flush=True)
-                        if record.get("stderr"):
-                            print("    " + record["stderr"].strip().replace("\n", "\n    "))
-                    else:
-                        print(
-                            f"  [{elapsed:6.0f} s] rep {rep + 1}/{reps} {case.spec.label()}: "
-                            f"{record['wall_s']:.4f} s, peak RSS {record['peak_rss_kb'] / 1024:.0f} MiB",
-                            flush=True,
-                        )
+        with server_for(scenario.name):
+            failures += run_scenario(scenario, reps, timeout, started, records)
 
     results: dict[str, Any] = {
         "generated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

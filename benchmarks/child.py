@@ -54,8 +54,13 @@ def warmup_spec(spec: Spec) -> Spec:
     return dataclasses.replace(spec, n=n, work="noop", latency=0.0, jitter=0.0, slice=0)
 
 
+#: Scenarios whose workloads time themselves after their own untimed setup (their processes
+#: started and connected, their queues filled): a warm-up would start it all once more.
+SELF_TIMED = frozenset({"postgres"})
+
+
 def measure(spec: Spec) -> dict[str, Any]:
-    warmup = build(warmup_spec(spec))
+    warmup = None if spec.scenario in SELF_TIMED else build(warmup_spec(spec))
     workload = build(spec)
     # Another process busy on the machine shows here (the suite cannot stop one from running).
     record: dict[str, Any] = {"spec": as_dict(spec), "loadavg_1m": os.getloadavg()[0]}
@@ -72,7 +77,8 @@ def measure(spec: Spec) -> dict[str, Any]:
         return extra
 
     with asyncio.Runner(loop_factory=loop_factory(spec.loop)) as runner:
-        runner.run(warmup())
+        if warmup is not None:
+            runner.run(warmup())
         gc.collect()
         record["extra"] = runner.run(timed())
     record["peak_rss_kb"] = _peak_rss_kb()

@@ -332,6 +332,10 @@ def markdown(
     if rows:
         lines += [f"{h2} {_title(results, 'failures')}", "", *_failures(rows), ""]
 
+    rows = _rows(summary, "postgres")
+    if rows:
+        lines += [f"{h2} {_title(results, 'postgres')}", "", *_postgres(rows), ""]
+
     for image in images:
         lines += [f"![{Path(image).stem}]({image_prefix}{image})", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -563,6 +567,124 @@ def _durable(rows: list[Row]) -> list[str]:
             "(started before the clock) for a coordinator that runs none itself; timed from "
             "`start` to the `RunResult` (every completion settled and committed), checked against "
             "the journal (one claim per task).",
+        ]
+    return lines
+
+
+_PG_NAMES = {
+    "pg_coordinator": "orchestra, the coordinator alone",
+    "pg_orchestra": "orchestra (coordinator + `orch.work` processes)",
+    "pg_leases": "orchestra's claim/complete statements alone",
+    "pg_raw": "raw asyncpg loop (the floor)",
+    "pgqueuer": "pgqueuer, batch 100",
+    "procrastinate": "procrastinate, concurrency 100 (N / 100)",
+}
+
+
+def _postgres(rows: list[Row]) -> list[str]:
+    throughput = [r for r in rows if r["variant"] in _PG_NAMES or r["variant"][-1].isdigit()]
+    body = []
+    for r in throughput:
+        name, _, workers = r["variant"].rpartition("_")
+        if r["variant"] == "pg_coordinator":
+            name, workers = r["variant"], "0"
+        label = _PG_NAMES.get(name, name)
+        if "tasks_per_s" not in r:
+            body.append([workers, label, f"{r['n']:,}", _failed_cell(r), "", "", "", "", ""])
+            continue
+        x_raw, x_pgq = r.get("x_raw"), r.get("x_pgqueuer")
+        admit, last = r.get("admit_s"), r.get("last_end_s")
+        body.append(
+            [
+                workers,
+                label,
+                f"{r['n']:,}",
+                _spread(r["run_s"]),
+                _spread(r["tasks_per_s"]),
+                "—" if x_raw is None else f"{num(x_raw)}x",
+                "—" if x_pgq is None else f"{num(x_pgq)}x",
+                "" if last is None else _spread(last),
+                "" if admit is None else _spread(admit),
+            ]
+        )
+    body.sort(key=lambda cells: int(cells[0]))
+    lines = _table(
+        [
+            "processes",
+            "contender",
+            "tasks",
+            "run (s)",
+            "tasks/s",
+            "vs raw",
+            "vs pgqueuer",
+            "last end written (s)",
+            "admission, untimed (s)",
+        ],
+        body,
+    )
+    lines += [
+        "",
+        "No-op tasks on one embedded PostgreSQL server, durable (`fsync` and "
+        "`synchronous_commit` on), a fresh database per measurement, the processes started and "
+        "connected before the clock. orchestra: a coordinator admits the run (its admission "
+        "reported beside, untimed), then the clock runs from the workers' go to the "
+        "coordinator's `RunResult` (every claim leased and fenced by its token, every completion "
+        "committed with its dependents settled, every end heard by the coordinator); its own "
+        "agent has one slot and takes 10 ms a call, so it runs a handful. The coordinator alone: "
+        "its own no-op agent at limit 100 runs them all. Last end written: the latest task's `finished` in the database, from the go (the rest of the run's time is the coordinator hearing the ends and closing the run). The peers: their queue filled untimed, "
+        "timed from the go to the last process's end of work.",
+    ]
+    lat = next((r for r in rows if r["variant"] == "pg_latency"), None)
+    if lat is not None:
+        lines += [""]
+        if "p50_ms" not in lat:
+            lines += [f"Latency: {_failed_cell(lat)}."]
+        else:
+            lines += _table(
+                [
+                    "samples",
+                    "admit to the worker's agent call, p50 (ms)",
+                    "p95 (ms)",
+                    "max (ms)",
+                    "admit to the result heard by the coordinator, p50 (ms)",
+                    "p95 (ms)",
+                ],
+                [
+                    [
+                        str(lat["samples"]),
+                        _spread(lat["p50_ms"]),
+                        _spread(lat["p95_ms"]),
+                        _spread(lat["max_ms"]),
+                        _spread(lat["back_p50_ms"]),
+                        _spread(lat["back_p95_ms"]),
+                    ]
+                ],
+            )
+            lines += [
+                "",
+                "One idle worker process (`orch.work`, woken by LISTEN/NOTIFY); the coordinator "
+                "streams one task every 25 ms and runs none (paused, its one slot held by a "
+                "task of its own). From the input generator handing over the task to the "
+                "worker's agent being called (one host, one clock); the first 5 samples dropped.",
+            ]
+    takeovers = [r for r in rows if r["variant"].startswith("pg_takeover_")]
+    if takeovers:
+        body = [
+            [
+                "another host" if r["variant"].endswith("remote") else "same host",
+                "" if "lease_s" not in r else num(r["lease_s"]),
+                _failed_cell(r) if "takeover_s" not in r else _spread(r["takeover_s"]),
+            ]
+            for r in takeovers
+        ]
+        lines += [
+            "",
+            *_table(["holder", "lease (s)", "kill to the standby's first claim (s)"], body),
+            "",
+            "A coordinator process runs the run (its agent blocking), a standby process runs the "
+            "same `orch.run(..., run_id=...)`; the first is killed with SIGKILL. On the same host "
+            "the standby sees the holder's pid gone; as another host (the killed process's "
+            "`socket.gethostname()` replaced) it waits for the lease to lapse.",
         ]
     return lines
 

@@ -1,4 +1,4 @@
-"""The eleven scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
+"""The twelve scenarios of the suite, in a full size and a smoke size, and how to pick a subset.
 
 A scenario is a list of groups; a group is the variants that measure the same thing at the same
 size and are run one after another in each repetition (their order rotating from one repetition to
@@ -6,7 +6,7 @@ the next), so that a drift in the machine's speed lands on all of them alike.
 
 `select` keeps the cases that match selectors such as ``kinds``, ``dispatch/gather`` or
 ``dispatch/orchestra@asyncio``; ``core-v2`` names the rows core v2's targets are read from,
-``sqlite`` those of issue 16 (durable runs).
+``sqlite`` those of issue 16 (durable runs), ``postgres`` issue 26's (scenario 12).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .failures import VARIANTS as FAILURE_VARIANTS
 from .failures import buggy_tasks
+from .postgres import PROCRASTINATE_SHARE
 from .spec import LOOPS, Spec
 
 #: Variants of scenario 2 and 3 (LangGraph is added at its own sizes).
@@ -83,6 +84,19 @@ class Sizes:
     failures_limit: int = 50
     #: Scenario 11: the retry backoff, breaker cool-downs and outage times this (1: the defaults).
     failures_time_scale: float = 1.0
+    #: Scenario 12, PostgreSQL: claim + run + complete of this many no-op tasks by each number
+    #: of processes; latency samples; the take-over rows' lease x this (1: 5 s), and whether
+    #: the cross-host take-over runs (it waits a whole lease).
+    pg_n: int = 20_000
+    pg_workers: tuple[int, ...] = (1, 2, 4)
+    pg_latency_n: int = 300
+    pg_time_scale: float = 1.0
+    pg_remote: bool = True
+    #: Every contender of scenario 12 (the smoke: orchestra, the raw floor and pgqueuer);
+    #: procrastinate at a hundredth of the size (one job per query: about 40/s here).
+    pg_contenders: tuple[str, ...] = (
+        "pg_orchestra", "pg_leases", "pg_raw", "pgqueuer", "procrastinate",
+    )  # fmt: skip
     limit: int = 100
     reps: int = 5
 
@@ -118,6 +132,12 @@ SMOKE = Sizes(
     failures_latency=0.005,
     failures_limit=10,
     failures_time_scale=0.1,
+    pg_n=300,
+    pg_workers=(2,),
+    pg_latency_n=20,
+    pg_time_scale=0.4,
+    pg_remote=False,
+    pg_contenders=("pg_orchestra", "pg_raw", "pgqueuer"),
     limit=10,
     reps=1,
 )
@@ -329,9 +349,39 @@ def plan(sizes: Sizes) -> list[Scenario]:
         ]
     )
 
+    pg = Scenario(
+        "postgres",
+        f"12. PostgreSQL (one durable server): {sizes.pg_n:,} no-op tasks claimed, run and "
+        f"completed by {', '.join(map(str, sizes.pg_workers))} processes, batches of 100; "
+        f"submit-to-first-claim latency ({sizes.pg_latency_n} samples); a standby taking over "
+        "a killed coordinator's run",
+    )
+    pg.groups.append([Case(Spec("postgres", "pg_coordinator", sizes.pg_n, limit))])
+    pg.groups.extend(
+        [
+            Case(
+                Spec(
+                    "postgres",
+                    f"{c}_{w}",
+                    sizes.pg_n // (PROCRASTINATE_SHARE if c == "procrastinate" else 1),
+                    limit,
+                )
+            )
+            for c in sizes.pg_contenders
+        ]
+        for w in sizes.pg_workers
+    )
+    pg.groups.append([Case(Spec("postgres", "pg_latency", sizes.pg_latency_n, limit))])
+    pg.groups.append(
+        [
+            Case(Spec("postgres", variant, 20, limit, time_scale=sizes.pg_time_scale))
+            for variant in ("pg_takeover_local", "pg_takeover_remote")[: 1 + sizes.pg_remote]
+        ]
+    )
+
     return [
         speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable,
-        failures,
+        failures, pg,
     ]  # fmt: skip
 
 
@@ -347,6 +397,7 @@ SCENARIOS = (
     "claude",
     "durable",
     "failures",
+    "postgres",
 )
 
 #: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio;
@@ -365,6 +416,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "spawn",
     ),
     "sqlite": ("durable", "latency/orchestra", "latency/orchestra_sqlite"),
+    "postgres": ("postgres",),
 }
 
 

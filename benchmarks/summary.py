@@ -86,10 +86,20 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
         row["run_s"] = stats(e["run_s"] for e in extras)
         row["transitions"] = extras[0]["transitions"]
         row["transitions_per_s"] = stats(e["transitions"] / e["run_s"] for e in extras)
-    if "tasks_per_s" in extras[0]:  # scenario 10: worker processes
+    if "tasks_per_s" in extras[0]:  # scenarios 10 and 12: worker processes
         row["run_s"] = stats(e["run_s"] for e in extras)
         row["tasks_per_s"] = stats(e["tasks_per_s"] for e in extras)
         row["workers"] = extras[0]["workers"]
+        for name in ("admit_s", "last_end_s", "by_coordinator"):  # scenario 12: orchestra
+            if name in extras[0]:
+                row[name] = stats(float(e[name]) for e in extras)
+    if "p50_ms" in extras[0]:  # scenario 12: submit-to-first-claim latency
+        for name in ("p50_ms", "p95_ms", "max_ms", "back_p50_ms", "back_p95_ms"):
+            row[name] = stats(e[name] for e in extras)
+        row["samples"] = extras[0]["samples"]
+    if "takeover_s" in extras[0]:  # scenario 12: a standby taking over a killed coordinator
+        row["takeover_s"] = stats(e["takeover_s"] for e in extras)
+        row["lease_s"] = extras[0]["lease_s"]
     if "first_attempt_s" in extras[0]:  # scenario 10: a run resumed
         row["run_s"] = stats(e["run_s"] for e in extras)
         row["first_attempt_s"] = stats(e["first_attempt_s"] for e in extras)
@@ -196,6 +206,16 @@ def _add_derived(rows: list[Row]) -> None:
             memory = median(find(rows, scenario="durable", variant=twin, n=spec.n), "run_s")
             if memory is not None:
                 row["x_memory_store"] = row["run_s"]["median"] / memory
+        if spec.scenario == "postgres" and "tasks_per_s" in row:
+            # Read against the raw floor and pgqueuer with as many processes, in the same run.
+            workers = row["workers"]
+            rate = row["tasks_per_s"]["median"]
+            for peer in ("pg_raw", "pgqueuer"):
+                other = median(
+                    find(rows, scenario="postgres", variant=f"{peer}_{workers}"), "tasks_per_s"
+                )
+                if other:
+                    row[f"x_{peer.removeprefix('pg_')}"] = rate / other
         if spec.scenario == "failures" and spec.variant != "clean":
             # Read against the clean run: the buggy minority's target, the outage's time.
             clean = median(find(rows, scenario="failures", variant="clean"))

@@ -23,6 +23,14 @@ DURABLE_LATENCY_MAX = 1.05
 #: Issue 24 (failures): a buggy minority ends within this many times the clean run plus its retry
 #: backoff; a kind whose agent always raises within this many times one task's longest path alone.
 FAILURES_SLACK = 2.0
+#: Issue 26 (PostgreSQL): claim + run + complete with 2 worker processes, against the raw asyncpg
+#: floor (and ahead of pgqueuer) in the same run; submit-to-first-claim p50; a standby's take-over
+#: within the lease plus this.
+PG_TASKS = 20_000
+PG_WORKERS = 2
+PG_VS_RAW = 0.4
+PG_P50_MS = 10.0
+PG_TAKEOVER_SLACK_S = 1.0
 
 
 def _target(
@@ -45,6 +53,7 @@ def targets(rows: list[Row]) -> list[Row]:
         *_claude(rows),
         *_durable(rows),
         *_failures(rows),
+        *_postgres(rows),
     ]
 
 
@@ -455,6 +464,79 @@ def _stream(rows: list[Row]) -> list[Row]:
                 flat,
                 flat >= STREAM_FLAT,
                 f"slices of {million['slice']:,} tasks; last / first tasks/s",
+            )
+        )
+    return out
+
+
+def _postgres(rows: list[Row]) -> list[Row]:
+    """Issue 26: throughput with 2 workers (absolute, against pgqueuer and the raw floor), the
+    submit-to-first-claim latency, a standby's take-over."""
+    out: list[Row] = []
+    orch = find(rows, scenario="postgres", variant=f"pg_orchestra_{PG_WORKERS}")
+    if orch is not None:
+        rate = orch["tasks_per_s"]["median"]
+        what = f"orchestra, {PG_WORKERS} worker processes, N={orch['n']:,}"
+        out.append(
+            _target(
+                f"PostgreSQL claim + run + complete, tasks/s ({what})",
+                f"≥ {PG_TASKS:,}/s",
+                rate,
+                rate >= PG_TASKS,
+                "durable commits, fencing on; from the workers' go to the `RunResult`",
+            )
+        )
+        if "x_pgqueuer" in orch:
+            x = orch["x_pgqueuer"]
+            out.append(
+                _target(
+                    f"PostgreSQL: orchestra / pgqueuer (batch 100), tasks/s ({PG_WORKERS} processes)",
+                    "> 1x",
+                    x,
+                    x > 1,
+                    f"pgqueuer {num(rate / x)}/s",
+                )
+            )
+        if "x_raw" in orch:
+            x = orch["x_raw"]
+            out.append(
+                _target(
+                    f"PostgreSQL: orchestra / raw asyncpg loop, tasks/s ({PG_WORKERS} processes)",
+                    f"≥ {PG_VS_RAW:g}x",
+                    x,
+                    x >= PG_VS_RAW,
+                    f"raw {num(rate / x)}/s",
+                )
+            )
+    lat = find(rows, scenario="postgres", variant="pg_latency")
+    if lat is not None:
+        p50 = lat["p50_ms"]["median"]
+        out.append(
+            _target(
+                "PostgreSQL submit-to-first-claim latency, p50 (ms), LISTEN/NOTIFY",
+                f"≤ {PG_P50_MS:g} ms",
+                p50,
+                p50 <= PG_P50_MS,
+                f"p95 {num(lat['p95_ms']['median'])} ms over {lat['samples']} samples",
+            )
+        )
+    for variant, where in (
+        ("pg_takeover_local", "same host"),
+        ("pg_takeover_remote", "another host"),
+    ):
+        row = find(rows, scenario="postgres", variant=variant)
+        if row is None:
+            continue
+        bound = row["lease_s"] + PG_TAKEOVER_SLACK_S
+        worst = row["takeover_s"]["max"]
+        out.append(
+            _target(
+                f"PostgreSQL standby take-over after a SIGKILL, {where} (s)",
+                f"≤ lease + {PG_TAKEOVER_SLACK_S:g} s = {num(bound)} s",
+                worst,
+                worst <= bound,
+                f"max over repetitions (median {num(row['takeover_s']['median'])} s); lease "
+                f"{num(row['lease_s'])} s",
             )
         )
     return out

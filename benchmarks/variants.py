@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
-from . import claude, durable, failures, spawning
+from . import claude, durable, failures, postgres, spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -473,6 +473,7 @@ VARIANTS: dict[str, Builder] = {
         for k in (1, 2, 3)
     },
     **dict.fromkeys(failures.VARIANTS, failures.failures),
+    **dict.fromkeys(postgres.VARIANTS, postgres.build),
 }
 
 

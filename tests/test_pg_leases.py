@@ -26,6 +26,7 @@ from orchestra.stores._postgres._leases import (
     release,
     take_back_expired,
 )
+from orchestra.stores._postgres._listen import ENDED, channel_of, notify
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -260,6 +261,55 @@ class TestFencing:
             await conn.fetchval("SELECT count(*) FROM orchestra.events WHERE event = 'refused'")
             == 1
         )
+
+
+class TestTheCoordinatorHearsOfEnds:
+    """A run's coordinator follows the ends other processes write (`orchestra.ended`); a NOTIFY
+    on the run's channel tells it at their commit, even when they ready nothing."""
+
+    async def heard(self, pg_dsn: str, conn: asyncpg.Connection, owner: str) -> list[str]:
+        """The payloads on run r's channel from `owner`'s completion of two tasks, up to a
+        sentinel sent after it commits (notifications arrive in commit order)."""
+        payloads: list[str] = []
+        sentinel = asyncio.Event()
+
+        def heard(_conn: Any, _pid: int, _channel: str, payload: object) -> None:
+            if payload == "sentinel":
+                sentinel.set()
+            else:
+                payloads.append(str(payload))
+
+        listener = await asyncpg.connect(pg_dsn)
+        try:
+            await listener.add_listener(channel_of("r"), heard)
+            claimed = await claim(conn, "r", {"a": 2}, owner=owner, lease=5)
+            ends = [End(task.id, task.token, "succeeded") for task in claimed]
+            assert await complete(conn, "r", owner, ends) == [True, True]
+            await notify(conn, "r", "sentinel")
+            await asyncio.wait_for(sentinel.wait(), 10)
+        finally:
+            await listener.close()
+        return payloads
+
+    async def test_another_processs_completion_notifies_the_runs_channel_once(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("t1", "a", 0), ("t2", "a", 0)])
+        await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
+        assert await self.heard(pg_dsn, conn, "worker") == [ENDED]
+
+    async def test_a_completion_in_a_run_nobody_holds_notifies_nobody(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("t1", "a", 0), ("t2", "a", 0)])
+        assert await self.heard(pg_dsn, conn, "worker") == []
+
+    async def test_the_coordinators_own_completion_notifies_nobody(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("t1", "a", 0), ("t2", "a", 0)])
+        await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
+        assert await self.heard(pg_dsn, conn, "coordinator") == []
 
 
 class TestFailure:

@@ -42,6 +42,7 @@ from orchestra.stores import MemoryStore
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._store import PostgresStore
+from orchestra.stores._postgres._worker import PostgresWorkerBackend
 from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
@@ -376,6 +377,29 @@ async def wait_all(workers: list[subprocess.Popen[str]]) -> list[str]:
 async def live_workers(conn: asyncpg.Connection) -> int:
     n: int = await conn.fetchval("SELECT count(*) FROM orchestra.workers WHERE gone IS NULL")
     return n
+
+
+class TestGroupCommits:
+    async def test_tasks_of_one_claim_that_end_together_are_written_in_one_commit(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        batches: list[int] = []
+        complete = PostgresWorkerBackend.complete
+
+        async def counted(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
+            batches.append(len(args[1]))  # (wall0, rows, failed, admission): the ends written
+            return await complete(self, name, *args)
+
+        monkeypatch.setattr(PostgresWorkerBackend, "complete", counted)
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(50)])
+        work = Work(Orchestrator(agents=[runner], concurrency=50), pg_dsn, run_id="r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            await until_ended(pg_conn, "r", 50)
+            await close_run(pg_conn, "r")
+        assert work.report is not None
+        assert work.report.claimed == 50
+        assert batches == [50]
 
 
 class TestWorkerProcesses:

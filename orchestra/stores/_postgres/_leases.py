@@ -48,6 +48,7 @@ import asyncpg
 from .._protocol import KEEP
 from ._graph import admit_in
 from ._keys import finish_tasks
+from ._listen import ENDED, channel_of
 from ._settle import QUEUE_STEP, settle, transaction
 
 if TYPE_CHECKING:
@@ -298,8 +299,14 @@ WITH ends AS (
     INSERT INTO orchestra.ended (run_id, id)
     SELECT $1, id FROM done
     WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
+), woken AS (
+    -- and, while one holds the run, hears of them at the commit: an end that readies nothing
+    -- notifies nobody otherwise, and a coordinator with nothing left to claim would wait for its
+    -- poll (one that takes the run later reads the feed as it starts)
+    SELECT pg_notify($13, $14) FROM (SELECT 1 FROM done LIMIT 1) AS d
+    WHERE $2 <> (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
-SELECT id, keyed FROM done
+SELECT id, keyed FROM done LEFT JOIN woken ON true
 """
 
 
@@ -353,7 +360,9 @@ async def complete(
                     conn, run_id, spawning[task_id], admission,  # type: ignore[arg-type]
                     f"tasks spawned by {task_id!r}", False, 0, task_id,
                 )  # fmt: skip
-        rows = await conn.fetch(_COMPLETE, run_id, owner, *_columns(ends, len(End._fields)))
+        rows = await conn.fetch(
+            _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
+        )
         written = {row[0] for row in rows}
         keyed = any(row[1] for row in rows)
         if failures:

@@ -32,10 +32,14 @@ if TYPE_CHECKING:
     from types import TracebackType
 
 
-__all__ = ("GLOBAL_CHANNEL", "Listener", "Wakeup", "channel_of", "notify")
+__all__ = ("ENDED", "GLOBAL_CHANNEL", "Listener", "Wakeup", "channel_of", "notify")
 
 GLOBAL_CHANNEL: Final = "orchestra"
 """The channel every run's notifications also go to (their payload: the run id)."""
+
+ENDED: Final = "ended"
+"""The payload on a run's channel when another process wrote ends of it (`_leases.complete`):
+news for the run's coordinator, which follows them; nothing for a worker to claim."""
 
 _MAX_CHANNEL: Final = 63  # PostgreSQL's identifiers (and so channel names) are at most 63 bytes
 

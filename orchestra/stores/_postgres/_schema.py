@@ -34,7 +34,7 @@ followed by the batched fenced completion of the 100 (``UPDATE ... FROM unnest(.
 tasks: 52,500 to 53,400 tasks/s against 45,500 to 49,200; LISTEN/NOTIFY, a notification's round
 trip from one connection to another: 0.04 ms against 0.10 to 0.13 ms (p50). asyncpg also has a
 pool and notification callbacks of its own (psycopg's pool is another package), pgqueuer (the peer
-of ``benchmarks/pg_claims.py``) runs on it, and its types come from ``asyncpg-stubs``. What the
+of ``benchmarks/postgres.py``) runs on it, and its types come from ``asyncpg-stubs``. What the
 store gives up: psycopg's pipeline mode and a synchronous API of the same library.
 """
 

@@ -38,7 +38,7 @@ from ..._task import CANCELLED, FAILED
 from .._worker_run import ending
 from ._database import explain
 from ._leases import End, Failed, claim, complete, heartbeat, note, release
-from ._listen import GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
+from ._listen import ENDED, GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
 from ._processes import Presence
 
 if TYPE_CHECKING:
@@ -83,6 +83,11 @@ class PostgresWorkerBackend:
         self._offset = now - (before + time.time()) / 2
         channel = GLOBAL_CHANNEL if run_id is None else channel_of(run_id)
         wake = self._wakeup.set
+
+        def woken(channel: str, payload: str) -> None:
+            if payload != ENDED:  # another process's ends: the coordinator's news, not ours
+                wake()
+
         presence: Presence | None = None
         try:
             async with (
@@ -90,7 +95,7 @@ class PostgresWorkerBackend:
                     database.dsn, name, host=socket.gethostname(), pid=os.getpid(),
                     lease=self.lease, kinds=kinds, run_id=run_id, on_swept=wake,
                 ) as presence,
-                Listener(database.dsn, [channel], on_notify=wake, on_reconnect=wake),
+                Listener(database.dsn, [channel], on_notify=woken, on_reconnect=wake),
             ):  # fmt: skip
                 self._presence = presence
                 try:
