@@ -241,12 +241,16 @@ def _slow() -> Any:
     return slow
 
 
-def _stamp(concurrency: int | None = None) -> Any:
-    """An agent returning the time it was called: the latency rows' worker."""
+def _stamp(concurrency: int | None = None, hold: asyncio.Event | None = None) -> Any:
+    """An agent returning the time it was called: the latency rows' worker. With `hold`, the
+    task "sink" waits for it first (the coordinator's one slot taken, so that it claims nothing
+    else)."""
     from orchestra import agent
 
     @agent(kinds=[KIND], name=KIND, concurrency=concurrency)
     async def stamp(task: Any, ctx: Any) -> float:
+        if hold is not None and task.id == "sink":
+            await hold.wait()
         return time.time()
 
     return stamp
@@ -373,9 +377,10 @@ def latency(spec: Spec) -> Workload:
             await procs.ready()
 
             async def tasks() -> AsyncIterator[Task]:
-                # The coordinator must serve the kind, but no sample may be its own: paused, with
-                # one slot, it claims the first task, the sink, and holds it, its room used up;
-                # the worker starts once it does, and the samples once it is registered.
+                # The coordinator must serve the kind, but no sample may be its own: with one
+                # slot, it claims the first task, the sink, whose call waits until every sample
+                # was heard, its room used up; the worker starts once it does, and the samples
+                # once it is registered.
                 yield Task(KIND, -1, id="sink")
                 await _until(probe, _SINK_HELD, what="the coordinator did not claim the sink")
                 procs.go()
@@ -384,13 +389,11 @@ def latency(spec: Spec) -> Workload:
                     admitted[i] = time.time()
                     yield Task(KIND, i, id=f"t{i}")
                     await asyncio.sleep(PACE)
-                await all_heard.wait()
-                handle.resume()  # the sink runs here: the run ends
+                await all_heard.wait()  # the sink returns: the run ends
 
-            orch = Orchestrator(agents=[_stamp(concurrency=1)], store=store)
+            orch = Orchestrator(agents=[_stamp(concurrency=1, hold=all_heard)], store=store)
             async with orch:
                 handle = orch.start(tasks=tasks(), run_id=RUN_ID)
-                handle.pause()
                 count = 0
                 async for result in handle.results():
                     if result.task_id != "sink":
