@@ -114,6 +114,54 @@ class Resume:
             isinstance(task, Task) and task.id in self.stored and memory.record_of(task.id) is None
         )
 
+    def admit(
+        self,
+        memory: MemoryRun,
+        tasks: Sequence[Any],
+        *,
+        where: str,
+        forward: bool,
+        first_index: int,
+    ) -> tuple[int, frozenset[int]]:
+        """Admit input into `memory`, matched against what the store kept (`match`), around
+        the stored tasks done and forgotten since (`gone`). Returns how many tasks are new, and
+        the indices (in `tasks`) of the ones gone, not admitted."""
+        generated: set[int] = set()
+        gone: list[int] = []
+        if self.stored:
+            generated = self.match(tasks, first_index)
+            gone = [i for i, task in enumerate(tasks) if self.gone(task, memory)]
+        if not gone:
+            added = memory.admit(
+                tasks, where=where, forward=forward, first_index=first_index, generated=generated
+            )
+            return added, frozenset()
+        # Admitted around the tasks that are gone, a stretch at a time. Only a streamed input's
+        # chunk has such tasks (a whole list is never compacted), and it may only depend
+        # backwards, so the stretches are independent.
+        added = start = 0
+        for stop in [*gone, len(tasks)]:
+            if start < stop:
+                added += memory.admit(
+                    tasks[start:stop],
+                    where=where,
+                    forward=forward,
+                    first_index=first_index + start,
+                    generated=generated,
+                )
+            start = stop + 1
+        return added, frozenset(gone)
+
+    def admit_one(self, memory: MemoryRun, task: Any, index: int) -> bool:
+        """`admit` for one item of a streamed input; False when it is gone (not admitted)."""
+        generated = False
+        if self.stored:
+            generated = bool(self.match((task,), index))
+            if self.gone(task, memory):
+                return False
+        memory.admit_one(task, index, generated=generated)
+        return True
+
     def match(self, tasks: Sequence[Any], first: int) -> set[int]:
         """Input admitted again on resume: the stored task with its id (generated ids are
         generated again, in the same order) must be the same task; it takes the caller's object.

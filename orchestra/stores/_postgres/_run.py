@@ -91,8 +91,6 @@ class PostgresRun:
         self._store = store
         self._db = store.database
         self._listener = listener
-        self._admission = admission
-        self._now = clock
         self._memory = memory = MemoryRun(run_id, admission, self, clock, task_timeout, compact)
         self._wall0 = time.time()  # the wall time of the mirror's zero (`memory.t0`)
         self._kinds = sorted(admission.kinds)
@@ -205,41 +203,18 @@ class PostgresRun:
     ) -> int:
         self._take_back()
         _storable(tasks, where)
-        generated: set[int] = set()
-        resume = self._resume
-        memory = self._memory
-        if resume.stored:
-            generated = resume.match(tasks, first_index)
-            gone = [i for i, task in enumerate(tasks) if resume.gone(task, memory)]
-            if gone:  # (a streamed chunk only: independent stretches around what is gone)
-                added = start = 0
-                for stop in [*gone, len(tasks)]:
-                    if start < stop:
-                        added += memory.admit(
-                            tasks[start:stop], where=where, forward=forward,
-                            first_index=first_index + start, generated=generated,
-                        )  # fmt: skip
-                    start = stop + 1
-                kept = [t for i, t in enumerate(tasks) if i not in set(gone)]
-                self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
-                return added
-        added = memory.admit(
-            tasks, where=where, forward=forward, first_index=first_index, generated=generated
+        added, gone = self._resume.admit(
+            self._memory, tasks, where=where, forward=forward, first_index=first_index
         )
-        self._queue("admit", (list(tasks), where, forward, first_index, self._keys_of(tasks)))
+        kept = [t for i, t in enumerate(tasks) if i not in gone] if gone else list(tasks)
+        self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
         self._take_back()
         _storable((task,), "input item")
-        generated = False
-        resume = self._resume
-        if resume.stored:
-            generated = bool(resume.match((task,), index))
-            if resume.gone(task, self._memory):
-                return
-        self._memory.admit_one(task, index, generated=generated)
-        self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
+        if self._resume.admit_one(self._memory, task, index):
+            self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
 
     def close_input(self) -> None:
         self._take_back()

@@ -201,38 +201,11 @@ class SQLiteRun:
     ) -> int:
         self._take_back()
         payloads = encode(tasks, where, first_index, self._store)
-        gone: list[int] = []
-        generated: set[int] = set()
-        resume = self._resume
-        memory = self._memory
-        if resume.stored:
-            generated = resume.match(tasks, first_index)
-            gone = [i for i, task in enumerate(tasks) if resume.gone(task, memory)]
         self._admitting = True
         try:
-            if not gone:
-                added = memory.admit(
-                    tasks,
-                    where=where,
-                    forward=forward,
-                    first_index=first_index,
-                    generated=generated,
-                )
-            else:
-                # Admitted around the tasks that are gone, a stretch at a time. Only a streamed
-                # input's chunk has such tasks (a whole list is never compacted), and it may only
-                # depend backwards, so the stretches are independent.
-                added = start = 0
-                for stop in [*gone, len(tasks)]:
-                    if start < stop:
-                        added += memory.admit(
-                            tasks[start:stop],
-                            where=where,
-                            forward=forward,
-                            first_index=first_index + start,
-                            generated=generated,
-                        )
-                    start = stop + 1
+            added, _ = self._resume.admit(
+                self._memory, tasks, where=where, forward=forward, first_index=first_index
+            )
         finally:
             self._admitting = False
         self._added(tasks, payloads)
@@ -241,18 +214,13 @@ class SQLiteRun:
     def admit_one(self, task: Any, index: int) -> None:
         self._take_back()
         payloads = encode((task,), "input item", index, self._store)
-        generated = False
-        resume = self._resume
-        if resume.stored:
-            generated = bool(resume.match((task,), index))
-            if resume.gone(task, self._memory):
-                return
         self._admitting = True
         try:
-            self._memory.admit_one(task, index, generated=generated)
+            admitted = self._resume.admit_one(self._memory, task, index)
         finally:
             self._admitting = False
-        self._added((task,), payloads)
+        if admitted:
+            self._added((task,), payloads)
 
     def close_input(self) -> None:
         self._take_back()
