@@ -562,6 +562,28 @@ RETURNING id
 """
 
 
+def row_json(task: Task, where: str) -> tuple[str, str | None]:
+    """The JSON text of a task's payload and metadata, as its row keeps them; `InputError` naming
+    the task and the field when JSON cannot hold one."""
+    texts: list[str | None] = []
+    for field in ("payload", "metadata"):
+        value = getattr(task, field)
+        if value is None and field == "metadata":
+            texts.append(None)
+            continue
+        try:
+            texts.append(json_text(value))
+        except ValueError as exc:
+            raise InputError(
+                f"task {task.id!r} ({where}): {field} cannot be stored as JSON ({exc})",
+                task_id=task.id,
+                field=field,
+            ) from None
+    payload, metadata = texts
+    assert payload is not None
+    return payload, metadata
+
+
 async def _insert(
     conn: asyncpg.Connection,
     run_id: str,
@@ -574,22 +596,7 @@ async def _insert(
 ) -> None:
     rows = []
     for index, (task, count) in enumerate(zip(batch, waiting, strict=True), first_index):
-        try:
-            payload = json_text(task.payload)
-        except ValueError as exc:
-            raise InputError(
-                f"task {task.id!r} ({where}): payload cannot be stored as JSON ({exc})",
-                task_id=task.id,
-                field="payload",
-            ) from None
-        try:
-            metadata = None if task.metadata is None else json_text(task.metadata)
-        except ValueError as exc:
-            raise InputError(
-                f"task {task.id!r} ({where}): metadata cannot be stored as JSON ({exc})",
-                task_id=task.id,
-                field="metadata",
-            ) from None
+        payload, metadata = row_json(task, where)
         rows.append((
             task.id, index, not unnamed or id(task) not in unnamed, task.kind, payload,
             _array(task.depends_on), _array(task.depends_on_tags), _array(task.tags), task.key,

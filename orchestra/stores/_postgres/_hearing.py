@@ -18,9 +18,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..._exceptions import InputError, StoreError
-from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Attempt, Task
+from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Task
 from . import _keys as keys
-from ._rows import STATES
+from ._rows import STATES, Rows
 
 if TYPE_CHECKING:
     import asyncio
@@ -42,7 +42,7 @@ class Hearing:
         run_id: str,
         memory: MemoryRun,
         held: dict[str, leases.Claimed],
-        wall0: float,
+        rows: Rows,
         loop: asyncio.AbstractEventLoop | None,
         wakeup: Wakeup,
         keep_error: Callable[[BaseException], None],
@@ -50,7 +50,7 @@ class Hearing:
         self.run_id = run_id
         self._memory = memory
         self._held = held  # the run's: the tasks it holds under a lease of the database
-        self._wall0 = wall0
+        self._rows = rows  # the run's reader of rows: its clocks
         self._loop = loop
         self._wakeup = wakeup
         self._keep_error = keep_error
@@ -72,16 +72,7 @@ class Hearing:
         if not heard.ends:
             return
         memory = self._memory
-        failures: dict[str, list[Attempt]] = {}
-        for row in heard.failures:
-            failures.setdefault(row[0], []).append(
-                Attempt(
-                    number=row[1], agent=row[2], error_type=row[3], message=row[4],
-                    started=0.0 if row[5] is None else row[5] - self._wall0,
-                    duration=row[6] or 0.0, retry_in=row[7], traceback=row[8],
-                    status_code=row[9], api_error_type=row[10], request_id=row[11],
-                )
-            )  # fmt: skip
+        failures = self._rows.failures(heard.failures)  # (the columns a resume reads)
         spawned: dict[str, list[Task]] = {}
         for row in heard.spawned:
             spawned.setdefault(row[0], []).append(_task(row[1:]))
@@ -110,7 +101,7 @@ class Hearing:
                 new = [a for a in more if a.number not in known]
                 record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
             if started is not None and record.t_start is None:
-                record.t_start = started - self._wall0 + memory.t0
+                record.t_start = started - self._rows.offset
             value = None if output is None else json.loads(output)
             try:
                 memory.settle(

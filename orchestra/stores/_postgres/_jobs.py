@@ -46,7 +46,6 @@ __all__ = (
     "close_run",
     "coordinator_name",
     "open_run",
-    "release",
     "take_over",
 )
 
@@ -150,10 +149,6 @@ async def claim_step(
     if any(room > 0 for room in rooms.values()):
         claimed = await leases.claim(conn, run_id, rooms, owner=owner, lease=lease, limit=limit)
     return heard, claimed
-
-
-async def release(conn: asyncpg.Connection, owner: str, held: list[tuple[str, str, int]]) -> None:
-    await leases.release(conn, owner, held)
 
 
 class Applied(NamedTuple):

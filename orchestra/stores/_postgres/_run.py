@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import to_json
 
-from ..._exceptions import InputError, StoreError
+from ..._exceptions import StoreError
 from ..._log import get_logger
-from ..._output import json_text, jsonable, stored_json
+from ..._output import jsonable, stored_json
 from ..._task import READY, SUCCEEDED, TERMINAL, Attempt, Task
 from .._memory import MemoryRun
 from .._protocol import KEEP
@@ -53,6 +53,7 @@ from . import _jobs as jobs
 from . import _keys as keys
 from . import _leases as leases
 from ._behind import Behind
+from ._graph import row_json
 from ._hearing import Hearing
 from ._listen import Wakeup, channel_of
 from ._rows import Rows
@@ -128,7 +129,7 @@ class PostgresRun:
         del memory
         self._wakeup = Wakeup()
         self._hearing = Hearing(
-            run_id, self._memory, self._held, self._wall0, self._loop, self._wakeup,
+            run_id, self._memory, self._held, reader, self._loop, self._wakeup,
             self._keep_error,
         )  # fmt: skip
         self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
@@ -485,7 +486,7 @@ class PostgresRun:
             if self._over():
                 if claimed:  # not ours to run any more: back at once, no attempt counted
                     self._db.submit(
-                        jobs.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
+                        leases.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
                     )
                 return
             self._hearing.take_in(heard)
@@ -517,9 +518,9 @@ class PostgresRun:
         if early:
             back = [(c.run_id, c.id, c.token) for c in early]
             if self._loop is None:
-                self._db.call(jobs.release, self.name, back)
+                self._db.call(leases.release, self.name, back)
             else:
-                self._db.submit(jobs.release, self.name, back)
+                self._db.submit(leases.release, self.name, back)
                 self._wakeup.set()
         if self._loop is not None:
             for _ in range(len(claimed) - len(early) - ended):
@@ -656,19 +657,8 @@ _NO_REMOTE = _NoRemote()
 
 
 def _storable(tasks: Sequence[Any], where: str) -> None:
-    """Refuse a task whose payload or metadata JSON cannot hold, before anything is written."""
+    """Refuse a task whose payload or metadata JSON cannot hold, before anything is written (as
+    the database's admission would, behind the run)."""
     for task in tasks:
-        if not isinstance(task, Task):
-            continue
-        for field in ("payload", "metadata"):
-            value = getattr(task, field)
-            if value is None and field == "metadata":
-                continue
-            try:
-                json_text(value)
-            except ValueError as exc:
-                raise InputError(
-                    f"task {task.id!r} ({where}): {field} cannot be stored as JSON ({exc})",
-                    task_id=task.id,
-                    field=field,
-                ) from None
+        if isinstance(task, Task):
+            row_json(task, where)
