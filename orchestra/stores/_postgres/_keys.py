@@ -68,6 +68,7 @@ __all__ = (
     "Stored",
     "Waiting",
     "admit_keys",
+    "admit_spawned",
     "adopt",
     "ask_again",
     "claim",
@@ -78,6 +79,7 @@ __all__ = (
     "renew",
     "renew_run",
     "signal_of",
+    "spawn_answers",
 )
 
 KEY_CHANNEL: Final = "orchestra.keys"
@@ -587,6 +589,106 @@ async def _decide(
         return answers
 
     return await transaction(conn, step)
+
+
+# -- spawned tasks: their keys decided in the completion that admits them -----------------------
+
+# The keys the spawns just admitted hold in their run (the first task of the run with a key, or
+# one that took it over there): the others follow a task of the run, and claim nothing.
+_HOLDING = """
+SELECT k.key, k.holder FROM orchestra.run_keys AS k
+WHERE k.run_id = $1 AND k.holder = ANY ($2::text[])
+ORDER BY k.key
+"""
+
+# Whose the run's holds are: its coordinator's. The run's row is read under a share lock: a
+# coordinator taking the run over (which writes that row, then adopts the run's holds) comes
+# wholly before this completion or after it, and so adopts the holds it makes.
+_RUN_OWNER = "SELECT owner FROM orchestra.runs WHERE id = $1 FOR SHARE"
+
+# Every existing key row the rest of the completion writes, locked at once in key order (see
+# `_LOCK_OWNED`): the spawns' keys (`_CLAIM` locks them, taken or not) and the run's holds of the
+# tasks it ended (`finish_tasks`). Two completions of two runs, each spawning a key the other
+# holds while ending its own, would otherwise lock the two rows in opposite orders.
+_LOCK_SPAWNED = """
+SELECT k.key FROM orchestra.keys AS k
+WHERE k.key = ANY ($2::text[]) OR (k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
+    SELECT t.key FROM orchestra.tasks AS t
+    WHERE t.run_id = $1 AND t.id = ANY ($3::text[]) AND t.key IS NOT NULL))
+ORDER BY k.key
+FOR UPDATE OF k
+"""
+
+
+async def admit_spawned(
+    conn: asyncpg.Connection,
+    run_id: str,
+    spawned: Sequence[str],
+    ended: Sequence[str],
+    *,
+    owner: str,
+    lease: float,
+) -> None:
+    """Decide the keys of tasks of `run_id` just admitted as an attempt's spawns (`spawned`, their
+    ids), as `admit_keys` decides the input's: a spawn that holds its key in the run claims it
+    across runs and goes on as admitted (`Mine`), ends at once with a stored success (`Stored`:
+    unexecuted, its dependents readied), or is held back while another run holds it (`Held`:
+    the run's coordinator waits for it, `spawn_answers`). The holds are the run's coordinator's,
+    under `lease` seconds (it renews them with the run's), or `owner`'s (the process completing
+    the spawner) when no coordinator holds the run. `ended`: the tasks the same transaction ended
+    (their keys are written next, `finish_tasks`).
+
+    Call it in the transaction that admitted them, once their spawner's end is settled (a spawn
+    that end skipped claims nothing)."""
+    if not spawned:
+        return
+    wanted = [(row[0], row[1]) for row in await conn.fetch(_HOLDING, run_id, list(spawned))]
+    if not wanted:
+        return
+    holder = await conn.fetchval(_RUN_OWNER, run_id)
+    await conn.execute(_LOCK_SPAWNED, run_id, [key for key, _ in wanted], list(ended))
+    await _decide(conn, run_id, wanted, holder or owner, lease, again=False)
+
+
+# What the database decided for the keys of tasks some ends spawned: the last key event of each
+# (`_HOLD`, `_LET_GO`, `_REUSE` journal it), with the task's result and its key's holder.
+_SPAWN_ANSWERS = """
+SELECT t.id, t.state, coalesce(t.output::text, 'null'), t.agent, last.event, k.state, k.owner,
+    k.run_id, k.task_id, greatest(extract(epoch FROM k.expires - now()), 0)::float8
+FROM orchestra.tasks AS t
+CROSS JOIN LATERAL (
+    SELECT e.event FROM orchestra.events AS e
+    WHERE e.run_id = $1 AND e.task_id = t.id
+        AND e.event IN ('key_waits', 'key_taken', 'key_reused')
+    ORDER BY e.seq DESC
+    LIMIT 1
+) AS last
+LEFT JOIN orchestra.keys AS k ON k.key = t.key
+WHERE t.run_id = $1 AND t.parent = ANY ($2::text[]) AND t.key IS NOT NULL
+"""
+
+
+async def spawn_answers(
+    conn: asyncpg.Connection, run_id: str, parents: Sequence[str]
+) -> dict[str, Answer]:
+    """What the completions of `parents` (tasks of `run_id`) decided for the keys of the tasks
+    their attempts spawned (`admit_spawned`), by task id, for the run's coordinator: `Stored`,
+    the task ended with the key's stored success, unexecuted; `Held`, it is held back while
+    another run holds the key (its `left` 0 when that run is done with the key already, or its
+    hold lapsed: ask again at once, its announcement may have come before the wait). A spawn
+    that holds its key, or follows a task of its run, or ended otherwise since, gets no answer."""
+    answers: dict[str, Answer] = {}
+    if not parents:
+        return answers
+    for row in await conn.fetch(_SPAWN_ANSWERS, run_id, list(parents)):
+        task_id, state, output, agent, event, key_state, owner, held_run, held_task, left = row
+        if event == "key_reused" and state == SUCCEEDED:
+            answers[task_id] = Stored(output, agent)
+        elif event == "key_waits" and state == "pending":
+            if key_state != "claimed" or held_run == run_id:
+                left = 0.0
+            answers[task_id] = Held(owner or "", held_run or "", held_task or "", left or 0.0)
+    return answers
 
 
 class Waiting:

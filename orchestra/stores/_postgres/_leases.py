@@ -47,7 +47,7 @@ import asyncpg
 
 from .._protocol import KEEP
 from ._graph import admit_in
-from ._keys import finish_tasks
+from ._keys import admit_spawned, finish_tasks
 from ._listen import ENDED, channel_of
 from ._settle import QUEUE_STEP, settle, transaction
 
@@ -330,6 +330,7 @@ async def complete(
     spawned: Mapping[str, Sequence[Task]] | None = None,
     admission: Admission | None = None,
     failures: Mapping[str, Sequence[Failed]] | None = None,
+    key_lease: float | None = None,
 ) -> list[bool]:
     """End claimed tasks of `run_id`, each only while `owner` holds its lease under the token it
     carries, and settle them in the same transaction (`_settle.settle`: dependents made ready or
@@ -338,7 +339,10 @@ async def complete(
     `failures`: its failed attempts not yet written (`note`), by its id. Returns, for each end,
     whether it was written; a refused one is in the journal (its spawns and attempts dropped).
     The idempotency key of a task that ended (or was skipped) takes its end while the task's run
-    holds the key (`_keys.finish_tasks`), announced to the key's waiters.
+    holds the key (`_keys.finish_tasks`), announced to the key's waiters. With `key_lease`, a
+    spawn's key is decided across runs with its admission (`_keys.admit_spawned`, held for
+    `key_lease` seconds): the spawn runs, ends with a stored result, or is held back while another
+    run holds the key (without, it is decided within the run only, as `_graph.admit` decides).
 
     Raises:
         InputError: a spawn was refused: nothing was written.
@@ -348,18 +352,24 @@ async def complete(
     spawning = {task_id: tasks for task_id, tasks in (spawned or {}).items() if tasks}
     if spawning and admission is None:
         raise TypeError("complete: spawned tasks need the run's admission to be checked")
+    keyed_spawns = key_lease is not None and any(
+        t.key is not None for tasks in spawning.values() for t in tasks
+    )
 
     async def step(conn: asyncpg.Connection) -> list[bool]:
+        admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
             held = await conn.fetch(
                 _HELD, run_id, owner, [e.id for e in spawners], [e.token for e in spawners]
             )
             for (task_id,) in held:
-                await admit_in(
+                ids, _, _ = await admit_in(
                     conn, run_id, spawning[task_id], admission,  # type: ignore[arg-type]
                     f"tasks spawned by {task_id!r}", False, 0, task_id,
                 )  # fmt: skip
+                if keyed_spawns:
+                    admitted.extend(ids)
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -372,9 +382,15 @@ async def complete(
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
         settled = await settle(conn, run_id, ended)
+        finished = [task_id for task_id, _ in ended] + settled.skipped
+        if admitted:
+            # After the settle (a spawn it skipped claims nothing), before the keys of what
+            # ended are written: the spawns' keys and those are locked together, in key order.
+            assert key_lease is not None  # (`keyed_spawns` says so)
+            await admit_spawned(conn, run_id, admitted, finished, owner=owner, lease=key_lease)
         if keyed or settled.skipped:
             # The keys of what ended (the skipped too) take its end: waiters hear it at commit.
-            await finish_tasks(conn, run_id, [task_id for task_id, _ in ended] + settled.skipped)
+            await finish_tasks(conn, run_id, finished)
         return [end.id in written for end in ends]
 
     done: list[bool] = await transaction(conn, step)

@@ -340,6 +340,8 @@ class PostgresRun:
             text = stored_json(output, record.id, agent)
         if spawned:
             _storable(spawned, f"tasks spawned by {record.id!r}")
+            if not self._keyed and any(t.key is not None for t in spawned):
+                self._keyed = True  # their completion claims their keys for the run: renewed
         if not self._memory.settle(
             record, token, status, output, spawned=spawned, agent=agent, error=error,
             error_type=error_type, defaulted=defaulted, attempt=attempt,
@@ -447,8 +449,13 @@ class PostgresRun:
         except BaseException as exc:
             self._keep_error(exc)
             return
-        self._hearing.take_in(heard)
+        self._take_in(heard)
         self._hand_out(claimed)
+
+    def _take_in(self, heard: Any) -> None:
+        if not self._keyed and any(row[8] is not None for row in heard.spawned):
+            self._keyed = True  # spawns a worker admitted with keys: their holds are the run's
+        self._hearing.take_in(heard)
 
     async def _claim_loop(self) -> None:
         loop = self._loop
@@ -489,7 +496,7 @@ class PostgresRun:
                         leases.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
                     )
                 return
-            self._hearing.take_in(heard)
+            self._take_in(heard)
             self._hand_out(claimed)
 
     def _over(self) -> bool:
