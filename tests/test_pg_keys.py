@@ -24,6 +24,7 @@ import pytest
 from orchestra import Task
 from orchestra._admission import Admission
 from orchestra._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._keys import (
     KEY_CHANNEL,
@@ -33,6 +34,7 @@ from orchestra.stores._postgres._keys import (
     Stored,
     Waiting,
     admit_keys,
+    admit_spawned,
     adopt,
     ask_again,
     claim,
@@ -42,6 +44,7 @@ from orchestra.stores._postgres._keys import (
     renew,
     renew_run,
     signal_of,
+    spawn_answers,
 )
 from orchestra.stores._postgres._leases import (
     MAX_LOST,
@@ -1025,6 +1028,117 @@ class TestARunsKeyedTasks:
         assert await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE) == {}
         assert (await key_row(conn, "k"))["state"] == "failed"  # nobody took it
         assert await held_back(conn, "r2") == []
+
+
+async def spawned(
+    conn: asyncpg.Connection, run: str, spawner: str, *tasks: Task, key_lease: float | None = LEASE
+) -> None:
+    """Lease `spawner` (ready in `run`) to the worker "w1" and complete it, its attempt having
+    spawned `tasks` (its key holds for `key_lease` seconds: None, decided within the run only)."""
+    token = await leased(conn, run, spawner)
+    (written,) = await complete(
+        conn, run, "w1", [End(spawner, token, SUCCEEDED, '"split"', "work")],
+        spawned={spawner: list(tasks)}, admission=Admission(("work",), {}), key_lease=key_lease,
+    )  # fmt: skip
+    assert written
+
+
+class TestSpawnedKeys:
+    """A spawn's key decided across runs in the completion that admits it (`admit_spawned`), and
+    read back by the run's coordinator (`spawn_answers`)."""
+
+    async def test_a_new_key_is_held_for_the_runs_coordinator_and_the_spawn_runs(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        assert await acquire(conn, "r", owner="coord", lease=LEASE) is not None
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        row = await key_row(conn, "k")
+        # The coordinator's, not the worker's: the coordinator renews its run's holds.
+        assert (row["owner"], row["run_id"], row["task_id"], row["state"]) == (
+            "coord",
+            "r",
+            "p.c",
+            "claimed",
+        )
+        assert (await states(conn, "r"))["p.c"] == "ready"
+        assert await spawn_answers(conn, "r", ["p"]) == {}  # it holds its key: nothing to do
+        assert await renew_run(conn, "r", "coord", lease=LEASE) == 1
+        token = await leased(conn, "r", "p.c")
+        await complete(conn, "r", "w1", [End("p.c", token, SUCCEEDED, '"paid"', "work")])
+        assert await claim(conn, "r9", [("k", "z")], owner="c9", lease=LEASE) == [
+            Stored('"paid"', "work")
+        ]
+
+    async def test_with_no_coordinator_the_hold_is_the_completing_process(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert (await key_row(conn, "k"))["owner"] == "w1"
+
+    async def test_a_key_stored_before_ends_the_spawn_and_readies_what_waits_for_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(
+            conn, "r", "p", Task("work", 1, id="p.c", key="k"),
+            Task("work", 2, id="p.d", depends_on=["p.c"]),
+        )  # fmt: skip
+        assert await states(conn, "r") == {"p": "succeeded", "p.c": "succeeded", "p.d": "ready"}
+        assert await spawn_answers(conn, "r", ["p"]) == {"p.c": Stored('"done"', "x")}
+        assert (await key_row(conn, "k"))["run_id"] == "r1"
+
+    async def test_a_key_another_run_holds_holds_the_spawn_back_until_asked_again(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        assert await acquire(conn, "r", owner="coord", lease=LEASE) is not None
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert (await states(conn, "r"))["p.c"] == "pending"
+        assert await claim_tasks(conn, "r", {"work": 10}, owner="w", lease=LEASE) == []
+        assert await held_back(conn, "r") == [("k", "p.c")]
+        (answer,) = (await spawn_answers(conn, "r", ["p"])).values()
+        assert isinstance(answer, Held)
+        assert (answer.owner, answer.run_id, answer.task_id) == ("c1", "r1", "a")
+        assert 0 < answer.left <= LEASE
+        # Its holder done with it: asked for again at once (its announcement may be gone).
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        (answer,) = (await spawn_answers(conn, "r", ["p"])).values()
+        assert isinstance(answer, Held)
+        assert answer.left == 0
+        assert await ask_again(conn, "r", [("k", "p.c")], owner="coord", lease=LEASE) == {
+            "p.c": Stored('"done"', "x")
+        }
+        assert (await states(conn, "r"))["p.c"] == "succeeded"
+        assert await spawn_answers(conn, "r", ["p"]) == {"p.c": Stored('"done"', "x")}
+
+    async def test_a_spawn_following_a_task_of_its_run_claims_nothing(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"), Task("work", 9, id="h", key="k"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
+        assert await spawn_answers(conn, "r", ["p"]) == {}
+
+    async def test_without_a_key_lease_a_spawns_key_is_decided_within_its_run_only(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"), key_lease=None)
+        assert (await states(conn, "r"))["p.c"] == "ready"
+
+    async def test_admit_spawned_passes_over_spawns_that_hold_no_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await admit_spawned(conn, "r", ["p"], [], owner="w", lease=LEASE)
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
 
 
 class SQLiteKeys:
