@@ -619,6 +619,49 @@ class TestConcurrentWriters:
             await asyncio.gather(*(c.close() for c in conns))
         assert steps == n * 60
 
+    async def test_two_runs_completions_each_spawning_the_key_the_other_ends_never_deadlock(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # Run a ends its hold of X and spawns a task with the key Y, which run b holds; run b ends
+        # Y and spawns X, at the same time. Each completion locks both rows (the spawn's key, and
+        # its run's hold it ends): in one order, or the two deadlock. In transactions of the
+        # caller's: no retry.
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            for i in range(20):
+                x, y = f"X{i}", f"Y{i}"
+                tokens: dict[str, dict[str, int]] = {}
+                for run, key in ((f"a{i}", x), (f"b{i}", y)):
+                    await admitted_with_keys(
+                        conn, run, Task("work", 0, id="p"), Task("work", 1, id="h", key=key),
+                        owner=f"c-{run}",
+                    )  # fmt: skip
+                    tokens[run] = {
+                        t.id: t.token
+                        for t in await claim_tasks(conn, run, {"work": 2}, owner="w", lease=LEASE)
+                    }
+
+                async def end(
+                    c: asyncpg.Connection, run: str, spawn_key: str, held: dict[str, int]
+                ) -> None:
+                    async with c.transaction():
+                        await complete(
+                            c, run, "w",
+                            [End("h", held["h"], SUCCEEDED, '"h"', "work"),
+                             End("p", held["p"], SUCCEEDED, '"p"', "work")],
+                            spawned={"p": [Task("work", 2, id="p.c", key=spawn_key)]},
+                            admission=Admission(("work",), {}), key_lease=LEASE,
+                        )  # fmt: skip
+
+                await asyncio.gather(
+                    end(conn, f"a{i}", y, tokens[f"a{i}"]), end(other, f"b{i}", x, tokens[f"b{i}"])
+                )
+                for run, key in ((f"a{i}", x), (f"b{i}", y)):
+                    assert (await key_row(conn, key))["state"] == "succeeded"
+                    assert (await states(conn, run))["p.c"] in ("succeeded", "pending")
+        finally:
+            await other.close()
+
     async def test_a_claim_of_the_run_while_a_completion_locks_its_keys_never_deadlocks(
         self, conn: asyncpg.Connection, pg_dsn: str
     ) -> None:

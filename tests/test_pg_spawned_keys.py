@@ -175,6 +175,47 @@ class TestASpawnedKeyAnotherRunHolds:
         assert await events_of(pg_dsn, "key_waits") == [("r-b", "b.c")]
         assert await events_of(pg_dsn, "key_reused") == [("r-b", "b.c")]
 
+    async def test_whose_task_fails_is_taken_over_and_run_by_the_waiting_run(
+        self, pg_dsn: str, store: PostgresStore
+    ) -> None:
+        calls: list[str] = []
+        gate = anyio.Event()
+
+        @agent(kinds=["charge"], retry=RetryPolicy(max_attempts=1))
+        async def charge(task: Task, ctx: Context) -> str:
+            calls.append(task.id)
+            if task.id == "a.c":
+                await gate.wait()
+                raise PermanentError("card declined")
+            return "ok"
+
+        other = PostgresStore(pg_dsn, poll=0.1)
+        agents = [spawner(), charge, add]
+        try:
+            async with (
+                Orchestrator(agents=agents, store=store) as first,
+                Orchestrator(agents=agents, store=other) as second,
+            ):
+                holder = first.start([Task("split", 1, id="a")], run_id="r-a")
+                await until_called(calls, 1)
+                waiter = second.start([Task("split", 1, id="b")], run_id="r-b")
+                with anyio.fail_after(20):
+                    while not await events_of(pg_dsn, "key_waits"):
+                        await anyio.sleep(0.02)
+                assert calls == ["a.c"]
+                gate.set()
+                done_a, done_b = await holder, await waiter
+        finally:
+            other.close()
+        assert done_a.status == "failed"
+        assert done_b.status == "success", done_b.errors
+        assert done_b.data["b.sum"] == ["ok"]
+        assert calls == ["a.c", "b.c"]
+        assert await events_of(pg_dsn, "key_taken") == [("r-b", "b.c")]
+        row = await key_row(pg_dsn, "order-1")
+        assert row is not None
+        assert (row["state"], row["run_id"], row["task_id"]) == ("succeeded", "r-b", "b.c")
+
     async def test_twenty_runs_spawning_one_key_at_once_execute_it_once(
         self, pg_dsn: str, store: PostgresStore
     ) -> None:
