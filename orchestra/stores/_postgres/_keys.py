@@ -596,8 +596,10 @@ async def _decide(
 # The keys the spawns just admitted hold in their run (the first task of the run with a key, or
 # one that took it over there): the others follow a task of the run, and claim nothing.
 _HOLDING = """
-SELECT k.key, k.holder FROM orchestra.run_keys AS k
-WHERE k.run_id = $1 AND k.holder = ANY ($2::text[])
+SELECT k.key, k.holder
+FROM orchestra.tasks AS t
+JOIN orchestra.run_keys AS k ON k.run_id = t.run_id AND k.key = t.key AND k.holder = t.id
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL
 ORDER BY k.key
 """
 

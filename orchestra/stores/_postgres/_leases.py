@@ -18,9 +18,10 @@ which settles what it ends in the same transaction (`_graph`):
   it lost.
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
   write refused (the task was re-leased, taken back or ended meanwhile) changes nothing but the
-  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns, ends
-  its tasks and settles them (dependents made ready or skipped, groups counted, the run's channel
-  notified) in one transaction: no coordinator takes part.
+  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns (their
+  idempotency keys decided across runs: `_keys.admit_spawned`), ends its tasks and settles them
+  (dependents made ready or skipped, groups counted, the run's channel notified) in one
+  transaction: no coordinator takes part.
 - **Release**: a claimed task the caller will not run goes back to ready at once, its attempt not
   counted (a worker stopping).
 - **Take back**: whoever sees a lease past its expiry makes the task ready again (or failed, once
