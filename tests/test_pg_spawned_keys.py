@@ -296,8 +296,11 @@ class TestASpawnedKeyInAWorkerProcess:
         async def never(task: Task, ctx: Context) -> None:  # the coordinators run nothing
             raise AssertionError(task.id)
 
-        worker = start_worker(pg_dsn, calls, run_id=None, delay=1.0)
-        one, two = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        # The spawn runs past its key's lease: the key's hold is its run's coordinator's, which
+        # renews it (else the other run would take the key over and run it again).
+        worker = start_worker(pg_dsn, calls, run_id=None, lease=1.5, delay=2.5)
+        one = PostgresStore(pg_dsn, poll=0.1, lease=1.5)
+        two = PostgresStore(pg_dsn, poll=0.1, lease=1.5)
         try:
             async with (
                 Orchestrator(agents=[never], store=one) as first,
