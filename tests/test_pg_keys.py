@@ -28,6 +28,7 @@ from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._keys import (
     KEY_CHANNEL,
+    RECENT,
     Held,
     KeyEnd,
     Mine,
@@ -949,6 +950,31 @@ class TestWaiting:
         waiting.wait("j", Held("c", "r", "u", 30.0), now=0.0)
         waiting.hear_all()
         assert sorted(waiting.due(1.0)) == ["j", "k"]
+
+    def test_a_key_whose_finish_was_announced_just_before_its_wait_is_due_at_once(self) -> None:
+        # The database answered "held", then the holder finished and announced it before the
+        # answer was waited for: without the announcement remembered, the key would wait out
+        # the holder's lease.
+        waiting = Waiting()
+        assert not waiting.heard(KEY_CHANNEL, "k", 10.0)
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=10.5)
+        assert waiting.due(10.5) == ["k"]
+        # Remembered once: asked again and still held, it waits.
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=10.6)
+        assert waiting.due(11.0) == []
+
+    def test_an_announcement_older_than_recent_makes_nothing_due(self) -> None:
+        waiting = Waiting()
+        waiting.heard(KEY_CHANNEL, "k", 0.0)
+        waiting.heard(KEY_CHANNEL, "j", 0.1)
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=RECENT + 1.0)
+        assert waiting.due(RECENT + 1.0) == []
+        # What is remembered is let go of as newer announcements come.
+        for i in range(3):
+            waiting.heard(KEY_CHANNEL, f"x{i}", RECENT + 2.0 + i)
+        waiting.wait("j", Held("c", "r", "u", 30.0), now=RECENT + 1.0)
+        assert waiting.due(RECENT + 1.0) == []
+        assert waiting._recent.keys() == {"x0", "x1", "x2"}
 
     def test_keys_of_one_digest_are_all_woken_by_it(self) -> None:
         waiting = Waiting()

@@ -160,7 +160,8 @@ class Hearing:
         ]
 
     def key_heard(self, channel: str, payload: str) -> None:
-        if self._waiting.heard(channel, payload):
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        if self._waiting.heard(channel, payload, now):
             self._wakeup.set()
 
 

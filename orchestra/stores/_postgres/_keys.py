@@ -48,6 +48,7 @@ right time.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "KEY_CHANNEL",
+    "RECENT",
     "Answer",
     "Held",
     "KeyEnd",
@@ -693,16 +695,29 @@ async def spawn_answers(
     return answers
 
 
+RECENT: Final = 5.0
+"""Seconds a `Waiting` remembers an announcement of a key nobody waited for: far longer than an
+answer takes to come back from the database and be waited for (a round trip, a turn of a
+loop), short enough that what it remembers stays small."""
+
+
 class Waiting:
     """The keys a run waits for while other tasks hold them, and when to ask for each again: as
     soon as its finish is heard on `KEY_CHANNEL` (`heard`, a `_listen.Listener`'s callback), else
     once its holder's lease has run out (`Held.left`: a holder that died is taken over then).
-    Times are the caller's clock (any monotonic one): only durations come from the database."""
+    Times are the caller's clock (any monotonic one): only durations come from the database.
+
+    A finish may be announced between the database's answer and the `wait` for it (the answer
+    crosses threads and loops; the announcement another connection): an announcement no key
+    waited for, heard with its time, is remembered for `RECENT` seconds, and a key waited for
+    after its announcement is due at once (asked again, it is answered as it is now)."""
 
     def __init__(self) -> None:
         self._until: dict[str, float] = {}  # key -> when to ask again at the latest
         self._by_signal: dict[str, set[str]] = {}  # payload -> the keys it announces
         self._heard: set[str] = set()
+        # Announcements no key waited for: payload -> when heard, the oldest first.
+        self._recent: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._until)
@@ -711,19 +726,37 @@ class Waiting:
         return key in self._until
 
     def wait(self, key: str, held: Held, now: float) -> None:
-        """Wait for `key`, which `claim` answered `held` at `now`."""
+        """Wait for `key`, which `claim` answered `held` at `now`: due at once if its finish was
+        announced in the last `RECENT` seconds, unheard (the answer may be older than that)."""
         self._until[key] = now + held.left
-        self._by_signal.setdefault(signal_of(key), set()).add(key)
-        self._heard.discard(key)
+        signal = signal_of(key)
+        self._by_signal.setdefault(signal, set()).add(key)
+        announced = self._recent.pop(signal, None)
+        if announced is not None and announced > now - RECENT:
+            self._heard.add(key)
+        else:
+            self._heard.discard(key)
 
-    def heard(self, _channel: str, payload: str) -> bool:
-        """A finish was announced (`payload`: `signal_of` its key). True when a key waited for
-        is due now (another key with the same digest may be woken too: it asks, and waits on)."""
+    def heard(self, _channel: str, payload: str, now: float | None = None) -> bool:
+        """A finish was announced (`payload`: `signal_of` its key), heard at `now` (if given, an
+        announcement no key waits for is remembered: `wait`). True when a key waited for is due
+        now (another key with the same digest may be woken too: it asks, and waits on)."""
         keys = self._by_signal.get(payload)
         if not keys:
+            if now is not None:
+                self._remember(payload, now)
             return False
         self._heard.update(keys)
         return True
+
+    def _remember(self, payload: str, now: float) -> None:
+        recent = self._recent
+        recent.pop(payload, None)  # (to the end: the newest)
+        recent[payload] = now
+        for old, at in list(itertools.islice(recent.items(), 2)):
+            if at > now - RECENT:
+                break
+            del recent[old]  # two at most per call: the oldest go as fast as others come
 
     def hear_all(self) -> None:
         """Every key waited for is due (a listener that listens again after a lost connection:
