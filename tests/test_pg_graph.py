@@ -28,6 +28,7 @@ from orchestra.stores._postgres import _jobs as jobs
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, claim, complete
 from orchestra.stores._postgres._listen import channel_of
+from orchestra.stores._postgres._planner import Growth
 from orchestra.stores._postgres._settle import close_input, transaction
 from orchestra.stores._protocol import NoListener
 
@@ -772,7 +773,7 @@ class TestConcurrentSettling:
             )
             await blocked(conn, worker, ending)  # "x" ended, for its dependent "w"
             closing = asyncio.ensure_future(
-                jobs.apply(writer, "r", lease, admission(), [("close_input", None)])
+                jobs.apply(writer, "r", lease, admission(), Growth(), [("close_input", None)])
             )
             await blocked(conn, writer, closing)  # g1 and g2 locked, for g2's waiter "w"
             await stuck.rollback()
