@@ -741,9 +741,9 @@ class TestConcurrentSettling:
             for other in others:
                 await other.close()
         assert list(done) == ["x", "y"]
-        # PostgreSQL aborted one, which ran again; on a busy machine its second try may take its
-        # first lock before the other wakes to the lock it waited for, and deadlock it once more.
-        assert sorted(tries.values()) in ([1, 2], [2, 2])
+        # PostgreSQL aborted one, which ran again; on a busy machine a try again may take its
+        # first lock before the other wakes to the lock it waited for, and deadlock once more.
+        assert max(tries.values()) >= 2
 
     async def test_a_coordinators_write_aborted_to_break_a_deadlock_runs_again(
         self, pg_dsn: str, conn: asyncpg.Connection
