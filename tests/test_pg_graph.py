@@ -28,6 +28,7 @@ from orchestra.stores._postgres import _jobs as jobs
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._leases import End, claim, complete
 from orchestra.stores._postgres._listen import channel_of
+from orchestra.stores._postgres._planner import Growth
 from orchestra.stores._postgres._settle import close_input, transaction
 from orchestra.stores._protocol import NoListener
 
@@ -740,9 +741,9 @@ class TestConcurrentSettling:
             for other in others:
                 await other.close()
         assert list(done) == ["x", "y"]
-        # PostgreSQL aborted one, which ran again; on a busy machine its second try may take its
-        # first lock before the other wakes to the lock it waited for, and deadlock it once more.
-        assert sorted(tries.values()) in ([1, 2], [2, 2])
+        # PostgreSQL aborted one, which ran again; on a busy machine a try again may take its
+        # first lock before the other wakes to the lock it waited for, and deadlock once more.
+        assert max(tries.values()) >= 2
 
     async def test_a_coordinators_write_aborted_to_break_a_deadlock_runs_again(
         self, pg_dsn: str, conn: asyncpg.Connection
@@ -772,7 +773,7 @@ class TestConcurrentSettling:
             )
             await blocked(conn, worker, ending)  # "x" ended, for its dependent "w"
             closing = asyncio.ensure_future(
-                jobs.apply(writer, "r", lease, admission(), [("close_input", None)])
+                jobs.apply(writer, "r", lease, admission(), Growth(), [("close_input", None)])
             )
             await blocked(conn, writer, closing)  # g1 and g2 locked, for g2's waiter "w"
             await stuck.rollback()

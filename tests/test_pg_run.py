@@ -203,6 +203,38 @@ async def committed(dsn: str) -> dict[str, tuple[str, int]]:
 EVERY_TASK = sorted({*(f"w{i}" for i in range(24)), "split", "total"} | {f"s{i}" for i in range(3)})
 
 
+class TestPlannerStatistics:
+    """A run's admission grows the tasks table long before autovacuum looks at it (a minute):
+    the coordinator has it measured at once, or the planner plans the completions and the ended
+    feed for an empty table (a scan of it all per batch)."""
+
+    async def _measured(self, conn: asyncpg.Connection) -> float:
+        rows: float = await conn.fetchval(
+            "SELECT reltuples FROM pg_class WHERE oid = 'orchestra.tasks'::regclass"
+        )
+        return rows
+
+    async def test_a_large_admission_has_the_table_measured(
+        self, store: PostgresStore, pg_conn: asyncpg.Connection
+    ) -> None:
+        # Autovacuum off for the table: only the coordinator can have measured it.
+        await pg_conn.execute("ALTER TABLE orchestra.tasks SET (autovacuum_enabled = false)")
+        assert await self._measured(pg_conn) <= 0
+        async with Orchestrator(agents=[double], store=store) as orch:
+            result = await orch.run([Task("work", {"n": i}) for i in range(3_000)], run_id="big")
+        assert result.status == "success", result.errors
+        assert await self._measured(pg_conn) >= 3_000
+
+    async def test_a_small_one_does_not(
+        self, store: PostgresStore, pg_conn: asyncpg.Connection
+    ) -> None:
+        await pg_conn.execute("ALTER TABLE orchestra.tasks SET (autovacuum_enabled = false)")
+        async with Orchestrator(agents=[double], store=store) as orch:
+            result = await orch.run([Task("work", {"n": i}) for i in range(300)], run_id="small")
+        assert result.status == "success", result.errors
+        assert await self._measured(pg_conn) <= 0
+
+
 class TestResumeAfterKill:
     """The SQLite store's kill points (tests/test_sqlite.py), on PostgreSQL: a coordinator
     SIGKILLed mid-run, the run resumed by its id in a new process."""

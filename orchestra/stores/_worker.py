@@ -279,6 +279,7 @@ class Worker:
         """A held task ended here: its end is written with the next group commit."""
         self.ends.append((claimed, result))
         self._ended.set()
+        self._room.set()
 
     def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None:
         """A held task's attempt failed and the task goes on: written as it fails."""
@@ -364,9 +365,18 @@ class Worker:
 
     async def _claims(self) -> AsyncIterator[Task]:
         backend = self.backend
+        capacity = self.capacity
         while not (self._stopping or self._finished):
-            room = self.capacity - len(self.held)
-            held = Counter(claimed.kind for claimed in self.held.values())
+            # A task that ended here gives its room back at once, not when its end is written:
+            # the next claim is written while the last ends are, not after them (each waits for
+            # a durable commit). Ends not yet written are bounded all the same (at most one
+            # capacity's worth): a store that stops taking them stops the claims too. The room
+            # a burst of ends frees is claimed in one claim, not a claim per end.
+            await self._burst()
+            ended = {claimed.id for claimed, _ in self.ends + self.writing}
+            unwritten = len(ended)
+            room = min(capacity - len(self.held) + unwritten, 2 * capacity - len(self.held))
+            held = Counter(c.kind for i, c in self.held.items() if i not in ended)
             rooms = {k: n - held[k] for k, n in self.rooms.items() if n > held[k]}
             if room <= 0 or not rooms:
                 self._room = anyio.Event()
@@ -376,7 +386,6 @@ class Worker:
             if local is not None:
                 # What the agents can start now (a shared limit another user fills, a rate or
                 # a breaker's wait that holds a task already), within the room above.
-                ended = {claimed.id for claimed, _ in self.ends + self.writing}
                 for kind, n in list(rooms.items()):
                     ids = [i for i, c in self.held.items() if c.kind == kind and i not in ended]
                     live = local.room(kind, ids)
@@ -442,12 +451,16 @@ class Worker:
             # ends are waited for, so that a burst goes in one commit, not in one per turn. One
             # commit per turn would also hand the room back in slivers, and the claims follow the
             # room: small claims, small commits, each paying a durable commit's latency.
-            count = -1
-            while count != len(self.ends):
-                count = len(self.ends)
-                await anyio.lowlevel.checkpoint()
+            await self._burst()
             self._ended = anyio.Event()
             await self._write()
+
+    async def _burst(self) -> None:
+        """Wait out the turns of the loop that still bring ends."""
+        count = -1
+        while count != len(self.ends):
+            count = len(self.ends)
+            await anyio.lowlevel.checkpoint()
 
     async def _write(self) -> None:
         if not self.ends and not self.failed:

@@ -16,6 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _jobs as jobs
+from ._planner import Growth
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,7 +46,7 @@ class Behind:
         failed: Callable[[BaseException], None],
     ) -> None:
         self._db = db
-        self._job = (run_id, lease, admission)
+        self._job = (run_id, lease, admission, Growth())
         self._loop = loop
         self._applied = applied  # told what the database made of each batch
         self._failed = failed  # told when a batch failed: nothing more is written

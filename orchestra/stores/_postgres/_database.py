@@ -144,6 +144,7 @@ class Database:
                     max_size=self.max_connections,
                     server_settings=self.settings,
                     timeout=_CONNECT_TIMEOUT,
+                    reset=_keep_session,
                 )
             except (
                 TimeoutError, OSError, ValueError, asyncpg.PostgresError,
@@ -245,6 +246,15 @@ class Database:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What a connection back in the pool needs reset: nothing past what asyncpg always does (an
+    open transaction rolled back, its listeners dropped). asyncpg's default reset is one more
+    round trip per job (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``) undoing
+    what the jobs never leave behind: their advisory locks are a transaction's, they LISTEN on a
+    connection of their own (`_listen.Listener`), declare no cursor and SET nothing for the
+    session (its settings are the pool's, `server_settings`)."""
 
 
 def where(dsn: str) -> str:

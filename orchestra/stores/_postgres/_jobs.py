@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from ..._admission import Admission
+    from ._planner import Growth
     from ._store import PostgresStore
 
 __all__ = (
@@ -191,12 +192,15 @@ async def apply(
     run_id: str,
     lease: coordinator.Lease,
     admission: Admission,
+    growth: Growth,
     ops: list[tuple[str, Any]],
 ) -> Applied:
     """Tell the database what the run did, in order: the coordinator's own writes (input,
     decided ends, priorities, the input's close) fenced by its lease on the run, its tasks' ends
-    and failed attempts fenced by their leases. Returns the ids whose end was refused."""
+    and failed attempts fenced by their leases. Returns the ids whose end was refused. Input
+    admitted counts towards `growth` (the planner's statistics measured again when due)."""
     refused: list[str] = []
+    admitted = 0
     answers: dict[str, keys.Answer] = {}
     i = 0
     while i < len(ops):
@@ -225,6 +229,7 @@ async def apply(
                 answers.update(found)
 
             await again_on_deadlock(write)
+            admitted += sum(len(op[0]) for what, op in group if what == "admit")
         elif kind == "end":
             ends = [op[0] for _, op in group]
             spawned = {op[0].id: op[1] for _, op in group if op[1]}
@@ -248,6 +253,8 @@ async def apply(
             if await leases.requeue(conn, lease.owner, [op for _, op in group]):
                 await notify(conn, run_id)
         i = j
+    if admitted:
+        await growth.admit(conn, admitted)
     return Applied(refused, answers)
 
 

@@ -159,7 +159,25 @@ async def settle(
     the transaction that ended them (`_leases.complete` does)."""
     if not ended:
         return Settled([], [])
+    if not await conn.fetchval(_CONCERNS, run_id, [task_id for task_id, _ in ended]):
+        return Settled([], [])
     return await end_cascade(conn, run_id, list(ended))
+
+
+# Whether ends concern anything at all (what `_ENDS` reads, with the same snapshot rules: a
+# statement after the ends' own): most batches of a run without dependencies, groups or keys
+# concern nothing, and this is planned in half of `_ENDS`'s time (each is planned for its
+# batch, `_leases.SERVER_SETTINGS`).
+_CONCERNS = """
+SELECT EXISTS (
+    SELECT FROM orchestra.edges WHERE run_id = $1 AND NOT on_group AND source = ANY ($2::text[])
+) OR EXISTS (
+    SELECT FROM orchestra.groups WHERE run_id = $1 AND tag = ANY ($2::text[])
+) OR EXISTS (
+    SELECT FROM orchestra.tasks WHERE run_id = $1 AND id = ANY ($2::text[])
+        AND (tags IS NOT NULL OR key IS NOT NULL)
+)
+"""
 
 
 async def close_input(conn: asyncpg.Connection, run_id: str) -> Settled:
