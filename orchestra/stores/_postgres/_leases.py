@@ -383,15 +383,15 @@ async def complete(
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
         settled = await settle(conn, run_id, ended)
-        finished = [task_id for task_id, _ in ended] + settled.skipped
         if admitted:
             # After the settle (a spawn it skipped claims nothing), before the keys of what
             # ended are written: the spawns' keys and those are locked together, in key order.
             assert key_lease is not None  # (`keyed_spawns` says so)
+            finished = [task_id for task_id, _ in ended] + settled.skipped
             await admit_spawned(conn, run_id, admitted, finished, owner=owner, lease=key_lease)
         if keyed or settled.skipped:
             # The keys of what ended (the skipped too) take its end: waiters hear it at commit.
-            await finish_tasks(conn, run_id, finished)
+            await finish_tasks(conn, run_id, [task_id for task_id, _ in ended] + settled.skipped)
         return [end.id in written for end in ends]
 
     done: list[bool] = await transaction(conn, step)
