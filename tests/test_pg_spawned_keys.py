@@ -286,6 +286,55 @@ class TestASpawnedKeysHolderKilled:
         assert json.loads(row["output"]) == "charged 1"
 
 
+class TestAWaitingRunsCoordinatorKilled:
+    async def test_the_resumed_run_waits_again_and_takes_the_holders_result(
+        self, pg_dsn: str, store: PostgresStore, tmp_path: Path
+    ) -> None:
+        # The resumed run's input comes late (a stream): the key is asked for again once the
+        # run has its tasks back, not before (the answer would be lost, and the run wait on).
+        async def late() -> AsyncIterator[Task]:
+            await anyio.sleep(1.0)
+            yield Task("split", None, id="s")
+
+        calls: list[str] = []
+        gate = anyio.Event()
+        waiter_calls = tmp_path / "calls"
+        async with Orchestrator(agents=[spawner(), charger(calls, gate), add], store=store) as orch:
+            holder = orch.start([Task("split", 1, id="a")], run_id="holder")
+            await until_called(calls, 1)
+            waiter = spawn(
+                [sys.executable, str(REPO / "tests" / "pg_spawn_key_job.py"), pg_dsn, "w",
+                 str(waiter_calls), "1.0"],
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            with anyio.fail_after(30):
+                while not await events_of(pg_dsn, "key_waits"):
+                    assert waiter.poll() is None, waiter.communicate()
+                    await anyio.sleep(0.02)
+            waiter.send_signal(signal.SIGKILL)
+            waiter.wait()
+            other = PostgresStore(pg_dsn, poll=0.1, lease=1.0)
+            try:
+                async with Orchestrator(
+                    agents=[spawner(), charger(calls), add], store=other
+                ) as again:
+                    resumed = again.start(late(), run_id="w")
+                    await anyio.sleep(2.0)  # past the killed coordinator's leases, and the input
+                    assert not resumed.done  # waiting again for the holder
+                    gate.set()
+                    with anyio.fail_after(20):
+                        result = await resumed
+            finally:
+                other.close()
+            assert (await holder).data["a.c"] == "charged 1"
+        assert not waiter_calls.exists()  # the killed run never ran the charge
+        assert calls == ["a.c"]
+        assert result.status == "success", result.errors
+        assert result.data["w.c"] == "charged 1"
+        assert await events_of(pg_dsn, "key_reused") == [("w", "w.c")]
+
+
 class TestASpawnedKeyInAWorkerProcess:
     async def test_is_claimed_in_the_workers_completion_and_the_key_runs_once_over_two_runs(
         self, pg_dsn: str, tmp_path: Path

@@ -133,8 +133,10 @@ class PostgresRun:
             self._keep_error,
         )  # fmt: skip
         self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
-        for key, task_id in held_back:  # (a run taken over: asked again at once)
-            self._hearing.wait_key(key, task_id, 0.0)
+        # The tasks an earlier coordinator left held back for their keys: asked for again at
+        # once, when the input starts coming (`_take_back`); the database is not looked at
+        # before (what it answered for a task the mirror does not have yet would be lost).
+        self._held_back: list[tuple[str, str]] | None = held_back
         self._tasks: list[asyncio.Task[None]] = []
         self._background: Future[Any] | None = None
         self._behind = Behind(
@@ -243,6 +245,12 @@ class PostgresRun:
         (the ends it saw heard by the run; what other processes hold stays theirs: ready in the
         mirror, claimed in the database until they end it or their lease lapses)."""
         self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
+        held_back = self._held_back
+        if held_back is not None:
+            self._held_back = None  # the mirror has every task now: the claimer may look
+            for key, task_id in held_back:
+                self._hearing.wait_key(key, task_id, 0.0)
+            self._wakeup.set()
 
     def backpressure(self) -> asyncio.Future[None] | None:
         return self._behind.backpressure()
@@ -433,6 +441,8 @@ class PostgresRun:
 
     def _step(self, *, limit: int | None = None) -> None:
         """Hear the ends written elsewhere and claim what the agents can start (blocking)."""
+        if self._held_back is not None:
+            return  # the input has not started: the mirror would drop what is heard
         asked = self._hearing.keys_due()
         if asked:
             try:
@@ -467,6 +477,8 @@ class PostgresRun:
             await self._wakeup.wait(max(0.0, min(poll, self._hearing.next_look() - loop.time())))
             if self.closed or self._error is not None:
                 return
+            if self._held_back is not None:
+                continue  # the input has not started: the mirror would drop what is heard
             asked = self._hearing.keys_due()
             if asked:
                 try:
