@@ -81,12 +81,13 @@ def create_app(
         version=__version__,
         summary="Submit, watch and steer orchestra runs.",
         lifespan=lifespan,
-        max_body_size=max_body,
     )
     app.state.service = service
     errors.install(app)
     for router in (_system, runs_router, events_router, tasks_router, *routers):
-        app.include_router(router)
+        # The body limit (Starlette's, through FastAPI) on each route, where `_JsonTooLarge`
+        # sees its 413: an app-wide one runs outside every middleware of the app.
+        app.router.include_router(router, max_body_size=max_body)
     if cors_origin is not None:
         app.add_middleware(
             CORSMiddleware,

@@ -93,13 +93,23 @@ class Service:
         run_id: str | None,
         key: str | None,
     ) -> tuple[str, bool]:
-        """Start a run (or find the one the same request started); its id, and whether it is
-        new. With an idempotency `key`, the run's id is the key's own (`key_run_id`) unless
+        """Start a run (or find the one the same request started, or resume it); its id, and
+        whether it is new. With an idempotency `key`, the run's id is the key's own (`key_run_id`) unless
         `run_id` names it: every replica on the store maps one key to one run."""
         if key is not None:
             run_id = self.keys.get(key) or run_id or key_run_id(key)
-        if run_id is not None and (self.handle(run_id) is not None or await self._stored(run_id)):
-            return run_id, False
+        resumed = False
+        if run_id is not None:
+            if self.handle(run_id) is not None:
+                return run_id, False
+            stored = await self._stored(run_id)
+            if stored is not None:
+                # A run the store holds: the same run, never a second one. One left open that no
+                # process runs (its process died, or a retry reopened tasks) is resumed with this
+                # input: what succeeded is not run again.
+                if stored.get("state") != "open" or holder(stored) is not None:
+                    return run_id, False
+                resumed = True
         orch = self.orchestrator
         if tasks is not None:
             handle = orch.start(tasks=[spec.task() for spec in tasks], run_id=run_id)
@@ -123,10 +133,13 @@ class Service:
             if key is not None:
                 self.keys.pop(key, None)
             raise
-        return handle.run_id, True
+        return handle.run_id, not resumed
 
-    async def _stored(self, run_id: str) -> bool:
-        return any(run["id"] == run_id for run in await self.read(self.store.runs))
+    async def _stored(self, run_id: str) -> dict[str, Any] | None:
+        for run in await self.read(self.store.runs):
+            if run["id"] == run_id:
+                return run  # type: ignore[no-any-return]
+        return None
 
     async def shutdown(self) -> None:
         """Stop the live runs, each with `grace` for its running attempts."""
