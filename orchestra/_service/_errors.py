@@ -12,11 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from .._exceptions import ConfigError, InputError, OrchestraError, StoreError
 from ._models import ErrorBody
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from fastapi import FastAPI, Request
 
 __all__ = ("Refused", "install", "responses")
@@ -49,7 +52,11 @@ def body(code: str, message: str, field: str | None = None) -> dict[str, str | N
 
 
 def _response(
-    status: int, code: str, message: str, field: str | None, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    field: str | None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(body(code, message, field), status_code=status, headers=headers)
 
@@ -71,8 +78,21 @@ async def _store_down(request: Request, exc: Exception) -> JSONResponse:
     return _response(503, "unavailable", str(exc), None, {"Retry-After": "5"})
 
 
+async def _http(request: Request, exc: Exception) -> JSONResponse:
+    # What the framework refuses itself (a body it cannot read, no such path, a method the path
+    # does not take): its status and message, in the service's body.
+    assert isinstance(exc, HTTPException)
+    code = _CODES.get(exc.status_code, "refused" if exc.status_code < 500 else "error")
+    return _response(exc.status_code, code, str(exc.detail), None, exc.headers)
+
+
+_CODES: Final = {400: "invalid", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
 def install(app: FastAPI) -> None:
-    """Answer `Refused`, bad input and an unusable store with `ErrorBody` JSON."""
+    """Answer `Refused`, the framework's refusals, bad input and an unusable store with
+    `ErrorBody` JSON."""
+    app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(Refused, _refused)
     app.add_exception_handler(InputError, _bad_input)
     app.add_exception_handler(ConfigError, _bad_input)
