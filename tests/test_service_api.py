@@ -12,6 +12,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from orchestra import InputError
 from orchestra.stores import SQLiteStore
 from tests.service_kit import Api, serving
 
@@ -407,6 +408,17 @@ class TestAuth:
         api.service.tokens.revoke("test-read")
         answer = await api.client.get("/api/runs", headers=api.auth("read"))
         assert answer.status_code == 401
+
+    async def test_a_token_given_by_hand_is_kept_once_with_its_role(self, api: Api) -> None:
+        text = "w" * 40
+        headers = {"Authorization": f"Bearer {text}"}
+        assert (await api.client.get("/api/runs", headers=headers)).status_code == 401
+        first = api.service.tokens.ensure(text, "worker", "workers")
+        again = api.service.tokens.ensure(text, "worker", "workers")
+        assert first.id == again.id
+        assert (await api.client.get("/api/runs", headers=headers)).status_code == 403
+        with pytest.raises(InputError, match="32 characters"):
+            api.service.tokens.ensure("short", "worker", "workers")
 
     async def test_health_and_readiness_need_no_token(self, api: Api) -> None:
         assert (await api.client.get("/health")).json() == {"status": "ok"}

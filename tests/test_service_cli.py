@@ -130,6 +130,36 @@ class TestServe:
         conn.close()
         assert (state, owner) == ("open", None)
 
+    def test_without_the_service_extra_it_says_what_to_install(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+        answer = _cli("serve", "--agents", "jobs:registry")
+        assert answer.exit_code == 2
+        assert "pip install 'orchestra-runtime[service]'" in answer.output
+
+    def test_create_app_without_the_extra_says_what_to_install(self) -> None:
+        code = (
+            "import sys\n"
+            "sys.modules['fastapi'] = None  # as if it were not installed\n"
+            "import orchestra.service\n"
+            "try:\n"
+            "    orchestra.service.create_app(None)\n"
+            "except ModuleNotFoundError as exc:\n"
+            "    print(exc)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert "pip install 'orchestra-runtime[service]'" in done.stdout
+
+    def test_importing_orchestra_imports_no_fastapi(self) -> None:
+        code = "import sys, orchestra, orchestra.service; print('fastapi' in sys.modules)"
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert done.stdout.strip() == "False"
+
     def test_without_agents_it_is_a_usage_error(self) -> None:
         answer = _cli("serve")
         assert answer.exit_code == 2

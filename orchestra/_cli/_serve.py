@@ -117,8 +117,11 @@ def serve(
         typer.Option(
             "--workers-token",
             metavar="TOKEN",
-            help="Reserved for HTTP workers (not served yet): refused for now.",
-            hidden=True,
+            envvar="ORCHESTRA_WORKERS_TOKEN",
+            help="A token (32 characters or more) the service accepts with the worker role, kept "
+            "hashed like the others: the one HTTP workers are started with. Read from "
+            "$ORCHESTRA_WORKERS_TOKEN too, out of the process list.",
+            show_default=False,
         ),
     ] = None,
 ) -> None:
@@ -128,8 +131,6 @@ def serve(
     create --role ROLE` on the same --db or --dsn. SIGTERM or Ctrl-C stops gracefully: no new
     request, the live runs stopped within --grace.
     """
-    if workers_token is not None:
-        raise _fail("--workers-token: HTTP workers are not served yet (use --db or --dsn workers)")
     try:
         import uvicorn
 
@@ -142,6 +143,10 @@ def serve(
         raise _fail(str(exc)) from None
     store = _store(db, dsn)
     try:
+        if workers_token is not None:
+            from .._service._tokens import Tokens
+
+            Tokens(store).ensure(workers_token, "worker", "workers (--workers-token)")
         orch.store = store
         app = create_app(orch, cors_origin=cors_origin, max_body=max_body, grace=grace)
         # uvicorn's own handling of SIGINT / SIGTERM: stop accepting, finish the requests under
@@ -153,7 +158,7 @@ def serve(
             log_level="info",
             timeout_graceful_shutdown=math.ceil(grace),
         )
-    except (ConfigError, StoreError) as exc:
+    except (ConfigError, InputError, StoreError) as exc:
         raise _fail(str(exc)) from None
     finally:
         store.close()

@@ -38,7 +38,7 @@ ROLES: Final[tuple[str, ...]] = get_args(Role)
 """What a token may do: submit runs, read them, control them (pause, resume, cancel, stop,
 reprioritize, retry), work for them (HTTP workers), or all of it (admin)."""
 
-_PREFIX: Final = "orch_"
+_PREFIX: Final = "orch_"  # what tells an orchestra token apart in a file or a log
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +187,34 @@ class Tokens:
             return self.store.call(_sqlite_revoke, which, time.time())  # type: ignore[no-any-return]
         return self.store.database.call(_pg_revoke, which)  # type: ignore[no-any-return]
 
+    def ensure(self, token: str, role: str, name: str) -> TokenInfo:
+        """Keep `token` (a text chosen elsewhere, ``orchestra serve --workers-token``) with
+        `role`, unless the database knows it already; its record."""
+        if len(token) < 32:
+            raise InputError(
+                "a token given by hand must be at least 32 characters long (make one with "
+                "`orchestra tokens create --role ROLE`, or `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'`)",
+                field="token",
+            )
+        if role not in ROLES:
+            raise InputError(f"unknown role {role!r}: give one of {', '.join(ROLES)}", field="role")
+        hashed = digest(token)
+        if self._sqlite:
+            found = self.store.call(_sqlite_find, hashed)
+        else:
+            found = self.store.database.call(_pg_find, hashed)
+        if found is not None:
+            return found[0]  # type: ignore[no-any-return]
+        info = TokenInfo(secrets.token_hex(4), name, role, time.time(), None)
+        if self._sqlite:
+            self.store.call(_sqlite_add, info, hashed)
+        else:
+            self.store.database.call(_pg_add, info, hashed)
+        return info
+
     async def find(self, token: str) -> TokenInfo | None:
         """The record of `token` (revoked or not), or None when the database has no such token."""
-        if not token.startswith(_PREFIX):
-            return None
         hashed = digest(token)
         if self._sqlite:
             found = await asyncio.wrap_future(self.store.submit(_sqlite_find, hashed))
