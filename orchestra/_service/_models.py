@@ -10,22 +10,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .._spec import TaskSpec
 
 __all__ = (
-    "CancelIn",
-    "CancelOut",
+    "CancelRequest",
+    "Cancelled",
     "Control",
     "DeadLetter",
     "ErrorBody",
     "Health",
     "JournalEvent",
-    "ReprioritizeIn",
-    "ReprioritizeOut",
-    "RetryIn",
-    "RetryOut",
+    "Reopened",
+    "ReprioritizeRequest",
+    "Reprioritized",
+    "RetryRequest",
     "RunAccepted",
     "RunId",
     "RunList",
     "RunSummary",
-    "StopIn",
+    "StopRequest",
     "SubmitRun",
     "TaskAccepted",
     "TaskDetail",
@@ -103,7 +103,7 @@ class Control(BaseModel):
     paused: bool
 
 
-class CancelIn(_In):
+class CancelRequest(_In):
     """Which unfinished tasks to cancel: those that match every selector given (at least one)."""
 
     task_id: str | list[str] | None = None
@@ -114,29 +114,29 @@ class CancelIn(_In):
     reason: str | None = None
 
     @model_validator(mode="after")
-    def _some_selector(self) -> CancelIn:
+    def _some_selector(self) -> CancelRequest:
         if all(v is None for v in (self.task_id, self.kind, self.tag, self.agent, self.priority)):
             raise ValueError("give at least one of task_id, kind, tag, agent and priority")
         return self
 
 
-class CancelOut(BaseModel):
+class Cancelled(BaseModel):
     reason: str
     cancelled: list[str]
     skipped: list[str]
     deferred: bool = Field(description="the run had no tasks yet: the cancel applies to them")
 
 
-class ReprioritizeIn(_In):
+class ReprioritizeRequest(_In):
     task_id: str
     priority: int
 
 
-class ReprioritizeOut(BaseModel):
+class Reprioritized(BaseModel):
     changed: bool = Field(description="False when the task does not wait any more")
 
 
-class StopIn(_In):
+class StopRequest(_In):
     grace: float | None = Field(
         default=10.0,
         ge=0,
@@ -189,13 +189,13 @@ class DeadLetter(BaseModel):
     attempts_list: list[dict[str, Any]]
 
 
-class RetryIn(_In):
+class RetryRequest(_In):
     task_ids: list[str] | None = Field(
         default=None, min_length=1, description="the failed tasks to retry; null: all of them"
     )
 
 
-class RetryOut(BaseModel):
+class Reopened(BaseModel):
     reopened: list[str]
 
 

@@ -19,19 +19,19 @@ from .._result import RunResult
 from ._auth import require
 from ._errors import Refused, responses
 from ._models import (
-    CancelIn,
-    CancelOut,
+    Cancelled,
+    CancelRequest,
     Control,
     DeadLetter,
     JournalEvent,
-    ReprioritizeIn,
-    ReprioritizeOut,
-    RetryIn,
-    RetryOut,
+    Reopened,
+    Reprioritized,
+    ReprioritizeRequest,
+    RetryRequest,
     RunAccepted,
     RunList,
     RunSummary,
-    StopIn,
+    StopRequest,
     SubmitRun,
     TaskDetail,
 )
@@ -201,9 +201,9 @@ async def resume(run_id: RunPath, service: ServiceDep) -> Control:
 
 
 @router.post(
-    "/{run_id}/cancel", response_model=CancelOut, dependencies=_control, responses=_CONTROL_ERRORS
+    "/{run_id}/cancel", response_model=Cancelled, dependencies=_control, responses=_CONTROL_ERRORS
 )
-async def cancel(run_id: RunPath, body: CancelIn, service: ServiceDep) -> CancelOut:
+async def cancel(run_id: RunPath, body: CancelRequest, service: ServiceDep) -> Cancelled:
     """Cancel the unfinished tasks that match every selector given (as `RunHandle.cancel`):
     running attempts are cancelled, waiting tasks removed, their dependents skipped."""
     handle = await service.live_handle(run_id)
@@ -215,7 +215,7 @@ async def cancel(run_id: RunPath, body: CancelIn, service: ServiceDep) -> Cancel
         priority=body.priority,
         reason=body.reason,
     )
-    return CancelOut(
+    return Cancelled(
         reason=done.reason,
         cancelled=list(done.cancelled),
         skipped=list(done.skipped),
@@ -227,27 +227,27 @@ async def cancel(run_id: RunPath, body: CancelIn, service: ServiceDep) -> Cancel
     "/{run_id}/stop", response_model=RunResult, dependencies=_control, responses=_CONTROL_ERRORS
 )
 async def stop(
-    run_id: RunPath, service: ServiceDep, body: Annotated[StopIn | None, Body()] = None
+    run_id: RunPath, service: ServiceDep, body: Annotated[StopRequest | None, Body()] = None
 ) -> RunResult:
     """End the run gracefully: no new attempt, the running ones get `grace` seconds, then the
     rest is cancelled. Answers its `RunResult` (status "cancelled") once it ended."""
     handle = await service.live_handle(run_id)
-    body = body or StopIn()
+    body = body or StopRequest()
     return await handle.stop(body.grace, reason=body.reason)
 
 
 @router.post(
     "/{run_id}/reprioritize",
-    response_model=ReprioritizeOut,
+    response_model=Reprioritized,
     dependencies=_control,
     responses=_CONTROL_ERRORS,
 )
 async def reprioritize(
-    run_id: RunPath, body: ReprioritizeIn, service: ServiceDep
-) -> ReprioritizeOut:
+    run_id: RunPath, body: ReprioritizeRequest, service: ServiceDep
+) -> Reprioritized:
     """Change the priority of a task that waits (smaller runs first)."""
     handle = await service.live_handle(run_id)
-    return ReprioritizeOut(changed=handle.reprioritize(body.task_id, body.priority))
+    return Reprioritized(changed=handle.reprioritize(body.task_id, body.priority))
 
 
 _TASK_PATH = Annotated[str, Path(min_length=1, max_length=1000)]
@@ -303,7 +303,7 @@ async def dead_letters(run_id: RunPath, run: KnownRun, service: ServiceDep) -> l
 
 @router.post(
     "/{run_id}/dead-letters/retry",
-    response_model=RetryOut,
+    response_model=Reopened,
     dependencies=_control,
     responses=_CONTROL_ERRORS,
 )
@@ -311,8 +311,8 @@ async def retry(
     run_id: RunPath,
     run: KnownRun,
     service: ServiceDep,
-    body: Annotated[RetryIn | None, Body()] = None,
-) -> RetryOut:
+    body: Annotated[RetryRequest | None, Body()] = None,
+) -> Reopened:
     """Make failed tasks runnable again (all of them, or `task_ids`), with the tasks they had
     skipped. Submitting the run again (the same `run_id` and tasks) runs them; on PostgreSQL,
     workers serving the run do at once."""
@@ -333,7 +333,7 @@ async def retry(
             field="run_id",
         )
     ids = None if body is None else body.task_ids
-    return RetryOut(reopened=await service.read(service.store.retry, run_id, ids))
+    return Reopened(reopened=await service.read(service.store.retry, run_id, ids))
 
 
 @router.get(
