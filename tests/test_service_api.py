@@ -79,6 +79,22 @@ class TestSubmittingARun:
         runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
         assert [r["id"] for r in runs] == [first.json()["run_id"]]
 
+    async def test_the_same_key_sent_twice_at_once_is_one_run(self, api: Api) -> None:
+        body = _tasks(("echo", "a"))
+        headers = {**api.auth("submit"), "Idempotency-Key": "together"}
+        answers: list[Any] = []
+
+        async def send() -> None:
+            answers.append(await api.client.post("/api/runs", json=body, headers=headers))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(send)
+        assert sorted(a.status_code for a in answers) == [200, 202]
+        assert len({a.json()["run_id"] for a in answers}) == 1
+        await api.handle(answers[0].json()["run_id"])
+        assert api.calls == ["a"]
+
     async def test_another_idempotency_key_is_another_run(self, api: Api) -> None:
         one = await api.submit(_tasks(("echo", "a")), **{"Idempotency-Key": "k-1"})
         two = await api.submit(_tasks(("echo", "a")), **{"Idempotency-Key": "k-2"})

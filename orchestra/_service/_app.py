@@ -156,7 +156,7 @@ async def health() -> Health:
 )
 async def ready(service: Annotated[Service, Depends(_service)]) -> Health:
     """Readiness: the store answers (no token needed)."""
-    await service.read(service.store.runs)  # a StoreError is a 503
+    await service.ping()  # a StoreError is a 503
     return Health(status="ready")
 
 

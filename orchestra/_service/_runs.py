@@ -116,6 +116,7 @@ async def list_runs(service: ServiceDep) -> RunList:
     """Every run in the store, oldest first: those started here, earlier, or by other
     processes."""
     runs = await service.read(service.store.runs)
+    service.prune()
     return RunList(runs=[_summary(run, service) for run in runs])
 
 

@@ -69,6 +69,10 @@ class Service:
         self.live: dict[str, RunHandle] = {}
         self.ended: OrderedDict[str, RunHandle] = OrderedDict()
         self.keys: dict[str, str] = {}  # idempotency key -> the run id it started, this process
+        # One submission of a run id at a time in this process: a second request with the same
+        # id or key waits for the first's admission and finds its run, instead of opening the
+        # run a second time.
+        self._starting: dict[str, anyio.Lock] = {}
 
     # -- runs started here -----------------------------------------------------------------------
 
@@ -94,22 +98,37 @@ class Service:
         key: str | None,
     ) -> tuple[str, bool]:
         """Start a run (or find the one the same request started, or resume it); its id, and
-        whether it is new. With an idempotency `key`, the run's id is the key's own (`key_run_id`) unless
-        `run_id` names it: every replica on the store maps one key to one run."""
+        whether it is new. With an idempotency `key`, the run's id is the key's own
+        (`key_run_id`) unless `run_id` names it: every replica on the store maps one key to one
+        run."""
         if key is not None:
             run_id = self.keys.get(key) or run_id or key_run_id(key)
-        resumed = False
-        if run_id is not None:
-            if self.handle(run_id) is not None:
-                return run_id, False
-            stored = await self._stored(run_id)
-            if stored is not None:
-                # A run the store holds: the same run, never a second one. One left open that no
-                # process runs (its process died, or a retry reopened tasks) is resumed with this
-                # input: what succeeded is not run again.
-                if stored.get("state") != "open" or holder(stored) is not None:
+        self.prune()
+        if run_id is None:
+            return await self._start(tasks, input, None, None), True
+        lock = self._starting.setdefault(run_id, anyio.Lock())
+        try:
+            async with lock:
+                if self.handle(run_id) is not None:
                     return run_id, False
-                resumed = True
+                stored = await self.read(self.store.run_info, run_id)
+                if stored is not None and (
+                    stored.get("state") != "open" or holder(stored) is not None
+                ):
+                    # A run the store holds: the same run, never a second one. One left open that
+                    # no process runs (its process died, or a retry reopened tasks) is resumed
+                    # below with this input: what succeeded is not run again.
+                    return run_id, False
+                await self._start(tasks, input, run_id, key)
+                return run_id, stored is None
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._starting.pop(run_id, None)
+
+    async def _start(
+        self, tasks: list[TaskSpec] | None, input: Any, run_id: str | None, key: str | None
+    ) -> str:
+        """Start the run and wait for its input's admission; its id."""
         orch = self.orchestrator
         if tasks is not None:
             handle = orch.start(tasks=[spec.task() for spec in tasks], run_id=run_id)
@@ -133,13 +152,12 @@ class Service:
             if key is not None:
                 self.keys.pop(key, None)
             raise
-        return handle.run_id, not resumed
+        return handle.run_id
 
-    async def _stored(self, run_id: str) -> dict[str, Any] | None:
-        for run in await self.read(self.store.runs):
-            if run["id"] == run_id:
-                return run  # type: ignore[no-any-return]
-        return None
+    def prune(self) -> None:
+        """Move the runs that ended from `live` to `ended` (bounded)."""
+        for handle in [h for h in self.live.values() if h.done]:
+            self._ended(handle)
 
     async def shutdown(self) -> None:
         """Stop the live runs, each with `grace` for its running attempts."""
@@ -155,11 +173,15 @@ class Service:
         serving while the store's own thread does the reading."""
         return await anyio.to_thread.run_sync(partial(call, *args))
 
+    async def ping(self) -> None:
+        """Ask the store's database the cheapest question (a `StoreError` when it cannot)."""
+        await self.read(self.store.run_info, "")
+
     async def run_record(self, run_id: str) -> dict[str, Any]:
-        """The store's record of `run_id` (`store.runs()`'s dict); 404 when it has none."""
-        for run in await self.read(self.store.runs):
-            if run["id"] == run_id:
-                return run  # type: ignore[no-any-return]
+        """The store's record of `run_id` (as `store.runs()` gives it); 404 when it has none."""
+        run = await self.read(self.store.run_info, run_id)
+        if run is not None:
+            return run  # type: ignore[no-any-return]
         if self.handle(run_id) is not None:  # started here, its first rows not written yet
             return {"id": run_id, "state": "open", "counts": {}}
         raise Refused(

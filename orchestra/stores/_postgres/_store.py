@@ -154,6 +154,12 @@ class PostgresStore:
         `held` while it runs, on the database's clock) and `input_closed`."""
         return self.database.call(admin.runs)  # type: ignore[no-any-return]
 
+    def run_info(self, run_id: str) -> dict[str, Any] | None:
+        """One run of the database as `runs` gives it (its task counts by state, `held`), or
+        None when it has no such run: for a reader that follows one run (the service's event
+        stream)."""
+        return self.database.call(admin.run, run_id)  # type: ignore[no-any-return]
+
     def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
         an event read from a task's row or its failed attempts), `run_id`, `task_id`, `at` (wall

@@ -14,7 +14,7 @@ from ._schema import rollback
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("dead", "events", "retry", "runs", "workers")
+__all__ = ("dead", "events", "retry", "run", "runs", "workers")
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
@@ -31,6 +31,20 @@ def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             ).fetchall()
         )
     return runs
+
+
+def run(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
+    """One run as `runs` gives it, or None."""
+    found = _rows(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)))
+    if not found:
+        return None
+    (one,) = found
+    one["counts"] = dict(
+        conn.execute(
+            "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (run_id,)
+        ).fetchall()
+    )
+    return one
 
 
 def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str, Any]]:

@@ -143,6 +143,11 @@ class SQLiteStore:
         """Every run in the file, oldest first, with its task counts by state."""
         return self.call(admin.runs)  # type: ignore[no-any-return]
 
+    def run_info(self, run_id: str) -> dict[str, Any] | None:
+        """One run of the file as `runs` gives it (its task counts by state), or None when the
+        file has no such run: for a reader that follows one run (the service's event stream)."""
+        return self.call(admin.run, run_id)  # type: ignore[no-any-return]
+
     def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
         an event read from the task's row), `run_id`, `task_id`, `at` (wall time), `event`
