@@ -311,6 +311,24 @@ class TestControl:
         await api.handle(run_id)
         assert api.calls == ["a", "c", "b"]
 
+    async def test_control_of_a_run_another_process_runs_is_a_409_naming_it(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        run_id = await api.submit(_tasks(("wait", "a")))
+        other = SQLiteStore(tmp_path / "service.db")  # another store object: as another process
+        try:
+            async with serving(other) as second:
+                answer = await second.client.post(
+                    f"/api/runs/{run_id}/cancel", json={"kind": "wait"}, headers=second.auth()
+                )
+                assert answer.status_code == 409
+                assert answer.json()["error"] == "held_elsewhere"
+                assert "another process" in answer.json()["message"]
+        finally:
+            other.close()
+        api.gate.set()
+        await api.handle(run_id)
+
     async def test_control_of_a_run_that_ended_is_a_409(self, api: Api) -> None:
         run_id = await api.submit(_tasks(("echo", "a")))
         await api.handle(run_id)

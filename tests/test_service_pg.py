@@ -89,3 +89,38 @@ class TestOnPostgres:
             assert [r.id for r in revoked] == [info.id]
             refused = await api.client.get("/api/runs", headers={"Authorization": f"Bearer {text}"})
             assert refused.status_code == 401
+
+
+class TestTwoProcessesOnOneDatabase:
+    async def test_the_other_streams_the_run_and_refuses_to_control_it_naming_its_holder(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        from orchestra.stores._postgres._store import PostgresStore
+
+        other_store = PostgresStore(pg_dsn, poll=0.2)
+        try:
+            async with serving(store) as first, serving(other_store) as second:
+                run_id = await first.submit({"tasks": [{"kind": "wait", "id": "a"}]})
+                held = await second.client.post(
+                    f"/api/runs/{run_id}/pause", headers=second.auth("control")
+                )
+                assert held.status_code == 409
+                assert held.json()["error"] == "held_elsewhere"
+                listed = (await second.client.get("/api/runs", headers=second.auth())).json()
+                assert [(r["id"], r["live"], r["held_by"] is not None) for r in listed["runs"]] == [
+                    (run_id, False, True)
+                ]
+                async with (
+                    server(second.app) as url,
+                    httpx.AsyncClient(timeout=30) as client,
+                    client.stream(
+                        "GET", f"{url}/api/runs/{run_id}/events", headers=second.auth()
+                    ) as stream,
+                ):
+                    first.gate.set()  # the run ends in the first process
+                    lines = [line async for line in stream.aiter_lines()]
+                data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+                assert ("a", "succeeded") in {(d.get("task_id"), d.get("event")) for d in data}
+                assert data[-1] == {"run_id": run_id}
+        finally:
+            await anyio.to_thread.run_sync(other_store.close)
