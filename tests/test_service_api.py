@@ -190,6 +190,7 @@ class TestReadingRuns:
         await api.handle(run_id)
         status = (await api.client.get(f"/api/runs/{run_id}/status", headers=api.auth())).json()
         assert status["completed"] == 2
+        assert status == json.loads(json.dumps(api.handle(run_id).status().to_dict()))
 
     async def test_a_task_comes_with_its_attempts_from_the_journal(self, api: Api) -> None:
         run_id = await api.submit(_tasks(("fail", "b")))

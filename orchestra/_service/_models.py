@@ -25,6 +25,7 @@ __all__ = (
     "RunId",
     "RunList",
     "RunSummary",
+    "StatusOut",
     "StopRequest",
     "SubmitRun",
     "TaskAccepted",
@@ -68,6 +69,40 @@ class SubmitRun(_In):
         if (self.tasks is None) == (self.input is None):
             raise ValueError("give exactly one of tasks (a list of tasks) and input")
         return self
+
+
+class StatusOut(BaseModel):
+    """A live run's `RunStatus` (``handle.status().to_dict()``): see "Watching a run"."""
+
+    # A field the status gains later is passed on, not dropped.
+    model_config = ConfigDict(extra="allow")
+
+    run_id: str
+    state: str
+    elapsed: float
+    total: int
+    completed: int = Field(description="tasks ended, in any terminal state")
+    active: int = Field(description="attempts running now")
+    progress: float = Field(description="percent of total completed")
+    counts: dict[str, int]
+    input_complete: bool
+    throughput: float = Field(description="tasks ended per second over the last window")
+    window: float
+    eta: float | None
+    error_rate: float
+    recent_error_rate: float
+    attempts: int
+    retries: int
+    fallbacks: int
+    concurrency: int
+    utilisation: float
+    queue_by_priority: dict[str, int]
+    kinds: list[dict[str, Any]]
+    agents: list[dict[str, Any]]
+    bottleneck: dict[str, Any] | None
+    errors: list[dict[str, Any]]
+    cost: float
+    tokens: dict[str, int]
 
 
 class RunAccepted(BaseModel):

@@ -31,6 +31,7 @@ from ._models import (
     RunAccepted,
     RunList,
     RunSummary,
+    StatusOut,
     StopRequest,
     SubmitRun,
     TaskDetail,
@@ -158,7 +159,7 @@ async def get_result(run_id: RunPath, run: KnownRun, service: ServiceDep) -> Run
 
 @router.get(
     "/{run_id}/status",
-    response_model=dict[str, Any],
+    response_model=StatusOut,
     dependencies=_read,
     responses=responses(401, 403, 404, 409),
 )
