@@ -227,6 +227,7 @@ class TestDeadLetters:
         letters = (await api.client.get("/api/runs/dl/dead-letters", headers=api.auth())).json()
         assert [(d["task_id"], d["error_type"]) for d in letters] == [("b", "PermanentError")]
         assert letters[0]["attempts_list"][0]["agent"] == "fail"
+        assert letters[0]["payload"] == "b"  # the task's payload, as JSON
         retried = await api.client.post(
             "/api/runs/dl/dead-letters/retry", json={"task_ids": ["b"]}, headers=api.auth("control")
         )

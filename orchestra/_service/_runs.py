@@ -9,6 +9,7 @@ answer begins, so an unknown run is a 404, not a stream that breaks.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -300,7 +301,13 @@ _ENDS = frozenset({"succeeded", "failed", "skipped", "cancelled"})
 async def dead_letters(run_id: RunPath, run: KnownRun, service: ServiceDep) -> list[DeadLetter]:
     """The tasks of the run that failed for good, each with every failed attempt."""
     letters = await service.read(service.store.dead_letters, run_id)
-    return [DeadLetter(**letter) for letter in letters]
+    # The stores keep a payload as the JSON text it was written as: answered as that JSON value.
+    return [
+        DeadLetter(**{**letter, "payload": json.loads(letter["payload"])})
+        if isinstance(letter.get("payload"), str)
+        else DeadLetter(**letter)
+        for letter in letters
+    ]
 
 
 @router.post(
