@@ -99,6 +99,16 @@ class TestTheStream:
                 assert [d for _, _, d in rest[:-1]] == [d for _, _, d in events[k + 1 :]], k
                 assert rest[-1][0] == "end"
 
+    async def test_the_store_reads_the_journal_from_a_time_on(self, api: Api) -> None:
+        run_id = await api.submit({"tasks": [{"kind": "echo", "id": x} for x in "abcdef"]})
+        await api.handle(run_id)
+        store = api.service.store
+        journal = await anyio.to_thread.run_sync(store.events, run_id)
+        mid = journal[len(journal) // 2]["at"]
+        later = await anyio.to_thread.run_sync(lambda: store.events(run_id, since=mid))
+        assert later == [e for e in journal if e["at"] >= mid]
+        assert 0 < len(later) < len(journal)
+
     async def test_an_unknown_run_is_a_404_before_any_stream(self, api: Api) -> None:
         async with server(api.app) as url, httpx.AsyncClient() as client:
             answer = await client.get(f"{url}/api/runs/ghost/events", headers=api.auth("read"))

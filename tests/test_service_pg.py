@@ -64,6 +64,9 @@ class TestOnPostgres:
             assert data[-1] == {"run_id": "pg-1"}  # the end
             journal = await anyio.to_thread.run_sync(store.events, "pg-1")
             assert [key_of(e) for e in data[:-1]] == sorted(key_of(e) for e in journal)
+            mid = journal[len(journal) // 2]["at"]
+            later = await anyio.to_thread.run_sync(lambda: store.events("pg-1", since=mid))
+            assert later == [e for e in journal if e["at"] >= mid]
 
     async def test_tokens_are_kept_hashed_in_the_database_and_revoked_for_every_request(
         self, store: PostgresStore, pg_dsn: str

@@ -21,8 +21,9 @@ over the last `late` seconds are kept to tell), with the cursor unchanged as its
 is over (closed, and no process runs it) everything left is delivered and the stream ends with an
 ``end`` event.
 
-Each poll reads the run's whole journal through the store's reader: simple and exact, and O(events)
-per poll and client; a journal read from a key on is the next step for runs of 100,000 tasks.
+Each poll reads the journal from `late` seconds behind the cursor on (`store.events(...,
+since=...)`): what a poll hands over and sorts is the recent window, though the database still
+reads the run's rows to build its journal (most of the journal is read from the rows of tasks).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Annotated, Any, Final
 
 import anyio
@@ -128,6 +130,11 @@ class Cursor:
             self.seen = {k for k in self.seen if k[0] >= oldest}
         return out
 
+    def since(self) -> float | None:
+        """The wall time the next read of the journal may start at: older events are either
+        delivered or too late to be told apart (None: from the start)."""
+        return None if self.position is None else self.position[0] - self.late
+
 
 async def resume_after(
     last_event_id: Annotated[
@@ -170,7 +177,7 @@ async def events(
     cursor = Cursor(after)
     while True:
         final = await _over(service, run_id)
-        journal = await service.read(service.store.events, run_id)
+        journal = await service.read(partial(service.store.events, since=cursor.since()), run_id)
         for event, event_id in cursor.take(journal, time.time(), final=final):
             yield ServerSentEvent(data=event, id=event_id)
         if final:

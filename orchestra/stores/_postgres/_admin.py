@@ -213,16 +213,18 @@ SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM 
     WHERE t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = t.state AND e.attempt = t.attempts)
 ) AS journal
+WHERE $3::float8 IS NULL OR journal.at >= to_timestamp($3::float8)
 ORDER BY at, rank, seq NULLS FIRST, task_id
 """
 
 
 async def events(
-    conn: asyncpg.Connection, run_id: str, task_id: str | None
+    conn: asyncpg.Connection, run_id: str, task_id: str | None, since: float | None = None
 ) -> list[dict[str, Any]]:
-    """The journal of `run_id` (of one task, with `task_id`), in order (`_JOURNAL`)."""
+    """The journal of `run_id` (of one task, with `task_id`; from the wall time `since` on), in
+    order (`_JOURNAL`)."""
     await _known(conn, run_id, task_id)
-    return _dicts(await conn.fetch(_JOURNAL, run_id, task_id))
+    return _dicts(await conn.fetch(_JOURNAL, run_id, task_id, since))
 
 
 _DEAD = f"""

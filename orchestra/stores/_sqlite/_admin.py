@@ -87,7 +87,7 @@ _JOURNAL = """
             AND finished IS NOT NULL AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = t.state AND e.attempt = t.attempts)
-    ) ORDER BY at, rank, seq
+    ) WHERE :since IS NULL OR at >= :since ORDER BY at, rank, seq
 """
 
 
@@ -109,9 +109,11 @@ def _known(conn: sqlite3.Connection, run_id: str, task_id: str | None = None) ->
         raise InputError(f"run {run_id!r} has no task {task_id!r}", task_id=task_id)
 
 
-def events(conn: sqlite3.Connection, run_id: str, task_id: str | None) -> list[dict[str, Any]]:
+def events(
+    conn: sqlite3.Connection, run_id: str, task_id: str | None, since: float | None = None
+) -> list[dict[str, Any]]:
     _known(conn, run_id, task_id)
-    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id}))
+    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id, "since": since}))
 
 
 # What `retry` writes into the journal before it reopens a task: the events its row said (its last
