@@ -9,16 +9,16 @@ $(UV):
 	$(PYTHON) -m venv .tools
 	.tools/bin/pip install --quiet --disable-pip-version-check uv
 
-# What the tests and linters need (the dev group, the claude and cli extras); not the benchmark
+# What the tests and linters need (the dev group, the claude, cli and service extras); not the benchmark
 # peers, which `make bench` adds (the bench dependency group).
 .venv/.synced: pyproject.toml uv.lock | $(UV)
-	$(UV) sync --locked --extra claude --extra cli --quiet
+	$(UV) sync --locked --extra claude --extra cli --extra service --quiet
 	@touch $@
 
 sync: .venv/.synced
 
 # Always run (no stamp): `make sync` removes the group again, and uv does nothing when in sync.
-BENCH_SYNC = $(UV) sync --locked --group bench --extra claude --extra cli --quiet
+BENCH_SYNC = $(UV) sync --locked --group bench --extra claude --extra cli --extra service --quiet
 
 # The demo needs the package and its `cli` extra only: no test tools, no benchmark peers.
 demo: | $(UV)
@@ -41,7 +41,7 @@ PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13
 
 test-3.13: | $(UV)
 	@if [ -z "$(PYTHON313)" ]; then echo "test-3.13: no CPython 3.13 on this machine: skipped"; exit 0; fi; \
-	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra claude --extra cli --quiet && \
+	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra claude --extra cli --extra service --quiet && \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest $(PYTEST_PARALLEL) -q
 
 lint: sync

@@ -1,5 +1,5 @@
 """The `orchestra` command (typer and rich, the `cli` extra): `demo`, `run`, `worker`, `bench`,
-`runs`, `--version`.
+`runs`, `serve`, `tokens`, `--version`.
 
 Exit codes: 0 success, 1 failed, 2 usage error (bad arguments, a factory that does not load, an input
 line that is not a task), 3 partial, 130 interrupted (Ctrl-C, or a run that ended cancelled).
@@ -35,6 +35,7 @@ from ..stores._worker import Worker, backend_of
 from ._batch import EXIT_CODES, Batch, load_orchestrator, read_batch
 from ._console import KEYS, watch
 from ._runs import runs_app
+from ._serve import serve, tokens_app
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -592,6 +593,9 @@ def _how_to_bench(root: Path | None, missing: list[str]) -> str:
 
 # orchestra runs list|workers|show|dead|retry, each on --db FILE or --dsn URL (_runs.py)
 app.add_typer(runs_app)
+# orchestra serve, and orchestra tokens create|list|revoke (_serve.py)
+app.command()(serve)
+app.add_typer(tokens_app)
 
 
 def main() -> None:

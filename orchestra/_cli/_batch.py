@@ -29,7 +29,7 @@ from .._core._instruments import last_agent
 from .._core._orchestrator import Orchestrator
 from .._exceptions import ConfigError, InputError
 from .._output import jsonable
-from .._task import Task, TaskResult
+from .._spec import TaskSpec
 from ._console import watch
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .._result import RunResult
+    from .._task import Task, TaskResult
 
 __all__ = (
     "EXIT_CODES",
@@ -51,28 +52,6 @@ __all__ = (
 
 EXIT_CODES: Final[Mapping[str, int]] = {"success": 0, "failed": 1, "partial": 3, "cancelled": 130}
 """The exit code of ``orchestra run`` for each run status (2 is a usage error, 130 an interrupt)."""
-
-
-class TaskSpec(pydantic.BaseModel):
-    """One task as a JSONL line gives it: the keyword arguments of `Task`."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
-
-    kind: str
-    payload: Any = None
-    id: str | None = None
-    priority: int = 0
-    depends_on: list[str] = []
-    depends_on_tags: list[str] = []
-    tags: list[str] = []
-    key: str | None = None
-    timeout: float | None = pydantic.Field(default=None, gt=0)
-    critical: bool = False
-    metadata: dict[str, Any] | None = None
-
-    def task(self) -> Task:
-        fields = self.model_dump(exclude={"kind", "payload"})
-        return Task(self.kind, self.payload, **fields)
 
 
 _DOTTED: Final = re.compile(r"(?!\d)\w+(\.(?!\d)\w+)*")

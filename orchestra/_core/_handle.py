@@ -93,6 +93,7 @@ class RunHandle:
         self._stop_reason: str | None = None
         self._wake: anyio.Event | None = None  # a stop waits: no attempt runs any more, or over
         self._over = anyio.Event()
+        self._admitted = anyio.Event()  # `_opened`, or the run is over
         self._scope = anyio.CancelScope()  # the driver's: a stop before the run has its tasks
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -129,6 +130,7 @@ class RunHandle:
                 self._last = snapshot(self._run)
             self._run = None
             self._over.set()
+            self._admitted.set()
             self._signal()
 
     def _attach(self, run: Run) -> None:
@@ -150,6 +152,7 @@ class RunHandle:
             call(run)
         if self._stop_reason is not None:
             run.stop(self._stop_reason)
+        self._admitted.set()
         self._signal()
 
     # -- state -----------------------------------------------------------------------------------
@@ -178,6 +181,14 @@ class RunHandle:
         if self._last is not None:
             return self._last
         return starting(self.run_id, self._concurrency)
+
+    async def admitted(self) -> None:
+        """Wait until the run has admitted its input (for a streamed input, its first part), so
+        that a bad input is known: raises what the run raised (an `InputError` naming the task and
+        the field) when it ended before. A service answers a submission once it returns."""
+        await self._admitted.wait()
+        if self._error is not None:
+            raise self._error
 
     def __await__(self) -> Generator[Any, None, RunResult]:
         return self._wait().__await__()

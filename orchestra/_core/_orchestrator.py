@@ -235,6 +235,13 @@ class Orchestrator:
         return self._capacity.limit
 
     @property
+    def instruments(self) -> tuple[Instrument, ...]:
+        """The instruments it was given (`instruments=`), in order (a service finds its metrics
+        among them)."""
+        found = self._config.instruments
+        return () if found is None else found.instruments  # type: ignore[return-value]
+
+    @property
     def store(self) -> Store:
         """Where its runs keep their tasks (`MemoryStore()` unless given; see `orchestra.stores`).
 

@@ -38,7 +38,7 @@ from ._settle import columns, lock_groups, make_ready, transaction
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ("dead", "events", "made", "retry", "runs", "workers")
+__all__ = ("dead", "events", "made", "retry", "run", "runs", "workers")
 
 # What can no longer succeed: a task waiting for one of these, or for a group with a member in
 # one of these, is skipped.
@@ -94,6 +94,29 @@ async def runs(conn: asyncpg.Connection) -> list[dict[str, Any]]:
         counts[run_id][state] = n
     for run in found:
         run["counts"] = counts.get(run["id"], {})
+    return found
+
+
+_RUN = f"""
+SELECT id, {_epoch("created")}, {_epoch("updated")}, state, opened, owner, token,
+    {_epoch("expires")}, input_closed, (owner IS NOT NULL AND expires > now()) AS held
+FROM orchestra.runs WHERE id = $1
+"""
+
+
+async def run(conn: asyncpg.Connection, run_id: str) -> dict[str, Any] | None:
+    """One run as `runs` gives it, or None: what a reader that follows one run asks often (a
+    service's event stream) without counting every run's tasks."""
+    row = await conn.fetchrow(_RUN, run_id)
+    if row is None:
+        return None
+    found = dict(row)
+    counted = await conn.fetch(
+        "SELECT state, count(*) FROM orchestra.tasks WHERE run_id = $1 GROUP BY state "
+        "ORDER BY state",
+        run_id,
+    )
+    found["counts"] = {row[0]: row[1] for row in counted}
     return found
 
 
@@ -190,16 +213,18 @@ SELECT seq, run_id, task_id, {_epoch("at")}, event, agent, attempt, detail FROM 
     WHERE t.finished IS NOT NULL AND NOT EXISTS (
         SELECT FROM e WHERE e.task_id = t.id AND e.event = t.state AND e.attempt = t.attempts)
 ) AS journal
+WHERE $3::float8 IS NULL OR journal.at >= to_timestamp($3::float8)
 ORDER BY at, rank, seq NULLS FIRST, task_id
 """
 
 
 async def events(
-    conn: asyncpg.Connection, run_id: str, task_id: str | None
+    conn: asyncpg.Connection, run_id: str, task_id: str | None, since: float | None = None
 ) -> list[dict[str, Any]]:
-    """The journal of `run_id` (of one task, with `task_id`), in order (`_JOURNAL`)."""
+    """The journal of `run_id` (of one task, with `task_id`; from the wall time `since` on), in
+    order (`_JOURNAL`)."""
     await _known(conn, run_id, task_id)
-    return _dicts(await conn.fetch(_JOURNAL, run_id, task_id))
+    return _dicts(await conn.fetch(_JOURNAL, run_id, task_id, since))
 
 
 _DEAD = f"""

@@ -284,7 +284,21 @@ _V3 = (
     "ALTER TABLE orchestra.groups ADD COLUMN n bigint GENERATED ALWAYS AS IDENTITY",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+_V4 = (
+    # The service's bearer tokens (``orchestra tokens``), shared by every replica on the database:
+    # a token is kept as the SHA-256 of its text (`hash`), never as the text; `role` what it may
+    # do; `revoked` once revoked.
+    """CREATE TABLE orchestra.tokens (
+        id text PRIMARY KEY,
+        name text,
+        role text NOT NULL,
+        hash text NOT NULL UNIQUE,
+        created timestamptz NOT NULL DEFAULT now(),
+        revoked timestamptz
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

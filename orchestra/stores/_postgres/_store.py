@@ -154,17 +154,27 @@ class PostgresStore:
         `held` while it runs, on the database's clock) and `input_closed`."""
         return self.database.call(admin.runs)  # type: ignore[no-any-return]
 
-    def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
+    def run_info(self, run_id: str) -> dict[str, Any] | None:
+        """One run of the database as `runs` gives it (its task counts by state, `held`), or
+        None when it has no such run: for a reader that follows one run (the service's event
+        stream)."""
+        return self.database.call(admin.run, run_id)  # type: ignore[no-any-return]
+
+    def events(
+        self, run_id: str, task_id: str | None = None, *, since: float | None = None
+    ) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
         an event read from a task's row or its failed attempts), `run_id`, `task_id`, `at` (wall
         time), `event` (``admitted``, ``started``, ``attempt_failed``, ``lease_expired``,
         ``refused``, ``retried``, ``coordinator``, or the end: ``succeeded``, ``failed``,
-        ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`.
+        ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`. With `since` (wall
+        time), the events from then on only (a reader that follows the journal asks for what is
+        new).
 
         Raises:
             InputError: the database has no such run, or the run no such task.
         """
-        return self.database.call(admin.events, run_id, task_id)  # type: ignore[no-any-return]
+        return self.database.call(admin.events, run_id, task_id, since)  # type: ignore[no-any-return]
 
     def workers(self) -> list[dict[str, Any]]:
         """The processes that ran tasks of the database (``orchestra worker``, coordinators with

@@ -14,7 +14,7 @@ from ._schema import rollback
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("dead", "events", "retry", "runs", "workers")
+__all__ = ("dead", "events", "retry", "run", "runs", "workers")
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
@@ -31,6 +31,20 @@ def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             ).fetchall()
         )
     return runs
+
+
+def run(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
+    """One run as `runs` gives it, or None."""
+    found = _rows(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)))
+    if not found:
+        return None
+    (one,) = found
+    one["counts"] = dict(
+        conn.execute(
+            "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (run_id,)
+        ).fetchall()
+    )
+    return one
 
 
 def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str, Any]]:
@@ -73,7 +87,7 @@ _JOURNAL = """
             AND finished IS NOT NULL AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = t.state AND e.attempt = t.attempts)
-    ) ORDER BY at, rank, seq
+    ) WHERE :since IS NULL OR at >= :since ORDER BY at, rank, seq
 """
 
 
@@ -95,9 +109,11 @@ def _known(conn: sqlite3.Connection, run_id: str, task_id: str | None = None) ->
         raise InputError(f"run {run_id!r} has no task {task_id!r}", task_id=task_id)
 
 
-def events(conn: sqlite3.Connection, run_id: str, task_id: str | None) -> list[dict[str, Any]]:
+def events(
+    conn: sqlite3.Connection, run_id: str, task_id: str | None, since: float | None = None
+) -> list[dict[str, Any]]:
     _known(conn, run_id, task_id)
-    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id}))
+    return _rows(conn.execute(_JOURNAL, {"run": run_id, "task": task_id, "since": since}))
 
 
 # What `retry` writes into the journal before it reopens a task: the events its row said (its last

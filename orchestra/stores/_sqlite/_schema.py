@@ -194,7 +194,20 @@ _V4 = (
     "ALTER TABLE tasks ADD COLUMN took_key INTEGER NOT NULL DEFAULT 0",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+_V5 = (
+    # The service's bearer tokens (``orchestra tokens``): a token is kept as the SHA-256 of its
+    # text (`hash`), never as the text; `role` what it may do; `revoked` (wall time) once revoked.
+    """CREATE TABLE tokens (
+        id TEXT PRIMARY KEY,
+        name TEXT,
+        role TEXT NOT NULL,
+        hash TEXT NOT NULL UNIQUE,
+        created REAL NOT NULL,
+        revoked REAL
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

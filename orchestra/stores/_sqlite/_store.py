@@ -143,16 +143,25 @@ class SQLiteStore:
         """Every run in the file, oldest first, with its task counts by state."""
         return self.call(admin.runs)  # type: ignore[no-any-return]
 
-    def events(self, run_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
+    def run_info(self, run_id: str) -> dict[str, Any] | None:
+        """One run of the file as `runs` gives it (its task counts by state), or None when the
+        file has no such run: for a reader that follows one run (the service's event stream)."""
+        return self.call(admin.run, run_id)  # type: ignore[no-any-return]
+
+    def events(
+        self, run_id: str, task_id: str | None = None, *, since: float | None = None
+    ) -> list[dict[str, Any]]:
         """The journal of a run (of one task, with `task_id`), in order: dicts with `seq` (None for
         an event read from the task's row), `run_id`, `task_id`, `at` (wall time), `event`
         (``admitted``, ``ready``, ``started``, ``attempt_failed``, ``retried``, or the end:
-        ``succeeded``, ``failed``, ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`.
+        ``succeeded``, ``failed``, ``skipped``, ``cancelled``), `agent`, `attempt`, `detail`. With `since` (wall
+        time), the events from then on only (a reader that follows the journal asks for what is
+        new).
 
         Raises:
             InputError: the file has no such run, or the run no such task.
         """
-        return self.call(admin.events, run_id, task_id)  # type: ignore[no-any-return]
+        return self.call(admin.events, run_id, task_id, since)  # type: ignore[no-any-return]
 
     def workers(self) -> list[dict[str, Any]]:
         """The worker processes of the file (`Orchestrator.work`, ``orchestra worker``), oldest

@@ -1,0 +1,195 @@
+"""A run's live events as Server-Sent Events that tail the store's journal
+(``GET /api/runs/{run_id}/events``), so that a client of any process serving the store sees every
+event, whoever wrote it.
+
+**The cursor.** Neither store numbers every event: the journal is partly rows of its ``events``
+table (with a ``seq``) and partly read from the rows of tasks and attempts (a task's admission, a
+first start, its end: `SQLiteStore.events`, `PostgresStore.events`). So the stream orders events
+by their place in the journal, the key (time, rank, seq, attempt, event, task), and its cursor is
+the key of the last event delivered, sent as each event's SSE ``id``; ``Last-Event-ID`` resumes
+after it.
+
+A key is not a commit order: SQLite writes a run's changes once a window (an event is stamped
+when it happened and written up to a window later), and PostgreSQL stamps a row with its
+transaction's start (`now()`), so a transaction that commits later may carry an earlier time.
+Hence the *settle* window: the stream delivers only events older than `settle` seconds (1 s by
+default, far longer than a window or a short transaction), in key order, so that the keys it sends
+only grow and a resumed stream misses nothing that committed in time. An event that still arrives
+behind the cursor (a PostgreSQL task whose start is told only by its row once it ended; a
+transaction held longer than `settle`) is delivered all the same, once (the identities delivered
+over the last `late` seconds are kept to tell), with the cursor unchanged as its id. Once the run
+is over (closed, and no process runs it) everything left is delivered and the stream ends with an
+``end`` event.
+
+Each poll reads the journal from `late` seconds behind the cursor on (`store.events(...,
+since=...)`): what a poll hands over and sorts is the recent window, though the database still
+reads the run's rows to build its journal (most of the journal is read from the rows of tasks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Annotated, Any, Final
+
+import anyio
+from fastapi import APIRouter, Depends, Header
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from ._auth import require
+from ._errors import Refused, responses
+from ._runs import KnownRun, RunPath, ServiceDep
+from ._state import holder
+
+__all__ = ("Cursor", "key_of", "router")
+
+SETTLE: Final = 1.0
+"""Seconds an event's time must lie behind now before it is delivered (see the module)."""
+LATE: Final = 60.0
+"""Seconds behind the cursor over which a late event is still told apart from one delivered."""
+POLL: Final = 0.25
+"""Seconds between two reads of the journal."""
+
+Key = tuple[float, int, int, int, str, str]
+
+_RANKS: Final = {"admitted": 0, "ready": 1, "started": 2}
+_ENDS: Final = frozenset({"succeeded", "failed", "skipped", "cancelled"})
+
+
+def key_of(event: dict[str, Any]) -> Key:
+    """An event's place in the journal: its time, then admitted / ready / started / the rest /
+    the end, then its row's number, attempt, name and task (as the stores' readers order them)."""
+    name = event["event"]
+    rank = _RANKS.get(name, 4 if name in _ENDS else 3)
+    return (
+        float(event["at"]),
+        rank,
+        -1 if event["seq"] is None else int(event["seq"]),
+        -1 if event["attempt"] is None else int(event["attempt"]),
+        name,
+        event["task_id"] or "",
+    )
+
+
+def encode(key: Key) -> str:
+    # JSON keeps the float exact (repr) and escapes any line break a task id may hold.
+    return json.dumps(list(key), separators=(",", ":"))
+
+
+def decode(text: str) -> Key:
+    """A `Last-Event-ID` back to its key; `ValueError` when it is not one this service sent."""
+    try:
+        at, rank, seq, attempt, name, task = json.loads(text)
+        key = (float(at), int(rank), int(seq), int(attempt), str(name), str(task))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not an event id of this service: {text[:80]!r}") from exc
+    return key
+
+
+class Cursor:
+    """Where a stream stands in a run's journal, and what it delivered lately."""
+
+    def __init__(self, after: Key | None, *, settle: float = SETTLE, late: float = LATE) -> None:
+        self.position = after
+        self.settle = settle
+        self.late = late
+        self.seen: set[Key] = set()
+        self._resumed = after is not None
+
+    def take(
+        self, journal: list[dict[str, Any]], now: float, *, final: bool
+    ) -> list[tuple[dict[str, Any], str]]:
+        """The events of `journal` (the run's whole journal, now) to deliver next, each with its
+        SSE id: those past the cursor and older than `now - settle` (all of them when `final`),
+        and late ones not delivered before."""
+        horizon = float("inf") if final else now - self.settle
+        keyed = sorted((key_of(e), e) for e in journal)  # (a stable order, whatever the store's)
+        if self._resumed:
+            # What the client saw before it reconnected: every event up to its cursor.
+            self._resumed = False
+            assert self.position is not None
+            self.seen.update(k for k, _ in keyed if k <= self.position)
+        out: list[tuple[dict[str, Any], str]] = []
+        for key, event in keyed:
+            if key[0] > horizon:
+                break
+            if key in self.seen:
+                continue
+            if self.position is not None and key <= self.position:
+                if key[0] < self.position[0] - self.late:
+                    continue  # too old to tell from one delivered: a gap, not a repeat
+            else:
+                self.position = key
+            self.seen.add(key)
+            assert self.position is not None
+            out.append((event, encode(self.position)))
+        if self.position is not None:
+            oldest = self.position[0] - self.late
+            self.seen = {k for k in self.seen if k[0] >= oldest}
+        return out
+
+    def since(self) -> float | None:
+        """The wall time the next read of the journal may start at: older events are either
+        delivered or too late to be told apart (None: from the start)."""
+        return None if self.position is None else self.position[0] - self.late
+
+
+async def resume_after(
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            max_length=1000,
+            description="Resume after this event (the `id` of the last event received).",
+        ),
+    ] = None,
+) -> Key | None:
+    """The cursor a reconnecting client sends; 400 when it is not one this service sent (checked
+    before the stream begins: once it has, a refusal can no longer be answered)."""
+    if last_event_id is None:
+        return None
+    try:
+        return decode(last_event_id)
+    except ValueError as exc:
+        raise Refused(400, "invalid", str(exc), field="Last-Event-ID") from None
+
+
+router = APIRouter(prefix="/api/runs", tags=["events"])
+
+
+@router.get(
+    "/{run_id}/events",
+    response_class=EventSourceResponse,
+    dependencies=[Depends(require("read"))],
+    responses=responses(400, 401, 403, 404),
+)
+async def events(
+    run_id: RunPath,
+    run: KnownRun,
+    service: ServiceDep,
+    after: Annotated[Key | None, Depends(resume_after)],
+) -> AsyncIterator[ServerSentEvent]:
+    """The run's journal as Server-Sent Events, live: each event's `data` is a journal event
+    (`JournalEvent`), its `id` the stream's cursor (send it back as `Last-Event-ID` to resume).
+    The stream ends with an `end` event once the run is over."""
+    cursor = Cursor(after)
+    while True:
+        final = await _over(service, run_id)
+        journal = await service.read(partial(service.store.events, since=cursor.since()), run_id)
+        for event, event_id in cursor.take(journal, time.time(), final=final):
+            yield ServerSentEvent(data=event, id=event_id)
+        if final:
+            yield ServerSentEvent(event="end", data={"run_id": run_id})
+            return
+        await anyio.sleep(POLL)
+
+
+async def _over(service: Any, run_id: str) -> bool:
+    """Whether the run is over: nobody runs it (here or elsewhere) and its store says closed."""
+    handle = service.handle(run_id)
+    if handle is not None and not handle.done:
+        return False
+    run = await service.run_record(run_id)
+    return bool(run.get("state") == "closed" and holder(run) is None)

@@ -1,0 +1,239 @@
+"""What the app holds while it serves: the orchestrator its runs execute on (entered for the
+app's lifespan), the store they are kept in, its tokens, and the runs this service started.
+
+A run this service started is *live* here while it goes on: its `RunHandle` answers control
+(pause, resume, cancel, stop, reprioritize) and status. Everything else about a run (the list,
+its journal, its dead letters, a task) is read from the store, so it answers as well for runs
+that ended before this process started or that another process runs. Control of a run another
+process holds is refused (409) naming that process: several replicas serving one database take
+over each other's runs in a later step, and nothing here assumes this process is the only one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+import uuid
+from collections import OrderedDict
+from functools import partial
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.to_thread
+
+from .._exceptions import ConfigError
+from ..stores import SQLiteStore
+from ..stores._sqlite import _leases as leases
+from ._errors import Refused
+from ._tokens import Tokens
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .._core._handle import RunHandle
+    from .._core._orchestrator import Orchestrator
+    from .._spec import TaskSpec
+
+__all__ = ("Service",)
+
+# Ended runs whose `RunResult` this process keeps for `/result` (the store keeps every task's
+# end, not the aggregate): the most recent ones, so that memory stays bounded.
+_KEPT_RESULTS: Final = 1000
+
+
+class Service:
+    """The orchestrator, its durable store, the tokens and the runs started here.
+
+    Args:
+        orchestrator: runs the submitted runs; its store must be durable (`SQLiteStore`,
+            `PostgresStore`), so that runs are listed, read and resumed across processes.
+        grace: on shutdown, seconds the running attempts of live runs may take to finish.
+        metrics: what `/metrics` serves (an object with ``exposition() -> bytes``, as
+            `orchestra.metrics.PrometheusMetrics`), or None.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, *, grace: float, metrics: Any) -> None:
+        store = orchestrator.store
+        if not isinstance(store, SQLiteStore) and not hasattr(store, "database"):
+            raise ConfigError(
+                f"the service keeps its runs in a durable store, and this orchestrator's is a "
+                f"{type(store).__name__}: give it store=SQLiteStore(path) or "
+                "store=PostgresStore(dsn) (`orchestra serve --db FILE` or `--dsn URL`)"
+            )
+        self.orchestrator = orchestrator
+        self.store: Any = store
+        self.tokens = Tokens(store)
+        self.grace = grace
+        self.metrics = metrics
+        self.live: dict[str, RunHandle] = {}
+        self.ended: OrderedDict[str, RunHandle] = OrderedDict()
+        self.keys: dict[str, str] = {}  # idempotency key -> the run id it started, this process
+        # One submission of a run id at a time in this process: a second request with the same
+        # id or key waits for the first's admission and finds its run, instead of opening the
+        # run a second time.
+        self._starting: dict[str, anyio.Lock] = {}
+
+    # -- runs started here -----------------------------------------------------------------------
+
+    def handle(self, run_id: str) -> RunHandle | None:
+        """The handle of a run started here (live, or ended and kept), else None."""
+        handle = self.live.get(run_id)
+        if handle is not None and handle.done:
+            self._ended(handle)
+        return handle or self.ended.get(run_id)
+
+    def _ended(self, handle: RunHandle) -> None:
+        self.live.pop(handle.run_id, None)
+        self.ended[handle.run_id] = handle
+        while len(self.ended) > _KEPT_RESULTS:
+            self.ended.popitem(last=False)
+
+    async def submit(
+        self,
+        *,
+        tasks: list[TaskSpec] | None,
+        input: Any,
+        run_id: str | None,
+        key: str | None,
+    ) -> tuple[str, bool]:
+        """Start a run (or find the one the same request started, or resume it); its id, and
+        whether it is new. With an idempotency `key`, the run's id is the key's own
+        (`key_run_id`) unless `run_id` names it: every replica on the store maps one key to one
+        run."""
+        if key is not None:
+            run_id = self.keys.get(key) or run_id or key_run_id(key)
+        self.prune()
+        if run_id is None:
+            return await self._start(tasks, input, None, None), True
+        lock = self._starting.setdefault(run_id, anyio.Lock())
+        try:
+            async with lock:
+                if self.handle(run_id) is not None:
+                    return run_id, False
+                stored = await self.read(self.store.run_info, run_id)
+                if stored is not None and (
+                    stored.get("state") != "open" or holder(stored) is not None
+                ):
+                    # A run the store holds: the same run, never a second one. One left open that
+                    # no process runs (its process died, or a retry reopened tasks) is resumed
+                    # below with this input: what succeeded is not run again.
+                    return run_id, False
+                await self._start(tasks, input, run_id, key)
+                return run_id, stored is None
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._starting.pop(run_id, None)
+
+    async def _start(
+        self, tasks: list[TaskSpec] | None, input: Any, run_id: str | None, key: str | None
+    ) -> str:
+        """Start the run and wait for its input's admission; its id."""
+        orch = self.orchestrator
+        if tasks is not None:
+            handle = orch.start(tasks=[spec.task() for spec in tasks], run_id=run_id)
+        else:
+            if orch.decomposer is None:
+                raise Refused(
+                    400,
+                    "invalid",
+                    "this service's orchestrator has no decomposer: give the run's tasks "
+                    '({"tasks": [{"kind": ..., "payload": ...}]}), not an input',
+                    field="input",
+                )
+            handle = orch.start(input, run_id=run_id)
+        self.live[handle.run_id] = handle
+        if key is not None:
+            self.keys[key] = handle.run_id
+        try:
+            await handle.admitted()  # a bad input is a 400 now, not a failed run later
+        except BaseException:
+            self.live.pop(handle.run_id, None)
+            if key is not None:
+                self.keys.pop(key, None)
+            raise
+        return handle.run_id
+
+    def prune(self) -> None:
+        """Move the runs that ended from `live` to `ended` (bounded)."""
+        for handle in [h for h in self.live.values() if h.done]:
+            self._ended(handle)
+
+    async def shutdown(self) -> None:
+        """Stop the live runs, each with `grace` for its running attempts."""
+        async with anyio.create_task_group() as tg:
+            for handle in list(self.live.values()):
+                if not handle.done:
+                    tg.start_soon(partial(_stop, handle, self.grace))
+
+    # -- the store -------------------------------------------------------------------------------
+
+    async def read(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` (a store's blocking read) in a worker thread: the event loop goes on
+        serving while the store's own thread does the reading."""
+        return await anyio.to_thread.run_sync(partial(call, *args))
+
+    async def ping(self) -> None:
+        """Ask the store's database the cheapest question (a `StoreError` when it cannot)."""
+        await self.read(self.store.run_info, "")
+
+    async def run_record(self, run_id: str) -> dict[str, Any]:
+        """The store's record of `run_id` (as `store.runs()` gives it); 404 when it has none."""
+        run = await self.read(self.store.run_info, run_id)
+        if run is not None:
+            return run  # type: ignore[no-any-return]
+        if self.handle(run_id) is not None:  # started here, its first rows not written yet
+            return {"id": run_id, "state": "open", "counts": {}}
+        raise Refused(
+            404, "not_found", f"no run {run_id!r} in this service's store", field="run_id"
+        )
+
+    async def live_handle(self, run_id: str) -> RunHandle:
+        """The handle of `run_id` to control it: 404 when the store has no such run, 409 when
+        it is over or another process runs it."""
+        handle = self.handle(run_id)
+        if handle is not None and not handle.done:
+            return handle
+        run = await self.run_record(run_id)
+        held = holder(run)
+        if held is not None and handle is None:
+            raise Refused(
+                409,
+                "held_elsewhere",
+                f"run {run_id!r} is run by another process ({held}): control it there",
+                field="run_id",
+            )
+        raise Refused(
+            409,
+            "not_running",
+            f"run {run_id!r} is not running here (state {run.get('state')!r}): it can be read, "
+            "not controlled",
+            field="run_id",
+        )
+
+
+def key_run_id(key: str) -> str:
+    """The id of the run an idempotency key starts: the same on every replica, and no key can
+    choose another run's id (it is a hash, prefixed)."""
+    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def holder(run: dict[str, Any]) -> str | None:
+    """The process that runs `run` now (a store's `runs()` record), or None."""
+    if "held" in run:  # PostgreSQL: its coordinator's lease, on the database's clock
+        return str(run["owner"]) if run["held"] and run.get("owner") else None
+    owner, seen, lease = run.get("owner"), run.get("heartbeat"), run.get("lease") or 30.0
+    if owner is None or seen is None or time.time() - seen >= lease:
+        return None
+    if not leases.is_alive(owner):  # on this host, and its process is gone
+        return None
+    return str(owner)
+
+
+async def _stop(handle: RunHandle, grace: float) -> None:
+    with contextlib.suppress(Exception):  # a run that raised has nothing left to stop
+        await handle.stop(grace, reason="the service is shutting down")

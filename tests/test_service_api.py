@@ -1,0 +1,607 @@
+"""The service's REST API through httpx against the real app on a real SQLite file: submitting
+runs (idempotently), reading them from the store, controlling the live ones, single tasks, the
+tokens and roles of every route, and bad input answered with a 4xx JSON body, never a 500."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from orchestra import InputError
+from orchestra.stores import SQLiteStore
+from tests.service_kit import Api, serving
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    store = SQLiteStore(tmp_path / "service.db")
+    try:
+        async with serving(store, concurrency=1) as api:
+            yield api
+    finally:
+        store.close()
+
+
+def _tasks(*specs: tuple[str, str], **extra: Any) -> dict[str, Any]:
+    return {"tasks": [{"kind": kind, "id": task_id, "payload": task_id} for kind, task_id in specs],
+            **extra}  # fmt: skip
+
+
+async def _until(check: Any, within: float = 10.0) -> None:
+    with anyio.fail_after(within):
+        while not check():
+            await anyio.sleep(0.01)
+
+
+class TestSubmittingARun:
+    async def test_answers_202_with_the_run_id_and_the_run_ends_with_every_result(
+        self, api: Api
+    ) -> None:
+        answer = await api.client.post(
+            "/api/runs",
+            json=_tasks(("echo", "a"), ("echo", "b"), run_id="r1"),
+            headers=api.auth("submit"),
+        )
+        assert answer.status_code == 202
+        assert answer.json() == {"run_id": "r1", "created": True}
+        await api.handle("r1")
+        result = await api.client.get("/api/runs/r1/result", headers=api.auth("read"))
+        assert result.status_code == 200
+        assert result.json()["status"] == "success"
+        assert result.json()["data"] == {"a": "a", "b": "b"}
+
+    async def test_the_same_idempotency_key_twice_is_one_run(self, api: Api) -> None:
+        body = _tasks(("echo", "a"), ("echo", "b"))
+        first = await api.client.post(
+            "/api/runs", json=body, headers={**api.auth("submit"), "Idempotency-Key": "k-1"}
+        )
+        second = await api.client.post(
+            "/api/runs", json=body, headers={**api.auth("submit"), "Idempotency-Key": "k-1"}
+        )
+        assert first.status_code == 202
+        assert second.status_code == 200
+        assert second.json() == {"run_id": first.json()["run_id"], "created": False}
+        await api.handle(first.json()["run_id"])
+        third = await api.client.post(
+            "/api/runs", json=body, headers={**api.auth("submit"), "Idempotency-Key": "k-1"}
+        )
+        assert third.json() == {"run_id": first.json()["run_id"], "created": False}
+        assert sorted(api.calls) == ["a", "b"]  # each task ran once: one run
+        runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
+        assert [r["id"] for r in runs] == [first.json()["run_id"]]
+
+    async def test_the_same_key_sent_twice_at_once_is_one_run(self, api: Api) -> None:
+        body = _tasks(("echo", "a"))
+        headers = {**api.auth("submit"), "Idempotency-Key": "together"}
+        answers: list[Any] = []
+
+        async def send() -> None:
+            answers.append(await api.client.post("/api/runs", json=body, headers=headers))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(send)
+        assert sorted(a.status_code for a in answers) == [200, 202]
+        assert len({a.json()["run_id"] for a in answers}) == 1
+        await api.handle(answers[0].json()["run_id"])
+        assert api.calls == ["a"]
+
+    async def test_another_idempotency_key_is_another_run(self, api: Api) -> None:
+        one = await api.submit(_tasks(("echo", "a")), **{"Idempotency-Key": "k-1"})
+        two = await api.submit(_tasks(("echo", "a")), **{"Idempotency-Key": "k-2"})
+        assert one != two
+
+    async def test_an_input_goes_to_the_decomposer(self, tmp_path: Path) -> None:
+        store = SQLiteStore(tmp_path / "d.db")
+
+        def split(text: str) -> list[Any]:
+            from orchestra import Task
+
+            return [Task("echo", word, id=word) for word in text.split()]
+
+        try:
+            async with serving(store, decomposer=split) as api:
+                run_id = await api.submit({"input": "x y"})
+                result = await api.handle(run_id)
+                assert result.data == {"x": "x", "y": "y"}
+        finally:
+            store.close()
+
+    async def test_a_task_of_a_kind_no_agent_serves_is_a_400_naming_it(self, api: Api) -> None:
+        answer = await api.client.post(
+            "/api/runs", json=_tasks(("nobody", "t9")), headers=api.auth("submit")
+        )
+        assert answer.status_code == 400
+        assert "t9" in answer.json()["message"]
+        assert "nobody" in answer.json()["message"]
+
+    async def test_an_input_without_a_decomposer_is_a_400(self, api: Api) -> None:
+        answer = await api.client.post("/api/runs", json={"input": 1}, headers=api.auth("submit"))
+        assert answer.status_code == 400
+        assert answer.json()["field"] == "input"
+
+
+class TestReadingRuns:
+    async def test_lists_runs_of_the_store_with_their_counts(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("echo", "a"), ("fail", "b")))
+        await api.handle(run_id)
+        runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
+        (run,) = runs
+        assert run["id"] == run_id
+        assert run["counts"] == {"succeeded": 1, "failed": 1}
+        assert run["live"] is False
+        one = await api.client.get(f"/api/runs/{run_id}", headers=api.auth("read"))
+        assert one.json() == run
+
+    async def test_lists_a_run_another_process_wrote_to_the_file(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        from orchestra import Orchestrator, Task, agent
+
+        @agent(kinds=["echo"])
+        async def echo(task: Task, ctx: object) -> Any:
+            return task.payload
+
+        other = SQLiteStore(tmp_path / "service.db")  # another store object: as another process
+        try:
+            await Orchestrator(agents=[echo], store=other).run(
+                tasks=[Task("echo", 1, id="x")], run_id="elsewhere"
+            )
+        finally:
+            other.close()
+        runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
+        assert [r["id"] for r in runs] == ["elsewhere"]
+        answer = await api.client.get("/api/runs/elsewhere/result", headers=api.auth("read"))
+        assert answer.status_code == 409  # the aggregate is kept only where the run ran
+        task = await api.client.get("/api/runs/elsewhere/tasks/x", headers=api.auth("read"))
+        assert task.json()["state"] == "succeeded"
+
+    async def test_an_unknown_run_is_a_404_on_every_read(self, api: Api) -> None:
+        for path in ("", "/result", "/status", "/tasks/t1", "/dead-letters", "/journal"):
+            answer = await api.client.get(f"/api/runs/nope{path}", headers=api.auth("read"))
+            assert answer.status_code == 404, path
+            assert answer.json()["error"] == "not_found"
+
+    async def test_the_result_is_a_409_while_the_run_goes_on(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("wait", "a")))
+        answer = await api.client.get(f"/api/runs/{run_id}/result", headers=api.auth("read"))
+        assert answer.status_code == 409
+        assert answer.json()["error"] == "running"
+        api.gate.set()
+        await api.handle(run_id)
+
+    async def test_the_status_is_the_handles(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("wait", "a"), ("echo", "b")))
+        await _until(lambda: "a" in api.calls)
+        status = (await api.client.get(f"/api/runs/{run_id}/status", headers=api.auth())).json()
+        assert status["run_id"] == run_id
+        assert status["total"] == 2
+        assert status["active"] == 1
+        api.gate.set()
+        await api.handle(run_id)
+        status = (await api.client.get(f"/api/runs/{run_id}/status", headers=api.auth())).json()
+        assert status["completed"] == 2
+        assert status == json.loads(json.dumps(api.handle(run_id).status().to_dict()))
+
+    async def test_a_task_comes_with_its_attempts_from_the_journal(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("fail", "b")))
+        await api.handle(run_id)
+        task = (await api.client.get(f"/api/runs/{run_id}/tasks/b", headers=api.auth())).json()
+        assert task["state"] == "failed"
+        assert task["attempts"] == 1
+        assert next(e["event"] for e in task["events"]) == "admitted"
+        assert task["events"][-1]["event"] == "failed"
+        missing = await api.client.get(f"/api/runs/{run_id}/tasks/zz", headers=api.auth())
+        assert missing.status_code == 404
+        assert missing.json()["field"] == "task_id"
+
+    async def test_the_journal_is_json_lines_in_order(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("echo", "a"), ("echo", "b")))
+        await api.handle(run_id)
+        answer = await api.client.get(f"/api/runs/{run_id}/journal", headers=api.auth("read"))
+        assert answer.headers["content-type"].startswith("application/jsonl")
+        lines = [json.loads(line) for line in answer.text.splitlines()]
+        ats = [line["at"] for line in lines]
+        assert ats == sorted(ats)
+        assert {(line["task_id"], line["event"]) for line in lines} >= {
+            ("a", "admitted"), ("a", "succeeded"), ("b", "admitted"), ("b", "succeeded")
+        }  # fmt: skip
+
+
+class TestDeadLetters:
+    async def test_lists_the_failed_tasks_and_retry_runs_them_when_submitted_again(
+        self, api: Api
+    ) -> None:
+        body = _tasks(("echo", "a"), ("fail", "b"), run_id="dl")
+        await api.submit(body)
+        await api.handle("dl")
+        letters = (await api.client.get("/api/runs/dl/dead-letters", headers=api.auth())).json()
+        assert [(d["task_id"], d["error_type"]) for d in letters] == [("b", "PermanentError")]
+        assert letters[0]["attempts_list"][0]["agent"] == "fail"
+        assert letters[0]["payload"] == "b"  # the task's payload, as JSON
+        retried = await api.client.post(
+            "/api/runs/dl/dead-letters/retry", json={"task_ids": ["b"]}, headers=api.auth("control")
+        )
+        assert retried.json() == {"reopened": ["b"]}
+        api.service.ended.clear()  # (as a new process would: the run only in the file)
+        again = await api.client.post("/api/runs", json=body, headers=api.auth("submit"))
+        assert again.json() == {"run_id": "dl", "created": False}
+        await api.handle("dl")
+        assert api.calls == ["a", "b", "b"]  # a is not run again, b is
+
+    async def test_retrying_a_task_that_did_not_fail_is_a_400_naming_it(self, api: Api) -> None:
+        await api.submit(_tasks(("echo", "a"), run_id="ok"))
+        await api.handle("ok")
+        answer = await api.client.post(
+            "/api/runs/ok/dead-letters/retry", json={"task_ids": ["a"]}, headers=api.auth()
+        )
+        assert answer.status_code == 400
+        assert "'a'" in answer.json()["message"]
+
+
+class TestControl:
+    async def test_pause_holds_new_attempts_and_resume_lets_them_go(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("wait", "a"), ("echo", "b"), ("echo", "c")))
+        await _until(lambda: "a" in api.calls)
+        paused = await api.client.post(f"/api/runs/{run_id}/pause", headers=api.auth("control"))
+        assert paused.json() == {"run_id": run_id, "paused": True}
+        api.gate.set()  # a ends; b and c would start now if the run were not paused
+        await _until(lambda: api.handle(run_id).status().completed == 1)
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        assert api.calls == ["a"]
+        summary = (await api.client.get(f"/api/runs/{run_id}", headers=api.auth())).json()
+        assert summary["live"] is True
+        assert summary["paused"] is True
+        resumed = await api.client.post(f"/api/runs/{run_id}/resume", headers=api.auth("control"))
+        assert resumed.json() == {"run_id": run_id, "paused": False}
+        result = await api.handle(run_id)
+        assert result.status == "success"
+        assert api.calls == ["a", "b", "c"]
+
+    async def test_cancel_ends_the_matching_tasks_and_skips_their_dependents(
+        self, api: Api
+    ) -> None:
+        body = {
+            "tasks": [
+                {"kind": "wait", "id": "a"},
+                {"kind": "echo", "id": "b", "depends_on": ["a"]},
+                {"kind": "echo", "id": "c"},
+            ]
+        }
+        run_id = await api.submit(body)
+        await _until(lambda: "a" in api.calls)
+        answer = await api.client.post(
+            f"/api/runs/{run_id}/cancel", json={"task_id": "a"}, headers=api.auth("control")
+        )
+        assert answer.status_code == 200
+        assert answer.json()["cancelled"] == ["a"]
+        assert answer.json()["skipped"] == ["b"]
+        result = await api.handle(run_id)
+        assert {e.task_id: e.status for e in result.errors} == {"a": "cancelled", "b": "skipped"}
+        assert "b" not in api.calls
+
+    async def test_stop_ends_the_run_and_answers_its_result(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("wait", "a"), ("echo", "b")))
+        await _until(lambda: "a" in api.calls)
+        answer = await api.client.post(
+            f"/api/runs/{run_id}/stop", json={"grace": 0}, headers=api.auth("control")
+        )
+        assert answer.status_code == 200
+        assert answer.json()["status"] == "cancelled"
+        assert api.handle(run_id).done
+
+    async def test_reprioritize_moves_a_waiting_task_ahead(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("wait", "a"), ("echo", "b"), ("echo", "c")))
+        await _until(lambda: "a" in api.calls)
+        answer = await api.client.post(
+            f"/api/runs/{run_id}/reprioritize",
+            json={"task_id": "c", "priority": -5},
+            headers=api.auth("control"),
+        )
+        assert answer.json() == {"changed": True}
+        api.gate.set()
+        await api.handle(run_id)
+        assert api.calls == ["a", "c", "b"]
+
+    async def test_control_of_a_run_another_process_runs_is_a_409_naming_it(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        run_id = await api.submit(_tasks(("wait", "a")))
+        other = SQLiteStore(tmp_path / "service.db")  # another store object: as another process
+        try:
+            async with serving(other) as second:
+                answer = await second.client.post(
+                    f"/api/runs/{run_id}/cancel", json={"kind": "wait"}, headers=second.auth()
+                )
+                assert answer.status_code == 409
+                assert answer.json()["error"] == "held_elsewhere"
+                assert "another process" in answer.json()["message"]
+        finally:
+            other.close()
+        api.gate.set()
+        await api.handle(run_id)
+
+    async def test_control_of_a_run_that_ended_is_a_409(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("echo", "a")))
+        await api.handle(run_id)
+        answer = await api.client.post(f"/api/runs/{run_id}/pause", headers=api.auth("control"))
+        assert answer.status_code == 409
+        assert answer.json()["error"] == "not_running"
+
+
+class TestSingleTasks:
+    async def test_a_task_submitted_alone_runs_in_a_run_of_its_own(self, api: Api) -> None:
+        answer = await api.client.post(
+            "/tasks", json={"kind": "echo", "payload": {"x": 1}, "id": "solo"},
+            headers=api.auth("submit"),
+        )  # fmt: skip
+        assert answer.status_code == 202
+        assert answer.json() == {"task_id": "solo", "run_id": "task-solo"}
+        await api.handle("task-solo")
+        outcome = (await api.client.get("/tasks/solo", headers=api.auth("read"))).json()
+        assert outcome["status"] == "succeeded"
+        assert outcome["output"] == {"x": 1}
+        again = await api.client.post(
+            "/tasks", json={"kind": "echo", "id": "solo"}, headers=api.auth("submit")
+        )
+        assert again.status_code == 200
+        assert api.calls == ["solo"]
+
+    async def test_a_failed_task_says_why(self, api: Api) -> None:
+        answer = await api.client.post("/tasks", json={"kind": "fail"}, headers=api.auth("submit"))
+        task_id = answer.json()["task_id"]
+        await api.handle(answer.json()["run_id"])
+        outcome = (await api.client.get(f"/tasks/{task_id}", headers=api.auth("read"))).json()
+        assert outcome["status"] == "failed"
+        assert outcome["error_type"] == "PermanentError"
+        assert "fails on purpose" in outcome["error"]
+
+    async def test_an_unknown_task_is_a_404(self, api: Api) -> None:
+        answer = await api.client.get("/tasks/none", headers=api.auth("read"))
+        assert answer.status_code == 404
+
+
+# Every route, the role it needs, and a request that would otherwise be good.
+_ROUTES: list[tuple[str, str, str, Any]] = [
+    ("POST", "/api/runs", "submit", {"tasks": [{"kind": "echo"}]}),
+    ("GET", "/api/runs", "read", None),
+    ("GET", "/api/runs/r", "read", None),
+    ("GET", "/api/runs/r/result", "read", None),
+    ("GET", "/api/runs/r/status", "read", None),
+    ("POST", "/api/runs/r/pause", "control", None),
+    ("POST", "/api/runs/r/resume", "control", None),
+    ("POST", "/api/runs/r/cancel", "control", {"kind": "echo"}),
+    ("POST", "/api/runs/r/stop", "control", {"grace": 0}),
+    ("POST", "/api/runs/r/reprioritize", "control", {"task_id": "t", "priority": 1}),
+    ("GET", "/api/runs/r/tasks/t", "read", None),
+    ("GET", "/api/runs/r/dead-letters", "read", None),
+    ("POST", "/api/runs/r/dead-letters/retry", "control", {}),
+    ("GET", "/api/runs/r/journal", "read", None),
+    ("GET", "/api/runs/r/events", "read", None),
+    ("POST", "/tasks", "submit", {"kind": "echo"}),
+    ("GET", "/tasks/t", "read", None),
+    ("GET", "/metrics", "read", None),
+]
+
+
+class TestAuth:
+    def test_the_matrix_covers_every_route_but_health_readiness_and_the_docs(
+        self, api: Api
+    ) -> None:
+        served = {
+            (method.upper(), path)
+            for path, operations in api.app.openapi()["paths"].items()
+            for method in operations
+        }
+        templated = {
+            (
+                method,
+                re.sub(
+                    r"/tasks/t$",
+                    "/tasks/{task_id}",
+                    re.sub(r"^/api/runs/r(?=/|$)", "/api/runs/{run_id}", path),
+                ),
+            )
+            for method, path, _, _ in _ROUTES
+        }
+        assert served - {("GET", "/health"), ("GET", "/ready")} == templated
+
+    @pytest.mark.parametrize(("method", "path", "role", "body"), _ROUTES)
+    async def test_refuses_a_missing_a_wrong_and_an_under_privileged_token(
+        self, api: Api, method: str, path: str, role: str, body: Any
+    ) -> None:
+        async def ask(headers: dict[str, str]) -> Any:
+            return await api.client.request(method, path, json=body, headers=headers)
+
+        missing = await ask({})
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert "bearer token" in missing.json()["message"]
+        wrong = await ask({"Authorization": "Bearer orch_not-a-token"})
+        assert wrong.status_code == 401
+        for other in ("submit", "read", "control", "worker"):
+            if other != role:
+                under = await ask(api.auth(other))
+                assert under.status_code == 403, other
+                assert role in under.json()["message"]
+        allowed = await ask(api.auth(role))
+        assert allowed.status_code not in (401, 403)
+        admin = await ask(api.auth("admin"))
+        assert admin.status_code not in (401, 403)
+
+    async def test_a_revoked_token_is_refused_at_its_next_request(self, api: Api) -> None:
+        assert (await api.client.get("/api/runs", headers=api.auth("read"))).status_code == 200
+        api.service.tokens.revoke("test-read")
+        answer = await api.client.get("/api/runs", headers=api.auth("read"))
+        assert answer.status_code == 401
+
+    async def test_a_token_given_by_hand_is_kept_once_with_its_role(self, api: Api) -> None:
+        text = "w" * 40
+        headers = {"Authorization": f"Bearer {text}"}
+        assert (await api.client.get("/api/runs", headers=headers)).status_code == 401
+        first = api.service.tokens.ensure(text, "worker", "workers")
+        again = api.service.tokens.ensure(text, "worker", "workers")
+        assert first.id == again.id
+        assert (await api.client.get("/api/runs", headers=headers)).status_code == 403
+        with pytest.raises(InputError, match="32 characters"):
+            api.service.tokens.ensure("short", "worker", "workers")
+
+    async def test_health_and_readiness_need_no_token(self, api: Api) -> None:
+        assert (await api.client.get("/health")).json() == {"status": "ok"}
+        assert (await api.client.get("/ready")).json() == {"status": "ready"}
+
+    async def test_tokens_are_kept_hashed_never_as_text(self, api: Api, tmp_path: Path) -> None:
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "service.db") as conn:
+            rows = conn.execute("SELECT hash FROM tokens").fetchall()
+        conn.close()
+        kept = {row[0] for row in rows}
+        assert len(kept) == len(api.tokens)
+        assert not kept & set(api.tokens.values())
+        assert all(len(h) == 64 for h in kept)
+
+
+# Requests that are wrong, each answered with a 4xx and a JSON body saying what is wrong.
+_BAD: list[tuple[str, str, Any, int, str]] = [
+    ("POST", "/api/runs", b"{not json", 422, ""),
+    ("POST", "/api/runs", {}, 422, "tasks"),
+    ("POST", "/api/runs", {"tasks": []}, 422, "tasks"),
+    ("POST", "/api/runs", {"tasks": [{"payload": 1}]}, 422, "kind"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo", "priority": "high"}]}, 422, "priority"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo", "colour": 1}]}, 422, "colour"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo", "timeout": -1}]}, 422, "timeout"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo"}], "input": 1}, 422, "exactly one"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo"}], "run_id": "a/b"}, 422, "run_id"),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo", "id": "x", "depends_on": ["x"]}]}, 400, "x"),
+    (
+        "POST",
+        "/api/runs",
+        {"tasks": [{"kind": "echo", "id": "x"}, {"kind": "echo", "id": "x"}]},
+        400,
+        "x",
+    ),
+    ("POST", "/api/runs", {"tasks": [{"kind": "echo", "depends_on": ["ghost"]}]}, 400, "ghost"),
+    ("POST", "/api/runs", [1, 2], 422, ""),
+    ("POST", "/api/runs/live/cancel", {}, 422, "at least one"),
+    ("POST", "/api/runs/live/cancel", {"priority": [1]}, 422, "priority"),
+    ("POST", "/api/runs/live/stop", {"grace": -1}, 422, "grace"),
+    ("POST", "/api/runs/live/reprioritize", {"task_id": "a"}, 422, "priority"),
+    ("POST", "/api/runs/live/dead-letters/retry", {"task_ids": "a"}, 422, "task_ids"),
+    ("GET", "/api/runs/bad%20id", None, 422, "run_id"),
+    ("POST", "/tasks", {"kind": "echo", "id": "a b"}, 400, "id"),
+    ("POST", "/tasks", {"kind": 3}, 422, "kind"),
+]
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(("method", "path", "body", "status", "says"), _BAD)
+    async def test_is_a_4xx_with_a_json_body_that_says_what_is_wrong(
+        self, api: Api, method: str, path: str, body: Any, status: int, says: str
+    ) -> None:
+        live = await api.submit(_tasks(("wait", "w"), run_id="live"))
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        answer = await api.client.request(
+            method,
+            path,
+            content=None if body is None else content,
+            headers={**api.auth(), "Content-Type": "application/json"},
+        )
+        assert answer.status_code == status, answer.text
+        assert says in answer.text
+        assert isinstance(answer.json(), dict)
+        api.gate.set()
+        await api.handle(live)
+
+    async def test_a_body_past_the_limit_is_a_413_in_json(self, tmp_path: Path) -> None:
+        store = SQLiteStore(tmp_path / "small.db")
+        try:
+            async with serving(store, app_max_body=1000) as api:
+                tasks = [{"kind": "echo", "payload": "x" * 100} for _ in range(20)]
+                answer = await api.client.post(
+                    "/api/runs", json={"tasks": tasks}, headers=api.auth("submit")
+                )
+                assert answer.status_code == 413
+                assert answer.json()["error"] == "too_large"
+                assert "1000 bytes" in answer.json()["message"]
+                small = await api.client.post(
+                    "/api/runs", json=_tasks(("echo", "a")), headers=api.auth("submit")
+                )
+                assert small.status_code == 202
+                await api.handle(small.json()["run_id"])
+        finally:
+            store.close()
+
+    async def test_a_bad_last_event_id_is_a_400(self, api: Api) -> None:
+        run_id = await api.submit(_tasks(("echo", "a")))
+        await api.handle(run_id)
+        answer = await api.client.get(
+            f"/api/runs/{run_id}/events", headers={**api.auth(), "Last-Event-ID": "42"}
+        )
+        assert answer.status_code == 400
+        assert answer.json()["field"] == "Last-Event-ID"
+
+
+class TestCors:
+    async def test_is_off_by_default(self, api: Api) -> None:
+        answer = await api.client.options(
+            "/api/runs",
+            headers={"Origin": "https://elsewhere.example", "Access-Control-Request-Method": "GET"},
+        )
+        assert "access-control-allow-origin" not in answer.headers
+
+    async def test_allows_the_one_origin_given(self, tmp_path: Path) -> None:
+        store = SQLiteStore(tmp_path / "cors.db")
+        try:
+            async with serving(store, app_cors_origin="https://ui.example") as api:
+                answer = await api.client.options(
+                    "/api/runs",
+                    headers={
+                        "Origin": "https://ui.example",
+                        "Access-Control-Request-Method": "GET",
+                        "Access-Control-Request-Headers": "Authorization",
+                    },
+                )
+                assert answer.headers["access-control-allow-origin"] == "https://ui.example"
+                other = await api.client.options(
+                    "/api/runs",
+                    headers={"Origin": "https://x.example", "Access-Control-Request-Method": "GET"},
+                )
+                assert "access-control-allow-origin" not in other.headers
+        finally:
+            store.close()
+
+
+class TestMetrics:
+    async def test_serves_the_orchestrators_prometheus_metrics(self, tmp_path: Path) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from orchestra.metrics import PrometheusMetrics
+
+        store = SQLiteStore(tmp_path / "m.db")
+        metrics = PrometheusMetrics(registry=CollectorRegistry())
+        try:
+            async with serving(store, instruments=[metrics]) as api:
+                run_id = await api.submit(_tasks(("echo", "a")))
+                await api.handle(run_id)
+                answer = await api.client.get("/metrics", headers=api.auth("read"))
+                assert answer.status_code == 200
+                assert answer.headers["content-type"].startswith("text/plain")
+                assert 'orchestra_runs_total{status="success"} 1.0' in answer.text
+        finally:
+            store.close()
+
+    async def test_without_metrics_it_says_how_to_get_them(self, api: Api) -> None:
+        answer = await api.client.get("/metrics", headers=api.auth("read"))
+        assert answer.status_code == 404
+        assert "PrometheusMetrics" in answer.json()["message"]

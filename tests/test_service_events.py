@@ -1,0 +1,187 @@
+"""A run's events as Server-Sent Events, through a real uvicorn server (the in-process ASGI
+transport buffers a stream): every journal event once, in order, and `Last-Event-ID` resumes
+after the event it names. Then the cursor alone, under writers that commit out of order."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+import pytest
+
+from orchestra._service._events import Cursor, key_of
+from orchestra.stores import SQLiteStore
+from tests.service_kit import Api, server, serving
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    store = SQLiteStore(tmp_path / "events.db")
+    try:
+        async with serving(store, concurrency=1) as api:
+            yield api
+    finally:
+        store.close()
+
+
+async def _read(
+    url: str, headers: dict[str, str], *, on_first: Any = None
+) -> list[tuple[str | None, str | None, Any]]:
+    """The stream's events, (event name, id, data), until its `end`."""
+    got: list[tuple[str | None, str | None, Any]] = []
+    name = event_id = data = None
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("GET", url, headers=headers) as answer,
+    ):
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        async for line in answer.aiter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+            elif line == "" and data is not None:
+                got.append((name, event_id, data))
+                if on_first is not None and len(got) == 1:
+                    on_first()
+                if name == "end":
+                    return got
+                name = event_id = data = None
+    raise AssertionError(f"the stream ended without its end event: {got}")
+
+
+def _identity(event: dict[str, Any]) -> tuple[Any, ...]:
+    return (event["task_id"], event["event"], event["attempt"], event["seq"], event["at"])
+
+
+class TestTheStream:
+    async def test_delivers_every_journal_event_once_in_order_then_ends(self, api: Api) -> None:
+        body = {"tasks": [{"kind": "wait", "id": "a"}, {"kind": "echo", "id": "b"},
+                          {"kind": "fail", "id": "c"}]}  # fmt: skip
+        run_id = await api.submit(body)
+        async with server(api.app) as url:
+            got = await _read(
+                f"{url}/api/runs/{run_id}/events", api.auth("read"), on_first=api.gate.set
+            )
+        *events, end = got
+        assert end[0] == "end"
+        assert end[2] == {"run_id": run_id}
+        journal = await anyio.to_thread.run_sync(api.service.store.events, run_id)
+        delivered = [data for _, _, data in events]
+        assert sorted(map(_identity, delivered)) == sorted(map(_identity, journal))
+        keys = [key_of(e) for e in delivered]
+        assert keys == sorted(keys)  # in the journal's order
+        ids = [event_id for _, event_id, _ in events]
+        assert all(ids), "every event has an id"
+        assert ("b", "succeeded") in {(e["task_id"], e["event"]) for e in delivered}
+
+    async def test_last_event_id_resumes_after_the_event_it_names(self, api: Api) -> None:
+        run_id = await api.submit({"tasks": [{"kind": "echo", "id": x} for x in "abcd"]})
+        await api.handle(run_id)
+        async with server(api.app) as url:
+            everything = await _read(f"{url}/api/runs/{run_id}/events", api.auth("read"))
+            events = everything[:-1]
+            for k in (0, 3, len(events) - 1):
+                rest = await _read(
+                    f"{url}/api/runs/{run_id}/events",
+                    {**api.auth("read"), "Last-Event-ID": str(events[k][1])},
+                )
+                assert [d for _, _, d in rest[:-1]] == [d for _, _, d in events[k + 1 :]], k
+                assert rest[-1][0] == "end"
+
+    async def test_the_store_reads_the_journal_from_a_time_on(self, api: Api) -> None:
+        run_id = await api.submit({"tasks": [{"kind": "echo", "id": x} for x in "abcdef"]})
+        await api.handle(run_id)
+        store = api.service.store
+        journal = await anyio.to_thread.run_sync(store.events, run_id)
+        mid = journal[len(journal) // 2]["at"]
+        later = await anyio.to_thread.run_sync(lambda: store.events(run_id, since=mid))
+        assert later == [e for e in journal if e["at"] >= mid]
+        assert 0 < len(later) < len(journal)
+
+    async def test_an_unknown_run_is_a_404_before_any_stream(self, api: Api) -> None:
+        async with server(api.app) as url, httpx.AsyncClient() as client:
+            answer = await client.get(f"{url}/api/runs/ghost/events", headers=api.auth("read"))
+        assert answer.status_code == 404
+        assert answer.json()["error"] == "not_found"
+
+
+def _event(at: float, task: str, name: str, seq: int | None = None) -> dict[str, Any]:
+    return {"seq": seq, "run_id": "r", "task_id": task, "at": at, "event": name,
+            "agent": None, "attempt": None, "detail": None}  # fmt: skip
+
+
+class TestTheCursor:
+    def test_holds_back_what_is_younger_than_the_settle_window(self) -> None:
+        cursor = Cursor(None, settle=1.0)
+        journal = [_event(10.0, "a", "admitted"), _event(10.5, "b", "admitted")]
+        assert [e["task_id"] for e, _ in cursor.take(journal, 11.2, final=False)] == ["a"]
+        assert [e["task_id"] for e, _ in cursor.take(journal, 11.6, final=False)] == ["b"]
+        assert cursor.take(journal, 20.0, final=False) == []
+
+    def test_delivers_everything_left_once_the_run_is_over(self) -> None:
+        cursor = Cursor(None, settle=1.0)
+        journal = [_event(10.0, "a", "admitted"), _event(10.9, "a", "succeeded")]
+        assert len(cursor.take(journal, 10.95, final=True)) == 2
+
+    def test_a_late_event_is_delivered_once_and_keeps_the_id_growing(self) -> None:
+        cursor = Cursor(None, settle=1.0)
+        first = [_event(10.0, "a", "admitted"), _event(12.0, "b", "admitted")]
+        delivered = cursor.take(first, 14.0, final=False)
+        late = _event(11.0, "c", "admitted")  # committed after b, stamped before it
+        again = cursor.take([*first, late], 14.1, final=False)
+        assert [e["task_id"] for e, _ in again] == ["c"]
+        assert again[0][1] == delivered[-1][1]  # the cursor did not move back
+        assert cursor.take([*first, late], 14.2, final=False) == []
+
+    def test_a_resumed_cursor_skips_what_its_client_saw(self) -> None:
+        journal = [_event(10.0 + i, t, "admitted") for i, t in enumerate("abcd")]
+        first = Cursor(None, settle=1.0).take(journal, 100.0, final=False)
+        seen_id = first[1][1]
+        from orchestra._service._events import decode
+
+        resumed = Cursor(decode(seen_id), settle=1.0)
+        assert [e["task_id"] for e, _ in resumed.take(journal, 100.0, final=False)] == ["c", "d"]
+
+    @pytest.mark.parametrize("seed", range(3))
+    @pytest.mark.parametrize("lag", [0.4, 3.0])
+    def test_concurrent_writers_committing_out_of_order_lose_and_repeat_nothing(
+        self, seed: int, lag: float
+    ) -> None:
+        """Several writers stamp events with their transaction's start and commit up to `lag`
+        later, in any order (within the settle window, and past it); a reader polls now and then.
+        Every event is delivered exactly once and the ids it sends never go back."""
+        rng = random.Random(seed)
+        settle = 1.0
+        events = []
+        for n in range(400):
+            at = rng.uniform(0, 50)
+            events.append((at + rng.uniform(0, lag), _event(at, f"t{n}", "admitted", seq=n)))
+        cursor = Cursor(None, settle=settle)
+        delivered: list[dict[str, Any]] = []
+        ids: list[str] = []
+        now = 0.0
+        while now < 60:
+            now += rng.uniform(0.05, 0.5)
+            visible = [e for committed, e in events if committed <= now]
+            for event, event_id in cursor.take(visible, now, final=False):
+                delivered.append(event)
+                ids.append(event_id)
+        for event, event_id in cursor.take([e for _, e in events], now, final=True):
+            delivered.append(event)
+            ids.append(event_id)
+        assert sorted(e["seq"] for e in delivered) == list(range(400))
+        from orchestra._service._events import decode
+
+        positions = [decode(i) for i in ids]
+        assert positions == sorted(positions)

@@ -1,0 +1,129 @@
+"""The service on PostgreSQL (the session's real server, tests/pg.py): a run submitted, read back
+and streamed, and tokens kept in the database, hashed."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+import pytest
+
+from orchestra._service._events import key_of
+from orchestra._service._tokens import Tokens
+from tests.service_kit import server, serving
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from orchestra.stores._postgres._store import PostgresStore
+
+pytestmark = [pytest.mark.postgres, pytest.mark.subprocess]
+
+
+@pytest.fixture
+async def store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
+    from orchestra.stores._postgres._store import PostgresStore
+
+    made = PostgresStore(pg_dsn, poll=0.2)
+    try:
+        yield made
+    finally:
+        await anyio.to_thread.run_sync(made.close)
+
+
+class TestOnPostgres:
+    async def test_a_run_submitted_ends_with_its_result_and_its_journal_streams(
+        self, store: PostgresStore
+    ) -> None:
+        async with serving(store) as api:
+            body = {"tasks": [{"kind": "echo", "id": "a", "payload": 1},
+                              {"kind": "fail", "id": "b"}], "run_id": "pg-1"}  # fmt: skip
+            answer = await api.client.post("/api/runs", json=body, headers=api.auth("submit"))
+            assert answer.status_code == 202
+            await api.handle("pg-1")
+            result = (await api.client.get("/api/runs/pg-1/result", headers=api.auth())).json()
+            assert result["status"] in ("partial", "failed")
+            assert result["data"] == {"a": 1}
+            runs = (await api.client.get("/api/runs", headers=api.auth())).json()["runs"]
+            assert [(r["id"], r["counts"]) for r in runs] == [
+                ("pg-1", {"succeeded": 1, "failed": 1})
+            ]
+            letters = (
+                await api.client.get("/api/runs/pg-1/dead-letters", headers=api.auth())
+            ).json()
+            assert [d["task_id"] for d in letters] == ["b"]
+            async with (
+                server(api.app) as url,
+                httpx.AsyncClient(timeout=30) as client,
+                client.stream("GET", f"{url}/api/runs/pg-1/events", headers=api.auth()) as stream,
+            ):
+                lines = [line async for line in stream.aiter_lines()]
+            data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+            assert data[-1] == {"run_id": "pg-1"}  # the end
+            journal = await anyio.to_thread.run_sync(store.events, "pg-1")
+            assert [key_of(e) for e in data[:-1]] == sorted(key_of(e) for e in journal)
+            mid = journal[len(journal) // 2]["at"]
+            later = await anyio.to_thread.run_sync(lambda: store.events("pg-1", since=mid))
+            assert later == [e for e in journal if e["at"] >= mid]
+
+    async def test_tokens_are_kept_hashed_in_the_database_and_revoked_for_every_request(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        import asyncpg
+
+        async with serving(store) as api:
+            tokens = Tokens(store)
+            text, info = await anyio.to_thread.run_sync(tokens.create, "read", "dashboard")
+            assert info.role == "read"
+            ok = await api.client.get("/api/runs", headers={"Authorization": f"Bearer {text}"})
+            assert ok.status_code == 200
+            conn = await asyncpg.connect(pg_dsn)
+            try:
+                kept = await conn.fetchval(
+                    "SELECT hash FROM orchestra.tokens WHERE id = $1", info.id
+                )
+            finally:
+                await conn.close()
+            assert kept != text
+            assert len(kept) == 64
+            revoked = await anyio.to_thread.run_sync(tokens.revoke, "dashboard")
+            assert [r.id for r in revoked] == [info.id]
+            refused = await api.client.get("/api/runs", headers={"Authorization": f"Bearer {text}"})
+            assert refused.status_code == 401
+
+
+class TestTwoProcessesOnOneDatabase:
+    async def test_the_other_streams_the_run_and_refuses_to_control_it_naming_its_holder(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        from orchestra.stores._postgres._store import PostgresStore
+
+        other_store = PostgresStore(pg_dsn, poll=0.2)
+        try:
+            async with serving(store) as first, serving(other_store) as second:
+                run_id = await first.submit({"tasks": [{"kind": "wait", "id": "a"}]})
+                held = await second.client.post(
+                    f"/api/runs/{run_id}/pause", headers=second.auth("control")
+                )
+                assert held.status_code == 409
+                assert held.json()["error"] == "held_elsewhere"
+                listed = (await second.client.get("/api/runs", headers=second.auth())).json()
+                assert [(r["id"], r["live"], r["held_by"] is not None) for r in listed["runs"]] == [
+                    (run_id, False, True)
+                ]
+                async with (
+                    server(second.app) as url,
+                    httpx.AsyncClient(timeout=30) as client,
+                    client.stream(
+                        "GET", f"{url}/api/runs/{run_id}/events", headers=second.auth()
+                    ) as stream,
+                ):
+                    first.gate.set()  # the run ends in the first process
+                    lines = [line async for line in stream.aiter_lines()]
+                data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+                assert ("a", "succeeded") in {(d.get("task_id"), d.get("event")) for d in data}
+                assert data[-1] == {"run_id": run_id}
+        finally:
+            await anyio.to_thread.run_sync(other_store.close)
