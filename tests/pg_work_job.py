@@ -7,7 +7,9 @@ clock is off. The agents are ``tests/pg_work_job.py:agents``:
 - kind ``work`` doubles its payload, after ``$WORKER_DELAY`` seconds (default 0);
 - kind ``slow`` returns its payload after 1.5 s;
 - kind ``flaky`` fails its first attempt with a retry a minute later, then succeeds;
-- kind ``poison`` kills its process (SIGKILL) as it starts: a task that takes down every worker.
+- kind ``poison`` kills its process (SIGKILL) as it starts: a task that takes down every worker;
+- kind ``keyed`` spawns a ``work`` task ``<its id>.w`` of its payload with the key
+  ``key-<payload>``.
 
 Every call appends ``<task id> <pid>`` to the file named by ``$WORKER_CALLS`` (one ``write`` of one
 line to a file opened for appending: lines of concurrent processes never interleave) as it starts.
@@ -65,9 +67,16 @@ async def poison(task: Task, ctx: Context) -> Any:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@agent(kinds=["keyed"])
+async def keyed(task: Task, ctx: Context) -> Any:
+    _record(task.id)
+    ctx.spawn(Task("work", task.payload, id=f"{task.id}.w", key=f"key-{task.payload}"))
+    return "spawned"
+
+
 def agents() -> Orchestrator:
     return Orchestrator(
-        agents=[double, slow, flaky, poison],
+        agents=[double, slow, flaky, poison, keyed],
         concurrency=int(os.environ.get("WORKER_CONCURRENCY", "8")),
     )
 

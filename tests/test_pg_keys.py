@@ -24,15 +24,18 @@ import pytest
 from orchestra import Task
 from orchestra._admission import Admission
 from orchestra._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
+from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._keys import (
     KEY_CHANNEL,
+    RECENT,
     Held,
     KeyEnd,
     Mine,
     Stored,
     Waiting,
     admit_keys,
+    admit_spawned,
     adopt,
     ask_again,
     claim,
@@ -42,6 +45,7 @@ from orchestra.stores._postgres._keys import (
     renew,
     renew_run,
     signal_of,
+    spawn_answers,
 )
 from orchestra.stores._postgres._leases import (
     MAX_LOST,
@@ -616,6 +620,49 @@ class TestConcurrentWriters:
             await asyncio.gather(*(c.close() for c in conns))
         assert steps == n * 60
 
+    async def test_two_runs_completions_each_spawning_the_key_the_other_ends_never_deadlock(
+        self, conn: asyncpg.Connection, pg_dsn: str
+    ) -> None:
+        # Run a ends its hold of X and spawns a task with the key Y, which run b holds; run b ends
+        # Y and spawns X, at the same time. Each completion locks both rows (the spawn's key, and
+        # its run's hold it ends): in one order, or the two deadlock. In transactions of the
+        # caller's: no retry.
+        other = await asyncpg.connect(pg_dsn)
+        try:
+            for i in range(20):
+                x, y = f"X{i}", f"Y{i}"
+                tokens: dict[str, dict[str, int]] = {}
+                for run, key in ((f"a{i}", x), (f"b{i}", y)):
+                    await admitted_with_keys(
+                        conn, run, Task("work", 0, id="p"), Task("work", 1, id="h", key=key),
+                        owner=f"c-{run}",
+                    )  # fmt: skip
+                    tokens[run] = {
+                        t.id: t.token
+                        for t in await claim_tasks(conn, run, {"work": 2}, owner="w", lease=LEASE)
+                    }
+
+                async def end(
+                    c: asyncpg.Connection, run: str, spawn_key: str, held: dict[str, int]
+                ) -> None:
+                    async with c.transaction():
+                        await complete(
+                            c, run, "w",
+                            [End("h", held["h"], SUCCEEDED, '"h"', "work"),
+                             End("p", held["p"], SUCCEEDED, '"p"', "work")],
+                            spawned={"p": [Task("work", 2, id="p.c", key=spawn_key)]},
+                            admission=Admission(("work",), {}), key_lease=LEASE,
+                        )  # fmt: skip
+
+                await asyncio.gather(
+                    end(conn, f"a{i}", y, tokens[f"a{i}"]), end(other, f"b{i}", x, tokens[f"b{i}"])
+                )
+                for run, key in ((f"a{i}", x), (f"b{i}", y)):
+                    assert (await key_row(conn, key))["state"] == "succeeded"
+                    assert (await states(conn, run))["p.c"] in ("succeeded", "pending")
+        finally:
+            await other.close()
+
     async def test_a_claim_of_the_run_while_a_completion_locks_its_keys_never_deadlocks(
         self, conn: asyncpg.Connection, pg_dsn: str
     ) -> None:
@@ -904,6 +951,31 @@ class TestWaiting:
         waiting.hear_all()
         assert sorted(waiting.due(1.0)) == ["j", "k"]
 
+    def test_a_key_whose_finish_was_announced_just_before_its_wait_is_due_at_once(self) -> None:
+        # The database answered "held", then the holder finished and announced it before the
+        # answer was waited for: without the announcement remembered, the key would wait out
+        # the holder's lease.
+        waiting = Waiting()
+        assert not waiting.heard(KEY_CHANNEL, "k", 10.0)
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=10.5)
+        assert waiting.due(10.5) == ["k"]
+        # Remembered once: asked again and still held, it waits.
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=10.6)
+        assert waiting.due(11.0) == []
+
+    def test_an_announcement_older_than_recent_makes_nothing_due(self) -> None:
+        waiting = Waiting()
+        waiting.heard(KEY_CHANNEL, "k", 0.0)
+        waiting.heard(KEY_CHANNEL, "j", 0.1)
+        waiting.wait("k", Held("c", "r", "t", 30.0), now=RECENT + 1.0)
+        assert waiting.due(RECENT + 1.0) == []
+        # What is remembered is let go of as newer announcements come.
+        for i in range(3):
+            waiting.heard(KEY_CHANNEL, f"x{i}", RECENT + 2.0 + i)
+        waiting.wait("j", Held("c", "r", "u", 30.0), now=RECENT + 1.0)
+        assert waiting.due(RECENT + 1.0) == []
+        assert waiting._recent.keys() == {"x0", "x1", "x2"}
+
     def test_keys_of_one_digest_are_all_woken_by_it(self) -> None:
         waiting = Waiting()
         long = "x" * 300
@@ -1025,6 +1097,117 @@ class TestARunsKeyedTasks:
         assert await ask_again(conn, "r2", [("k", "b")], owner="c2", lease=LEASE) == {}
         assert (await key_row(conn, "k"))["state"] == "failed"  # nobody took it
         assert await held_back(conn, "r2") == []
+
+
+async def spawned(
+    conn: asyncpg.Connection, run: str, spawner: str, *tasks: Task, key_lease: float | None = LEASE
+) -> None:
+    """Lease `spawner` (ready in `run`) to the worker "w1" and complete it, its attempt having
+    spawned `tasks` (its key holds for `key_lease` seconds: None, decided within the run only)."""
+    token = await leased(conn, run, spawner)
+    (written,) = await complete(
+        conn, run, "w1", [End(spawner, token, SUCCEEDED, '"split"', "work")],
+        spawned={spawner: list(tasks)}, admission=Admission(("work",), {}), key_lease=key_lease,
+    )  # fmt: skip
+    assert written
+
+
+class TestSpawnedKeys:
+    """A spawn's key decided across runs in the completion that admits it (`admit_spawned`), and
+    read back by the run's coordinator (`spawn_answers`)."""
+
+    async def test_a_new_key_is_held_for_the_runs_coordinator_and_the_spawn_runs(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        assert await acquire(conn, "r", owner="coord", lease=LEASE) is not None
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        row = await key_row(conn, "k")
+        # The coordinator's, not the worker's: the coordinator renews its run's holds.
+        assert (row["owner"], row["run_id"], row["task_id"], row["state"]) == (
+            "coord",
+            "r",
+            "p.c",
+            "claimed",
+        )
+        assert (await states(conn, "r"))["p.c"] == "ready"
+        assert await spawn_answers(conn, "r", ["p"]) == {}  # it holds its key: nothing to do
+        assert await renew_run(conn, "r", "coord", lease=LEASE) == 1
+        token = await leased(conn, "r", "p.c")
+        await complete(conn, "r", "w1", [End("p.c", token, SUCCEEDED, '"paid"', "work")])
+        assert await claim(conn, "r9", [("k", "z")], owner="c9", lease=LEASE) == [
+            Stored('"paid"', "work")
+        ]
+
+    async def test_with_no_coordinator_the_hold_is_the_completing_process(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert (await key_row(conn, "k"))["owner"] == "w1"
+
+    async def test_a_key_stored_before_ends_the_spawn_and_readies_what_waits_for_it(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(
+            conn, "r", "p", Task("work", 1, id="p.c", key="k"),
+            Task("work", 2, id="p.d", depends_on=["p.c"]),
+        )  # fmt: skip
+        assert await states(conn, "r") == {"p": "succeeded", "p.c": "succeeded", "p.d": "ready"}
+        assert await spawn_answers(conn, "r", ["p"]) == {"p.c": Stored('"done"', "x")}
+        assert (await key_row(conn, "k"))["run_id"] == "r1"
+
+    async def test_a_key_another_run_holds_holds_the_spawn_back_until_asked_again(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        assert await acquire(conn, "r", owner="coord", lease=LEASE) is not None
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert (await states(conn, "r"))["p.c"] == "pending"
+        assert await claim_tasks(conn, "r", {"work": 10}, owner="w", lease=LEASE) == []
+        assert await held_back(conn, "r") == [("k", "p.c")]
+        (answer,) = (await spawn_answers(conn, "r", ["p"])).values()
+        assert isinstance(answer, Held)
+        assert (answer.owner, answer.run_id, answer.task_id) == ("c1", "r1", "a")
+        assert 0 < answer.left <= LEASE
+        # Its holder done with it: asked for again at once (its announcement may be gone).
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        (answer,) = (await spawn_answers(conn, "r", ["p"])).values()
+        assert isinstance(answer, Held)
+        assert answer.left == 0
+        assert await ask_again(conn, "r", [("k", "p.c")], owner="coord", lease=LEASE) == {
+            "p.c": Stored('"done"', "x")
+        }
+        assert (await states(conn, "r"))["p.c"] == "succeeded"
+        assert await spawn_answers(conn, "r", ["p"]) == {"p.c": Stored('"done"', "x")}
+
+    async def test_a_spawn_following_a_task_of_its_run_claims_nothing(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"), Task("work", 9, id="h", key="k"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"))
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
+        assert await spawn_answers(conn, "r", ["p"]) == {}
+
+    async def test_without_a_key_lease_a_spawns_key_is_decided_within_its_run_only(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        token = await mine(conn, "k", owner="c1", run="r1", task="a")
+        await finish(conn, "c1", [KeyEnd("k", token, True, '"done"', "x")])
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await spawned(conn, "r", "p", Task("work", 1, id="p.c", key="k"), key_lease=None)
+        assert (await states(conn, "r"))["p.c"] == "ready"
+
+    async def test_admit_spawned_passes_over_spawns_that_hold_no_key(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admitted(conn, "r", Task("work", 0, id="p"))
+        await admit_spawned(conn, "r", ["p"], [], owner="w", lease=LEASE)
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.keys") == 0
 
 
 class SQLiteKeys:

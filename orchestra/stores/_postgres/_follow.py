@@ -5,8 +5,8 @@
   and `_leases.take_back_expired` write it in the transaction of the end): each row is deleted in
   the transaction that reads it, so every end is heard once, whatever order the transactions that
   wrote them committed in. With each end come its failed attempts and the tasks its attempt
-  spawned (admitted in the same transaction), for the coordinator's run to take in as if the task
-  had ended there.
+  spawned (admitted in the same transaction), with what that transaction decided for their keys,
+  for the coordinator's run to take in as if the task had ended there.
 - **Decided ends** (`decide`): tasks the coordinator ends itself (a cancel, a deadline passed), not
   as a lease holder: written under the fence of its lease on the run (`_coordinator.fenced`),
   whoever holds the task (a worker holding one finds its lease gone at its next heartbeat, and its
@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._keys import spawn_answers
 from ._settle import columns, settle
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import asyncpg
+
+    from ._keys import Answer
 
 __all__ = ("Heard", "decide", "heard")
 
@@ -33,11 +36,13 @@ class Heard(NamedTuple):
     rows (task id, number, agent, error_type, message, started, duration, retry_in, traceback,
     status_code, api_error_type, request_id); `spawned` rows (parent, id, kind, payload JSON,
     priority, depends_on, depends_on_tags, tags, key, timeout, critical, metadata JSON), each
-    parent's in their order."""
+    parent's in their order; `answers`, what the completions decided for the spawns' keys
+    (`_keys.spawn_answers`), by task id."""
 
     ends: list[Any]
     failures: list[Any]
     spawned: list[Any]
+    answers: dict[str, Answer]
 
 
 _HEARD = """
@@ -70,11 +75,15 @@ async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
     async with conn.transaction():
         ends = list(await conn.fetch(_HEARD, run_id))
         if not ends:
-            return Heard([], [], [])
+            return Heard([], [], [], {})
         ids = [row[0] for row in ends]
         failures = list(await conn.fetch(_FAILURES, run_id, ids))
         spawned = list(await conn.fetch(_SPAWNED, run_id, ids))
-    return Heard(ends, failures, spawned)
+        answers: dict[str, Answer] = {}
+        spawners = sorted({row[0] for row in spawned if row[8] is not None})
+        if spawners:
+            answers = await spawn_answers(conn, run_id, spawners)
+    return Heard(ends, failures, spawned, answers)
 
 
 _DECIDE = """

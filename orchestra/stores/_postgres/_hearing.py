@@ -3,12 +3,13 @@
 - **Ends written elsewhere** (`take_in`): a worker's completion, a lease lost too often, heard
   from the feed (`_follow.heard`), are played into the mirror as if they had happened in this
   process (the task claimed there, ended with the database's outcome, its failed attempts and its
-  spawns taken in), so that the run's report, events, results and aggregate see every end once.
+  spawns taken in, with what the database decided for their keys), so that the run's report,
+  events, results and aggregate see every end once.
 - **Keys another run holds** (`answered`, `keys_due`, `key_heard`): the database's answers for the
-  keys of the run's tasks (`_keys.admit_keys`, `ask_again`): a stored result ends the task in the
-  mirror as the database ended it (unexecuted); a key held elsewhere is waited for, until its
-  finish is heard on the keys' channel or its holder's lease runs out (`_keys.Waiting`), then
-  asked for again.
+  keys of the run's tasks, admitted or spawned (`_keys.admit_keys`, `ask_again`,
+  `spawn_answers`): a stored result ends the task in the mirror as the database ended it
+  (unexecuted); a key held elsewhere is waited for, until its finish is heard on the keys'
+  channel or its holder's lease runs out (`_keys.Waiting`), then asked for again.
 """
 
 from __future__ import annotations
@@ -103,15 +104,23 @@ class Hearing:
             if started is not None and record.t_start is None:
                 record.t_start = started - self._rows.offset
             value = None if output is None else json.loads(output)
+            children = spawned.get(task_id, ())
             try:
                 memory.settle(
-                    record, token, STATES[state], value, spawned=spawned.get(task_id, ()), agent=agent,
+                    record, token, STATES[state], value, spawned=children, agent=agent,
                     error=error, error_type=error_type, defaulted=defaulted,
                 )  # fmt: skip
             except InputError as exc:  # the database took them: the mirror must too
                 self._keep_error(
                     StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
                 )
+            if heard.answers and children:
+                # What the completion decided for the spawns' keys, played in before any later
+                # end (one of what a reused spawn readied, say) is.
+                self.answered({
+                    child.id: heard.answers[child.id]
+                    for child in children if child.id in heard.answers
+                })  # fmt: skip
 
     def answered(self, answers: dict[str, keys.Answer]) -> None:
         """What the database answered for the keys of the run's tasks: a stored result ends the
@@ -151,7 +160,8 @@ class Hearing:
         ]
 
     def key_heard(self, channel: str, payload: str) -> None:
-        if self._waiting.heard(channel, payload):
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        if self._waiting.heard(channel, payload, now):
             self._wakeup.set()
 
 

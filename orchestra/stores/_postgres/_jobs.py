@@ -5,7 +5,7 @@ the store's thread on a pooled connection (`_database.py`).
   coordinator left of it (its tasks taken back, its keys adopted);
 - `apply`: the run's writes, in order: the coordinator's own (input, decided ends, priorities, the
   input's close) fenced by its lease on the run, its tasks' ends and failed attempts fenced by
-  their leases;
+  their leases (with what the database decided for the keys of their spawns);
 - `claim_step`: the ends other processes wrote heard, lapsed leases swept, tasks claimed;
 - `ask_again`: the keys another run held, asked for again;
 - `close_run`: what the run still holds handed back, the run closed and given up.
@@ -236,9 +236,17 @@ async def apply(
             failures = {op[0].id: op[2] for _, op in group if op[2]}
             done = await leases.complete(
                 conn, run_id, lease.owner, ends, spawned=spawned, admission=admission,
-                failures=failures,
+                failures=failures, key_lease=lease.lease,
             )  # fmt: skip
             refused.extend(end.id for end, ok in zip(ends, done, strict=True) if not ok)
+            # What the completions decided for their spawns' keys (read after their commit:
+            # only this coordinator asks for a held-back spawn's key again, once it knows).
+            spawners = [
+                end.id for end, ok in zip(ends, done, strict=True)
+                if ok and any(t.key is not None for t in spawned.get(end.id, ()))
+            ]  # fmt: skip
+            if spawners:
+                answers.update(await keys.spawn_answers(conn, run_id, spawners))
         elif kind == "note":
             await leases.note(conn, run_id, lease.owner, [op for _, op in group])
         else:  # "requeue"

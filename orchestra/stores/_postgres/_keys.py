@@ -48,6 +48,7 @@ right time.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "KEY_CHANNEL",
+    "RECENT",
     "Answer",
     "Held",
     "KeyEnd",
@@ -68,6 +70,7 @@ __all__ = (
     "Stored",
     "Waiting",
     "admit_keys",
+    "admit_spawned",
     "adopt",
     "ask_again",
     "claim",
@@ -78,6 +81,7 @@ __all__ = (
     "renew",
     "renew_run",
     "signal_of",
+    "spawn_answers",
 )
 
 KEY_CHANNEL: Final = "orchestra.keys"
@@ -589,16 +593,131 @@ async def _decide(
     return await transaction(conn, step)
 
 
+# -- spawned tasks: their keys decided in the completion that admits them -----------------------
+
+# The keys the spawns just admitted hold in their run (the first task of the run with a key, or
+# one that took it over there): the others follow a task of the run, and claim nothing.
+_HOLDING = """
+SELECT k.key, k.holder
+FROM orchestra.tasks AS t
+JOIN orchestra.run_keys AS k ON k.run_id = t.run_id AND k.key = t.key AND k.holder = t.id
+WHERE t.run_id = $1 AND t.id = ANY ($2::text[]) AND t.key IS NOT NULL
+ORDER BY k.key
+"""
+
+# Whose the run's holds are: its coordinator's. The run's row is read under a share lock: a
+# coordinator taking the run over (which writes that row, then adopts the run's holds) comes
+# wholly before this completion or after it, and so adopts the holds it makes.
+_RUN_OWNER = "SELECT owner FROM orchestra.runs WHERE id = $1 FOR SHARE"
+
+# Every existing key row the rest of the completion writes, locked at once in key order (see
+# `_LOCK_OWNED`): the spawns' keys (`_CLAIM` locks them, taken or not) and the run's holds of the
+# tasks it ended (`finish_tasks`). Two completions of two runs, each spawning a key the other
+# holds while ending its own, would otherwise lock the two rows in opposite orders.
+_LOCK_SPAWNED = """
+SELECT k.key FROM orchestra.keys AS k
+WHERE k.key = ANY ($2::text[]) OR (k.run_id = $1 AND k.state = 'claimed' AND k.key IN (
+    SELECT t.key FROM orchestra.tasks AS t
+    WHERE t.run_id = $1 AND t.id = ANY ($3::text[]) AND t.key IS NOT NULL))
+ORDER BY k.key
+FOR UPDATE OF k
+"""
+
+
+async def admit_spawned(
+    conn: asyncpg.Connection,
+    run_id: str,
+    spawned: Sequence[str],
+    ended: Sequence[str],
+    *,
+    owner: str,
+    lease: float,
+) -> None:
+    """Decide the keys of tasks of `run_id` just admitted as an attempt's spawns (`spawned`, their
+    ids), as `admit_keys` decides the input's: a spawn that holds its key in the run claims it
+    across runs and goes on as admitted (`Mine`), ends at once with a stored success (`Stored`:
+    unexecuted, its dependents readied), or is held back while another run holds it (`Held`:
+    the run's coordinator waits for it, `spawn_answers`). The holds are the run's coordinator's,
+    under `lease` seconds (it renews them with the run's), or `owner`'s (the process completing
+    the spawner) when no coordinator holds the run. `ended`: the tasks the same transaction ended
+    (their keys are written next, `finish_tasks`).
+
+    Call it in the transaction that admitted them, once their spawner's end is settled (a spawn
+    that end skipped claims nothing)."""
+    if not spawned:
+        return
+    wanted = [(row[0], row[1]) for row in await conn.fetch(_HOLDING, run_id, list(spawned))]
+    if not wanted:
+        return
+    holder = await conn.fetchval(_RUN_OWNER, run_id)
+    await conn.execute(_LOCK_SPAWNED, run_id, [key for key, _ in wanted], list(ended))
+    await _decide(conn, run_id, wanted, holder or owner, lease, again=False)
+
+
+# What the database decided for the keys of tasks some ends spawned: the last key event of each
+# (`_HOLD`, `_LET_GO`, `_REUSE` journal it), with the task's result and its key's holder.
+_SPAWN_ANSWERS = """
+SELECT t.id, t.state, coalesce(t.output::text, 'null'), t.agent, last.event, k.state, k.owner,
+    k.run_id, k.task_id, greatest(extract(epoch FROM k.expires - now()), 0)::float8
+FROM orchestra.tasks AS t
+CROSS JOIN LATERAL (
+    SELECT e.event FROM orchestra.events AS e
+    WHERE e.run_id = $1 AND e.task_id = t.id
+        AND e.event IN ('key_waits', 'key_taken', 'key_reused')
+    ORDER BY e.seq DESC
+    LIMIT 1
+) AS last
+LEFT JOIN orchestra.keys AS k ON k.key = t.key
+WHERE t.run_id = $1 AND t.parent = ANY ($2::text[]) AND t.key IS NOT NULL
+"""
+
+
+async def spawn_answers(
+    conn: asyncpg.Connection, run_id: str, parents: Sequence[str]
+) -> dict[str, Answer]:
+    """What the completions of `parents` (tasks of `run_id`) decided for the keys of the tasks
+    their attempts spawned (`admit_spawned`), by task id, for the run's coordinator: `Stored`,
+    the task ended with the key's stored success, unexecuted; `Held`, it is held back while
+    another run holds the key (its `left` 0 when that run is done with the key already, or its
+    hold lapsed: ask again at once, its announcement may have come before the wait). A spawn
+    that holds its key, or follows a task of its run, or ended otherwise since, gets no answer."""
+    answers: dict[str, Answer] = {}
+    if not parents:
+        return answers
+    for row in await conn.fetch(_SPAWN_ANSWERS, run_id, list(parents)):
+        task_id, state, output, agent, event, key_state, owner, held_run, held_task, left = row
+        if event == "key_reused" and state == SUCCEEDED:
+            answers[task_id] = Stored(output, agent)
+        elif event == "key_waits" and state == "pending":
+            if key_state != "claimed" or held_run == run_id:
+                left = 0.0
+            answers[task_id] = Held(owner or "", held_run or "", held_task or "", left or 0.0)
+    return answers
+
+
+RECENT: Final = 5.0
+"""Seconds a `Waiting` remembers an announcement of a key nobody waited for: far longer than an
+answer takes to come back from the database and be waited for (a round trip, a turn of a
+loop), short enough that what it remembers stays small."""
+
+
 class Waiting:
     """The keys a run waits for while other tasks hold them, and when to ask for each again: as
     soon as its finish is heard on `KEY_CHANNEL` (`heard`, a `_listen.Listener`'s callback), else
     once its holder's lease has run out (`Held.left`: a holder that died is taken over then).
-    Times are the caller's clock (any monotonic one): only durations come from the database."""
+    Times are the caller's clock (any monotonic one): only durations come from the database.
+
+    A finish may be announced between the database's answer and the `wait` for it (the answer
+    crosses threads and loops; the announcement another connection): an announcement no key
+    waited for, heard with its time, is remembered for `RECENT` seconds, and a key waited for
+    after its announcement is due at once (asked again, it is answered as it is now)."""
 
     def __init__(self) -> None:
         self._until: dict[str, float] = {}  # key -> when to ask again at the latest
         self._by_signal: dict[str, set[str]] = {}  # payload -> the keys it announces
         self._heard: set[str] = set()
+        # Announcements no key waited for: payload -> when heard, the oldest first.
+        self._recent: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._until)
@@ -607,19 +726,37 @@ class Waiting:
         return key in self._until
 
     def wait(self, key: str, held: Held, now: float) -> None:
-        """Wait for `key`, which `claim` answered `held` at `now`."""
+        """Wait for `key`, which `claim` answered `held` at `now`: due at once if its finish was
+        announced in the last `RECENT` seconds, unheard (the answer may be older than that)."""
         self._until[key] = now + held.left
-        self._by_signal.setdefault(signal_of(key), set()).add(key)
-        self._heard.discard(key)
+        signal = signal_of(key)
+        self._by_signal.setdefault(signal, set()).add(key)
+        announced = self._recent.pop(signal, None)
+        if announced is not None and announced > now - RECENT:
+            self._heard.add(key)
+        else:
+            self._heard.discard(key)
 
-    def heard(self, _channel: str, payload: str) -> bool:
-        """A finish was announced (`payload`: `signal_of` its key). True when a key waited for
-        is due now (another key with the same digest may be woken too: it asks, and waits on)."""
+    def heard(self, _channel: str, payload: str, now: float | None = None) -> bool:
+        """A finish was announced (`payload`: `signal_of` its key), heard at `now` (if given, an
+        announcement no key waits for is remembered: `wait`). True when a key waited for is due
+        now (another key with the same digest may be woken too: it asks, and waits on)."""
         keys = self._by_signal.get(payload)
         if not keys:
+            if now is not None:
+                self._remember(payload, now)
             return False
         self._heard.update(keys)
         return True
+
+    def _remember(self, payload: str, now: float) -> None:
+        recent = self._recent
+        recent.pop(payload, None)  # (to the end: the newest)
+        recent[payload] = now
+        for old, at in list(itertools.islice(recent.items(), 2)):
+            if at > now - RECENT:
+                break
+            del recent[old]  # two at most per call: the oldest go as fast as others come
 
     def hear_all(self) -> None:
         """Every key waited for is due (a listener that listens again after a lost connection:

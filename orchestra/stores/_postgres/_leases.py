@@ -18,9 +18,10 @@ which settles what it ends in the same transaction (`_graph`):
   it lost.
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
   write refused (the task was re-leased, taken back or ended meanwhile) changes nothing but the
-  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns, ends
-  its tasks and settles them (dependents made ready or skipped, groups counted, the run's channel
-  notified) in one transaction: no coordinator takes part.
+  journal, which says so (a ``refused`` event). A completion admits the attempt's spawns (their
+  idempotency keys decided across runs: `_keys.admit_spawned`), ends its tasks and settles them
+  (dependents made ready or skipped, groups counted, the run's channel notified) in one
+  transaction: no coordinator takes part.
 - **Release**: a claimed task the caller will not run goes back to ready at once, its attempt not
   counted (a worker stopping).
 - **Take back**: whoever sees a lease past its expiry makes the task ready again (or failed, once
@@ -47,7 +48,7 @@ import asyncpg
 
 from .._protocol import KEEP
 from ._graph import admit_in
-from ._keys import finish_tasks
+from ._keys import admit_spawned, finish_tasks
 from ._listen import ENDED, channel_of
 from ._settle import QUEUE_STEP, settle, transaction
 
@@ -330,6 +331,7 @@ async def complete(
     spawned: Mapping[str, Sequence[Task]] | None = None,
     admission: Admission | None = None,
     failures: Mapping[str, Sequence[Failed]] | None = None,
+    key_lease: float | None = None,
 ) -> list[bool]:
     """End claimed tasks of `run_id`, each only while `owner` holds its lease under the token it
     carries, and settle them in the same transaction (`_settle.settle`: dependents made ready or
@@ -338,7 +340,10 @@ async def complete(
     `failures`: its failed attempts not yet written (`note`), by its id. Returns, for each end,
     whether it was written; a refused one is in the journal (its spawns and attempts dropped).
     The idempotency key of a task that ended (or was skipped) takes its end while the task's run
-    holds the key (`_keys.finish_tasks`), announced to the key's waiters.
+    holds the key (`_keys.finish_tasks`), announced to the key's waiters. With `key_lease`, a
+    spawn's key is decided across runs with its admission (`_keys.admit_spawned`, held for
+    `key_lease` seconds): the spawn runs, ends with a stored result, or is held back while another
+    run holds the key (without, it is decided within the run only, as `_graph.admit` decides).
 
     Raises:
         InputError: a spawn was refused: nothing was written.
@@ -348,18 +353,24 @@ async def complete(
     spawning = {task_id: tasks for task_id, tasks in (spawned or {}).items() if tasks}
     if spawning and admission is None:
         raise TypeError("complete: spawned tasks need the run's admission to be checked")
+    keyed_spawns = key_lease is not None and any(
+        t.key is not None for tasks in spawning.values() for t in tasks
+    )
 
     async def step(conn: asyncpg.Connection) -> list[bool]:
+        admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
             held = await conn.fetch(
                 _HELD, run_id, owner, [e.id for e in spawners], [e.token for e in spawners]
             )
             for (task_id,) in held:
-                await admit_in(
+                ids, _, _ = await admit_in(
                     conn, run_id, spawning[task_id], admission,  # type: ignore[arg-type]
                     f"tasks spawned by {task_id!r}", False, 0, task_id,
                 )  # fmt: skip
+                if keyed_spawns:
+                    admitted.extend(ids)
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -372,6 +383,12 @@ async def complete(
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
         settled = await settle(conn, run_id, ended)
+        if admitted:
+            # After the settle (a spawn it skipped claims nothing), before the keys of what
+            # ended are written: the spawns' keys and those are locked together, in key order.
+            assert key_lease is not None  # (`keyed_spawns` says so)
+            finished = [task_id for task_id, _ in ended] + settled.skipped
+            await admit_spawned(conn, run_id, admitted, finished, owner=owner, lease=key_lease)
         if keyed or settled.skipped:
             # The keys of what ended (the skipped too) take its end: waiters hear it at commit.
             await finish_tasks(conn, run_id, [task_id for task_id, _ in ended] + settled.skipped)

@@ -133,8 +133,10 @@ class PostgresRun:
             self._keep_error,
         )  # fmt: skip
         self._keyed = bool(held_back)  # this run holds or waits for keys: renew, release them
-        for key, task_id in held_back:  # (a run taken over: asked again at once)
-            self._hearing.wait_key(key, task_id, 0.0)
+        # The tasks an earlier coordinator left held back for their keys: asked for again at
+        # once, when the input starts coming (`_take_back`); the database is not looked at
+        # before (what it answered for a task the mirror does not have yet would be lost).
+        self._held_back: list[tuple[str, str]] | None = held_back
         self._tasks: list[asyncio.Task[None]] = []
         self._background: Future[Any] | None = None
         self._behind = Behind(
@@ -243,6 +245,12 @@ class PostgresRun:
         (the ends it saw heard by the run; what other processes hold stays theirs: ready in the
         mirror, claimed in the database until they end it or their lease lapses)."""
         self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
+        held_back = self._held_back
+        if held_back is not None:
+            self._held_back = None  # the mirror has every task now: the claimer may look
+            for key, task_id in held_back:
+                self._hearing.wait_key(key, task_id, 0.0)
+            self._wakeup.set()
 
     def backpressure(self) -> asyncio.Future[None] | None:
         return self._behind.backpressure()
@@ -340,6 +348,8 @@ class PostgresRun:
             text = stored_json(output, record.id, agent)
         if spawned:
             _storable(spawned, f"tasks spawned by {record.id!r}")
+            if not self._keyed and any(t.key is not None for t in spawned):
+                self._keyed = True  # their completion claims their keys for the run: renewed
         if not self._memory.settle(
             record, token, status, output, spawned=spawned, agent=agent, error=error,
             error_type=error_type, defaulted=defaulted, attempt=attempt,
@@ -431,6 +441,8 @@ class PostgresRun:
 
     def _step(self, *, limit: int | None = None) -> None:
         """Hear the ends written elsewhere and claim what the agents can start (blocking)."""
+        if self._held_back is not None:
+            return  # the input has not started: the mirror would drop what is heard
         asked = self._hearing.keys_due()
         if asked:
             try:
@@ -447,8 +459,13 @@ class PostgresRun:
         except BaseException as exc:
             self._keep_error(exc)
             return
-        self._hearing.take_in(heard)
+        self._take_in(heard)
         self._hand_out(claimed)
+
+    def _take_in(self, heard: Any) -> None:
+        if not self._keyed and any(row[8] is not None for row in heard.spawned):
+            self._keyed = True  # spawns a worker admitted with keys: their holds are the run's
+        self._hearing.take_in(heard)
 
     async def _claim_loop(self) -> None:
         loop = self._loop
@@ -460,6 +477,8 @@ class PostgresRun:
             await self._wakeup.wait(max(0.0, min(poll, self._hearing.next_look() - loop.time())))
             if self.closed or self._error is not None:
                 return
+            if self._held_back is not None:
+                continue  # the input has not started: the mirror would drop what is heard
             asked = self._hearing.keys_due()
             if asked:
                 try:
@@ -489,7 +508,7 @@ class PostgresRun:
                         leases.release, self.name, [(c.run_id, c.id, c.token) for c in claimed]
                     )
                 return
-            self._hearing.take_in(heard)
+            self._take_in(heard)
             self._hand_out(claimed)
 
     def _over(self) -> bool:

@@ -38,6 +38,11 @@ settle (`settle`)             tasks (dependents, by id) > run_keys (by key) > fo
                               for each round of skips
 complete; fenced decide       tasks (ended) > settle > keys (`finish_tasks`: the run's holds
 (`_follow.decide`)            of the ended and skipped tasks, by key)
+complete with spawns that     tasks (ended) > admission of the spawns (as above, without
+have keys (`_keys.            `admit_keys`) > settle > runs (share: whose the holds are) > keys
+admit_spawned`)               (the spawns' keys and the run's holds of what ended, by key) > tasks
+                              (the keyed spawns, by id) > keys (`_CLAIM`: the same, locked) >
+                              tasks (settle of a reused result) > keys (`finish_tasks`: locked)
 take_back_expired             tasks (expired, SKIP LOCKED) > settle of each run > keys
 close_input (fenced)          runs > groups (by tag) > tasks (waiters, by id)
 retry (`_admin`)              runs > tasks (every task of the run, by id) > groups > keys
@@ -52,8 +57,12 @@ run_keys and groups, and so meets an admission (run_keys, then a pending holder'
 `close_input` (groups, then their waiters) that locks the same rows the other way round; and
 `_decide` settles a reused result after locking keys (no transaction locks those tasks after
 keys it holds: a completion locks only its run's holds, and a key becomes the run's when the
-claim commits). PostgreSQL aborts one of two deadlocked transactions: `transaction` runs it
-again, and so does `_jobs` a coordinator's fenced write.
+claim commits); a completion whose spawns have keys locks the run's row (shared) after tasks, as
+a spawn waiting for groups does, and decides the spawns' keys after settling, as `_decide` does
+(the spawns' rows are its own, uncommitted: only a reused spawn's cascade reaches other rows, and
+it may lock another run's key, which that run's completion locks after its tasks). PostgreSQL
+aborts one of two deadlocked transactions: `transaction` runs it again, and so does `_jobs` a
+coordinator's fenced write.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class PostgresWorkerBackend:
                 (claimed.id, claimed.token, _failed(wall, attempt))
             )
         written: dict[tuple[str, str], bool] = await self.database.run(
-            _complete, name, runs, noted, admission
+            _complete, name, runs, noted, admission, self.lease
         )
         accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
         if self._presence is not None:  # counted as the worker's report counts them
@@ -279,9 +279,11 @@ async def _complete(
     runs: dict[str, _Ends],
     noted: dict[str, list[tuple[str, int, Failed]]],
     admission: Admission | None,
+    lease: float,
 ) -> dict[tuple[str, str], bool]:
     """The failed attempts of tasks that go on, then each run's ends in a transaction of its own;
-    whether each end was written, by (run id, task id)."""
+    whether each end was written, by (run id, task id). `lease`: the keys' holds of the spawns
+    (`_leases.complete`'s ``key_lease``)."""
     for run_id, failed in noted.items():
         await note(conn, run_id, owner, failed)
     written: dict[tuple[str, str], bool] = {}
@@ -289,13 +291,14 @@ async def _complete(
         try:
             done = await complete(
                 conn, run_id, owner, of_run.ends, spawned=of_run.spawned,
-                admission=admission, failures=of_run.failures,
+                admission=admission, failures=of_run.failures, key_lease=lease,
             )  # fmt: skip
         except InputError:
             # A spawn was refused, and nothing written: each end alone, then, so that only the
             # spawner whose spawns were refused fails for it.
             done = [
-                await _complete_one(conn, run_id, owner, of_run, e, admission) for e in of_run.ends
+                await _complete_one(conn, run_id, owner, of_run, e, admission, lease)
+                for e in of_run.ends
             ]
         for end, ok in zip(of_run.ends, done, strict=True):
             written[(run_id, end.id)] = ok
@@ -309,6 +312,7 @@ async def _complete_one(
     of_run: _Ends,
     end: End,
     admission: Admission | None,
+    lease: float,
 ) -> bool:
     failures = {end.id: of_run.failures[end.id]} if end.id in of_run.failures else None
     spawned = of_run.spawned.get(end.id)
@@ -316,7 +320,7 @@ async def _complete_one(
         try:
             [ok] = await complete(
                 conn, run_id, owner, [end], spawned={end.id: spawned}, admission=admission,
-                failures=failures,
+                failures=failures, key_lease=lease,
             )  # fmt: skip
         except InputError as exc:
             end = end._replace(
