@@ -157,9 +157,7 @@ class TestTwoProcessesOnOneDatabase:
                 with anyio.fail_after(10):
                     while (await anyio.to_thread.run_sync(store.run_info, "program")) is None:
                         await anyio.sleep(0.05)
-                held = await api.client.post(
-                    "/api/runs/program/pause", headers=api.auth("control")
-                )
+                held = await api.client.post("/api/runs/program/pause", headers=api.auth("control"))
                 assert held.status_code == 409
                 assert held.json()["error"] == "held_elsewhere"
                 assert "another process" in held.json()["message"]
