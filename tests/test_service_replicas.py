@@ -311,6 +311,29 @@ class TestTakeOver:
         assert [key_of(e) for e in seen] == sorted(key_of(e) for e in journal)
         assert b.process.poll() is None
 
+    async def test_a_replica_stopped_gracefully_leaves_its_run_to_another(
+        self, start: Callable[..., Any], executions: Path, token: str, pg_dsn: str
+    ) -> None:
+        a, b = await start(), await start()
+        auth = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=a.url, headers=auth, timeout=30) as on_a:
+            answer = await on_a.post("/api/runs", json={"tasks": _tasks(), "run_id": "handed"})
+            assert answer.status_code == 202, answer.text
+        await _until(lambda: anyio.to_thread.run_sync(lambda: len(_noted(executions)) >= 300))
+        a.process.send_signal(signal.SIGTERM)  # a rolling restart: A leaves, B goes on
+        _, err = await anyio.to_thread.run_sync(lambda: a.process.communicate(timeout=30))
+        assert a.process.returncode == -signal.SIGTERM, err
+        before = await _states(pg_dsn, "handed")
+        assert "cancelled" not in before.values()  # stopped, not cancelled: left to resume
+        async with httpx.AsyncClient(base_url=b.url, headers=auth, timeout=30) as on_b:
+            result = await _result(on_b, "handed")
+        assert result["status"] == "success", result["errors"]
+        assert result["data"] == {f"t{i}": i for i in range(TASKS)}
+        done_before = {t for t, state in before.items() if state == "succeeded"}
+        assert result["metadata"]["resumed"] == len(done_before)
+        runs = Counter(_noted(executions))
+        assert not {t for t, n in runs.items() if n > 1} & done_before
+
 
 class TestSQLite:
     def test_a_second_serve_on_one_file_is_refused_naming_the_first(self, tmp_path: Path) -> None:

@@ -204,11 +204,13 @@ class Replicas:
         request: int = await self.store.database.run(_ask, run_id, op, json.dumps(args))
         waiter = self._answers[request] = anyio.Event()
         limit = math.inf if within is None else self.lease + ANSWER_WITHIN + within
+        answered = False
         try:
             with anyio.move_on_after(limit):
                 while True:
                     found = await self.store.database.run(_answered, request)
                     if found is not None:
+                        answered = True
                         status, answer = found[0], json.loads(found[1])
                         if status >= 400:
                             raise Refused(
@@ -220,7 +222,9 @@ class Replicas:
                     waiter = self._answers[request] = anyio.Event()
         finally:
             self._answers.pop(request, None)
-        withdrawn = await self.store.database.run(_withdraw, request)
+            if not answered:  # timed out, or the client went away: nobody reads the answer
+                with anyio.CancelScope(shield=True):
+                    withdrawn = await self.store.database.run(_withdraw, request)
         raise Refused(
             503,
             "unavailable",
@@ -356,17 +360,12 @@ async def _answered(conn: asyncpg.Connection, request: int) -> tuple[int, str] |
 
 
 async def _withdraw(conn: asyncpg.Connection, request: int) -> bool:
-    """Take back a request nobody answered: True when nobody had taken it either (one that was
-    taken is left to its replica, which acts on it: its answer is dropped)."""
-    gone = await conn.fetchval(
-        "DELETE FROM orchestra.service_control WHERE id = $1 AND taken_by IS NULL RETURNING 1",
-        request,
+    """Take back a request whose answer nobody waits for any more: True when no replica had
+    taken it (one that had acts on it all the same; its answer then updates no row)."""
+    untaken: bool | None = await conn.fetchval(
+        "DELETE FROM orchestra.service_control WHERE id = $1 RETURNING taken_by IS NULL", request
     )
-    if gone is None:
-        await conn.execute(
-            "DELETE FROM orchestra.service_control WHERE id = $1 AND status IS NOT NULL", request
-        )
-    return gone is not None
+    return bool(untaken)
 
 
 async def _take_requests(conn: asyncpg.Connection, live: list[str], name: str) -> list[Any]:
