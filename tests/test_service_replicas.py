@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,12 @@ async def _result(client: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
     return result
 
 
+async def _held_by(store: PostgresStore, run_id: str, replica: Replica) -> bool:
+    """Whether `replica` holds the run now (its coordinator's lease)."""
+    run = await anyio.to_thread.run_sync(store.run_info, run_id)
+    return bool(run and run["held"] and str(run["owner"]).startswith(replica.prefix))
+
+
 async def _states(dsn: str, run_id: str) -> dict[str, str]:
     import asyncpg
 
@@ -281,16 +288,19 @@ class TestTakeOver:
             before = await _states(pg_dsn, "survives")
             done_before = {t for t, state in before.items() if state == "succeeded"}
             assert 0 < len(done_before) < TASKS
+            asked: list[httpx.Response] = []
 
-            async def held_by_b() -> bool:
-                run = await anyio.to_thread.run_sync(store.run_info, "survives")
-                return bool(run and run["held"] and str(run["owner"]).startswith(b.prefix))
+            async def ask() -> None:  # while no replica runs the run: B answers once it took it
+                asked.append(await on_b.get("/api/runs/survives/status"))
 
-            await _until(held_by_b, within=LEASE + 10)
+            tg.start_soon(ask)
+            await _until(partial(_held_by, store, "survives", b), within=LEASE + 10)
             took = time.monotonic() - killed
             assert took <= LEASE + 1.0, f"taken over {took:.2f} s after the kill"
 
             result = await _result(on_b, "survives")
+        assert asked[0].status_code == 200, asked[0].text
+        assert asked[0].json()["run_id"] == "survives"
         assert result["status"] == "success", result["errors"]
         assert result["metadata"]["total"] == TASKS
         assert result["metadata"]["resumed"] == len(done_before)
@@ -311,21 +321,36 @@ class TestTakeOver:
         assert [key_of(e) for e in seen] == sorted(key_of(e) for e in journal)
         assert b.process.poll() is None
 
-    async def test_a_replica_stopped_gracefully_leaves_its_run_to_another(
-        self, start: Callable[..., Any], executions: Path, token: str, pg_dsn: str
+    async def test_a_replica_stopped_gracefully_leaves_its_run_to_another_paused_as_it_was(
+        self,
+        start: Callable[..., Any],
+        executions: Path,
+        token: str,
+        store: PostgresStore,
+        pg_dsn: str,
     ) -> None:
         a, b = await start(), await start()
         auth = {"Authorization": f"Bearer {token}"}
-        async with httpx.AsyncClient(base_url=a.url, headers=auth, timeout=30) as on_a:
+        async with (
+            httpx.AsyncClient(base_url=a.url, headers=auth, timeout=30) as on_a,
+            httpx.AsyncClient(base_url=b.url, headers=auth, timeout=30) as on_b,
+        ):
             answer = await on_a.post("/api/runs", json={"tasks": _tasks(), "run_id": "handed"})
             assert answer.status_code == 202, answer.text
-        await _until(lambda: anyio.to_thread.run_sync(lambda: len(_noted(executions)) >= 300))
-        a.process.send_signal(signal.SIGTERM)  # a rolling restart: A leaves, B goes on
-        _, err = await anyio.to_thread.run_sync(lambda: a.process.communicate(timeout=30))
-        assert a.process.returncode == -signal.SIGTERM, err
-        before = await _states(pg_dsn, "handed")
-        assert "cancelled" not in before.values()  # stopped, not cancelled: left to resume
-        async with httpx.AsyncClient(base_url=b.url, headers=auth, timeout=30) as on_b:
+            await _until(lambda: anyio.to_thread.run_sync(lambda: len(_noted(executions)) >= 300))
+            assert (await on_b.post("/api/runs/handed/pause")).json()["paused"] is True
+            a.process.send_signal(signal.SIGTERM)  # a rolling restart: A leaves, B goes on
+            _, err = await anyio.to_thread.run_sync(lambda: a.process.communicate(timeout=30))
+            assert a.process.returncode == -signal.SIGTERM, err
+            before = await _states(pg_dsn, "handed")
+            assert "cancelled" not in before.values()  # stopped, not cancelled: left to resume
+            await _until(partial(_held_by, store, "handed", b), within=LEASE + 10)
+            status = (await on_b.get("/api/runs/handed/status")).json()
+            assert status["state"] == "paused"  # taken over as it was left
+            noted = len(_noted(executions))
+            await anyio.sleep(1.0)
+            assert len(_noted(executions)) == noted
+            assert (await on_b.post("/api/runs/handed/resume")).json()["paused"] is False
             result = await _result(on_b, "handed")
         assert result["status"] == "success", result["errors"]
         assert result["data"] == {f"t{i}": i for i in range(TASKS)}
