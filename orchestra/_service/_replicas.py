@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from .._exceptions import StoreError
 from .._log import get_logger
 from ..stores._postgres._jobs import coordinator_name
 from ._control import act
@@ -149,11 +150,11 @@ class Replicas:
 
     # -- runs started here -----------------------------------------------------------------------
 
-    async def register(self, run_id: str, submission: dict[str, Any]) -> bool:
+    async def register(self, run_id: str, submission: dict[str, Any], paused: bool) -> bool:
         """Write down that this replica starts `run_id` with `submission` (the request's
-        ``tasks`` or ``input``); True when the database had no row of it yet."""
+        ``tasks`` or ``input``), `paused` or not; True when the database had no row of it yet."""
         new: bool = await self.store.database.run(
-            _register, run_id, self.name, json.dumps(submission)
+            _register, run_id, self.name, json.dumps(submission), paused
         )
         return new
 
@@ -170,11 +171,17 @@ class Replicas:
         try:
             result = await handle
             text: str | None = result.model_dump_json()
+        except StoreError:
+            # The database lost (or the run's lease, taken over while this replica was cut off
+            # from it): the run goes on elsewhere, once another replica takes it over.
+            return
         except Exception:  # a run that ended without a result: nothing to answer by
             text = None
         if self.closing:  # stopped by the shutdown: given up, for another replica to take over
             return
-        with contextlib.suppress(Exception):  # the row says so while the database is away
+        # The database away: the result is not kept (every task's end is, and the run is over:
+        # nobody takes it over).
+        with contextlib.suppress(Exception):
             await self.store.database.run(_ended, handle.run_id, self.name, text)
 
     async def paused(self, run_id: str, paused: bool) -> None:
@@ -291,13 +298,16 @@ class Replicas:
 # -- jobs of the store's database thread -----------------------------------------------------------
 
 
-async def _register(conn: asyncpg.Connection, run_id: str, name: str, submission: str) -> bool:
+async def _register(
+    conn: asyncpg.Connection, run_id: str, name: str, submission: str, paused: bool
+) -> bool:
+    # (`xmax = 0`: the row was inserted, not updated: PostgreSQL's way of telling the two apart)
     new: bool = await conn.fetchval(
-        "INSERT INTO orchestra.service_runs AS s (id, replica, submission) "
-        "VALUES ($1, $2, $3::json) ON CONFLICT (id) DO UPDATE "
-        "SET replica = excluded.replica, since = now(), result = NULL "
+        "INSERT INTO orchestra.service_runs AS s (id, replica, submission, paused) "
+        "VALUES ($1, $2, $3::json, $4) ON CONFLICT (id) DO UPDATE "
+        "SET replica = excluded.replica, since = now(), paused = excluded.paused, result = NULL "
         "RETURNING (xmax = 0)",
-        run_id, name, submission,
+        run_id, name, submission, paused,
     )  # fmt: skip
     return new
 

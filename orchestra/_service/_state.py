@@ -150,7 +150,7 @@ class Service:
         orch = self.orchestrator
         registered = False
         if self.replicas is not None and run_id is not None and (tasks or input is not None):
-            registered = await self.replicas.register(run_id, submission(tasks, input))
+            registered = await self.replicas.register(run_id, submission(tasks, input), paused)
         if tasks is not None:
             handle = orch.start(tasks=[spec.task() for spec in tasks], run_id=run_id)
         else:
@@ -234,7 +234,7 @@ class Service:
             return answer
         run = await self.run_record(run_id)
         if (
-            handle is None
+            (handle is None or handle.done)  # (one that ended here, resumed elsewhere since)
             and self.replicas is not None
             and run.get("state") == "open"
             and await self.replicas.served_elsewhere(run_id)
