@@ -196,11 +196,12 @@ class Replicas:
 
     # -- control asked of another replica ----------------------------------------------------------
 
-    async def served_elsewhere(self, run_id: str) -> bool:
-        """Whether another replica serves `run_id` now (or did until it died, and one will take it
-        over): a control request for it is passed on."""
+    async def passes_on(self, run_id: str) -> bool:
+        """Whether a control request for `run_id`, which does not run here, is passed on through
+        the database: another replica serves it (or did until it died, and one will take it
+        over), or this one is taking it over now (its request is answered once it runs here)."""
         replica = await self.store.database.run(_replica, run_id)
-        return replica is not None and replica != self.name
+        return replica is not None and (replica != self.name or run_id in self._taking)
 
     async def ask(
         self, run_id: str, op: str, args: dict[str, Any], *, within: float | None

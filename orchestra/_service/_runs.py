@@ -178,7 +178,7 @@ async def get_status(run_id: RunPath, run: KnownRun, service: ServiceDep) -> dic
         handle is None
         and service.replicas is not None
         and run.get("state") == "open"
-        and await service.replicas.served_elsewhere(run_id)
+        and await service.replicas.passes_on(run_id)
     ):
         return await service.replicas.ask(run_id, "status", {}, within=0.0)
     if handle is None:

@@ -237,7 +237,7 @@ class Service:
             (handle is None or handle.done)  # (one that ended here, resumed elsewhere since)
             and self.replicas is not None
             and run.get("state") == "open"
-            and await self.replicas.served_elsewhere(run_id)
+            and await self.replicas.passes_on(run_id)
         ):
             return await self.replicas.ask(run_id, op, args, within=within)
         await self.live_handle(run_id)  # the refusal that says why
