@@ -6,6 +6,7 @@ file is served by one process: a second `serve` on it is refused, saying why."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -358,6 +359,48 @@ class TestTakeOver:
         assert result["metadata"]["resumed"] == len(done_before)
         runs = Counter(_noted(executions))
         assert not {t for t, n in runs.items() if n > 1} & done_before
+
+
+@pytest.mark.postgres
+class TestOneTaker:
+    async def test_replicas_looking_at_once_take_each_run_once_and_only_a_lapsed_one(
+        self, pg_dsn: str
+    ) -> None:
+        import asyncpg
+
+        from orchestra._service._replicas import _take_over
+
+        conn = await asyncpg.connect(pg_dsn)
+        lookers = [await asyncpg.connect(pg_dsn) for _ in range(3)]
+        try:
+            # 30 runs left by a dead replica (their leases lapsed), one it still holds, one it
+            # started a moment ago (its lease not taken yet), one that ended.
+            await conn.execute(
+                "INSERT INTO orchestra.runs (id, owner, expires) SELECT 'r' || i, 'dead', "
+                "now() - interval '1 second' FROM generate_series(1, 30) AS i"
+            )
+            await conn.execute(
+                "INSERT INTO orchestra.runs (id, owner, expires, state) VALUES "
+                "('held', 'dead', now() + interval '1 hour', 'open'), "
+                "('young', NULL, NULL, 'open'), ('ended', NULL, NULL, 'closed')"
+            )
+            await conn.execute(
+                "INSERT INTO orchestra.service_runs (id, replica, since, submission) "
+                "SELECT id, 'dead', now() - interval '1 minute', '{}' FROM orchestra.runs"
+            )
+            await conn.execute("UPDATE orchestra.service_runs SET since = now() WHERE id = 'young'")
+            taken = await asyncio.gather(
+                *(_take_over(looker, f"replica{i}", 2.0) for i, looker in enumerate(lookers))
+            )
+            ids = [row["id"] for rows in taken for row in rows]
+            assert sorted(ids) == sorted(f"r{i}" for i in range(1, 31))  # each once
+            again = await asyncio.gather(
+                *(_take_over(looker, f"replica{i}", 2.0) for i, looker in enumerate(lookers))
+            )
+            assert again == [[], [], []]  # taken: served now, since a moment
+        finally:
+            for one in (conn, *lookers):
+                await one.close()
 
 
 class TestSQLite:
