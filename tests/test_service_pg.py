@@ -10,6 +10,7 @@ import anyio
 import httpx
 import pytest
 
+from orchestra import Orchestrator, Task, agent
 from orchestra._service._events import key_of
 from orchestra._service._tokens import Tokens
 from tests.service_kit import server, serving
@@ -95,7 +96,7 @@ class TestOnPostgres:
 
 
 class TestTwoProcessesOnOneDatabase:
-    async def test_the_other_streams_the_run_and_refuses_to_control_it_naming_its_holder(
+    async def test_the_other_streams_the_run_and_controls_it_through_its_holder(
         self, store: PostgresStore, pg_dsn: str
     ) -> None:
         from orchestra.stores._postgres._store import PostgresStore
@@ -104,11 +105,23 @@ class TestTwoProcessesOnOneDatabase:
         try:
             async with serving(store) as first, serving(other_store) as second:
                 run_id = await first.submit({"tasks": [{"kind": "wait", "id": "a"}]})
-                held = await second.client.post(
+                paused = await second.client.post(
                     f"/api/runs/{run_id}/pause", headers=second.auth("control")
                 )
-                assert held.status_code == 409
-                assert held.json()["error"] == "held_elsewhere"
+                assert paused.status_code == 200, paused.text
+                assert paused.json() == {"run_id": run_id, "paused": True}
+                assert first.handle(run_id).paused
+                resumed = await second.client.post(
+                    f"/api/runs/{run_id}/resume", headers=second.auth("control")
+                )
+                assert resumed.json() == {"run_id": run_id, "paused": False}
+                assert not first.handle(run_id).paused
+                refused = await second.client.post(  # the first's refusal, passed on as it is
+                    f"/api/runs/{run_id}/cancel", json={"priority": [5, 1]}, headers=second.auth()
+                )
+                assert refused.status_code == 400
+                assert refused.json()["field"] == "priority"
+                assert "low <= high" in refused.json()["message"]
                 listed = (await second.client.get("/api/runs", headers=second.auth())).json()
                 assert [(r["id"], r["live"], r["held_by"] is not None) for r in listed["runs"]] == [
                     (run_id, False, True)
@@ -127,3 +140,78 @@ class TestTwoProcessesOnOneDatabase:
                 assert data[-1] == {"run_id": run_id}
         finally:
             await anyio.to_thread.run_sync(other_store.close)
+
+    async def test_a_request_no_replica_answers_is_a_503_and_withdrawn(
+        self, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import asyncpg
+
+        from orchestra._service import _replicas
+        from orchestra.stores._postgres._store import PostgresStore
+
+        monkeypatch.setattr(_replicas, "ANSWER_WITHIN", 0.5)
+        gate = anyio.Event()
+
+        @agent(kinds=["wait"])
+        async def wait(task: Task, ctx: object) -> None:
+            await gate.wait()
+
+        # A run a program holds (its lease renewed: nobody takes it over), written down as a
+        # replica's that is gone: a control request for it waits for an answer that never comes.
+        program_store = PostgresStore(pg_dsn, poll=0.2)
+        store = PostgresStore(pg_dsn, poll=0.2, lease=1.0)
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            async with (
+                Orchestrator(agents=[wait], store=program_store) as orch,
+                serving(store) as api,
+            ):
+                handle = orch.start(tasks=[Task(kind="wait", id="a")], run_id="orphan")
+                await handle.admitted()
+                await conn.execute(
+                    "INSERT INTO orchestra.service_runs (id, replica, submission) "
+                    "VALUES ('orphan', 'gone:1:x', '{}')"
+                )
+                answer = await api.client.post("/api/runs/orphan/pause", headers=api.auth())
+                assert answer.status_code == 503
+                assert answer.headers["Retry-After"] == "5"
+                assert "did not answer" in answer.json()["message"]
+                assert await conn.fetchval("SELECT count(*) FROM orchestra.service_control") == 0
+                assert not handle.paused
+                gate.set()
+                await handle
+        finally:
+            await conn.close()
+            await anyio.to_thread.run_sync(store.close)
+            await anyio.to_thread.run_sync(program_store.close)
+
+    async def test_control_of_a_run_a_program_holds_is_a_409_naming_it(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        from orchestra.stores._postgres._store import PostgresStore
+
+        gate = anyio.Event()
+
+        @agent(kinds=["wait"])
+        async def wait(task: Task, ctx: object) -> None:
+            await gate.wait()
+
+        program_store = PostgresStore(pg_dsn, poll=0.2)
+        try:
+            async with (
+                Orchestrator(agents=[wait], store=program_store) as orch,
+                serving(store) as api,
+            ):
+                handle = orch.start(tasks=[Task(kind="wait", id="a")], run_id="program")
+                await handle.admitted()
+                with anyio.fail_after(10):
+                    while (await anyio.to_thread.run_sync(store.run_info, "program")) is None:
+                        await anyio.sleep(0.05)
+                held = await api.client.post("/api/runs/program/pause", headers=api.auth("control"))
+                assert held.status_code == 409
+                assert held.json()["error"] == "held_elsewhere"
+                assert "another process" in held.json()["message"]
+                gate.set()
+                await handle
+        finally:
+            await anyio.to_thread.run_sync(program_store.close)

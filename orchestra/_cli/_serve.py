@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final
@@ -59,7 +60,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(USAGE)
 
 
-def _store(db: Path | None, dsn: str | None) -> Any:
+def _store(db: Path | None, dsn: str | None, lease: float | None = None) -> Any:
     """The store of `--db` or `--dsn` (./orchestra.db without either)."""
     if db is not None and dsn is not None:
         raise _fail("give --db FILE or --dsn URL, not both")
@@ -70,7 +71,7 @@ def _store(db: Path | None, dsn: str | None) -> Any:
             from ..stores._postgres._store import PostgresStore
         except ImportError as exc:
             raise _fail(str(missing_extra("--dsn", "postgres", exc))) from None
-        return PostgresStore(dsn)
+        return PostgresStore(dsn) if lease is None else PostgresStore(dsn, lease=lease)
     except (ConfigError, StoreError) as exc:
         raise _fail(str(exc)) from None
 
@@ -124,12 +125,25 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    lease: Annotated[
+        float | None,
+        typer.Option(
+            "--lease",
+            metavar="SECONDS",
+            help="With --dsn: how long this replica's hold on its runs lasts unrenewed (renewed "
+            "every third of it): a replica killed has its runs taken over by another this long "
+            "after (default 30).",
+            min=0.1,
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the REST API: submit, watch and steer runs over HTTP (the service extra).
 
     Every endpoint but /health and /ready needs a bearer token: make one with `orchestra tokens
     create --role ROLE` on the same --db or --dsn. SIGTERM or Ctrl-C stops gracefully: no new
-    request, the live runs stopped within --grace.
+    request, the live runs stopped within --grace. Several replicas may serve one --dsn; a SQLite
+    file is served by one process.
     """
     try:
         import uvicorn
@@ -141,7 +155,11 @@ def serve(
         orch: Orchestrator = load_orchestrator(agents)
     except (ConfigError, InputError) as exc:
         raise _fail(str(exc)) from None
-    store = _store(db, dsn)
+    if lease is not None and dsn is None:
+        raise _fail("--lease is for --dsn (replicas on PostgreSQL); a SQLite file has one")
+    # One service process per SQLite file: held until this process ends.
+    lock = _serve_lock(db or DEFAULT_DB) if dsn is None else None
+    store = _store(db, dsn, lease)
     try:
         if workers_token is not None:
             from .._service._tokens import Tokens
@@ -162,6 +180,44 @@ def serve(
         raise _fail(str(exc)) from None
     finally:
         store.close()
+        if lock is not None:
+            lock.close()
+
+
+def _serve_lock(db: Path) -> Any:
+    """Hold the lock that says a service process serves the SQLite file `db`, or fail saying
+    which process does. A SQLite file is one machine's, and a service process keeps the runs it
+    started in its memory (their control, their results): a second one would start runs the
+    first cannot control nor take over. An OS lock on a file beside it (``FILE.serve.lock``),
+    which the system lets go of when the process ends however it ends (a SIGKILL too): no stale
+    lock to clean up. (fcntl's, as the embedded PostgreSQL server's directory lock; not on
+    Windows, where the lock is not taken.)"""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    path = db.with_name(db.name + ".serve.lock")
+    try:
+        lock = open(path, "a+")  # noqa: SIM115 - held open for the process's life
+    except OSError as exc:
+        raise _fail(
+            f"cannot make {path} (the lock of the one process serving {db}): {exc}"
+        ) from None
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        pid = lock.read().strip() or "unknown"
+        lock.close()
+        raise _fail(
+            f"another `orchestra serve` (pid {pid}) serves {db}: a SQLite file is served by one "
+            "process (one machine's file); to run several replicas, serve a PostgreSQL database "
+            "(--dsn)"
+        ) from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 tokens_app = typer.Typer(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -70,11 +71,14 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with orchestrator:
+        async with orchestrator, anyio.create_task_group() as tg:
+            if service.replicas is not None:  # PostgreSQL: the other replicas' requests, take-over
+                await tg.start(service.replicas.serve)
             try:
                 yield
             finally:
                 await service.shutdown()
+                tg.cancel_scope.cancel()
 
     app = FastAPI(
         title="orchestra",

@@ -107,7 +107,8 @@ _MEANINGS: Final = {
     404: "No such run or task.",
     409: "The run is in a state that does not allow this (still running, held elsewhere).",
     413: "The request body is larger than the service accepts (--max-body).",
-    503: "The store's database cannot be used now.",
+    503: "The store's database cannot be used now (or the replica that runs the run did not "
+    "answer in time).",
 }
 
 

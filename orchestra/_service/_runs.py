@@ -137,9 +137,14 @@ async def get_run(run: KnownRun, service: ServiceDep) -> RunSummary:
     responses=responses(401, 403, 404, 409),
 )
 async def get_result(run_id: RunPath, run: KnownRun, service: ServiceDep) -> RunResult:
-    """The run's `RunResult`: 409 while it runs, or when this process did not run it (the store
-    keeps every task's end, not the aggregate: read its journal and dead letters)."""
+    """The run's `RunResult`: 409 while it runs, or when no service process on the store ran it
+    to its end (the store keeps every task's end, not the aggregate: read its journal and dead
+    letters). On PostgreSQL, every replica answers the result of a run any of them ran."""
     handle = service.handle(run_id)
+    if handle is None and service.replicas is not None:
+        kept = await service.replicas.result(run_id)
+        if kept is not None:
+            return RunResult.model_validate(kept)
     if handle is None:
         raise Refused(
             409,
@@ -162,13 +167,20 @@ async def get_result(run_id: RunPath, run: KnownRun, service: ServiceDep) -> Run
     "/{run_id}/status",
     response_model=StatusOut,
     dependencies=_read,
-    responses=responses(401, 403, 404, 409),
+    responses=responses(401, 403, 404, 409, 503),
 )
 async def get_status(run_id: RunPath, run: KnownRun, service: ServiceDep) -> dict[str, Any]:
     """The run's `RunStatus` (as ``handle.status()``): counts, progress, throughput, ETA,
-    agents, queue by priority, bottleneck, recent errors. Only for a run this process runs or
-    ran."""
+    agents, queue by priority, bottleneck, recent errors. For a run this process runs or ran, or
+    (on PostgreSQL) one another replica runs, asked of it."""
     handle = service.handle(run_id)
+    if (
+        handle is None
+        and service.replicas is not None
+        and run.get("state") == "open"
+        and await service.replicas.passes_on(run_id)
+    ):
+        return await service.replicas.ask(run_id, "status", {}, within=0.0)
     if handle is None:
         raise Refused(
             409,
@@ -180,7 +192,7 @@ async def get_status(run_id: RunPath, run: KnownRun, service: ServiceDep) -> dic
     return handle.status().to_dict()
 
 
-_CONTROL_ERRORS = responses(400, 401, 403, 404, 409)
+_CONTROL_ERRORS = responses(400, 401, 403, 404, 409, 503)
 
 
 @router.post(
@@ -188,9 +200,7 @@ _CONTROL_ERRORS = responses(400, 401, 403, 404, 409)
 )
 async def pause(run_id: RunPath, service: ServiceDep) -> Control:
     """Start no new attempt (the running ones finish)."""
-    handle = await service.live_handle(run_id)
-    handle.pause()
-    return Control(run_id=run_id, paused=handle.paused)
+    return Control.model_validate(await service.control(run_id, "pause", {}))
 
 
 @router.post(
@@ -198,9 +208,7 @@ async def pause(run_id: RunPath, service: ServiceDep) -> Control:
 )
 async def resume(run_id: RunPath, service: ServiceDep) -> Control:
     """Start attempts again after a pause."""
-    handle = await service.live_handle(run_id)
-    handle.resume()
-    return Control(run_id=run_id, paused=handle.paused)
+    return Control.model_validate(await service.control(run_id, "resume", {}))
 
 
 @router.post(
@@ -209,21 +217,8 @@ async def resume(run_id: RunPath, service: ServiceDep) -> Control:
 async def cancel(run_id: RunPath, body: CancelRequest, service: ServiceDep) -> Cancelled:
     """Cancel the unfinished tasks that match every selector given (as `RunHandle.cancel`):
     running attempts are cancelled, waiting tasks removed, their dependents skipped."""
-    handle = await service.live_handle(run_id)
-    done = handle.cancel(
-        task_id=body.task_id,
-        kind=body.kind,
-        tag=body.tag,
-        agent=body.agent,
-        priority=body.priority,
-        reason=body.reason,
-    )
-    return Cancelled(
-        reason=done.reason,
-        cancelled=list(done.cancelled),
-        skipped=list(done.skipped),
-        deferred=done.deferred,
-    )
+    args = body.model_dump(mode="json", exclude_unset=True)
+    return Cancelled.model_validate(await service.control(run_id, "cancel", args))
 
 
 @router.post(
@@ -234,9 +229,9 @@ async def stop(
 ) -> RunResult:
     """End the run gracefully: no new attempt, the running ones get `grace` seconds, then the
     rest is cancelled. Answers its `RunResult` (status "cancelled") once it ended."""
-    handle = await service.live_handle(run_id)
     body = body or StopRequest()
-    return await handle.stop(body.grace, reason=body.reason)
+    args = body.model_dump(mode="json")
+    return RunResult.model_validate(await service.control(run_id, "stop", args, within=body.grace))
 
 
 @router.post(
@@ -249,8 +244,8 @@ async def reprioritize(
     run_id: RunPath, body: ReprioritizeRequest, service: ServiceDep
 ) -> Reprioritized:
     """Change the priority of a task that waits (smaller runs first)."""
-    handle = await service.live_handle(run_id)
-    return Reprioritized(changed=handle.reprioritize(body.task_id, body.priority))
+    answer = await service.control(run_id, "reprioritize", body.model_dump(mode="json"))
+    return Reprioritized.model_validate(answer)
 
 
 _TASK_PATH = Annotated[str, Path(min_length=1, max_length=1000)]

@@ -4,9 +4,10 @@ app's lifespan), the store they are kept in, its tokens, and the runs this servi
 A run this service started is *live* here while it goes on: its `RunHandle` answers control
 (pause, resume, cancel, stop, reprioritize) and status. Everything else about a run (the list,
 its journal, its dead letters, a task) is read from the store, so it answers as well for runs
-that ended before this process started or that another process runs. Control of a run another
-process holds is refused (409) naming that process: several replicas serving one database take
-over each other's runs in a later step, and nothing here assumes this process is the only one.
+that ended before this process started or that another process runs. On PostgreSQL, control of
+a run another replica runs is passed to it through the database, and the runs of a replica that
+died are taken over (`_replicas.py`); control of a run another kind of process holds (``orchestra
+run --dsn``, a program's own run) is refused (409) naming that process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import anyio.to_thread
@@ -25,6 +26,7 @@ import anyio.to_thread
 from .._exceptions import ConfigError
 from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
+from ._control import act
 from ._errors import Refused
 from ._tokens import Tokens
 
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from .._core._handle import RunHandle
     from .._core._orchestrator import Orchestrator
     from .._spec import TaskSpec
+    from ..stores._postgres._store import PostgresStore
+    from ._replicas import Replicas
 
 __all__ = ("Service",)
 
@@ -63,6 +67,12 @@ class Service:
             )
         self.orchestrator = orchestrator
         self.store: Any = store
+        # Several replicas on one PostgreSQL database; a SQLite file has one service process.
+        self.replicas: Replicas | None = None
+        if not isinstance(store, SQLiteStore):
+            from ._replicas import Replicas
+
+            self.replicas = Replicas(self, cast("PostgresStore", store))
         self.tokens = Tokens(store)
         self.grace = grace
         self.metrics = metrics
@@ -96,14 +106,17 @@ class Service:
         input: Any,
         run_id: str | None,
         key: str | None,
+        paused: bool = False,
     ) -> tuple[str, bool]:
         """Start a run (or find the one the same request started, or resume it); its id, and
         whether it is new. With an idempotency `key`, the run's id is the key's own
         (`key_run_id`) unless `run_id` names it: every replica on the store maps one key to one
-        run."""
+        run. `paused`: the run starts paused (a run taken over as it was left)."""
         if key is not None:
             run_id = self.keys.get(key) or run_id or key_run_id(key)
         self.prune()
+        if run_id is None and self.replicas is not None:
+            run_id = new_run_id()  # known before it starts: written down for the other replicas
         if run_id is None:
             return await self._start(tasks, input, None, None), True
         lock = self._starting.setdefault(run_id, anyio.Lock())
@@ -119,17 +132,25 @@ class Service:
                     # no process runs (its process died, or a retry reopened tasks) is resumed
                     # below with this input: what succeeded is not run again.
                     return run_id, False
-                await self._start(tasks, input, run_id, key)
+                await self._start(tasks, input, run_id, key, paused)
                 return run_id, stored is None
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._starting.pop(run_id, None)
 
     async def _start(
-        self, tasks: list[TaskSpec] | None, input: Any, run_id: str | None, key: str | None
+        self,
+        tasks: list[TaskSpec] | None,
+        input: Any,
+        run_id: str | None,
+        key: str | None,
+        paused: bool = False,
     ) -> str:
         """Start the run and wait for its input's admission; its id."""
         orch = self.orchestrator
+        registered = False
+        if self.replicas is not None and run_id is not None and (tasks or input is not None):
+            registered = await self.replicas.register(run_id, submission(tasks, input), paused)
         if tasks is not None:
             handle = orch.start(tasks=[spec.task() for spec in tasks], run_id=run_id)
         else:
@@ -142,6 +163,8 @@ class Service:
                     field="input",
                 )
             handle = orch.start(input, run_id=run_id)
+        if paused:
+            handle.pause()  # before its first attempt
         self.live[handle.run_id] = handle
         if key is not None:
             self.keys[key] = handle.run_id
@@ -151,7 +174,12 @@ class Service:
             self.live.pop(handle.run_id, None)
             if key is not None:
                 self.keys.pop(key, None)
+            if registered and self.replicas is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.replicas.forget(handle.run_id)
             raise
+        if self.replicas is not None:
+            self.replicas.follow(handle)
         return handle.run_id
 
     def prune(self) -> None:
@@ -160,7 +188,10 @@ class Service:
             self._ended(handle)
 
     async def shutdown(self) -> None:
-        """Stop the live runs, each with `grace` for its running attempts."""
+        """Stop the live runs, each with `grace` for its running attempts (on PostgreSQL, given
+        up for another replica to take over)."""
+        if self.replicas is not None:
+            self.replicas.closing = True
         async with anyio.create_task_group() as tg:
             for handle in list(self.live.values()):
                 if not handle.done:
@@ -188,6 +219,30 @@ class Service:
             404, "not_found", f"no run {run_id!r} in this service's store", field="run_id"
         )
 
+    async def control(
+        self, run_id: str, op: str, args: dict[str, Any], *, within: float | None = 0.0
+    ) -> dict[str, Any]:
+        """`op` (`_control.OPS`) done to `run_id` with `args`, its answer as JSON: here when it
+        runs here; on PostgreSQL, by the replica that runs it, asked through the database
+        (`within`: seconds more it may take, a stop's grace); else a 404 or 409 as
+        `live_handle` says."""
+        handle = self.handle(run_id)
+        if handle is not None and not handle.done:
+            answer = await act(handle, op, args)
+            if op in ("pause", "resume") and self.replicas is not None:
+                await self.replicas.paused(run_id, handle.paused)
+            return answer
+        run = await self.run_record(run_id)
+        if (
+            (handle is None or handle.done)  # (one that ended here, resumed elsewhere since)
+            and self.replicas is not None
+            and run.get("state") == "open"
+            and await self.replicas.passes_on(run_id)
+        ):
+            return await self.replicas.ask(run_id, op, args, within=within)
+        await self.live_handle(run_id)  # the refusal that says why
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def live_handle(self, run_id: str) -> RunHandle:
         """The handle of `run_id` to control it: 404 when the store has no such run, 409 when
         it is over or another process runs it."""
@@ -210,6 +265,14 @@ class Service:
             "not controlled",
             field="run_id",
         )
+
+
+def submission(tasks: list[TaskSpec] | None, input: Any) -> dict[str, Any]:
+    """The request a run came with, as `SubmitRun` reads it back (a replica that takes the run
+    over admits it again when the database lacks some of its input)."""
+    if tasks is not None:
+        return {"tasks": [t.model_dump(mode="json", exclude_unset=True) for t in tasks]}
+    return {"input": input}
 
 
 def key_run_id(key: str) -> str:

@@ -298,7 +298,39 @@ _V4 = (
     )""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+_V5 = (
+    # The runs the service's replicas (``orchestra serve --dsn``) were asked to run: the request
+    # that started each (`submission`, its tasks or its input, to resume it by when the database
+    # lacks some of its input), the replica that serves it now (`replica`, a coordinator's name;
+    # NULL once it ended there) and since when (`since`), whether it was paused, and once it
+    # ended its `RunResult` (`result`), so that any replica answers it.
+    """CREATE TABLE orchestra.service_runs (
+        id text PRIMARY KEY,
+        replica text,
+        since timestamptz NOT NULL DEFAULT now(),
+        submission json NOT NULL,
+        paused boolean NOT NULL DEFAULT false,
+        result json
+    )""",
+    "CREATE INDEX service_runs_served ON orchestra.service_runs (replica) WHERE replica IS NOT NULL",
+    # Control of a run asked of a replica that does not run it (pause, resume, cancel, stop,
+    # reprioritize, status), for the replica that does: it takes the row (`taken_by`), acts on its
+    # run and writes the answer (`status`, `answer`), which the replica asked returns.
+    """CREATE TABLE orchestra.service_control (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        run_id text NOT NULL,
+        op text NOT NULL,
+        args json NOT NULL,
+        asked timestamptz NOT NULL DEFAULT now(),
+        taken_by text,
+        status integer,
+        answer json
+    )""",
+    "CREATE INDEX service_control_waiting ON orchestra.service_control (run_id) "
+    "WHERE taken_by IS NULL",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 
