@@ -33,6 +33,7 @@ import asyncpg
 from ..._exceptions import StoreError
 from ._leases import SERVER_SETTINGS
 from ._schema import migrate
+from ._sessions import application_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -82,6 +83,8 @@ class Database:
         # once it sat idle inside a transaction this long (shorter than a lease, so that what
         # waits for its lease to lapse is not held up by its locks as well).
         self.settings = dict(SERVER_SETTINGS)
+        # Whose sessions these are, for a process that finds this one stalled (`_sessions`).
+        self.settings["application_name"] = application_name()
         if idle_in_transaction is not None:
             self.settings["idle_in_transaction_session_timeout"] = (
                 f"{max(1, int(idle_in_transaction * 1000))}ms"

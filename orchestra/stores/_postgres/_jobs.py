@@ -29,6 +29,7 @@ from . import _leases as leases
 from ._graph import admit_in
 from ._listen import notify
 from ._rows import load
+from ._sessions import cut_off
 from ._settle import RETRIES, close_input
 
 if TYPE_CHECKING:
@@ -114,13 +115,19 @@ async def open_run(
         return holder, [], [], []
     await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
     # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
-    # they held is taken back now, not when its lease would lapse.
-    expired = await conn.fetchval(
-        "WITH before AS (SELECT DISTINCT agent FROM orchestra.events "
-        "WHERE run_id = $1 AND event = 'coordinator' AND agent <> $2) "
-        "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second' "
-        "WHERE run_id = $1 AND lease_owner IN (SELECT agent FROM before) RETURNING 1",
+    # they held is taken back now, not when its lease would lapse; and a stopped one's session
+    # stalled mid-statement would hold those rows for as long as it is stopped (`_sessions`).
+    found = await conn.fetch(
+        "SELECT DISTINCT agent FROM orchestra.events "
+        "WHERE run_id = $1 AND event = 'coordinator' AND agent <> $2",
         run_id, owner,
+    )  # fmt: skip
+    before = [row[0] for row in found]
+    await cut_off(conn, before, lease / 3)
+    expired = await conn.fetchval(
+        "UPDATE orchestra.tasks SET lease_expires = now() - interval '1 second' "
+        "WHERE run_id = $1 AND lease_owner = ANY ($2::text[]) RETURNING 1",
+        run_id, before,
     )  # fmt: skip
     if expired:
         await leases.take_back_expired(conn, run_id)

@@ -50,6 +50,7 @@ from .._protocol import KEEP
 from ._graph import admit_in
 from ._keys import admit_spawned, finish_tasks
 from ._listen import ENDED, channel_of
+from ._sessions import cut_off
 from ._settle import QUEUE_STEP, settle, transaction
 
 if TYPE_CHECKING:
@@ -568,6 +569,15 @@ async def requeue(
     return {(row[0], row[1]) for row in rows}
 
 
+_LAPSED = """
+SELECT DISTINCT lease_owner FROM orchestra.tasks
+WHERE lease_owner IS NOT NULL AND lease_expires < now() AND ($1::text IS NULL OR run_id = $1)
+"""
+
+STALLED: Final = 1.0
+"""Seconds a lapsed owner's session may wait for its client inside a transaction before a sweep
+ends it (`_sessions.cut_off`)."""
+
 _TAKE_BACK = """
 WITH expired AS (
     SELECT t.run_id, t.id, t.lease_owner, t.token FROM orchestra.tasks AS t
@@ -620,6 +630,9 @@ async def take_back_expired(
     at once: each expired lease is taken back by one of them."""
 
     async def step(conn: asyncpg.Connection) -> list[TakenBack]:
+        # The rows of a lapsed owner stalled mid-statement stay locked (and skipped) for as long
+        # as it is stopped: its stalled sessions are ended first (`_sessions`).
+        await cut_off(conn, [row[0] for row in await conn.fetch(_LAPSED, run_id)], STALLED)
         taken = [
             TakenBack._make(row) for row in await conn.fetch(_TAKE_BACK, run_id, max_lost, limit)
         ]
