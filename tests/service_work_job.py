@@ -1,12 +1,12 @@
 """The service as a real process for tests/test_service_workers.py: uvicorn serving the app on
 127.0.0.1, over a SQLite file or a PostgreSQL database with a short lease.
 
-``python tests/service_work_job.py (--db FILE | --dsn URL) --port P --lease L [--token T]``
-serves until killed. With ``--token``, that text is kept as a worker token (as ``orchestra serve
---workers-token`` keeps one). Its orchestrator's agent for kinds ``work`` and ``other``, ``here``,
-takes one task at a time and appends ``<task id> service`` to ``$WORKER_CALLS`` before it returns:
-the service coordinates the submitted runs and may run a few of their tasks itself, the HTTP
-workers run the rest.
+``python tests/service_work_job.py (--db FILE | --dsn URL) --port P --lease L --token T --admin A
+[--paused]`` serves until killed, with T kept as a worker token and A as an admin one (as
+``orchestra serve --workers-token`` keeps one). Its orchestrator's agent for kinds ``work`` and
+``other``, ``here``, takes one task at a time and appends ``<task id> service`` to
+``$WORKER_CALLS`` before it returns. With ``--paused``, every run it starts is paused at once (as
+a test's coordinator pauses its run): the service coordinates, the HTTP workers run every task.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import anyio
 import uvicorn
 
-from orchestra import Context, Orchestrator, Task, agent
+from orchestra import Context, Orchestrator, RunHandle, Task, agent
+from orchestra._service._tokens import Tokens
 from orchestra.service import create_app
 
 
@@ -38,13 +39,24 @@ async def here(task: Task, ctx: Context) -> Any:
     return task.payload * 2
 
 
+class Paused(Orchestrator):
+    """An orchestrator whose runs start paused: it runs none of their tasks itself."""
+
+    def start(self, input: Any = None, **options: Any) -> RunHandle:
+        handle = super().start(input, **options)
+        handle.pause()
+        return handle
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--db")
     parser.add_argument("--dsn")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--lease", type=float, required=True)
-    parser.add_argument("--token")
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--admin", required=True)
+    parser.add_argument("--paused", action="store_true")
     args = parser.parse_args()
     store: Any
     if args.db:
@@ -55,11 +67,11 @@ def main() -> None:
         from orchestra.stores._postgres._store import PostgresStore
 
         store = PostgresStore(args.dsn, lease=args.lease, poll=0.5)
-    if args.token:
-        from orchestra._service._tokens import Tokens
-
-        Tokens(store).ensure(args.token, "worker", "test workers")
-    app = create_app(Orchestrator(agents=[here], store=store, seed=1), grace=0.0)
+    tokens = Tokens(store)
+    tokens.ensure(args.token, "worker", "test workers")
+    tokens.ensure(args.admin, "admin", "test admin")
+    orch = (Paused if args.paused else Orchestrator)(agents=[here], store=store, seed=1)
+    app = create_app(orch, grace=0.0)
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:
