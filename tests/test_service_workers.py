@@ -33,9 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-REPORT = re.compile(
-    r"(\d+) claimed, (\d+) completed, (\d+) refused, (\d+) lost, (\d+) handed back"
-)
+REPORT = re.compile(r"(\d+) claimed, (\d+) completed, (\d+) refused, (\d+) lost, (\d+) handed back")
 
 
 async def until(condition: Callable[[], bool], within: float = 30.0) -> None:
@@ -159,9 +157,8 @@ class Worker:
         assert self.process.returncode == 0, text
         found = REPORT.search(text)
         assert found is not None, text
-        return dict(
-            zip(("claimed", "completed", "refused", "lost", "released"), map(int, found.groups()))
-        )
+        keys = ("claimed", "completed", "refused", "lost", "released")
+        return dict(zip(keys, map(int, found.groups()), strict=True))
 
 
 def sqlite_service(tmp_path: Path, lease: float) -> Service:
@@ -313,9 +310,7 @@ class TestHttpWorkersOnPostgres:
             conn = await asyncpg.connect(pg_dsn)
             try:
                 return int(
-                    await conn.fetchval(
-                        "SELECT count(*) FROM orchestra.workers WHERE gone IS NULL"
-                    )
+                    await conn.fetchval("SELECT count(*) FROM orchestra.workers WHERE gone IS NULL")
                 )
             finally:
                 await conn.close()
