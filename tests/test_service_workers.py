@@ -417,7 +417,7 @@ class TestWorkerTokens:
             token_id = await _hello(api.client, api.tokens["worker"])
             name = worker_name("host", 1, token_id, "x")
             headers = api.auth("worker")
-            beat = {"held": []}
+            beat: dict[str, list[Any]] = {"held": []}
             answer = await api.client.post(
                 f"/api/workers/{name}/heartbeat", json=beat, headers=headers
             )
