@@ -68,6 +68,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _start_service(
+    dsn: str, port: int, worker_token: str, admin_token: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.service", "serve", dsn, str(port), worker_token,
+         admin_token],
+        cwd=postgres.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 async def _measure(dsn: str, n: int, path: str, workers: int) -> dict[str, Any]:
     import asyncpg
     import httpx
@@ -75,11 +85,7 @@ async def _measure(dsn: str, n: int, path: str, workers: int) -> dict[str, Any]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     worker_token, admin_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-    service = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.service", "serve", dsn, str(port), worker_token,
-         admin_token],
-        cwd=postgres.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    service = _start_service(dsn, port, worker_token, admin_token)
     command = ["worker-http", url, worker_token] if path == "http" else ["worker-db", dsn]
     procs = postgres.Processes([command] * workers, module="benchmarks.service")
     probe = await asyncpg.connect(dsn)

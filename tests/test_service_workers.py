@@ -27,7 +27,7 @@ from orchestra._service._tokens import Tokens
 from orchestra.stores import SQLiteStore
 from orchestra.stores._http._wire import worker_name
 from tests.helpers import spawn
-from tests.service_kit import free_port, serving
+from tests.service_kit import free_port, server, serving
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -435,3 +435,52 @@ class TestWorkerTokens:
                 f"/api/workers/{name}/heartbeat", json=beat, headers=headers
             )
             assert answer.status_code == 409
+
+
+class TestTheWorkerCommand:
+    def test_it_takes_exactly_one_of_db_dsn_and_url_and_url_needs_a_token(
+        self, tmp_path: Path
+    ) -> None:
+        from typer.testing import CliRunner
+
+        from orchestra._cli._app import app
+
+        def worker(*args: str) -> tuple[int, str]:
+            done = CliRunner().invoke(
+                app, ["worker", "--agents", "tests/worker_job.py:agents", *args],
+                env={"ORCHESTRA_TOKEN": ""},
+            )  # fmt: skip
+            return done.exit_code, " ".join(done.output.split())
+
+        db = tmp_path / "runs.db"
+        SQLiteStore(db).runs()
+        code, said = worker("--db", str(db), "--url", "http://127.0.0.1:9")
+        assert code == 2
+        assert "exactly one of --db FILE (SQLite), --dsn" in said
+        code, said = worker("--url", "http://127.0.0.1:9")
+        assert code == 2
+        assert "--url needs a worker token" in said
+        code, said = worker("--url", "127.0.0.1:9", "--token", "x" * 40)
+        assert code == 2
+        assert "http:// or https://" in said
+
+    @pytest.mark.subprocess
+    async def test_a_token_without_the_worker_role_stops_it_with_the_services_refusal(
+        self, tmp_path: Path
+    ) -> None:
+        async with serving(SQLiteStore(tmp_path / "runs.db")) as api, server(api.app) as url:
+            process = spawn(
+                [sys.executable, "-m", "orchestra", "worker", "--url", url, "--agents",
+                 "tests/worker_job.py:agents"],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO), "ORCHESTRA_TOKEN": api.tokens["read"]},
+            )  # fmt: skip
+            with anyio.fail_after(30):
+                while process.poll() is None:
+                    await anyio.sleep(0.05)
+            assert process.stderr is not None
+            said = " ".join(process.stderr.read().split())
+            assert process.returncode == 2, said
+            assert "refused GET /api/workers/hello (403)" in said
+            assert "has the role 'read'" in said
+            assert api.tokens["read"] not in said

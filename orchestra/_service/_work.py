@@ -40,13 +40,13 @@ from .._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED, Attempt, Task, TaskRe
 from ..stores._http._wire import (
     MAX_WAIT,
     NAME_PATTERN,
-    AttemptIn,
     Claimed,
     ClaimedTask,
     ClaimRequest,
     Closed,
     Completed,
     CompleteRequest,
+    FailedAttempt,
     Heartbeat,
     HeartbeatRequest,
     Hello,
@@ -243,7 +243,7 @@ async def _session(name: NamePath, token: WorkerToken, workers: WorkersDep) -> S
 SessionDep = Annotated[Session, Depends(_session)]
 
 _ERRORS: Final[dict[int | str, dict[str, Any]]] = {
-    **responses(401, 403, 503),
+    **responses(400, 401, 403, 503),
     409: {"model": ErrorBody, "description": "The worker is not present here: present it again."},
 }
 
@@ -342,7 +342,7 @@ async def heartbeat(session: SessionDep, body: HeartbeatRequest) -> Heartbeat:
     return Heartbeat(lost=[TaskRef(run_id=r, id=i) for r, i in sorted(lost)])
 
 
-def _attempt(a: AttemptIn) -> Attempt:
+def _attempt(a: FailedAttempt) -> Attempt:
     return Attempt(
         number=a.number, agent=a.agent, error_type=a.error_type, message=a.message,
         started=a.started, duration=a.duration, retry_in=a.retry_in, traceback=a.traceback,

@@ -19,7 +19,6 @@ __all__ = (
     "MAX_BATCH",
     "MAX_WAIT",
     "NAME_PATTERN",
-    "AttemptIn",
     "ClaimRequest",
     "Claimed",
     "ClaimedTask",
@@ -27,6 +26,7 @@ __all__ = (
     "CompleteRequest",
     "Completed",
     "End",
+    "FailedAttempt",
     "Heartbeat",
     "HeartbeatRequest",
     "Hello",
@@ -147,7 +147,7 @@ class Heartbeat(BaseModel):
     lost: list[TaskRef] = Field(description="The tasks of `held` no longer held.")
 
 
-class AttemptIn(_In):
+class FailedAttempt(_In):
     """A failed attempt (`orchestra.Attempt`); `started` counts from the request's `wall0`."""
 
     number: int = Field(ge=1)
@@ -195,7 +195,7 @@ class End(_In):
     defaulted: bool = False
     attempts: int = Field(ge=0)
     started: float | None = None
-    failures: list[AttemptIn] = []
+    failures: list[FailedAttempt] = []
     spawned: list[Spawn] | None = None
 
 
@@ -203,7 +203,7 @@ class Note(_In):
     """A failed attempt of a held task that goes on (a retry), written as it fails."""
 
     lease: Lease
-    attempt: AttemptIn
+    attempt: FailedAttempt
 
 
 class CompleteRequest(_In):
