@@ -484,3 +484,56 @@ class TestTheWorkerCommand:
             assert "refused GET /api/workers/hello (403)" in said
             assert "has the role 'read'" in said
             assert api.tokens["read"] not in said
+
+
+class TestInOneProcess:
+    async def test_a_worker_through_the_service_writes_its_spawns_and_its_retries(
+        self, tmp_path: Path
+    ) -> None:
+        """A worker in this process, over the app's ASGI transport: the task it runs fails once
+        (the failed attempt written as it fails, fenced), then spawns two tasks and succeeds; the
+        coordinator admits the spawns, names them, and the run ends with every output."""
+        from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
+        from orchestra.stores._http._worker import ServiceBackend
+        from orchestra.stores._worker import Worker
+
+        @agent(kinds=["wait"], name="splitter")
+        async def splitter(task: Task, ctx: Context) -> Any:
+            if ctx.attempt == 1:
+                raise RetryableError("not yet")
+            ctx.spawn(Task("echo", "x"))
+            ctx.spawn(Task("echo", "y", id="named"))
+            return "split"
+
+        @agent(kinds=["echo"], name="echo")
+        async def echo(task: Task, ctx: Context) -> Any:
+            return task.payload
+
+        store = SQLiteStore(tmp_path / "runs.db")
+        async with serving(store, concurrency=1) as api:
+            tasks = [{"kind": "wait", "id": "b0", "payload": 0},  # the coordinator's one slot
+                     {"kind": "wait", "id": "p", "priority": 1}]  # fmt: skip
+            await api.submit({"run_id": "r", "tasks": tasks})
+            transport = httpx.ASGITransport(app=api.app)
+            orch = Orchestrator(
+                agents=[splitter, echo], retry=RetryPolicy(base=0.01, cap=0.01), seed=1
+            )
+            async with (
+                orch,
+                ServiceBackend("http://service", api.tokens["worker"], transport=transport) as rb,
+            ):
+                with anyio.fail_after(30):
+                    await until(lambda: "b0" in api.calls)
+                    worker = Worker(orch, rb, "r", None, rb.poll)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(worker.run)
+                        await until(lambda: worker.report.completed >= 3)
+                        api.gate.set()  # the coordinator's blocker ends: so does the run
+            assert (worker.report.claimed, worker.report.refused) == (3, 0)
+            result = await api.handle("r")
+            assert result.data == {"b0": 0, "p": "split", "p/echo#1": "x", "named": "y"}
+        failed = rows(
+            tmp_path / "runs.db", "SELECT task_id, number, agent, error_type, message FROM attempts"
+        )
+        assert failed == [("p", 1, "splitter", "RetryableError", "not yet")]
+        assert rows(tmp_path / "runs.db", "SELECT attempts FROM tasks WHERE id = 'p'") == [(2,)]
