@@ -392,7 +392,7 @@ class TestWorkerTokens:
             assert answer.json() == {"accepted": [True]}
             api.gate.set()
 
-    async def test_every_worker_route_refuses_a_read_token_and_a_missing_one(
+    async def test_every_worker_route_refuses_a_missing_a_wrong_and_an_under_privileged_token(
         self, tmp_path: Path
     ) -> None:
         async with serving(SQLiteStore(tmp_path / "runs.db")) as api:
@@ -404,11 +404,22 @@ class TestWorkerTokens:
                 for method in methods
             ]
             assert len(routes) == 9
+            refusals = [
+                ({}, 401, "bearer token"),
+                ({"Authorization": "Bearer orch_not-a-token"}, 401, "not known"),
+                *[
+                    (api.auth(role), 403, "needs 'worker'")
+                    for role in ("submit", "read", "control")
+                ],
+            ]
             for method, path in routes:
-                for headers, status in [(api.auth("read"), 403), ({}, 401)]:
+                for headers, status, why in refusals:
                     answer = await api.client.request(method, path, headers=headers)
                     assert answer.status_code == status, (method, path, answer.text)
-                    assert answer.json()["error"] in ("forbidden", "unauthorized")
+                    assert why in answer.json()["message"]
+            for role in ("worker", "admin"):
+                answer = await api.client.get("/api/workers/hello", headers=api.auth(role))
+                assert answer.status_code == 200
 
     async def test_a_worker_not_present_is_told_so_and_present_again_it_is_served(
         self, tmp_path: Path
