@@ -318,6 +318,42 @@ class TestHttpWorkersOnPostgres:
         await three_workers_run_a_run(service, 1000, present)
 
 
+@pytest.mark.postgres
+@pytest.mark.subprocess
+class TestWakeUps:
+    async def test_a_long_poll_is_answered_when_the_database_says_work_is_ready(
+        self, pg_dsn: str
+    ) -> None:
+        from orchestra.stores._postgres._store import PostgresStore
+
+        store = PostgresStore(pg_dsn, poll=0.2)
+        try:
+            async with serving(store) as api:
+                headers = api.auth("worker")
+                name = worker_name("host", 1, await _hello(api.client, api.tokens["worker"]), "x")
+                present = {"run_id": "r", "kinds": ["echo"]}
+                answer = await api.client.post(
+                    f"/api/workers/{name}", json=present, headers=headers
+                )
+                assert answer.status_code == 200
+                waited: list[float] = []
+
+                async def wait() -> None:
+                    answer = await api.client.post(
+                        f"/api/workers/{name}/wait", json={"poll": 30}, headers=headers
+                    )
+                    waited.append(answer.json()["waited"])
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(wait)
+                    await anyio.sleep(0.3)  # the request waits
+                    await api.submit({"run_id": "r", "tasks": [{"kind": "echo", "id": "a"}]})
+                assert waited[0] < 30  # woken by the run's NOTIFY, not its poll's end
+                await api.handle("r")
+        finally:
+            await anyio.to_thread.run_sync(store.close)
+
+
 # -- the routes' authorization, against the app in this process ----------------------------------
 
 
