@@ -144,10 +144,12 @@ class Workers:
             old = self.sessions.get(name)
             if old is not None:
                 if old.alive and old.run_id == run_id and old.kinds == kinds:
+                    old.seen = time.monotonic()
                     return old
                 await self._close(old)
             session = Session(name, run_id, kinds, backend_of(self.store))
-            opened, failed = anyio.Event(), cast("list[Exception]", [])
+            opened = anyio.Event()
+            failed: list[Exception] = []  # what failed the presence's opening
             self.tg.start_soon(session.hold, opened, failed)
             await opened.wait()
             if failed:
