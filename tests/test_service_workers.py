@@ -584,3 +584,22 @@ class TestInOneProcess:
         )
         assert failed == [("p", 1, "splitter", "RetryableError", "not yet")]
         assert rows(tmp_path / "runs.db", "SELECT attempts FROM tasks WHERE id = 'p'") == [(2,)]
+
+
+class TestALostService:
+    async def test_a_call_it_never_answers_is_retried_for_the_budget_then_a_store_error(
+        self,
+    ) -> None:
+        import time
+
+        from orchestra import StoreError
+        from orchestra.stores._http._worker import ServiceBackend
+
+        url = f"http://127.0.0.1:{free_port()}"  # nobody listens
+        began = time.monotonic()
+        with pytest.raises(
+            StoreError, match=r"has not answered for 0\.\d s \(GET /api/workers/hello\)"
+        ):
+            async with ServiceBackend(url, "x" * 40, retry_for=0.5):
+                pass
+        assert time.monotonic() - began >= 0.5  # retried until its budget was spent
