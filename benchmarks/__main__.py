@@ -73,9 +73,9 @@ def run_child(case: Case, timeout: float) -> dict[str, Any]:
 
 
 def server_for(scenario: str) -> contextlib.AbstractContextManager[object]:
-    """What a scenario's children share: scenario 12's one PostgreSQL server, its DSN in their
-    environment."""
-    if scenario == "postgres":
+    """What a scenario's children share: scenario 12's one PostgreSQL server (13's too), its DSN
+    in their environment."""
+    if scenario in ("postgres", "service"):
         from .postgres import shared_server
 
         return shared_server()

@@ -56,7 +56,7 @@ def warmup_spec(spec: Spec) -> Spec:
 
 #: Scenarios whose workloads time themselves after their own untimed setup (their processes
 #: started and connected, their queues filled): a warm-up would start it all once more.
-SELF_TIMED = frozenset({"postgres"})
+SELF_TIMED = frozenset({"postgres", "service"})
 
 
 def measure(spec: Spec) -> dict[str, Any]:

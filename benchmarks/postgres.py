@@ -152,13 +152,18 @@ async def drop_database(dsn: str) -> None:
 
 
 class Processes:
-    """Benchmark processes (``python -m benchmarks.postgres MODE ...``) started untimed: each
-    prints ``ready`` once set up and then waits for ``go``."""
+    """Benchmark processes (``python -m benchmarks.postgres MODE ...``, or another `module`'s)
+    started untimed: each prints ``ready`` once set up and then waits for ``go``."""
 
-    def __init__(self, commands: list[list[str]], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        commands: list[list[str]],
+        env: dict[str, str] | None = None,
+        module: str = "benchmarks.postgres",
+    ) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.postgres", *command],
+                [sys.executable, "-m", module, *command],
                 cwd=ROOT,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -336,6 +336,10 @@ def markdown(
     if rows:
         lines += [f"{h2} {_title(results, 'postgres')}", "", *_postgres(rows), ""]
 
+    rows = _rows(summary, "service")
+    if rows:
+        lines += [f"{h2} {_title(results, 'service')}", "", *_service(rows), ""]
+
     for image in images:
         lines += [f"![{Path(image).stem}]({image_prefix}{image})", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -687,6 +691,35 @@ def _postgres(rows: list[Row]) -> list[str]:
             "`socket.gethostname()` replaced) it waits for the lease to lapse.",
         ]
     return lines
+
+
+def _service(rows: list[Row]) -> list[str]:
+    body = []
+    for r in sorted(rows, key=lambda r: (r.get("workers", 0), r["variant"])):
+        _, path, workers = r["variant"].split("_")
+        label = "`--url` (through the service)" if path == "http" else "`--dsn` (on the database)"
+        if "tasks_per_s" not in r:
+            body.append([workers, label, f"{r['n']:,}", _failed_cell(r), "", ""])
+            continue
+        x = r.get("x_db")
+        body.append(
+            [
+                workers,
+                label,
+                f"{r['n']:,}",
+                _spread(r["run_s"]),
+                _spread(r["tasks_per_s"]),
+                "" if x is None else f"{num(x)}x",
+            ]
+        )
+    return [
+        *_table(["workers", "path", "tasks", "run (s)", "tasks/s", "vs `--dsn`"], body),
+        "",
+        "No-op tasks of one run submitted to the service (`POST /api/runs`, untimed), its "
+        "coordinator running none of them; the worker processes started and connected before "
+        "the clock, which runs from their go to the last one's end of work (the run closed). "
+        "The same embedded PostgreSQL server as scenario 12, a fresh database per measurement.",
+    ]
 
 
 def _count(s: dict[str, float]) -> str:

@@ -97,6 +97,10 @@ class Sizes:
     pg_contenders: tuple[str, ...] = (
         "pg_orchestra", "pg_leases", "pg_raw", "pgqueuer", "procrastinate",
     )  # fmt: skip
+    #: Scenario 13, workers over HTTP: claim + complete of this many no-op tasks by each number
+    #: of worker processes, through the service and on the database.
+    svc_n: int = 10_000
+    svc_workers: tuple[int, ...] = (1, 2)
     limit: int = 100
     reps: int = 5
 
@@ -138,6 +142,8 @@ SMOKE = Sizes(
     pg_time_scale=0.4,
     pg_remote=False,
     pg_contenders=("pg_orchestra", "pg_raw", "pgqueuer"),
+    svc_n=200,
+    svc_workers=(1,),
     limit=10,
     reps=1,
 )
@@ -379,9 +385,20 @@ def plan(sizes: Sizes) -> list[Scenario]:
         ]
     )
 
+    svc = Scenario(
+        "service",
+        f"13. Workers over HTTP (the service, on scenario 12's server): {sizes.svc_n:,} no-op "
+        f"tasks claimed and completed by {', '.join(map(str, sizes.svc_workers))} `orchestra "
+        "worker --url` processes, against as many `--dsn` ones",
+    )
+    svc.groups.extend(
+        [Case(Spec("service", f"svc_{path}_{w}", sizes.svc_n, limit)) for path in ("http", "db")]
+        for w in sizes.svc_workers
+    )
+
     return [
         speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable,
-        failures, pg,
+        failures, pg, svc,
     ]  # fmt: skip
 
 
@@ -398,6 +415,7 @@ SCENARIOS = (
     "durable",
     "failures",
     "postgres",
+    "service",
 )
 
 #: Named sets of selectors. ``core-v2``: the rows issue 13's targets are read from, on asyncio;
@@ -417,6 +435,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     ),
     "sqlite": ("durable", "latency/orchestra", "latency/orchestra_sqlite"),
     "postgres": ("postgres",),
+    "service": ("service",),
 }
 
 

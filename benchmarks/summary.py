@@ -216,6 +216,12 @@ def _add_derived(rows: list[Row]) -> None:
                 )
                 if other:
                     row[f"x_{peer.removeprefix('pg_')}"] = rate / other
+        if spec.scenario == "service" and spec.variant.startswith("svc_http_"):
+            # Read against the database workers of as many processes, in the same run.
+            workers = row["workers"]
+            db = median(find(rows, scenario="service", variant=f"svc_db_{workers}"), "tasks_per_s")
+            if db and "tasks_per_s" in row:
+                row["x_db"] = row["tasks_per_s"]["median"] / db
         if spec.scenario == "failures" and spec.variant != "clean":
             # Read against the clean run: the buggy minority's target, the outage's time.
             clean = median(find(rows, scenario="failures", variant="clean"))

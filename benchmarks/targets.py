@@ -31,6 +31,7 @@ PG_WORKERS = 2
 PG_VS_RAW = 0.4
 PG_P50_MS = 10.0
 PG_TAKEOVER_SLACK_S = 1.0
+SVC_VS_DB = 0.5
 
 
 def _target(
@@ -54,6 +55,7 @@ def targets(rows: list[Row]) -> list[Row]:
         *_durable(rows),
         *_failures(rows),
         *_postgres(rows),
+        *_service(rows),
     ]
 
 
@@ -537,6 +539,27 @@ def _postgres(rows: list[Row]) -> list[Row]:
                 worst <= bound,
                 f"max over repetitions (median {num(row['takeover_s']['median'])} s); lease "
                 f"{num(row['lease_s'])} s",
+            )
+        )
+    return out
+
+
+def _service(rows: list[Row]) -> list[Row]:
+    """Issue 27: HTTP workers' claim + complete throughput against database workers'."""
+    out: list[Row] = []
+    for row in rows:
+        if row.get("scenario") != "service" or "x_db" not in row:
+            continue
+        workers = row["workers"]
+        x = row["x_db"]
+        out.append(
+            _target(
+                f"Workers over HTTP / on the database, tasks/s ({workers} worker"
+                f"{'s' if workers > 1 else ''}, N={row['n']:,})",
+                f"≥ {SVC_VS_DB:g}x",
+                x,
+                x >= SVC_VS_DB,
+                f"through the service {num(row['tasks_per_s']['median'])}/s",
             )
         )
     return out

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
-from . import claude, durable, failures, postgres, spawning
+from . import claude, durable, failures, postgres, service, spawning
 from .spec import Spec, latencies
 
 if TYPE_CHECKING:
@@ -474,6 +474,7 @@ VARIANTS: dict[str, Builder] = {
     },
     **dict.fromkeys(failures.VARIANTS, failures.failures),
     **dict.fromkeys(postgres.VARIANTS, postgres.build),
+    **dict.fromkeys(service.VARIANTS, service.build),
 }
 
 

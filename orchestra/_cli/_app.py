@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .._exceptions import ConfigError, InputError, StoreError
+from .._extras import missing_extra
 from .._failure import describe, format_traceback, scrub, with_type
 from .._version import __version__
 from ..stores import SQLiteStore
@@ -38,12 +39,13 @@ from ._runs import runs_app
 from ._serve import serve, tokens_app
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
+    from contextlib import AbstractAsyncContextManager
 
     from .._core._orchestrator import Orchestrator
     from .._result import RunResult
     from ..stores._postgres._store import PostgresStore
-    from ..stores._worker import WorkReport
+    from ..stores._worker import Backend, WorkReport
 
 __all__ = ("app", "main", "run_demo", "run_job")
 
@@ -380,6 +382,27 @@ def worker(
             show_default=False,
         ),
     ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            metavar="http://host:8000",
+            help="The service the runs are kept behind (`orchestra serve`): for a worker that "
+            "cannot reach the database. Needs --token.",
+            show_default=False,
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            metavar="TOKEN",
+            envvar="ORCHESTRA_TOKEN",
+            help="With --url: a bearer token of the worker role (`orchestra tokens create --role "
+            "worker`). Read from $ORCHESTRA_TOKEN too, out of the process list.",
+            show_default=False,
+        ),
+    ] = None,
     kinds: Annotated[
         str | None,
         typer.Option(
@@ -400,7 +423,7 @@ def worker(
             "--lease",
             metavar="SECONDS",
             help="How long a claim lasts without a heartbeat: a worker killed or paused longer "
-            "loses its tasks, which run again elsewhere.",
+            "loses its tasks, which run again elsewhere (with --url, the service's store says).",
             min=0.5,
         ),
     ] = 30.0,
@@ -409,7 +432,7 @@ def worker(
         typer.Option(
             "--grace",
             metavar="SECONDS",
-            help="With --dsn: on SIGTERM or Ctrl-C, how long the running attempts may take to "
+            help="With --dsn or --url: on SIGTERM or Ctrl-C, how long the running attempts may take to "
             "finish (a second signal cancels them at once).",
             min=0.0,
         ),
@@ -418,35 +441,47 @@ def worker(
     """Work for the runs of a shared store: claim ready tasks, run them, write back the results.
 
     Start as many as you like, on the file (--db) or the database (--dsn) the runs' own processes
-    use (`SQLiteStore(path)`, `PostgresStore(dsn)`). With --db, Ctrl-C or SIGTERM stops a worker at
-    once: what it claimed and did not finish goes back to the queue (exit 130). With --dsn, the
-    first signal drains it: it claims no more, lets the running attempts finish within --grace,
-    hands back the rest at once and exits 0; a second signal cancels at once (exit 130).
+    use (`SQLiteStore(path)`, `PostgresStore(dsn)`), or through the service that keeps them
+    (--url, with a worker token: `orchestra serve`). With --db, Ctrl-C or SIGTERM stops a worker at
+    once: what it claimed and did not finish goes back to the queue (exit 130). With --dsn or
+    --url, the first signal drains it: it claims no more, lets the running attempts finish within
+    --grace, hands back the rest at once and exits 0; a second signal cancels at once (exit 130).
 
     Exit code: 0 done (the run of --run-id is over, or drained), 130 stopped, 2 usage error.
     """
-    if (db is None) == (dsn is None):
+    if sum(x is not None for x in (db, dsn, url)) != 1:
         raise _fail(
-            "give exactly one of --db FILE (SQLite) and --dsn postgresql://... (PostgreSQL)"
+            "give exactly one of --db FILE (SQLite), --dsn postgresql://... (PostgreSQL) and "
+            "--url http://host:8000 (the service)"
         )
     if db is not None and not db.is_file():
         raise _fail(f"no such file: {db} (a run creates it: orch.run(..., run_id=...))")
+    if url is not None and not token:
+        raise _fail("--url needs a worker token: --token TOKEN, or $ORCHESTRA_TOKEN")
     orch = _load(agents)
+    wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
     try:
-        store: SQLiteStore | PostgresStore
-        if db is not None:
-            store = SQLiteStore(db, lease=lease)
-            drain = None
+        if url is not None:
+            assert token is not None
+            remote = _service_backend(url, token)
+            report, interrupted = asyncio.run(_work(orch, remote, wanted, run_id, grace))
         else:
-            assert dsn is not None
-            store = _postgres_store(dsn, lease)
-            drain = grace
-        wanted = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
-        try:
-            report, interrupted = asyncio.run(_work(orch, store, wanted, run_id, drain))
-        finally:
-            if not isinstance(store, SQLiteStore):  # (a file's writer thread ends with the process)
-                store.close()
+            store: SQLiteStore | PostgresStore
+            if db is not None:
+                store = SQLiteStore(db, lease=lease)
+                drain = None
+            else:
+                assert dsn is not None
+                store = _postgres_store(dsn, lease)
+                drain = grace
+            try:
+                report, interrupted = asyncio.run(
+                    _work(orch, lambda: contextlib.nullcontext(backend_of(store)), wanted, run_id,
+                          drain)
+                )  # fmt: skip
+            finally:
+                if not isinstance(store, SQLiteStore):  # (a file's writer thread ends with it)
+                    store.close()
     except (ConfigError, InputError, StoreError) as exc:
         raise _fail(str(exc)) from None
     _stderr().print(
@@ -468,20 +503,32 @@ def _postgres_store(dsn: str, lease: float) -> PostgresStore:
     return PostgresStore(dsn, lease=lease)
 
 
+def _service_backend(url: str, token: str) -> Callable[[], AbstractAsyncContextManager[Backend]]:
+    """The worker's backend through the service at `url` (opened in the worker's loop); a usage
+    error when the `remote` extra (httpx) is not installed."""
+    try:
+        from ..stores._http._worker import ServiceBackend
+    except ImportError as exc:
+        raise _fail(str(missing_extra("--url", "remote", exc))) from None
+    if not url.startswith(("http://", "https://")):
+        raise _fail(f"--url must be the service's http:// or https:// address, got {url!r}")
+    return lambda: ServiceBackend(url, token)
+
+
 async def _work(
     orch: Orchestrator,
-    store: SQLiteStore | PostgresStore,
+    opened: Callable[[], AbstractAsyncContextManager[Backend]],
     kinds: list[str] | None,
     run_id: str | None,
     grace: float | None,
 ) -> tuple[WorkReport, bool]:
-    """`orch.work(...)` until it returns or SIGINT / SIGTERM stops it; its report, and whether a
-    signal cancelled it. `grace` None: the first signal cancels (what it holds is handed back);
-    a number: the first signal drains the worker (`Worker.drain`), a second one cancels."""
+    """`orch.work(...)` on the backend `opened()` gives, until it returns or SIGINT / SIGTERM
+    stops it; its report, and whether a signal cancelled it. `grace` None: the first signal
+    cancels (what it holds is handed back); a number: the first signal drains the worker
+    (`Worker.drain`), a second one cancels."""
     loop = asyncio.get_running_loop()
     stopped = False
-    async with orch:
-        backend = backend_of(store)
+    async with orch, opened() as backend:
         worker = Worker(orch, backend, run_id, kinds, backend.poll)
         job = asyncio.ensure_future(worker.run())
         draining: asyncio.Task[None] | None = None

@@ -4,7 +4,7 @@ gracefully at shutdown.
 
 More routers join through `routers=` (each carrying its own ``require(role)`` dependencies); the
 ones built here: health and readiness (open), metrics (``read``), the runs (`_runs.py`), their
-events (`_events.py`) and single tasks (`_tasks.py`).
+events (`_events.py`), single tasks (`_tasks.py`) and the HTTP workers (`_work.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ._models import ErrorBody, Health
 from ._runs import router as runs_router
 from ._state import Service
 from ._tasks import router as tasks_router
+from ._work import router as work_router
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -88,7 +89,7 @@ def create_app(
     )
     app.state.service = service
     errors.install(app)
-    for router in (_system, runs_router, events_router, tasks_router, *routers):
+    for router in (_system, runs_router, events_router, tasks_router, work_router, *routers):
         # The body limit (Starlette's, through FastAPI) on each route, where `_JsonTooLarge`
         # sees its 413: an app-wide one runs outside every middleware of the app.
         app.router.include_router(router, max_body_size=max_body)

@@ -1,0 +1,232 @@
+"""Scenario 13, workers over HTTP (issue 27's benchmark): claim + complete of no-op tasks through
+the service's workers' routes (``orchestra worker --url``), against workers on the database
+(``orchestra worker --dsn``), on the same embedded PostgreSQL server, in the same run.
+
+The runner shares scenario 12's server (`postgres.shared_server`, durable); each measurement makes
+a fresh database on it. Untimed: the service process (``python -m benchmarks.service serve``:
+uvicorn over the app, its store a `PostgresStore` on that database, its runs started paused so its
+own no-op agent runs none of their tasks) is started and answers ``/health``; the run of N no-op
+tasks is submitted through ``POST /api/runs`` and admitted; W worker processes (``worker-http``:
+the `Worker` of ``orchestra worker --url`` over `ServiceBackend`; ``worker-db``: ``orch.work(
+PostgresStore(dsn), run_id=...)``, as ``orchestra worker --dsn``), each with a no-op agent at
+concurrency 100, are started and connected (the HTTP ones said hello). **Clock**: from ``go`` to
+the last worker's end of work: each serves the run only and returns once the service's coordinator
+closed it (every claim leased and fenced, every completion committed, every end heard).
+
+- ``svc_http_W``: W workers through the service (one service process, one uvicorn worker).
+- ``svc_db_W``: W workers on the database, the same service coordinating.
+
+Checked after: N tasks succeeded, each at its first attempt. The issue's target: the HTTP workers
+reach at least half the database workers' throughput, W for W.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import postgres
+
+if TYPE_CHECKING:
+    from .spec import Spec
+
+    Workload = postgres.Workload
+
+RUN_ID = "bench"
+KIND = postgres.KIND
+BATCH = postgres.BATCH
+WORKERS = (1, 2)
+PATHS = ("http", "db")
+VARIANTS = tuple(f"svc_{path}_{w}" for w in WORKERS for path in PATHS)
+
+
+def build(spec: Spec) -> Workload:
+    _, path, workers = spec.variant.split("_")
+    if path not in PATHS or not workers.isdigit():
+        raise ValueError(f"unknown service variant {spec.variant!r}")
+
+    async def run() -> dict[str, Any]:
+        dsn = await postgres.fresh_database()
+        try:
+            return await _measure(dsn, spec.n, path, int(workers))
+        finally:
+            await postgres.drop_database(dsn)
+
+    return run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_service(
+    dsn: str, port: int, worker_token: str, admin_token: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.service", "serve", dsn, str(port), worker_token,
+         admin_token],
+        cwd=postgres.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+async def _measure(dsn: str, n: int, path: str, workers: int) -> dict[str, Any]:
+    import asyncpg
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    worker_token, admin_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    service = _start_service(dsn, port, worker_token, admin_token)
+    command = ["worker-http", url, worker_token] if path == "http" else ["worker-db", dsn]
+    procs = postgres.Processes([command] * workers, module="benchmarks.service")
+    probe = await asyncpg.connect(dsn)
+    try:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=120, headers={"Authorization": f"Bearer {admin_token}"}
+        ) as client:
+            await _serving(client, service)
+            tasks = [{"kind": KIND, "payload": i} for i in range(n)]
+            answer = await client.post("/api/runs", json={"tasks": tasks, "run_id": RUN_ID})
+            if answer.status_code != 202:
+                raise RuntimeError(f"the run was not accepted: {answer.text}")
+            await procs.ready()
+            start = time.time()
+            procs.go()
+            outputs = await procs.outputs()
+            run_s = max(o["finished"] for o in outputs) - start
+            run = (await client.get(f"/api/runs/{RUN_ID}")).json()
+        once = await probe.fetchval(
+            "SELECT count(*) FROM orchestra.tasks WHERE run_id = $1 AND state = 'succeeded' "
+            "AND attempts = 1",
+            RUN_ID,
+        )
+    finally:
+        procs.kill()
+        await probe.close()
+        service.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            service.communicate(timeout=30)
+        if service.poll() is None:
+            service.kill()
+            service.communicate()
+    done = [o["done"] for o in outputs]
+    out: dict[str, Any] = {
+        "completed": sum(done),
+        "workers": workers,
+        "path": path,
+        "run_s": run_s,
+        "tasks_per_s": n / run_s,
+        "by_worker": done,
+    }
+    if run.get("state") != "closed" or once != n:
+        out["error"] = f"run {run.get('state')}, {once} of {n} tasks succeeded at their first try"
+    return out
+
+
+async def _serving(client: Any, service: subprocess.Popen[str]) -> None:
+    """Wait, untimed, until the service answers its health check."""
+    import httpx
+
+    deadline = time.monotonic() + postgres.WAIT
+    while time.monotonic() < deadline:
+        if service.poll() is not None:
+            raise RuntimeError(f"the service did not start: {service.communicate()[1][-800:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if (await client.get("/health")).status_code == 200:
+                return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"the service did not answer in {postgres.WAIT:g} s")
+
+
+# --------------------------------------------------------------------------- process modes
+
+
+def _serve(dsn: str, port: int, worker_token: str, admin_token: str) -> None:
+    """The service: uvicorn over the app, its runs started paused (its agent runs none)."""
+    import uvicorn
+
+    from orchestra import Orchestrator, RunHandle
+    from orchestra._service._tokens import Tokens
+    from orchestra.service import create_app
+    from orchestra.stores import PostgresStore
+
+    class Paused(Orchestrator):
+        def start(self, input: Any = None, **options: Any) -> RunHandle:
+            handle = super().start(input, **options)
+            handle.pause()
+            return handle
+
+    store = PostgresStore(dsn)
+    tokens = Tokens(store)
+    tokens.ensure(worker_token, "worker", "bench workers")
+    tokens.ensure(admin_token, "admin", "bench")
+    app = create_app(Paused(agents=[postgres._noop()], store=store), grace=0.0)
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    finally:
+        store.close()
+
+
+async def _worker_http(url: str, token: str) -> int:
+    """``orchestra worker --url URL --run-id bench``, its agent a no-op."""
+    from orchestra import Orchestrator
+    from orchestra.stores._http._worker import ServiceBackend
+    from orchestra.stores._worker import Worker
+
+    orch = Orchestrator(agents=[postgres._noop()], concurrency=BATCH)
+    async with orch, ServiceBackend(url, token) as backend:
+        worker = Worker(orch, backend, RUN_ID, None, backend.poll)
+        await postgres._started()
+        report = await worker.run()
+    return report.completed
+
+
+async def _worker_db(dsn: str) -> int:
+    """``orchestra worker --dsn DSN --run-id bench``, its agent a no-op."""
+    from orchestra import Orchestrator
+    from orchestra.stores import PostgresStore
+
+    store = PostgresStore(dsn)
+    orch = Orchestrator(agents=[postgres._noop()], concurrency=BATCH)
+    try:
+        await postgres._started()
+        report = await orch.work(store, run_id=RUN_ID)
+    finally:
+        store.close()
+    return report.completed
+
+
+def main(argv: list[str]) -> int:
+    import json
+
+    mode, args = (argv[0], argv[1:]) if argv else ("", [])
+    if mode == "serve" and len(args) == 4:
+        _serve(args[0], int(args[1]), args[2], args[3])
+        return 0
+    if mode == "worker-http" and len(args) == 2:
+        done = asyncio.run(_worker_http(*args))
+    elif mode == "worker-db" and len(args) == 1:
+        done = asyncio.run(_worker_db(*args))
+    else:
+        print(
+            "usage: python -m benchmarks.service serve DSN PORT WORKER_TOKEN ADMIN_TOKEN | "
+            "worker-http URL TOKEN | worker-db DSN",
+            file=sys.stderr,
+        )
+        return 2
+    print(json.dumps({"done": done, "finished": time.time()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))
