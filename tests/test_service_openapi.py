@@ -44,6 +44,7 @@ async def test_no_generated_request_gets_a_500_or_an_undocumented_answer(tmp_pat
                         "--request-timeout", "20",
                     ],
                     check=False,
+                    cwd=tmp_path,  # (schemathesis keeps a cache in its working directory)
                     env={**os.environ, "SCHEMATHESIS_HOOKS": "", "NO_COLOR": "1"},
                 )  # fmt: skip
     finally:
