@@ -119,7 +119,10 @@
       const state = r.live ? (r.paused ? "paused" : "running") : r.state;
       const row = tr([link, state, `${fmt(ended)} / ${fmt(total)}`], [null, null, "num"]);
       row.dataset.run = r.id;
-      if (run && run.id === r.id) row.classList.add("selected");
+      if (run && run.id === r.id) {
+        row.classList.add("selected");
+        if (run.status) listed(row, run.status);
+      }
       return row;
     }));
     $("runs-more").textContent = runs.length > RUNS_SHOWN
@@ -148,7 +151,7 @@
     run = {
       id, stream: new AbortController(), events: [], lastEventId: null,
       reading: false, again: false, last: 0, soon: null, timer: null, over: false,
-      following: false, idle: null,
+      following: false, idle: null, status: null,
     };
     $("run-title").textContent = id;
     $("control-message").textContent = "";
@@ -324,12 +327,16 @@
     showErrors(s.errors);
     showSpend(s);
     controls(s.state);
-    // The list reads the store, which is written a moment behind the run: its row follows this.
+    run.status = s;
     const row = [...$("runs").tBodies[0].rows].find((r) => r.dataset.run === run.id);
-    if (row) {
-      row.cells[1].textContent = s.state === "finished" ? "ended" : s.state;
-      row.cells[2].textContent = `${fmt(s.completed)} / ${fmt(s.total)}`;
-    }
+    if (row) listed(row, s);
+  }
+
+  // The list reads the store, which is written a moment behind the run: the row of the run shown
+  // follows its status instead.
+  function listed(row, s) {
+    row.cells[1].textContent = s.state === "finished" ? "ended" : s.state;
+    row.cells[2].textContent = `${fmt(s.completed)} / ${fmt(s.total)}`;
   }
 
   function showSummary(r) {
