@@ -3,7 +3,7 @@
 PYTHON ?= python3
 UV := $(shell command -v uv 2>/dev/null || echo .tools/bin/uv)
 
-.PHONY: demo test test-3.13 lint docs bench bench-smoke sync clean
+.PHONY: demo test test-3.13 lint docs bench bench-smoke sync clean chromium
 
 $(UV):
 	$(PYTHON) -m venv .tools
@@ -31,15 +31,27 @@ demo: | $(UV)
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(2 * (os.cpu_count() or 1))')
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist worksteal
 
-test: sync
+test: sync chromium
 	$(UV) run --no-sync pytest $(PYTEST_PARALLEL) --cov --cov-report=term
+
+# The dashboard's browser tests drive Debian's `chromium` (Playwright's own browser download cannot
+# reach its host from every machine): installed when it is missing and apt-get can (as root).
+# Elsewhere those tests skip, saying how to install it; under CI=true they fail instead.
+CHROMIUM ?= /usr/bin/chromium
+
+chromium:
+	@if [ ! -x "$(CHROMIUM)" ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "chromium: installing Debian's chromium for the dashboard's browser tests"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+			|| echo "chromium: apt-get could not install it: the dashboard's browser tests will say so"; \
+	fi
 
 # The suite again on CPython 3.13 when this machine has one (pyenv's): the package says >= 3.11,
 # and 3.13 reports leaks 3.11 keeps quiet (an unclosed sqlite3 connection, a process not reaped).
 # Without one it says so and passes: `make test` (3.11) is the suite every machine runs.
 PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 
-test-3.13: | $(UV)
+test-3.13: chromium | $(UV)
 	@if [ -z "$(PYTHON313)" ]; then echo "test-3.13: no CPython 3.13 on this machine: skipped"; exit 0; fi; \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra claude --extra cli --extra service --quiet && \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest $(PYTEST_PARALLEL) -q

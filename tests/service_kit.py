@@ -131,11 +131,13 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def server(app: FastAPI) -> AsyncIterator[str]:
+async def server(app: FastAPI, **options: Any) -> AsyncIterator[str]:
     """`app` served by a real uvicorn on 127.0.0.1 (its lifespan already entered by the test):
-    its base URL."""
+    its base URL. `options`: more of uvicorn's `Config`."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", **options
+    )
     running = uvicorn.Server(config)
     task = asyncio.ensure_future(running.serve())
     try:

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import orchestra
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.subprocess
+
+# The dashboard's files, served from the installed package (`orchestra._service._dashboard`).
+_DASHBOARD = ("index.html", "dashboard.js", "dashboard.css")
 
 
 def uv() -> str:
@@ -39,6 +43,10 @@ class TestInstalledWheel:
         )
         assert built.returncode == 0, built.stderr
         [wheel] = (tmp_path / "dist").glob("orchestra_runtime-*.whl")
+        with zipfile.ZipFile(wheel) as built_wheel:
+            shipped = set(built_wheel.namelist())
+        dashboard = {f"orchestra/_service/static/{name}" for name in _DASHBOARD}
+        assert dashboard <= shipped  # the service's page is package data
         venv = tmp_path / "venv"
         made = run(uv(), "venv", "--python", sys.executable, str(venv), cwd=tmp_path)
         assert made.returncode == 0, made.stderr

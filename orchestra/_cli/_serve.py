@@ -141,9 +141,10 @@ def serve(
     """Serve the REST API: submit, watch and steer runs over HTTP (the service extra).
 
     Every endpoint but /health and /ready needs a bearer token: make one with `orchestra tokens
-    create --role ROLE` on the same --db or --dsn. SIGTERM or Ctrl-C stops gracefully: no new
-    request, the live runs stopped within --grace. Several replicas may serve one --dsn; a SQLite
-    file is served by one process.
+    create --role ROLE` on the same --db or --dsn. The dashboard is at / (open it in a browser
+    and paste a read token to watch, an admin one to pause, resume, cancel and stop). SIGTERM or
+    Ctrl-C stops gracefully: no new request, the live runs stopped within --grace. Several
+    replicas may serve one --dsn; a SQLite file is served by one process.
     """
     try:
         import uvicorn

@@ -113,6 +113,7 @@ class ErrorSample:
     error_type: str
     message: str
     at: float  # seconds since the run started
+    remediation: str = ""  # what to do about it, as its error record in the result will say
 
 
 class Report:
@@ -354,14 +355,26 @@ class Report:
             self.failed += 1
             failures = record.failures
             last = failures[-1] if failures else None
+            error_type = record.error_type or (last.error_type if last else "Error")
+            message = record.error or (last.message if last else "")
             self.errors.append(
                 ErrorSample(
                     task_id=record.id,
                     kind=record.kind,
                     agent=record.agent or (last.agent if last is not None else None),
-                    error_type=record.error_type or (last.error_type if last else "Error"),
-                    message=(record.error or (last.message if last else ""))[:_MESSAGE],
+                    error_type=error_type,
+                    message=message[:_MESSAGE],
                     at=record.finished,
+                    # Worked out now, on the failure's path, while the attempts are at hand: the
+                    # live view shows the advice the result's error record will give.
+                    remediation=remediation(
+                        FAILED,
+                        error_type,
+                        message,
+                        agents=len({a.agent for a in failures or ()}),
+                        status_code=None if last is None else last.status_code,
+                        api_error_type=None if last is None else last.api_error_type,
+                    ),
                 )
             )
         elif status is SKIPPED:

@@ -144,7 +144,8 @@ class Bottleneck:
 
 @dataclass(frozen=True, slots=True)
 class RunStatus:
-    """A run at one moment: counts, progress, pace, ETA, agents, queue, bottleneck, errors, spend.
+    """A run at one moment: counts, progress, pace, ETA, agents, queue, bottleneck, errors, spend
+    (and the budget it is spent against).
 
     ``{"progress": ..., "active": ..., "completed": ...}`` (the seed's `get_status()`) is a subset of
     `to_dict()`. Times are seconds; `eta` is None until some task has ended (nothing to learn
@@ -178,6 +179,8 @@ class RunStatus:
     errors: tuple[ErrorSample, ...]  # the last failed tasks, oldest first
     cost: float  # from `ctx.record_usage`
     tokens: Mapping[str, int]
+    max_cost: float | None = None  # the run's budget (`Orchestrator(max_cost=...)`), USD
+    max_tokens: int | None = None  # ... and in tokens of every kind together
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (priorities become string keys, as JSON objects need)."""
@@ -287,6 +290,8 @@ def snapshot(run: Run) -> RunStatus:
         errors=tuple(report.errors),
         cost=dollars(report.cost),
         tokens=dict(report.tokens),
+        max_cost=None if config.budget is None else config.budget.max_cost,
+        max_tokens=None if config.budget is None else config.budget.max_tokens,
     )
 
 

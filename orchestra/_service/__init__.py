@@ -6,5 +6,5 @@ serves (the orchestrator, its store, the runs it started), `_auth.py` bearer tok
 FastAPI dependency, `_tokens.py` the tokens kept hashed in the store's database, `_models.py` the
 JSON of requests and answers, `_errors.py` the refusals and their JSON, `_runs.py` the runs
 routes, `_events.py` the journal as Server-Sent Events, `_tasks.py` one task without a run to
-manage.
+manage, `_dashboard.py` the dashboard's page (``static/``).
 """

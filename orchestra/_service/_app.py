@@ -4,7 +4,8 @@ gracefully at shutdown.
 
 More routers join through `routers=` (each carrying its own ``require(role)`` dependencies); the
 ones built here: health and readiness (open), metrics (``read``), the runs (`_runs.py`), their
-events (`_events.py`), single tasks (`_tasks.py`) and the HTTP workers (`_work.py`).
+events (`_events.py`), single tasks (`_tasks.py`), the HTTP workers (`_work.py`) and the
+dashboard (`_dashboard.py`, open: its page holds no data).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .._exceptions import ConfigError
 from .._version import __version__
 from . import _errors as errors
 from ._auth import require
+from ._dashboard import router as dashboard_router
 from ._events import router as events_router
 from ._models import ErrorBody, Health
 from ._runs import router as runs_router
@@ -89,7 +91,15 @@ def create_app(
     )
     app.state.service = service
     errors.install(app)
-    for router in (_system, runs_router, events_router, tasks_router, work_router, *routers):
+    for router in (
+        _system,
+        runs_router,
+        events_router,
+        tasks_router,
+        work_router,
+        dashboard_router,
+        *routers,
+    ):
         # The body limit (Starlette's, through FastAPI) on each route, where `_JsonTooLarge`
         # sees its 413: an app-wide one runs outside every middleware of the app.
         app.router.include_router(router, max_body_size=max_body)

@@ -100,9 +100,16 @@ class StatusOut(BaseModel):
     kinds: list[dict[str, Any]]
     agents: list[dict[str, Any]]
     bottleneck: dict[str, Any] | None
-    errors: list[dict[str, Any]]
-    cost: float
-    tokens: dict[str, int]
+    errors: list[dict[str, Any]] = Field(
+        description="the last failed tasks, oldest first: task_id, kind, agent, error_type, "
+        "message, at (seconds into the run) and remediation (what to do about it)"
+    )
+    cost: float = Field(description="USD spent so far")
+    tokens: dict[str, int] = Field(description="tokens spent so far, by kind of token")
+    max_cost: float | None = Field(default=None, description="the run's budget in USD, if any")
+    max_tokens: int | None = Field(
+        default=None, description="the run's budget in tokens of every kind together, if any"
+    )
 
 
 class RunAccepted(BaseModel):

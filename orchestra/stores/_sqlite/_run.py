@@ -136,6 +136,11 @@ class SQLiteRun:
     def pending(self) -> int:
         return self._memory.pending
 
+    def queue_depths(self) -> dict[int, int]:
+        """Ready tasks by priority (for the run's status): the memory run's queue holds them until
+        this process claims them. O(priority levels)."""
+        return self._memory.queue_depths()
+
     @property
     def closed(self) -> bool:
         """Its last window is written: nothing more of it is (`close`)."""
