@@ -3,7 +3,7 @@
 PYTHON ?= python3
 UV := $(shell command -v uv 2>/dev/null || echo .tools/bin/uv)
 
-.PHONY: demo test test-3.13 lint docs bench bench-smoke sync clean chromium
+.PHONY: demo test test-3.13 lint docs bench bench-smoke sync clean chromium screenshot
 
 $(UV):
 	$(PYTHON) -m venv .tools
@@ -55,6 +55,10 @@ test-3.13: chromium | $(UV)
 	@if [ -z "$(PYTHON313)" ]; then echo "test-3.13: no CPython 3.13 on this machine: skipped"; exit 0; fi; \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) sync --locked --python "$(PYTHON313)" --extra claude --extra cli --extra service --quiet && \
 	UV_PROJECT_ENVIRONMENT=.venv-3.13 $(UV) run --no-sync pytest $(PYTEST_PARALLEL) -q
+
+# The docs' dashboard screenshot (docs/images/dashboard.png), taken again by its browser test.
+screenshot: sync chromium
+	ORCHESTRA_UPDATE_SCREENSHOT=1 $(UV) run --no-sync pytest -q tests/test_service_dashboard.py -k screenshot
 
 lint: sync
 	$(UV) run --no-sync ruff check .

@@ -142,7 +142,7 @@ def serve(
 
     Every endpoint but /health and /ready needs a bearer token: make one with `orchestra tokens
     create --role ROLE` on the same --db or --dsn. The dashboard is at / (open it in a browser
-    and paste a read token to watch, an admin one to pause, resume, cancel and stop). SIGTERM or
+    and paste a read token to watch, a control one to pause, resume, cancel and stop). SIGTERM or
     Ctrl-C stops gracefully: no new request, the live runs stopped within --grace. Several
     replicas may serve one --dsn; a SQLite file is served by one process.
     """

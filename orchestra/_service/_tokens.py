@@ -38,6 +38,10 @@ ROLES: Final[tuple[str, ...]] = get_args(Role)
 """What a token may do: submit runs, read them, control them (pause, resume, cancel, stop,
 reprioritize, retry), work for them (HTTP workers), or all of it (admin)."""
 
+# What a role may do beyond its own name: a controller sees what it steers (the dashboard's
+# buttons, a script that pauses a run and reads its status); admin does everything.
+_GRANTS: Final[dict[str, tuple[str, ...]]] = {"control": ("control", "read"), "admin": ROLES}
+
 _PREFIX: Final = "orch_"  # what tells an orchestra token apart in a file or a log
 
 
@@ -52,7 +56,7 @@ class TokenInfo:
     revoked: float | None
 
     def allows(self, role: str) -> bool:
-        return self.revoked is None and (self.role == role or self.role == "admin")
+        return self.revoked is None and role in _GRANTS.get(self.role, (self.role,))
 
     def to_dict(self) -> dict[str, Any]:
         return {
