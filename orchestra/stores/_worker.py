@@ -279,7 +279,6 @@ class Worker:
         """A held task ended here: its end is written with the next group commit."""
         self.ends.append((claimed, result))
         self._ended.set()
-        self._room.set()
 
     def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None:
         """A held task's attempt failed and the task goes on: written as it fails."""
@@ -367,16 +366,13 @@ class Worker:
         backend = self.backend
         capacity = self.capacity
         while not (self._stopping or self._finished):
-            # A task that ended here gives its room back at once, not when its end is written:
-            # the next claim is written while the last ends are, not after them (each waits for
-            # a durable commit). Ends not yet written are bounded all the same (at most one
-            # capacity's worth): a store that stops taking them stops the claims too. The room
-            # a burst of ends frees is claimed in one claim, not a claim per end.
+            # A task holds its room until its end is written (the store's leases are what
+            # other workers see: a worker holds no more than its agents can start). The room a
+            # burst of ends frees is claimed in one claim, not a claim per end.
             await self._burst()
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
-            unwritten = len(ended)
-            room = min(capacity - len(self.held) + unwritten, 2 * capacity - len(self.held))
-            held = Counter(c.kind for i, c in self.held.items() if i not in ended)
+            room = capacity - len(self.held)
+            held = Counter(claimed.kind for claimed in self.held.values())
             rooms = {k: n - held[k] for k, n in self.rooms.items() if n > held[k]}
             if room <= 0 or not rooms:
                 self._room = anyio.Event()
