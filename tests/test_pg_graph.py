@@ -110,6 +110,25 @@ class TestAdmission:
         assert await states(conn) == {"c": "pending", "x": "ready", "y": "pending", "free": "ready"}
         assert [await waiting(conn, t) for t in ("c", "y")] == [2, 1]
 
+    async def test_what_waits_for_nothing_is_written_ready_by_its_insert_each_row_once(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        async with conn.transaction():  # the counts of this transaction's own writes
+            admitted = await admit(
+                conn, "r", [Task("a", id="x"), Task("b", id="y", depends_on=["x"]),
+                            Task("b", id="z")],
+                admission=admission(),
+            )  # fmt: skip
+            written = await conn.fetchrow(
+                "SELECT pg_stat_get_xact_tuples_inserted(c.oid), "
+                "pg_stat_get_xact_tuples_updated(c.oid) FROM pg_class AS c "
+                "WHERE c.oid = 'orchestra.tasks'::regclass"
+            )
+        assert admitted.ready == ["x", "z"]
+        assert await states(conn) == {"x": "ready", "y": "pending", "z": "ready"}
+        assert written is not None
+        assert (written[0], written[1]) == (3, 0)
+
     async def test_generated_ids_and_a_batch_of_plain_tasks(self, conn: asyncpg.Connection) -> None:
         admitted = await admit(conn, "r", [Task("a", 1), Task("b", 2)], admission=admission())
         assert admitted.ready == ["a#1", "b#2"]
