@@ -190,6 +190,14 @@ async def admit_in(
     # ready, or end, tasks that are queued ahead of the batch's, as in memory: `make_ready` below).
     keyed = any(task.key is not None for task in batch)
     ready_now = not skip and not keyed
+    # Every row inserted has its foreign key checked by a query of PostgreSQL's own, planned
+    # again for each row under the connections' `plan_cache_mode` (`_leases.SERVER_SETTINGS`):
+    # 12 us per task of a large batch, for a lookup by primary key that one plan serves. A large
+    # batch's inserts run under PostgreSQL's default mode; the rest of the transaction under the
+    # connection's own (the session's value: its connections set it as they connect, never later).
+    once = len(batch) + len(edges) >= _PLANNED_ONCE
+    if once:
+        await conn.execute("SET LOCAL plan_cache_mode = auto")
     readied = await _insert(
         conn, run_id, batch, waiting, unnamed, first_index, parent_id, where, ready_now
     )
@@ -200,6 +208,8 @@ async def admit_in(
             "WITH ORDINALITY AS e (g, s, d, n) ORDER BY n ON CONFLICT DO NOTHING",
             run_id, *columns(edges, 3),
         )  # fmt: skip
+    if once:
+        await conn.execute("SET LOCAL plan_cache_mode TO DEFAULT")
     if touched:
         tags = list(touched)
         await conn.execute(
@@ -557,6 +567,9 @@ class _NoOwner:
 # A batch's rows; with $17, the ones waiting for nothing are written ready (queued in the batch's
 # order, the run's listeners told of their kinds as `_settle.make_ready` tells them), not pending
 # and then updated to ready: one write of each row, and one check of its run's key, not two.
+_PLANNED_ONCE: Final = 100
+"""Rows (tasks and edges) of a batch from which its inserts' key checks are planned once."""
+
 _INSERT = f"""
 WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq), written AS (
     INSERT INTO orchestra.tasks (run_id, id, seq, parent, idx, named, kind, payload, depends_on,
