@@ -26,7 +26,7 @@ from orchestra.stores import MemoryStore
 from orchestra.stores._postgres import _coordinator as coordinator
 from orchestra.stores._postgres import _jobs as jobs
 from orchestra.stores._postgres._graph import admit
-from orchestra.stores._postgres._leases import End, claim, complete
+from orchestra.stores._postgres._leases import SERVER_SETTINGS, End, claim, complete, connect
 from orchestra.stores._postgres._listen import channel_of
 from orchestra.stores._postgres._planner import Growth
 from orchestra.stores._postgres._settle import close_input, transaction
@@ -109,6 +109,42 @@ class TestAdmission:
         assert admitted.ready == ["x", "free"]
         assert await states(conn) == {"c": "pending", "x": "ready", "y": "pending", "free": "ready"}
         assert [await waiting(conn, t) for t in ("c", "y")] == [2, 1]
+
+    async def test_what_waits_for_nothing_is_written_ready_by_its_insert_each_row_once(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        async with conn.transaction():  # the counts of this transaction's own writes
+            admitted = await admit(
+                conn, "r", [Task("a", id="x"), Task("b", id="y", depends_on=["x"]),
+                            Task("b", id="z")],
+                admission=admission(),
+            )  # fmt: skip
+            written = await conn.fetchrow(
+                "SELECT pg_stat_get_xact_tuples_inserted(c.oid), "
+                "pg_stat_get_xact_tuples_updated(c.oid) FROM pg_class AS c "
+                "WHERE c.oid = 'orchestra.tasks'::regclass"
+            )
+        assert admitted.ready == ["x", "z"]
+        assert await states(conn) == {"x": "ready", "y": "pending", "z": "ready"}
+        assert written is not None
+        assert (written[0], written[1]) == (3, 0)
+
+    async def test_a_large_batch_leaves_the_connections_plan_cache_mode_as_it_was(
+        self, pg_dsn: str
+    ) -> None:
+        conn = await connect(pg_dsn)  # the store's settings: force_custom_plan
+        try:
+            await conn.execute("INSERT INTO orchestra.runs (id) VALUES ('r')")
+            async with conn.transaction():
+                admitted = await admit(
+                    conn, "r", [Task("a", i, id=f"t{i}") for i in range(150)],
+                    admission=admission(),
+                )  # fmt: skip
+                mode = await conn.fetchval("SHOW plan_cache_mode")
+        finally:
+            await conn.close()
+        assert len(admitted.ready) == 150
+        assert mode == SERVER_SETTINGS["plan_cache_mode"]
 
     async def test_generated_ids_and_a_batch_of_plain_tasks(self, conn: asyncpg.Connection) -> None:
         admitted = await admit(conn, "r", [Task("a", 1), Task("b", 2)], admission=admission())

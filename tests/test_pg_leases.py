@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pytest
 
+from orchestra.stores._postgres import _follow as follow
 from orchestra.stores._postgres._leases import (
     MAX_LOST,
     End,
@@ -310,6 +311,26 @@ class TestTheCoordinatorHearsOfEnds:
         await admit(conn, "r", [("t1", "a", 0), ("t2", "a", 0)])
         await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
         assert await self.heard(pg_dsn, conn, "coordinator") == []
+
+    async def test_the_feed_is_vacuumed_by_the_reader_of_every_nth_end_each_heard_once(
+        self, conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(follow, "SWEEP_EVERY", 4)
+        await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(6)])
+        await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
+        heard: list[str] = []
+        vacuums: list[int] = []
+        for _ in range(3):  # the feed's rows numbered 1 and 2, 3 and 4, 5 and 6
+            claimed = await claim(conn, "r", {"a": 2}, owner="worker", lease=5)
+            ends = [End(task.id, task.token, "succeeded") for task in claimed]
+            assert await complete(conn, "r", "worker", ends) == [True, True]
+            heard += [row[0] for row in (await follow.heard(conn, "r")).ends]
+            vacuums.append(
+                await conn.fetchval("SELECT pg_stat_get_vacuum_count('orchestra.ended'::regclass)")
+            )
+        assert heard == [f"t{i}" for i in range(6)]
+        assert vacuums == [0, 1, 1]
+        assert await conn.fetchval("SELECT count(*) FROM orchestra.ended") == 0
 
 
 class TestFailure:

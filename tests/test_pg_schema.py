@@ -106,6 +106,35 @@ class TestVersions:
         assert columns == 0
 
 
+class TestOwnersIndex:
+    async def test_a_v5_database_loses_the_owners_index_and_keeps_its_leases(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        assert await migrate(conn, migrations=MIGRATIONS[:5]) == 5
+        assert await _indexes(conn) >= {"tasks_by_owner", "tasks_leased"}
+        await conn.execute("INSERT INTO orchestra.runs (id) VALUES ('r1')")
+        await conn.execute(
+            "INSERT INTO orchestra.tasks (run_id, id, seq, idx, named, kind, payload, priority, "
+            "state, lease_owner, lease_expires) VALUES ('r1', 't1', 1, 0, true, 'k', '{}', 0, "
+            "'claimed', 'w1', now() + interval '30 seconds')"
+        )
+        assert await migrate(conn) == NEWEST
+        indexes = await _indexes(conn)
+        assert "tasks_by_owner" not in indexes
+        assert "tasks_leased" in indexes  # what a worker's leases are found through now
+        held = await conn.fetch("SELECT id FROM orchestra.tasks WHERE lease_owner = 'w1'")
+        assert [row[0] for row in held] == ["t1"]
+
+    async def test_a_new_database_never_has_it(self, conn: asyncpg.Connection) -> None:
+        await migrate(conn)
+        assert "tasks_by_owner" not in await _indexes(conn)
+
+
+async def _indexes(conn: asyncpg.Connection) -> set[str]:
+    rows = await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'orchestra'")
+    return {row[0] for row in rows}
+
+
 class TestConcurrentMigrations:
     async def test_processes_migrating_one_new_database_at_once_end_with_one_schema(
         self, pg_empty_dsn: str

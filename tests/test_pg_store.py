@@ -7,6 +7,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -66,6 +67,57 @@ async def test_jobs_run_in_the_stores_thread_on_a_migrated_database(pg_empty_dsn
         store.close()
     with pytest.raises(StoreError, match="was closed"):
         await store.database.run(_version)
+
+
+class TestALocalPool:
+    async def test_its_jobs_run_on_the_callers_loop_not_in_the_stores_thread(
+        self, pg_dsn: str
+    ) -> None:
+        store = PostgresStore(pg_dsn)
+        seen: list[tuple[int, asyncio.AbstractEventLoop]] = []
+
+        async def where(conn: object) -> int:
+            seen.append((threading.get_ident(), asyncio.get_running_loop()))
+            return await _version(conn)
+
+        try:
+            await store.database.run(where)  # the store's thread (it migrates)
+            local = await store.database.local()
+            try:
+                assert await local.run(where) >= 5
+            finally:
+                await local.close()
+        finally:
+            store.close()
+        (store_thread, store_loop), on_local = seen
+        assert store_thread != threading.get_ident()
+        assert store_loop is not asyncio.get_running_loop()
+        assert on_local == (threading.get_ident(), asyncio.get_running_loop())
+
+    async def test_a_job_whose_connection_was_cut_runs_again_on_a_new_one(
+        self, pg_dsn: str
+    ) -> None:
+        store = PostgresStore(pg_dsn)
+        backends: list[int] = []
+
+        async def cut_once(conn: object) -> int:
+            pid: int = await conn.fetchval("SELECT pg_backend_pid()")  # type: ignore[attr-defined]
+            backends.append(pid)
+            if len(backends) == 1:  # the server ends this session, as a restart would
+                await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")  # type: ignore[attr-defined]
+            return pid
+
+        try:
+            await store.database.run(_version)
+            local = await store.database.local()
+            try:
+                answered = await local.run(cut_once)
+            finally:
+                await local.close()
+        finally:
+            store.close()
+        assert len(backends) == 2
+        assert answered == backends[1] != backends[0]
 
 
 async def test_an_unreachable_server_is_a_store_error_that_says_what_to_do() -> None:

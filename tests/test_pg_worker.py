@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -39,6 +40,7 @@ from orchestra import (
 from orchestra._admission import Admission
 from orchestra._cli._app import app
 from orchestra.stores import MemoryStore
+from orchestra.stores._postgres import _worker as worker_module
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
 from orchestra.stores._postgres._store import PostgresStore
@@ -400,6 +402,29 @@ class TestGroupCommits:
         assert work.report is not None
         assert work.report.claimed == 50
         assert batches == [50]
+
+
+class TestTheWorkersConnections:
+    async def test_its_claims_and_completions_run_on_its_own_loop_not_the_stores_thread(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        threads: dict[str, set[int]] = collections.defaultdict(set)
+        for job in ("_claim", "_complete"):
+            original = getattr(worker_module, job)
+
+            async def seen(*args: Any, _job: str = job, _original: Any = original) -> Any:
+                threads[_job].add(threading.get_ident())
+                return await _original(*args)
+
+            monkeypatch.setattr(worker_module, job, seen)
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(20)])
+        work = Work(Orchestrator(agents=[runner], concurrency=5), pg_dsn, run_id="r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            rows = await until_ended(pg_conn, "r", 20)
+            await close_run(pg_conn, "r")
+        assert {value(row) for row in rows.values()} == {2 * i for i in range(20)}
+        assert threads == {"_claim": {threading.get_ident()}, "_complete": {threading.get_ident()}}
 
 
 class TestWorkerProcesses:

@@ -38,7 +38,7 @@ from ._sessions import application_name
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
-__all__ = ("Database", "explain", "where")
+__all__ = ("Database", "Local", "explain", "where")
 
 _CONNECT_TIMEOUT: Final = 10.0  # seconds a new connection may take before the store gives up
 _BACKOFF: Final = 0.05  # the first wait before a job runs again on a new connection
@@ -140,20 +140,7 @@ class Database:
             opened = self._opened()  # (again: another job may have opened it while this waited)
             if opened is not None:
                 return opened
-            try:
-                pool = await asyncpg.create_pool(
-                    self.dsn,
-                    min_size=1,
-                    max_size=self.max_connections,
-                    server_settings=self.settings,
-                    timeout=_CONNECT_TIMEOUT,
-                    reset=_keep_session,
-                )
-            except (
-                TimeoutError, OSError, ValueError, asyncpg.PostgresError,
-                asyncpg.ClientConfigurationError,
-            ) as exc:  # fmt: skip
-                raise StoreError(explain(exc, self.dsn)) from exc
+            pool = await self._create_pool()
             try:
                 async with pool.acquire() as conn:
                     await migrate(cast("asyncpg.Connection", conn))
@@ -166,12 +153,46 @@ class Database:
     def _opened(self) -> asyncpg.Pool | None:
         return self._pool
 
+    async def _create_pool(self) -> asyncpg.Pool:
+        """A new pool of this database's connections, on the running loop."""
+        try:
+            return await asyncpg.create_pool(
+                self.dsn,
+                min_size=1,
+                max_size=self.max_connections,
+                server_settings=self.settings,
+                timeout=_CONNECT_TIMEOUT,
+                reset=_keep_session,
+            )
+        except (
+            TimeoutError, OSError, ValueError, asyncpg.PostgresError,
+            asyncpg.ClientConfigurationError,
+        ) as exc:  # fmt: skip
+            raise StoreError(explain(exc, self.dsn)) from exc
+
     async def within(
         self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **options: Any
     ) -> Any:
         """``await job(conn, *args)`` on a pooled connection, from the store's thread itself (a
         background loop's job), run again on a new connection when the one it had was lost."""
-        pool = await self.pool()
+        return await self._retried(await self.pool(), job, *args, **options)
+
+    async def local(self) -> Local:
+        """A pool of this database's connections on the running event loop (not the store's
+        thread), until its `Local.close`: its jobs (`Local.run`) hop to no other thread. A
+        worker's claims and completions go so: an answer handed from the store's thread to the
+        worker's loop cost, per job, a wake-up of that loop and a wait for the interpreter's lock
+        against the thread. The schema is the store's to migrate (`pool`): open that first."""
+        return Local(self, await self._create_pool())
+
+    async def _retried(
+        self,
+        pool: asyncpg.Pool,
+        job: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+        **options: Any,
+    ) -> Any:
+        """``await job(conn, *args)`` on a connection of `pool`, on the loop `pool` belongs to."""
         # A connection lost once the database was reached (a restart, a failover, a network
         # cut): the job runs again on a new one, after a capped backoff, for `reconnect_for`
         # seconds. A job is one transaction, rolled back when its connection was lost; one
@@ -249,6 +270,28 @@ class Database:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+
+class Local:
+    """A `Database`'s pool on one event loop (`Database.local`)."""
+
+    __slots__ = ("database", "pool")
+
+    def __init__(self, database: Database, pool: asyncpg.Pool) -> None:
+        self.database = database
+        self.pool = pool
+
+    async def run(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """``await job(conn, *args)`` on a connection of this pool, reconnected and explained as
+        `Database.within`'s."""
+        return await self.database._retried(self.pool, job, *args)
+
+    async def close(self) -> None:
+        """Close its connections once their jobs are over (cut after `_CONNECT_TIMEOUT`)."""
+        try:
+            await asyncio.wait_for(self.pool.close(), _CONNECT_TIMEOUT)
+        except Exception:  # a server gone, a job that would not end: nothing left to wait for
+            self.pool.terminate()
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:

@@ -18,7 +18,7 @@ group the tasks upstream of it) and of its groups. Those rows are locked first (
 end settled at the same time comes wholly before (the batch sees it) or after (it sees the
 batch's edges). The writes are a few statements over arrays (``unnest``): tasks, edges, group
 counts; then what waits for something that failed is skipped, and what waits for nothing is
-ready.
+ready (written ready by the insert itself, when nothing is skipped and no key is involved).
 
 **Keys within a run** (`Graph.keys`, `Graph._follow`): ``run_keys`` says which task of the run
 holds each key, ``follows`` which tasks follow it, in line. A task admitted with a key another
@@ -45,6 +45,7 @@ from ..._task import (
 )
 from .._graph import Graph, Group
 from .._graph_checks import GraphChecks
+from ._listen import GLOBAL_CHANNEL, channel_of
 from ._settle import (
     LOCK_GROUPS,
     QUEUE_STEP,
@@ -185,7 +186,21 @@ async def admit_in(
         waiting.append(count)
         if reason is not None:
             skip.append((task.id, reason))
-    await _insert(conn, run_id, batch, waiting, unnamed, first_index, parent_id, where)
+    # What this batch readies at once is written ready, unless skips or keys come first (they
+    # ready, or end, tasks that are queued ahead of the batch's, as in memory: `make_ready` below).
+    keyed = any(task.key is not None for task in batch)
+    ready_now = not skip and not keyed
+    # Every row inserted has its foreign key checked by a query of PostgreSQL's own, planned
+    # again for each row under the connections' `plan_cache_mode` (`_leases.SERVER_SETTINGS`):
+    # 12 us per task of a large batch, for a lookup by primary key that one plan serves. A large
+    # batch's inserts run under PostgreSQL's default mode; the rest of the transaction under the
+    # connection's own (the session's value: its connections set it as they connect, never later).
+    once = len(batch) + len(edges) >= _PLANNED_ONCE
+    if once:
+        await conn.execute("SET LOCAL plan_cache_mode = auto")
+    readied = await _insert(
+        conn, run_id, batch, waiting, unnamed, first_index, parent_id, where, ready_now
+    )
     if edges:
         await conn.execute(
             "INSERT INTO orchestra.edges (run_id, on_group, source, dependent) "
@@ -193,6 +208,8 @@ async def admit_in(
             "WITH ORDINALITY AS e (g, s, d, n) ORDER BY n ON CONFLICT DO NOTHING",
             run_id, *columns(edges, 3),
         )  # fmt: skip
+    if once:
+        await conn.execute("SET LOCAL plan_cache_mode TO DEFAULT")
     if touched:
         tags = list(touched)
         await conn.execute(
@@ -202,8 +219,10 @@ async def admit_in(
             "SET members = g.members + excluded.members, open = g.open + excluded.open",
             run_id, tags, [touched[t][0] for t in tags], [touched[t][1] for t in tags],
         )  # fmt: skip
+    if ready_now:
+        return list(new), readied, []
     reused: list[tuple[str, str]] = []
-    if any(task.key is not None for task in batch):
+    if keyed:
         reused = await _follow_keys(conn, run_id, batch, {t for t, _ in skip}, edges)
     ready: list[tuple[str, str]] = []
     skipped: list[str] = []
@@ -545,20 +564,34 @@ class _NoOwner:
         raise AssertionError("a checked graph ends nothing")  # pragma: no cover
 
 
+# A batch's rows; with $17, the ones waiting for nothing are written ready (queued in the batch's
+# order, the run's listeners told of their kinds as `_settle.make_ready` tells them), not pending
+# and then updated to ready: one write of each row, and one check of its run's key, not two.
+_PLANNED_ONCE: Final = 100
+"""Rows (tasks and edges) of a batch from which its inserts' key checks are planned once."""
+
 _INSERT = f"""
-WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq)
-INSERT INTO orchestra.tasks (run_id, id, seq, parent, idx, named, kind, payload, depends_on,
-    depends_on_tags, tags, key, timeout, critical, metadata, priority, state, waiting)
-SELECT $1, u.id, base.seq + u.n, $2, u.idx, u.named, u.kind, u.payload::json,
-    u.depends_on::text[], u.depends_on_tags::text[], u.tags::text[], u.key, u.timeout, u.critical,
-    u.metadata::json, u.priority, 'pending', u.waiting
-FROM base, unnest($3::text[], $4::integer[], $5::boolean[], $6::text[], $7::text[], $8::text[],
-    $9::text[], $10::text[], $11::text[], $12::float8[], $13::boolean[], $14::text[],
-    $15::integer[], $16::integer[])
-    WITH ORDINALITY AS u (id, idx, named, kind, payload, depends_on, depends_on_tags, tags, key,
-        timeout, critical, metadata, priority, waiting, n)
-ON CONFLICT (run_id, id) DO NOTHING
-RETURNING id
+WITH base AS (SELECT nextval('orchestra.queue_order') * {QUEUE_STEP} AS seq), written AS (
+    INSERT INTO orchestra.tasks (run_id, id, seq, parent, idx, named, kind, payload, depends_on,
+        depends_on_tags, tags, key, timeout, critical, metadata, priority, state, waiting)
+    SELECT $1, u.id, base.seq + u.n, $2, u.idx, u.named, u.kind, u.payload::json,
+        u.depends_on::text[], u.depends_on_tags::text[], u.tags::text[], u.key, u.timeout,
+        u.critical, u.metadata::json, u.priority,
+        CASE WHEN $17 AND u.waiting = 0 THEN 'ready' ELSE 'pending' END, u.waiting
+    FROM base, unnest($3::text[], $4::integer[], $5::boolean[], $6::text[], $7::text[],
+        $8::text[], $9::text[], $10::text[], $11::text[], $12::float8[], $13::boolean[],
+        $14::text[], $15::integer[], $16::integer[])
+        WITH ORDINALITY AS u (id, idx, named, kind, payload, depends_on, depends_on_tags, tags,
+            key, timeout, critical, metadata, priority, waiting, n)
+    ON CONFLICT (run_id, id) DO NOTHING
+    RETURNING id, kind, seq, state = 'ready' AS ready
+), woken AS (
+    SELECT pg_notify($18, json_build_object('run', $1::text, 'kinds', k.kinds)::text),
+        pg_notify($19, $1::text)
+    FROM (SELECT array_agg(DISTINCT kind ORDER BY kind) AS kinds FROM written WHERE ready) AS k
+    WHERE k.kinds IS NOT NULL
+)
+SELECT w.id, w.kind, w.seq, w.ready FROM written AS w LEFT JOIN woken ON true
 """
 
 
@@ -593,7 +626,10 @@ async def _insert(
     first_index: int,
     parent_id: str | None,
     where: str,
-) -> None:
+    ready_now: bool,
+) -> list[tuple[str, str]]:
+    """Write the batch's rows; with `ready_now`, the ones waiting for nothing ready (returned as
+    (id, kind), in queue order)."""
     rows = []
     for index, (task, count) in enumerate(zip(batch, waiting, strict=True), first_index):
         payload, metadata = row_json(task, where)
@@ -602,12 +638,17 @@ async def _insert(
             _array(task.depends_on), _array(task.depends_on_tags), _array(task.tags), task.key,
             task.timeout, task.critical, metadata, task.priority, count,
         ))  # fmt: skip
-    written = {r[0] for r in await conn.fetch(_INSERT, run_id, parent_id, *columns(rows, 14))}
+    found = await conn.fetch(
+        _INSERT, run_id, parent_id, *columns(rows, 14), ready_now, channel_of(run_id),
+        GLOBAL_CHANNEL,
+    )  # fmt: skip
+    written = {r[0] for r in found}
     if len(written) < len(rows):
         # Admitted by another transaction since this one looked (or a generated id that
         # another batch took): the whole batch is refused, as a duplicate is.
         task_id = next(row[0] for row in rows if row[0] not in written)
         raise InputError(f"duplicate task id {task_id!r}", task_id=task_id, field="id")
+    return [(r[0], r[1]) for r in sorted(found, key=lambda r: r[2]) if r[3]]
 
 
 def _array(values: Sequence[str]) -> str | None:

@@ -87,6 +87,7 @@ class Hearing:
             attempts,
             started,
             defaulted,
+            _,
         ) in heard.ends:
             record = memory.record_of(task_id)
             if record is None or record.state in TERMINAL:

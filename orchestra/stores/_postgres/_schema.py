@@ -330,7 +330,14 @@ _V5 = (
     "WHERE taken_by IS NULL",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
+_V6 = (
+    # A worker's leases are found through `tasks_leased` (which holds the leased rows only, few
+    # however large the run): an index of owners as well cost every claim and every heartbeat one
+    # more index entry (a claim's row is written anew, in every index whose predicate it meets).
+    "DROP INDEX orchestra.tasks_by_owner",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

@@ -1,6 +1,6 @@
 """A worker process's side of a PostgreSQL database: what `orchestra.stores._worker.Worker` asks
-of the store it works for (its `Backend`), as jobs of `_leases` on the store's connections
-(`PostgresStore.database`).
+of the store it works for (its `Backend`), as jobs of `_leases` on connections of the store's
+database opened on the worker's own event loop (`Database.local`: no hop to the store's thread).
 
 - **Claims** (`_leases.claim`): of the worker's run, or, serving every run, of each open run with
   ready tasks of its kinds, oldest first, until its room is used.
@@ -42,11 +42,12 @@ from ._listen import ENDED, GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
 from ._processes import Presence
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 
     from ..._admission import Admission
     from ..._task import Attempt, Task, TaskResult
     from .._worker_run import Claim
+    from ._database import Local
     from ._leases import Claimed
     from ._store import PostgresStore
 
@@ -68,6 +69,13 @@ class PostgresWorkerBackend:
         self._wakeup = Wakeup()
         self._presence: Presence | None = None
         self._offset = 0.0  # the database's clock less this process's wall clock, seconds
+        self._local: Local | None = None  # its connections, on its loop, while it is present
+
+    async def _run(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """``await job(conn, *args)`` on the worker's connections (the store's, outside
+        `present`)."""
+        local = self._local
+        return await (self.database.run if local is None else local.run)(job, *args)
 
     def name(self, suffix: str) -> str:
         return f"{socket.gethostname()}:{os.getpid()}:{suffix}"
@@ -78,9 +86,25 @@ class PostgresWorkerBackend:
     ) -> AsyncIterator[None]:
         database = self.database
         await database.run(_now)  # the pool opened, the schema migrated (a StoreError if not)
-        before = time.time()
-        now: float = await database.run(_now)
-        self._offset = now - (before + time.time()) / 2
+        # The worker's jobs run on connections of its own loop, not in the store's thread.
+        local = await database.local()
+        try:
+            before = time.time()
+            now: float = await local.run(_now)
+            self._offset = now - (before + time.time()) / 2
+            self._local = local
+            async with self._present(name, run_id, kinds):
+                yield
+        finally:
+            self._local = None
+            with anyio.CancelScope(shield=True):
+                await local.close()
+
+    @contextlib.asynccontextmanager
+    async def _present(
+        self, name: str, run_id: str | None, kinds: Sequence[str]
+    ) -> AsyncIterator[None]:
+        database = self.database
         channel = GLOBAL_CHANNEL if run_id is None else channel_of(run_id)
         wake = self._wakeup.set
 
@@ -109,16 +133,14 @@ class PostgresWorkerBackend:
                 # What it did since its last beat, which the presence (gone now, its beats over)
                 # did not take to its row: the row says what the worker did, to its end.
                 with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
-                    await database.run(
+                    await self._run(
                         _counted, name, presence.claimed, presence.completed, presence.refused
                     )
 
     async def claim(
         self, name: str, run_id: str | None, rooms: Mapping[str, int], room: int
     ) -> tuple[list[Claimed], bool]:
-        claimed, closed = await self.database.run(
-            _claim, name, run_id, dict(rooms), room, self.lease
-        )
+        claimed, closed = await self._run(_claim, name, run_id, dict(rooms), room, self.lease)
         if self._presence is not None:
             self._presence.claimed += len(claimed)
         # A claim counts the attempt its lease is for; the worker's run counts it again when it
@@ -126,14 +148,14 @@ class PostgresWorkerBackend:
         return [c._replace(attempts=c.attempts - 1) for c in claimed], closed
 
     async def closed(self, run_id: str) -> bool:
-        return bool(await self.database.run(_closed, run_id))
+        return bool(await self._run(_closed, run_id))
 
     async def wait(self, poll: float) -> None:
         await self._wakeup.wait(poll)
 
     async def heartbeat(self, name: str, held: Sequence[Claim]) -> set[tuple[str, str]]:
         leases = [(c.run_id, c.id, c.token) for c in held]
-        lost: set[tuple[str, str]] = await self.database.run(_heartbeat, name, leases, self.lease)
+        lost: set[tuple[str, str]] = await self._run(_heartbeat, name, leases, self.lease)
         return lost
 
     async def complete(
@@ -167,7 +189,7 @@ class PostgresWorkerBackend:
             noted.setdefault(claimed.run_id, []).append(
                 (claimed.id, claimed.token, _failed(wall, attempt))
             )
-        written: dict[tuple[str, str], bool] = await self.database.run(
+        written: dict[tuple[str, str], bool] = await self._run(
             _complete, name, runs, noted, admission, self.lease
         )
         accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
@@ -181,7 +203,7 @@ class PostgresWorkerBackend:
 
     async def release(self, name: str, held: Sequence[Claim] | None) -> int:
         leases = None if held is None else [(c.run_id, c.id, c.token) for c in held]
-        released: int = await self.database.run(_release, name, leases)
+        released: int = await self._run(_release, name, leases)
         return released
 
 
@@ -207,7 +229,7 @@ def _unnamed(task: Task) -> Task:
     return task
 
 
-# -- jobs (each on a pooled connection, in the store's thread) -----------------------------------
+# -- jobs (each on a pooled connection, on the worker's loop) ----------------------------------
 
 
 async def _counted(
