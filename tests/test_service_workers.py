@@ -81,8 +81,9 @@ class Service:
         log = (self.tmp / f"service-{self.started}.log").open("w")
         self.process = spawn(
             [sys.executable, str(REPO / "tests" / "service_work_job.py"), *self.store,
-             "--port", str(self.port), "--lease", str(self.lease), "--token", self.worker_token,
-             "--admin", self.admin_token, "--paused"],
+             "--port", str(self.port), "--lease", str(self.lease),
+             # (joined with "=": a random token may start with "-", which argparse reads as an option)
+             f"--token={self.worker_token}", f"--admin={self.admin_token}", "--paused"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "WORKER_CALLS": str(self.calls)},
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
