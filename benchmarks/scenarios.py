@@ -101,6 +101,8 @@ class Sizes:
     #: of worker processes, through the service and on the database.
     svc_n: int = 10_000
     svc_workers: tuple[int, ...] = (1, 2)
+    #: Scenario 13: the run whose events an SSE client times, at ~1,000 transitions/s.
+    svc_events_n: int = 10_000
     limit: int = 100
     reps: int = 5
 
@@ -144,6 +146,7 @@ SMOKE = Sizes(
     pg_contenders=("pg_orchestra", "pg_raw", "pgqueuer"),
     svc_n=200,
     svc_workers=(1,),
+    svc_events_n=300,
     limit=10,
     reps=1,
 )
@@ -389,12 +392,14 @@ def plan(sizes: Sizes) -> list[Scenario]:
         "service",
         f"13. Workers over HTTP (the service, on scenario 12's server): {sizes.svc_n:,} no-op "
         f"tasks claimed and completed by {', '.join(map(str, sizes.svc_workers))} `orchestra "
-        "worker --url` processes, against as many `--dsn` ones",
+        "worker --url` processes, against as many `--dsn` ones; the time from an event to an "
+        f"SSE client, a run of {sizes.svc_events_n:,} tasks at ~1,000 transitions/s",
     )
     svc.groups.extend(
         [Case(Spec("service", f"svc_{path}_{w}", sizes.svc_n, limit)) for path in ("http", "db")]
         for w in sizes.svc_workers
     )
+    svc.groups.append([Case(Spec("service", "svc_events_sse", sizes.svc_events_n, limit))])
 
     return [
         speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable,

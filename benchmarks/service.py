@@ -18,6 +18,17 @@ closed it (every claim leased and fenced, every completion committed, every end 
 
 Checked after: N tasks succeeded, each at its first attempt. The issue's target: the HTTP workers
 reach at least half the database workers' throughput, W for W.
+
+- ``svc_events_sse``: **event-to-client latency**. The service process (``serve-events``) runs a
+  run of N tasks itself, its agent 30 ms a call at concurrency `EVENTS_CONCURRENCY` (about
+  `EVENTS_CONCURRENCY / 0.03` tasks/s: a start and an end each, so ~1,000 transitions/s), while
+  this process reads the run's events as an SSE client (``GET /api/runs/{id}/events``). For each
+  event delivered in order: its arrival less its time in the journal (the database's `now()`, its
+  transaction's start: no later than its commit, so the sample is an upper bound of commit to
+  arrival), p50 / p95 / max, for the tasks' ends (the steady stream) and for their admissions
+  (one burst when the run is submitted). A task's start is read from its row once it ended (it is
+  dated by the claiming process's clock): the stream tells it late, counted, not sampled. The
+  issue's target: p95 ≤ 500 ms.
 """
 
 from __future__ import annotations
@@ -44,10 +55,16 @@ KIND = postgres.KIND
 BATCH = postgres.BATCH
 WORKERS = (1, 2)
 PATHS = ("http", "db")
-VARIANTS = tuple(f"svc_{path}_{w}" for w in WORKERS for path in PATHS)
+EVENTS = "svc_events_sse"
+VARIANTS = (*(f"svc_{path}_{w}" for w in WORKERS for path in PATHS), EVENTS)
+#: The events run's agent: this many calls at once, each 30 ms.
+EVENTS_CONCURRENCY = 20
+EVENTS_CALL = 0.030
 
 
 def build(spec: Spec) -> Workload:
+    if spec.variant == EVENTS:
+        return events(spec)
     _, path, workers = spec.variant.split("_")
     if path not in PATHS or not workers.isdigit():
         raise ValueError(f"unknown service variant {spec.variant!r}")
@@ -132,6 +149,13 @@ async def _measure(dsn: str, n: int, path: str, workers: int) -> dict[str, Any]:
     return out
 
 
+def _start_events_service(dsn: str, port: int, token: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.service", "serve-events", dsn, str(port), token],
+        cwd=postgres.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 async def _serving(client: Any, service: subprocess.Popen[str]) -> None:
     """Wait, untimed, until the service answers its health check."""
     import httpx
@@ -145,6 +169,85 @@ async def _serving(client: Any, service: subprocess.Popen[str]) -> None:
                 return
         await asyncio.sleep(0.05)
     raise RuntimeError(f"the service did not answer in {postgres.WAIT:g} s")
+
+
+def events(spec: Spec) -> Workload:
+    """``svc_events_sse``: from each event's time in the journal to its arrival at an SSE
+    client, while the run does ~1,000 transitions/s."""
+
+    async def run() -> dict[str, Any]:
+        dsn = await postgres.fresh_database()
+        try:
+            return await _measure_events(dsn, spec.n)
+        finally:
+            await postgres.drop_database(dsn)
+
+    return run
+
+
+async def _measure_events(dsn: str, n: int) -> dict[str, Any]:
+    import json
+
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    token = secrets.token_urlsafe(32)
+    service = _start_events_service(dsn, port, token)
+    auth = {"Authorization": f"Bearer {token}"}
+    arrivals: list[tuple[float, str, dict[str, Any]]] = []  # (arrival, id, event)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=auth) as client:
+            await _serving(client, service)
+            tasks = [{"kind": KIND, "payload": i} for i in range(n)]
+            answer = await client.post("/api/runs", json={"tasks": tasks, "run_id": RUN_ID})
+            if answer.status_code != 202:
+                raise RuntimeError(f"the run was not accepted: {answer.text}")
+            event_id, data = "", None
+            async with client.stream("GET", f"/api/runs/{RUN_ID}/events") as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("id: "):
+                        event_id = line[4:]
+                    elif line.startswith("data: "):
+                        data = json.loads(line[6:])
+                    elif line == "" and data is not None:
+                        if "event" in data:
+                            arrivals.append((time.time(), event_id, data))
+                        event_id, data = "", None
+            run = (await client.get(f"/api/runs/{RUN_ID}")).json()
+    finally:
+        service.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            service.communicate(timeout=30)
+        if service.poll() is None:
+            service.kill()
+            service.communicate()
+    # In order: a fresh id. Late: the cursor's id again (a task's start read from its ended row).
+    late = sum(1 for k in range(1, len(arrivals)) if arrivals[k][1] == arrivals[k - 1][1])
+    ends = sorted(
+        (t - e["at"]) * 1e3
+        for k, (t, i, e) in enumerate(arrivals)
+        if e["event"] == "succeeded" and (k == 0 or i != arrivals[k - 1][1])
+    )
+    admitted = sorted((t - e["at"]) * 1e3 for t, _, e in arrivals if e["event"] == "admitted")
+    times = sorted(e["at"] for _, _, e in arrivals if e["event"] == "succeeded")
+    span = times[-1] - times[0] if len(times) > 1 else float("nan")
+    q = postgres._quantile
+    out: dict[str, Any] = {
+        "completed": len(times),
+        "samples": len(ends),
+        "sse_p50_ms": q(ends, 0.50),
+        "sse_p95_ms": q(ends, 0.95),
+        "sse_max_ms": ends[-1],
+        "admitted_p50_ms": q(admitted, 0.50),
+        "admitted_p95_ms": q(admitted, 0.95),
+        # Starts and ends over the time the ends span: the run's transitions per second.
+        "transitions_per_s": 2 * len(times) / span,
+        "late": late,
+    }
+    if run.get("state") != "closed" or len(times) != n:
+        out["error"] = f"run {run.get('state')}, {len(times)} of {n} ends delivered"
+    return out
 
 
 # --------------------------------------------------------------------------- process modes
@@ -170,6 +273,31 @@ def _serve(dsn: str, port: int, worker_token: str, admin_token: str) -> None:
     tokens.ensure(worker_token, "worker", "bench workers")
     tokens.ensure(admin_token, "admin", "bench")
     app = create_app(Paused(agents=[postgres._noop()], store=store), grace=0.0)
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    finally:
+        store.close()
+
+
+def _serve_events(dsn: str, port: int, token: str) -> None:
+    """The service of ``svc_events_sse``: its runs' agent 30 ms a call, `EVENTS_CONCURRENCY`
+    at once."""
+    import anyio
+    import uvicorn
+
+    from orchestra import Orchestrator, agent
+    from orchestra._service._tokens import Tokens
+    from orchestra.service import create_app
+    from orchestra.stores import PostgresStore
+
+    @agent(kinds=[KIND], name=KIND)
+    async def call(task: Any, ctx: Any) -> None:
+        await anyio.sleep(EVENTS_CALL)
+
+    store = PostgresStore(dsn)
+    Tokens(store).ensure(token, "admin", "bench")
+    orch = Orchestrator(agents=[call], store=store, concurrency=EVENTS_CONCURRENCY)
+    app = create_app(orch, grace=0.0)
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
     finally:
@@ -212,6 +340,9 @@ def main(argv: list[str]) -> int:
     if mode == "serve" and len(args) == 4:
         _serve(args[0], int(args[1]), args[2], args[3])
         return 0
+    if mode == "serve-events" and len(args) == 3:
+        _serve_events(args[0], int(args[1]), args[2])
+        return 0
     if mode == "worker-http" and len(args) == 2:
         done = asyncio.run(_worker_http(*args))
     elif mode == "worker-db" and len(args) == 1:
@@ -219,7 +350,7 @@ def main(argv: list[str]) -> int:
     else:
         print(
             "usage: python -m benchmarks.service serve DSN PORT WORKER_TOKEN ADMIN_TOKEN | "
-            "worker-http URL TOKEN | worker-db DSN",
+            "serve-events DSN PORT TOKEN | worker-http URL TOKEN | worker-db DSN",
             file=sys.stderr,
         )
         return 2

@@ -97,6 +97,11 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
         for name in ("p50_ms", "p95_ms", "max_ms", "back_p50_ms", "back_p95_ms"):
             row[name] = stats(e[name] for e in extras)
         row["samples"] = extras[0]["samples"]
+    if "sse_p50_ms" in extras[0]:  # scenario 13: an event's time to an SSE client
+        for name in ("sse_p50_ms", "sse_p95_ms", "sse_max_ms", "admitted_p50_ms",
+                     "admitted_p95_ms", "transitions_per_s", "late"):  # fmt: skip
+            row[name] = stats(float(e[name]) for e in extras)
+        row["samples"] = extras[0]["samples"]
     if "takeover_s" in extras[0]:  # scenario 12: a standby taking over a killed coordinator
         row["takeover_s"] = stats(e["takeover_s"] for e in extras)
         row["lease_s"] = extras[0]["lease_s"]

@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 
 from orchestra import Orchestrator, PermanentError, Task, agent
+from orchestra._service._events import key_of
 from orchestra._service._tokens import ROLES, Tokens
 from orchestra.service import create_app
 
@@ -149,3 +150,17 @@ async def server(app: FastAPI, **options: Any) -> AsyncIterator[str]:
     finally:
         running.should_exit = True
         await task
+
+
+def told_in_order(delivered: list[dict[str, Any]], journal: list[dict[str, Any]]) -> None:
+    """The events a stream `delivered` are the run's `journal`, each once, in its order; but for
+    a task's start that PostgreSQL reads from the task's row once it ended (dated by the claiming
+    process's clock, before events delivered meanwhile): the stream sends it late, once."""
+    keys = [key_of(e) for e in delivered]
+    assert sorted(keys) == sorted(key_of(e) for e in journal)
+    dated = [k for k, e in zip(keys, delivered, strict=True) if not _told_by_row(e)]
+    assert dated == sorted(dated)
+
+
+def _told_by_row(event: dict[str, Any]) -> bool:
+    return bool(event["event"] == "started" and event["seq"] is None)

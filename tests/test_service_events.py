@@ -129,6 +129,27 @@ class TestTheCursor:
         assert [e["task_id"] for e, _ in cursor.take(journal, 11.6, final=False)] == ["b"]
         assert cursor.take(journal, 20.0, final=False) == []
 
+    def test_with_the_stores_horizon_delivers_what_is_dated_before_it_whatever_the_time(
+        self,
+    ) -> None:
+        cursor = Cursor(None, settle=1.0)
+        journal = [_event(10.0, "a", "admitted"), _event(10.5, "b", "admitted")]
+        # At the horizon itself a transaction that started then may still write: held back.
+        taken = cursor.take(journal, 10.6, final=False, horizon=10.5)
+        assert [e["task_id"] for e, _ in taken] == ["a"]
+        taken = cursor.take(journal, 10.6, final=False, horizon=10.50001)
+        assert [e["task_id"] for e, _ in taken] == ["b"]
+
+    def test_reads_from_itself_on_but_late_ones_from_the_late_window_and_when_resumed(
+        self,
+    ) -> None:
+        cursor = Cursor(None, settle=1.0, late=60.0)
+        assert cursor.since(late=False) is None  # nothing delivered: from the start
+        cursor.take([_event(100.0, "a", "admitted")], 200.0, final=False)
+        assert (cursor.since(late=False), cursor.since()) == (100.0, 40.0)
+        resumed = Cursor(key_of(_event(100.0, "a", "admitted")), settle=1.0, late=60.0)
+        assert resumed.since(late=False) == 40.0  # what its client saw is read again, first
+
     def test_delivers_everything_left_once_the_run_is_over(self) -> None:
         cursor = Cursor(None, settle=1.0)
         journal = [_event(10.0, "a", "admitted"), _event(10.9, "a", "succeeded")]

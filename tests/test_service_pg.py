@@ -215,3 +215,78 @@ class TestTwoProcessesOnOneDatabase:
                 await handle
         finally:
             await anyio.to_thread.run_sync(program_store.close)
+
+
+class TestTheEventStreamOnPostgres:
+    async def test_an_event_a_long_open_transaction_commits_late_comes_in_order_once(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        """A transaction dates its rows by its start: one held open past the settle window, while
+        a later one commits a later-dated event, commits its own behind it. The stream holds the
+        later event back until then, and delivers both in the journal's order, once each."""
+        import asyncpg
+
+        insert = (
+            "INSERT INTO orchestra.events (run_id, task_id, event, detail) "
+            "VALUES ('held', 'a', 'note', $1)"
+        )
+        async with serving(store) as api:
+            await api.submit({"tasks": [{"kind": "wait", "id": "a"}], "run_id": "held"})
+            got: list[tuple[str, dict[str, object]]] = []
+
+            async def read(url: str) -> None:
+                event_id, data = "", None
+                async with (
+                    httpx.AsyncClient(timeout=30) as client,
+                    client.stream("GET", f"{url}/api/runs/held/events", headers=api.auth()) as s,
+                ):
+                    async for line in s.aiter_lines():
+                        if line.startswith("id: "):
+                            event_id = line[4:]
+                        elif line.startswith("data: "):
+                            data = json.loads(line[6:])
+                        elif line == "" and data is not None:
+                            got.append((event_id, data))
+                            event_id, data = "", None
+
+            def notes() -> list[object]:
+                return [e["detail"] for _, e in got if e.get("event") == "note"]
+
+            early, late = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+            try:
+                async with server(api.app) as url, anyio.create_task_group() as tg:
+                    tg.start_soon(read, url)
+                    with anyio.fail_after(10):
+                        while not got:  # the stream runs: a's admission came
+                            await anyio.sleep(0.02)
+                    held = early.transaction()
+                    await held.start()
+                    await early.execute(insert, "early")  # dated now: its transaction's start
+                    await anyio.sleep(0.05)
+                    await late.execute(insert, "later")  # dated later, committed at once
+                    await anyio.sleep(1.5)  # past the settle window
+                    assert notes() == []  # the later one waits for what may precede it
+                    await held.commit()
+                    with anyio.fail_after(10):
+                        while len(notes()) < 2:
+                            await anyio.sleep(0.02)
+                    api.gate.set()  # the run ends, and its stream
+            finally:
+                await early.close()
+                await late.close()
+        assert notes() == ["early", "later"]
+        journal = await anyio.to_thread.run_sync(store.events, "held")
+        events = [(i, e) for i, e in got if "event" in e]
+        assert sorted(key_of(e) for _, e in events) == sorted(key_of(e) for e in journal)  # once
+        # In order, and the ids only grow, but for the one event PostgreSQL tells late whatever
+        # the stream does: a's start, read from its row once it ended (dated by its claim), sent
+        # with the cursor unchanged as its id.
+        in_order = [(i, e) for n, (i, e) in enumerate(events) if n == 0 or i != events[n - 1][0]]
+        assert [e for _, e in events if (_, e) not in in_order] == [
+            e for e in journal if e["event"] == "started" and e["seq"] is None
+        ]
+        keys = [key_of(e) for _, e in in_order]
+        assert keys == sorted(keys)
+        ids = [json.loads(i) for i, _ in in_order]
+        assert ids == sorted(ids)
+        assert len({tuple(i) for i in ids}) == len(ids)

@@ -24,10 +24,9 @@ import anyio
 import httpx
 import pytest
 
-from orchestra._service._events import key_of
 from orchestra._service._tokens import Tokens
 from tests.helpers import spawn
-from tests.service_kit import free_port
+from tests.service_kit import free_port, told_in_order
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -188,9 +187,8 @@ class TestEvents:
             tg.start_soon(watch, "a", a.url)
             tg.start_soon(watch, "b", b.url)
         journal = await anyio.to_thread.run_sync(store.events, "watched")
-        every = sorted(key_of(e) for e in journal)
-        assert [key_of(e) for e in seen["a"]] == every
-        assert [key_of(e) for e in seen["b"]] == every
+        told_in_order(seen["a"], journal)
+        told_in_order(seen["b"], journal)
         ended = Counter(e["task_id"] for e in seen["b"] if e["event"] == "succeeded")
         assert ended == {f"t{i}": 1 for i in range(TASKS)}
 
@@ -319,7 +317,7 @@ class TestTakeOver:
         assert max(runs.values()) <= 2
         assert len(twice) <= 10
         # B's SSE client saw every event of the run, A's and B's.
-        assert [key_of(e) for e in seen] == sorted(key_of(e) for e in journal)
+        told_in_order(seen, journal)
         assert b.process.poll() is None
 
     async def test_a_replica_stopped_gracefully_leaves_its_run_to_another_paused_as_it_was(

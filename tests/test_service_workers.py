@@ -604,3 +604,34 @@ class TestALostService:
             async with ServiceBackend(url, "x" * 40, retry_for=0.5):
                 pass
         assert time.monotonic() - began >= 0.5  # retried until its budget was spent
+
+
+@pytest.mark.subprocess
+class TestSeveralAddresses:
+    async def test_an_address_that_cannot_be_reached_is_passed_for_the_next_which_serves_it(
+        self, tmp_path: Path
+    ) -> None:
+        from orchestra.stores._http._worker import ServiceBackend
+
+        store = SQLiteStore(tmp_path / "runs.db")
+        try:
+            async with serving(store) as api, server(api.app) as url:
+                dead = f"http://127.0.0.1:{free_port()}"  # nobody listens
+                async with ServiceBackend([dead, url], api.tokens["worker"]) as backend:
+                    assert backend.url == url  # moved on at the first call
+                    name = backend.name("w")
+                    async with backend.present(name, None, ["echo"]):
+                        held = rows(tmp_path / "runs.db", "SELECT owner FROM workers")
+                        assert [owner for (owner,) in held] == [name]
+        finally:
+            store.close()
+
+    def test_the_worker_command_takes_several_urls_and_checks_each(self, tmp_path: Path) -> None:
+        answer = subprocess.run(
+            [sys.executable, "-m", "orchestra", "worker", "--agents", "tests/worker_job.py:agents",
+             "--url", "http://127.0.0.1:1", "--url", "ftp://elsewhere", "--token", "x" * 40],
+            cwd=REPO, capture_output=True, text=True, check=False,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert answer.returncode == 2
+        assert "'ftp://elsewhere'" in answer.stderr

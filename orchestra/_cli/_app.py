@@ -383,12 +383,13 @@ def worker(
         ),
     ] = None,
     url: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             "--url",
             metavar="http://host:8000",
             help="The service the runs are kept behind (`orchestra serve`): for a worker that "
-            "cannot reach the database. Needs --token.",
+            "cannot reach the database. Needs --token. Repeat it for replicas of one store: "
+            "the worker moves to the next when the one it uses cannot be reached.",
             show_default=False,
         ),
     ] = None,
@@ -449,6 +450,7 @@ def worker(
 
     Exit code: 0 done (the run of --run-id is over, or drained), 130 stopped, 2 usage error.
     """
+    url = url or None  # (no --url: an empty list)
     if sum(x is not None for x in (db, dsn, url)) != 1:
         raise _fail(
             "give exactly one of --db FILE (SQLite), --dsn postgresql://... (PostgreSQL) and "
@@ -503,16 +505,22 @@ def _postgres_store(dsn: str, lease: float) -> PostgresStore:
     return PostgresStore(dsn, lease=lease)
 
 
-def _service_backend(url: str, token: str) -> Callable[[], AbstractAsyncContextManager[Backend]]:
-    """The worker's backend through the service at `url` (opened in the worker's loop); a usage
-    error when the `remote` extra (httpx) is not installed."""
+def _service_backend(
+    urls: list[str], token: str
+) -> Callable[[], AbstractAsyncContextManager[Backend]]:
+    """The worker's backend through the service at `urls` (opened in the worker's loop); a usage
+    error when the `remote` extra (httpx) is not installed.
+
+    Several addresses are several ``--url`` options, not one comma-separated: a comma is a legal
+    character of a URL (its path, its query), so splitting on it could cut one address in two."""
     try:
         from ..stores._http._worker import ServiceBackend
     except ImportError as exc:
         raise _fail(str(missing_extra("--url", "remote", exc))) from None
-    if not url.startswith(("http://", "https://")):
-        raise _fail(f"--url must be the service's http:// or https:// address, got {url!r}")
-    return lambda: ServiceBackend(url, token)
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise _fail(f"--url must be the service's http:// or https:// address, got {url!r}")
+    return lambda: ServiceBackend(urls, token)
 
 
 async def _work(

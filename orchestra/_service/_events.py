@@ -12,23 +12,32 @@ after it.
 A key is not a commit order: SQLite writes a run's changes once a window (an event is stamped
 when it happened and written up to a window later), and PostgreSQL stamps a row with its
 transaction's start (`now()`), so a transaction that commits later may carry an earlier time.
-Hence the *settle* window: the stream delivers only events older than `settle` seconds (1 s by
-default, far longer than a window or a short transaction), in key order, so that the keys it sends
-only grow and a resumed stream misses nothing that committed in time. An event that still arrives
-behind the cursor (a PostgreSQL task whose start is told only by its row once it ended; a
-transaction held longer than `settle`) is delivered all the same, once (the identities delivered
-over the last `late` seconds are kept to tell), with the cursor unchanged as its id. Once the run
-is over (closed, and no process runs it) everything left is delivered and the stream ends with an
-``end`` event.
+Hence the *horizon*: the stream delivers, in key order, only the events dated before a time no
+event still to commit can precede, so that the keys it sends only grow and a resumed stream misses
+nothing. On PostgreSQL the database says it exactly: the start of the oldest transaction still
+running on it (`stores._postgres._admin.horizon`; a transaction held open holds the stream back
+until it ends). On SQLite, whose events are stamped by their writer's clock before the window
+that writes them, no reader can know what a writer holds unwritten: there the horizon is a
+*settle* window, `settle` seconds (1 s) behind now, far longer than a window (as on PostgreSQL
+when the database hides another role's sessions). An event that still arrives behind the cursor
+(one dated by a process's clock, not the database's: a task's start told only by its row once it
+ended; on SQLite, a window written later than `settle`) is delivered all the same, once (the
+identities delivered over the last `late` seconds are kept to tell), with the cursor unchanged as
+its id. Once the run is over (closed, and no process runs it) everything left is delivered and
+the stream ends with an ``end`` event.
 
-Each poll reads the journal from `late` seconds behind the cursor on (`store.events(...,
-since=...)`): what a poll hands over and sorts is the recent window, though the database still
-reads the run's rows to build its journal (most of the journal is read from the rows of tasks).
+A poll reads the journal from the cursor on (`store.events(..., since=...)`): what comes in
+order. Every `SWEEP` seconds (and first) it reads from `late` seconds behind the cursor instead,
+for what comes late: reading and sorting that window each poll cost a busy run's stream more than
+the latency it is for (30,000 events, 0.3 s a poll), and a late event is late anyway. The
+database still reads the run's rows to build its journal (most of it is read from the rows of
+tasks).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -38,6 +47,7 @@ import anyio
 from fastapi import APIRouter, Depends, Header
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
+from ..stores import SQLiteStore
 from ._auth import require
 from ._errors import Refused, responses
 from ._runs import KnownRun, RunPath, ServiceDep
@@ -46,11 +56,14 @@ from ._state import holder
 __all__ = ("Cursor", "key_of", "router")
 
 SETTLE: Final = 1.0
-"""Seconds an event's time must lie behind now before it is delivered (see the module)."""
+"""Seconds an event's time must lie behind now before it is delivered, where the store cannot say
+when it may (see the module)."""
 LATE: Final = 60.0
 """Seconds behind the cursor over which a late event is still told apart from one delivered."""
-POLL: Final = 0.25
+POLL: Final = 0.1
 """Seconds between two reads of the journal."""
+SWEEP: Final = 2.0
+"""Seconds between two reads of the journal from `LATE` behind the cursor (see the module)."""
 
 Key = tuple[float, int, int, int, str, str]
 
@@ -99,12 +112,23 @@ class Cursor:
         self._resumed = after is not None
 
     def take(
-        self, journal: list[dict[str, Any]], now: float, *, final: bool
+        self,
+        journal: list[dict[str, Any]],
+        now: float,
+        *,
+        final: bool,
+        horizon: float | None = None,
     ) -> list[tuple[dict[str, Any], str]]:
         """The events of `journal` (the run's whole journal, now) to deliver next, each with its
-        SSE id: those past the cursor and older than `now - settle` (all of them when `final`),
-        and late ones not delivered before."""
-        horizon = float("inf") if final else now - self.settle
+        SSE id: those past the cursor and dated before `horizon` (the store's word that nothing
+        dated earlier can still commit, read before `journal` was), else no later than
+        `now - settle` (all of them when `final`), and late ones not delivered before."""
+        if final:
+            limit, exact = float("inf"), False
+        elif horizon is not None:
+            limit, exact = horizon, True  # (a transaction that started at it may write at it)
+        else:
+            limit, exact = now - self.settle, False
         keyed = sorted((key_of(e), e) for e in journal)  # (a stable order, whatever the store's)
         if self._resumed:
             # What the client saw before it reconnected: every event up to its cursor.
@@ -113,7 +137,7 @@ class Cursor:
             self.seen.update(k for k, _ in keyed if k <= self.position)
         out: list[tuple[dict[str, Any], str]] = []
         for key, event in keyed:
-            if key[0] > horizon:
+            if key[0] > limit or (exact and key[0] == limit):
                 break
             if key in self.seen:
                 continue
@@ -130,10 +154,13 @@ class Cursor:
             self.seen = {k for k in self.seen if k[0] >= oldest}
         return out
 
-    def since(self) -> float | None:
-        """The wall time the next read of the journal may start at: older events are either
-        delivered or too late to be told apart (None: from the start)."""
-        return None if self.position is None else self.position[0] - self.late
+    def since(self, *, late: bool = True) -> float | None:
+        """The wall time the next read of the journal may start at (None: from the start): with
+        `late`, older events are either delivered or too late to be told apart; else what is
+        older than the cursor is delivered, or comes late."""
+        if self.position is None:
+            return None
+        return self.position[0] - (self.late if late or self._resumed else 0.0)
 
 
 async def resume_after(
@@ -175,15 +202,33 @@ async def events(
     (`JournalEvent`), its `id` the stream's cursor (send it back as `Last-Event-ID` to resume).
     The stream ends with an `end` event once the run is over."""
     cursor = Cursor(after)
+    swept = -math.inf
     while True:
         final = await _over(service, run_id)
-        journal = await service.read(partial(service.store.events, since=cursor.since()), run_id)
-        for event, event_id in cursor.take(journal, time.time(), final=final):
+        horizon = None if final else await _horizon(service.store, cursor.settle)
+        sweep = final or time.monotonic() - swept >= SWEEP
+        if sweep:
+            swept = time.monotonic()
+        since = cursor.since(late=sweep)
+        journal = await service.read(partial(service.store.events, since=since), run_id)
+        for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon):
             yield ServerSentEvent(data=event, id=event_id)
         if final:
             yield ServerSentEvent(event="end", data={"run_id": run_id})
             return
         await anyio.sleep(POLL)
+
+
+async def _horizon(store: Any, settle: float) -> float | None:
+    """The time before which `store`'s journal gains no more event (read before the journal is:
+    what commits after this was still running now, so it is dated from now on or from the start
+    of a transaction running now); None when the store cannot say (SQLite: the settle window)."""
+    if isinstance(store, SQLiteStore):
+        return None
+    from ..stores._postgres._admin import horizon  # (PostgreSQL's driver: the postgres extra)
+
+    at: float = await store.database.run(horizon, settle)
+    return at
 
 
 async def _over(service: Any, run_id: str) -> bool:

@@ -17,7 +17,16 @@ jittered backoff (`orchestra._retry.backoff`) for `retry_for` seconds (at least 
 the worker's leases have lapsed in the store, and what it writes will be refused anyway), while
 the worker's agents go on with the work they hold; past that, the call raises `StoreError`. A
 service that restarted does not know the worker (409 ``unknown_worker``): it presents itself again
-and repeats the call. A call whose answer was lost with the service may have been applied: a
+and repeats the call.
+
+**Several services.** A worker may be given several addresses of one store's service (replicas of
+``orchestra serve --dsn`` on one database): it talks to one at a time and, when that one cannot be
+reached, moves to the next at once (a whole round of them failing is what the backoff waits
+between). The store fences every write, so any replica may take any call; the one moved to does
+not know the worker (409 ``unknown_worker``), and it presents itself there again. So a fleet of
+workers survives a replica's death without a load balancer in front of the replicas.
+
+A call whose answer was lost with the service may have been applied: a
 repeated completion is then refused (the task is no longer leased) and counted as refused, though
 its first write stands; a repeated claim leaves the first claim's tasks leased to no one who runs
 them until their leases lapse (an attempt counted) or the worker hands back what it holds.
@@ -67,14 +76,15 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 class ServiceBackend:
-    """The claims, heartbeats and completions of a worker, through the service at `url` with
-    the bearer `token` (of the ``worker`` role).
+    """The claims, heartbeats and completions of a worker, through the service at `url` (or
+    the first of several that answers) with the bearer `token` (of the ``worker`` role).
 
     Use it as an async context manager: entering asks the service for the token's id, the
     store's lease and poll and its clock (`Hello`); leaving closes the connections.
 
     Args:
-        url: the service's base URL (``http://host:8000``).
+        url: the service's base URL (``http://host:8000``), or several: replicas serving one
+            store, moved between when the one in use cannot be reached.
         token: a bearer token of the worker role.
         retry_for: seconds a call is retried while the service cannot be reached (default: the
             store's lease, at least 10).
@@ -84,23 +94,32 @@ class ServiceBackend:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         token: str,
         *,
         retry_for: float | None = None,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise StoreError("ServiceBackend: give the service's URL")
+        self.urls = [u.rstrip("/") for u in urls]
         self._given_retry = retry_for
         self.retry_for = 30.0 if retry_for is None else float(retry_for)
         self._timeout = timeout
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-            transport=transport,
-        )
+        # One client (one connection pool) per address: moving to another keeps the connections
+        # open to the others, for when the fleet comes back to them.
+        self._clients = [
+            httpx.AsyncClient(
+                base_url=u,
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+                transport=transport,
+            )
+            for u in self.urls
+        ]
+        self._at = 0  # the index of the address in use
         self._rng = random.Random()
         self.lease = 30.0
         self.poll = 1.0
@@ -112,7 +131,7 @@ class ServiceBackend:
         try:
             await self.connect()
         except BaseException:
-            await self._client.aclose()
+            await self._close()
             raise
         return self
 
@@ -122,7 +141,16 @@ class ServiceBackend:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._client.aclose()
+        await self._close()
+
+    @property
+    def url(self) -> str:
+        """The address in use."""
+        return self.urls[self._at]
+
+    async def _close(self) -> None:
+        for client in self._clients:
+            await client.aclose()
 
     async def connect(self) -> None:
         """Ask the service who this token is, the store's lease and poll, and its clock."""
@@ -250,9 +278,11 @@ class ServiceBackend:
         began: float | None = None
         retry = 0
         presented = False
+        tried = 0  # addresses that failed this call since the last wait
         while True:
+            client = self._clients[self._at]
             try:
-                response = await self._client.request(
+                response = await client.request(
                     method, _API + path, content=content, params=params, timeout=timeout
                 )
             except httpx.TransportError as exc:  # refused, reset, timed out: not answered
@@ -275,6 +305,18 @@ class ServiceBackend:
                         f"({status}): {_message(response)}"
                     )
                 problem = f"{status}: {_message(response)}"
+            tried += 1
+            if len(self.urls) > 1:
+                # Another address may answer now: try it before waiting, a round at most.
+                gone = self.url
+                self._at = (self._at + 1) % len(self.urls)
+                log.warning(
+                    "the service does not answer: moving on", url=gone, to=self.url, error=problem
+                )
+                presented = False  # the next one may not know this worker yet
+                if tried < len(self.urls):
+                    continue
+            tried = 0
             now = time.monotonic()
             if began is None:
                 began = now

@@ -218,6 +218,36 @@ ORDER BY at, rank, seq NULLS FIRST, task_id
 """
 
 
+# The time before which the journal can gain no more event dated by the database (wall time, the
+# database's clock), for a reader that follows it (the service's event stream): a journal row is
+# dated by its transaction's start (`now()`), so a transaction still running, of any session
+# connected to this database, may yet commit rows dated from its start on, and none earlier. By
+# start, not by transaction id (the outbox's `xmin < pg_snapshot_xmin(...)`): an id is given at a
+# transaction's first write, so one that started earlier and wrote later gets an id above rows
+# already committed, and dates its rows before theirs. Sessions of other roles show no state
+# without `pg_read_all_stats`: while there is one, the answer is `settle` seconds behind now
+# instead, which exact it is not. Other backends (autovacuum, replication) write no journal.
+_HORIZON = """
+SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
+    extract(epoch FROM min(xact_start) FILTER (WHERE xact_start IS NOT NULL))::float8 AS oldest,
+    coalesce(bool_or(state IS NULL), false) AS hidden
+FROM pg_stat_activity
+WHERE datname = current_database() AND backend_type = 'client backend'
+    AND pid <> pg_backend_pid()
+"""
+
+
+async def horizon(conn: asyncpg.Connection, settle: float) -> float:
+    """The journal's horizon (`_HORIZON`), a wall time: exact, or the database's now less
+    `settle` while it hides a session's state."""
+    row = await conn.fetchrow(_HORIZON)
+    assert row is not None
+    if row["hidden"]:
+        return float(row["now"]) - settle
+    oldest = row["oldest"]
+    return float(row["now"] if oldest is None else min(row["now"], oldest))
+
+
 async def events(
     conn: asyncpg.Connection, run_id: str, task_id: str | None, since: float | None = None
 ) -> list[dict[str, Any]]:
