@@ -13,6 +13,7 @@
   const TOKEN_KEY = "orchestra.token";
   const RUNS_SHOWN = 50; // the newest runs listed
   const EVENTS_SHOWN = 20; // the latest journal events shown
+  const DRAW_EVERY = 50; // ms: the events that arrive within this are drawn at once
   const AGENTS_SHOWN = 50;
   const PRIORITIES_SHOWN = 12; // the rest summed in one row
   const TASK_EVENTS_SHOWN = 200;
@@ -149,7 +150,7 @@
 
   function watch(id) {
     run = {
-      id, stream: new AbortController(), events: [], lastEventId: null,
+      id, stream: new AbortController(), events: [], lastEventId: null, drawing: false,
       reading: false, again: false, last: 0, soon: null, timer: null, over: false,
       following: false, idle: null, status: null,
     };
@@ -302,7 +303,19 @@
     const event = JSON.parse(text);
     watched.events.push(event);
     if (watched.events.length > EVENTS_SHOWN) watched.events.splice(0, watched.events.length - EVENTS_SHOWN);
+    drawEventsSoon(watched);
     refreshSoon();
+  }
+
+  // The events are drawn as they arrive (what came within one DRAW_EVERY, drawn once): the
+  // status read that follows them is throttled, the journal's latest lines are not.
+  function drawEventsSoon(watched) {
+    if (watched.drawing) return;
+    watched.drawing = true;
+    setTimeout(() => {
+      watched.drawing = false;
+      if (run === watched) showEvents(watched.events);
+    }, DRAW_EVERY);
   }
 
   // -- drawing -----------------------------------------------------------------------------------
