@@ -117,6 +117,10 @@ class TestServe:
             )
             assert live.status_code == 202
             assert client.get("/api/runs/long", headers=auth).json()["live"] is True
+            # The metrics extra is installed here: the orchestrator serve built collects.
+            metrics = client.get("/metrics", headers=auth)
+            assert metrics.status_code == 200
+            assert "orchestra_attempts_total" in metrics.text
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
         # uvicorn shuts down gracefully, then ends the process with the signal it caught.

@@ -58,10 +58,11 @@ _DOTTED: Final = re.compile(r"(?!\d)\w+(\.(?!\d)\w+)*")
 """A dotted Python name (`jobs.contracts`, `build`): what `pkgutil.resolve_name` accepts."""
 
 
-def load_orchestrator(target: str) -> Orchestrator:
+def load_orchestrator(target: str, instruments: Sequence[Any] = ()) -> Orchestrator:
     """The orchestrator `target` names: ``package.module:factory`` or ``path/to/file.py:factory``,
     where `factory` is an `Orchestrator` or a function returning one (called with no arguments),
-    or a list of agents (or a function returning one): an orchestrator with the defaults.
+    or a list of agents (or a function returning one): an orchestrator with the defaults and
+    `instruments` (an orchestrator the user built keeps its own).
 
     The current directory is importable, as with ``python -m``. Raises `ConfigError` saying what is
     wrong (no colon, no such module or attribute, not an orchestrator).
@@ -103,7 +104,7 @@ def load_orchestrator(target: str) -> Orchestrator:
             )
         obj = obj()
     if isinstance(obj, list | tuple):  # a list of agents: an orchestrator with the defaults
-        obj = Orchestrator(agents=list(obj))
+        obj = Orchestrator(agents=list(obj), instruments=list(instruments))
     if inspect.isawaitable(obj):
         if inspect.iscoroutine(obj):
             obj.close()  # never awaited: no "coroutine was never awaited" warning

@@ -153,7 +153,7 @@ def serve(
     except ModuleNotFoundError as exc:
         raise _fail(str(missing_extra("orchestra serve", "service", exc))) from None
     try:
-        orch: Orchestrator = load_orchestrator(agents)
+        orch: Orchestrator = load_orchestrator(agents, _metrics())
     except (ConfigError, InputError) as exc:
         raise _fail(str(exc)) from None
     if lease is not None and dsn is None:
@@ -314,3 +314,14 @@ def _when(at: float | None) -> str:
     from datetime import datetime
 
     return datetime.fromtimestamp(at).isoformat(sep=" ", timespec="seconds")
+
+
+def _metrics() -> list[Any]:
+    """`/metrics`'s collector for an orchestrator this command builds from a list of agents: the
+    metrics extra's `PrometheusMetrics` when prometheus_client is here, else none (the route then
+    says what to install). One the user built keeps its own instruments."""
+    try:
+        from ..metrics import PrometheusMetrics
+    except ModuleNotFoundError:  # prometheus_client is the metrics extra's
+        return []
+    return [PrometheusMetrics()]
