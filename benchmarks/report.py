@@ -744,6 +744,8 @@ def _service_events(r: Row | None) -> list[str]:
                 "admission to client, p50 (ms)",
                 "p95 (ms)",
                 "told late",
+                "end to the page, p50 (ms)",
+                "p95 (ms)",
             ],
             [
                 [
@@ -755,11 +757,13 @@ def _service_events(r: Row | None) -> list[str]:
                     _spread(r["admitted_p50_ms"]),
                     _spread(r["admitted_p95_ms"]),
                     _spread(r["late"]),
+                    _spread(r["page_p50_ms"]) if "page_p50_ms" in r else "not sampled",
+                    _spread(r["page_p95_ms"]) if "page_p95_ms" in r else "",
                 ]
             ],
         ),
         "",
-        "Event to SSE client: the service runs the run itself (30 ms calls, 20 at once) while "
+        "Event to SSE client: the service runs the run itself (30 ms calls, 26 at once) while "
         "an SSE client reads its events; each sample is an event's arrival less its time in "
         "the journal (its transaction's start, no later than its commit). The tasks' ends are "
         "the steady stream; their admissions one burst at the submission; a task's start, read "

@@ -102,6 +102,9 @@ def _add_extras(row: Row, spec: Spec, ok: list[Row]) -> None:
                      "admitted_p95_ms", "transitions_per_s", "late"):  # fmt: skip
             row[name] = stats(float(e[name]) for e in extras)
         row["samples"] = extras[0]["samples"]
+        if all("page_p95_ms" in e for e in extras):  # and to the dashboard page (Chromium)
+            for name in ("page_p50_ms", "page_p95_ms"):
+                row[name] = stats(float(e[name]) for e in extras)
     if "takeover_s" in extras[0]:  # scenario 12: a standby taking over a killed coordinator
         row["takeover_s"] = stats(e["takeover_s"] for e in extras)
         row["lease_s"] = extras[0]["lease_s"]
