@@ -43,7 +43,14 @@ async def main(dsn: str, run_id: str, owner: str, lease: float) -> int:
             except LeaseLost:
                 say("refused")
                 return 3
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            # (asyncpg tells a connection the server ended while this process was stopped in
+            # one of these ways, InternalClientError when it read the goodbye mid-exchange)
+            except (
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,
+                OSError,
+            ):
                 say("dropped")
                 conn.terminate()
                 conn = await asyncpg.connect(dsn)
