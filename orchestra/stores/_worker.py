@@ -381,16 +381,23 @@ class Worker:
             local = self.local
             if local is not None:
                 # What the agents can start now (a shared limit another user fills, a rate or
-                # a breaker's wait that holds a task already), within the room above.
+                # a breaker's wait that holds a task already), within the room above; a task
+                # ended here whose end is not written yet still holds its agent's place (its
+                # agent is free, but its lease is not: the worker would hold one more).
                 for kind, n in list(rooms.items()):
-                    ids = [i for i, c in self.held.items() if c.kind == kind and i not in ended]
-                    live = local.room(kind, ids)
+                    of_kind = [i for i, c in self.held.items() if c.kind == kind]
+                    ids = [i for i in of_kind if i not in ended]
+                    live = local.room(kind, ids) - (len(of_kind) - len(ids))
                     if live < n:
                         rooms[kind] = live
                 rooms = {k: n for k, n in rooms.items() if n > 0}
                 room = min(room, sum(rooms.values()))
-                if not rooms:  # room comes with a release here, or a refill: looked at again
-                    await anyio.sleep(self.poll)
+                if not rooms:
+                    # Room comes with an end written here (`_write` says so), a release or a
+                    # refill elsewhere: looked at again then, or after a poll.
+                    self._room = anyio.Event()
+                    with anyio.move_on_after(self.poll):
+                        await self._room.wait()
                     continue
             # A stop may drop this answer (the claim commits all the same): `_leave` hands back
             # whatever the store says this worker holds, not only what it heard of.
