@@ -438,8 +438,9 @@ class TestBackpressure:
         store.close()
         assert result.status == "success"
         # Pulled while the windows before the writer stopped (two, and the one gathered): at
-        # most an item every `every` seconds for each.
-        assert 0 < pulled_in_lock <= 3 * (window / every + 1)
+        # most an item every `every` seconds for each; none when the writer was behind already
+        # as the file was locked (a loaded machine). Unbounded input would be ~2,000 here.
+        assert pulled_in_lock <= 3 * (window / every + 1)
 
 
 def _succeeded(conn: sqlite3.Connection) -> int:
