@@ -345,11 +345,7 @@ async def heartbeat(session: SessionDep, body: HeartbeatRequest) -> Heartbeat:
 
 
 def _attempt(a: FailedAttempt) -> Attempt:
-    return Attempt(
-        number=a.number, agent=a.agent, error_type=a.error_type, message=a.message,
-        started=a.started, duration=a.duration, retry_in=a.retry_in, traceback=a.traceback,
-        status_code=a.status_code, api_error_type=a.api_error_type, request_id=a.request_id,
-    )  # fmt: skip
+    return Attempt(**a.model_dump())  # the wire model's fields are Attempt's
 
 
 @router.post("/{name}/complete", response_model=Completed, responses=_ERRORS)

@@ -50,7 +50,17 @@ from ..._exceptions import StoreError
 from ..._log import get_logger
 from ..._retry import RetryPolicy, backoff
 from .._worker_run import ending, spawn_data
-from ._wire import MAX_WAIT, Claimed, ClaimedTask, Closed, Completed, Heartbeat, Hello, Released
+from ._wire import (
+    MAX_WAIT,
+    Claimed,
+    ClaimedTask,
+    Closed,
+    Completed,
+    FailedAttempt,
+    Heartbeat,
+    Hello,
+    Released,
+)
 from ._wire import worker_name as _worker_name
 
 if TYPE_CHECKING:
@@ -335,12 +345,7 @@ def _lease(claimed: Claim) -> dict[str, Any]:
 
 
 def _attempt(a: Attempt) -> dict[str, Any]:
-    return {
-        "number": a.number, "agent": a.agent, "error_type": a.error_type, "message": a.message,
-        "started": a.started, "duration": a.duration, "retry_in": a.retry_in,
-        "traceback": a.traceback, "status_code": a.status_code,
-        "api_error_type": a.api_error_type, "request_id": a.request_id,
-    }  # fmt: skip
+    return {name: getattr(a, name) for name in FailedAttempt.model_fields}
 
 
 def _read(model: type[_M], response: httpx.Response) -> _M:
