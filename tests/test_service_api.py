@@ -198,6 +198,7 @@ class TestReadingRuns:
         task = (await api.client.get(f"/api/runs/{run_id}/tasks/b", headers=api.auth())).json()
         assert task["state"] == "failed"
         assert task["attempts"] == 1
+        assert task["agent"] == "fail"  # its last attempt's, though its end names none
         assert next(e["event"] for e in task["events"]) == "admitted"
         assert task["events"][-1]["event"] == "failed"
         missing = await api.client.get(f"/api/runs/{run_id}/tasks/zz", headers=api.auth())
@@ -227,6 +228,7 @@ class TestDeadLetters:
         letters = (await api.client.get("/api/runs/dl/dead-letters", headers=api.auth())).json()
         assert [(d["task_id"], d["error_type"]) for d in letters] == [("b", "PermanentError")]
         assert letters[0]["attempts_list"][0]["agent"] == "fail"
+        assert letters[0]["agent"] == "fail"  # the agent of its last attempt
         assert letters[0]["payload"] == "b"  # the task's payload, as JSON
         retried = await api.client.post(
             "/api/runs/dl/dead-letters/retry", json={"task_ids": ["b"]}, headers=api.auth("control")

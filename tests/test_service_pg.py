@@ -54,7 +54,9 @@ class TestOnPostgres:
             letters = (
                 await api.client.get("/api/runs/pg-1/dead-letters", headers=api.auth())
             ).json()
-            assert [d["task_id"] for d in letters] == ["b"]
+            assert [(d["task_id"], d["agent"]) for d in letters] == [("b", "fail")]
+            task = (await api.client.get("/api/runs/pg-1/tasks/b", headers=api.auth())).json()
+            assert (task["state"], task["agent"]) == ("failed", "fail")  # its last attempt's
             async with (
                 server(api.app) as url,
                 httpx.AsyncClient(timeout=30) as client,

@@ -210,7 +210,10 @@ class TaskDetail(BaseModel):
     task_id: str
     state: str
     attempts: int
-    agent: str | None
+    agent: str | None = Field(
+        description="the agent of its last attempt (of its success, or the one it failed on); "
+        "null before its first"
+    )
     events: list[JournalEvent]
 
 

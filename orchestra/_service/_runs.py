@@ -273,7 +273,9 @@ async def get_task(
     last = ended[-1] if ended else None
     state = last["event"] if last else ("running" if started else "waiting")
     attempts = max((e["attempt"] or 0 for e in events), default=0)
-    agent = (last or (started[-1] if started else {})).get("agent")
+    # The agent of its last attempt: a failed task's end names none (no agent gave its output),
+    # its attempts' starts and failures do.
+    agent = next((e["agent"] for e in reversed(events) if e["agent"] is not None), None)
     return TaskDetail(
         run_id=run_id,
         task_id=task_id,

@@ -281,6 +281,10 @@ async def dead(conn: asyncpg.Connection, run_id: str) -> list[dict[str, Any]]:
         by_task[row["task_id"]].append(dict(row))
     for letter in letters:
         letter["attempts_list"] = by_task.get(letter["task_id"], [])
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on, as on SQLite.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return letters
 
 

@@ -187,7 +187,8 @@ class PostgresStore:
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every failed attempt
-        (`attempts_list`, with its traceback); `InputError` if the database has no such run."""
+        (`attempts_list`, with its traceback) and the agent of the last (`agent`); `InputError`
+        if the database has no such run."""
         return self.database.call(admin.dead, run_id)  # type: ignore[no-any-return]
 
     def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:

@@ -213,4 +213,8 @@ def dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
                 (run_id, letter["task_id"]),
             )
         )
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return dead

@@ -173,7 +173,8 @@ class SQLiteStore:
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every attempt (`attempts_list`, with
-        its traceback); `InputError` if the file has no such run."""
+        its traceback) and the agent of the last (`agent`); `InputError` if the file has no such
+        run."""
         return self.call(admin.dead, run_id)  # type: ignore[no-any-return]
 
     def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:
