@@ -13,11 +13,12 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import InputError
+from orchestra._service._tokens import TokenInfo, Tokens, Verified
 from orchestra.stores import SQLiteStore
 from tests.service_kit import Api, serving
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
 
@@ -447,11 +448,40 @@ class TestAuth:
         admin = await ask(api.auth("admin"))
         assert admin.status_code not in (401, 403)
 
-    async def test_a_revoked_token_is_refused_at_its_next_request(self, api: Api) -> None:
-        assert (await api.client.get("/api/runs", headers=api.auth("read"))).status_code == 200
-        api.service.tokens.revoke("test-read")
-        answer = await api.client.get("/api/runs", headers=api.auth("read"))
-        assert answer.status_code == 401
+    async def test_a_revoked_token_is_refused_once_its_time_to_live_passed(
+        self, tmp_path: Path
+    ) -> None:
+        store = SQLiteStore(tmp_path / "ttl.db")
+        try:
+            async with serving(store, app_token_ttl=0.05) as api:
+                assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+                api.service.tokens.revoke("test-admin")
+                await anyio.sleep(0.06)
+                answer = await api.client.get("/api/runs", headers=api.auth())
+                assert answer.status_code == 401
+        finally:
+            store.close()
+
+    async def test_a_token_found_live_is_trusted_for_its_time_to_live(self, api: Api) -> None:
+        assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+        api.service.tokens.revoke("test-admin")
+        # Within the default time to live (seconds): the database is not asked again.
+        assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+
+    async def test_a_token_time_to_live_out_of_range_is_a_config_error(
+        self, tmp_path: Path
+    ) -> None:
+        from orchestra import ConfigError
+        from orchestra.service import create_app
+        from tests.service_kit import orchestrator
+
+        store = SQLiteStore(tmp_path / "bad.db")
+        try:
+            for ttl in (-1, 3600, float("nan")):
+                with pytest.raises(ConfigError, match="token_ttl"):
+                    create_app(orchestrator(store, [], anyio.Event()), token_ttl=ttl)
+        finally:
+            store.close()
 
     async def test_a_token_given_by_hand_is_kept_once_with_its_role(self, api: Api) -> None:
         text = "w" * 40
@@ -510,6 +540,99 @@ _BAD: list[tuple[str, str, Any, int, str]] = [
     ("POST", "/tasks", {"kind": "echo", "id": "a b"}, 400, "id"),
     ("POST", "/tasks", {"kind": 3}, 422, "kind"),
 ]
+
+
+class _CountedTokens(Tokens):
+    """The store's tokens, counting the database reads of `find`."""
+
+    reads = 0
+
+    async def find(self, token: str) -> TokenInfo | None:
+        self.reads += 1
+        return await super().find(token)
+
+
+class TestVerifiedTokens:
+    """The service's map of the tokens the database found live (`Verified`), on a fake clock."""
+
+    @pytest.fixture
+    def tokens(self, tmp_path: Path) -> Iterator[_CountedTokens]:
+        store = SQLiteStore(tmp_path / "tokens.db")
+        try:
+            yield _CountedTokens(store)
+        finally:
+            store.close()
+
+    async def test_a_live_token_is_read_from_the_database_once_a_time_to_live(
+        self, tokens: _CountedTokens
+    ) -> None:
+        now = [100.0]
+        verified = Verified(tokens, ttl=2.0, clock=lambda: now[0])
+        text, info = tokens.create("worker", "w")
+        for _ in range(3):
+            assert await verified.find(text) == info
+        assert tokens.reads == 1
+        now[0] += 2.0
+        assert await verified.find(text) == info
+        assert tokens.reads == 2
+
+    async def test_a_revoked_token_is_trusted_until_its_entry_expires_then_refused(
+        self, tokens: _CountedTokens
+    ) -> None:
+        now = [100.0]
+        verified = Verified(tokens, ttl=2.0, clock=lambda: now[0])
+        text, _ = tokens.create("worker", "w")
+        assert await verified.find(text) is not None
+        tokens.revoke("w")
+        now[0] += 1.999
+        found = await verified.find(text)
+        assert found is not None
+        assert found.revoked is None  # the entry, not the database
+        now[0] += 0.001
+        found = await verified.find(text)
+        assert found is not None
+        assert found.revoked is not None  # read again: refused (`TokenInfo.allows`)
+        assert not found.allows("worker")
+
+    async def test_an_unknown_or_revoked_token_is_never_kept(self, tokens: _CountedTokens) -> None:
+        verified = Verified(tokens, ttl=60.0, clock=lambda: 0.0)
+        text, _ = tokens.create("read", "r")
+        tokens.revoke("r")
+        for _ in range(2):
+            assert await verified.find("orch_" + "x" * 43) is None
+            found = await verified.find(text)
+            assert found is not None
+            assert found.revoked is not None
+        assert tokens.reads == 4
+        made = "y" * 40
+        assert await verified.find(made) is None
+        tokens.ensure(made, "read", "late")  # known from now on: the miss was not kept
+        assert await verified.find(made) is not None
+
+    async def test_no_more_than_its_size_are_kept_the_oldest_going_first(
+        self, tokens: _CountedTokens
+    ) -> None:
+        verified = Verified(tokens, ttl=60.0, size=2, clock=lambda: 0.0)
+        texts = [tokens.create("read", f"r{i}")[0] for i in range(3)]
+        for text in texts:
+            await verified.find(text)
+        assert tokens.reads == 3
+        await verified.find(texts[2])
+        await verified.find(texts[1])
+        assert tokens.reads == 3
+        await verified.find(texts[0])  # dropped for the third
+        assert tokens.reads == 4
+
+    def test_no_time_to_live_keeps_nothing(self, tokens: _CountedTokens) -> None:
+        text, _ = tokens.create("read", "r")
+        verified = Verified(tokens, ttl=0, clock=lambda: 0.0)
+
+        async def twice() -> None:
+            await verified.find(text)
+            await verified.find(text)
+
+        anyio.run(twice)
+        assert tokens.reads == 2
 
 
 class TestBadInput:
