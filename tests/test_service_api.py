@@ -4,6 +4,7 @@ tokens and roles of every route, and bad input answered with a 4xx JSON body, ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -142,6 +143,63 @@ class TestReadingRuns:
         assert run["live"] is False
         one = await api.client.get(f"/api/runs/{run_id}", headers=api.auth("read"))
         assert one.json() == run
+
+    async def test_lists_the_newest_runs_first_a_page_at_a_time(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        import sqlite3
+
+        # Seven runs, three of them created at the same instant: a page ends between two of them.
+        with contextlib.closing(sqlite3.connect(tmp_path / "service.db")) as conn, conn:
+            conn.executemany(
+                "INSERT INTO runs (id, created, updated, state) VALUES (?, ?, ?, ?)",
+                [(f"r{i}", 1000.0 + min(i, 4), 1000.0, "closed" if i % 2 else "open")
+                 for i in range(7)],
+            )  # fmt: skip
+        newest_first = ["r6", "r5", "r4", "r3", "r2", "r1", "r0"]
+        seen: list[str] = []
+        cursor: str | None = None
+        for _ in range(4):
+            params: dict[str, Any] = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+            page = (await api.client.get("/api/runs", params=params, headers=api.auth())).json()
+            seen += [r["id"] for r in page["runs"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == newest_first
+        everything = (await api.client.get("/api/runs", headers=api.auth())).json()
+        assert [r["id"] for r in everything["runs"]] == newest_first
+        assert everything["next_cursor"] is None
+        last = await api.client.get(
+            "/api/runs", params={"limit": 6, "cursor": "r6"}, headers=api.auth()
+        )
+        assert ([r["id"] for r in last.json()["runs"]], last.json()["next_cursor"]) == (
+            newest_first[1:],
+            None,
+        )
+        closed = await api.client.get(
+            "/api/runs", params={"state": "closed", "limit": 2}, headers=api.auth()
+        )
+        assert [r["id"] for r in closed.json()["runs"]] == ["r5", "r3"]
+        after = await api.client.get(
+            "/api/runs",
+            params={"state": "closed", "cursor": closed.json()["next_cursor"]},
+            headers=api.auth(),
+        )
+        assert [r["id"] for r in after.json()["runs"]] == ["r1"]
+
+    async def test_a_page_of_runs_refuses_an_unknown_cursor_and_a_limit_out_of_range(
+        self, api: Api
+    ) -> None:
+        unknown = await api.client.get("/api/runs", params={"cursor": "nope"}, headers=api.auth())
+        assert unknown.status_code == 400
+        assert unknown.json()["field"] == "cursor"
+        assert "nope" in unknown.json()["message"]
+        for limit in (0, 501):
+            answer = await api.client.get("/api/runs", params={"limit": limit}, headers=api.auth())
+            assert answer.status_code == 422
+        state = await api.client.get("/api/runs", params={"state": "gone"}, headers=api.auth())
+        assert state.status_code == 422
 
     async def test_lists_a_run_another_process_wrote_to_the_file(
         self, api: Api, tmp_path: Path

@@ -135,7 +135,13 @@ class RunSummary(BaseModel):
 
 
 class RunList(BaseModel):
+    """A page of runs, newest first."""
+
     runs: list[RunSummary]
+    next_cursor: str | None = Field(
+        default=None,
+        description="give it as `cursor` for the next page (older runs); null: no more",
+    )
 
 
 class Control(BaseModel):

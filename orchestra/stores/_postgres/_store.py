@@ -154,6 +154,19 @@ class PostgresStore:
         `held` while it runs, on the database's clock) and `input_closed`."""
         return self.database.call(admin.runs)  # type: ignore[no-any-return]
 
+    def latest_runs(
+        self, limit: int, *, after: str | None = None, state: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest runs of the database first, at most `limit`, as `runs` gives them: with
+        `after` (a run's id: the last of the page before), those listed after it; with `state`
+        (``open``, ``closed``), of that state only. A page costs the same however many runs the
+        database holds.
+
+        Raises:
+            InputError: `after` names no run of the database.
+        """
+        return self.database.call(admin.latest, limit, after, state)  # type: ignore[no-any-return]
+
     def run_info(self, run_id: str) -> dict[str, Any] | None:
         """One run of the database as `runs` gives it (its task counts by state, `held`), or
         None when it has no such run: for a reader that follows one run (the service's event
