@@ -347,6 +347,12 @@ class Router:
             if record.token == token and record.state is CLAIMED
         ]
 
+    def leads(self, agent: str) -> list[str]:
+        """The kinds whose tasks go to `agent` first: it is their only agent, or the head of their
+        fallback chain (for a cancel by agent: their ready tasks wait for it). O(kinds)."""
+        only = [kind for kind, slot in self.only.items() if slot.name == agent]
+        return only + [kind for kind, chain in self.chains.items() if chain[0] == agent]
+
     def lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
         key: Any = slot if slot is not None else kind
         lane = self._lanes.get(key)
