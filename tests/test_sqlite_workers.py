@@ -41,6 +41,7 @@ from orchestra import (
 )
 from orchestra._admission import Admission
 from orchestra._cli._app import app
+from orchestra._core._orchestrator import LocalRuns
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.stores._sqlite._leases import Claimed
@@ -440,7 +441,9 @@ class TestInOneProcess:
         through `settle`); claimed again later, it must be a new task there, not one already
         admitted (it would never run, its lease renewed forever)."""
         orch = Orchestrator(agents=[recorder("there", [])])
-        worker = Worker(orch, backend_of(SQLiteStore(tmp_path / "runs.db")), "r", None, 0.1)
+        worker = Worker(
+            LocalRuns(orch), backend_of(SQLiteStore(tmp_path / "runs.db")), "r", None, 0.1
+        )
         claimed = Claimed(("r", "t", 1, 1, "work", "3", 0, None, 0, None, 0, None, None, None))
         worker.held["t"] = claimed
         heard: list[str] = []

@@ -53,15 +53,15 @@ log = get_logger("orchestra")
 
 class Owner(Protocol):
     """What a worker asks of the orchestrator it works for (`Orchestrator.work`, `orchestra
-    worker`): its agents and its global limit, so that it claims no more than they can start, and
-    a run of its own whose tasks are kept in the worker's store (`WorkerStore`), not the
-    orchestrator's."""
+    worker`; the engine's `LocalRuns`): its agents and its global limit, so that it claims no more
+    than they can start, and a run of its own whose tasks are kept in the worker's store
+    (`WorkerStore`), not the orchestrator's."""
 
     @property
     def registry(self) -> Registry: ...
     @property
     def concurrency(self) -> int: ...
-    def _start_local(self, tasks: AsyncIterator[Task], run_id: str, store: Store) -> LocalRun: ...
+    def start(self, tasks: AsyncIterator[Task], run_id: str, store: Store) -> LocalRun: ...
 
 
 class LocalRun(Protocol):
@@ -314,7 +314,7 @@ class Worker:
 
     async def _serve(self) -> None:
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
-        handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
+        handle = self.orch.start(self._claims(), f"worker:{self.name}", WorkerStore(self))
         self._handle = handle
         results = handle.results()
         try:
