@@ -489,7 +489,8 @@ def worker(
         raise _fail(str(exc)) from None
     _stderr().print(
         f"worker {report.worker}: {report.claimed} claimed, {report.completed} completed, "
-        f"{report.refused} refused, {report.lost} lost, {report.released} handed back",
+        f"{report.refused} refused, {report.lost} lost, {report.released} handed back, "
+        f"{report.passed_on} passed on",
         markup=False,
     )
     raise typer.Exit(INTERRUPTED if interrupted else 0)

@@ -189,8 +189,11 @@ class Run:
     def hold(self, held: bool) -> None:
         self.dispatcher.hold(held)
 
-    def room(self, kind: str) -> int:
-        return self.dispatcher.room(kind)
+    def room(self, kind: str, *, hold: bool = True) -> int:
+        return self.dispatcher.room(kind, hold)
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return [record.id for record in self.dispatcher.router.stalled(longer_than)]
 
     def finished(self, record: Record) -> None:
         status = record.status

@@ -101,11 +101,20 @@ class Listener(Protocol):
         """The store's writes are behind the run (True: a durable store's writer thread): start
         no new attempt until it says they caught up (False). Attempts running go on."""
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, *, hold: bool = True) -> int:
         """How many more tasks of `kind` the run's agents could start now (their free places
         under their own limits and the global one, less the tasks already waiting for them). A
         store that shares the run with other processes claims no more than that: the rest stays
-        claimable by a process with room."""
+        claimable by a process with room. With `hold`, it also counts a task to hold while an
+        agent waits: for a rate to refill (one, when none waits yet) or for its breaker's probe
+        (no bound: they wait for it, charged an attempt when it fails); the coordinator's claims,
+        whose run such a task wakes. Without, only what can start now: a worker's, which looks
+        again by itself."""
+
+    def stalled(self, longer_than: float) -> list[str]:
+        """The ids of the claimed tasks that wait for their agent to recover or for its limits to
+        refill (a rate, a Retry-After pause) for more than `longer_than` seconds: a worker hands
+        them back to its shared store, for a process that can start them sooner."""
 
 
 class NoListener:
@@ -133,8 +142,11 @@ class NoListener:
     def hold(self, held: bool) -> None:
         pass
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, *, hold: bool = True) -> int:
         return 1 << 30
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return []
 
 
 class Selector:

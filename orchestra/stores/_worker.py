@@ -151,6 +151,9 @@ class WorkReport:
             ended the task (a cancel, a deadline); the task's fate was decided elsewhere.
         lost: running tasks it cancelled because it no longer held their lease.
         released: claimed tasks it handed back unstarted when it stopped.
+        passed_on: claimed tasks it handed back while it went on, because their agent would
+            have kept them waiting (for its breaker's probe, for a rate to refill) while another
+            process might run them.
     """
 
     worker: str
@@ -159,6 +162,7 @@ class WorkReport:
     refused: int = 0
     lost: int = 0
     released: int = 0
+    passed_on: int = 0
 
 
 def backend_of(store: object) -> Backend:
@@ -507,11 +511,42 @@ class Worker:
 
     # -- leases ----------------------------------------------------------------------------------
 
+    async def _hand_back(self, handle: LocalRun, longer_than: float) -> None:
+        """Hand back to the store the held tasks that wait here for their agent to recover or for
+        its limits to refill (a rate, a Retry-After pause) for more than `longer_than` seconds:
+        ready there again at once, for a process that can start them sooner, their attempts so
+        far counted. Claims already take only what can start now (`WorkerRun.room`); these are
+        what a wait caught after they were claimed (a pause another attempt's 429 set, a breaker
+        that opened under the worker's retries). Not claimed again here while the wait lasts:
+        the room has none for them until then."""
+        local = self.local
+        if local is None or not local.stalled(longer_than):
+            return
+        await self._write()  # their failed attempts first: the hand-back ends the lease
+        local = self.local
+        assert local is not None
+        ended = {claimed.id for claimed, _ in self.ends + self.writing}
+        ids = [i for i in local.stalled(longer_than) if i in self.held and i not in ended]
+        if not ids:
+            return
+        claims = [self.held.pop(i) for i in ids]
+        for i in ids:
+            self.noted.pop(i, None)
+            self.spawned.pop(i, None)
+        # Ended in the local run at once, unreported (no longer held: `_serve` skips their ends).
+        handle.cancel(task_id=ids)
+        with anyio.CancelScope(shield=True):
+            self.report.passed_on += await self.backend.release(self.name, claims)
+        log.info("tasks handed back: their agent waits", worker=self.name, task_ids=ids)
+        self._room.set()
+
     async def _beat(self, handle: LocalRun) -> None:
-        """Renew the leases every third of one; cancel the attempts of the tasks no longer held."""
+        """Renew the leases every third of one; cancel the attempts of the tasks no longer held;
+        hand back the ones that would still wait for their agent at the next renewal."""
         backend = self.backend
         while True:
             await anyio.sleep(backend.lease / 3)
+            await self._hand_back(handle, backend.lease / 3)
             lost_here = await backend.heartbeat(self.name, list(self.held.values()))
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [
