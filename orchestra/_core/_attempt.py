@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..stores._protocol import RunStore
     from ._recovery import Recovery
     from ._routing import Router
-    from ._run import Run
+    from ._runconfig import RunView
 
 __all__ = ("Attempts", "Owner")
 
@@ -97,7 +97,7 @@ class Attempts:
     )
 
     def __init__(
-        self, owner: Owner, run: Run, store: RunStore, router: Router, recovery: Recovery
+        self, owner: Owner, run: RunView, store: RunStore, router: Router, recovery: Recovery
     ) -> None:
         config = run.config
         self._owner = owner

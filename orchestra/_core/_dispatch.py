@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..stores._protocol import RunStore
     from ._context import Context
     from ._report import Report
-    from ._run import Run
+    from ._runconfig import RunView
 
 __all__ = ("Dispatcher",)
 
@@ -54,7 +54,7 @@ UNBOUNDED = maxsize  # `room`: no bound
 class Dispatcher:
     """Runners, agent choice and the attempt loop of one run; the run's store holds the state."""
 
-    def __init__(self, run: Run, store: RunStore) -> None:
+    def __init__(self, run: RunView, store: RunStore) -> None:
         config = run.config
         self.config = config
         self.run = run

@@ -46,7 +46,8 @@ from ..stores._worker import Worker, WorkReport, backend_of
 from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._lifecycle import Lifecycle
-from ._run import Run, RunConfig
+from ._run import Run
+from ._runconfig import RunConfig
 
 if TYPE_CHECKING:
     from types import TracebackType
