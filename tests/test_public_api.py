@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import pickle
-import types
 from pathlib import Path
 from typing import Any
 
@@ -197,47 +196,3 @@ class TestPickling:
             assert isinstance(copy, orchestra.TaskResult)  # the store's record is one
             assert (copy.task_id, copy.status, copy.output) == (r.task_id, r.status, r.output)
             assert type(copy.task) is orchestra.Task
-
-
-def _protocols() -> list[tuple[str, type]]:
-    """Every `Protocol` the package's modules declare (the optional extras' modules left out)."""
-    import pkgutil
-    from typing import Protocol
-
-    found = []
-    for info in pkgutil.walk_packages(orchestra.__path__, "orchestra."):
-        try:
-            module = importlib.import_module(info.name)
-        except ImportError:  # an optional extra that is not installed
-            continue
-        for name, obj in vars(module).items():
-            if (
-                inspect.isclass(obj)
-                and obj.__module__ == module.__name__
-                and Protocol in obj.__mro__[1:]
-                and getattr(obj, "_is_protocol", False)
-            ):
-                found.append((f"{module.__name__}.{name}", obj))
-    return sorted(found)
-
-
-def _members(protocol: type) -> list[str]:
-    """The members `protocol` declares: its methods, properties and annotated attributes."""
-    kinds = (types.FunctionType, property, classmethod, staticmethod)
-    methods = [name for name, value in vars(protocol).items() if isinstance(value, kinds)]
-    return methods + list(vars(protocol).get("__annotations__", {}))
-
-
-class TestProtocolsBetweenLayers:
-    def test_a_protocol_names_no_private_member(self) -> None:
-        """What a helper asks of its holder (`Owner`, `Host`, `Listener`, ...) is called from
-        another object, often another layer: a private name there would make its holder expose
-        a private method for others to call."""
-        private = [
-            f"{where}.{member}"
-            for where, protocol in _protocols()
-            for member in _members(protocol)
-            if member.startswith("_") and not member.startswith("__")
-        ]
-        assert len(_protocols()) > 10  # (the walk found them)
-        assert private == []
