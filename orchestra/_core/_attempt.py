@@ -502,7 +502,7 @@ class Attempts:
                 limiter.release(cost, now)
 
     def _thread_ended(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
-        """An abandoned thread of `slot` ended (see `Context._keep_slot`): its slots free now, for
+        """An abandoned thread of `slot` ended (see `Context.keep_slot`): its slots free now, for
         whichever runs wait for them (this one may be over)."""
         self._release(slot, cost, ctx)
         capacity = self._capacity
