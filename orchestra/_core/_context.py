@@ -53,6 +53,12 @@ class Context:
             first; empty on the first attempt.
     """
 
+    # The attempt's side (`_attempt.py`, and the runner's reuse of a context in `_dispatch.py`)
+    # reads and sets the underscored fields directly, on purpose: a context is built or reused
+    # for every attempt, and an accessor call per field there costs more than the budget of a
+    # no-op task's dispatch allows. They are `_spawned`, `_usage` (what the agent did: spawns,
+    # usage), `_reserved` (set when the attempt reserved on limits), `_judging` (set while its
+    # output is judged), `_threads` / `_on_end` (`keep_slot`'s count and what ends it).
     __slots__ = (
         "_judging",
         "_on_end",
