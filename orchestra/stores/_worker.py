@@ -255,6 +255,8 @@ class Worker:
         self.failed: list[tuple[Claim, Attempt]] = []
         self.noted: dict[str, int] = {}
         self.writing: list[tuple[Claim, TaskResult]] = []  # ended, being written
+        # Handed back while it waited: its local end (a cancel) is still to come out of the run.
+        self.passing: set[str] = set()
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -332,6 +334,11 @@ class Worker:
                             # The local run stopped (a KeyboardInterrupt in an agent, a drain):
                             # the task is handed back (`_leave`), not ended in the
                             # coordinator's run.
+                            continue
+                        if result.status is CANCELLED and result.task_id in self.passing:
+                            # Its local end as it was handed back (`_hand_back`): not an end of
+                            # the task, nor of a claim of it made since.
+                            self.passing.discard(result.task_id)
                             continue
                         if claimed is not None:
                             self.ended(claimed, result)
@@ -533,7 +540,8 @@ class Worker:
         for i in ids:
             self.noted.pop(i, None)
             self.spawned.pop(i, None)
-        # Ended in the local run at once, unreported (no longer held: `_serve` skips their ends).
+        # Ended in the local run at once, unreported (`_serve` skips their ends).
+        self.passing.update(ids)
         handle.cancel(task_id=ids)
         with anyio.CancelScope(shield=True):
             self.report.passed_on += await self.backend.release(self.name, claims)
