@@ -4,7 +4,7 @@ and streamed, and tokens kept in the database, hashed."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -54,7 +54,9 @@ class TestOnPostgres:
             letters = (
                 await api.client.get("/api/runs/pg-1/dead-letters", headers=api.auth())
             ).json()
-            assert [d["task_id"] for d in letters] == ["b"]
+            assert [(d["task_id"], d["agent"]) for d in letters] == [("b", "fail")]
+            task = (await api.client.get("/api/runs/pg-1/tasks/b", headers=api.auth())).json()
+            assert (task["state"], task["agent"]) == ("failed", "fail")  # its last attempt's
             async with (
                 server(api.app) as url,
                 httpx.AsyncClient(timeout=30) as client,
@@ -69,12 +71,12 @@ class TestOnPostgres:
             later = await anyio.to_thread.run_sync(lambda: store.events("pg-1", since=mid))
             assert later == [e for e in journal if e["at"] >= mid]
 
-    async def test_tokens_are_kept_hashed_in_the_database_and_revoked_for_every_request(
+    async def test_tokens_are_kept_hashed_in_the_database_and_revoked_within_their_ttl(
         self, store: PostgresStore, pg_dsn: str
     ) -> None:
         import asyncpg
 
-        async with serving(store) as api:
+        async with serving(store, app_token_ttl=0.05) as api:
             tokens = Tokens(store)
             text, info = await anyio.to_thread.run_sync(tokens.create, "read", "dashboard")
             assert info.role == "read"
@@ -91,8 +93,52 @@ class TestOnPostgres:
             assert len(kept) == 64
             revoked = await anyio.to_thread.run_sync(tokens.revoke, "dashboard")
             assert [r.id for r in revoked] == [info.id]
+            await anyio.sleep(0.06)  # past the time to live of the service's trust in it
             refused = await api.client.get("/api/runs", headers={"Authorization": f"Bearer {text}"})
             assert refused.status_code == 401
+
+    async def test_lists_the_newest_runs_first_a_page_at_a_time(
+        self, store: PostgresStore, pg_dsn: str
+    ) -> None:
+        import asyncpg
+
+        # Seven runs, three created at the same instant (a page ends between two of them), and
+        # one with tasks: counted.
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.executemany(
+                "INSERT INTO orchestra.runs (id, created, state) "
+                "VALUES ($1, to_timestamp($2), $3)",
+                [(f"r{i}", 1000.0 + min(i, 4) + 0.000001, "closed" if i % 2 else "open")
+                 for i in range(7)],
+            )  # fmt: skip
+        finally:
+            await conn.close()
+        async with serving(store) as api:
+            api.gate.set()
+            await api.submit({"tasks": [{"kind": "echo", "id": "a"}], "run_id": "now"})
+            await api.handle("now")
+            newest_first = ["now", "r6", "r5", "r4", "r3", "r2", "r1", "r0"]
+            seen: list[dict[str, Any]] = []
+            cursor: str | None = None
+            while True:
+                params: dict[str, Any] = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+                page = (await api.client.get("/api/runs", params=params, headers=api.auth())).json()
+                seen += page["runs"]
+                cursor = page["next_cursor"]
+                if cursor is None:
+                    break
+            assert [r["id"] for r in seen] == newest_first
+            assert seen[0]["counts"] == {"succeeded": 1}
+            assert all(r["counts"] == {} for r in seen[1:])
+            closed = await api.client.get(
+                "/api/runs", params={"state": "closed", "cursor": "r5"}, headers=api.auth()
+            )
+            assert [r["id"] for r in closed.json()["runs"]] == ["r3", "r1"]
+            unknown = await api.client.get(
+                "/api/runs", params={"cursor": "nope"}, headers=api.auth()
+            )
+            assert (unknown.status_code, unknown.json()["field"]) == (400, "cursor")
 
 
 class TestTwoProcessesOnOneDatabase:

@@ -636,3 +636,25 @@ class TestSeveralAddresses:
         )  # fmt: skip
         assert answer.returncode == 2
         assert "'ftp://elsewhere'" in answer.stderr
+
+
+class TestTheWire:
+    def test_a_failed_attempt_crosses_with_every_field_of_the_results_attempt_record(
+        self,
+    ) -> None:
+        from pydantic import ValidationError
+
+        from orchestra.result import AttemptRecord
+        from orchestra.stores._http._wire import FailedAttempt
+
+        record = AttemptRecord(
+            number=2, agent="claude", error_type="RateLimitError", message="slow down",
+            started=1.5, duration=0.25, retry_in=3.0, traceback="Traceback ...",
+            status_code=429, api_error_type="rate_limit_error", request_id="req_1",
+        )  # fmt: skip
+        wire = FailedAttempt.model_validate_json(record.model_dump_json())
+        assert wire.model_dump() == record.model_dump()
+        with pytest.raises(ValidationError, match="number"):
+            FailedAttempt.model_validate({**record.model_dump(), "number": 0})
+        with pytest.raises(ValidationError, match="extra"):
+            FailedAttempt.model_validate({**record.model_dump(), "retries": 1})

@@ -28,7 +28,7 @@ from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
 from ._control import act
 from ._errors import Refused
-from ._tokens import Tokens
+from ._tokens import TOKEN_TTL, Tokens, Verified
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,9 +55,17 @@ class Service:
         grace: on shutdown, seconds the running attempts of live runs may take to finish.
         metrics: what `/metrics` serves (an object with ``exposition() -> bytes``, as
             `orchestra.metrics.PrometheusMetrics`), or None.
+        token_ttl: seconds a token the database found live is trusted without asking it again.
     """
 
-    def __init__(self, orchestrator: Orchestrator, *, grace: float, metrics: Any) -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        *,
+        grace: float,
+        metrics: Any,
+        token_ttl: float = TOKEN_TTL,
+    ) -> None:
         store = orchestrator.store
         if not isinstance(store, SQLiteStore) and not hasattr(store, "database"):
             raise ConfigError(
@@ -74,6 +82,7 @@ class Service:
 
             self.replicas = Replicas(self, cast("PostgresStore", store))
         self.tokens = Tokens(store)
+        self.verified = Verified(self.tokens, ttl=token_ttl)
         self.grace = grace
         self.metrics = metrics
         self.live: dict[str, RunHandle] = {}

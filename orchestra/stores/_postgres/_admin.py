@@ -97,6 +97,53 @@ async def runs(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     return found
 
 
+_LATEST = f"""
+SELECT id, {_epoch("created")}, {_epoch("updated")}, state, opened, owner, token,
+    {_epoch("expires")}, input_closed, (owner IS NOT NULL AND expires > now()) AS held
+FROM orchestra.runs
+"""
+
+
+async def latest(
+    conn: asyncpg.Connection, limit: int, after: str | None, state: str | None
+) -> list[dict[str, Any]]:
+    """The newest runs first (by creation, then id), at most `limit`, as `runs` gives them: those
+    listed after the run `after` (the last of the page before: older than it), of `state` only
+    when given. Read along the ``runs_by_created`` index, and only their tasks counted."""
+    where: list[str] = []
+    args: list[Any] = [limit]
+    if after is not None:
+        row = await conn.fetchrow("SELECT created, id FROM orchestra.runs WHERE id = $1", after)
+        if row is None:
+            raise InputError(
+                f"no run {after!r} to list the runs after: give the cursor a page of runs "
+                "answered (its next_cursor), or none for the newest",
+                field="cursor",
+            )
+        args += [row["created"], row["id"]]
+        where.append(f"(created, id) < (${len(args) - 1}, ${len(args)})")
+    if state is not None:
+        args.append(state)
+        where.append(f"state = ${len(args)}")
+    found = _dicts(
+        await conn.fetch(
+            f"{_LATEST} {'WHERE ' + ' AND '.join(where) if where else ''} "
+            "ORDER BY created DESC, id DESC LIMIT $1",
+            *args,
+        )
+    )
+    counts: dict[str, dict[str, int]] = defaultdict(dict)
+    for run_id, task_state, n in await conn.fetch(
+        "SELECT run_id, state, count(*) FROM orchestra.tasks WHERE run_id = ANY ($1::text[]) "
+        "GROUP BY run_id, state ORDER BY run_id, state",
+        [run["id"] for run in found],
+    ):
+        counts[run_id][task_state] = n
+    for run in found:
+        run["counts"] = counts.get(run["id"], {})
+    return found
+
+
 _RUN = f"""
 SELECT id, {_epoch("created")}, {_epoch("updated")}, state, opened, owner, token,
     {_epoch("expires")}, input_closed, (owner IS NOT NULL AND expires > now()) AS held
@@ -281,6 +328,10 @@ async def dead(conn: asyncpg.Connection, run_id: str) -> list[dict[str, Any]]:
         by_task[row["task_id"]].append(dict(row))
     for letter in letters:
         letter["attempts_list"] = by_task.get(letter["task_id"], [])
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on, as on SQLite.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return letters
 
 

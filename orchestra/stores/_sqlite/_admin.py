@@ -14,7 +14,7 @@ from ._schema import rollback
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("dead", "events", "retry", "run", "runs", "workers")
+__all__ = ("dead", "events", "latest", "retry", "run", "runs", "workers")
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
@@ -31,6 +31,41 @@ def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             ).fetchall()
         )
     return runs
+
+
+def latest(
+    conn: sqlite3.Connection, limit: int, after: str | None, state: str | None
+) -> list[dict[str, Any]]:
+    """The newest runs first (by creation, then id), at most `limit`, as `runs` gives them: those
+    listed after the run `after` (the last of the page before: older than it), of `state` only
+    when given. Read along the ``runs_by_created`` index, whatever the number of runs."""
+    where, args = [], {"limit": limit, "state": state}
+    if after is not None:
+        row = conn.execute("SELECT created, id FROM runs WHERE id = ?", (after,)).fetchone()
+        if row is None:
+            raise InputError(
+                f"no run {after!r} to list the runs after: give the cursor a page of runs "
+                "answered (its next_cursor), or none for the newest",
+                field="cursor",
+            )
+        where.append("(created, id) < (:created, :id)")
+        args.update(created=row[0], id=row[1])
+    if state is not None:
+        where.append("state = :state")
+    found = _rows(
+        conn.execute(
+            f"SELECT * FROM runs {'WHERE ' + ' AND '.join(where) if where else ''} "
+            "ORDER BY created DESC, id DESC LIMIT :limit",
+            args,
+        )
+    )
+    for one in found:
+        one["counts"] = dict(
+            conn.execute(
+                "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (one["id"],)
+            ).fetchall()
+        )
+    return found
 
 
 def run(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
@@ -213,4 +248,8 @@ def dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
                 (run_id, letter["task_id"]),
             )
         )
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return dead
