@@ -4,7 +4,7 @@ and streamed, and tokens kept in the database, hashed."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -13,7 +13,7 @@ import pytest
 from orchestra import Orchestrator, Task, agent
 from orchestra._service._events import key_of
 from orchestra._service._tokens import Tokens
-from tests.service_kit import server, serving
+from tests.service_kit import Api, server, serving, told_in_order
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -62,7 +62,7 @@ class TestOnPostgres:
             ):
                 lines = [line async for line in stream.aiter_lines()]
             data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-            assert data[-1] == {"run_id": "pg-1"}  # the end
+            assert data[-1] == {"run_id": "pg-1", "state": "closed", "status": result["status"]}
             journal = await anyio.to_thread.run_sync(store.events, "pg-1")
             assert [key_of(e) for e in data[:-1]] == sorted(key_of(e) for e in journal)
             mid = journal[len(journal) // 2]["at"]
@@ -224,8 +224,6 @@ class TestTheEventStreamOnPostgres:
         """A transaction dates its rows by its start: one held open past the settle window, while
         a later one commits a later-dated event, commits its own behind it. The stream holds the
         later event back until then, and delivers both in the journal's order, once each."""
-        import asyncpg
-
         insert = (
             "INSERT INTO orchestra.events (run_id, task_id, event, detail) "
             "VALUES ('held', 'a', 'note', $1)"
@@ -252,7 +250,7 @@ class TestTheEventStreamOnPostgres:
             def notes() -> list[object]:
                 return [e["detail"] for _, e in got if e.get("event") == "note"]
 
-            early, late = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+            early, late = await _orchestra_session(pg_dsn), await _orchestra_session(pg_dsn)
             try:
                 async with server(api.app) as url, anyio.create_task_group() as tg:
                     tg.start_soon(read, url)
@@ -290,3 +288,110 @@ class TestTheEventStreamOnPostgres:
         ids = [json.loads(i) for i, _ in in_order]
         assert ids == sorted(ids)
         assert len({tuple(i) for i in ids}) == len(ids)
+
+
+async def _orchestra_session(dsn: str, name: str = "orchestra test:1") -> Any:
+    """A connection named as orchestra names its sessions (one that may write the journal)."""
+    import asyncpg
+
+    return await asyncpg.connect(dsn, server_settings={"application_name": name})
+
+
+class TestTheHorizonOnPostgres:
+    """A stream waits only for orchestra's own transactions, and for those only so long."""
+
+    @staticmethod
+    async def _read(api: Api, url: str, run_id: str, got: list[tuple[str, dict[str, Any]]]) -> None:
+        event_id, data = "", None
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream("GET", f"{url}/api/runs/{run_id}/events", headers=api.auth()) as s,
+        ):
+            async for line in s.aiter_lines():
+                if line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                elif line == "" and data is not None:
+                    got.append((event_id, data))
+                    event_id, data = "", None
+
+    async def test_another_applications_open_transaction_holds_no_stream_back(
+        self, store: PostgresStore, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import asyncpg
+
+        from orchestra._service import _events
+
+        monkeypatch.setattr(_events, "BOUND", 60.0)  # not let go for its age: not ours
+        other = await asyncpg.connect(pg_dsn)  # as psql would: no orchestra name
+        try:
+            held = other.transaction()
+            await held.start()
+            await other.fetchval("SELECT txid_current()")  # a transaction id: it writes
+            async with serving(store) as api, server(api.app) as url:
+                body = {"tasks": [{"kind": "echo", "id": "a"}, {"kind": "wait", "id": "w"}],
+                        "run_id": "psql"}  # fmt: skip
+                await api.submit(body)
+                got: list[tuple[str, dict[str, Any]]] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._read, api, url, "psql", got)
+                    with anyio.fail_after(10):  # told while the run goes on, w waiting
+                        while ("a", "succeeded") not in {
+                            (e.get("task_id"), e.get("event")) for _, e in got
+                        }:
+                            await anyio.sleep(0.02)
+                    api.gate.set()
+            await held.rollback()
+        finally:
+            await other.close()
+        *events, end = got
+        assert end[1]["state"] == "closed"
+        journal = await anyio.to_thread.run_sync(store.events, "psql")
+        told_in_order([e for _, e in events], journal)
+
+    async def test_a_transaction_of_ours_held_past_the_bound_is_let_go_and_told_late_once(
+        self, store: PostgresStore, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An orchestra session that keeps a transaction open (its process stopped) holds the
+        stream back for `BOUND` seconds, not for ever; the event it commits afterwards, dated by
+        its start, comes late, once."""
+        from orchestra._service import _events
+
+        monkeypatch.setattr(_events, "BOUND", 1.0)
+        stalled = await _orchestra_session(pg_dsn, "orchestra stalled:1")
+        try:
+            async with serving(store) as api, server(api.app) as url:
+                body = {"tasks": [{"kind": "echo", "id": "a"}, {"kind": "wait", "id": "w"}],
+                        "run_id": "stalled"}  # fmt: skip
+                await api.submit(body)
+                held = stalled.transaction()
+                await held.start()
+                await stalled.execute(
+                    "INSERT INTO orchestra.events (run_id, task_id, event, detail) "
+                    "VALUES ('stalled', 'a', 'note', 'from a stalled process')"
+                )
+                got: list[tuple[str, dict[str, Any]]] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._read, api, url, "stalled", got)
+                    with anyio.fail_after(10):  # told once the bound passed
+                        while ("a", "succeeded") not in {
+                            (e.get("task_id"), e.get("event")) for _, e in got
+                        }:
+                            await anyio.sleep(0.02)
+                    await held.commit()
+                    with anyio.fail_after(10):
+                        while "note" not in {e.get("event") for _, e in got}:
+                            await anyio.sleep(0.02)
+                    api.gate.set()
+        finally:
+            await stalled.close()
+        *events, end = got
+        assert end[1]["state"] == "closed"
+        journal = await anyio.to_thread.run_sync(store.events, "stalled")
+        keys = [key_of(e) for _, e in events]
+        assert sorted(keys) == sorted(key_of(e) for e in journal)  # each once
+        (note,) = [(i, e) for i, e in events if e["event"] == "note"]
+        assert key_of(note[1]) < tuple(
+            json.loads(note[0])
+        )  # late: behind the cursor it was sent with

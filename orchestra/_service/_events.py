@@ -62,6 +62,9 @@ LATE: Final = 60.0
 """Seconds behind the cursor over which a late event is still told apart from one delivered."""
 POLL: Final = 0.1
 """Seconds between two reads of the journal."""
+BOUND: Final = 5.0
+"""Seconds a transaction of orchestra's is waited for, at most, on PostgreSQL: one open longer
+(its process stopped) is let go of, and what it commits comes late (see the module)."""
 SWEEP: Final = 2.0
 """Seconds between two reads of the journal from `LATE` behind the cursor (see the module)."""
 
@@ -204,8 +207,9 @@ async def events(
     cursor = Cursor(after)
     swept = -math.inf
     while True:
-        final = await _over(service, run_id)
-        horizon = None if final else await _horizon(service.store, cursor.settle)
+        last = await _over(service, run_id)
+        final = last is not None
+        horizon = None if final else await _horizon(service, run_id, cursor.settle)
         sweep = final or time.monotonic() - swept >= SWEEP
         if sweep:
             swept = time.monotonic()
@@ -213,28 +217,44 @@ async def events(
         journal = await service.read(partial(service.store.events, since=since), run_id)
         for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon):
             yield ServerSentEvent(data=event, id=event_id)
-        if final:
-            yield ServerSentEvent(event="end", data={"run_id": run_id})
+        if last is not None:
+            yield ServerSentEvent(event="end", data=last)
             return
         await anyio.sleep(POLL)
 
 
-async def _horizon(store: Any, settle: float) -> float | None:
-    """The time before which `store`'s journal gains no more event (read before the journal is:
-    what commits after this was still running now, so it is dated from now on or from the start
-    of a transaction running now); None when the store cannot say (SQLite: the settle window)."""
+async def _horizon(service: Any, run_id: str, settle: float) -> float | None:
+    """The time before which the journal of `run_id` gains no more event (read before the
+    journal is); None when the store cannot say (the settle window then)."""
+    store = service.store
     if isinstance(store, SQLiteStore):
-        return None
+        # This process is the file's one service (`orchestra serve` locks it), so a run it runs
+        # is written by its writer alone, which says what it holds unwritten. A run run
+        # elsewhere (a program's own, on the same file) it cannot see into.
+        run = store.open_runs.get(run_id)
+        return None if run is None or run.closed else run.horizon()
     from ..stores._postgres._admin import horizon  # (PostgreSQL's driver: the postgres extra)
 
-    at: float = await store.database.run(horizon, settle)
+    at: float = await store.database.run(horizon, settle, BOUND)
     return at
 
 
-async def _over(service: Any, run_id: str) -> bool:
-    """Whether the run is over: nobody runs it (here or elsewhere) and its store says closed."""
+async def _over(service: Any, run_id: str) -> dict[str, Any] | None:
+    """The stream's last word (`end`'s data) once nobody runs the run, here or elsewhere, and
+    it is closed, or let go of open (stopped: resumable later, by a new stream); else None. A
+    run whose process died is still held (its lease lapsed, not let go): it is taken over."""
     handle = service.handle(run_id)
     if handle is not None and not handle.done:
-        return False
+        return None
     run = await service.run_record(run_id)
-    return bool(run.get("state") == "closed" and holder(run) is None)
+    if holder(run) is not None:
+        return None
+    closed = run.get("state") == "closed"
+    if not closed and run.get("owner") is not None:
+        return None
+    result = None if handle is None else handle.result
+    return {
+        "run_id": run_id,
+        "state": "closed" if closed else "stopped",
+        "status": None if result is None else result.status,
+    }
