@@ -137,7 +137,7 @@ class TestTwoProcessesOnOneDatabase:
                     lines = [line async for line in stream.aiter_lines()]
                 data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
                 assert ("a", "succeeded") in {(d.get("task_id"), d.get("event")) for d in data}
-                assert data[-1] == {"run_id": run_id}
+                assert data[-1] == {"run_id": run_id, "state": "closed", "status": None}
         finally:
             await anyio.to_thread.run_sync(other_store.close)
 
@@ -275,17 +275,9 @@ class TestTheEventStreamOnPostgres:
         assert notes() == ["early", "later"]
         journal = await anyio.to_thread.run_sync(store.events, "held")
         events = [(i, e) for i, e in got if "event" in e]
-        assert sorted(key_of(e) for _, e in events) == sorted(key_of(e) for e in journal)  # once
-        # In order, and the ids only grow, but for the one event PostgreSQL tells late whatever
-        # the stream does: a's start, read from its row once it ended (dated by its claim), sent
-        # with the cursor unchanged as its id.
-        in_order = [(i, e) for n, (i, e) in enumerate(events) if n == 0 or i != events[n - 1][0]]
-        assert [e for _, e in events if (_, e) not in in_order] == [
-            e for e in journal if e["event"] == "started" and e["seq"] is None
-        ]
-        keys = [key_of(e) for _, e in in_order]
-        assert keys == sorted(keys)
-        ids = [json.loads(i) for i, _ in in_order]
+        told_in_order([e for _, e in events], journal)
+        # Nothing late: a's start is told while it runs (no journal row says it until it ended).
+        ids = [json.loads(i) for i, _ in events]
         assert ids == sorted(ids)
         assert len({tuple(i) for i in ids}) == len(ids)
 
@@ -389,9 +381,43 @@ class TestTheHorizonOnPostgres:
         *events, end = got
         assert end[1]["state"] == "closed"
         journal = await anyio.to_thread.run_sync(store.events, "stalled")
-        keys = [key_of(e) for _, e in events]
-        assert sorted(keys) == sorted(key_of(e) for e in journal)  # each once
+        keys = [key_of(e) for _, e in events if e["event"] != "started"]
+        assert sorted(keys) == sorted(key_of(e) for e in journal if e["event"] != "started")
+        starts = sorted(e["task_id"] for _, e in events if e["event"] == "started")
+        assert starts == ["a", "w"]  # each once (told live, or by its row once it ended)
         (note,) = [(i, e) for i, e in events if e["event"] == "note"]
         assert key_of(note[1]) < tuple(
             json.loads(note[0])
         )  # late: behind the cursor it was sent with
+
+    async def test_a_running_tasks_start_is_told_while_it_runs_and_once(
+        self, store: PostgresStore
+    ) -> None:
+        """No journal row says a task started until it ended: the stream tells the start of a
+        task it sees leased, and not again when the ended task's row says it."""
+        async with serving(store) as api, server(api.app) as url:
+            body = {"tasks": [{"kind": "echo", "id": "a"}, {"kind": "wait", "id": "w"}],
+                    "run_id": "live"}  # fmt: skip
+            await api.submit(body)
+            got: list[tuple[str, dict[str, Any]]] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read, api, url, "live", got)
+                with anyio.fail_after(10):  # told while w waits for its gate
+                    while ("w", "started") not in {
+                        (e.get("task_id"), e.get("event")) for _, e in got
+                    }:
+                        await anyio.sleep(0.02)
+                api.gate.set()
+        *events, end = got
+        assert end[1]["state"] == "closed"
+        journal = await anyio.to_thread.run_sync(store.events, "live")
+        starts = [e["task_id"] for _, e in events if e["event"] == "started"]
+        assert sorted(starts) == ["a", "w"]  # each once, whether told live or from its row
+        assert sorted(key_of(e) for _, e in events if e["event"] != "started") == sorted(
+            key_of(e) for e in journal if e["event"] != "started"
+        )
+        (w_start,) = [e for _, e in events if e["task_id"] == "w" and e["event"] == "started"]
+        (w_end,) = [e for _, e in events if e["task_id"] == "w" and e["event"] == "succeeded"]
+        assert key_of(w_start) < key_of(w_end)
+        ids = [json.loads(i) for i, _ in events]
+        assert ids == sorted(ids)

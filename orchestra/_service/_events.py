@@ -113,6 +113,34 @@ class Cursor:
         self.late = late
         self.seen: set[Key] = set()
         self._resumed = after is not None
+        # PostgreSQL's live starts (`running`): the tasks seen running whose start is not told
+        # yet (the event to tell), and those whose start was told so, until their row tells it.
+        self.starting: dict[str, dict[str, Any]] = {}
+        self.started: set[str] = set()
+
+    def running(self, run_id: str, leased: list[tuple[str, int]], at: float) -> None:
+        """The tasks of the run leased now, (id, attempt), their starts to tell dated `at` (the
+        horizon the lease was read after: nothing still to commit is dated before it, so a start
+        told at it comes before its task's end, and after what was told before)."""
+        for task_id, attempt in leased:
+            if task_id not in self.started and task_id not in self.starting:
+                self.starting[task_id] = {
+                    "seq": None, "run_id": run_id, "task_id": task_id, "at": at,
+                    "event": "started", "agent": None, "attempt": attempt, "detail": None,
+                }  # fmt: skip
+
+    def _by_row(self, journal: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`journal` with the live starts still to tell; a start a task's row tells (it ended)
+        replaces the live one not told yet, and is not told again when the live one was."""
+        for event in journal:
+            if event["event"] != "started" or event["seq"] is not None:
+                continue
+            task_id = event["task_id"]
+            self.starting.pop(task_id, None)
+            if task_id in self.started:
+                self.started.discard(task_id)
+                self.seen.add(key_of(event))  # (read again by later polls: told already)
+        return [*journal, *self.starting.values()] if self.starting else journal
 
     def take(
         self,
@@ -132,6 +160,8 @@ class Cursor:
             limit, exact = horizon, True  # (a transaction that started at it may write at it)
         else:
             limit, exact = now - self.settle, False
+        if self.starting or self.started:
+            journal = self._by_row(journal)
         keyed = sorted((key_of(e), e) for e in journal)  # (a stable order, whatever the store's)
         if self._resumed:
             # What the client saw before it reconnected: every event up to its cursor.
@@ -150,6 +180,9 @@ class Cursor:
             else:
                 self.position = key
             self.seen.add(key)
+            if event["seq"] is None and self.starting.get(event["task_id"]) is event:
+                del self.starting[event["task_id"]]
+                self.started.add(event["task_id"])
             assert self.position is not None
             out.append((event, encode(self.position)))
         if self.position is not None:
@@ -209,7 +242,7 @@ async def events(
     while True:
         last = await _over(service, run_id)
         final = last is not None
-        horizon = None if final else await _horizon(service, run_id, cursor.settle)
+        horizon = None if final else await _horizon(service, run_id, cursor)
         sweep = final or time.monotonic() - swept >= SWEEP
         if sweep:
             swept = time.monotonic()
@@ -223,9 +256,10 @@ async def events(
         await anyio.sleep(POLL)
 
 
-async def _horizon(service: Any, run_id: str, settle: float) -> float | None:
+async def _horizon(service: Any, run_id: str, cursor: Cursor) -> float | None:
     """The time before which the journal of `run_id` gains no more event (read before the
-    journal is); None when the store cannot say (the settle window then)."""
+    journal is); None when the store cannot say (the settle window then). On PostgreSQL, the
+    run's tasks running now as well, told to `cursor` (their starts are not journal rows)."""
     store = service.store
     if isinstance(store, SQLiteStore):
         # This process is the file's one service (`orchestra serve` locks it), so a run it runs
@@ -233,10 +267,11 @@ async def _horizon(service: Any, run_id: str, settle: float) -> float | None:
         # elsewhere (a program's own, on the same file) it cannot see into.
         run = store.open_runs.get(run_id)
         return None if run is None or run.closed else run.horizon()
-    from ..stores._postgres._admin import horizon  # (PostgreSQL's driver: the postgres extra)
+    from ..stores._postgres._admin import watch  # (PostgreSQL's driver: the postgres extra)
 
-    at: float = await store.database.run(horizon, settle, BOUND)
-    return at
+    at, leased = await store.database.run(watch, run_id, cursor.settle, BOUND)
+    cursor.running(run_id, leased, at)
+    return float(at)
 
 
 async def _over(service: Any, run_id: str) -> dict[str, Any] | None:

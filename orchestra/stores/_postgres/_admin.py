@@ -39,7 +39,7 @@ from ._settle import columns, lock_groups, make_ready, transaction
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ("dead", "events", "made", "retry", "run", "runs", "workers")
+__all__ = ("dead", "events", "horizon", "made", "retry", "run", "runs", "watch", "workers")
 
 # What can no longer succeed: a task waiting for one of these, or for a group with a member in
 # one of these, is skipped.
@@ -260,6 +260,26 @@ async def horizon(conn: asyncpg.Connection, settle: float, bound: float) -> floa
     now, oldest = float(row["now"]), row["oldest"]
     at = now - settle if row["unknown"] else now
     return at if oldest is None else min(at, float(oldest))
+
+
+# The tasks of a run leased now (claimed, running), from `tasks_leased` (which holds the leased
+# rows only, few however large the run): what has started and not ended. A task's start is not
+# written when it is claimed (a write per task on the workers' hot path); a reader that follows
+# the journal tells it from here while the task runs, and its row says it once it ended.
+_LEASED = """
+SELECT id, attempts FROM orchestra.tasks
+WHERE lease_owner IS NOT NULL AND run_id = $1 AND lease_expires IS NOT NULL
+ORDER BY id
+"""
+
+
+async def watch(
+    conn: asyncpg.Connection, run_id: str, settle: float, bound: float
+) -> tuple[float, list[tuple[str, int]]]:
+    """What a reader that follows `run_id`'s journal asks before each read of it: the horizon
+    (`horizon`), then the run's tasks leased now, (id, attempt)."""
+    at = await horizon(conn, settle, bound)
+    return at, [(row[0], row[1]) for row in await conn.fetch(_LEASED, run_id)]
 
 
 async def events(
