@@ -14,17 +14,41 @@ when it happened and written up to a window later), and PostgreSQL stamps a row 
 transaction's start (`now()`), so a transaction that commits later may carry an earlier time.
 Hence the *horizon*: the stream delivers, in key order, only the events dated before a time no
 event still to commit can precede, so that the keys it sends only grow and a resumed stream misses
-nothing. On PostgreSQL the database says it exactly: the start of the oldest transaction still
-running on it (`stores._postgres._admin.horizon`; a transaction held open holds the stream back
-until it ends). On SQLite, whose events are stamped by their writer's clock before the window
-that writes them, no reader can know what a writer holds unwritten: there the horizon is a
-*settle* window, `settle` seconds (1 s) behind now, far longer than a window (as on PostgreSQL
-when the database hides another role's sessions). An event that still arrives behind the cursor
-(one dated by a process's clock, not the database's: a task's start told only by its row once it
-ended; on SQLite, a window written later than `settle`) is delivered all the same, once (the
-identities delivered over the last `late` seconds are kept to tell), with the cursor unchanged as
-its id. Once the run is over (closed, and no process runs it) everything left is delivered and
-the stream ends with an ``end`` event.
+nothing.
+
+- **PostgreSQL**: the start of the oldest transaction running on the database in one of
+  orchestra's own sessions (`stores._postgres._admin.horizon`: every orchestra connection is named
+  ``orchestra host:pid``, over any ``application_name`` the DSN gives; another application's or a
+  psql session's transaction writes no journal and holds nobody back). One of ours open longer
+  than `BOUND` seconds (its process stopped mid-transaction) is not waited for: the settle rule
+  meanwhile, and what it commits comes late. So does the settle rule where the database hides
+  the state of one of our sessions (another role, without `pg_read_all_stats`).
+- **SQLite**: ``orchestra serve`` is the file's one service (a lock), and the runs it runs are
+  stamped and written by its own writer, which says the start of the oldest window it has not
+  committed, or now when nothing is pending (`SQLiteRun.horizon`). What this process cannot see
+  into has the *settle* window instead, `settle` seconds (1 s) behind now: a run another process
+  runs on the file, and a run worker processes may serve (``orchestra worker --db``: they stamp
+  their tasks' ends by their own clocks and commit them when they can).
+
+An event that still arrives behind the cursor (one dated by a process's clock, not the database's;
+one a transaction past the bound commits; on SQLite, a window written later than `settle`) is
+delivered all the same, once (the identities delivered over the last `late` seconds are kept to
+tell), with the cursor unchanged as its id.
+
+**Starts on PostgreSQL.** No journal row says a task started until it ended (its row says it
+then, dated by the claiming process's clock): a row at the claim would cost the workers a write per
+task. So each poll reads the run's leased tasks with the horizon (`_admin.watch`, from the index
+of leased rows) and tells the start of each not told yet, dated at that horizon (before its end,
+after what was told); the start the ended task's row says is then not told again. A client that
+reconnects while a task runs is told its start again (the stream does not know what a stream
+before it told live); its `task_id` and `attempt` name it.
+
+**The end.** Once nobody runs the run, here or elsewhere, and it is closed, or it was let go of
+open (stopped gracefully: resumable), everything left is delivered and the stream ends with an
+``end`` event: ``{"run_id", "state": "closed" | "stopped", "status"}`` (the `RunResult`'s status
+when this process ran it, else null). A run whose process died is still held (its lease lapsed,
+not let go): its stream goes on while another process takes it over. A stopped run resumed later
+is a new stream (``Last-Event-ID`` resumes after what the last one sent).
 
 A poll reads the journal from the cursor on (`store.events(..., since=...)`): what comes in
 order. Every `SWEEP` seconds (and first) it reads from `late` seconds behind the cursor instead,
@@ -236,7 +260,8 @@ async def events(
 ) -> AsyncIterator[ServerSentEvent]:
     """The run's journal as Server-Sent Events, live: each event's `data` is a journal event
     (`JournalEvent`), its `id` the stream's cursor (send it back as `Last-Event-ID` to resume).
-    The stream ends with an `end` event once the run is over."""
+    The stream ends with an `end` event (`{"run_id", "state": "closed" | "stopped", "status"}`)
+    once nobody runs the run and it is closed or was stopped."""
     cursor = Cursor(after)
     swept = -math.inf
     while True:
