@@ -214,13 +214,16 @@ class Cursor:
             self.seen = {k for k in self.seen if k[0] >= oldest}
         return out
 
-    def since(self, *, late: bool = True) -> float | None:
+    def since(self, *, late: bool = True, behind: float | None = None) -> float | None:
         """The wall time the next read of the journal may start at (None: from the start): with
-        `late`, older events are either delivered or too late to be told apart; else what is
-        older than the cursor is delivered, or comes late."""
+        `late`, older events are either delivered or too late to be told apart (or, with
+        `behind`, come no later than that many seconds behind the cursor); else what is older
+        than the cursor is delivered, or comes late."""
         if self.position is None:
             return None
-        return self.position[0] - (self.late if late or self._resumed else 0.0)
+        if self._resumed:
+            return self.position[0] - self.late
+        return self.position[0] - ((self.late if behind is None else behind) if late else 0.0)
 
 
 async def resume_after(
@@ -271,7 +274,12 @@ async def events(
         sweep = final or time.monotonic() - swept >= SWEEP
         if sweep:
             swept = time.monotonic()
-        since = cursor.since(late=sweep)
+        # A SQLite run this process writes dates every event before its window is handed over:
+        # one comes late by a hair at most (an attempt's end, counted from its own clock
+        # readings), so its sweeps look `settle` back, not `late` (a minute of a busy run's
+        # journal read and sorted every `SWEEP`: its stream's largest cost).
+        near = horizon is not None and isinstance(service.store, SQLiteStore)
+        since = cursor.since(late=sweep, behind=cursor.settle if near and not final else None)
         journal = await service.read(partial(service.store.events, since=since), run_id)
         for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon):
             yield ServerSentEvent(data=event, id=event_id)
