@@ -113,6 +113,12 @@ def key_of(event: dict[str, Any]) -> Key:
     )
 
 
+def _json(event: dict[str, Any]) -> str:
+    # One line (`json.dumps` escapes every line break); non-finite floats cannot occur (times
+    # and numbers the stores wrote).
+    return json.dumps(event, separators=(",", ":"))
+
+
 def encode(key: Key) -> str:
     # JSON keeps the float exact (repr) and escapes any line break a task id may hold.
     return json.dumps(list(key), separators=(",", ":"))
@@ -282,7 +288,10 @@ async def events(
         since = cursor.since(late=sweep, behind=cursor.settle if near and not final else None)
         journal = await service.read(partial(service.store.events, since=since), run_id)
         for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon):
-            yield ServerSentEvent(data=event, id=event_id)
+            # Encoded here, as `raw_data`: a journal event is JSON already (str, float, int,
+            # None), and FastAPI's `jsonable_encoder` walk of it cost more than all the rest of
+            # an event's way to the client (a busy run's stream fell behind its journal).
+            yield ServerSentEvent(raw_data=_json(event), id=event_id)
         if last is not None:
             yield ServerSentEvent(event="end", data=last)
             return
