@@ -69,7 +69,8 @@ from typing import Annotated, Any, Final
 
 import anyio
 from fastapi import APIRouter, Depends, Header
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi.responses import StreamingResponse
+from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 
 from ..stores import SQLiteStore
 from ._auth import require
@@ -255,24 +256,62 @@ async def resume_after(
 router = APIRouter(prefix="/api/runs", tags=["events"])
 
 
+# The 200 answer as FastAPI documents a stream of `EventSourceResponse` (OpenAPI 3.2's item schema).
+_STREAM: Final = {
+    "description": "The run's journal as Server-Sent Events, ended by an `end` event.",
+    "content": {
+        "text/event-stream": {
+            "itemSchema": {
+                "type": "object",
+                "properties": {
+                    "data": {"type": "string"},
+                    "event": {"type": "string"},
+                    "id": {"type": "string"},
+                    "retry": {"type": "integer", "minimum": 0},
+                },
+            }
+        }
+    },
+}
+KEEPALIVE: Final = 15.0
+"""Seconds without an event after which the stream sends a keep-alive comment (FastAPI's own
+streams' interval)."""
+
+
 @router.get(
     "/{run_id}/events",
-    response_class=EventSourceResponse,
+    response_class=StreamingResponse,
     dependencies=[Depends(require("read"))],
-    responses=responses(400, 401, 403, 404),
+    responses={200: _STREAM, **responses(400, 401, 403, 404)},
 )
 async def events(
     run_id: RunPath,
     run: KnownRun,
     service: ServiceDep,
     after: Annotated[Key | None, Depends(resume_after)],
-) -> AsyncIterator[ServerSentEvent]:
+) -> StreamingResponse:
     """The run's journal as Server-Sent Events, live: each event's `data` is a journal event
     (`JournalEvent`), its `id` the stream's cursor (send it back as `Last-Event-ID` to resume).
     The stream ends with an `end` event (`{"run_id", "state": "closed" | "stopped", "status"}`)
     once nobody runs the run and it is closed or was stopped."""
+    return StreamingResponse(
+        _stream(service, run_id, after),
+        media_type="text/event-stream",
+        # As FastAPI's own streams: no cache keeps it, no proxy (nginx) holds it back.
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _stream(service: Any, run_id: str, after: Key | None) -> AsyncIterator[bytes]:
+    """The stream's body: what each poll delivers, formatted by FastAPI's `format_sse_event`
+    and sent as one chunk. Not a generator of `ServerSentEvent`s for FastAPI to send: each of
+    those is a pydantic model, then passed through two memory streams and a checkpoint to the
+    response, about a hundred microseconds of the event loop an event, which the run shares (a
+    busy run's streams, one per client and dashboard page, fell seconds behind its journal);
+    so the keep-alive comment is sent here too."""
     cursor = Cursor(after)
     swept = -math.inf
+    sent = time.monotonic()
     while True:
         last = await _over(service, run_id)
         final = last is not None
@@ -287,14 +326,21 @@ async def events(
         near = horizon is not None and isinstance(service.store, SQLiteStore)
         since = cursor.since(late=sweep, behind=cursor.settle if near and not final else None)
         journal = await service.read(partial(service.store.events, since=since), run_id)
-        for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon):
-            # Encoded here, as `raw_data`: a journal event is JSON already (str, float, int,
-            # None), and FastAPI's `jsonable_encoder` walk of it cost more than all the rest of
-            # an event's way to the client (a busy run's stream fell behind its journal).
-            yield ServerSentEvent(raw_data=_json(event), id=event_id)
+        # Each event encoded as the JSON it is (str, float, int, None): FastAPI's
+        # `jsonable_encoder` walk of it cost three times the rest of its encoding.
+        chunk = b"".join(
+            format_sse_event(data_str=_json(event), id=event_id)
+            for event, event_id in cursor.take(journal, time.time(), final=final, horizon=horizon)
+        )
         if last is not None:
-            yield ServerSentEvent(event="end", data=last)
+            yield chunk + format_sse_event(event="end", data_str=_json(last))
             return
+        if chunk:
+            yield chunk
+            sent = time.monotonic()
+        elif time.monotonic() - sent >= KEEPALIVE:
+            yield KEEPALIVE_COMMENT
+            sent = time.monotonic()
         await anyio.sleep(POLL)
 
 
