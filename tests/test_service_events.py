@@ -110,6 +110,27 @@ class TestTheStream:
         assert later == [e for e in journal if e["at"] >= mid]
         assert 0 < len(later) < len(journal)
 
+    async def test_a_silent_stream_sends_keep_alive_comments(
+        self, api: Api, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from orchestra._service import _events
+
+        monkeypatch.setattr(_events, "KEEPALIVE", 0.3)
+        run_id = await api.submit({"tasks": [{"kind": "wait", "id": "a"}]})
+        lines: list[str] = []
+        async with (
+            server(api.app) as url,
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream("GET", f"{url}/api/runs/{run_id}/events", headers=api.auth()) as s,
+        ):
+            with anyio.fail_after(10):
+                async for line in s.aiter_lines():
+                    lines.append(line)
+                    if line == ": ping":
+                        break
+            api.gate.set()
+        assert any(line.startswith("data: ") for line in lines)  # a's admission came first
+
     async def test_an_unknown_run_is_a_404_before_any_stream(self, api: Api) -> None:
         async with server(api.app) as url, httpx.AsyncClient() as client:
             answer = await client.get(f"{url}/api/runs/ghost/events", headers=api.auth("read"))
