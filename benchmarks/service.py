@@ -401,12 +401,13 @@ def _serve_events(dsn: str, port: int, token: str) -> None:
 async def _worker_http(url: str, token: str) -> int:
     """``orchestra worker --url URL --run-id bench``, its agent a no-op."""
     from orchestra import Orchestrator
+    from orchestra._core._orchestrator import LocalRuns
     from orchestra.stores._http._worker import ServiceBackend
     from orchestra.stores._worker import Worker
 
     orch = Orchestrator(agents=[postgres._noop()], concurrency=BATCH)
     async with orch, ServiceBackend(url, token) as backend:
-        worker = Worker(orch, backend, RUN_ID, None, backend.poll)
+        worker = Worker(LocalRuns(orch), backend, RUN_ID, None, backend.poll)
         await postgres._started()
         report = await worker.run()
     return report.completed

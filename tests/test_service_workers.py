@@ -542,6 +542,7 @@ class TestInOneProcess:
         (the failed attempt written as it fails, fenced), then spawns two tasks and succeeds; the
         coordinator admits the spawns, names them, and the run ends with every output."""
         from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
+        from orchestra._core._orchestrator import LocalRuns
         from orchestra.stores._http._worker import ServiceBackend
         from orchestra.stores._worker import Worker
 
@@ -572,7 +573,7 @@ class TestInOneProcess:
             ):
                 with anyio.fail_after(30):
                     await until(lambda: "b0" in api.calls)
-                    worker = Worker(orch, rb, "r", None, rb.poll)
+                    worker = Worker(LocalRuns(orch), rb, "r", None, rb.poll)
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(worker.run)
                         await until(lambda: worker.report.completed >= 3)

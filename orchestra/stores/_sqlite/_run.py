@@ -203,8 +203,11 @@ class SQLiteRun:
     def hold(self, held: bool) -> None:
         self._listener.hold(held)
 
-    def room(self, kind: str) -> int:
-        return self._listener.room(kind)
+    def room(self, kind: str, *, hold: bool = True) -> int:
+        return self._listener.room(kind, hold=hold)
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return self._listener.stalled(longer_than)
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,
