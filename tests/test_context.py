@@ -124,3 +124,45 @@ class Wrapped:
     async def __call__(self, task: Task, ctx: Context) -> str:
         result: str = await self._call(task, ctx)
         return result
+
+
+class TestUsageOfAnotherAgent:
+    async def test_is_counted_under_its_name_and_not_on_the_attempt_s_limits(
+        self, clock: FakeClock
+    ) -> None:
+        # The attempt reserves 10 tokens a call on a meter of 10 a second: what it spends for the
+        # planner (500 tokens) would hold the next call back 50 s if it were trued up here.
+        rate = Rate(600, per=60, unit="input_tokens", burst=10)
+        calls: list[float] = []
+
+        class Worker:
+            name, kinds, limits = "worker", ("work",), [rate]
+
+            def estimate(self, task: Task) -> dict[str, float]:
+                return {"input_tokens": 10}
+
+            async def __call__(self, task: Task, ctx: Context) -> str:
+                calls.append(anyio.current_time())
+                ctx.record_usage(input_tokens=10, cost=0.01)
+                ctx.record_usage_for("planner", input_tokens=500, cost=0.5, model="m")
+                return task.id
+
+        worker = Worker()
+        result = await Orchestrator(agents=[worker], concurrency=1).run(tasks=work(2))
+        assert result.status == "success"
+        assert calls[1] - calls[0] < 5
+        per_agent = result.metadata.usage_per_agent
+        assert per_agent["planner"]["input_tokens"] == 1000
+        assert per_agent["worker"]["input_tokens"] == 20
+        assert result.metadata.usage_per_model["m"]["input_tokens"] == 1000
+        assert math.isclose(result.metadata.cost, 1.02)
+
+    async def test_a_name_that_is_not_a_str_fails_the_attempt(self, clock: FakeClock) -> None:
+        @agent(kinds=["work"])
+        async def worker(task: Task, ctx: Context) -> str:
+            ctx.record_usage_for(7, input_tokens=1)  # type: ignore[arg-type]
+            return task.id
+
+        result = await Orchestrator(agents=[worker]).run(tasks=work(1))
+        assert result.status == "failed"
+        assert "agent must be a str" in str(result.errors[0].message)

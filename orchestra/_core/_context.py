@@ -123,27 +123,27 @@ class Context:
         Raises `InputError` (failing the attempt, not the run) for a cost or count that is not a
         finite number >= 0, or a `model` that is not a str: counted, a NaN or a negative cost
         would defeat the budget, and a NaN count or a non-str model failed the run's result."""
-        for name, value in (("cost", cost), *tokens.items()):
-            if (
-                type(value) is bool
-                or not isinstance(value, int | float)
-                or not finite(value)
-                or value < 0
-            ):
-                raise InputError(
-                    f"record_usage: {name} must be a finite number >= 0, got {value!r}",
-                    field=name,
-                )
-        if model is not None and not isinstance(model, str):
-            raise InputError(
-                f"record_usage: model must be a str or None, got {model!r}", field="model"
-            )
+        _check_usage("record_usage", cost, model, tokens)
         self._run.record_usage(cost, tokens, self.agent, model)
         usage = self._usage
         if usage is None:
             usage = self._usage = {}
         for unit, n in tokens.items():
             usage[unit] = usage.get(unit, 0) + n
+
+    def record_usage_for(
+        self, agent: str, /, *, cost: float = 0.0, model: str | None = None, **tokens: int
+    ) -> None:
+        """Count usage another agent spent from within this attempt (a call made for a planner or
+        a verifier, say), as `record_usage` does, under `agent`'s name: in the run's metadata and
+        against its budget, but not trued up on this attempt's agent's limits.
+
+        Raises `InputError` (failing the attempt) for what `record_usage` refuses, or an `agent`
+        that is not a str."""
+        if not isinstance(agent, str):
+            raise InputError(f"record_usage_for: agent must be a str, got {agent!r}", field="agent")
+        _check_usage("record_usage_for", cost, model, tokens)
+        self._run.record_usage(cost, tokens, agent, model)
 
     @property
     def reserved(self) -> Mapping[str, float]:
@@ -246,3 +246,18 @@ class Context:
 
     def __repr__(self) -> str:
         return f"Context(run_id={self.run_id!r}, task={self.task.id!r}, attempt={self.attempt})"
+
+
+def _check_usage(method: str, cost: float, model: str | None, tokens: Mapping[str, int]) -> None:
+    for name, value in (("cost", cost), *tokens.items()):
+        if (
+            type(value) is bool
+            or not isinstance(value, int | float)
+            or not finite(value)
+            or value < 0
+        ):
+            raise InputError(
+                f"{method}: {name} must be a finite number >= 0, got {value!r}", field=name
+            )
+    if model is not None and not isinstance(model, str):
+        raise InputError(f"{method}: model must be a str or None, got {model!r}", field="model")

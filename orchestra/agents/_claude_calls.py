@@ -51,7 +51,7 @@ class Tab:
             usage[unit] = usage.get(unit, 0) + n
         usage["cost"] = usage.get("cost", 0.0) + cost
         if self._ctx is not None:
-            self._ctx._run.record_usage(cost, tokens, self.name, model)
+            self._ctx.record_usage_for(self.name, cost=cost, model=model, **tokens)
 
     @property
     def log(self) -> Any:
