@@ -282,7 +282,7 @@ class Dispatcher:
         only = router.only
         limit = capacity.limit
         cancelling = me.cancelling  # (a local: `me.cancelling()` is an unspecialized lookup)
-        run_input = self.run.input
+        run = self.run
         current = self._running[me] = CurrentTask()
         # Each runner runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
@@ -313,7 +313,7 @@ class Dispatcher:
                         # (a worker's claims come in bursts), park: waking a parked runner costs
                         # a fraction of starting a new one for each task.
                         if self.closing or (
-                            store.unfinished <= attempts.running and run_input.done
+                            store.unfinished <= attempts.running and not run.input_open
                         ):
                             return
                         waiter = loop.create_future()
