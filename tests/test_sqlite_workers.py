@@ -901,6 +901,9 @@ class TestCrashes:
             await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
             done = rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'")[0][0]
             assert done > 0  # completed while no coordinator ran: to be settled on resume
+            # Not ended yet, as the journal tells it: its end is the one the coordinator settles.
+            told = {e["event"] for e in SQLiteStore(db).events("r")}
+            assert "done" not in told
             result, _ = await coordinate(db, [Task("work", i) for i in range(300)])
         finally:
             wait_all([worker])
@@ -909,6 +912,11 @@ class TestCrashes:
         assert len(ran(calls)) == 300  # nothing ran twice: every completion was kept
         assert result.metadata.resumed > 0
         assert rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'") == [(0,)]
+        ends = collections.Counter(
+            e["task_id"] for e in SQLiteStore(db).events("r") if e["event"] == "succeeded"
+        )
+        assert len(ends) == 300
+        assert set(ends.values()) == {1}  # each end told once
 
 
 @pytest.mark.subprocess
