@@ -734,7 +734,7 @@ def _profiled(fn: Callable[[], int], name: str) -> int:
         return fn()
     import cProfile
 
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)
     try:
         return profile.runcall(fn)
     finally:

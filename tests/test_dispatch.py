@@ -17,7 +17,7 @@ from orchestra.testing import FakeClock, Probe, scripted
 from tests.helpers import tasks_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
 
 @agent(kinds=["cpu"], executor="process", concurrency=1)
@@ -165,6 +165,41 @@ class TestRunnerPool:
         assert result.metadata.counts["succeeded"] == 10_000
         assert len(samples) == 10_000
         assert max(samples) <= baseline + 10 + 3
+
+    async def test_a_streamed_input_is_run_by_the_same_runners_whatever_its_pace(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # Tasks arriving one at a time, each done before the next comes (a worker's claims come
+        # so, in bursts): the runners wait for the input, not one new runner per task.
+        @agent(kinds=["work"])
+        async def sample(task: Task, ctx: Context) -> None:
+            return None
+
+        async def tasks() -> AsyncIterator[Task]:
+            for i in range(200):
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                yield Task("work", i)
+
+        loop = asyncio.get_running_loop()
+        factory = loop.get_task_factory()
+        started = 0
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+            nonlocal started
+            started += 1
+            if factory is None:
+                return asyncio.Task(coro, loop=loop, **kwargs)
+            return factory(loop, coro, **kwargs)
+
+        orch = make_orchestrator(agents=[sample], concurrency=10)
+        loop.set_task_factory(counting)
+        try:
+            result = await orch.run(tasks=tasks())
+        finally:
+            loop.set_task_factory(factory)
+        assert result.metadata.counts["succeeded"] == 200
+        assert started <= 10 + 10  # the runners, and the run's own few tasks
 
 
 class TestContexts:

@@ -719,6 +719,49 @@ class TestResults:
         assert result.status == "success"
         assert results.result is result
 
+    async def test_ready_takes_every_result_already_there_without_waiting(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make(concurrency=4) as orch:
+            handle = orch.start(tasks=work(4))
+            results = handle.results()
+            assert results.ready() == []  # nothing ended yet: it does not wait for one
+            first = await anext(results)  # the four end at one time: one wait for them all
+            rest = results.ready()
+            assert results.ready() == []
+            assert [r async for r in results] == []
+            await handle
+        assert [first.task_id, *(r.task_id for r in rest)] == ["w0", "w1", "w2", "w3"]
+
+    async def test_a_stream_not_started_yet_has_nothing_ready(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async with make() as orch:
+            stream = orch.stream(work(1))
+            assert stream.ready() == []
+            assert [r.task_id async for r in stream] == ["w0"]
+
+    async def test_results_taken_by_ready_make_room_in_the_window(
+        self, make: Callable[..., Orchestrator]
+    ) -> None:
+        async def tasks() -> AsyncIterator[Task]:
+            for task in work(4, seconds=0.5):
+                yield task
+
+        seen = []
+        async with make(concurrency=1, window=1) as orch:
+            handle = orch.start(tasks=tasks())
+            results = handle.results()
+            with anyio.fail_after(60):
+                async for first in results:
+                    # The next task ends meanwhile, and its result is taken by `ready`: the
+                    # input, waiting for the window (one task or unread result), must hear it.
+                    await anyio.sleep(2)
+                    seen += [first.task_id, *(r.task_id for r in results.ready())]
+                result = await handle
+        assert seen == ["w0", "w1", "w2", "w3"]
+        assert result.status == "success"
+
 
 class TestStream:
     async def test_results_arrive_as_tasks_finish(self, clock: FakeClock) -> None:

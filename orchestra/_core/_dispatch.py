@@ -282,6 +282,7 @@ class Dispatcher:
         only = router.only
         limit = capacity.limit
         cancelling = me.cancelling  # (a local: `me.cancelling()` is an unspecialized lookup)
+        run = self.run
         current = self._running[me] = CurrentTask()
         # Each runner runs in its own copy of the context: the value never leaks out of it.
         TASK_ID.set(current)
@@ -305,11 +306,15 @@ class Dispatcher:
                 ):
                     picked = self._take()  # paused, full, tasks in lanes first, or none ready
                     if picked is None:
-                        # Nothing to do. If every unfinished task is running, nothing can become
-                        # ready but through them (a retry, a spawn, a dependent), and `ready`
-                        # starts a runner then: leave now rather than be woken at the end only
-                        # to leave.
-                        if store.unfinished <= attempts.running or self.closing:
+                        # Nothing to do. If every unfinished task is running and the input is
+                        # over, nothing can become ready but through them (a retry, a spawn, a
+                        # dependent), and `ready` starts a runner then: leave now rather than be
+                        # woken at the end only to leave. While a streamed input may bring more
+                        # (a worker's claims come in bursts), park: waking a parked runner costs
+                        # a fraction of starting a new one for each task.
+                        if self.closing or (
+                            store.unfinished <= attempts.running and not run.input_open
+                        ):
                             return
                         waiter = loop.create_future()
                         self.parked.append(waiter)

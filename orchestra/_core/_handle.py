@@ -423,6 +423,25 @@ class ResultStream:
             run.input.room_freed()  # room in the window: the input may go on
         return result
 
+    def ready(self) -> list[TaskResult]:
+        """The results that are here already, taken without waiting (an empty list when none
+        is, or the stream is not open yet): after one ``async for`` step, a reader that takes a
+        burst of ends at once wakes once for it, not once a result (each wait is a turn of the
+        loop)."""
+        receive = self._receive
+        if receive is None:
+            return []
+        taken: list[TaskResult] = []
+        while True:
+            try:
+                taken.append(receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break  # the stream's end is for `__anext__` to report
+        run = None if self._handle is None else self._handle._run
+        if taken and run is not None:
+            run.input.room_freed()  # room in the window: the input may go on
+        return taken
+
     async def aclose(self) -> None:
         """Stop reading. A stream of `orch.stream(...)` also stops its run if it is still going
         (what runs is cancelled, what waits ends cancelled) and waits for it to end: `result` is

@@ -343,6 +343,11 @@ class Run:
 
     # -- a run handle's: stop, read the results ------------------------------------------------
 
+    @property
+    def input_open(self) -> bool:
+        """Whether more input may come (a streamed input not over yet)."""
+        return not self.input.done
+
     def stop(self, reason: str) -> None:
         """End the run now: what runs is cancelled, what waits ends as cancelled ("Stopped"), and
         the run returns its `RunResult` with status "cancelled" and `reason`. Once; a run that

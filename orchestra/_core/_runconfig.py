@@ -96,8 +96,8 @@ class RunConfig:
 class RunView(Protocol):
     """What a run's dispatcher, attempts and recovery read of the run (`Run`): its id,
     configuration and store, its report, its zero on the loop's clock, whether debug logs are
-    on, what the instruments see of it; how to stop it, and (for an attempt's `Context`) how to
-    count what an attempt spent."""
+    on, what the instruments see of it, whether more input may come; how to stop it, and (for
+    an attempt's `Context`) how to count what an attempt spent."""
 
     run_id: str
     config: RunConfig
@@ -106,6 +106,11 @@ class RunView(Protocol):
     t0: float
     debug: bool
     info: RunInfo
+
+    @property
+    def input_open(self) -> bool:
+        """Whether more input may come (a streamed input not over yet)."""
+        ...
 
     def stop(self, reason: str) -> None: ...
 

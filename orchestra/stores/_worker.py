@@ -79,6 +79,7 @@ class Results(Protocol):
     """The results of a `LocalRun`, as its tasks end."""
 
     def __aiter__(self) -> AsyncIterator[TaskResult]: ...
+    def ready(self) -> list[TaskResult]: ...
     async def aclose(self) -> None: ...
 
 
@@ -328,20 +329,22 @@ class Worker:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._beat, handle)
                     tg.start_soon(self._write_ends)
-                    async for result in results:
-                        claimed = self.held.get(result.task_id)
-                        if result.error_type == "Stopped":
-                            # The local run stopped (a KeyboardInterrupt in an agent, a drain):
-                            # the task is handed back (`_leave`), not ended in the
-                            # coordinator's run.
-                            continue
-                        if result.status is CANCELLED and result.task_id in self.passing:
-                            # Its local end as it was handed back (`_hand_back`): not an end of
-                            # the task, nor of a claim of it made since.
-                            self.passing.discard(result.task_id)
-                            continue
-                        if claimed is not None:
-                            self.ended(claimed, result)
+                    async for first in results:
+                        # The ends of one claim come in one turn of the loop: taken together.
+                        for result in (first, *results.ready()):
+                            claimed = self.held.get(result.task_id)
+                            if result.error_type == "Stopped":
+                                # The local run stopped (a KeyboardInterrupt in an agent, a
+                                # drain): the task is handed back (`_leave`), not ended in the
+                                # coordinator's run.
+                                continue
+                            if result.status is CANCELLED and result.task_id in self.passing:
+                                # Its local end as it was handed back (`_hand_back`): not an end
+                                # of the task, nor of a claim of it made since.
+                                self.passing.discard(result.task_id)
+                                continue
+                            if claimed is not None:
+                                self.ended(claimed, result)
                     await handle
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
