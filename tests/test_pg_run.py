@@ -5,6 +5,7 @@ hears, checked against the database's rows."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import signal
@@ -20,7 +21,16 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
+from orchestra import (
+    Context,
+    Discard,
+    Orchestrator,
+    PermanentError,
+    RetryPolicy,
+    RunResult,
+    Task,
+    agent,
+)
 from orchestra.stores._postgres._server import embedded_server
 from orchestra.stores._postgres._store import PostgresStore
 from tests.helpers import REPO, spawn
@@ -233,6 +243,40 @@ class TestPlannerStatistics:
             result = await orch.run([Task("work", {"n": i}) for i in range(300)], run_id="small")
         assert result.status == "success", result.errors
         assert await self._measured(pg_conn) <= 0
+
+
+class TestAStreamedRunInBoundedMemory:
+    async def test_the_coordinator_lets_go_of_the_tasks_it_took_through_the_database(
+        self, store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The coordinator's mirror of the run queues each task that becomes ready and takes it
+        # out when the database hands it to a process (`discard`): its queue is never popped,
+        # and it kept every task of a streamed run (1,000,000 of them: 700 MB).
+        from orchestra._record import Record
+        from orchestra.stores._queue import ReadyQueue
+
+        monkeypatch.setattr(ReadyQueue, "SWEEP", 64)  # the sweep's floor, at a test's size
+        n, window = 1_500, 50
+        kept: list[int] = []
+
+        @agent(kinds=["work"])
+        async def quick(task: Task, ctx: Context) -> None:
+            return None
+
+        async def tasks() -> AsyncIterator[Task]:
+            for i in range(n):
+                if i == n - 1:  # what the process holds of the tasks, near the end
+                    gc.collect()
+                    kept.append(sum(isinstance(o, Record) for o in gc.get_objects()))
+                yield Task("work", i)
+
+        async with Orchestrator(
+            agents=[quick], store=store, window=window, aggregate=Discard()
+        ) as orch:
+            result = await orch.run(tasks=tasks(), run_id="streamed")
+        assert result.metadata.counts["succeeded"] == n
+        # The window's unfinished tasks, and the dead slots a sweep has not reached yet.
+        assert kept[0] <= window + 2 * 64 + 50, f"{kept[0]} records of {n} tasks kept"
 
 
 class TestResumeAfterKill:
