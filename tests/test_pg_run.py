@@ -316,6 +316,32 @@ class TestResumeAfterKill:
             if state in ("claimed", "running"):
                 assert after[task_id] == ("succeeded", attempts + 1)
 
+    @pytest.mark.parametrize("options", [(), ("--stream",)], ids=["list", "stream"])
+    async def test_tasks_given_no_id_are_the_same_tasks_again_not_new_ones(
+        self, pg_dsn: str, tmp_path: Path, options: tuple[str, ...]
+    ) -> None:
+        # Their ids are generated again in the same order and match the rows: a row that said
+        # its id was the caller's made the resumed run generate others, and run every one again.
+        calls = tmp_path / "calls.txt"
+        killed = await anyio.to_thread.run_sync(
+            job, pg_dsn, calls, "--kill", "calls:14", "--unnamed", *options
+        )
+        assert killed.returncode == -9, killed.stderr
+        done_before = {
+            i for i, (state, _) in (await committed(pg_dsn)).items() if state == "succeeded"
+        }
+        assert {i for i in done_before if i.startswith("work#")}  # some of them ended
+        calls.write_text("")
+        resumed = await anyio.to_thread.run_sync(job, pg_dsn, calls, "--unnamed", *options)
+        assert resumed.returncode == 0, resumed.stderr
+        result = RunResult.model_validate_json(resumed.stdout)
+        assert not done_before & set(calls.read_text().split())
+        assert (result.status, result.metadata.total) == ("success", 29), result.errors
+        assert result.metadata.resumed == len(done_before)
+        after = await committed(pg_dsn)
+        assert len(after) == 29
+        assert {state for state, _ in after.values()} == {"succeeded"}
+
     async def test_a_finished_run_run_again_executes_nothing(
         self, pg_dsn: str, tmp_path: Path
     ) -> None:
