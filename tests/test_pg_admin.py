@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -349,7 +350,7 @@ class TestTheJournalFollowed:
         assert {e["event"] for e in journal} >= {"attempt_failed", "retried", "skipped"}
         times = sorted({e["at"] for e in journal})
         # Between every two times of the journal (never on one: a float's rounding).
-        cuts = [times[0] - 1, *((a + b) / 2 for a, b in zip(times, times[1:])), times[-1] + 1]
+        cuts = [times[0] - 1, *((a + b) / 2 for a, b in itertools.pairwise(times)), times[-1] + 1]
         for cut in cuts:
             assert store.events("r", since=cut) == [e for e in journal if e["at"] >= cut]
 

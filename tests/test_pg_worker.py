@@ -386,7 +386,7 @@ async def live_workers(conn: asyncpg.Connection) -> int:
 class _Output(dict[str, int]):
     """An agent's output the test can count while it is alive (a dict cannot be weakly held)."""
 
-    __hash__ = object.__hash__  # by identity: a WeakSet holds it
+    __hash__ = object.__hash__  # type: ignore[assignment]  # by identity: a WeakSet holds it
 
 
 class TestAWorkerThatRunsForDays:
