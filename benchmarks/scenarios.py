@@ -399,7 +399,12 @@ def plan(sizes: Sizes) -> list[Scenario]:
         [Case(Spec("service", f"svc_{path}_{w}", sizes.svc_n, limit)) for path in ("http", "db")]
         for w in sizes.svc_workers
     )
-    svc.groups.append([Case(Spec("service", "svc_events_sse", sizes.svc_events_n, limit))])
+    svc.groups.append(
+        [
+            Case(Spec("service", variant, sizes.svc_events_n, limit))
+            for variant in ("svc_events_sse", "svc_events_sse_sqlite")
+        ]
+    )
 
     return [
         speedup, dispatch, latency, memory, million, features, kinds, spawn, claude, durable,

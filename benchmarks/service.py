@@ -33,6 +33,7 @@ reach at least half the database workers' throughput, W for W.
   table noting when each row first shows; for each end shown (the table holds the latest 20, so a
   sample of them), that time less its time in the journal, the first `PAGE_WARMUP` seconds of the
   page's stream left out (it reads the journal from its start).
+- ``svc_events_sse_sqlite``: the same, the service's store a SQLite file (the embedded default).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ BATCH = postgres.BATCH
 WORKERS = (1, 2)
 PATHS = ("http", "db")
 EVENTS = "svc_events_sse"
-VARIANTS = (*(f"svc_{path}_{w}" for w in WORKERS for path in PATHS), EVENTS)
+#: The same on the embedded default: the service's store a SQLite file (``orchestra serve --db``).
+EVENTS_SQLITE = "svc_events_sse_sqlite"
+VARIANTS = (*(f"svc_{path}_{w}" for w in WORKERS for path in PATHS), EVENTS, EVENTS_SQLITE)
 #: The events run's agent: this many calls at once, each 30 ms.
 EVENTS_CONCURRENCY = 26
 EVENTS_CALL = 0.030
@@ -70,7 +73,7 @@ PAGE_WARMUP = 2.0
 
 
 def build(spec: Spec) -> Workload:
-    if spec.variant == EVENTS:
+    if spec.variant in (EVENTS, EVENTS_SQLITE):
         return events(spec)
     _, path, workers = spec.variant.split("_")
     if path not in PATHS or not workers.isdigit():
@@ -183,6 +186,11 @@ def events(spec: Spec) -> Workload:
     client, while the run does ~1,000 transitions/s."""
 
     async def run() -> dict[str, Any]:
+        if spec.variant == EVENTS_SQLITE:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as where:
+                return await _measure_events(f"sqlite:{where}/events.db", spec.n)
         dsn = await postgres.fresh_database()
         try:
             return await _measure_events(dsn, spec.n)
@@ -367,20 +375,20 @@ def _serve(dsn: str, port: int, worker_token: str, admin_token: str) -> None:
 
 def _serve_events(dsn: str, port: int, token: str) -> None:
     """The service of ``svc_events_sse``: its runs' agent 30 ms a call, `EVENTS_CONCURRENCY`
-    at once."""
+    at once; its store PostgreSQL at `dsn`, or the SQLite file of ``sqlite:PATH``."""
     import anyio
     import uvicorn
 
     from orchestra import Orchestrator, agent
     from orchestra._service._tokens import Tokens
     from orchestra.service import create_app
-    from orchestra.stores import PostgresStore
+    from orchestra.stores import PostgresStore, SQLiteStore
 
     @agent(kinds=[KIND], name=KIND)
     async def call(task: Any, ctx: Any) -> None:
         await anyio.sleep(EVENTS_CALL)
 
-    store = PostgresStore(dsn)
+    store: Any = SQLiteStore(dsn[7:]) if dsn.startswith("sqlite:") else PostgresStore(dsn)
     Tokens(store).ensure(token, "admin", "bench")
     orch = Orchestrator(agents=[call], store=store, concurrency=EVENTS_CONCURRENCY)
     app = create_app(orch, grace=0.0)
@@ -393,12 +401,13 @@ def _serve_events(dsn: str, port: int, token: str) -> None:
 async def _worker_http(url: str, token: str) -> int:
     """``orchestra worker --url URL --run-id bench``, its agent a no-op."""
     from orchestra import Orchestrator
+    from orchestra._core._orchestrator import LocalRuns
     from orchestra.stores._http._worker import ServiceBackend
     from orchestra.stores._worker import Worker
 
     orch = Orchestrator(agents=[postgres._noop()], concurrency=BATCH)
     async with orch, ServiceBackend(url, token) as backend:
-        worker = Worker(orch, backend, RUN_ID, None, backend.poll)
+        worker = Worker(LocalRuns(orch), backend, RUN_ID, None, backend.poll)
         await postgres._started()
         report = await worker.run()
     return report.completed

@@ -550,11 +550,12 @@ def _service(rows: list[Row]) -> list[Row]:
     """Issue 27: HTTP workers' claim + complete throughput against database workers'."""
     out: list[Row] = []
     for row in rows:
+        store = "SQLite" if str(row.get("variant", "")).endswith("_sqlite") else "PostgreSQL"
         if row.get("scenario") == "service" and "page_p95_ms" in row:
             p95 = row["page_p95_ms"]["max"]
             out.append(
                 _target(
-                    f"Event to the dashboard page, p95 (N={row['n']:,}, "
+                    f"Event to the dashboard page, p95 ({store}, N={row['n']:,}, "
                     f"{num(row['transitions_per_s']['median'])} transitions/s)",
                     f"≤ {SVC_EVENTS_P95_MS:g} ms",
                     p95,
@@ -567,7 +568,7 @@ def _service(rows: list[Row]) -> list[Row]:
             p95 = row["sse_p95_ms"]["max"]
             out.append(
                 _target(
-                    f"Event to SSE client, p95 (N={row['n']:,}, "
+                    f"Event to SSE client, p95 ({store}, N={row['n']:,}, "
                     f"{num(row['transitions_per_s']['median'])} transitions/s)",
                     f"≤ {SVC_EVENTS_P95_MS:g} ms",
                     p95,

@@ -215,7 +215,7 @@ def check_options(
 class _Gate:
     """Who ends a thread agent's call: the thread, or the loop that abandoned it on a timeout or a
     cancel (a thread cannot be interrupted). An abandoned call that has not begun never begins; one
-    that runs keeps its attempt's slot taken (`Context._keep_slot`) until it really ends, so an
+    that runs keeps its attempt's slot taken (`Context.keep_slot`) until it really ends, so an
     agent's limit bounds the threads that run, not only the attempts that wait for them."""
 
     __slots__ = ("lock", "release", "state")
@@ -244,7 +244,7 @@ class _Gate:
             if self.state is _WAITING:
                 self.state = _ABANDONED
             elif self.state is _RUNNING and self.release is None:
-                self.release = ctx._keep_slot()
+                self.release = ctx.keep_slot()
 
 
 _WAITING, _RUNNING, _DONE, _ABANDONED = "waiting", "running", "done", "abandoned"

@@ -37,6 +37,7 @@ def create_app(
     max_body: int = 4 * 1024 * 1024,
     grace: float = 10.0,
     metrics: Any = None,
+    token_ttl: float = 5.0,
 ) -> FastAPI:
     """The service's FastAPI app over `orchestrator` (whose store must be a `SQLiteStore` or a
     `PostgresStore`): the REST API under ``/api``, Server-Sent Events of a run's journal,
@@ -51,6 +52,8 @@ def create_app(
         grace: at shutdown, seconds the live runs' running attempts may take to finish.
         metrics: what ``/metrics`` serves; by default the orchestrator's `PrometheusMetrics`
             instrument, if it has one.
+        token_ttl: seconds a token the database found live is trusted without asking the
+            database again: a revoked token is refused within this long (0: every request asks).
 
     Raises:
         ModuleNotFoundError: the `service` extra is not installed (the message says how).
@@ -70,6 +73,7 @@ def create_app(
         max_body=max_body,
         grace=grace,
         metrics=metrics,
+        token_ttl=token_ttl,
     )
 
 

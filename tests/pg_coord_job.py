@@ -43,8 +43,11 @@ async def main(dsn: str, run_id: str, owner: str, lease: float) -> int:
             except LeaseLost:
                 say("refused")
                 return 3
-            # (asyncpg tells a connection the server ended while this process was stopped in
-            # one of these ways, InternalClientError when it read the goodbye mid-exchange)
+            # A connection the server ended while this process was stopped inside `fenced` (its
+            # idle limit passed), as asyncpg tells it: the lost connection, or, when the loop
+            # had read the server's goodbye but not yet the socket's end as the commit was sent,
+            # InternalClientError "cannot switch to state 15; another operation (2) is in
+            # progress" (tests/test_pg_coordinator.py reproduces both).
             except (
                 asyncpg.PostgresError,
                 asyncpg.InterfaceError,

@@ -154,12 +154,18 @@ async def server(app: FastAPI, **options: Any) -> AsyncIterator[str]:
 
 def told_in_order(delivered: list[dict[str, Any]], journal: list[dict[str, Any]]) -> None:
     """The events a stream `delivered` are the run's `journal`, each once, in its order; but for
-    a task's start that PostgreSQL reads from the task's row once it ended (dated by the claiming
-    process's clock, before events delivered meanwhile): the stream sends it late, once."""
-    keys = [key_of(e) for e in delivered]
-    assert sorted(keys) == sorted(key_of(e) for e in journal)
-    dated = [k for k, e in zip(keys, delivered, strict=True) if not _told_by_row(e)]
-    assert dated == sorted(dated)
+    a task's start, which no journal row says on PostgreSQL until the task ended (then its row
+    says it, dated by the claiming process's clock): the stream tells it while the task runs,
+    dated when it saw it, or late, once it ended; once either way, and before the task's end."""
+    keys = [key_of(e) for e in delivered if not _told_by_row(e)]
+    assert sorted(keys) == sorted(key_of(e) for e in journal if not _told_by_row(e))
+    assert keys == sorted(keys)
+    starts = sorted(e["task_id"] for e in delivered if _told_by_row(e))
+    assert starts == sorted(e["task_id"] for e in journal if _told_by_row(e))
+    ends = {e["task_id"]: e["at"] for e in delivered if e["event"] == "succeeded"}
+    for event in delivered:
+        if _told_by_row(event) and event["task_id"] in ends:
+            assert event["at"] <= ends[event["task_id"]], event
 
 
 def _told_by_row(event: dict[str, Any]) -> bool:

@@ -433,6 +433,40 @@ class TestThreadAgents:
         assert result.metadata.counts == {"succeeded": 2, "failed": 1, "skipped": 0, "cancelled": 0}
         assert orch.agents_status()[0]["in_flight"] == 0
 
+    async def test_an_agent_that_starts_its_own_thread_keeps_its_slot_with_keep_slot(self) -> None:
+        """`ctx.keep_slot()`: a plain async agent whose work runs in a thread of its own (which
+        the attempt's timeout abandons, not stops) holds its slot until the thread ends, as the
+        ready-made thread agents do."""
+        threads = Threads()
+
+        @agent(kinds=["work"], name="worker", concurrency=1)
+        async def worker(task: Task, ctx: Context) -> int:
+            release = ctx.keep_slot()
+
+            def run() -> int:
+                try:
+                    return threads.work(task)
+                finally:
+                    release()
+
+            return await asyncio.to_thread(run)
+
+        orch = Orchestrator(
+            agents=[worker], timeouts={"attempt": 0.05}, retry=RetryPolicy(max_attempts=1)
+        )
+        async with orch:
+            runner = asyncio.ensure_future(orch.run(tasks=tasks_of(3)))
+            await anyio.sleep(0.3)  # t0 timed out long ago; its thread still runs
+            assert threads.started == [0]
+            assert orch.agents_status()[0]["in_flight"] == 1
+            threads.release.set()
+            with anyio.fail_after(5):
+                result = await runner
+            await wait_until(lambda: orch.agents_status()[0]["in_flight"] == 0)
+        assert threads.peak == 1
+        assert sorted(threads.started) == [0, 1, 2]
+        assert result.metadata.counts == {"succeeded": 2, "failed": 1, "skipped": 0, "cancelled": 0}
+
     async def test_a_thread_abandoned_by_a_cancelled_run_holds_the_next_run(self) -> None:
         threads = Threads()
         worker = agent(

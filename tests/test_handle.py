@@ -396,16 +396,21 @@ class TestCancel:
         assert second.cancelled == [running]
         assert result.metadata.counts["succeeded"] == 3
 
+    @pytest.mark.parametrize("durable", [False, True], ids=["memory", "sqlite"])
     async def test_by_agent_it_cancels_the_tasks_waiting_for_room_at_that_agent(
-        self, make: Callable[..., Orchestrator]
+        self, make: Callable[..., Orchestrator], tmp_path: Path, durable: bool
     ) -> None:
+        # Was: on SQLite, the ready tasks its coordinator set aside for lack of room at the agent
+        # (claimable by a worker, in no lane) did not match, and ran after the cancel.
         slow, other = Sleeper("slow", ("slow",)), Sleeper("other", ("other",))
         slow.concurrency = 1
-        async with make(agents=[slow, other], concurrency=4) as orch:
+        store = {"store": SQLiteStore(tmp_path / "runs.db")} if durable else {}
+        async with make(agents=[slow, other], concurrency=4, **store) as orch:
             handle = orch.start(tasks=work(4, seconds=2, kind="slow") + work(1, kind="other"))
             await anyio.sleep(0.5)
             (held,) = [a for a in handle.status().agents if a.name == "slow"]
-            assert (held.in_flight, held.waiting) == (1, 3)  # the status says: waiting for it
+            if not durable:  # (a durable run sets them aside, ready, for a worker: not "waiting")
+                assert (held.in_flight, held.waiting) == (1, 3)  # the status: waiting for it
             cancellation = handle.cancel(agent="slow")
             result = await handle
         assert set(cancellation.cancelled) == {"s0", "s1", "s2", "s3"}
@@ -416,6 +421,37 @@ class TestCancel:
             "skipped": 0,
             "cancelled": 4,
         }
+
+    @pytest.mark.parametrize("durable", [False, True], ids=["memory", "sqlite"])
+    @pytest.mark.parametrize("fallbacks", [False, True], ids=["only-agent", "chain-head"])
+    async def test_by_agent_it_cancels_the_ready_tasks_that_go_to_that_agent_first(
+        self, make: Callable[..., Orchestrator], tmp_path: Path, durable: bool, fallbacks: bool
+    ) -> None:
+        """The run's limit is full (one slot, taken by an "other" task): the "slow" tasks are ready,
+        claimed by no runner and in no lane. Those whose kind goes to "slow" first (its only
+        agent, or the head of its fallback chain) are cancelled by `agent="slow"`, on every store;
+        a task of a kind that other agents serve as well is not."""
+        slow = Sleeper("slow", ("slow",))
+        other = Sleeper("other", ("other", "shared"))
+        both = Sleeper("both", ("shared",))
+        spare = Sleeper("spare", ("slow",))
+        store = {"store": SQLiteStore(tmp_path / "runs.db")} if durable else {}
+        agents = [slow, other, both, *([spare] if fallbacks else [])]
+        chains = {"fallbacks": {"slow": ["slow", "spare"]}} if fallbacks else {}
+        tasks = [
+            Task("other", 2, id="o0"),
+            *work(3, seconds=1, kind="slow"),
+            Task("shared", 1, id="x0"),
+        ]
+        async with make(agents=agents, concurrency=1, **store, **chains) as orch:
+            handle = orch.start(tasks=tasks)
+            await anyio.sleep(0.5)
+            assert other.ids() == ["o0"]
+            cancellation = handle.cancel(agent="slow")
+            result = await handle
+        assert set(cancellation.cancelled) == {"s0", "s1", "s2"}
+        assert slow.ids() == spare.ids() == []
+        assert result.metadata.counts["succeeded"] == 2  # "o0", and "x0" that two agents serve
 
     async def test_cancel_is_idempotent(self, make: Callable[..., Orchestrator]) -> None:
         async with make() as orch:

@@ -74,12 +74,15 @@ async def write_tick(
     lease: Lease,
     *,
     pause: float = 0.0,
+    stop: float = 0.0,
     then: BaseException | None = None,
 ) -> None:
     """A coordinator's write (a ``tick`` event) in a fenced transaction: after `pause` seconds
-    in it, and raising `then` after the write when given."""
+    in it (or `stop` seconds of the whole process, its loop blocked: as if stopped), and raising
+    `then` after the write when given."""
     async with fenced(conn, lease):
         await anyio.sleep(pause)
+        time.sleep(stop)
         await conn.execute(
             "INSERT INTO orchestra.events (run_id, event, agent) VALUES ($1, 'tick', $2)",
             lease.run_id, lease.owner,
@@ -250,6 +253,60 @@ class TestFencedWrites:
         with anyio.fail_after(5):
             assert await take_over(other, "r", owner="c2", lease=30, poll=0.05) is not None
         assert await ticks(other, "r", "c1") == 0
+
+
+class TestFencedWritesOfAProcessStoppedPastTheIdleLimit:
+    """The whole process stopped inside a fenced write (SIGSTOP, a frozen VM: its loop does not
+    run, as under `time.sleep`) past the idle limit (a third of the lease): the server ends the
+    session, and what the process does next fails as a lost connection."""
+
+    async def test_its_next_statement_fails_with_the_lost_connection_not_the_rollbacks_error(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        lease = await acquire(conn, "r", owner="c1", lease=0.3)
+        assert lease is not None
+        with pytest.raises(asyncpg.ConnectionDoesNotExistError, match="idle-in-transaction"):
+            await write_tick(conn, lease, stop=0.6)
+        assert conn.is_closed()
+
+    async def test_a_commit_after_the_servers_goodbye_is_retried_by_the_store_on_a_new_session(
+        self, pg_dsn: str, other: asyncpg.Connection
+    ) -> None:
+        from orchestra.stores._postgres._database import Database
+
+        failed: list[BaseException] = []
+
+        async def write(c: asyncpg.Connection) -> None:
+            lease = await take_over(c, "r", owner="c1", lease=0.3, poll=0.05)
+            try:
+                async with fenced(c, lease):
+                    await c.execute(
+                        "INSERT INTO orchestra.events (run_id, event, agent) "
+                        "VALUES ('r', 'tick', 'c1')"
+                    )
+                    if not failed:
+                        time.sleep(0.6)  # stopped, the write done, the commit not sent
+                        # Woken: the loop reads the server's goodbye (asyncpg's protocol then
+                        # waits for the rest of an error) before it sees the socket closed, and
+                        # the commit meets that state: "cannot switch to state 15; another
+                        # operation (2) is in progress", asyncpg's InternalClientError.
+                        await asyncio.sleep(0)
+                        await asyncio.sleep(0)
+            except BaseException as exc:
+                failed.append(exc)
+                raise
+
+        database = Database(pg_dsn)
+        try:
+            await database.run(write)
+        finally:
+            await anyio.to_thread.run_sync(database.close)
+        assert len(failed) == 1
+        assert isinstance(
+            failed[0],
+            asyncpg.InternalClientError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError,
+        ), repr(failed[0])
+        assert await ticks(other, "r", "c1") == 1  # written once, on the second session
 
 
 class TestLeaseKeeper:

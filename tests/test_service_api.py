@@ -4,6 +4,7 @@ tokens and roles of every route, and bad input answered with a 4xx JSON body, ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -13,11 +14,12 @@ import anyio.lowlevel
 import pytest
 
 from orchestra import InputError
+from orchestra._service._tokens import TokenInfo, Tokens, Verified
 from orchestra.stores import SQLiteStore
 from tests.service_kit import Api, serving
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
 
@@ -142,6 +144,63 @@ class TestReadingRuns:
         one = await api.client.get(f"/api/runs/{run_id}", headers=api.auth("read"))
         assert one.json() == run
 
+    async def test_lists_the_newest_runs_first_a_page_at_a_time(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        import sqlite3
+
+        # Seven runs, three of them created at the same instant: a page ends between two of them.
+        with contextlib.closing(sqlite3.connect(tmp_path / "service.db")) as conn, conn:
+            conn.executemany(
+                "INSERT INTO runs (id, created, updated, state) VALUES (?, ?, ?, ?)",
+                [(f"r{i}", 1000.0 + min(i, 4), 1000.0, "closed" if i % 2 else "open")
+                 for i in range(7)],
+            )  # fmt: skip
+        newest_first = ["r6", "r5", "r4", "r3", "r2", "r1", "r0"]
+        seen: list[str] = []
+        cursor: str | None = None
+        for _ in range(4):
+            params: dict[str, Any] = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+            page = (await api.client.get("/api/runs", params=params, headers=api.auth())).json()
+            seen += [r["id"] for r in page["runs"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == newest_first
+        everything = (await api.client.get("/api/runs", headers=api.auth())).json()
+        assert [r["id"] for r in everything["runs"]] == newest_first
+        assert everything["next_cursor"] is None
+        last = await api.client.get(
+            "/api/runs", params={"limit": 6, "cursor": "r6"}, headers=api.auth()
+        )
+        assert ([r["id"] for r in last.json()["runs"]], last.json()["next_cursor"]) == (
+            newest_first[1:],
+            None,
+        )
+        closed = await api.client.get(
+            "/api/runs", params={"state": "closed", "limit": 2}, headers=api.auth()
+        )
+        assert [r["id"] for r in closed.json()["runs"]] == ["r5", "r3"]
+        after = await api.client.get(
+            "/api/runs",
+            params={"state": "closed", "cursor": closed.json()["next_cursor"]},
+            headers=api.auth(),
+        )
+        assert [r["id"] for r in after.json()["runs"]] == ["r1"]
+
+    async def test_a_page_of_runs_refuses_an_unknown_cursor_and_a_limit_out_of_range(
+        self, api: Api
+    ) -> None:
+        unknown = await api.client.get("/api/runs", params={"cursor": "nope"}, headers=api.auth())
+        assert unknown.status_code == 400
+        assert unknown.json()["field"] == "cursor"
+        assert "nope" in unknown.json()["message"]
+        for limit in (0, 501):
+            answer = await api.client.get("/api/runs", params={"limit": limit}, headers=api.auth())
+            assert answer.status_code == 422
+        state = await api.client.get("/api/runs", params={"state": "gone"}, headers=api.auth())
+        assert state.status_code == 422
+
     async def test_lists_a_run_another_process_wrote_to_the_file(
         self, api: Api, tmp_path: Path
     ) -> None:
@@ -198,6 +257,7 @@ class TestReadingRuns:
         task = (await api.client.get(f"/api/runs/{run_id}/tasks/b", headers=api.auth())).json()
         assert task["state"] == "failed"
         assert task["attempts"] == 1
+        assert task["agent"] == "fail"  # its last attempt's, though its end names none
         assert next(e["event"] for e in task["events"]) == "admitted"
         assert task["events"][-1]["event"] == "failed"
         missing = await api.client.get(f"/api/runs/{run_id}/tasks/zz", headers=api.auth())
@@ -227,6 +287,7 @@ class TestDeadLetters:
         letters = (await api.client.get("/api/runs/dl/dead-letters", headers=api.auth())).json()
         assert [(d["task_id"], d["error_type"]) for d in letters] == [("b", "PermanentError")]
         assert letters[0]["attempts_list"][0]["agent"] == "fail"
+        assert letters[0]["agent"] == "fail"  # the agent of its last attempt
         assert letters[0]["payload"] == "b"  # the task's payload, as JSON
         retried = await api.client.post(
             "/api/runs/dl/dead-letters/retry", json={"task_ids": ["b"]}, headers=api.auth("control")
@@ -445,11 +506,40 @@ class TestAuth:
         admin = await ask(api.auth("admin"))
         assert admin.status_code not in (401, 403)
 
-    async def test_a_revoked_token_is_refused_at_its_next_request(self, api: Api) -> None:
-        assert (await api.client.get("/api/runs", headers=api.auth("read"))).status_code == 200
-        api.service.tokens.revoke("test-read")
-        answer = await api.client.get("/api/runs", headers=api.auth("read"))
-        assert answer.status_code == 401
+    async def test_a_revoked_token_is_refused_once_its_time_to_live_passed(
+        self, tmp_path: Path
+    ) -> None:
+        store = SQLiteStore(tmp_path / "ttl.db")
+        try:
+            async with serving(store, app_token_ttl=0.05) as api:
+                assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+                api.service.tokens.revoke("test-admin")
+                await anyio.sleep(0.06)
+                answer = await api.client.get("/api/runs", headers=api.auth())
+                assert answer.status_code == 401
+        finally:
+            store.close()
+
+    async def test_a_token_found_live_is_trusted_for_its_time_to_live(self, api: Api) -> None:
+        assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+        api.service.tokens.revoke("test-admin")
+        # Within the default time to live (seconds): the database is not asked again.
+        assert (await api.client.get("/api/runs", headers=api.auth())).status_code == 200
+
+    async def test_a_token_time_to_live_out_of_range_is_a_config_error(
+        self, tmp_path: Path
+    ) -> None:
+        from orchestra import ConfigError
+        from orchestra.service import create_app
+        from tests.service_kit import orchestrator
+
+        store = SQLiteStore(tmp_path / "bad.db")
+        try:
+            for ttl in (-1, 3600, float("nan")):
+                with pytest.raises(ConfigError, match="token_ttl"):
+                    create_app(orchestrator(store, [], anyio.Event()), token_ttl=ttl)
+        finally:
+            store.close()
 
     async def test_a_token_given_by_hand_is_kept_once_with_its_role(self, api: Api) -> None:
         text = "w" * 40
@@ -508,6 +598,99 @@ _BAD: list[tuple[str, str, Any, int, str]] = [
     ("POST", "/tasks", {"kind": "echo", "id": "a b"}, 400, "id"),
     ("POST", "/tasks", {"kind": 3}, 422, "kind"),
 ]
+
+
+class _CountedTokens(Tokens):
+    """The store's tokens, counting the database reads of `find`."""
+
+    reads = 0
+
+    async def find(self, token: str) -> TokenInfo | None:
+        self.reads += 1
+        return await super().find(token)
+
+
+class TestVerifiedTokens:
+    """The service's map of the tokens the database found live (`Verified`), on a fake clock."""
+
+    @pytest.fixture
+    def tokens(self, tmp_path: Path) -> Iterator[_CountedTokens]:
+        store = SQLiteStore(tmp_path / "tokens.db")
+        try:
+            yield _CountedTokens(store)
+        finally:
+            store.close()
+
+    async def test_a_live_token_is_read_from_the_database_once_a_time_to_live(
+        self, tokens: _CountedTokens
+    ) -> None:
+        now = [100.0]
+        verified = Verified(tokens, ttl=2.0, clock=lambda: now[0])
+        text, info = tokens.create("worker", "w")
+        for _ in range(3):
+            assert await verified.find(text) == info
+        assert tokens.reads == 1
+        now[0] += 2.0
+        assert await verified.find(text) == info
+        assert tokens.reads == 2
+
+    async def test_a_revoked_token_is_trusted_until_its_entry_expires_then_refused(
+        self, tokens: _CountedTokens
+    ) -> None:
+        now = [100.0]
+        verified = Verified(tokens, ttl=2.0, clock=lambda: now[0])
+        text, _ = tokens.create("worker", "w")
+        assert await verified.find(text) is not None
+        tokens.revoke("w")
+        now[0] += 1.999
+        found = await verified.find(text)
+        assert found is not None
+        assert found.revoked is None  # the entry, not the database
+        now[0] += 0.001
+        found = await verified.find(text)
+        assert found is not None
+        assert found.revoked is not None  # read again: refused (`TokenInfo.allows`)
+        assert not found.allows("worker")
+
+    async def test_an_unknown_or_revoked_token_is_never_kept(self, tokens: _CountedTokens) -> None:
+        verified = Verified(tokens, ttl=60.0, clock=lambda: 0.0)
+        text, _ = tokens.create("read", "r")
+        tokens.revoke("r")
+        for _ in range(2):
+            assert await verified.find("orch_" + "x" * 43) is None
+            found = await verified.find(text)
+            assert found is not None
+            assert found.revoked is not None
+        assert tokens.reads == 4
+        made = "y" * 40
+        assert await verified.find(made) is None
+        tokens.ensure(made, "read", "late")  # known from now on: the miss was not kept
+        assert await verified.find(made) is not None
+
+    async def test_no_more_than_its_size_are_kept_the_oldest_going_first(
+        self, tokens: _CountedTokens
+    ) -> None:
+        verified = Verified(tokens, ttl=60.0, size=2, clock=lambda: 0.0)
+        texts = [tokens.create("read", f"r{i}")[0] for i in range(3)]
+        for text in texts:
+            await verified.find(text)
+        assert tokens.reads == 3
+        await verified.find(texts[2])
+        await verified.find(texts[1])
+        assert tokens.reads == 3
+        await verified.find(texts[0])  # dropped for the third
+        assert tokens.reads == 4
+
+    def test_no_time_to_live_keeps_nothing(self, tokens: _CountedTokens) -> None:
+        text, _ = tokens.create("read", "r")
+        verified = Verified(tokens, ttl=0, clock=lambda: 0.0)
+
+        async def twice() -> None:
+            await verified.find(text)
+            await verified.find(text)
+
+        anyio.run(twice)
+        assert tokens.reads == 2
 
 
 class TestBadInput:

@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
@@ -359,7 +360,10 @@ class TestSigningIn:
             dash.release(3)
             await dash.handle(run_id)
         data = [r for r in requests if "/api/" in r.url]
-        assert {r.url.rsplit("/", 1)[-1] for r in data} >= {"runs", "status", "events"}
+        paths = [urlsplit(r.url) for r in data]
+        assert {p.path.rsplit("/", 1)[-1] for p in paths} >= {"runs", "status", "events"}
+        # The runs list reads the newest page only.
+        assert {p.query for p in paths if p.path == "/api/runs"} >= {"limit=50"}
         for request in data:
             assert await request.header_value("authorization") == f"Bearer {token}"
         assert not any(token in r.url for r in requests)
@@ -374,6 +378,30 @@ class TestSigningIn:
             await expect(page.locator("#login-error")).to_contain_text("not known")
             assert await page.locator("#app").is_hidden()
             assert await page.evaluate("sessionStorage.getItem('orchestra.token')") is None
+
+
+class TestTheRunsList:
+    async def test_shows_the_newest_page_of_runs_newest_first(
+        self, tmp_path: Path, page: Page
+    ) -> None:
+        import sqlite3
+
+        async with dashboard(tmp_path, page) as dash:
+            with contextlib.closing(sqlite3.connect(tmp_path / "dashboard.db")) as conn, conn:
+                conn.executemany(
+                    "INSERT INTO runs (id, created, updated, state) VALUES (?, ?, ?, 'closed')",
+                    [(f"old{i:02}", 1000.0 + i, 1000.0 + i) for i in range(60)],
+                )
+            run_id = await dash.submit(_steps(1))  # the newest (a run of this service's)
+            dash.release(1)
+            await dash.handle(run_id)
+            await _open(page, dash)
+            rows = page.locator("#runs tbody tr")
+            await expect(rows).to_have_count(50, timeout=SHOWN)
+            assert await rows.first.get_attribute("data-run") == run_id
+            assert await rows.nth(1).get_attribute("data-run") == "old59"
+            assert await rows.last.get_attribute("data-run") == "old11"
+            await expect(page.locator("#runs-more")).to_have_text("the newest 50 runs")
 
 
 class TestALiveRun:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -75,7 +76,7 @@ class TestTheStream:
             )
         *events, end = got
         assert end[0] == "end"
-        assert end[2] == {"run_id": run_id}
+        assert end[2] == {"run_id": run_id, "state": "closed", "status": "failed"}
         journal = await anyio.to_thread.run_sync(api.service.store.events, run_id)
         delivered = [data for _, _, data in events]
         assert sorted(map(_identity, delivered)) == sorted(map(_identity, journal))
@@ -108,6 +109,27 @@ class TestTheStream:
         later = await anyio.to_thread.run_sync(lambda: store.events(run_id, since=mid))
         assert later == [e for e in journal if e["at"] >= mid]
         assert 0 < len(later) < len(journal)
+
+    async def test_a_silent_stream_sends_keep_alive_comments(
+        self, api: Api, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from orchestra._service import _events
+
+        monkeypatch.setattr(_events, "KEEPALIVE", 0.3)
+        run_id = await api.submit({"tasks": [{"kind": "wait", "id": "a"}]})
+        lines: list[str] = []
+        async with (
+            server(api.app) as url,
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream("GET", f"{url}/api/runs/{run_id}/events", headers=api.auth()) as s,
+        ):
+            with anyio.fail_after(10):
+                async for line in s.aiter_lines():
+                    lines.append(line)
+                    if line == ": ping":
+                        break
+            api.gate.set()
+        assert any(line.startswith("data: ") for line in lines)  # a's admission came first
 
     async def test_an_unknown_run_is_a_404_before_any_stream(self, api: Api) -> None:
         async with server(api.app) as url, httpx.AsyncClient() as client:
@@ -206,3 +228,79 @@ class TestTheCursor:
 
         positions = [decode(i) for i in ids]
         assert positions == sorted(positions)
+
+
+class TestTheEnd:
+    async def test_a_stopped_run_ends_its_stream_and_its_resumption_streams_on_after_it(
+        self, api: Api
+    ) -> None:
+        body: dict[str, Any] = {"tasks": [{"kind": "echo", "id": "a"}, {"kind": "wait", "id": "b"}]}
+        run_id = await api.submit(body)
+        events = f"/api/runs/{run_id}/events"
+        async with server(api.app) as url:
+            got: list[tuple[str | None, str | None, Any]] = []
+
+            async def read() -> None:
+                got.extend(await _read(f"{url}{events}", api.auth("read")))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                with anyio.fail_after(10):
+                    while "b" not in api.calls:
+                        await anyio.sleep(0.01)
+                answer = await api.client.post(
+                    f"/api/runs/{run_id}/stop", json={"grace": 0}, headers=api.auth("control")
+                )
+                assert answer.status_code == 200
+                with anyio.fail_after(10):  # the stream ends: nobody runs the run any more
+                    while not got:
+                        await anyio.sleep(0.01)
+            *first, end = got
+            assert end[0] == "end"
+            assert end[2] == {"run_id": run_id, "state": "stopped", "status": "cancelled"}
+            record = await api.client.get(f"/api/runs/{run_id}", headers=api.auth("read"))
+            assert record.json()["state"] == "open"  # resumable
+
+            api.gate.set()
+            assert await api.submit({**body, "run_id": run_id}) == run_id  # resumed
+            await api.handle(run_id)
+            rest = await _read(
+                f"{url}{events}", {**api.auth("read"), "Last-Event-ID": str(first[-1][1])}
+            )
+        *second, end = rest
+        assert end[2] == {"run_id": run_id, "state": "closed", "status": "success"}
+        told = [key_of(d) for _, _, d in first] + [key_of(d) for _, _, d in second]
+        assert len(told) == len(set(told))  # nothing twice
+        journal = await anyio.to_thread.run_sync(api.service.store.events, run_id)
+        assert {key_of(e) for e in journal} <= set(told)  # nothing missed
+        assert ("b", "succeeded") in {(d["task_id"], d["event"]) for _, _, d in second}
+
+
+class TestTheHorizonOnSQLite:
+    async def test_what_is_dated_before_it_is_in_the_file_and_an_idle_run_is_told_at_once(
+        self, api: Api
+    ) -> None:
+        """The service's own run tells where its writer stands: every event dated before the
+        horizon is in the file when the horizon is asked (sampled while the run goes, each
+        sample against the whole journal afterwards); once the run waits with nothing left to
+        write, the horizon is now, past every event (no settle window)."""
+        store = api.service.store
+        tasks = [{"kind": "echo", "id": f"e{n}"} for n in range(2000)]
+        run_id = await api.submit({"tasks": [*tasks, {"kind": "wait", "id": "w"}]})
+        run = store.open_runs[run_id]
+        samples: list[tuple[float, float, set[Any]]] = []
+        with anyio.fail_after(30):
+            while True:
+                horizon, now = run.horizon(), time.time()
+                journal = await anyio.to_thread.run_sync(store.events, run_id)
+                keys = {key_of(e) for e in journal}
+                samples.append((horizon, now, keys))
+                if ("w", "started") in {(k[5], k[4]) for k in keys} and horizon > max(keys)[0]:
+                    break  # the run waits for w: its last window is written, and nothing since
+        api.gate.set()
+        await api.handle(run_id)
+        journal = [key_of(e) for e in await anyio.to_thread.run_sync(store.events, run_id)]
+        for horizon, _, seen in samples:
+            assert {k for k in journal if k[0] < horizon} <= seen
+        # While the run went, the horizon held back what was happening and not written yet.
+        assert any(any(h <= k[0] < now for k in journal) for h, now, _ in samples)

@@ -7,6 +7,7 @@ file is served by one process: a second `serve` on it is refused, saying why."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import anyio
 import httpx
 import pytest
 
+from orchestra._service._replicas import POLL
 from orchestra._service._tokens import Tokens
 from tests.helpers import spawn
 from tests.service_kit import free_port, told_in_order
@@ -132,7 +134,8 @@ async def _events(url: str, run_id: str, auth: dict[str, str]) -> list[dict[str,
         assert stream.status_code == 200
         data = [json.loads(line[6:]) async for line in stream.aiter_lines()
                 if line.startswith("data: ")]  # fmt: skip
-    assert data[-1] == {"run_id": run_id}  # the end
+    assert data[-1]["run_id"] == run_id  # the end
+    assert data[-1]["state"] == "closed"
     return data[:-1]
 
 
@@ -155,6 +158,49 @@ async def _held_by(store: PostgresStore, run_id: str, replica: Replica) -> bool:
     """Whether `replica` holds the run now (its coordinator's lease)."""
     run = await anyio.to_thread.run_sync(store.run_info, run_id)
     return bool(run and run["held"] and str(run["owner"]).startswith(replica.prefix))
+
+
+@contextlib.asynccontextmanager
+async def _connected(dsn: str) -> AsyncIterator[Any]:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def _lease_of(conn: Any, run_id: str, replica: Replica) -> float:
+    """When the lease of `replica` on the run expires (the database's clock, epoch seconds), and
+    within `LEASE` of now: it holds the run."""
+    row = await conn.fetchrow(
+        "SELECT owner, extract(epoch FROM expires)::float8 AS expires, "
+        "extract(epoch FROM now())::float8 AS now FROM orchestra.runs WHERE id = $1",
+        run_id,
+    )
+    assert row is not None
+    assert str(row["owner"]).startswith(replica.prefix)
+    assert row["expires"] <= row["now"] + LEASE
+    return float(row["expires"])
+
+
+async def _taken_over_at(dsn: str, run_id: str, replica: Replica) -> float:
+    """When `replica`'s coordinator took the run over (the database's clock, epoch seconds)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        at = await conn.fetchval(
+            "SELECT extract(epoch FROM min(at))::float8 FROM orchestra.events "
+            "WHERE run_id = $1 AND event = 'coordinator' AND starts_with(agent, $2)",
+            run_id,
+            replica.prefix,
+        )
+    finally:
+        await conn.close()
+    assert at is not None, "no take-over in the journal"
+    return float(at)
 
 
 async def _states(dsn: str, run_id: str) -> dict[str, str]:
@@ -281,9 +327,11 @@ class TestTakeOver:
             await _until(
                 lambda: anyio.to_thread.run_sync(lambda: len(_noted(executions)) >= TASKS // 4)
             )
-            a.process.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            await anyio.to_thread.run_sync(a.process.wait)
+            # (connected before: the lease is read at once, long before it can lapse)
+            async with _connected(pg_dsn) as conn:
+                a.process.send_signal(signal.SIGKILL)
+                await anyio.to_thread.run_sync(a.process.wait)
+                lapses = await _lease_of(conn, "survives", a)  # A renews it no more
             before = await _states(pg_dsn, "survives")
             done_before = {t for t, state in before.items() if state == "succeeded"}
             assert 0 < len(done_before) < TASKS
@@ -294,8 +342,11 @@ class TestTakeOver:
 
             tg.start_soon(ask)
             await _until(partial(_held_by, store, "survives", b), within=LEASE + 10)
-            took = time.monotonic() - killed
-            assert took <= LEASE + 1.0, f"taken over {took:.2f} s after the kill"
+            # Taken over once A's lease lapsed, never before, and within a look of B's (every
+            # `POLL`) after it, on the database's clock: what B did, not how soon this test,
+            # polling on a loaded machine, saw it. A's lease lapses within `LEASE` of the kill.
+            taken = await _taken_over_at(pg_dsn, "survives", b)
+            assert lapses < taken <= lapses + POLL + 1.0, f"taken {taken - lapses:.2f} s late"
 
             result = await _result(on_b, "survives")
         assert asked[0].status_code == 200, asked[0].text

@@ -542,6 +542,7 @@ class TestInOneProcess:
         (the failed attempt written as it fails, fenced), then spawns two tasks and succeeds; the
         coordinator admits the spawns, names them, and the run ends with every output."""
         from orchestra import Context, Orchestrator, RetryableError, RetryPolicy, Task, agent
+        from orchestra._core._orchestrator import LocalRuns
         from orchestra.stores._http._worker import ServiceBackend
         from orchestra.stores._worker import Worker
 
@@ -572,7 +573,7 @@ class TestInOneProcess:
             ):
                 with anyio.fail_after(30):
                     await until(lambda: "b0" in api.calls)
-                    worker = Worker(orch, rb, "r", None, rb.poll)
+                    worker = Worker(LocalRuns(orch), rb, "r", None, rb.poll)
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(worker.run)
                         await until(lambda: worker.report.completed >= 3)
@@ -635,3 +636,25 @@ class TestSeveralAddresses:
         )  # fmt: skip
         assert answer.returncode == 2
         assert "'ftp://elsewhere'" in answer.stderr
+
+
+class TestTheWire:
+    def test_a_failed_attempt_crosses_with_every_field_of_the_results_attempt_record(
+        self,
+    ) -> None:
+        from pydantic import ValidationError
+
+        from orchestra.result import AttemptRecord
+        from orchestra.stores._http._wire import FailedAttempt
+
+        record = AttemptRecord(
+            number=2, agent="claude", error_type="RateLimitError", message="slow down",
+            started=1.5, duration=0.25, retry_in=3.0, traceback="Traceback ...",
+            status_code=429, api_error_type="rate_limit_error", request_id="req_1",
+        )  # fmt: skip
+        wire = FailedAttempt.model_validate_json(record.model_dump_json())
+        assert wire.model_dump() == record.model_dump()
+        with pytest.raises(ValidationError, match="number"):
+            FailedAttempt.model_validate({**record.model_dump(), "number": 0})
+        with pytest.raises(ValidationError, match="extra"):
+            FailedAttempt.model_validate({**record.model_dump(), "retries": 1})

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from orchestra import (
+    BreakerPolicy,
     ConfigError,
     Context,
     Orchestrator,
@@ -41,6 +42,7 @@ from orchestra import (
 )
 from orchestra._admission import Admission
 from orchestra._cli._app import app
+from orchestra._core._orchestrator import LocalRuns
 from orchestra.stores import MemoryStore, SQLiteStore
 from orchestra.stores._protocol import Selector
 from orchestra.stores._sqlite._leases import Claimed
@@ -440,7 +442,9 @@ class TestInOneProcess:
         through `settle`); claimed again later, it must be a new task there, not one already
         admitted (it would never run, its lease renewed forever)."""
         orch = Orchestrator(agents=[recorder("there", [])])
-        worker = Worker(orch, backend_of(SQLiteStore(tmp_path / "runs.db")), "r", None, 0.1)
+        worker = Worker(
+            LocalRuns(orch), backend_of(SQLiteStore(tmp_path / "runs.db")), "r", None, 0.1
+        )
         claimed = Claimed(("r", "t", 1, 1, "work", "3", 0, None, 0, None, 0, None, None, None))
         worker.held["t"] = claimed
         heard: list[str] = []
@@ -467,8 +471,11 @@ class TestInOneProcess:
             def hold(self, held: bool) -> None:
                 pass
 
-            def room(self, kind: str) -> int:
+            def room(self, kind: str, *, hold: bool = True) -> int:
                 return 1 << 30  # no agent of its own to fill: no limit
+
+            def stalled(self, longer_than: float) -> list[str]:
+                return []
 
         run = WorkerStore(worker).open_run(
             "local",
@@ -894,6 +901,9 @@ class TestCrashes:
             await until(lambda: len(ran(calls)) == 300, 30)  # it did them all, unsettled
             done = rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'")[0][0]
             assert done > 0  # completed while no coordinator ran: to be settled on resume
+            # Not ended yet, as the journal tells it: its end is the one the coordinator settles.
+            told = {e["event"] for e in SQLiteStore(db).events("r")}
+            assert "done" not in told
             result, _ = await coordinate(db, [Task("work", i) for i in range(300)])
         finally:
             wait_all([worker])
@@ -902,6 +912,10 @@ class TestCrashes:
         assert len(ran(calls)) == 300  # nothing ran twice: every completion was kept
         assert result.metadata.resumed > 0
         assert rows(db, "SELECT count(*) FROM tasks WHERE state = 'done'") == [(0,)]
+        ends = collections.Counter(
+            e["task_id"] for e in SQLiteStore(db).events("r") if e["event"] == "succeeded"
+        )
+        assert len(ends) == 300 and set(ends.values()) == {1}
 
 
 @pytest.mark.subprocess
@@ -1395,6 +1409,95 @@ class TestClaimsFitTheRoom:
         by = collections.Counter(name for name, _ in calls)
         assert sum(by.values()) == 20
         assert by["here"] <= 2, by  # the one it ran at once, and the one that waited for it
+
+
+class TestAWorkerHoldsNoTaskToWait:
+    """A worker holds only what its agents can start now: a task it would hold while its agent
+    waits (for a rate to refill, for its breaker's probe) stays in the file, or goes back there
+    within a heartbeat, for a worker that can run it (the coordinator is paused: nothing runs
+    there)."""
+
+    async def test_out_of_rate_it_claims_nothing_and_the_worker_with_room_runs_the_rest(
+        self, tmp_path: Path
+    ) -> None:
+        """Its agent may call once a minute: after that call it would have held one more task
+        for the minute; the run ends long before."""
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+
+        @agent(kinds=["work"], name="rated", limits=[Rate(1, per=60.0)])
+        async def rated(task: Task, ctx: Context) -> Any:
+            calls.append(("rated", task.id))
+            return task.payload * 2
+
+        coordinator = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        slow = Orchestrator(agents=[rated], store=SQLiteStore(db))
+        helper = Orchestrator(
+            agents=[recorder("there", calls, 0.01)], store=SQLiteStore(db), concurrency=4
+        )
+        async with coordinator, slow, helper, anyio.create_task_group() as tg:
+            handle = coordinator.start(tasks=[Task("work", i) for i in range(20)], run_id="r")
+            handle.pause()
+            tg.start_soon(slow.work, None)
+            await until(lambda: bool(calls))  # its one call of the minute
+            await anyio.sleep(0.3)  # (claims it would make meanwhile: a poll is 0.1 s)
+            tg.start_soon(helper.work, None)
+            with anyio.fail_after(30):
+                result = await handle
+            tg.cancel_scope.cancel()
+        assert result.status == "success", result.errors
+        assert sorted(result.data.values()) == [2 * i for i in range(20)]
+        assert collections.Counter(name for name, _ in calls) == {"rated": 1, "there": 19}
+
+    async def test_its_agent_down_it_hands_back_what_waits_for_the_probe(
+        self, tmp_path: Path
+    ) -> None:
+        """Its agent refuses every connection: its breaker opens on the first tasks it runs, whose
+        retries then wait for a probe seconds away. It hands them back at its next heartbeat (every
+        0.5 s), their failed attempts counted, and the healthy worker runs them: none spends its
+        last attempt on the probes of an agent that is down."""
+        db = tmp_path / "runs.db"
+        calls: list[tuple[str, str]] = []
+
+        @agent(kinds=["work"], name="down", concurrency=4)
+        async def down(task: Task, ctx: Context) -> Any:
+            calls.append(("down", task.id))
+            raise ConnectionError("connection refused")
+
+        coordinator = Orchestrator(agents=[recorder("here", calls)], store=SQLiteStore(db))
+        failing = Orchestrator(
+            agents=[down],
+            store=SQLiteStore(db, lease=1.5),
+            retry=RetryPolicy(max_attempts=3, base=0.01, cap=0.01),
+            breaker=BreakerPolicy(min_calls=2, cooldown=5.0),
+        )
+        helper = Orchestrator(
+            agents=[recorder("there", calls, 0.01)], store=SQLiteStore(db), concurrency=4
+        )
+        reports = []
+
+        async def work(orch: Orchestrator) -> None:
+            reports.append(await orch.work(run_id="r"))  # until the run is over
+
+        with anyio.fail_after(30):
+            async with coordinator, failing, helper, anyio.create_task_group() as tg:
+                handle = coordinator.start(tasks=[Task("work", i) for i in range(20)], run_id="r")
+                handle.results()
+                handle.pause()
+                tg.start_soon(work, failing)
+                await until(lambda: len(calls) >= 2)  # two tasks failed: the breaker opened
+                tg.start_soon(work, helper)
+                result, ended = await finish(handle)
+        assert result.status == "success", result.errors
+        assert sorted(result.data.values()) == [2 * i for i in range(20)]
+        failed_on = collections.Counter(task_id for name, task_id in calls if name == "down")
+        assert len(failed_on) >= 2, calls
+        for task_id, failures in failed_on.items():  # their attempts there are counted
+            assert ended[task_id].attempts == failures + 1
+            assert [a.agent for a in ended[task_id].failures or ()] == ["down"] * failures
+        report = next(r for r in reports if r.passed_on)  # the failing worker's
+        assert report.completed == 0  # every task it held went back, the ones that failed too
+        assert report.passed_on >= len(failed_on)
 
 
 def holding(db: Path, owner: str | None) -> list[str]:

@@ -103,8 +103,11 @@ class Heard:
     def hold(self, held: bool) -> None:
         pass
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, *, hold: bool = True) -> int:
         return 1 << 30  # no agent of its own to fill: no limit
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return []
 
     def since(self, mark: int) -> list[tuple[str, str]]:
         return self.events[mark:]

@@ -27,6 +27,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from .._core._orchestrator import LocalRuns
 from .._exceptions import ConfigError, InputError, StoreError
 from .._extras import missing_extra
 from .._failure import describe, format_traceback, scrub, with_type
@@ -488,7 +489,8 @@ def worker(
         raise _fail(str(exc)) from None
     _stderr().print(
         f"worker {report.worker}: {report.claimed} claimed, {report.completed} completed, "
-        f"{report.refused} refused, {report.lost} lost, {report.released} handed back",
+        f"{report.refused} refused, {report.lost} lost, {report.released} handed back, "
+        f"{report.passed_on} passed on",
         markup=False,
     )
     raise typer.Exit(INTERRUPTED if interrupted else 0)
@@ -537,7 +539,7 @@ async def _work(
     loop = asyncio.get_running_loop()
     stopped = False
     async with orch, opened() as backend:
-        worker = Worker(orch, backend, run_id, kinds, backend.poll)
+        worker = Worker(LocalRuns(orch), backend, run_id, kinds, backend.poll)
         job = asyncio.ensure_future(worker.run())
         draining: asyncio.Task[None] | None = None
 

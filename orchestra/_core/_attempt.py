@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..stores._protocol import RunStore
     from ._recovery import Recovery
     from ._routing import Router
-    from ._run import Run
+    from ._runconfig import RunView
 
 __all__ = ("Attempts", "Owner")
 
@@ -97,7 +97,7 @@ class Attempts:
     )
 
     def __init__(
-        self, owner: Owner, run: Run, store: RunStore, router: Router, recovery: Recovery
+        self, owner: Owner, run: RunView, store: RunStore, router: Router, recovery: Recovery
     ) -> None:
         config = run.config
         self._owner = owner
@@ -502,7 +502,7 @@ class Attempts:
                 limiter.release(cost, now)
 
     def _thread_ended(self, slot: AgentSlot, cost: Cost | None, ctx: Context | None) -> None:
-        """An abandoned thread of `slot` ended (see `Context._keep_slot`): its slots free now, for
+        """An abandoned thread of `slot` ended (see `Context.keep_slot`): its slots free now, for
         whichever runs wait for them (this one may be over)."""
         self._release(slot, cost, ctx)
         capacity = self._capacity

@@ -53,6 +53,12 @@ class Context:
             first; empty on the first attempt.
     """
 
+    # The attempt's side (`_attempt.py`, and the runner's reuse of a context in `_dispatch.py`)
+    # reads and sets the underscored fields directly, on purpose: a context is built or reused
+    # for every attempt, and an accessor call per field there costs more than the budget of a
+    # no-op task's dispatch allows. They are `_spawned`, `_usage` (what the agent did: spawns,
+    # usage), `_reserved` (set when the attempt reserved on limits), `_judging` (set while its
+    # output is judged), `_threads` / `_on_end` (`keep_slot`'s count and what ends it).
     __slots__ = (
         "_judging",
         "_on_end",
@@ -81,7 +87,7 @@ class Context:
         self._record = record
         self._spawned: dict[str, Task] | None = None  # by id: checking a spawn is O(1)
         self._usage: dict[str, int] | None = None  # this attempt's, for the agent's limits
-        self._threads = 0  # threads of this attempt still running (see `_keep_slot`)
+        self._threads = 0  # threads of this attempt still running (see `keep_slot`)
         self._on_end: Callable[[], None] | None = None
         # What the attempt reserved before its call, and on which limiters (set by the
         # attempt when it reserved anything): `reserve` trues it up.
@@ -200,11 +206,13 @@ class Context:
         cost.clear()
         cost.update(new)
 
-    def _keep_slot(self) -> Callable[[], None]:
-        """Keep the agent's slot taken after this attempt ends, until the returned function is
-        called (from any thread): for work the loop abandoned but that still runs (a thread cannot
-        be interrupted by a timeout or a cancel), so that it keeps counting against the agent's
-        limit and the orchestrator's until it really ends."""
+    def keep_slot(self) -> Callable[[], None]:
+        """Keep this attempt's slots (the agent's, the orchestrator's, its limits') taken after
+        the attempt ends, until the returned function is called, once, from any thread: for
+        work the event loop cannot interrupt and may abandon on a timeout or a cancel (a thread
+        of the agent's own: ``asyncio.to_thread``), so that it keeps counting against the limits
+        until it really ends. Call it before that work starts and the function when it ends,
+        however it ends (a ``finally`` in the thread); the ready-made thread agents do."""
         self._threads += 1
         loop = asyncio.get_running_loop()
 
@@ -215,7 +223,7 @@ class Context:
         return release
 
     def _on_released(self, fn: Callable[[], None]) -> None:
-        """Call `fn` on the loop once every slot kept by `_keep_slot` is released."""
+        """Call `fn` on the loop once every slot kept by `keep_slot` is released."""
         self._on_end = fn
 
     def _released(self) -> None:

@@ -66,8 +66,14 @@ class Control:
         run = self._run
         store = run.store
         dispatcher = run.dispatcher
-        if selector.agent is not None:  # the tasks waiting for room at the agent are bound to it
-            selector = selector.holding(dispatcher.router.held_for(selector.agent))
+        if selector.agent is not None:
+            # The tasks waiting for room at the agent are bound to it: those in its lane, and the
+            # ready ones it is the first choice for, wherever they wait (the store's queue, or
+            # set aside by a durable store for a worker: which one depends on the run's limit
+            # and the store, never on what the user meant).
+            router = dispatcher.router
+            agent = selector.agent
+            selector = selector.holding(router.held_for(agent), router.leads(agent))
         ended = self.ending = []
         try:
             flagged = store.cancel(selector, reason, "Cancelled")

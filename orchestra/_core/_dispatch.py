@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..stores._protocol import RunStore
     from ._context import Context
     from ._report import Report
-    from ._run import Run
+    from ._runconfig import RunView
 
 __all__ = ("Dispatcher",)
 
@@ -54,7 +54,7 @@ UNBOUNDED = maxsize  # `room`: no bound
 class Dispatcher:
     """Runners, agent choice and the attempt loop of one run; the run's store holds the state."""
 
-    def __init__(self, run: Run, store: RunStore) -> None:
+    def __init__(self, run: RunView, store: RunStore) -> None:
         config = run.config
         self.config = config
         self.run = run
@@ -412,7 +412,7 @@ class Dispatcher:
 
     # -- room (a store that shares the run with other processes asks) ---------------------------
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, hold: bool = True) -> int:
         """How many more tasks of `kind` could start now: the free places of its agents and of
         its chain's, at most the global limit's free places, less the tasks waiting in their
         lanes and the kind's. An agent's free places: its own limit, or a shared `Concurrency`'s
@@ -423,7 +423,12 @@ class Dispatcher:
         of the kind is down (its breaker not closed), no bound (`UNBOUNDED`). O(agents of the
         kind + tasks waiting). Not on the in-memory path: only a store that shares the run with
         other processes asks (see `stores/_room.py`). None while the run is paused or held: what
-        it claimed would wait here while another process could run it."""
+        it claimed would wait here while another process could run it.
+
+        Without `hold` (a worker's claims: its claim loop looks again by itself, and what it
+        holds waits while another process may have room), none for a wait: none while the
+        limits have no room now, and while an agent is down, one for its probe if the probe may
+        go now and no task waits for it yet, else none."""
         if self.halted:
             return 0
         router = self.router
@@ -440,10 +445,15 @@ class Dispatcher:
             queued = router.queued(slot)
             waiting += queued
             if slot.breaker.state is not CLOSED:
-                # Down: its kind's tasks are claimed as they come and wait for its probe, each
-                # charged an attempt when the probe fails, so that an agent down for good fails
-                # them fast; set aside, they would wait uncharged, a few at a time.
-                return UNBOUNDED
+                if hold:
+                    # Down: its kind's tasks are claimed as they come and wait for its probe,
+                    # each charged an attempt when the probe fails, so that an agent down for
+                    # good fails them fast; set aside, they would wait uncharged, a few at a time.
+                    return UNBOUNDED
+                # A worker: the probe's task, when it may go now; the rest stay in the store.
+                if not queued and slot.breaker.available(self._time()):
+                    free += 1
+                continue
             places = slot.limit - slot.in_flight
             limiters = router.limiters(slot)
             under: Concurrency | None = None
@@ -459,7 +469,7 @@ class Dispatcher:
                         places = min(places, 1)
                     if limiter.peek(now, DEFAULT_COST) > 0:  # room at T (a rate, a pause)
                         # One task waits for it: its lane's timer or watcher wakes the run then.
-                        places = min(places, 0 if queued else 1)
+                        places = min(places, 0 if queued or not hold else 1)
             if places <= 0:
                 continue
             if under is None:

@@ -46,7 +46,8 @@ from ..stores._worker import Worker, WorkReport, backend_of
 from ._handle import ResultStream, RunHandle
 from ._instruments import Instrument, Instruments, has_hooks
 from ._lifecycle import Lifecycle
-from ._run import Run, RunConfig
+from ._run import Run
+from ._runconfig import RunConfig
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from ..stores._postgres._store import PostgresStore
     from ..stores._protocol import Store
 
-__all__ = ("Orchestrator",)
+__all__ = ("LocalRuns", "Orchestrator")
 
 log = get_logger("orchestra")
 
@@ -345,15 +346,6 @@ class Orchestrator:
         _check_run_id(run_id)
         return self._launch(input, tasks, run_id, self._config)
 
-    def _start_local(self, tasks: AsyncIterable[Task], run_id: str, store: Store) -> RunHandle:
-        """`start` on another store: a worker process's local run (`stores/_worker.Owner`)."""
-        config = copy.copy(self._config)
-        config.store = store
-        # Its results go to the shared store as they end; an aggregate of them would keep every
-        # output of a worker that runs for days (the coordinator's run builds the result).
-        config.aggregate = Discard()
-        return self._launch(None, tasks, run_id, config)
-
     def _launch(self, input: Any, tasks: Any, run_id: str | None, config: RunConfig) -> RunHandle:
         """`start` with `config`."""
         tg = self._lifecycle.tg
@@ -471,7 +463,7 @@ class Orchestrator:
         every = backend.poll if poll is None else poll
 
         def job() -> Awaitable[WorkReport]:
-            return Worker(self, backend, run_id, kinds, every).run()
+            return Worker(LocalRuns(self), backend, run_id, kinds, every).run()
 
         if self._lifecycle.in_async_with:
             return await job()
@@ -573,6 +565,35 @@ def _check_asyncio(what: str) -> None:
             "(asyncio.run(...), or anyio.run(..., backend='asyncio')); trio and other "
             "event loops are not supported"
         ) from None
+
+
+class LocalRuns:
+    """The orchestrator a worker works for, as the worker sees it (`stores._worker.Owner`): its
+    agents, its global limit, and its runs started on a store of the worker's (`WorkerStore`)
+    rather than its own. The orchestrator's own `start` always runs on its configured store."""
+
+    __slots__ = ("_orch",)
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self._orch = orch
+
+    @property
+    def registry(self) -> Registry:
+        return self._orch.registry
+
+    @property
+    def concurrency(self) -> int:
+        return self._orch.concurrency
+
+    def start(self, tasks: AsyncIterable[Task], run_id: str, store: Store) -> RunHandle:
+        """`Orchestrator.start` of `tasks` on `store`, with everything else of its configuration."""
+        orch = self._orch
+        config = copy.copy(orch._config)
+        config.store = store
+        # Its results go to the shared store as they end; an aggregate of them would keep every
+        # output of a worker that runs for days (the coordinator's run builds the result).
+        config.aggregate = Discard()
+        return orch._launch(None, tasks, run_id, config)
 
 
 def _check_store(store: Any) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ._instruments import Instruments
     from ._report import Report
     from ._routing import Router
-    from ._run import Run, RunConfig
+    from ._runconfig import RunConfig, RunView
 
 __all__ = ("Owner", "Recovery")
 
@@ -42,7 +42,7 @@ class Owner(Protocol):
     """What the recovery asks of its dispatcher: the run's parts, its clock and its timer."""
 
     run_id: str
-    run: Run
+    run: RunView
     config: RunConfig
     store: RunStore
     router: Router

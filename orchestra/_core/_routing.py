@@ -347,6 +347,48 @@ class Router:
             if record.token == token and record.state is CLAIMED
         ]
 
+    def stalled(self, longer_than: float) -> list[Record]:
+        """The claimed tasks waiting in a lane whose agent cannot take a task for more than
+        `longer_than` seconds: it is down (until its probe may go, or while a probe is out), or
+        its limits have no room until then (a rate refills, a Retry-After pause ends). Not
+        the ones waiting for a slot only: an attempt's end frees it. O(lanes + agents of the
+        kinds' lanes + the tasks returned)."""
+        now = self._now()
+        out: list[Record] = []
+        for lane in self._lanes.values():
+            if not lane.heap:
+                continue
+            slot = lane.slot
+            if slot is not None:
+                free_at = self._free_at(slot, now)
+            else:  # any agent of the kind may take it: the first one free
+                free_at = min(self._free_at(s, now) for s in self.kind_slots[lane.kind])  # type: ignore[index]
+            if free_at - now > longer_than:
+                out.extend(
+                    record
+                    for _, _, record, token in lane.heap
+                    if record.token == token and record.state is CLAIMED
+                )
+        return out
+
+    def _free_at(self, slot: AgentSlot, now: float) -> float:
+        """When `slot` may take a task, as far as its health and its limits' times say (`now`:
+        it may, or it waits for a slot only)."""
+        if not self.usable(slot, now):
+            return _recovers_at(slot, now)
+        at = now
+        for limiter in self.limiters(slot):
+            room = limiter.peek(now, DEFAULT_COST)
+            if at < room < math.inf:  # (math.inf: a slot, or a budget, that an end frees)
+                at = room
+        return at
+
+    def leads(self, agent: str) -> list[str]:
+        """The kinds whose tasks go to `agent` first: it is their only agent, or the head of their
+        fallback chain (for a cancel by agent: their ready tasks wait for it). O(kinds)."""
+        only = [kind for kind, slot in self.only.items() if slot.name == agent]
+        return only + [kind for kind, chain in self.chains.items() if chain[0] == agent]
+
     def lane(self, slot: AgentSlot | None, kind: str | None) -> Lane:
         key: Any = slot if slot is not None else kind
         lane = self._lanes.get(key)

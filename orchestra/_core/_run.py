@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -42,88 +42,15 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
     from .._aggregate import Accumulator
-    from .._budget import BudgetPolicy
-    from .._concurrency import Capacity
-    from .._events import EventBus
-    from .._faults import Faults
     from .._record import Record
-    from .._registry import Registry
     from .._result import RunResult
-    from .._retry import RetryPolicy, Timeouts
     from .._task import Task, TaskResult
-    from .._verify import Check
     from ..stores._protocol import RunStore
-    from ._instruments import Instruments
+    from ._runconfig import RunConfig
 
-__all__ = ("Run", "RunConfig")
+__all__ = ("Run",)
 
 log = get_logger("orchestra")
-
-
-class RunConfig:
-    """What a run takes from its orchestrator (built once per orchestrator)."""
-
-    __slots__ = (
-        "aggregate",
-        "budget",
-        "bus",
-        "capacity",
-        "defaults",
-        "faults",
-        "instruments",
-        "on_threshold_missed",
-        "registry",
-        "retry",
-        "retry_per_kind",
-        "safety",
-        "seed",
-        "store",
-        "success_threshold",
-        "timeouts",
-        "verify",
-        "window",
-    )
-
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        capacity: Capacity,
-        bus: EventBus,
-        store: Any,
-        retry: RetryPolicy,
-        retry_per_kind: Mapping[str, RetryPolicy],
-        timeouts: Timeouts,
-        defaults: Mapping[str, Any],
-        verify: Mapping[str, Check],
-        safety: Callable[[Task], Any] | None,
-        success_threshold: float,
-        window: int,
-        aggregate: Any,
-        seed: int | None,
-        on_threshold_missed: Callable[..., Any] | None,
-        faults: Faults,
-        instruments: Instruments | None = None,
-        budget: BudgetPolicy | None = None,
-    ) -> None:
-        self.registry = registry
-        self.instruments = instruments  # metrics and tracing hooks; None: none, nothing to call
-        self.budget = budget
-        self.faults = faults  # the simulated failures (the fault kit's): they hear how tasks end
-        self.capacity = capacity
-        self.bus = bus
-        self.store = store
-        self.retry = retry
-        self.retry_per_kind = retry_per_kind
-        self.timeouts = timeouts
-        self.defaults = defaults
-        self.verify = verify
-        self.safety = safety
-        self.success_threshold = success_threshold
-        self.window = window
-        self.aggregate = aggregate
-        self.seed = seed
-        self.on_threshold_missed = on_threshold_missed
 
 
 class Run:
@@ -189,8 +116,11 @@ class Run:
     def hold(self, held: bool) -> None:
         self.dispatcher.hold(held)
 
-    def room(self, kind: str) -> int:
-        return self.dispatcher.room(kind)
+    def room(self, kind: str, *, hold: bool = True) -> int:
+        return self.dispatcher.room(kind, hold)
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return [record.id for record in self.dispatcher.router.stalled(longer_than)]
 
     def finished(self, record: Record) -> None:
         status = record.status

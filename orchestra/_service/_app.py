@@ -28,6 +28,7 @@ from ._models import ErrorBody, Health
 from ._runs import router as runs_router
 from ._state import Service
 from ._tasks import router as tasks_router
+from ._tokens import TOKEN_TTL
 from ._work import router as work_router
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ def create_app(
     max_body: int = MAX_BODY,
     grace: float = 10.0,
     metrics: Any = None,
+    token_ttl: float = TOKEN_TTL,
 ) -> FastAPI:
     """The service's app over `orchestrator`, whose store must be durable.
 
@@ -62,6 +64,8 @@ def create_app(
         grace: at shutdown, seconds the live runs' running attempts may take to finish.
         metrics: what ``GET /metrics`` serves (``exposition() -> bytes``); by default the first
             of the orchestrator's instruments that has one (`PrometheusMetrics`).
+        token_ttl: seconds a token the database found live is trusted without asking the
+            database again (a revoked token is refused within this long; 0: every request asks).
     """
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
         raise ConfigError(f"max_body must be a positive number of bytes, got {max_body!r}")
@@ -70,7 +74,7 @@ def create_app(
             (i for i in orchestrator.instruments if callable(getattr(i, "exposition", None))),
             None,
         )
-    service = Service(orchestrator, grace=grace, metrics=metrics)
+    service = Service(orchestrator, grace=grace, metrics=metrics, token_ttl=token_ttl)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

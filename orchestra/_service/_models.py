@@ -135,7 +135,13 @@ class RunSummary(BaseModel):
 
 
 class RunList(BaseModel):
+    """A page of runs, newest first."""
+
     runs: list[RunSummary]
+    next_cursor: str | None = Field(
+        default=None,
+        description="give it as `cursor` for the next page (older runs); null: no more",
+    )
 
 
 class Control(BaseModel):
@@ -210,7 +216,10 @@ class TaskDetail(BaseModel):
     task_id: str
     state: str
     attempts: int
-    agent: str | None
+    agent: str | None = Field(
+        description="the agent of its last attempt (of its success, or the one it failed on); "
+        "null before its first"
+    )
     events: list[JournalEvent]
 
 

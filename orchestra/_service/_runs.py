@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from functools import partial
+from typing import Annotated, Any, Final, Literal
 
-from fastapi import APIRouter, Body, Depends, Header, Path, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
 
 from .._exceptions import InputError
 from .._result import RunResult
@@ -113,13 +114,41 @@ def _summary(run: dict[str, Any], service: Service) -> RunSummary:
     )
 
 
-@router.get("", response_model=RunList, dependencies=_read, responses=responses(401, 403))
-async def list_runs(service: ServiceDep) -> RunList:
-    """Every run in the store, oldest first: those started here, earlier, or by other
-    processes."""
-    runs = await service.read(service.store.runs)
+PAGE: Final = 50
+"""Runs a page of ``GET /api/runs`` holds unless `limit` says otherwise."""
+MAX_PAGE: Final = 500
+"""The most runs one page holds."""
+
+
+@router.get("", response_model=RunList, dependencies=_read, responses=responses(400, 401, 403))
+async def list_runs(
+    service: ServiceDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="runs in the page")] = PAGE,
+    cursor: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=200,
+            pattern=r"^[A-Za-z0-9._:-]+$",
+            description="the `next_cursor` of the page before (none: the newest runs)",
+        ),
+    ] = None,
+    state: Annotated[
+        Literal["open", "closed"] | None, Query(description="only the runs of this state")
+    ] = None,
+) -> RunList:
+    """The runs in the store, newest first, a page at a time: those started here, earlier, or
+    by other processes. `next_cursor` asks for the next (older) page; null on the last."""
+    # One run more than the page: whether there is a next page, without counting the runs.
+    runs = await service.read(
+        partial(service.store.latest_runs, limit + 1, after=cursor, state=state)
+    )
     service.prune()
-    return RunList(runs=[_summary(run, service) for run in runs])
+    page = runs[:limit]
+    return RunList(
+        runs=[_summary(run, service) for run in page],
+        next_cursor=page[-1]["id"] if len(runs) > limit else None,
+    )
 
 
 @router.get(
@@ -273,7 +302,9 @@ async def get_task(
     last = ended[-1] if ended else None
     state = last["event"] if last else ("running" if started else "waiting")
     attempts = max((e["attempt"] or 0 for e in events), default=0)
-    agent = (last or (started[-1] if started else {})).get("agent")
+    # The agent of its last attempt: a failed task's end names none (no agent gave its output),
+    # its attempts' starts and failures do.
+    agent = next((e["agent"] for e in reversed(events) if e["agent"] is not None), None)
     return TaskDetail(
         run_id=run_id,
         task_id=task_id,

@@ -28,7 +28,7 @@ from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
 from ._control import act
 from ._errors import Refused
-from ._tokens import Tokens
+from ._tokens import TOKEN_TTL, Tokens, Verified
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,9 +55,17 @@ class Service:
         grace: on shutdown, seconds the running attempts of live runs may take to finish.
         metrics: what `/metrics` serves (an object with ``exposition() -> bytes``, as
             `orchestra.metrics.PrometheusMetrics`), or None.
+        token_ttl: seconds a token the database found live is trusted without asking it again.
     """
 
-    def __init__(self, orchestrator: Orchestrator, *, grace: float, metrics: Any) -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        *,
+        grace: float,
+        metrics: Any,
+        token_ttl: float = TOKEN_TTL,
+    ) -> None:
         store = orchestrator.store
         if not isinstance(store, SQLiteStore) and not hasattr(store, "database"):
             raise ConfigError(
@@ -74,6 +82,7 @@ class Service:
 
             self.replicas = Replicas(self, cast("PostgresStore", store))
         self.tokens = Tokens(store)
+        self.verified = Verified(self.tokens, ttl=token_ttl)
         self.grace = grace
         self.metrics = metrics
         self.live: dict[str, RunHandle] = {}
@@ -122,15 +131,18 @@ class Service:
         lock = self._starting.setdefault(run_id, anyio.Lock())
         try:
             async with lock:
-                if self.handle(run_id) is not None:
+                here = self.handle(run_id)
+                if here is not None and not here.done:
                     return run_id, False
                 stored = await self.read(self.store.run_info, run_id)
-                if stored is not None and (
-                    stored.get("state") != "open" or holder(stored) is not None
+                if (stored is None and here is not None) or (
+                    stored is not None
+                    and (stored.get("state") != "open" or holder(stored) is not None)
                 ):
                     # A run the store holds: the same run, never a second one. One left open that
                     # no process runs (its process died, or a retry reopened tasks) is resumed
-                    # below with this input: what succeeded is not run again.
+                    # below with this input: what succeeded is not run again. So is one this
+                    # process stopped (its handle is done, the run left open).
                     return run_id, False
                 await self._start(tasks, input, run_id, key, paused)
                 return run_id, stored is None

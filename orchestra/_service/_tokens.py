@@ -10,7 +10,8 @@ of a hash matched.
 
 One table, ``tokens``, in the SQLite file (schema v5) or the PostgreSQL database (schema v4, in
 the schema ``orchestra``): every replica on one database knows the same tokens, and a revoked
-token is refused by all of them at its next request.
+token is refused by all of them within `TOKEN_TTL` seconds (each trusts a token the database found
+live that long: `Verified`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
-from .._exceptions import InputError
+from .._exceptions import ConfigError, InputError
 from ..stores import SQLiteStore
 
 if TYPE_CHECKING:
     import sqlite3
+    from collections.abc import Callable
 
     import asyncpg
 
-__all__ = ("ROLES", "Role", "TokenInfo", "Tokens", "digest")
+__all__ = ("ROLES", "TOKEN_TTL", "Role", "TokenInfo", "Tokens", "Verified", "digest")
 
 Role = Literal["submit", "read", "control", "worker", "admin"]
 ROLES: Final[tuple[str, ...]] = get_args(Role)
@@ -43,6 +46,10 @@ reprioritize, retry), work for them (HTTP workers), or all of it (admin)."""
 _GRANTS: Final[dict[str, tuple[str, ...]]] = {"control": ("control", "read"), "admin": ROLES}
 
 _PREFIX: Final = "orch_"  # what tells an orchestra token apart in a file or a log
+
+TOKEN_TTL: Final = 5.0
+"""Seconds a service process trusts a token the database found live without asking again: a
+revoked token is refused by every process within this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,3 +235,65 @@ class Tokens:
             return None
         info, kept = found
         return info if hmac.compare_digest(kept, hashed) else None
+
+
+class Verified:
+    """The tokens the database found live in the last `ttl` seconds, by their hash: a request
+    with one of them goes through without a database read (an HTTP worker sends a request for each
+    claim, heartbeat and completion). A token revoked meanwhile is refused once its entry expired,
+    so `ttl` bounds how long a revoked token still works. A token the database does not know, or
+    knows revoked, is never kept: it is asked about at each request.
+
+    Written by hand, not with cachetools' `TTLCache` (one more dependency, untyped): every entry
+    lives the same `ttl`, so the map's insertion order is its expiry order, and an `OrderedDict`
+    drops the expired entries from its front and the oldest past `size`, in a few lines.
+
+    Args:
+        tokens: the database's tokens, asked when a token is not kept here.
+        ttl: seconds an entry is trusted (0: never kept, every request reads the database).
+        size: the most tokens kept at once (the oldest goes first).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        tokens: Tokens,
+        *,
+        ttl: float = TOKEN_TTL,
+        size: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < 3600:
+            raise ConfigError(
+                f"token_ttl must be seconds from 0 (no cache) to under an hour, got {ttl!r}"
+            )
+        self.tokens = tokens
+        self.ttl = float(ttl)
+        self._size = size
+        self._clock = clock
+        # A token's hash -> when its entry expires (clock time), its record. Looked up by the hash,
+        # as the database is: what a lookup's time could tell of a hash is no step to a token.
+        self._kept: OrderedDict[str, tuple[float, TokenInfo]] = OrderedDict()
+
+    async def find(self, token: str) -> TokenInfo | None:
+        """The record of `token` (as `Tokens.find`), from the map while its entry is fresh."""
+        hashed = digest(token)
+        # The clock read before the database is: an entry expires `ttl` after a read that began
+        # before it, so it never outlives a revocation committed after that read by more than it.
+        now = self._clock()
+        kept = self._kept
+        while kept:
+            expires, _ = kept[next(iter(kept))]
+            if expires > now:
+                break
+            kept.popitem(last=False)
+        found = kept.get(hashed)
+        if found is not None and found[0] > now:
+            return found[1]
+        info = await self.tokens.find(token)
+        if info is not None and info.revoked is None and self.ttl > 0:
+            kept[hashed] = (now + self.ttl, info)
+            kept.move_to_end(hashed)
+            if len(kept) > self._size:
+                kept.popitem(last=False)
+        return info

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from .._task import READY
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
@@ -99,11 +101,20 @@ class Listener(Protocol):
         """The store's writes are behind the run (True: a durable store's writer thread): start
         no new attempt until it says they caught up (False). Attempts running go on."""
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, *, hold: bool = True) -> int:
         """How many more tasks of `kind` the run's agents could start now (their free places
         under their own limits and the global one, less the tasks already waiting for them). A
         store that shares the run with other processes claims no more than that: the rest stays
-        claimable by a process with room."""
+        claimable by a process with room. With `hold`, it also counts a task to hold while an
+        agent waits: for a rate to refill (one, when none waits yet) or for its breaker's probe
+        (no bound: they wait for it, charged an attempt when it fails); the coordinator's claims,
+        whose run such a task wakes. Without, only what can start now: a worker's, which looks
+        again by itself."""
+
+    def stalled(self, longer_than: float) -> list[str]:
+        """The ids of the claimed tasks that wait for their agent to recover or for its limits to
+        refill (a rate, a Retry-After pause) for more than `longer_than` seconds: a worker hands
+        them back to its shared store, for a process that can start them sooner."""
 
 
 class NoListener:
@@ -131,8 +142,11 @@ class NoListener:
     def hold(self, held: bool) -> None:
         pass
 
-    def room(self, kind: str) -> int:
+    def room(self, kind: str, *, hold: bool = True) -> int:
         return 1 << 30
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return []
 
 
 class Selector:
@@ -142,13 +156,19 @@ class Selector:
         task_ids: these ids.
         kind: tasks of this kind.
         tag: tasks carrying this tag.
-        agent: tasks whose current (or running) agent is this one, and the ids in `held`.
+        agent: tasks bound to this agent: running on it, its next attempt's (a retry, a
+            fallback: `target`), or, among those not bound yet, the ids in `held` and the ready
+            ones of the kinds in `leads`.
         priority: an inclusive range ``(low, high)`` of priorities.
         held: with `agent`, the claimed tasks waiting for room at that agent (in its lane): bound
             to it although it never ran them. The run fills it in (`Selector.holding`).
+        leads: with `agent`, the kinds whose tasks go to that agent first (its only agent, the
+            head of its fallback chain): a ready task of one, bound to no agent yet, waits for
+            room at it whether a runner has claimed it yet or not (or a durable store set it
+            aside for a worker), so it matches too. The run fills it in (`Selector.holding`).
     """
 
-    __slots__ = ("agent", "held", "kind", "priority", "tag", "task_ids")
+    __slots__ = ("agent", "held", "kind", "leads", "priority", "tag", "task_ids")
 
     def __init__(
         self,
@@ -159,6 +179,7 @@ class Selector:
         agent: str | None = None,
         priority: tuple[int, int] | None = None,
         held: Iterable[str] = (),
+        leads: Iterable[str] = (),
     ) -> None:
         self.task_ids = None if task_ids is None else frozenset(task_ids)
         self.kind = kind
@@ -166,9 +187,11 @@ class Selector:
         self.agent = agent
         self.priority = priority
         self.held = frozenset(held)
+        self.leads = frozenset(leads)
 
-    def holding(self, held: Iterable[str]) -> Selector:
-        """This selector, its `agent` also matching the tasks `held` for it."""
+    def holding(self, held: Iterable[str], leads: Iterable[str] = ()) -> Selector:
+        """This selector, its `agent` also matching the tasks `held` for it and the ready tasks
+        of the kinds it `leads`."""
         return Selector(
             task_ids=self.task_ids,
             kind=self.kind,
@@ -176,6 +199,7 @@ class Selector:
             agent=self.agent,
             priority=self.priority,
             held=held,
+            leads=leads,
         )
 
     def matches(self, record: StoredTask, running_agent: str | None = None) -> bool:
@@ -189,6 +213,7 @@ class Selector:
             self.agent is not None
             and self.agent not in (record.target, running_agent)
             and record.id not in self.held
+            and not (record.state == READY and record.target is None and record.kind in self.leads)
         ):
             return False
         if self.priority is not None:

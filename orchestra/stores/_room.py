@@ -25,8 +25,10 @@ is then, for each kind, ``room(kind) - taken(kind)``, where
 It is asked once per batch of claims, not per claim (`credit`): a room of n lets the next n
 claims of the kind through without asking again (at most `_CREDIT` of them).
 
-A worker process sizes its claims by the same room (`_worker.py` asks its local run, less the
-tasks it holds and has not started). A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
+A worker process sizes its claims by the same room less what a wait would hold (`_worker.py`
+asks its local run with ``hold=False``, less the tasks it holds and has not started): none for a
+rate with no room now, only a probe's task for a down agent; what a wait catches after its claim
+it hands back to the file at its next heartbeat (`Listener.stalled`). A store that shares nothing (the memory store) never asks: what its runners claim and cannot start
 waits in their lanes, at no cost.
 """
 

@@ -53,15 +53,15 @@ log = get_logger("orchestra")
 
 class Owner(Protocol):
     """What a worker asks of the orchestrator it works for (`Orchestrator.work`, `orchestra
-    worker`): its agents and its global limit, so that it claims no more than they can start, and
-    a run of its own whose tasks are kept in the worker's store (`WorkerStore`), not the
-    orchestrator's."""
+    worker`; the engine's `LocalRuns`): its agents and its global limit, so that it claims no more
+    than they can start, and a run of its own whose tasks are kept in the worker's store
+    (`WorkerStore`), not the orchestrator's."""
 
     @property
     def registry(self) -> Registry: ...
     @property
     def concurrency(self) -> int: ...
-    def _start_local(self, tasks: AsyncIterator[Task], run_id: str, store: Store) -> LocalRun: ...
+    def start(self, tasks: AsyncIterator[Task], run_id: str, store: Store) -> LocalRun: ...
 
 
 class LocalRun(Protocol):
@@ -151,6 +151,9 @@ class WorkReport:
             ended the task (a cancel, a deadline); the task's fate was decided elsewhere.
         lost: running tasks it cancelled because it no longer held their lease.
         released: claimed tasks it handed back unstarted when it stopped.
+        passed_on: claimed tasks it handed back while it went on, because their agent would
+            have kept them waiting (for its breaker's probe, for a rate to refill) while another
+            process might run them.
     """
 
     worker: str
@@ -159,6 +162,7 @@ class WorkReport:
     refused: int = 0
     lost: int = 0
     released: int = 0
+    passed_on: int = 0
 
 
 def backend_of(store: object) -> Backend:
@@ -251,6 +255,8 @@ class Worker:
         self.failed: list[tuple[Claim, Attempt]] = []
         self.noted: dict[str, int] = {}
         self.writing: list[tuple[Claim, TaskResult]] = []  # ended, being written
+        # Handed back while it waited: its local end (a cancel) is still to come out of the run.
+        self.passing: set[str] = set()
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -314,7 +320,7 @@ class Worker:
 
     async def _serve(self) -> None:
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
-        handle = self.orch._start_local(self._claims(), f"worker:{self.name}", WorkerStore(self))
+        handle = self.orch.start(self._claims(), f"worker:{self.name}", WorkerStore(self))
         self._handle = handle
         results = handle.results()
         try:
@@ -328,6 +334,11 @@ class Worker:
                             # The local run stopped (a KeyboardInterrupt in an agent, a drain):
                             # the task is handed back (`_leave`), not ended in the
                             # coordinator's run.
+                            continue
+                        if result.status is CANCELLED and result.task_id in self.passing:
+                            # Its local end as it was handed back (`_hand_back`): not an end of
+                            # the task, nor of a claim of it made since.
+                            self.passing.discard(result.task_id)
                             continue
                         if claimed is not None:
                             self.ended(claimed, result)
@@ -507,11 +518,43 @@ class Worker:
 
     # -- leases ----------------------------------------------------------------------------------
 
+    async def _hand_back(self, handle: LocalRun, longer_than: float) -> None:
+        """Hand back to the store the held tasks that wait here for their agent to recover or for
+        its limits to refill (a rate, a Retry-After pause) for more than `longer_than` seconds:
+        ready there again at once, for a process that can start them sooner, their attempts so
+        far counted. Claims already take only what can start now (`WorkerRun.room`); these are
+        what a wait caught after they were claimed (a pause another attempt's 429 set, a breaker
+        that opened under the worker's retries). Not claimed again here while the wait lasts:
+        the room has none for them until then."""
+        local = self.local
+        if local is None or not local.stalled(longer_than):
+            return
+        await self._write()  # their failed attempts first: the hand-back ends the lease
+        local = self.local
+        assert local is not None
+        ended = {claimed.id for claimed, _ in self.ends + self.writing}
+        ids = [i for i in local.stalled(longer_than) if i in self.held and i not in ended]
+        if not ids:
+            return
+        claims = [self.held.pop(i) for i in ids]
+        for i in ids:
+            self.noted.pop(i, None)
+            self.spawned.pop(i, None)
+        # Ended in the local run at once, unreported (`_serve` skips their ends).
+        self.passing.update(ids)
+        handle.cancel(task_id=ids)
+        with anyio.CancelScope(shield=True):
+            self.report.passed_on += await self.backend.release(self.name, claims)
+        log.info("tasks handed back: their agent waits", worker=self.name, task_ids=ids)
+        self._room.set()
+
     async def _beat(self, handle: LocalRun) -> None:
-        """Renew the leases every third of one; cancel the attempts of the tasks no longer held."""
+        """Renew the leases every third of one; cancel the attempts of the tasks no longer held;
+        hand back the ones that would still wait for their agent at the next renewal."""
         backend = self.backend
         while True:
             await anyio.sleep(backend.lease / 3)
+            await self._hand_back(handle, backend.lease / 3)
             lost_here = await backend.heartbeat(self.name, list(self.held.values()))
             ended = {claimed.id for claimed, _ in self.ends + self.writing}
             lost = [

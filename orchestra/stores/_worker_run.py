@@ -152,12 +152,18 @@ class WorkerRun:
         return self._memory.pending
 
     def room(self, kind: str, held: Iterable[str]) -> int:
-        """How many more tasks of `kind` the worker's agents could start now (`Listener.room`),
-        less the ones of `held` (the ids of the kind the worker holds) its run has not taken up
-        yet (not admitted, or ready: neither running nor waiting for an agent). O(held)."""
+        """How many more tasks of `kind` the worker's agents could start now (`Listener.room`,
+        none to hold for a wait: a rate's refill, a breaker's probe), less the ones of `held`
+        (the ids of the kind the worker holds) its run has not taken up yet (not admitted, or
+        ready: neither running nor waiting for an agent). O(held)."""
         state_of = self._memory.state_of
         unstarted = sum(state_of(i) in _UNSTARTED for i in held)
-        return self._listener.room(kind) - unstarted
+        return self._listener.room(kind, hold=False) - unstarted
+
+    def stalled(self, longer_than: float) -> list[str]:
+        """The ids of the tasks that wait for an agent to recover or for its limits to refill for
+        more than `longer_than` seconds (`Listener.stalled`)."""
+        return self._listener.stalled(longer_than)
 
     # -- what differs: admission of a claimed task -----------------------------------------------
 

@@ -91,7 +91,7 @@
   async function signIn(candidate) {
     token = candidate;
     try {
-      await api("/api/runs");
+      await api("/api/runs?limit=1");
     } catch (error) {
       if (error.status !== 401) signOut(error.message);
       return;
@@ -109,8 +109,8 @@
   // -- the runs list -----------------------------------------------------------------------------
 
   async function loadRuns() {
-    const { runs } = await api("/api/runs");
-    const newest = runs.slice(-RUNS_SHOWN).reverse();
+    // The newest page only: the service pages its runs newest first.
+    const { runs: newest, next_cursor: more } = await api(`/api/runs?limit=${RUNS_SHOWN}`);
     const body = $("runs").tBodies[0];
     body.replaceChildren(...newest.map((r) => {
       const link = el("a", r.id);
@@ -126,8 +126,8 @@
       }
       return row;
     }));
-    $("runs-more").textContent = runs.length > RUNS_SHOWN
-      ? `the newest ${RUNS_SHOWN} of ${fmt(runs.length)} runs` : (runs.length ? "" : "No runs yet.");
+    $("runs-more").textContent = more
+      ? `the newest ${RUNS_SHOWN} runs` : (newest.length ? "" : "No runs yet.");
     if (!location.hash && newest.length) {
       history.replaceState(null, "", `#run=${encodeURIComponent(newest[0].id)}`);
       route();

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..._result import AttemptRecord
+
 __all__ = (
     "MAX_BATCH",
     "MAX_WAIT",
@@ -147,20 +149,14 @@ class Heartbeat(BaseModel):
     lost: list[TaskRef] = Field(description="The tasks of `held` no longer held.")
 
 
-class FailedAttempt(_In):
-    """A failed attempt (`orchestra.Attempt`); `started` counts from the request's `wall0`."""
+class FailedAttempt(AttemptRecord):
+    """A failed attempt (`orchestra.Attempt`), with the fields of the result's `AttemptRecord`;
+    `started` counts from the request's `wall0`."""
+
+    # A misspelt field is refused, not ignored; a number is counted from 1.
+    model_config = ConfigDict(extra="forbid")
 
     number: int = Field(ge=1)
-    agent: str
-    error_type: str
-    message: str
-    started: float
-    duration: float
-    retry_in: float | None = None
-    traceback: str | None = None
-    status_code: int | None = None
-    api_error_type: str | None = None
-    request_id: str | None = None
 
 
 class Spawn(_In):

@@ -33,12 +33,13 @@ from . import _keys as keys
 from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
 from ._schema import version_of
+from ._sessions import PREFIX
 from ._settle import columns, lock_groups, make_ready, transaction
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ("dead", "events", "made", "retry", "run", "runs", "workers")
+__all__ = ("dead", "events", "horizon", "made", "retry", "run", "runs", "watch", "workers")
 
 # What can no longer succeed: a task waiting for one of these, or for a group with a member in
 # one of these, is skipped.
@@ -92,6 +93,53 @@ async def runs(conn: asyncpg.Connection) -> list[dict[str, Any]]:
         "ORDER BY run_id, state"
     ):
         counts[run_id][state] = n
+    for run in found:
+        run["counts"] = counts.get(run["id"], {})
+    return found
+
+
+_LATEST = f"""
+SELECT id, {_epoch("created")}, {_epoch("updated")}, state, opened, owner, token,
+    {_epoch("expires")}, input_closed, (owner IS NOT NULL AND expires > now()) AS held
+FROM orchestra.runs
+"""
+
+
+async def latest(
+    conn: asyncpg.Connection, limit: int, after: str | None, state: str | None
+) -> list[dict[str, Any]]:
+    """The newest runs first (by creation, then id), at most `limit`, as `runs` gives them: those
+    listed after the run `after` (the last of the page before: older than it), of `state` only
+    when given. Read along the ``runs_by_created`` index, and only their tasks counted."""
+    where: list[str] = []
+    args: list[Any] = [limit]
+    if after is not None:
+        row = await conn.fetchrow("SELECT created, id FROM orchestra.runs WHERE id = $1", after)
+        if row is None:
+            raise InputError(
+                f"no run {after!r} to list the runs after: give the cursor a page of runs "
+                "answered (its next_cursor), or none for the newest",
+                field="cursor",
+            )
+        args += [row["created"], row["id"]]
+        where.append(f"(created, id) < (${len(args) - 1}, ${len(args)})")
+    if state is not None:
+        args.append(state)
+        where.append(f"state = ${len(args)}")
+    found = _dicts(
+        await conn.fetch(
+            f"{_LATEST} {'WHERE ' + ' AND '.join(where) if where else ''} "
+            "ORDER BY created DESC, id DESC LIMIT $1",
+            *args,
+        )
+    )
+    counts: dict[str, dict[str, int]] = defaultdict(dict)
+    for run_id, task_state, n in await conn.fetch(
+        "SELECT run_id, state, count(*) FROM orchestra.tasks WHERE run_id = ANY ($1::text[]) "
+        "GROUP BY run_id, state ORDER BY run_id, state",
+        [run["id"] for run in found],
+    ):
+        counts[run_id][task_state] = n
     for run in found:
         run["counts"] = counts.get(run["id"], {})
     return found
@@ -233,32 +281,65 @@ ORDER BY at, rank, seq NULLS FIRST, task_id
 
 # The time before which the journal can gain no more event dated by the database (wall time, the
 # database's clock), for a reader that follows it (the service's event stream): a journal row is
-# dated by its transaction's start (`now()`), so a transaction still running, of any session
-# connected to this database, may yet commit rows dated from its start on, and none earlier. By
-# start, not by transaction id (the outbox's `xmin < pg_snapshot_xmin(...)`): an id is given at a
-# transaction's first write, so one that started earlier and wrote later gets an id above rows
-# already committed, and dates its rows before theirs. Sessions of other roles show no state
-# without `pg_read_all_stats`: while there is one, the answer is `settle` seconds behind now
-# instead, which exact it is not. Other backends (autovacuum, replication) write no journal.
+# dated by its transaction's start (`now()`), so a transaction still running may yet commit rows
+# dated from its start on, and none earlier. By start, not by transaction id (the outbox's
+# `xmin < pg_snapshot_xmin(...)`): an id is given at a transaction's first write, so one that
+# started earlier and wrote later gets an id above rows already committed, and dates its rows
+# before theirs.
+#
+# Only orchestra's own sessions write the journal, and each is named so (`_sessions.PREFIX`, over
+# any ``application_name`` the DSN gives): another application's transaction, or a psql session
+# left open in the same database, holds nobody back. Nor, for ever, does one of ours: a
+# transaction open longer than `bound` seconds (its process stopped, or a batch far longer than a
+# stream should wait for) is not waited for; while there is one the answer is the settle rule,
+# `settle` seconds behind now (and no later than the oldest other one), and what it commits comes
+# late (the reader's late path). Sessions of other roles show no state without
+# `pg_read_all_stats` (their name they show): while one of ours hides its state, the settle rule
+# too. Other backends (autovacuum, replication) write no journal.
 _HORIZON = """
+WITH s AS (
+    SELECT clock_timestamp() AS now, xact_start, state FROM pg_stat_activity
+    WHERE datname = current_database() AND backend_type = 'client backend'
+        AND pid <> pg_backend_pid() AND starts_with(application_name, $2)
+)
 SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
-    extract(epoch FROM min(xact_start) FILTER (WHERE xact_start IS NOT NULL))::float8 AS oldest,
-    coalesce(bool_or(state IS NULL), false) AS hidden
-FROM pg_stat_activity
-WHERE datname = current_database() AND backend_type = 'client backend'
-    AND pid <> pg_backend_pid()
+    extract(epoch FROM min(xact_start) FILTER (
+        WHERE xact_start > now - make_interval(secs => $1)))::float8 AS oldest,
+    coalesce(bool_or(state IS NULL OR xact_start <= now - make_interval(secs => $1)), false)
+        AS unknown
+FROM s
 """
 
 
-async def horizon(conn: asyncpg.Connection, settle: float) -> float:
+async def horizon(conn: asyncpg.Connection, settle: float, bound: float) -> float:
     """The journal's horizon (`_HORIZON`), a wall time: exact, or the database's now less
-    `settle` while it hides a session's state."""
-    row = await conn.fetchrow(_HORIZON)
+    `settle` while one of orchestra's sessions hides its state or has had a transaction open for
+    longer than `bound` seconds."""
+    row = await conn.fetchrow(_HORIZON, float(bound), PREFIX)
     assert row is not None
-    if row["hidden"]:
-        return float(row["now"]) - settle
-    oldest = row["oldest"]
-    return float(row["now"] if oldest is None else min(row["now"], oldest))
+    now, oldest = float(row["now"]), row["oldest"]
+    at = now - settle if row["unknown"] else now
+    return at if oldest is None else min(at, float(oldest))
+
+
+# The tasks of a run leased now (claimed, running), from `tasks_leased` (which holds the leased
+# rows only, few however large the run): what has started and not ended. A task's start is not
+# written when it is claimed (a write per task on the workers' hot path); a reader that follows
+# the journal tells it from here while the task runs, and its row says it once it ended.
+_LEASED = """
+SELECT id, attempts FROM orchestra.tasks
+WHERE lease_owner IS NOT NULL AND run_id = $1 AND lease_expires IS NOT NULL
+ORDER BY id
+"""
+
+
+async def watch(
+    conn: asyncpg.Connection, run_id: str, settle: float, bound: float
+) -> tuple[float, list[tuple[str, int]]]:
+    """What a reader that follows `run_id`'s journal asks before each read of it: the horizon
+    (`horizon`), then the run's tasks leased now, (id, attempt)."""
+    at = await horizon(conn, settle, bound)
+    return at, [(row[0], row[1]) for row in await conn.fetch(_LEASED, run_id)]
 
 
 async def events(
@@ -294,6 +375,10 @@ async def dead(conn: asyncpg.Connection, run_id: str) -> list[dict[str, Any]]:
         by_task[row["task_id"]].append(dict(row))
     for letter in letters:
         letter["attempts_list"] = by_task.get(letter["task_id"], [])
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on, as on SQLite.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return letters
 
 

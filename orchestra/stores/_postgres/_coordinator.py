@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from datetime import datetime
     from types import TracebackType
 
+    from asyncpg.transaction import Transaction
+
 
 __all__ = (
     "Lease",
@@ -204,7 +206,7 @@ async def fenced(conn: asyncpg.Connection, lease: Lease) -> AsyncIterator[asyncp
     try:
         held = await conn.fetchrow(_FENCE, lease.run_id, lease.owner, lease.token, idle)
     except BaseException:
-        await transaction.rollback()
+        await _roll_back(conn, transaction)
         raise
     if held is None:
         await transaction.rollback()
@@ -222,9 +224,26 @@ async def fenced(conn: asyncpg.Connection, lease: Lease) -> AsyncIterator[asyncp
         # Shielded: a cancelled block must still end its transaction, or the connection stays
         # inside it (and holds the run's row) until the server's idle limit ends the session.
         with anyio.CancelScope(shield=True):
-            await transaction.rollback()
+            await _roll_back(conn, transaction)
         raise
     await transaction.commit()
+
+
+async def _roll_back(conn: asyncpg.Connection, transaction: Transaction) -> None:
+    """Roll back the transaction of a block that failed. On a connection that is gone (the server
+    ended the session: its idle limit passed while this process was stopped), the rollback's own
+    error is dropped and the connection closed: the server rolled back as it ended the session,
+    and the caller must hear why the block failed (the connection lost, which it retries), not
+    that a rollback could not be sent on it (asyncpg's "the underlying connection is closed")."""
+    try:
+        await transaction.rollback()
+    except (
+        OSError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.InterfaceError,
+        asyncpg.InternalClientError,
+    ):
+        conn.terminate()
 
 
 class LeaseKeeper:

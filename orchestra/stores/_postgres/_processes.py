@@ -28,8 +28,9 @@ import anyio
 import asyncpg
 
 from ._background import Background
-from ._leases import MAX_LOST, TakenBack, connect, take_back_expired
+from ._leases import MAX_LOST, SERVER_SETTINGS, TakenBack, take_back_expired
 from ._listen import notify
+from ._sessions import application_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -37,6 +38,15 @@ if TYPE_CHECKING:
 
 
 __all__ = ("Presence", "Swept", "beat", "deregister", "live", "register", "sweep")
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    """A connection of this process's own, named as its pool's are (`_sessions`): its sweep
+    writes the journal (leases taken back), and the journal's readers wait only for the
+    transactions of sessions so named."""
+    settings = {**SERVER_SETTINGS, "application_name": application_name()}
+    return await asyncpg.connect(dsn, server_settings=settings)
+
 
 # `pg_try_advisory_xact_lock` key of the sweep: any constant, the same in every orchestra.
 _SWEEP_LOCK: Final = 0x6F72632D73776570  # "orc-swep"
@@ -172,7 +182,7 @@ class Presence:
         self._background = Background()
 
     async def __aenter__(self) -> Presence:
-        self._conn = await connect(self._dsn)
+        self._conn = await _connect(self._dsn)
         await self._register(self._conn)
         await self._background.start(self._beat_and_sweep)
         return self
@@ -221,7 +231,7 @@ class Presence:
 
     async def _beat_and_sweep_once(self) -> Swept | None:
         if self._conn is None or self._conn.is_closed():
-            self._conn = await connect(self._dsn)
+            self._conn = await _connect(self._dsn)
         conn = self._conn
         claimed, completed, refused = self.claimed, self.completed, self.refused
         alive = await beat(

@@ -191,8 +191,11 @@ class PostgresRun:
     def hold(self, held: bool) -> None:
         self._listener.hold(held)
 
-    def room(self, kind: str) -> int:
-        return self._listener.room(kind)
+    def room(self, kind: str, *, hold: bool = True) -> int:
+        return self._listener.room(kind, hold=hold)
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return self._listener.stalled(longer_than)
 
     # -- admission -------------------------------------------------------------------------------
 

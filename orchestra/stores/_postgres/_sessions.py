@@ -29,9 +29,13 @@ if TYPE_CHECKING:
 
     import asyncpg
 
-__all__ = ("application_name", "cut_off")
+__all__ = ("PREFIX", "application_name", "cut_off")
 
 _NAME_MAX: Final = 63  # PostgreSQL keeps this many bytes of an application_name
+PREFIX: Final = "orchestra "
+"""What the `application_name` of every orchestra session starts with: set by orchestra over any
+the DSN gives (`server_settings` win over the DSN's), so that a reader of `pg_stat_activity` tells
+orchestra's sessions from any other application's (the journal's horizon, `_admin.horizon`)."""
 
 
 def application_name() -> str:
@@ -40,7 +44,7 @@ def application_name() -> str:
 
 
 def _tag(process: str) -> str:
-    return f"orchestra {process}"[:_NAME_MAX]
+    return f"{PREFIX}{process}"[:_NAME_MAX]
 
 
 def _process_of(owner: str) -> str:

@@ -154,6 +154,19 @@ class PostgresStore:
         `held` while it runs, on the database's clock) and `input_closed`."""
         return self.database.call(admin.runs)  # type: ignore[no-any-return]
 
+    def latest_runs(
+        self, limit: int, *, after: str | None = None, state: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest runs of the database first, at most `limit`, as `runs` gives them: with
+        `after` (a run's id: the last of the page before), those listed after it; with `state`
+        (``open``, ``closed``), of that state only. A page costs the same however many runs the
+        database holds.
+
+        Raises:
+            InputError: `after` names no run of the database.
+        """
+        return self.database.call(admin.latest, limit, after, state)  # type: ignore[no-any-return]
+
     def run_info(self, run_id: str) -> dict[str, Any] | None:
         """One run of the database as `runs` gives it (its task counts by state, `held`), or
         None when it has no such run: for a reader that follows one run (the service's event
@@ -187,7 +200,8 @@ class PostgresStore:
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every failed attempt
-        (`attempts_list`, with its traceback); `InputError` if the database has no such run."""
+        (`attempts_list`, with its traceback) and the agent of the last (`agent`); `InputError`
+        if the database has no such run."""
         return self.database.call(admin.dead, run_id)  # type: ignore[no-any-return]
 
     def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:

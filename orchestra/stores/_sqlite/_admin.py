@@ -14,7 +14,7 @@ from ._schema import rollback
 if TYPE_CHECKING:
     import sqlite3
 
-__all__ = ("dead", "events", "retry", "run", "runs", "workers")
+__all__ = ("dead", "events", "latest", "retry", "run", "runs", "workers")
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
@@ -31,6 +31,41 @@ def runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             ).fetchall()
         )
     return runs
+
+
+def latest(
+    conn: sqlite3.Connection, limit: int, after: str | None, state: str | None
+) -> list[dict[str, Any]]:
+    """The newest runs first (by creation, then id), at most `limit`, as `runs` gives them: those
+    listed after the run `after` (the last of the page before: older than it), of `state` only
+    when given. Read along the ``runs_by_created`` index, whatever the number of runs."""
+    where, args = [], {"limit": limit, "state": state}
+    if after is not None:
+        row = conn.execute("SELECT created, id FROM runs WHERE id = ?", (after,)).fetchone()
+        if row is None:
+            raise InputError(
+                f"no run {after!r} to list the runs after: give the cursor a page of runs "
+                "answered (its next_cursor), or none for the newest",
+                field="cursor",
+            )
+        where.append("(created, id) < (:created, :id)")
+        args.update(created=row[0], id=row[1])
+    if state is not None:
+        where.append("state = :state")
+    found = _rows(
+        conn.execute(
+            f"SELECT * FROM runs {'WHERE ' + ' AND '.join(where) if where else ''} "
+            "ORDER BY created DESC, id DESC LIMIT :limit",
+            args,
+        )
+    )
+    for one in found:
+        one["counts"] = dict(
+            conn.execute(
+                "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (one["id"],)
+            ).fetchall()
+        )
+    return found
 
 
 def run(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
@@ -63,28 +98,41 @@ def workers(conn: sqlite3.Connection, now: float, lease: float) -> list[dict[str
 # file written before schema v2 has them as rows: they are not added twice. A task's end is dated
 # no earlier than its last journal row: two times of one instant are sums of different floats (an
 # attempt's end is its start plus its duration, its task's end a clock reading), and one unit in
-# the last place put a task's end before the failure that ended it.
+# the last place put a task's end before the failure that ended it. `since` is tested in each part
+# on what it dates by, so that a reader that follows the journal (the service's event stream, ten
+# times a second) pays the per-task lookups of the events table only for what is new: a task's last
+# event per task is read once (`l`), not looked up for every task (measured at 10,000 tasks: 9 ms
+# a read of the last 0.1 s against 12.5). A task a worker completed (``done``) has not ended yet:
+# its end is the one its coordinator settles (a success, or a failure it may retry elsewhere),
+# told once then.
 _JOURNAL = """
     SELECT seq, run_id, task_id, at, event, agent, attempt, detail FROM (
         SELECT NULL AS seq, run_id, id AS task_id, admitted AS at, 'admitted' AS event,
                NULL AS agent, NULL AS attempt, NULL AS detail, 0 AS rank
         FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task) AND admitted IS NOT NULL
+            AND (:since IS NULL OR admitted >= :since)
         UNION ALL
         SELECT seq, run_id, task_id, at, event, agent, attempt, detail,
                CASE event WHEN 'ready' THEN 1 WHEN 'started' THEN 2 ELSE 3 END
         FROM events WHERE run_id = :run AND (:task IS NULL OR task_id = :task)
+            AND (:since IS NULL OR at >= :since)
         UNION ALL
         SELECT NULL, run_id, id, started, 'started', agent, attempts, NULL, 2
         FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND started IS NOT NULL AND finished IS NOT NULL AND NOT EXISTS (
+            AND started IS NOT NULL AND finished IS NOT NULL
+            AND (:since IS NULL OR started >= :since) AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = 'started' AND e.attempt = t.attempts)
         UNION ALL
-        SELECT NULL, run_id, id, max(finished, coalesce((
-                   SELECT max(e.at) FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
-               ), finished)), state, agent, attempts, error, 4
-        FROM tasks t WHERE run_id = :run AND (:task IS NULL OR id = :task)
-            AND finished IS NOT NULL AND NOT EXISTS (
+        SELECT NULL, t.run_id, t.id, max(t.finished, coalesce(l.at, t.finished)), t.state,
+               t.agent, t.attempts, t.error, 4
+        FROM tasks t LEFT JOIN (
+                SELECT task_id, max(at) AS at FROM events WHERE run_id = :run GROUP BY task_id
+            ) AS l ON l.task_id = t.id
+        WHERE t.run_id = :run AND (:task IS NULL OR t.id = :task) AND t.finished IS NOT NULL
+            AND t.state != 'done'
+            AND (:since IS NULL OR t.finished >= :since OR l.at >= :since)
+            AND NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.run_id = t.run_id AND e.task_id = t.id
                 AND e.event = t.state AND e.attempt = t.attempts)
     ) WHERE :since IS NULL OR at >= :since ORDER BY at, rank, seq
@@ -213,4 +261,8 @@ def dead(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
                 (run_id, letter["task_id"]),
             )
         )
+        # A task that failed for good names no agent of its own (none gave it its output): the
+        # one its last attempt ran on.
+        if letter["agent"] is None and letter["attempts_list"]:
+            letter["agent"] = letter["attempts_list"][-1]["agent"]
     return dead

@@ -120,7 +120,16 @@ class SQLiteRun:
         # With worker processes (`_share`).
         self._sharing = Sharing(self, store, loop, memory, self._rows, admission.kinds, clock)
         self._window = Window(
-            run_id, self.name, store, loop, listener, memory, self._rows, self._keys, self._sharing
+            run_id,
+            self.name,
+            store,
+            loop,
+            listener,
+            memory,
+            self._rows,
+            self._keys,
+            self._sharing,
+            clock,
         )
         self._resume = Resume(run_id, admission, self._rows, (rows, attempts) if rows else None)
         self._room = Room(self, listener)  # claims sized by what the agents can start
@@ -145,6 +154,16 @@ class SQLiteRun:
     def closed(self) -> bool:
         """Its last window is written: nothing more of it is (`close`)."""
         return self._window.closed
+
+    def horizon(self) -> float | None:
+        """The wall time (as the journal dates it) before which the run's journal gains no more
+        event, for a reader in this process (the service's event stream): what this process
+        stamps and has not committed (`Window.horizon`). None while worker processes may serve
+        the run: they date what they write by their own clocks and commit it when they can.
+        Asked on the loop the run runs on."""
+        if self._sharing.active:
+            return None
+        return self._window.horizon() + self._rows.offset
 
     # -- the memory run's listener: what it readies and ends is written down ---------------------
 
@@ -184,8 +203,11 @@ class SQLiteRun:
     def hold(self, held: bool) -> None:
         self._listener.hold(held)
 
-    def room(self, kind: str) -> int:
-        return self._listener.room(kind)
+    def room(self, kind: str, *, hold: bool = True) -> int:
+        return self._listener.room(kind, hold=hold)
+
+    def stalled(self, longer_than: float) -> list[str]:
+        return self._listener.stalled(longer_than)
 
     def finished(self, record: Any) -> None:
         # Not a journal row: a task ends once, and its row says how (`state`, `finished`, `agent`,

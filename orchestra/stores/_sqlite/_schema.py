@@ -207,7 +207,13 @@ _V5 = (
     )""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
+_V6 = (
+    # The newest runs first, a page at a time (`SQLiteStore.latest_runs`, the service's
+    # ``GET /api/runs``): read along this index, not sorted from every run.
+    "CREATE INDEX runs_by_created ON runs (created, id)",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

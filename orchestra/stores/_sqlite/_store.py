@@ -143,6 +143,19 @@ class SQLiteStore:
         """Every run in the file, oldest first, with its task counts by state."""
         return self.call(admin.runs)  # type: ignore[no-any-return]
 
+    def latest_runs(
+        self, limit: int, *, after: str | None = None, state: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest runs of the file first, at most `limit`, as `runs` gives them: with
+        `after` (a run's id: the last of the page before), those listed after it; with `state`
+        (``open``, ``closed``), of that state only. A page costs the same however many runs the
+        file holds.
+
+        Raises:
+            InputError: `after` names no run of the file.
+        """
+        return self.call(admin.latest, limit, after, state)  # type: ignore[no-any-return]
+
     def run_info(self, run_id: str) -> dict[str, Any] | None:
         """One run of the file as `runs` gives it (its task counts by state), or None when the
         file has no such run: for a reader that follows one run (the service's event stream)."""
@@ -173,7 +186,8 @@ class SQLiteStore:
 
     def dead_letters(self, run_id: str) -> list[dict[str, Any]]:
         """The tasks of a run that failed for good, each with every attempt (`attempts_list`, with
-        its traceback); `InputError` if the file has no such run."""
+        its traceback) and the agent of the last (`agent`); `InputError` if the file has no such
+        run."""
         return self.call(admin.dead, run_id)  # type: ignore[no-any-return]
 
     def retry(self, run_id: str, task_ids: Iterable[str] | None = None) -> list[str]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..._clock import current_clock
@@ -40,6 +41,7 @@ from . import _writes as writes
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
     from concurrent.futures import Future
 
     from ..._record import Record
@@ -79,6 +81,7 @@ class Window:
         rows: Rows,
         keys: Keys,
         sharing: Sharing,
+        clock: Callable[[], float],
     ) -> None:
         self._run_id = run_id
         self._name = name  # the coordinator's, as the file knows it
@@ -95,6 +98,12 @@ class Window:
         self.attempts: list[tuple[str, Attempt]] = []  # (task id, a failed attempt)
         self.events: list[tuple[Any, ...]] = []  # (task id, loop time, event, agent, n, detail)
         self._writes: list[Future[Any]] = []
+        # For the journal's readers in this process (`horizon`): the loop time the window being
+        # gathered began at (every event it holds is dated from then on), and each window handed
+        # to the writer and not committed yet, with the time it began at, oldest first.
+        self._clock = clock
+        self._began = clock()
+        self._unwritten: deque[tuple[Future[Any], float]] = deque()
         # Backpressure: `_BEHIND` windows are with the writer; the next one, due meanwhile, waits
         # for it (`_deferred`); dispatch (`Listener.hold`) and admission (`backpressure`) go on
         # when one is committed (`_caught_up`).
@@ -149,7 +158,9 @@ class Window:
         beating = self._loop is not None and (
             sharing.active or now - self._beat_at >= self._beat_every
         )
-        if not (self.new or self.dirty or self.events or self.attempts or keys.claims or beating):
+        began, self._began = self._began, self._clock()  # (what comes from now on: the next one)
+        journal = bool(self.new or self.dirty or self.events or self.attempts)
+        if not (journal or keys.claims or beating):
             return None
         # Rows with the usual NULLs go through a statement that binds fewer parameters (`_LEAN`):
         # binding dominates an insert's cost (measured: 18 parameters 3.6 µs, 33 parameters 9.6).
@@ -230,6 +241,8 @@ class Window:
         )
         if keys.claims or sharing.active:
             self.arm()  # the next heartbeat, the next look at what workers did
+        if journal:
+            self._unwritten.append((write, began))
         write.add_done_callback(lambda done: self._written(done, results))
         self._writes = [w for w in self._writes if not w.done()]
         self._writes.append(write)
@@ -241,6 +254,22 @@ class Window:
                 self._real_work.enter_context(real_work())
             self._listener.hold(True)
         return write
+
+    def horizon(self) -> float:
+        """The loop time before which the run's journal gains no more event from this process:
+        the start of the oldest window not committed yet (its events are dated from then on), or
+        now when none is pending. Every event of the run is dated by the loop (its clock read as
+        it happens, on the loop, and put in the window being gathered at once), and the writer
+        commits windows in the order they were handed over; so what is dated before this is in
+        the file, and a reader that reads the file after asking sees it."""
+        unwritten = self._unwritten
+        while unwritten and unwritten[0][0].done():
+            unwritten.popleft()
+        if unwritten:
+            return unwritten[0][1]
+        if self.new or self.dirty or self.events or self.attempts:
+            return self._began
+        return self._clock()
 
     def backpressure(self) -> asyncio.Future[None] | None:
         """What admission waits for while the writer is `_BEHIND` windows behind (None: admit)."""
