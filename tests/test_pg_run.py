@@ -4,6 +4,7 @@ hears, checked against the database's rows."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import json
@@ -277,6 +278,34 @@ class TestAStreamedRunInBoundedMemory:
         assert result.metadata.counts["succeeded"] == n
         # The window's unfinished tasks, and the dead slots a sweep has not reached yet.
         assert kept[0] <= window + 2 * 64 + 50, f"{kept[0]} records of {n} tasks kept"
+
+
+class TestAWriterThatStopped:
+    async def test_holds_the_input_back_no_more(self, store: PostgresStore) -> None:
+        # Its batch failed with a full backlog (the coordinator's session cut off, say): the
+        # input waiting for it was woken, then found the same resolved wait at each look and
+        # spun on it for ever, the run never hearing of the failure.
+        from datetime import UTC, datetime
+
+        from orchestra._admission import Admission
+        from orchestra.stores._postgres._behind import BACKLOG, Behind
+        from orchestra.stores._postgres._coordinator import Lease
+
+        failed: list[BaseException] = []
+        behind = Behind(
+            store.database, "nobody", Lease("nobody", "me", 1, datetime.now(UTC), 30.0),
+            Admission(("work",), {}), asyncio.get_running_loop(), lambda done: None,
+            failed.append,
+        )  # fmt: skip
+        tasks = [Task("work", i, id=f"t{i}") for i in range(BACKLOG)]
+        behind.queue("admit", (tasks, "input item", False, 0, [], set()))
+        waiting = behind.backpressure()
+        assert waiting is not None
+        with anyio.fail_after(30):
+            await waiting  # the run "nobody" is not ours: the write is refused
+        assert failed
+        assert behind.backpressure() is None
+        behind.close()
 
 
 class TestResumeAfterKill:
