@@ -34,6 +34,7 @@ from orchestra._admission import Admission
 from orchestra._task import FAILED
 from orchestra.stores import SQLiteStore
 from orchestra.stores._postgres import _admin as admin
+from orchestra.stores._postgres import _keyed as keyed
 from orchestra.stores._postgres import _keys as keys
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
@@ -687,7 +688,7 @@ class TestRetryOfKeyedTasks:
             Task("work", 0, id="after", depends_on=["k"]),
         ]
         await admit(conn, "r", tasks, admission=admission())
-        await keys.admit_keys(conn, "r", [("K", "k")], owner="coordinator", lease=30)
+        await keyed.admit_keys(conn, "r", [("K", "k")], owner="coordinator", lease=30)
         await run_one(conn, "k", ends="failed")
         assert (await key_row(conn))[:2] == ("r", "failed")
 
@@ -695,7 +696,7 @@ class TestRetryOfKeyedTasks:
         """Run ``r2`` takes key ``K`` over for its task `k2`, which ends `ends` (None: runs on)."""
         assert await acquire(conn, "r2", owner="other", lease=30) is not None
         await admit(conn, "r2", [Task("work", 0, id="k2", key="K")], admission=admission())
-        answers = await keys.admit_keys(conn, "r2", [("K", "k2")], owner="other", lease=30)
+        answers = await keyed.admit_keys(conn, "r2", [("K", "k2")], owner="other", lease=30)
         assert isinstance(answers["k2"], keys.Mine)
         if ends is not None:
             await run_one(conn, "k2", ends=ends, run_id="r2")
@@ -731,7 +732,7 @@ class TestRetryOfKeyedTasks:
         assert row is not None
         assert tuple(row) == ("pending", 1)  # no worker claims it
         assert await ready(conn) == []
-        assert await keys.held_back(conn, "r") == [("K", "k")]
+        assert await keyed.held_back(conn, "r") == [("K", "k")]
 
 
 class TestRetryBesideACompletion:

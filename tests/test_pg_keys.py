@@ -26,6 +26,13 @@ from orchestra._admission import Admission
 from orchestra._task import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._keyed import (
+    admit_keys,
+    admit_spawned,
+    ask_again,
+    held_back,
+    spawn_answers,
+)
 from orchestra.stores._postgres._keys import (
     KEY_CHANNEL,
     RECENT,
@@ -34,18 +41,13 @@ from orchestra.stores._postgres._keys import (
     Mine,
     Stored,
     Waiting,
-    admit_keys,
-    admit_spawned,
     adopt,
-    ask_again,
     claim,
     finish,
-    held_back,
     release_run,
     renew,
     renew_run,
     signal_of,
-    spawn_answers,
 )
 from orchestra.stores._postgres._leases import (
     MAX_LOST,

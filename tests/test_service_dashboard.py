@@ -468,6 +468,19 @@ class TestALiveRun:
             assert result.status == "cancelled"
             await expect(page.locator("#run-state")).to_have_text("finished", timeout=SHOWN)
             assert await page.locator("#pause").is_disabled()
+            # Stopped, not closed: submitted again it resumes, and the page follows it live again.
+            dash.release(10)
+            async with httpx.AsyncClient(base_url=dash.url, timeout=60) as client:
+                again = await client.post(
+                    "/api/runs", json={**_steps(10), "run_id": run_id}, headers=dash.auth("submit")
+                )
+            assert again.json() == {"run_id": run_id, "created": False}  # the same run, resumed
+            await dash.handle(run_id)
+            await expect(page.locator("#progress-text")).to_contain_text(
+                "10 / 10 tasks ended", timeout=SHOWN
+            )
+            told = page.locator("#events td", has_text="succeeded")
+            await expect(told.first).to_be_visible(timeout=SHOWN)  # over the reopened stream
 
     async def test_cancel_removes_the_tasks_that_match_its_selector(
         self, tmp_path: Path, page: Page

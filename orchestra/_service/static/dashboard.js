@@ -152,7 +152,7 @@
     run = {
       id, stream: new AbortController(), events: [], lastEventId: null, drawing: false,
       reading: false, again: false, last: 0, soon: null, timer: null, over: false,
-      following: false, idle: null, status: null,
+      following: false, idle: null, status: null, stopped: false,
     };
     $("run-title").textContent = id;
     $("control-message").textContent = "";
@@ -213,6 +213,11 @@
       if (run !== watched) return;
       if (status) showStatus(status); else showSummary(summary);
       running(watched, status ? status.state !== "finished" : summary.held_by !== null);
+      if (watched.stopped && !watched.following) {
+        watched.stopped = false;
+        watched.stream = new AbortController();
+        follow(watched);
+      }
       showEvents(watched.events);
       $("connection").textContent = "";
     } catch (error) {
@@ -294,8 +299,16 @@
   function received(watched, name, text) {
     if (run !== watched) return;
     if (name === "end") {
-      watched.over = true;
-      clearInterval(watched.timer);
+      // A closed run is over. A stopped one may be resumed (and may even end before the next
+      // status read sees it run): its status is still read, and with each read its stream is
+      // asked again from its last id, which ends at once while the run stays stopped.
+      if (JSON.parse(text).state === "stopped") {
+        watched.stopped = true;
+        watched.stream.abort();
+      } else {
+        watched.over = true;
+        clearInterval(watched.timer);
+      }
       refreshSoon();
       loadRuns().catch(() => {});
       return;

@@ -29,7 +29,7 @@ import asyncpg
 
 from ..._exceptions import InputError, StoreError
 from ..._task import CANCELLED, FAILED, PENDING, SKIPPED, SUCCEEDED, TERMINAL
-from . import _keys as keys
+from . import _keyed as keyed
 from ._database import _CONNECT_TIMEOUT, explain
 from ._listen import notify
 from ._schema import version_of
@@ -465,7 +465,7 @@ async def retry(
     starts again. What waits for nothing is ready at once (the run's listeners notified).
 
     A reopened task with an idempotency key claims it again for the run, as its admission did
-    (`_keys.admit_keys`), under `lease` seconds, for the run's coordinator if one holds the run,
+    (`_keyed.admit_keys`), under `lease` seconds, for the run's coordinator if one holds the run,
     else for `owner` (the next coordinator adopts the run's holds): a key that succeeded since
     ends the task with that result, unexecuted; one another run holds keeps it back until that
     run is done with it."""
@@ -585,7 +585,7 @@ async def _retry(
         if key is not None and key not in live:
             wanted.setdefault(key, task_id)
     if wanted:
-        await keys.admit_keys(
+        await keyed.admit_keys(
             conn, run_id, list(wanted.items()), owner=run["owner"] or owner, lease=lease
         )
     ready = await make_ready(conn, run_id, [i for i, n in zip(ids, waiting, strict=True) if n == 0])

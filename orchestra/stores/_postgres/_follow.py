@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._keys import spawn_answers
+from ._keyed import spawn_answers
 from ._settle import columns, settle
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class Heard(NamedTuple):
     status_code, api_error_type, request_id); `spawned` rows (parent, id, kind, payload JSON,
     priority, depends_on, depends_on_tags, tags, key, timeout, critical, metadata JSON), each
     parent's in their order; `answers`, what the completions decided for the spawns' keys
-    (`_keys.spawn_answers`), by task id."""
+    (`_keyed.spawn_answers`), by task id."""
 
     ends: list[Any]
     failures: list[Any]

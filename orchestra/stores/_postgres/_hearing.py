@@ -6,7 +6,7 @@
   spawns taken in, with what the database decided for their keys), so that the run's report,
   events, results and aggregate see every end once.
 - **Keys another run holds** (`answered`, `keys_due`, `key_heard`): the database's answers for the
-  keys of the run's tasks, admitted or spawned (`_keys.admit_keys`, `ask_again`,
+  keys of the run's tasks, admitted or spawned (`_keyed.admit_keys`, `ask_again`,
   `spawn_answers`): a stored result ends the task in the mirror as the database ended it
   (unexecuted); a key held elsewhere is waited for, until its finish is heard on the keys'
   channel or its holder's lease runs out (`_keys.Waiting`), then asked for again.

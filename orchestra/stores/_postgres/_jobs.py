@@ -24,6 +24,7 @@ import asyncpg
 from ..._log import get_logger
 from . import _coordinator as coordinator
 from . import _follow as follow
+from . import _keyed as keyed
 from . import _keys as keys
 from . import _leases as leases
 from ._graph import admit_in
@@ -135,7 +136,7 @@ async def open_run(
     held: list[tuple[str, str]] = []
     if rows:  # the run's holds of keys are this coordinator's now; what waited, waits again
         await keys.adopt(conn, run_id, owner=owner, lease=lease)
-        held = await keys.held_back(conn, run_id)
+        held = await keyed.held_back(conn, run_id)
     return taken, rows, attempts, held
 
 
@@ -175,7 +176,7 @@ async def ask_again(
 ) -> dict[str, keys.Answer]:
     async def write() -> dict[str, keys.Answer]:
         async with coordinator.fenced(conn, lease):
-            return await keys.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+            return await keyed.ask_again(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
 
     return await again_on_deadlock(write)
 
@@ -253,7 +254,7 @@ async def apply(
                 if ok and any(t.key is not None for t in spawned.get(end.id, ()))
             ]  # fmt: skip
             if spawners:
-                answers.update(await keys.spawn_answers(conn, run_id, spawners))
+                answers.update(await keyed.spawn_answers(conn, run_id, spawners))
         elif kind == "note":
             await leases.note(conn, run_id, lease.owner, [op for _, op in group])
         else:  # "requeue"
@@ -310,7 +311,7 @@ async def fenced_op(
         )
         if wanted:  # in the admission's transaction: no keyed task is claimed before its key
             answers.update(
-                await keys.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
+                await keyed.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)
             )
         return bool(ready)
     if what == "decide":

@@ -19,7 +19,7 @@ which settles what it ends in the same transaction (`_graph`):
 - **Complete** / **fail**: written only while the caller holds the lease under the same token; a
   write refused (the task was re-leased, taken back or ended meanwhile) changes nothing but the
   journal, which says so (a ``refused`` event). A completion admits the attempt's spawns (their
-  idempotency keys decided across runs: `_keys.admit_spawned`), ends its tasks and settles them
+  idempotency keys decided across runs: `_keyed.admit_spawned`), ends its tasks and settles them
   (dependents made ready or skipped, groups counted, the run's channel notified) in one
   transaction: no coordinator takes part.
 - **Release**: a claimed task the caller will not run goes back to ready at once, its attempt not
@@ -48,7 +48,8 @@ import asyncpg
 
 from .._protocol import KEEP
 from ._graph import admit_in
-from ._keys import admit_spawned, finish_tasks
+from ._keyed import admit_spawned
+from ._keys import finish_tasks
 from ._listen import ENDED, channel_of
 from ._sessions import cut_off
 from ._settle import QUEUE_STEP, settle, transaction
@@ -342,7 +343,7 @@ async def complete(
     whether it was written; a refused one is in the journal (its spawns and attempts dropped).
     The idempotency key of a task that ended (or was skipped) takes its end while the task's run
     holds the key (`_keys.finish_tasks`), announced to the key's waiters. With `key_lease`, a
-    spawn's key is decided across runs with its admission (`_keys.admit_spawned`, held for
+    spawn's key is decided across runs with its admission (`_keyed.admit_spawned`, held for
     `key_lease` seconds): the spawn runs, ends with a stored result, or is held back while another
     run holds the key (without, it is decided within the run only, as `_graph.admit` decides).
 

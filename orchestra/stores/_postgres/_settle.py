@@ -47,7 +47,7 @@ take_back_expired             tasks (expired, SKIP LOCKED) > settle of each run 
 close_input (fenced)          runs > groups (by tag) > tasks (waiters, by id)
 retry (`_admin`)              runs > tasks (every task of the run, by id) > groups > keys
 admit_keys, ask_again         tasks (the keyed, by id) > keys (`_CLAIM`, by key) > tasks (the
-(`_keys._decide`)             same) > settle of a reused result
+(`_keyed._decide`)            same) > settle of a reused result
 claim, renew, renew_run,      keys only, by key (`release_run` reads tasks without locking)
 finish, release_run, adopt
 ============================  ==============================================================
