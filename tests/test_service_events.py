@@ -110,6 +110,32 @@ class TestTheStream:
         assert later == [e for e in journal if e["at"] >= mid]
         assert 0 < len(later) < len(journal)
 
+    async def test_the_store_reads_a_run_s_record_without_counting_its_tasks_when_asked(
+        self, api: Api
+    ) -> None:
+        """What a stream asks each poll of a run no process here runs (whose is it, is it
+        over): the run's row, not a count of its tasks by state (a scan of every row)."""
+        run_id = await api.submit({"tasks": [{"kind": "echo", "id": x} for x in "abc"]})
+        await api.handle(run_id)
+        store = api.service.store
+        whole = await anyio.to_thread.run_sync(store.run_info, run_id)
+        bare = await anyio.to_thread.run_sync(lambda: store.run_info(run_id, counts=False))
+        assert whole["counts"] == {"succeeded": 3}
+        assert bare == {k: v for k, v in whole.items() if k != "counts"}
+        asked: list[bool] = []
+        run_info = store.run_info
+
+        def spy(run_id: str, *, counts: bool = True) -> Any:
+            asked.append(counts)
+            return run_info(run_id, counts=counts)
+
+        store.run_info = spy
+        async with server(api.app) as url:
+            told = await _read(f"{url}/api/runs/{run_id}/events", api.auth("read"))
+        assert told[-1][0] == "end"
+        assert asked.count(True) == 1  # the route's check that the run exists, once
+        assert asked.count(False) >= 1  # each poll's question
+
     async def test_a_silent_stream_sends_keep_alive_comments(
         self, api: Api, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -369,7 +369,7 @@ async def _over(service: Any, run_id: str) -> dict[str, Any] | None:
     handle = service.handle(run_id)
     if handle is not None and not handle.done:
         return None
-    run = await service.run_record(run_id)
+    run = await service.run_record(run_id, counts=False)
     if holder(run) is not None:
         return None
     closed = run.get("state") == "closed"
