@@ -136,6 +136,29 @@ class TestTheStream:
         assert asked.count(True) == 1  # the route's check that the run exists, once
         assert asked.count(False) >= 1  # each poll's question
 
+    async def test_a_slow_journal_is_read_less_often(self, api: Api) -> None:
+        """A read of the journal that takes 0.2 s is followed by a wait of a second (reads take
+        at most a fifth of the stream's time), not by the poll's tenth of a second."""
+        run_id = await api.submit({"tasks": [{"kind": "wait", "id": "w"}]})
+        store = api.service.store
+        events = store.events
+        reads: list[float] = []
+
+        def slow(run_id: str, task_id: str | None = None, *, since: float | None = None) -> Any:
+            reads.append(time.monotonic())
+            time.sleep(0.2)
+            return events(run_id, task_id, since=since)
+
+        store.events = slow
+        async with server(api.app) as url:
+            with anyio.move_on_after(3):
+                await _read(f"{url}/api/runs/{run_id}/events", api.auth("read"))
+        store.events = events
+        api.gate.set()
+        await api.handle(run_id)
+        # Read at the poll's pace (0.3 s a round) 3 s would hold 10 reads; at a fifth, 3.
+        assert 2 <= len(reads) <= 4, reads
+
     async def test_a_silent_stream_sends_keep_alive_comments(
         self, api: Api, monkeypatch: pytest.MonkeyPatch
     ) -> None:
