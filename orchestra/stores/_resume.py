@@ -9,6 +9,8 @@ task's timeout starts again). The run hears the ended ones (`finished`) when the
 again, so the aggregate and the report are those of an uninterrupted run. Re-admitted input is
 matched by id (generated ids are generated again in the same order): the same task takes its place
 (the agent gets the caller's payload object again), a different one is refused with `InputError`.
+A streamed PostgreSQL run whose tasks stand alone reads its ended rows ahead of that input, a chunk
+at a time, instead of all at once (`Resume`).
 """
 
 from __future__ import annotations
