@@ -387,7 +387,7 @@ class TestResumeAfterKill:
 
     @pytest.mark.parametrize(
         "options",
-        [("--kill", "calls:9"), ("--kill", "input:10"), ("--kill", "calls:9", "--unnamed")],
+        [("--kill", "calls:14"), ("--kill", "input:12"), ("--kill", "calls:14", "--unnamed")],
         ids=lambda o: " ".join(o),
     )
     async def test_a_stream_of_tasks_that_stand_alone_ends_as_an_uninterrupted_run(
@@ -403,7 +403,6 @@ class TestResumeAfterKill:
         assert killed.returncode == -9, killed.stderr
         before = await committed(pg_dsn)
         ended_before = {i for i, (state, _) in before.items() if state in ("succeeded", "failed")}
-        assert ended_before
         calls.write_text("")
         resumed = await anyio.to_thread.run_sync(
             functools.partial(job, pg_dsn, calls, *options[2:], *alone)

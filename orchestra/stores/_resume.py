@@ -70,8 +70,8 @@ class Resume:
     came again. What the run holds stays a chunk, not the run, and it starts at once."""
 
     __slots__ = (
-        "_admission", "_ahead", "_frontier", "_lazy", "_listener", "_loaded", "_memory", "_rows",
-        "ended",
+        "_admission", "_ahead", "_frontier", "_lazy", "_listener", "_loaded", "_memory", "_next",
+        "_rows", "ended",
         "run_id", "stored",
     )  # fmt: skip
 
@@ -93,6 +93,7 @@ class Resume:
         self._ahead = ahead
         self._lazy = ahead is not None
         self._frontier = -1  # the index of the last row `ahead` gave: every one before is read
+        self._next = 0  # the index of the next input item
         self._memory: MemoryRun | None = None
         self._listener: Listener | None = None
         self.ended = 0  # the stored tasks that had ended, heard so far
@@ -155,6 +156,15 @@ class Resume:
                 return
             self._frontier = frontier
 
+    def wants(self, margin: int) -> bool:
+        """Whether the next chunk read ahead is due: the input is within `margin` items of the
+        last row read (the store may read it while the input waits, not as it is admitted)."""
+        return (
+            self._ahead is not None
+            and self._memory is not None
+            and self._frontier < self._next + margin
+        )
+
     def _let_go(self, tasks: Sequence[Any]) -> None:
         """Read ahead, the stored ended tasks whose input items came again are not looked up
         any more (an item comes once, and generated ids only grow): their entries go."""
@@ -196,6 +206,7 @@ class Resume:
         generated: set[int] = set()
         gone: list[int] = []
         self.read_up_to(first_index + len(tasks) - 1)
+        self._next = max(self._next, first_index + len(tasks))
         if self.stored:
             generated = self.match(tasks, first_index)
             gone = [i for i, task in enumerate(tasks) if self.gone(task, memory)]
@@ -225,6 +236,7 @@ class Resume:
         """`admit` for one item of a streamed input; False when it is gone (not admitted)."""
         generated = False
         self.read_up_to(index)
+        self._next = max(self._next, index + 1)
         if self.stored:
             generated = bool(self.match((task,), index))
             gone = self.gone(task, memory)

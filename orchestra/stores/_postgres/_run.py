@@ -131,6 +131,7 @@ class PostgresRun:
         self._ahead = ahead
         self._after = (-1, "")
         self._taken_back = {row[0] for row in rows} if ahead is not None else set()
+        self._reading: Future[Any] | None = None  # the next chunk, read while the input waits
         self._resume = Resume(
             run_id, admission, reader,
             (rows, attempts) if rows or ahead is not None else None,
@@ -255,7 +256,13 @@ class PostgresRun:
         """The next chunk of the run's ended rows, for `Resume` to read ahead of the input."""
         assert self._ahead is not None
         chunk = self.read_ahead
-        rows, attempts = self._db.call(ended_after, self.run_id, self._after, self._ahead, chunk)
+        reading, self._reading = self._reading, None
+        if reading is not None:  # asked for by `backpressure`: its answer, or waited for
+            rows, attempts = reading.result()
+        else:
+            rows, attempts = self._db.call(
+                ended_after, self.run_id, self._after, self._ahead, chunk
+            )
         read = len(rows)
         if read:
             self._after = Rows.position(rows[-1])
@@ -307,8 +314,21 @@ class PostgresRun:
                 self._hearing.wait_key(key, task_id, 0.0)
             self._wakeup.set()
 
-    def backpressure(self) -> asyncio.Future[None] | None:
-        return self._behind.backpressure()
+    def backpressure(self) -> asyncio.Future[Any] | None:
+        behind = self._behind.backpressure()
+        if behind is not None or self._loop is None or self._ahead is None:
+            return behind
+        # A resumed stream's next chunk of ended rows is read while the input waits for it, half
+        # a chunk ahead: the input (matched, not run) never waits on the writer, and it would
+        # otherwise take every chunk in one turn of the loop, the run deaf (no status) meanwhile.
+        reading = self._reading
+        if reading is None and self._resume.wants(self.read_ahead // 2):
+            reading = self._reading = self._db.submit(
+                ended_after, self.run_id, self._after, self._ahead, self.read_ahead
+            )
+        if reading is not None and not reading.done():  # a resolved one: read, not awaited again
+            return asyncio.wrap_future(reading, loop=self._loop)
+        return None
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
         self._memory.check_spawn(task, parent, pending)
