@@ -126,6 +126,26 @@ class TestSubmittingARun:
         assert "t9" in answer.json()["message"]
         assert "nobody" in answer.json()["message"]
 
+    @pytest.mark.parametrize("by", ["run_id", "Idempotency-Key"])
+    async def test_a_run_refused_at_admission_runs_once_submitted_again_corrected(
+        self, api: Api, by: str
+    ) -> None:
+        name = {"run_id": "typo"} if by == "run_id" else {}
+        headers = {**api.auth("submit"), "Idempotency-Key": "typo"} if by != "run_id" else None
+        headers = headers or api.auth("submit")
+        refused = await api.client.post(
+            "/api/runs", json=_tasks(("ecoh", "a"), **name), headers=headers
+        )
+        assert refused.status_code == 400
+        fixed = await api.client.post(
+            "/api/runs", json=_tasks(("echo", "a"), **name), headers=headers
+        )
+        assert fixed.status_code == 202
+        run_id = fixed.json()["run_id"]
+        assert fixed.json() == {"run_id": run_id, "created": True}
+        assert (await api.handle(run_id)).data == {"a": "a"}
+        assert api.calls == ["a"]
+
     async def test_an_input_without_a_decomposer_is_a_400(self, api: Api) -> None:
         answer = await api.client.post("/api/runs", json={"input": 1}, headers=api.auth("submit"))
         assert answer.status_code == 400

@@ -135,6 +135,10 @@ class Service:
                 if here is not None and not here.done:
                     return run_id, False
                 stored = await self.read(self.store.run_info, run_id)
+                if stored is not None and not stored.get("counts") and holder(stored) is None:
+                    # No task of it was ever admitted (its input was refused): the request
+                    # that starts it is this one.
+                    stored = None
                 if (stored is None and here is not None) or (
                     stored is not None
                     and (stored.get("state") != "open" or holder(stored) is not None)
