@@ -572,6 +572,16 @@ class TestAuth:
         with pytest.raises(InputError, match="32 characters"):
             api.service.tokens.ensure("short", "worker", "workers")
 
+    async def test_a_token_given_by_hand_with_a_newline_is_kept_without_it(self, api: Api) -> None:
+        # As `--workers-token "$(<file)"$'\n'` or a mounted secret gives it: the header that
+        # carries it reaches the service stripped, so the token kept must be the same text.
+        text = "v" * 40
+        api.service.tokens.ensure(text + "\n", "worker", "workers")
+        hello = await api.client.get(
+            "/api/workers/hello", headers={"Authorization": f"Bearer {text}"}
+        )
+        assert hello.status_code == 200, hello.text
+
     async def test_health_and_readiness_need_no_token(self, api: Api) -> None:
         assert (await api.client.get("/health")).json() == {"status": "ok"}
         assert (await api.client.get("/ready")).json() == {"status": "ready"}
