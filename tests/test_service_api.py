@@ -81,6 +81,36 @@ class TestSubmittingARun:
         runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
         assert [r["id"] for r in runs] == [first.json()["run_id"]]
 
+    async def test_the_same_key_with_another_request_is_a_409_and_starts_nothing(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        headers = {**api.auth("submit"), "Idempotency-Key": "k-1"}
+        first = await api.client.post("/api/runs", json=_tasks(("echo", "a")), headers=headers)
+        assert first.status_code == 202
+        other = await api.client.post("/api/runs", json=_tasks(("echo", "b")), headers=headers)
+        assert other.status_code == 409
+        assert other.json()["error"] == "idempotency_key_reused"
+        assert other.json()["field"] == "Idempotency-Key"
+        assert "k-1" in other.json()["message"]
+        await api.handle(first.json()["run_id"])
+        assert api.calls == ["a"]
+        # The same request (its objects' fields in another order) is still the same run; and
+        # a process serving the file afresh knows the key's request too.
+        same = {"tasks": [{"payload": "a", "id": "a", "kind": "echo"}]}
+        again = await api.client.post("/api/runs", json=same, headers=headers)
+        assert again.json() == {"run_id": first.json()["run_id"], "created": False}
+        fresh = SQLiteStore(tmp_path / "service.db")
+        try:
+            async with serving(fresh, concurrency=1) as other_api:
+                reused = await other_api.client.post(
+                    "/api/runs",
+                    json=_tasks(("echo", "b")),
+                    headers={**other_api.auth("submit"), "Idempotency-Key": "k-1"},
+                )
+                assert reused.status_code == 409
+        finally:
+            fresh.close()
+
     async def test_the_same_key_sent_twice_at_once_is_one_run(self, api: Api) -> None:
         body = _tasks(("echo", "a"))
         headers = {**api.auth("submit"), "Idempotency-Key": "together"}

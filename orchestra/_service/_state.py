@@ -28,6 +28,7 @@ from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
 from ._control import act
 from ._errors import Refused
+from ._keys import Keys
 from ._tokens import TOKEN_TTL, Tokens, Verified
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Service:
 
             self.replicas = Replicas(self, cast("PostgresStore", store))
         self.tokens = Tokens(store)
+        self.idempotency = Keys(store)
         self.verified = Verified(self.tokens, ttl=token_ttl)
         self.grace = grace
         self.metrics = metrics
@@ -115,12 +117,15 @@ class Service:
         input: Any,
         run_id: str | None,
         key: str | None,
+        digest: str | None = None,
         paused: bool = False,
     ) -> tuple[str, bool]:
         """Start a run (or find the one the same request started, or resume it); its id, and
         whether it is new. With an idempotency `key`, the run's id is the key's own
         (`key_run_id`) unless `run_id` names it: every replica on the store maps one key to one
-        run. `paused`: the run starts paused (a run taken over as it was left)."""
+        run; `digest` (`request_digest`) is the request's, and the key sent with another request
+        than the one it started its run with is a 409. `paused`: the run starts paused (a run
+        taken over as it was left)."""
         if key is not None:
             run_id = self.keys.get(key) or run_id or key_run_id(key)
         self.prune()
@@ -131,28 +136,56 @@ class Service:
         lock = self._starting.setdefault(run_id, anyio.Lock())
         try:
             async with lock:
-                here = self.handle(run_id)
-                if here is not None and not here.done:
-                    return run_id, False
-                stored = await self.read(self.store.run_info, run_id)
-                if stored is not None and not stored.get("counts") and holder(stored) is None:
-                    # No task of it was ever admitted (its input was refused): the request
-                    # that starts it is this one.
-                    stored = None
-                if (stored is None and here is not None) or (
-                    stored is not None
-                    and (stored.get("state") != "open" or holder(stored) is not None)
-                ):
-                    # A run the store holds: the same run, never a second one. One left open that
-                    # no process runs (its process died, or a retry reopened tasks) is resumed
-                    # below with this input: what succeeded is not run again. So is one this
-                    # process stopped (its handle is done, the run left open).
-                    return run_id, False
-                await self._start(tasks, input, run_id, key, paused)
-                return run_id, stored is None
+                unkept: tuple[str, str] | None = None  # the key's first request, and its digest
+                if key is not None and digest is not None:
+                    kept = await self.read(self.idempotency.digest_of, key)
+                    if kept is not None and kept != digest:
+                        raise Refused(
+                            409,
+                            "idempotency_key_reused",
+                            f"Idempotency-Key {key!r} started run {run_id!r} with another "
+                            "request: send that request again to read its run, or this one "
+                            "with a new key",
+                            field="Idempotency-Key",
+                        )
+                    if kept is None:  # written down once the request is answered
+                        unkept = (key, digest)
+                created = await self._submit(tasks, input, run_id, key, paused)
+                if unkept is not None:
+                    await self.read(self.idempotency.keep, unkept[0], run_id, unkept[1])
+                return run_id, created
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._starting.pop(run_id, None)
+
+    async def _submit(
+        self,
+        tasks: list[TaskSpec] | None,
+        input: Any,
+        run_id: str,
+        key: str | None,
+        paused: bool,
+    ) -> bool:
+        """`submit`'s run id, under its lock: start the run, find it, or resume it; whether the
+        request created it."""
+        here = self.handle(run_id)
+        if here is not None and not here.done:
+            return False
+        stored = await self.read(self.store.run_info, run_id)
+        if stored is not None and not stored.get("counts") and holder(stored) is None:
+            # No task of it was ever admitted (its input was refused): the request that starts
+            # it is this one.
+            stored = None
+        if (stored is None and here is not None) or (
+            stored is not None and (stored.get("state") != "open" or holder(stored) is not None)
+        ):
+            # A run the store holds: the same run, never a second one. One left open that no
+            # process runs (its process died, or a retry reopened tasks) is resumed below with
+            # this input: what succeeded is not run again. So is one this process stopped (its
+            # handle is done, the run left open).
+            return False
+        await self._start(tasks, input, run_id, key, paused)
+        return stored is None
 
     async def _start(
         self,
