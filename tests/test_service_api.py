@@ -772,6 +772,29 @@ class TestBadInput:
         api.gate.set()
         await api.handle(live)
 
+    async def test_a_json_body_sent_as_a_form_says_to_send_its_content_type(self, api: Api) -> None:
+        # `curl -d @run.json` without `-H 'Content-Type: application/json'` sends it as a form.
+        answer = await api.client.post(
+            "/api/runs",
+            content=json.dumps(_tasks(("echo", "a"))).encode(),
+            headers={**api.auth(), "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert answer.status_code == 422
+        (problem,) = answer.json()["detail"]
+        assert problem["loc"] == ["body"]
+        assert "Content-Type: application/json" in problem["msg"]
+        assert "application/x-www-form-urlencoded" in problem["msg"]
+
+    async def test_a_body_that_is_not_utf8_json_says_so(self, api: Api) -> None:
+        answer = await api.client.post(
+            "/api/runs",
+            content=b'{"tasks": [{"kind": "echo", "payload": "caf\xe9"}]}',
+            headers={**api.auth(), "Content-Type": "application/json"},
+        )
+        assert answer.status_code == 400
+        assert answer.json()["error"] == "invalid"
+        assert "UTF-8" in answer.json()["message"]
+
     async def test_a_body_past_the_limit_is_a_413_in_json(self, tmp_path: Path) -> None:
         store = SQLiteStore(tmp_path / "small.db")
         try:
