@@ -649,6 +649,17 @@ _BAD: list[tuple[str, str, Any, int, str]] = [
     ),
     ("POST", "/api/runs", {"tasks": [{"kind": "echo", "depends_on": ["ghost"]}]}, 400, "ghost"),
     ("POST", "/api/runs", [1, 2], 422, ""),
+    # Python's json reads NaN and Infinity; JSON has neither, and a store could not keep them.
+    ("POST", "/api/runs", b'{"tasks": [{"kind": "echo", "payload": NaN}]}', 422, "NaN"),
+    (
+        "POST",
+        "/api/runs",
+        b'{"tasks": [{"kind": "echo", "metadata": {"w": -Infinity}}]}',
+        422,
+        "metadata",
+    ),
+    ("POST", "/api/runs", b'{"input": [1, Infinity]}', 422, "inf"),
+    ("POST", "/tasks", b'{"kind": "echo", "payload": {"x": [NaN]}}', 422, "payload"),
     ("POST", "/api/runs/live/cancel", {}, 422, "at least one"),
     ("POST", "/api/runs/live/cancel", {"priority": [1]}, 422, "priority"),
     ("POST", "/api/runs/live/stop", {"grace": -1}, 422, "grace"),

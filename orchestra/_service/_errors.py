@@ -10,7 +10,8 @@ Content-Type than JSON's told so.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+import json
+from typing import TYPE_CHECKING, Any, Final
 
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -109,15 +110,27 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
     # dictionary", which does not say why. The 422 stays FastAPI's; its message says why.
     assert isinstance(exc, RequestValidationError)
     sent = request.headers.get("content-type")
+    errors = [{**error, "input": _echo(error.get("input"))} for error in exc.errors()]
     if sent is not None and not _is_json(sent):
         errors = [
             {**error, "msg": f"the body was sent as {sent}, not JSON: send it with the header "
              "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')"}
             if tuple(error.get("loc", ())) == ("body",) else error
-            for error in exc.errors()
+            for error in errors
         ]  # fmt: skip
-        exc = RequestValidationError(errors, body=exc.body)
-    return await request_validation_exception_handler(request, exc)
+    return await request_validation_exception_handler(
+        request, RequestValidationError(errors, body=exc.body)
+    )
+
+
+def _echo(value: Any) -> Any:
+    """A refused value as the 422 echoes it: as it came, unless JSON cannot write it (the NaN
+    Python's `json` read, which the answer would fail on), then as its repr."""
+    try:
+        json.dumps(value, allow_nan=False, default=str)
+    except ValueError:
+        return repr(value)
+    return value
 
 
 _CODES: Final = {400: "invalid", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
