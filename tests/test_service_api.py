@@ -357,6 +357,7 @@ class TestDeadLetters:
         )
         assert answer.status_code == 400
         assert "'a'" in answer.json()["message"]
+        assert answer.json()["field"] == "task_ids"
 
 
 class TestControl:
