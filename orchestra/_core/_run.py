@@ -61,7 +61,7 @@ class Run:
     def __init__(self, config: RunConfig, run_id: str) -> None:
         self.config = config
         self.run_id = run_id
-        self.report = Report()
+        self.report = Report(keeps_history=config.keeps_history)
         self.bus = config.bus
         self.t0 = 0.0
         self.t_end: float | None = None  # loop time when the run ended (for its status)

@@ -32,7 +32,10 @@ from ._keys import Keys
 from ._tokens import TOKEN_TTL, Tokens, Verified
 
 if TYPE_CHECKING:
+    import sqlite3
     from collections.abc import Callable
+
+    import asyncpg
 
     from .._core._handle import RunHandle
     from .._core._orchestrator import Orchestrator
@@ -171,10 +174,15 @@ class Service:
         here = self.handle(run_id)
         if here is not None and not here.done:
             return False
-        stored = await self.read(self.store.run_info, run_id)
-        if stored is not None and not stored.get("counts") and holder(stored) is None:
-            # No task of it was ever admitted (its input was refused): the request that starts
-            # it is this one.
+        stored = await self.read(partial(self.store.run_info, counts=False), run_id)
+        if (
+            stored is not None
+            and stored.get("state") != "open"
+            and holder(stored) is None
+            and not await self.read(self.has_tasks, run_id)
+        ):
+            # No task of it was ever admitted (its input was refused, and the run let go of
+            # closed): the request that starts it is this one.
             stored = None
         if (stored is None and here is not None) or (
             stored is not None and (stored.get("state") != "open" or holder(stored) is not None)
@@ -253,13 +261,20 @@ class Service:
         serving while the store's own thread does the reading."""
         return await anyio.to_thread.run_sync(partial(call, *args))
 
+    def has_tasks(self, run_id: str) -> bool:
+        """Whether the store holds a task of `run_id` (one row read, not the run's counts)."""
+        if isinstance(self.store, SQLiteStore):
+            return bool(self.store.call(_sqlite_has_tasks, run_id))
+        return bool(self.store.database.call(_pg_has_tasks, run_id))
+
     async def ping(self) -> None:
         """Ask the store's database the cheapest question (a `StoreError` when it cannot)."""
-        await self.read(self.store.run_info, "")
+        await self.read(partial(self.store.run_info, counts=False), "")
 
-    async def run_record(self, run_id: str) -> dict[str, Any]:
-        """The store's record of `run_id` (as `store.runs()` gives it); 404 when it has none."""
-        run = await self.read(self.store.run_info, run_id)
+    async def run_record(self, run_id: str, *, counts: bool = True) -> dict[str, Any]:
+        """The store's record of `run_id` (as `store.runs()` gives it; without `counts`, none:
+        they scan the run's tasks, and a stream asks ten times a second); 404 when it has none."""
+        run = await self.read(partial(self.store.run_info, counts=counts), run_id)
         if run is not None:
             return run  # type: ignore[no-any-return]
         if self.handle(run_id) is not None:  # started here, its first rows not written yet
@@ -281,7 +296,7 @@ class Service:
             if op in ("pause", "resume") and self.replicas is not None:
                 await self.replicas.paused(run_id, handle.paused)
             return answer
-        run = await self.run_record(run_id)
+        run = await self.run_record(run_id, counts=False)
         if (
             (handle is None or handle.done)  # (one that ended here, resumed elsewhere since)
             and self.replicas is not None
@@ -298,7 +313,7 @@ class Service:
         handle = self.handle(run_id)
         if handle is not None and not handle.done:
             return handle
-        run = await self.run_record(run_id)
+        run = await self.run_record(run_id, counts=False)
         held = holder(run)
         if held is not None and handle is None:
             raise Refused(
@@ -332,6 +347,18 @@ def key_run_id(key: str) -> str:
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def _sqlite_has_tasks(conn: sqlite3.Connection, run_id: str) -> bool:
+    return (
+        conn.execute("SELECT 1 FROM tasks WHERE run_id = ? LIMIT 1", (run_id,)).fetchone()
+        is not None
+    )
+
+
+async def _pg_has_tasks(conn: asyncpg.Connection, run_id: str) -> bool:
+    found = await conn.fetchval("SELECT 1 FROM orchestra.tasks WHERE run_id = $1 LIMIT 1", run_id)
+    return found is not None
 
 
 def holder(run: dict[str, Any]) -> str | None:
