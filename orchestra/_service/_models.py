@@ -128,7 +128,10 @@ class RunSummary(BaseModel):
     updated: float | None = None
     counts: dict[str, int] = Field(description="its tasks by state")
     live: bool = Field(description="this service runs it now (it can be controlled here)")
-    paused: bool = False
+    paused: bool = Field(
+        default=False,
+        description="paused, where it runs: here, or (PostgreSQL replicas) by the replica that runs it",
+    )
     held_by: str | None = Field(
         default=None, description="the process that runs it now, when one does"
     )

@@ -158,8 +158,12 @@ async def list_runs(
     "/{run_id}", response_model=RunSummary, dependencies=_read, responses=responses(401, 403, 404)
 )
 async def get_run(run: KnownRun, service: ServiceDep) -> RunSummary:
-    """A run: its state, its tasks counted by state, and whether it runs here now."""
-    return _summary(run, service)
+    """A run: its state, its tasks counted by state, whether it runs here now, and whether it is
+    paused (where it runs)."""
+    summary = _summary(run, service)
+    if not summary.live and summary.held_by is not None and service.replicas is not None:
+        summary.paused = await service.replicas.is_paused(summary.id)
+    return summary
 
 
 @router.get(
