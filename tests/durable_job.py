@@ -1,12 +1,14 @@
 """A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
 
-Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]``;
+Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]
+[--unnamed]``;
 DB a SQLite file, or a PostgreSQL DSN (``postgresql://...``: a `PostgresStore`).
 Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
 test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
 
 The run: 24 tasks ``w0`` … ``w23`` (a few ms each, two at a time), a task ``split`` that spawns
-``s0`` … ``s2``, and ``total``, which depends on ``w0`` … ``w3``. Kill points (SPEC):
+``s0`` … ``s2``, and ``total``, which depends on ``w0`` … ``w3``; with ``--unnamed``, ``w4`` …
+``w23`` are given no id (the run generates ``work#1`` … ``work#20``). Kill points (SPEC):
 
 - ``calls:N``: SIGKILL inside the N-th agent call of this process (mid-run);
 - ``input:K``: SIGKILL after the streamed input yielded K tasks (mid-admission; with --stream);
@@ -66,7 +68,7 @@ async def work(task: Task, ctx: Context) -> dict[str, Any]:
 
 
 def tasks() -> list[Task]:
-    work = [Task("work", i, id=f"w{i}") for i in range(24)]
+    work = [Task("work", i, id=None if ARGS.unnamed and i >= 4 else f"w{i}") for i in range(24)]
     return [
         *work,
         Task("work", 0, id="split"),
@@ -91,6 +93,7 @@ async def main() -> None:
     parser.add_argument("--kill")
     parser.add_argument("--window", type=float, default=0.05)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--unnamed", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.004)  # each agent call's
     parser.add_argument("--lease", type=float, default=30.0)  # (PostgreSQL)
     parser.parse_args(namespace=ARGS)

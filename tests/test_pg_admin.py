@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -323,6 +325,66 @@ class TestTheReadsHaveTheSQLiteStoresShapes:
         assert {k: theirs[k] for k in ("owner", "host", "pid", "run_id", "kinds", "live")} == {
             k: ours[k] for k in ("owner", "host", "pid", "run_id", "kinds", "live")
         }
+
+
+class TestTheJournalFollowed:
+    """`events(since=...)`, as a follower of the journal (the service's event stream) reads it:
+    what is new, built from the tasks that can have something new only."""
+
+    async def history(self, conn: asyncpg.Connection, store: PostgresStore) -> None:
+        """Retries, a failure, a skip, a retry of the run (journal rows), a task never run."""
+        more = [Task("work", 3, id="flaky"), Task("work", 4, id="idle")]
+        await admit(conn, "r", [*simple_tasks(), *more], admission=admission())
+        await close_input(conn, "r")
+        await run_one(conn, "ok")
+        await run_one(conn, "d", ends="failed")
+        await run_one(conn, "flaky", fails=2)
+        assert store.retry("r", ["d"]) == ["d"]
+        await run_one(conn, "d")
+        await run_one(conn, "after")
+
+    async def test_a_read_since_any_moment_is_the_journal_from_that_moment_on(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        await self.history(conn, store)
+        journal = store.events("r")
+        assert {e["event"] for e in journal} >= {"attempt_failed", "retried", "skipped"}
+        times = sorted({e["at"] for e in journal})
+        # Between every two times of the journal (never on one: a float's rounding).
+        cuts = [times[0] - 1, *((a + b) / 2 for a, b in itertools.pairwise(times)), times[-1] + 1]
+        for cut in cuts:
+            assert store.events("r", since=cut) == [e for e in journal if e["at"] >= cut]
+
+    async def test_a_read_since_a_moment_ago_builds_no_journal_of_older_tasks(
+        self, conn: asyncpg.Connection, store: PostgresStore
+    ) -> None:
+        # 2,000 tasks that ended an hour ago: a follower's poll built their journal (three
+        # events each), then kept none of it (3 to 4 s a poll at 1,000,000 tasks).
+        await conn.execute(
+            "INSERT INTO orchestra.tasks (run_id, id, seq, idx, named, kind, payload, priority, "
+            "state, attempts, admitted, started, finished, output, agent) "
+            "SELECT 'r', 'old' || g, g, g, true, 'work', 'null', 0, 'succeeded', 1, "
+            "now() - interval '1 hour', now() - interval '1 hour', now() - interval '1 hour', "
+            "'null', 'work' FROM generate_series(1, 2000) AS g"
+        )
+        since = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8")
+        await admit(
+            conn,
+            "r",
+            [Task("work", 1, id="new"), Task("work", 2, id="next")],
+            admission=admission(),
+        )
+        await run_one(conn, "new")
+        assert {(e["task_id"], e["event"]) for e in store.events("r", since=since)} == {
+            ("new", "admitted"), ("new", "started"), ("new", "succeeded"), ("next", "admitted"),
+        }  # fmt: skip
+        [plan] = json.loads(
+            await conn.fetchval(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) {admin._JOURNAL}", "r", None, since
+            )
+        )
+        [read] = [node for node in plan["Plan"]["Plans"] if node.get("Subplan Name") == "CTE t"]
+        assert read["Actual Rows"] == 2  # the journal is built from these two tasks
 
 
 class TestUnknownIds:

@@ -4,7 +4,9 @@ hears, checked against the database's rows."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import json
 import os
 import signal
@@ -20,7 +22,16 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestra import Context, Orchestrator, PermanentError, RetryPolicy, RunResult, Task, agent
+from orchestra import (
+    Context,
+    Discard,
+    Orchestrator,
+    PermanentError,
+    RetryPolicy,
+    RunResult,
+    Task,
+    agent,
+)
 from orchestra.stores._postgres._server import embedded_server
 from orchestra.stores._postgres._store import PostgresStore
 from tests.helpers import REPO, spawn
@@ -235,6 +246,68 @@ class TestPlannerStatistics:
         assert await self._measured(pg_conn) <= 0
 
 
+class TestAStreamedRunInBoundedMemory:
+    async def test_the_coordinator_lets_go_of_the_tasks_it_took_through_the_database(
+        self, store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The coordinator's mirror of the run queues each task that becomes ready and takes it
+        # out when the database hands it to a process (`discard`): its queue is never popped,
+        # and it kept every task of a streamed run (1,000,000 of them: 700 MB).
+        from orchestra._record import Record
+        from orchestra.stores._queue import ReadyQueue
+
+        monkeypatch.setattr(ReadyQueue, "SWEEP", 64)  # the sweep's floor, at a test's size
+        n, window = 1_500, 50
+        kept: list[int] = []
+
+        @agent(kinds=["work"])
+        async def quick(task: Task, ctx: Context) -> None:
+            return None
+
+        async def tasks() -> AsyncIterator[Task]:
+            for i in range(n):
+                if i == n - 1:  # what the process holds of the tasks, near the end
+                    gc.collect()
+                    kept.append(sum(isinstance(o, Record) for o in gc.get_objects()))
+                yield Task("work", i)
+
+        async with Orchestrator(
+            agents=[quick], store=store, window=window, aggregate=Discard()
+        ) as orch:
+            result = await orch.run(tasks=tasks(), run_id="streamed")
+        assert result.metadata.counts["succeeded"] == n
+        # The window's unfinished tasks, and the dead slots a sweep has not reached yet.
+        assert kept[0] <= window + 2 * 64 + 50, f"{kept[0]} records of {n} tasks kept"
+
+
+class TestAWriterThatStopped:
+    async def test_holds_the_input_back_no_more(self, store: PostgresStore) -> None:
+        # Its batch failed with a full backlog (the coordinator's session cut off, say): the
+        # input waiting for it was woken, then found the same resolved wait at each look and
+        # spun on it for ever, the run never hearing of the failure.
+        from datetime import UTC, datetime
+
+        from orchestra._admission import Admission
+        from orchestra.stores._postgres._behind import BACKLOG, Behind
+        from orchestra.stores._postgres._coordinator import Lease
+
+        failed: list[BaseException] = []
+        behind = Behind(
+            store.database, "nobody", Lease("nobody", "me", 1, datetime.now(UTC), 30.0),
+            Admission(("work",), {}), asyncio.get_running_loop(), lambda done: None,
+            failed.append,
+        )  # fmt: skip
+        tasks = [Task("work", i, id=f"t{i}") for i in range(BACKLOG)]
+        behind.queue("admit", (tasks, "input item", False, 0, [], set()))
+        waiting = behind.backpressure()
+        assert waiting is not None
+        with anyio.fail_after(30):
+            await waiting  # the run "nobody" is not ours: the write is refused
+        assert failed
+        assert behind.backpressure() is None
+        behind.close()
+
+
 class TestResumeAfterKill:
     """The SQLite store's kill points (tests/test_sqlite.py), on PostgreSQL: a coordinator
     SIGKILLed mid-run, the run resumed by its id in a new process."""
@@ -271,6 +344,32 @@ class TestResumeAfterKill:
         for task_id, (state, attempts) in before.items():
             if state in ("claimed", "running"):
                 assert after[task_id] == ("succeeded", attempts + 1)
+
+    @pytest.mark.parametrize("options", [(), ("--stream",)], ids=["list", "stream"])
+    async def test_tasks_given_no_id_are_the_same_tasks_again_not_new_ones(
+        self, pg_dsn: str, tmp_path: Path, options: tuple[str, ...]
+    ) -> None:
+        # Their ids are generated again in the same order and match the rows: a row that said
+        # its id was the caller's made the resumed run generate others, and run every one again.
+        calls = tmp_path / "calls.txt"
+        killed = await anyio.to_thread.run_sync(
+            job, pg_dsn, calls, "--kill", "calls:14", "--unnamed", *options
+        )
+        assert killed.returncode == -9, killed.stderr
+        done_before = {
+            i for i, (state, _) in (await committed(pg_dsn)).items() if state == "succeeded"
+        }
+        assert {i for i in done_before if i.startswith("work#")}  # some of them ended
+        calls.write_text("")
+        resumed = await anyio.to_thread.run_sync(job, pg_dsn, calls, "--unnamed", *options)
+        assert resumed.returncode == 0, resumed.stderr
+        result = RunResult.model_validate_json(resumed.stdout)
+        assert not done_before & set(calls.read_text().split())
+        assert (result.status, result.metadata.total) == ("success", 29), result.errors
+        assert result.metadata.resumed == len(done_before)
+        after = await committed(pg_dsn)
+        assert len(after) == 29
+        assert {state for state, _ in after.values()} == {"succeeded"}
 
     async def test_a_finished_run_run_again_executes_nothing(
         self, pg_dsn: str, tmp_path: Path

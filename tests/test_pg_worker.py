@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -379,6 +381,41 @@ async def wait_all(workers: list[subprocess.Popen[str]]) -> list[str]:
 async def live_workers(conn: asyncpg.Connection) -> int:
     n: int = await conn.fetchval("SELECT count(*) FROM orchestra.workers WHERE gone IS NULL")
     return n
+
+
+class _Output(dict[str, int]):
+    """An agent's output the test can count while it is alive (a dict cannot be weakly held)."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]  # by identity: a WeakSet holds it
+
+
+class TestAWorkerThatRunsForDays:
+    async def test_keeps_no_output_of_the_tasks_it_ended(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection
+    ) -> None:
+        # Its results go to the database as they end; a worker that also folded them into its
+        # local run's aggregate (by default every output, by task id) grew with every task.
+        alive: weakref.WeakSet[_Output] = weakref.WeakSet()
+
+        @agent(kinds=["work"])
+        async def counted(task: Task, ctx: Context) -> _Output:
+            out = _Output(n=task.payload)
+            alive.add(out)
+            return out
+
+        n = 600
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(n)])
+        work = Work(Orchestrator(agents=[counted]), pg_dsn, run_id="r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            rows = await until_ended(pg_conn, "r", n)
+            # Every task ended, the worker still serving the run: what it holds of them now.
+            # (A few may wait in its writer's last batch.)
+            gc.collect()
+            kept = len(alive)
+            await close_run(pg_conn, "r")
+        assert {row["state"] for row in rows.values()} == {"succeeded"}
+        assert kept < 100, f"the worker keeps {kept} outputs of the {n} tasks it ended"
 
 
 class TestGroupCommits:

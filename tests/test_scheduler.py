@@ -208,12 +208,17 @@ class TestFront:
     """`ReadyQueue.front` is the best priority's bucket whatever came before: a store that takes its
     front entry itself (`MemoryRun.claim`) gets what `pop` would have given."""
 
+    @pytest.mark.parametrize("sweep", [None, 4], ids=["default-sweep", "sweep-every-4"])
     @pytest.mark.parametrize("seed", range(20))
-    def test_taking_from_the_front_is_popping(self, seed: int) -> None:
+    def test_taking_from_the_front_is_popping(
+        self, seed: int, sweep: int | None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         import random
 
         from orchestra.stores._queue import ReadyQueue
 
+        if sweep is not None:  # dead slots swept out often, between every kind of step
+            monkeypatch.setattr(ReadyQueue, "SWEEP", sweep)
         rng = random.Random(seed)
         queue: ReadyQueue[_Entry] = ReadyQueue()
         live: list[_Entry] = []  # the reference: best priority first, FIFO within one
@@ -258,6 +263,39 @@ class TestFront:
                     live.remove(took)
                     taken.append(took)
             assert len(queue) == len(live)
+
+
+class TestDeadSlots:
+    """Slots left by `discard` and `move` that never reach the front are let go: a durable
+    coordinator's mirror takes every ready task out with `discard` and never pops."""
+
+    def test_entries_discarded_behind_a_live_front_are_not_kept(self) -> None:
+        from orchestra.stores._queue import ReadyQueue
+
+        queue: ReadyQueue[_Entry] = ReadyQueue()
+        first, *rest = entries = [_Entry(i, 0) for i in range(20_000)]
+        queue.push_all(entries)
+        for entry in rest:
+            queue.discard(entry)
+        # `depths` counts the slots the queue holds, live or dead: all 20,000 before.
+        assert sum(queue.depths().values()) <= ReadyQueue.SWEEP + 1
+        assert queue.pop() is first
+        assert queue.pop() is None
+
+    def test_ghosts_of_moved_entries_are_let_go_and_the_order_kept(self) -> None:
+        from orchestra.stores._queue import ReadyQueue
+
+        queue: ReadyQueue[_Entry] = ReadyQueue()
+        entries = [_Entry(i, 5) for i in range(5_000)]
+        queue.push_all(entries)
+        for round_ in range(4):  # each entry moved four times: 20,000 ghosts made
+            for entry in entries:
+                queue.move(entry, round_ % 2)
+        assert sum(queue.depths().values()) <= len(entries) + ReadyQueue.SWEEP
+        popped = []
+        while (out := queue.pop()) is not None:
+            popped.append(out.name)
+        assert popped == list(range(5_000))
 
 
 class _Compared(_Entry):

@@ -110,6 +110,55 @@ class TestTheStream:
         assert later == [e for e in journal if e["at"] >= mid]
         assert 0 < len(later) < len(journal)
 
+    async def test_the_store_reads_a_run_s_record_without_counting_its_tasks_when_asked(
+        self, api: Api
+    ) -> None:
+        """What a stream asks each poll of a run no process here runs (whose is it, is it
+        over): the run's row, not a count of its tasks by state (a scan of every row)."""
+        run_id = await api.submit({"tasks": [{"kind": "echo", "id": x} for x in "abc"]})
+        await api.handle(run_id)
+        store = api.service.store
+        whole = await anyio.to_thread.run_sync(store.run_info, run_id)
+        bare = await anyio.to_thread.run_sync(lambda: store.run_info(run_id, counts=False))
+        assert whole["counts"] == {"succeeded": 3}
+        assert bare == {k: v for k, v in whole.items() if k != "counts"}
+        asked: list[bool] = []
+        run_info = store.run_info
+
+        def spy(run_id: str, *, counts: bool = True) -> Any:
+            asked.append(counts)
+            return run_info(run_id, counts=counts)
+
+        store.run_info = spy
+        async with server(api.app) as url:
+            told = await _read(f"{url}/api/runs/{run_id}/events", api.auth("read"))
+        assert told[-1][0] == "end"
+        assert asked.count(True) == 1  # the route's check that the run exists, once
+        assert asked.count(False) >= 1  # each poll's question
+
+    async def test_a_slow_journal_is_read_less_often(self, api: Api) -> None:
+        """A read of the journal that takes 0.2 s is followed by a wait of a second (reads take
+        at most a fifth of the stream's time), not by the poll's tenth of a second."""
+        run_id = await api.submit({"tasks": [{"kind": "wait", "id": "w"}]})
+        store = api.service.store
+        events = store.events
+        reads: list[float] = []
+
+        def slow(run_id: str, task_id: str | None = None, *, since: float | None = None) -> Any:
+            reads.append(time.monotonic())
+            time.sleep(0.2)
+            return events(run_id, task_id, since=since)
+
+        store.events = slow
+        async with server(api.app) as url:
+            with anyio.move_on_after(3):
+                await _read(f"{url}/api/runs/{run_id}/events", api.auth("read"))
+        store.events = events
+        api.gate.set()
+        await api.handle(run_id)
+        # Read at the poll's pace (0.3 s a round) 3 s would hold 10 reads; at a fifth, 3.
+        assert 2 <= len(reads) <= 4, reads
+
     async def test_a_silent_stream_sends_keep_alive_comments(
         self, api: Api, monkeypatch: pytest.MonkeyPatch
     ) -> None:

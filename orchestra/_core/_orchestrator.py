@@ -18,7 +18,7 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._admission import check_new_priority
-from .._aggregate import Aggregator, aggregator_of
+from .._aggregate import Aggregator, Discard, aggregator_of
 from .._breaker import BreakerPolicy
 from .._budget import BudgetPolicy
 from .._concurrency import Capacity, Concurrency, as_concurrency
@@ -590,6 +590,9 @@ class LocalRuns:
         orch = self._orch
         config = copy.copy(orch._config)
         config.store = store
+        # Its results go to the shared store as they end; an aggregate of them would keep every
+        # output of a worker that runs for days (the coordinator's run builds the result).
+        config.aggregate = Discard()
         return orch._launch(None, tasks, run_id, config)
 
 

@@ -86,7 +86,12 @@ when it may (see the module)."""
 LATE: Final = 60.0
 """Seconds behind the cursor over which a late event is still told apart from one delivered."""
 POLL: Final = 0.1
-"""Seconds between two reads of the journal."""
+"""Seconds between two reads of the journal, at least."""
+BUSY: Final = 0.2
+"""The share of its time a stream may spend reading, at most: after a poll whose reads took `t`
+seconds it waits ``max(POLL, t / BUSY)`` (the journal of a large run costs its database a scan of
+the run's rows a read, 50 ms at 100,000 tasks: ten a second would keep a backend half busy for
+each client watching)."""
 BOUND: Final = 5.0
 """Seconds a transaction of orchestra's is waited for, at most, on PostgreSQL: one open longer
 (its process stopped) is let go of, and what it commits comes late (see the module)."""
@@ -313,6 +318,7 @@ async def _stream(service: Any, run_id: str, after: Key | None) -> AsyncIterator
     swept = -math.inf
     sent = time.monotonic()
     while True:
+        began = time.monotonic()
         last = await _over(service, run_id)
         final = last is not None
         horizon = None if final else await _horizon(service, run_id, cursor)
@@ -326,6 +332,7 @@ async def _stream(service: Any, run_id: str, after: Key | None) -> AsyncIterator
         near = horizon is not None and isinstance(service.store, SQLiteStore)
         since = cursor.since(late=sweep, behind=cursor.settle if near and not final else None)
         journal = await service.read(partial(service.store.events, since=since), run_id)
+        reading = time.monotonic() - began
         # Each event encoded as the JSON it is (str, float, int, None): FastAPI's
         # `jsonable_encoder` walk of it cost three times the rest of its encoding.
         chunk = b"".join(
@@ -341,7 +348,7 @@ async def _stream(service: Any, run_id: str, after: Key | None) -> AsyncIterator
         elif time.monotonic() - sent >= KEEPALIVE:
             yield KEEPALIVE_COMMENT
             sent = time.monotonic()
-        await anyio.sleep(POLL)
+        await anyio.sleep(max(POLL, reading / BUSY))
 
 
 async def _horizon(service: Any, run_id: str, cursor: Cursor) -> float | None:
@@ -369,7 +376,7 @@ async def _over(service: Any, run_id: str) -> dict[str, Any] | None:
     handle = service.handle(run_id)
     if handle is not None and not handle.done:
         return None
-    run = await service.run_record(run_id)
+    run = await service.run_record(run_id, counts=False)
     if holder(run) is not None:
         return None
     closed = run.get("state") == "closed"

@@ -134,7 +134,7 @@ class Service:
                 here = self.handle(run_id)
                 if here is not None and not here.done:
                     return run_id, False
-                stored = await self.read(self.store.run_info, run_id)
+                stored = await self.read(partial(self.store.run_info, counts=False), run_id)
                 if (stored is None and here is not None) or (
                     stored is not None
                     and (stored.get("state") != "open" or holder(stored) is not None)
@@ -218,11 +218,12 @@ class Service:
 
     async def ping(self) -> None:
         """Ask the store's database the cheapest question (a `StoreError` when it cannot)."""
-        await self.read(self.store.run_info, "")
+        await self.read(partial(self.store.run_info, counts=False), "")
 
-    async def run_record(self, run_id: str) -> dict[str, Any]:
-        """The store's record of `run_id` (as `store.runs()` gives it); 404 when it has none."""
-        run = await self.read(self.store.run_info, run_id)
+    async def run_record(self, run_id: str, *, counts: bool = True) -> dict[str, Any]:
+        """The store's record of `run_id` (as `store.runs()` gives it; without `counts`, none:
+        they scan the run's tasks, and a stream asks ten times a second); 404 when it has none."""
+        run = await self.read(partial(self.store.run_info, counts=counts), run_id)
         if run is not None:
             return run  # type: ignore[no-any-return]
         if self.handle(run_id) is not None:  # started here, its first rows not written yet
@@ -244,7 +245,7 @@ class Service:
             if op in ("pause", "resume") and self.replicas is not None:
                 await self.replicas.paused(run_id, handle.paused)
             return answer
-        run = await self.run_record(run_id)
+        run = await self.run_record(run_id, counts=False)
         if (
             (handle is None or handle.done)  # (one that ended here, resumed elsewhere since)
             and self.replicas is not None
@@ -261,7 +262,7 @@ class Service:
         handle = self.handle(run_id)
         if handle is not None and not handle.done:
             return handle
-        run = await self.run_record(run_id)
+        run = await self.run_record(run_id, counts=False)
         held = holder(run)
         if held is not None and handle is None:
             raise Refused(

@@ -12,6 +12,14 @@ and priority, is dropped when it reaches the front (searching its bucket made k 
 ready tasks O(k * n)). While a ghost is queued, `front` is None: takers go through `pop`, which
 knows a ghost from a live slot (an entry's slots in one bucket are in push order: its ghosts
 there come first).
+
+Dead slots (stale and ghost) that never reach the front would stay forever: a durable store's
+coordinator keeps a mirror of its run whose ready tasks are claimed through the database, each
+taken out with `discard`, and its queue is never popped; a million-task run kept a million records
+that way. So once the slots that died since the last look are as many as the live entries (and at
+least `SWEEP`), the queue counts its slots (O(priority levels)), and when at least half of that
+many are dead, rebuilds its buckets without them: O(slots), paid for by as many discards, so O(1)
+amortized, and the dead slots stay about as few as the live ones (or `SWEEP`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ T = TypeVar("T", bound=Queued)
 class ReadyQueue(Generic[T]):
     """Entries by priority, FIFO within one; `len()` counts the live ones."""
 
-    __slots__ = ("_buckets", "_ghosts", "_prios", "_seq", "front", "size")
+    __slots__ = ("_buckets", "_dead", "_ghosts", "_prios", "_seq", "front", "size")
+
+    SWEEP = 1024  # the fewest dead slots that call for a rebuild
 
     def __init__(self) -> None:
         self._buckets: dict[int, deque[T]] = {}
@@ -48,6 +58,9 @@ class ReadyQueue(Generic[T]):
         self.front: deque[T] | None = None
         # (id(entry), priority) -> the entry's ghost slots in that priority's bucket (`move`).
         self._ghosts: dict[tuple[int, int], int] = {}
+        # Slots made dead (discarded, moved away from) since the last look, and the dead ones it
+        # found: more than are there when a taker dropped some at the front meanwhile.
+        self._dead = 0
 
     def push(self, entry: T) -> None:
         bucket = self._buckets.get(entry.priority)
@@ -117,6 +130,9 @@ class ReadyQueue(Generic[T]):
         if entry.qseq >= 0:
             entry.qseq = -1
             self.size -= 1
+            self._dead += 1
+            if self._dead >= self.size and self._dead >= self.SWEEP:
+                self._sweep()
 
     def move(self, entry: T, priority: int) -> None:
         """Change the priority of a queued entry (it goes to the back of its new priority). O(1):
@@ -126,8 +142,38 @@ class ReadyQueue(Generic[T]):
             self._ghosts[key] = self._ghosts.get(key, 0) + 1
             self.front = None
             self.size -= 1
+            self._dead += 1
         entry.priority = priority
         self.push(entry)
+        if self._dead >= self.size and self._dead >= self.SWEEP:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Count the dead slots; rebuild the buckets without them when they are at least half
+        as many as the live entries (or `SWEEP`)."""
+        dead = sum(len(bucket) for bucket in self._buckets.values()) - self.size
+        if 2 * dead < max(self.size, self.SWEEP):
+            self._dead = dead
+            return
+        self._dead = 0
+        ghosts = self._ghosts
+        for priority, bucket in self._buckets.items():
+            live: deque[T] = deque()
+            for entry in bucket:
+                if ghosts:
+                    key = (id(entry), priority)
+                    left = ghosts.get(key)
+                    if left is not None:  # a slot it left when it moved
+                        if left > 1:
+                            ghosts[key] = left - 1
+                        else:
+                            del ghosts[key]
+                        continue
+                if entry.qseq >= 0:
+                    live.append(entry)
+            bucket.clear()
+            bucket.extend(live)  # the same deque: `front` may be it
+        self.front = self._buckets[self._prios[0]] if self._prios and not ghosts else None
 
     def depths(self) -> dict[int, int]:
         """Entries by priority, for status reports: O(priority levels). A discarded entry (a task

@@ -71,7 +71,9 @@ class Behind:
             self._dirty.set()
 
     def backpressure(self) -> asyncio.Future[None] | None:
-        if self._backlog < BACKLOG or self._loop is None:
+        # A writer that stopped writes nothing more: its last future, resolved, would have the
+        # input await it again and again, never yielding to the run that is failing.
+        if self._backlog < BACKLOG or self._loop is None or self.stopped:
             return None
         if self._drained is None:
             self._drained = self._loop.create_future()

@@ -57,7 +57,7 @@ from ._settle import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Collection, Sequence
 
     import asyncpg
 
@@ -118,10 +118,12 @@ async def admit_in(
     forward: bool,
     first_index: int,
     parent_id: str | None,
+    generated: Collection[str] = (),
 ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """`admit` inside the caller's transaction, without its notification: the ids admitted, the
-    tasks made ready (id, kind), the ids skipped. An `InputError` may leave some of the batch
-    written in that transaction: the caller rolls it back (`transaction` does)."""
+    tasks made ready (id, kind), the ids skipped. `generated`: the ids of `tasks` their
+    coordinator generated (its mirror names them first). An `InputError` may leave some of the
+    batch written in that transaction: the caller rolls it back (`transaction` does)."""
     # Whether the input is closed decides whether a waiter of an empty group waits. Read under a
     # share lock of the run's row, taken first: a `close_input` running meanwhile (which updates
     # that row, then closes the groups it then sees) comes wholly before this batch or after it.
@@ -140,7 +142,10 @@ async def admit_in(
         for task in tasks:
             checks.spawn(task, parent, pending)
             pending[task.id] = task
-    batch, unnamed = checks.batch(tasks, where, forward, first_index, parent)
+    batch, unnamed = checks.batch(
+        tasks, where, forward, first_index, parent,
+        [id(task) for task in tasks if task.id in generated] if generated else (),
+    )  # fmt: skip
     if not batch:
         return [], [], []
     # What each task waits for, as `Graph._wire` counts it, task after task (a group's members of

@@ -274,15 +274,18 @@ def merged(group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     merged: list[tuple[str, Any]] = []
     for what, op in group:
         if what == "admit" and merged and merged[-1][0] == "admit":
-            tasks, where, forward, first, wanted = merged[-1][1]
-            more, where2, forward2, first2, wanted2 = op
+            tasks, where, forward, first, wanted, generated = merged[-1][1]
+            more, where2, forward2, first2, wanted2, generated2 = op
             if (where, forward, where2, forward2) == (
                 "input item",
                 False,
                 "input item",
                 False,
             ) and (first2 == first + len(tasks)):
-                merged[-1] = ("admit", (tasks + more, where, forward, first, wanted + wanted2))
+                merged[-1] = (
+                    "admit",
+                    (tasks + more, where, forward, first, wanted + wanted2, generated | generated2),
+                )
                 continue
         if what == "decide" and merged and merged[-1][0] == "decide":
             merged[-1] = ("decide", [*merged[-1][1], op])
@@ -302,8 +305,10 @@ async def fenced_op(
 ) -> bool:
     """One of the coordinator's own writes; True when it may have made tasks ready."""
     if what == "admit":
-        tasks, where, forward, first, wanted = op
-        _, ready, _ = await admit_in(conn, run_id, tasks, admission, where, forward, first, None)
+        tasks, where, forward, first, wanted, generated = op
+        _, ready, _ = await admit_in(
+            conn, run_id, tasks, admission, where, forward, first, None, generated
+        )
         if wanted:  # in the admission's transaction: no keyed task is claimed before its key
             answers.update(
                 await keyed.admit_keys(conn, run_id, wanted, owner=lease.owner, lease=lease.lease)

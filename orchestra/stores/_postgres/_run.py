@@ -213,19 +213,40 @@ class PostgresRun:
             self._memory, tasks, where=where, forward=forward, first_index=first_index
         )
         kept = [t for i, t in enumerate(tasks) if i not in gone] if gone else list(tasks)
-        self._queue("admit", (kept, where, forward, first_index, self._keys_of(kept)))
+        self._queue(
+            "admit", (kept, where, forward, first_index, self._keys_of(kept), self._generated(kept))
+        )
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
         self._take_back()
         _storable((task,), "input item")
         if self._resume.admit_one(self._memory, task, index):
-            self._queue("admit", ([task], "input item", False, index, self._keys_of((task,))))
+            self._queue(
+                "admit",
+                (
+                    [task], "input item", False, index, self._keys_of((task,)),
+                    self._generated((task,)),
+                ),
+            )  # fmt: skip
 
     def close_input(self) -> None:
         self._take_back()
         self._memory.close_input()
         self._queue("close_input", None)
+
+    def _generated(self, tasks: Sequence[Any]) -> set[str]:
+        """The ids of `tasks` the mirror generated (given none): the writer behind sees every
+        task named by then, and the row must say which were not, for a resumed run to generate
+        them again (written as named, a resume took them for the caller's own and gave the same
+        input new ids: every task of the run ran again)."""
+        memory = self._memory
+        generated = set()
+        for task in tasks:
+            record = memory.record_of(task.id)
+            if record is not None and not record.named:
+                generated.add(task.id)
+        return generated
 
     def _keys_of(self, tasks: Sequence[Any]) -> list[tuple[str, str]]:
         """The keys the run's new tasks hold in the run (a follower of another task of the run

@@ -167,11 +167,11 @@ class PostgresStore:
         """
         return self.database.call(admin.latest, limit, after, state)  # type: ignore[no-any-return]
 
-    def run_info(self, run_id: str) -> dict[str, Any] | None:
+    def run_info(self, run_id: str, *, counts: bool = True) -> dict[str, Any] | None:
         """One run of the database as `runs` gives it (its task counts by state, `held`), or
         None when it has no such run: for a reader that follows one run (the service's event
-        stream)."""
-        return self.database.call(admin.run, run_id)  # type: ignore[no-any-return]
+        stream). Without `counts`, no ``counts`` (they scan the run's tasks)."""
+        return self.database.call(admin.run, run_id, counts)  # type: ignore[no-any-return]
 
     def events(
         self, run_id: str, task_id: str | None = None, *, since: float | None = None

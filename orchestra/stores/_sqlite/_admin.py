@@ -68,12 +68,15 @@ def latest(
     return found
 
 
-def run(conn: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
-    """One run as `runs` gives it, or None."""
+def run(conn: sqlite3.Connection, run_id: str, counts: bool = True) -> dict[str, Any] | None:
+    """One run as `runs` gives it, or None; without `counts`, its row alone (no scan of its
+    tasks)."""
     found = _rows(conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)))
     if not found:
         return None
     (one,) = found
+    if not counts:
+        return one
     one["counts"] = dict(
         conn.execute(
             "SELECT state, count(*) FROM tasks WHERE run_id = ? GROUP BY state", (run_id,)

@@ -156,10 +156,11 @@ class SQLiteStore:
         """
         return self.call(admin.latest, limit, after, state)  # type: ignore[no-any-return]
 
-    def run_info(self, run_id: str) -> dict[str, Any] | None:
+    def run_info(self, run_id: str, *, counts: bool = True) -> dict[str, Any] | None:
         """One run of the file as `runs` gives it (its task counts by state), or None when the
-        file has no such run: for a reader that follows one run (the service's event stream)."""
-        return self.call(admin.run, run_id)  # type: ignore[no-any-return]
+        file has no such run: for a reader that follows one run (the service's event stream).
+        Without `counts`, no ``counts`` (they scan the run's tasks)."""
+        return self.call(admin.run, run_id, counts)  # type: ignore[no-any-return]
 
     def events(
         self, run_id: str, task_id: str | None = None, *, since: float | None = None
