@@ -509,3 +509,22 @@ class TestConnections:
         custom = [counts for statement, counts in plans.items() if statement not in generic]
         assert sum(generic for generic, _ in custom) == 0
         assert sum(custom for _, custom in custom) >= 2 * 8
+
+    async def test_in_a_callers_transaction_the_plans_stay_the_sessions(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # A completion and a read of the ends heard run under generic plans by SET LOCAL, which
+        # lasts until the transaction ends: in a caller's, it would reach the caller's statements.
+        await admit(conn, "r", [("t", "a", 0)])
+        worker = await connect(pg_dsn)
+        try:
+            (task,) = await claim(worker, "r", {"a": 1}, owner="w", lease=30)
+            async with worker.transaction():
+                end = End(task.id, task.token, "succeeded", "null")
+                assert await complete(worker, "r", "w", [end]) == [True]
+                after_complete = await worker.fetchval("SHOW plan_cache_mode")
+                assert [row[0] for row in (await follow.heard(worker, "r")).ends] == ["t"]
+                after_heard = await worker.fetchval("SHOW plan_cache_mode")
+        finally:
+            await worker.close()
+        assert (after_complete, after_heard) == ("force_custom_plan", "force_custom_plan")

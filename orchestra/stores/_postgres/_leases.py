@@ -370,6 +370,8 @@ async def complete(
         t.key is not None for tasks in spawning.values() for t in tasks
     )
 
+    generic = not conn.is_in_transaction()
+
     async def step(conn: asyncpg.Connection) -> list[bool]:
         admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
@@ -384,8 +386,10 @@ async def complete(
                 )  # fmt: skip
                 if keyed_spawns:
                     admitted.extend(ids)
-        # The completion and `concerns` have plans that serve any batch (`_settle.GENERIC_PLANS`).
-        await conn.execute(GENERIC_PLANS)
+        # The completion and `concerns` have plans that serve any batch (`_settle.GENERIC_PLANS`),
+        # but in a caller's transaction, which a SET LOCAL would outlast this call into.
+        if generic:
+            await conn.execute(GENERIC_PLANS)
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -400,9 +404,10 @@ async def complete(
         settled = Settled([], [])
         if ended and await concerns(conn, run_id, [task_id for task_id, _ in ended]):
             # What a settle and the keys run next is planned for its batch again (the session's).
-            await conn.execute(SESSION_PLANS)
+            if generic:
+                await conn.execute(SESSION_PLANS)
             settled = await end_cascade(conn, run_id, ended)
-        elif admitted or keyed:
+        elif generic and (admitted or keyed):
             await conn.execute(SESSION_PLANS)
         if admitted:
             # After the settle (a spawn it skipped claims nothing), before the keys of what
