@@ -417,6 +417,29 @@ class TestAWorkerThatRunsForDays:
         assert {row["state"] for row in rows.values()} == {"succeeded"}
         assert kept < 100, f"the worker keeps {kept} outputs of the {n} tasks it ended"
 
+    async def test_keeps_no_record_of_the_tasks_that_failed_on_it(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection
+    ) -> None:
+        # Their ends go to the database as they end; a worker that also kept each one for a
+        # `RunResult.errors` it never builds grew with every failure.
+        from orchestra._record import Record
+
+        @agent(kinds=["work"])
+        async def broken(task: Task, ctx: Context) -> None:
+            raise PermanentError(f"task {task.id}: no such clause")
+
+        n = 600
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(n)])
+        work = Work(Orchestrator(agents=[broken]), pg_dsn, run_id="r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            rows = await until_ended(pg_conn, "r", n)
+            gc.collect()
+            kept = sum(isinstance(o, Record) for o in gc.get_objects())
+            await close_run(pg_conn, "r")
+        assert {row["state"] for row in rows.values()} == {"failed"}
+        assert kept < 100, f"the worker keeps {kept} records of the {n} tasks that failed on it"
+
 
 class TestGroupCommits:
     async def test_tasks_of_one_claim_that_end_together_are_written_in_one_commit(

@@ -92,7 +92,8 @@ class Control:
             cancelled=cancelled,
             skipped=skipped,
         )
-        if (cancelled or skipped) and not quiet:  # quiet: the caller files it (`admitted`)
+        # quiet: the caller files it (`admitted`)
+        if (cancelled or skipped) and not quiet and run.report.keeps_history:
             run.report.cancellations.append(record)
         return record
 

@@ -590,9 +590,12 @@ class LocalRuns:
         orch = self._orch
         config = copy.copy(orch._config)
         config.store = store
-        # Its results go to the shared store as they end; an aggregate of them would keep every
-        # output of a worker that runs for days (the coordinator's run builds the result).
+        # Its results go to the shared store as they end; an aggregate of them, the records of
+        # the tasks that did not succeed or of its cancels (hand-backs) would keep every output
+        # and every failure of a worker that runs for days (the coordinator's run builds the
+        # result).
         config.aggregate = Discard()
+        config.keeps_history = False
         return orch._launch(None, tasks, run_id, config)
 
 

@@ -135,12 +135,14 @@ class Report:
         "cancellations",
         "cancelled",
         "cost",
+        "critical_failed",
         "cut_short",
         "defaulted",
         "ended",
         "errors",
         "failed",
         "fallbacks",
+        "keeps_history",
         "not_ok",
         "peak",
         "per_agent",
@@ -156,7 +158,7 @@ class Report:
         "usage_per_model",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, *, keeps_history: bool = True) -> None:
         self.attempts = 0
         self.retries = 0
         self.fallbacks = 0
@@ -166,7 +168,12 @@ class Report:
         # anything reads what they change or another task's end is counted.
         self.batch: list[Record] = []
         self.per_agent: dict[str, int] = {}
+        # The tasks that did not succeed, for the `RunResult`'s error records, and the cancels;
+        # without `keeps_history`, only the ids of the critical ones that did not succeed (they
+        # decide its status).
+        self.keeps_history = keeps_history
         self.not_ok: list[Record] = []
+        self.critical_failed: list[str] = []
         self.defaulted: list[str] = []
         self.tokens: dict[str, int] = {}
         self.cost = 0.0
@@ -348,7 +355,10 @@ class Report:
         return ended, failed, min(now, now - first)
 
     def _not_ok(self, kind: KindTally, record: Record) -> None:
-        self.not_ok.append(record)
+        if self.keeps_history:
+            self.not_ok.append(record)
+        elif record.task.critical:
+            self.critical_failed.append(record.id)
         status = record.status
         if status is FAILED:
             kind.failed += 1
@@ -429,7 +439,7 @@ class Report:
         succeeded = by_status[SUCCEEDED]
         counted = total + (input_unread or 0)
         rate = succeeded / counted if counted else 1.0
-        critical = [n.id for n in not_ok if n.task.critical]
+        critical = [n.id for n in not_ok if n.task.critical] + self.critical_failed
         if not input_complete and self.reason is not None:
             left = "an unknown number of" if input_unread is None else str(input_unread)
             self.reason += f", before the end of the input ({left} items unread)"

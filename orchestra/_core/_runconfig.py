@@ -38,6 +38,7 @@ class RunConfig:
         "defaults",
         "faults",
         "instruments",
+        "keeps_history",
         "on_threshold_missed",
         "registry",
         "retry",
@@ -91,6 +92,10 @@ class RunConfig:
         self.aggregate = aggregate
         self.seed = seed
         self.on_threshold_missed = on_threshold_missed
+        # Whether the `RunResult` lists every task that did not succeed (`errors`) and every
+        # cancel (`metadata.cancellations`): a worker's local run does not (its ends go to the
+        # shared store, its cancels are hand-backs; over days they would pile up).
+        self.keeps_history = True
 
 
 class RunView(Protocol):
