@@ -17,6 +17,7 @@ import pytest
 
 from orchestra.stores._postgres import _follow as follow
 from orchestra.stores._postgres._leases import (
+    _COMPLETE,
     MAX_LOST,
     End,
     claim,
@@ -28,6 +29,7 @@ from orchestra.stores._postgres._leases import (
     take_back_expired,
 )
 from orchestra.stores._postgres._listen import ENDED, channel_of, notify
+from orchestra.stores._postgres._settle import _CONCERNS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -476,11 +478,13 @@ class TestClocks:
 
 
 class TestConnections:
-    async def test_every_run_of_a_statement_is_planned_for_its_batch(
+    async def test_a_statement_is_planned_for_its_batch_but_those_with_one_plan_for_all(
         self, pg_dsn: str, conn: asyncpg.Connection
     ) -> None:
         # asyncpg prepares each statement once; left to itself, PostgreSQL plans the sixth run
         # and later ones generically, for an array of 10 rows and whatever the statistics said.
+        # The completion and its check of what the ends concern have a generic plan that serves
+        # every batch (tests/test_pg_plans.py): they run under it once it costs no more.
         await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(400)])
         await conn.execute("ANALYZE orchestra.tasks")  # while nothing is leased
         worker = await connect(pg_dsn)
@@ -491,13 +495,36 @@ class TestConnections:
                 assert await heartbeat(worker, "w", held, lease=30) == set()
                 ends = [End(task.id, task.token, "succeeded", "null") for task in batch]
                 assert all(await complete(worker, "r", "w", ends))
-            plans = await worker.fetchrow(
-                "SELECT sum(generic_plans) AS generic, sum(custom_plans) AS custom "
-                "FROM pg_prepared_statements WHERE statement LIKE '%orchestra.tasks%' "
+            rows = await worker.fetch(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%orchestra.%' "
                 "AND statement NOT LIKE '%pg_prepared_statements%'"
             )
         finally:
             await worker.close()
-        assert plans is not None
-        assert plans["generic"] == 0
-        assert plans["custom"] >= 3 * 8
+        generic = {_COMPLETE.strip(), _CONCERNS.strip()}
+        plans = {row[0].strip(): (row[1], row[2]) for row in rows}
+        assert generic <= set(plans)
+        assert all(plans[statement][0] > 0 for statement in generic)
+        custom = [counts for statement, counts in plans.items() if statement not in generic]
+        assert sum(generic for generic, _ in custom) == 0
+        assert sum(custom for _, custom in custom) >= 2 * 8
+
+    async def test_in_a_callers_transaction_the_plans_stay_the_sessions(
+        self, pg_dsn: str, conn: asyncpg.Connection
+    ) -> None:
+        # A completion and a read of the ends heard run under generic plans by SET LOCAL, which
+        # lasts until the transaction ends: in a caller's, it would reach the caller's statements.
+        await admit(conn, "r", [("t", "a", 0)])
+        worker = await connect(pg_dsn)
+        try:
+            (task,) = await claim(worker, "r", {"a": 1}, owner="w", lease=30)
+            async with worker.transaction():
+                end = End(task.id, task.token, "succeeded", "null")
+                assert await complete(worker, "r", "w", [end]) == [True]
+                after_complete = await worker.fetchval("SHOW plan_cache_mode")
+                assert [row[0] for row in (await follow.heard(worker, "r")).ends] == ["t"]
+                after_heard = await worker.fetchval("SHOW plan_cache_mode")
+        finally:
+            await worker.close()
+        assert (after_complete, after_heard) == ("force_custom_plan", "force_custom_plan")

@@ -81,6 +81,36 @@ class TestSubmittingARun:
         runs = (await api.client.get("/api/runs", headers=api.auth("read"))).json()["runs"]
         assert [r["id"] for r in runs] == [first.json()["run_id"]]
 
+    async def test_the_same_key_with_another_request_is_a_409_and_starts_nothing(
+        self, api: Api, tmp_path: Path
+    ) -> None:
+        headers = {**api.auth("submit"), "Idempotency-Key": "k-1"}
+        first = await api.client.post("/api/runs", json=_tasks(("echo", "a")), headers=headers)
+        assert first.status_code == 202
+        other = await api.client.post("/api/runs", json=_tasks(("echo", "b")), headers=headers)
+        assert other.status_code == 409
+        assert other.json()["error"] == "idempotency_key_reused"
+        assert other.json()["field"] == "Idempotency-Key"
+        assert "k-1" in other.json()["message"]
+        await api.handle(first.json()["run_id"])
+        assert api.calls == ["a"]
+        # The same request (its objects' fields in another order) is still the same run; and
+        # a process serving the file afresh knows the key's request too.
+        same = {"tasks": [{"payload": "a", "id": "a", "kind": "echo"}]}
+        again = await api.client.post("/api/runs", json=same, headers=headers)
+        assert again.json() == {"run_id": first.json()["run_id"], "created": False}
+        fresh = SQLiteStore(tmp_path / "service.db")
+        try:
+            async with serving(fresh, concurrency=1) as other_api:
+                reused = await other_api.client.post(
+                    "/api/runs",
+                    json=_tasks(("echo", "b")),
+                    headers={**other_api.auth("submit"), "Idempotency-Key": "k-1"},
+                )
+                assert reused.status_code == 409
+        finally:
+            fresh.close()
+
     async def test_the_same_key_sent_twice_at_once_is_one_run(self, api: Api) -> None:
         body = _tasks(("echo", "a"))
         headers = {**api.auth("submit"), "Idempotency-Key": "together"}
@@ -125,6 +155,26 @@ class TestSubmittingARun:
         assert answer.status_code == 400
         assert "t9" in answer.json()["message"]
         assert "nobody" in answer.json()["message"]
+
+    @pytest.mark.parametrize("by", ["run_id", "Idempotency-Key"])
+    async def test_a_run_refused_at_admission_runs_once_submitted_again_corrected(
+        self, api: Api, by: str
+    ) -> None:
+        name = {"run_id": "typo"} if by == "run_id" else {}
+        headers = {**api.auth("submit"), "Idempotency-Key": "typo"} if by != "run_id" else None
+        headers = headers or api.auth("submit")
+        refused = await api.client.post(
+            "/api/runs", json=_tasks(("ecoh", "a"), **name), headers=headers
+        )
+        assert refused.status_code == 400
+        fixed = await api.client.post(
+            "/api/runs", json=_tasks(("echo", "a"), **name), headers=headers
+        )
+        assert fixed.status_code == 202
+        run_id = fixed.json()["run_id"]
+        assert fixed.json() == {"run_id": run_id, "created": True}
+        assert (await api.handle(run_id)).data == {"a": "a"}
+        assert api.calls == ["a"]
 
     async def test_an_input_without_a_decomposer_is_a_400(self, api: Api) -> None:
         answer = await api.client.post("/api/runs", json={"input": 1}, headers=api.auth("submit"))
@@ -307,6 +357,7 @@ class TestDeadLetters:
         )
         assert answer.status_code == 400
         assert "'a'" in answer.json()["message"]
+        assert answer.json()["field"] == "task_ids"
 
 
 class TestControl:
@@ -552,6 +603,16 @@ class TestAuth:
         with pytest.raises(InputError, match="32 characters"):
             api.service.tokens.ensure("short", "worker", "workers")
 
+    async def test_a_token_given_by_hand_with_a_newline_is_kept_without_it(self, api: Api) -> None:
+        # As `--workers-token "$(<file)"$'\n'` or a mounted secret gives it: the header that
+        # carries it reaches the service stripped, so the token kept must be the same text.
+        text = "v" * 40
+        api.service.tokens.ensure(text + "\n", "worker", "workers")
+        hello = await api.client.get(
+            "/api/workers/hello", headers={"Authorization": f"Bearer {text}"}
+        )
+        assert hello.status_code == 200, hello.text
+
     async def test_health_and_readiness_need_no_token(self, api: Api) -> None:
         assert (await api.client.get("/health")).json() == {"status": "ok"}
         assert (await api.client.get("/ready")).json() == {"status": "ready"}
@@ -589,6 +650,17 @@ _BAD: list[tuple[str, str, Any, int, str]] = [
     ),
     ("POST", "/api/runs", {"tasks": [{"kind": "echo", "depends_on": ["ghost"]}]}, 400, "ghost"),
     ("POST", "/api/runs", [1, 2], 422, ""),
+    # Python's json reads NaN and Infinity; JSON has neither, and a store could not keep them.
+    ("POST", "/api/runs", b'{"tasks": [{"kind": "echo", "payload": NaN}]}', 422, "NaN"),
+    (
+        "POST",
+        "/api/runs",
+        b'{"tasks": [{"kind": "echo", "metadata": {"w": -Infinity}}]}',
+        422,
+        "metadata",
+    ),
+    ("POST", "/api/runs", b'{"input": [1, Infinity]}', 422, "inf"),
+    ("POST", "/tasks", b'{"kind": "echo", "payload": {"x": [NaN]}}', 422, "payload"),
     ("POST", "/api/runs/live/cancel", {}, 422, "at least one"),
     ("POST", "/api/runs/live/cancel", {"priority": [1]}, 422, "priority"),
     ("POST", "/api/runs/live/stop", {"grace": -1}, 422, "grace"),
@@ -711,6 +783,29 @@ class TestBadInput:
         assert isinstance(answer.json(), dict)
         api.gate.set()
         await api.handle(live)
+
+    async def test_a_json_body_sent_as_a_form_says_to_send_its_content_type(self, api: Api) -> None:
+        # `curl -d @run.json` without `-H 'Content-Type: application/json'` sends it as a form.
+        answer = await api.client.post(
+            "/api/runs",
+            content=json.dumps(_tasks(("echo", "a"))).encode(),
+            headers={**api.auth(), "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert answer.status_code == 422
+        (problem,) = answer.json()["detail"]
+        assert problem["loc"] == ["body"]
+        assert "Content-Type: application/json" in problem["msg"]
+        assert "application/x-www-form-urlencoded" in problem["msg"]
+
+    async def test_a_body_that_is_not_utf8_json_says_so(self, api: Api) -> None:
+        answer = await api.client.post(
+            "/api/runs",
+            content=b'{"tasks": [{"kind": "echo", "payload": "caf\xe9"}]}',
+            headers={**api.auth(), "Content-Type": "application/json"},
+        )
+        assert answer.status_code == 400
+        assert answer.json()["error"] == "invalid"
+        assert "UTF-8" in answer.json()["message"]
 
     async def test_a_body_past_the_limit_is_a_413_in_json(self, tmp_path: Path) -> None:
         store = SQLiteStore(tmp_path / "small.db")

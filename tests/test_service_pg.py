@@ -71,6 +71,30 @@ class TestOnPostgres:
             later = await anyio.to_thread.run_sync(lambda: store.events("pg-1", since=mid))
             assert later == [e for e in journal if e["at"] >= mid]
 
+    async def test_an_idempotency_key_with_another_request_is_a_409_and_a_refused_run_runs_fixed(
+        self, store: PostgresStore
+    ) -> None:
+        async with serving(store) as api:
+            headers = {**api.auth("submit"), "Idempotency-Key": "k-pg"}
+            body = {"tasks": [{"kind": "echo", "id": "a", "payload": 1}]}
+            first = await api.client.post("/api/runs", json=body, headers=headers)
+            assert first.status_code == 202
+            other = {"tasks": [{"kind": "echo", "id": "a", "payload": 2}]}
+            reused = await api.client.post("/api/runs", json=other, headers=headers)
+            assert (reused.status_code, reused.json()["error"]) == (409, "idempotency_key_reused")
+            again = await api.client.post("/api/runs", json=body, headers=headers)
+            assert again.json() == {"run_id": first.json()["run_id"], "created": False}
+            await api.handle(first.json()["run_id"])
+            # A run refused at admission lets go of its lease: the same id, fixed, runs now.
+            typo = {"tasks": [{"kind": "ecoh", "id": "a", "payload": 1}], "run_id": "typo"}
+            refused = await api.client.post("/api/runs", json=typo, headers=api.auth("submit"))
+            assert refused.status_code == 400
+            fixed = {"tasks": [{"kind": "echo", "id": "a", "payload": 1}], "run_id": "typo"}
+            started = await api.client.post("/api/runs", json=fixed, headers=api.auth("submit"))
+            assert started.json() == {"run_id": "typo", "created": True}
+            with anyio.fail_after(10):
+                assert (await api.handle("typo")).data == {"a": 1}
+
     async def test_tokens_are_kept_hashed_in_the_database_and_revoked_within_their_ttl(
         self, store: PostgresStore, pg_dsn: str
     ) -> None:

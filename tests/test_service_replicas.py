@@ -262,6 +262,8 @@ class TestControl:
             status = await on_b.get("/api/runs/steered/status")  # asked of A too
             assert status.status_code == 200, status.text
             assert status.json()["state"] == "paused"
+            for replica in (on_a, on_b):  # where it runs, and where it does not
+                assert (await replica.get("/api/runs/steered")).json()["paused"] is True
             await anyio.sleep(0.5)  # the attempts under way (0.05 s each) end
             before = len(_noted(executions))
             await anyio.sleep(1.0)
@@ -269,6 +271,7 @@ class TestControl:
 
             resumed = await on_b.post("/api/runs/steered/resume")
             assert resumed.json() == {"run_id": "steered", "paused": False}
+            assert (await on_b.get("/api/runs/steered")).json()["paused"] is False
             await _until(
                 lambda: anyio.to_thread.run_sync(lambda: len(_noted(executions)) > before + 10)
             )

@@ -533,6 +533,31 @@ class TestTheWorkerCommand:
             assert "has the role 'read'" in said
             assert api.tokens["read"] not in said
 
+    @pytest.mark.subprocess
+    async def test_a_token_read_from_a_file_with_its_newline_is_the_token(
+        self, tmp_path: Path
+    ) -> None:
+        # A secret mounted as a file, or `ORCHESTRA_TOKEN="$(<file)"$'\n'`, keeps its newline:
+        # no token holds whitespace, so it is not the token's; sent, it was an illegal header
+        # that the worker retried as a lost service for its whole budget.
+        async with serving(SQLiteStore(tmp_path / "runs.db")) as api, server(api.app) as url:
+            run_id = await api.submit({"tasks": [{"kind": "echo", "payload": 1}]})
+            await api.handle(run_id)
+            process = spawn(
+                [sys.executable, "-m", "orchestra", "worker", "--url", url, "--agents",
+                 "tests/worker_job.py:agents", "--run-id", run_id],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO),
+                     "ORCHESTRA_TOKEN": api.tokens["worker"] + "\n"},
+            )  # fmt: skip
+            with anyio.fail_after(20):
+                while process.poll() is None:
+                    await anyio.sleep(0.05)
+            assert process.stderr is not None
+            said = " ".join(process.stderr.read().split())
+            assert process.returncode == 0, said
+            assert REPORT.search(said) is not None, said
+
 
 class TestInOneProcess:
     async def test_a_worker_through_the_service_writes_its_spawns_and_its_retries(
@@ -605,6 +630,17 @@ class TestALostService:
             async with ServiceBackend(url, "x" * 40, retry_for=0.5):
                 pass
         assert time.monotonic() - began >= 0.5  # retried until its budget was spent
+
+    async def test_a_request_that_cannot_be_sent_is_an_error_at_once_not_a_lost_service(
+        self, tmp_path: Path
+    ) -> None:
+        from orchestra import StoreError
+        from orchestra.stores._http._worker import ServiceBackend
+
+        async with serving(SQLiteStore(tmp_path / "runs.db")) as api, server(api.app) as url:
+            with anyio.fail_after(5), pytest.raises(StoreError, match="could not send GET"):
+                async with ServiceBackend(url, "x" * 20 + "\n" + "x" * 20, retry_for=30):
+                    pass
 
 
 @pytest.mark.subprocess

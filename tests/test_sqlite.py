@@ -489,6 +489,18 @@ class TestBadValues:
         assert (err.value.task_id, err.value.field) == ("p2", "payload")
         assert seen == []
 
+    async def test_a_refused_input_lets_go_of_its_run_which_then_runs_corrected(
+        self, orch: Orchestrator, store: SQLiteStore, seen: list[str]
+    ) -> None:
+        # Refused before anything ran: the run's hold in the file is let go of at once, so the
+        # same id runs now (a typo fixed), here or in another process, not a lease later.
+        with pytest.raises(InputError, match="no agent serves kind 'wrok'"):
+            await orch.run([Task("wrok", 1, id="p1")], run_id="typo")
+        (run,) = store.runs()
+        assert run["owner"] is None
+        result = await orch.run([Task("work", 1, id="p1")], run_id="typo")
+        assert (result.status, result.data, seen) == ("success", {"p1": {"double": 2}}, ["p1"])
+
     @pytest.mark.parametrize(
         ("task", "field"),
         [

@@ -13,6 +13,7 @@ dispatcher, `finished` folds a result into the aggregate, the report and the res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from .._aggregate import Ordered
 from .._budget import BUDGET_EXCEEDED, BudgetAccount
 from .._clock import loop_time
 from .._events import RunFinished, RunStarted, TaskFinished, TaskReady
+from .._exceptions import StoreError
 from .._failure import describe, with_type
 from .._gc import paused, running
 from .._log import get_logger
@@ -209,7 +211,16 @@ class Run:
         if self.bus.active:
             self.bus.emit(RunStarted(self.t0, self.run_id))
         if whole:  # a whole input is checked before anything runs
-            self.input.admit_whole(source)  # type: ignore[arg-type]
+            try:
+                self.input.admit_whole(source)  # type: ignore[arg-type]
+            except BaseException:
+                # Refused before anything ran: let go of the run in the store (a durable one
+                # holds it, and renews the hold, from `open_run`), so that the same run id,
+                # its input corrected, runs at once here or in another process. The refusal
+                # is what the caller must see, not a failure to let go.
+                with contextlib.suppress(StoreError):
+                    self.store.close()
+                raise
         if self.on_open is not None:
             self.on_open()  # before any attempt: a handle's pause or cancel holds from the start
         if self.instruments is not None:

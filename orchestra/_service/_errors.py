@@ -3,14 +3,18 @@ what is wrong (`ErrorBody`), never a 500.
 
 Routes raise `Refused`; the app's exception handlers (`install`) turn it, and what the layers
 below raise for bad input (`InputError`, `ConfigError`) or an unreachable database (`StoreError`),
-into that body. FastAPI's own 422 for a request that fails validation is kept as it is: its
-``detail`` lists each field at fault (``loc``) and why (``msg``).
+into that body. FastAPI's own 422 for a request that fails validation keeps its shape: its
+``detail`` lists each field at fault (``loc``) and why (``msg``), a body sent with another
+Content-Type than JSON's told so.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+import json
+from typing import TYPE_CHECKING, Any, Final
 
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -83,7 +87,50 @@ async def _http(request: Request, exc: Exception) -> JSONResponse:
     # does not take): its status and message, in the service's body.
     assert isinstance(exc, HTTPException)
     code = _CODES.get(exc.status_code, "refused" if exc.status_code < 500 else "error")
-    return _response(exc.status_code, code, str(exc.detail), None, exc.headers)
+    message = str(exc.detail)
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing the body" says no more
+        message = (
+            f"the body is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+            f"{cause.start}): send JSON encoded in UTF-8"
+        )
+    return _response(exc.status_code, code, message, None, exc.headers)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI reads a body as JSON only when its Content-Type says so (or says nothing): JSON sent
+    # as a form (curl's `-d` without `-H 'Content-Type: application/json'`) fails as "not a
+    # dictionary", which does not say why. The 422 stays FastAPI's; its message says why.
+    assert isinstance(exc, RequestValidationError)
+    sent = request.headers.get("content-type")
+    errors = [{**error, "input": _echo(error.get("input"))} for error in exc.errors()]
+    if sent is not None and not _is_json(sent):
+        errors = [
+            {**error, "msg": f"the body was sent as {sent}, not JSON: send it with the header "
+             "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')"}
+            if tuple(error.get("loc", ())) == ("body",) else error
+            for error in errors
+        ]  # fmt: skip
+    return await request_validation_exception_handler(
+        request, RequestValidationError(errors, body=exc.body)
+    )
+
+
+def _echo(value: Any) -> Any:
+    """A refused value as the 422 echoes it: as it came, unless JSON cannot write it (the NaN
+    Python's `json` read, which the answer would fail on), then as its repr."""
+    try:
+        json.dumps(value, allow_nan=False, default=str)
+    except ValueError:
+        return repr(value)
+    return value
 
 
 _CODES: Final = {400: "invalid", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
@@ -93,6 +140,7 @@ def install(app: FastAPI) -> None:
     """Answer `Refused`, the framework's refusals, bad input and an unusable store with
     `ErrorBody` JSON."""
     app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Refused, _refused)
     app.add_exception_handler(InputError, _bad_input)
     app.add_exception_handler(ConfigError, _bad_input)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .._spec import TaskSpec
+from .._spec import JsonValue, TaskSpec
 
 __all__ = (
     "CancelRequest",
@@ -61,7 +61,7 @@ class SubmitRun(_In):
     `input` for the orchestrator's decomposer; `run_id` to name it (a fresh one by default)."""
 
     tasks: list[TaskSpec] | None = Field(default=None, min_length=1)
-    input: Any = None
+    input: JsonValue = None
     run_id: RunId | None = None
 
     @model_validator(mode="after")
@@ -128,7 +128,10 @@ class RunSummary(BaseModel):
     updated: float | None = None
     counts: dict[str, int] = Field(description="its tasks by state")
     live: bool = Field(description="this service runs it now (it can be controlled here)")
-    paused: bool = False
+    paused: bool = Field(
+        default=False,
+        description="paused, where it runs: here, or (PostgreSQL replicas) by the replica that runs it",
+    )
     held_by: str | None = Field(
         default=None, description="the process that runs it now, when one does"
     )

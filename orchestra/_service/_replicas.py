@@ -189,6 +189,11 @@ class Replicas:
         so."""
         await self.store.database.run(_paused, run_id, paused)
 
+    async def is_paused(self, run_id: str) -> bool:
+        """Whether the run is paused as the replicas wrote it down (`paused`): for a run another
+        replica runs."""
+        return bool(await self.store.database.run(_is_paused, run_id))
+
     async def result(self, run_id: str) -> dict[str, Any] | None:
         """The `RunResult` (as JSON) a replica wrote down when the run ended there, or None."""
         text = await self.store.database.run(_result, run_id)
@@ -334,6 +339,13 @@ async def _paused(conn: asyncpg.Connection, run_id: str, paused: bool) -> None:
     await conn.execute(
         "UPDATE orchestra.service_runs SET paused = $2 WHERE id = $1", run_id, paused
     )
+
+
+async def _is_paused(conn: asyncpg.Connection, run_id: str) -> bool | None:
+    paused: bool | None = await conn.fetchval(
+        "SELECT paused FROM orchestra.service_runs WHERE id = $1", run_id
+    )
+    return paused
 
 
 async def _result(conn: asyncpg.Connection, run_id: str) -> str | None:

@@ -20,6 +20,7 @@ from .._exceptions import InputError
 from .._result import RunResult
 from ._auth import require
 from ._errors import Refused, responses
+from ._keys import request_digest
 from ._models import (
     Cancelled,
     CancelRequest,
@@ -71,7 +72,7 @@ _control = [Depends(require("control"))]
     dependencies=[Depends(require("submit"))],
     responses={
         200: {"model": RunAccepted, "description": "The run this id or key had started."},
-        **responses(400, 401, 403, 413),
+        **responses(400, 401, 403, 409, 413),
     },
 )
 async def submit(
@@ -84,15 +85,17 @@ async def submit(
             alias="Idempotency-Key",
             min_length=1,
             max_length=200,
-            description="The same key always answers the same run, never a second one.",
+            description="The same key always answers the same run, never a second one; "
+            "sent with another request than the one that started its run, a 409.",
         ),
     ] = None,
 ) -> RunAccepted:
     """Start a run: its `tasks`, or an `input` for the orchestrator's decomposer. Answers 202 with
     the run's id once its input is admitted (a bad task is a 400 naming it and its field), or 200
     with the run an earlier request with the same `run_id` or `Idempotency-Key` started."""
+    digest = None if idempotency_key is None else request_digest(body.model_dump(mode="json"))
     run_id, created = await service.submit(
-        tasks=body.tasks, input=body.input, run_id=body.run_id, key=idempotency_key
+        tasks=body.tasks, input=body.input, run_id=body.run_id, key=idempotency_key, digest=digest
     )
     if not created:
         response.status_code = 200
@@ -155,8 +158,12 @@ async def list_runs(
     "/{run_id}", response_model=RunSummary, dependencies=_read, responses=responses(401, 403, 404)
 )
 async def get_run(run: KnownRun, service: ServiceDep) -> RunSummary:
-    """A run: its state, its tasks counted by state, and whether it runs here now."""
-    return _summary(run, service)
+    """A run: its state, its tasks counted by state, whether it runs here now, and whether it is
+    paused (where it runs)."""
+    summary = _summary(run, service)
+    if not summary.live and summary.held_by is not None and service.replicas is not None:
+        summary.paused = await service.replicas.is_paused(summary.id)
+    return summary
 
 
 @router.get(

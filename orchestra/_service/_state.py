@@ -28,10 +28,14 @@ from ..stores import SQLiteStore
 from ..stores._sqlite import _leases as leases
 from ._control import act
 from ._errors import Refused
+from ._keys import Keys
 from ._tokens import TOKEN_TTL, Tokens, Verified
 
 if TYPE_CHECKING:
+    import sqlite3
     from collections.abc import Callable
+
+    import asyncpg
 
     from .._core._handle import RunHandle
     from .._core._orchestrator import Orchestrator
@@ -82,6 +86,7 @@ class Service:
 
             self.replicas = Replicas(self, cast("PostgresStore", store))
         self.tokens = Tokens(store)
+        self.idempotency = Keys(store)
         self.verified = Verified(self.tokens, ttl=token_ttl)
         self.grace = grace
         self.metrics = metrics
@@ -115,12 +120,15 @@ class Service:
         input: Any,
         run_id: str | None,
         key: str | None,
+        digest: str | None = None,
         paused: bool = False,
     ) -> tuple[str, bool]:
         """Start a run (or find the one the same request started, or resume it); its id, and
         whether it is new. With an idempotency `key`, the run's id is the key's own
         (`key_run_id`) unless `run_id` names it: every replica on the store maps one key to one
-        run. `paused`: the run starts paused (a run taken over as it was left)."""
+        run; `digest` (`request_digest`) is the request's, and the key sent with another request
+        than the one it started its run with is a 409. `paused`: the run starts paused (a run
+        taken over as it was left)."""
         if key is not None:
             run_id = self.keys.get(key) or run_id or key_run_id(key)
         self.prune()
@@ -131,24 +139,61 @@ class Service:
         lock = self._starting.setdefault(run_id, anyio.Lock())
         try:
             async with lock:
-                here = self.handle(run_id)
-                if here is not None and not here.done:
-                    return run_id, False
-                stored = await self.read(partial(self.store.run_info, counts=False), run_id)
-                if (stored is None and here is not None) or (
-                    stored is not None
-                    and (stored.get("state") != "open" or holder(stored) is not None)
-                ):
-                    # A run the store holds: the same run, never a second one. One left open that
-                    # no process runs (its process died, or a retry reopened tasks) is resumed
-                    # below with this input: what succeeded is not run again. So is one this
-                    # process stopped (its handle is done, the run left open).
-                    return run_id, False
-                await self._start(tasks, input, run_id, key, paused)
-                return run_id, stored is None
+                unkept: tuple[str, str] | None = None  # the key's first request, and its digest
+                if key is not None and digest is not None:
+                    kept = await self.read(self.idempotency.digest_of, key)
+                    if kept is not None and kept != digest:
+                        raise Refused(
+                            409,
+                            "idempotency_key_reused",
+                            f"Idempotency-Key {key!r} started run {run_id!r} with another "
+                            "request: send that request again to read its run, or this one "
+                            "with a new key",
+                            field="Idempotency-Key",
+                        )
+                    if kept is None:  # written down once the request is answered
+                        unkept = (key, digest)
+                created = await self._submit(tasks, input, run_id, key, paused)
+                if unkept is not None:
+                    await self.read(self.idempotency.keep, unkept[0], run_id, unkept[1])
+                return run_id, created
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._starting.pop(run_id, None)
+
+    async def _submit(
+        self,
+        tasks: list[TaskSpec] | None,
+        input: Any,
+        run_id: str,
+        key: str | None,
+        paused: bool,
+    ) -> bool:
+        """`submit`'s run id, under its lock: start the run, find it, or resume it; whether the
+        request created it."""
+        here = self.handle(run_id)
+        if here is not None and not here.done:
+            return False
+        stored = await self.read(partial(self.store.run_info, counts=False), run_id)
+        if (
+            stored is not None
+            and stored.get("state") != "open"
+            and holder(stored) is None
+            and not await self.read(self.has_tasks, run_id)
+        ):
+            # No task of it was ever admitted (its input was refused, and the run let go of
+            # closed): the request that starts it is this one.
+            stored = None
+        if (stored is None and here is not None) or (
+            stored is not None and (stored.get("state") != "open" or holder(stored) is not None)
+        ):
+            # A run the store holds: the same run, never a second one. One left open that no
+            # process runs (its process died, or a retry reopened tasks) is resumed below with
+            # this input: what succeeded is not run again. So is one this process stopped (its
+            # handle is done, the run left open).
+            return False
+        await self._start(tasks, input, run_id, key, paused)
+        return stored is None
 
     async def _start(
         self,
@@ -215,6 +260,12 @@ class Service:
         """``call(*args)`` (a store's blocking read) in a worker thread: the event loop goes on
         serving while the store's own thread does the reading."""
         return await anyio.to_thread.run_sync(partial(call, *args))
+
+    def has_tasks(self, run_id: str) -> bool:
+        """Whether the store holds a task of `run_id` (one row read, not the run's counts)."""
+        if isinstance(self.store, SQLiteStore):
+            return bool(self.store.call(_sqlite_has_tasks, run_id))
+        return bool(self.store.database.call(_pg_has_tasks, run_id))
 
     async def ping(self) -> None:
         """Ask the store's database the cheapest question (a `StoreError` when it cannot)."""
@@ -296,6 +347,18 @@ def key_run_id(key: str) -> str:
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def _sqlite_has_tasks(conn: sqlite3.Connection, run_id: str) -> bool:
+    return (
+        conn.execute("SELECT 1 FROM tasks WHERE run_id = ? LIMIT 1", (run_id,)).fetchone()
+        is not None
+    )
+
+
+async def _pg_has_tasks(conn: asyncpg.Connection, run_id: str) -> bool:
+    found = await conn.fetchval("SELECT 1 FROM orchestra.tasks WHERE run_id = $1 LIMIT 1", run_id)
+    return found is not None
 
 
 def holder(run: dict[str, Any]) -> str | None:

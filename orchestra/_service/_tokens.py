@@ -201,6 +201,9 @@ class Tokens:
     def ensure(self, token: str, role: str, name: str) -> TokenInfo:
         """Keep `token` (a text chosen elsewhere, ``orchestra serve --workers-token``) with
         `role`, unless the database knows it already; its record."""
+        # Read from a file (a mounted secret), it comes with a newline; an HTTP header's value
+        # reaches the service without its surrounding whitespace, so keep it without too.
+        token = token.strip()
         if len(token) < 32:
             raise InputError(
                 "a token given by hand must be at least 32 characters long (make one with "

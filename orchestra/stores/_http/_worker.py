@@ -112,6 +112,9 @@ class ServiceBackend:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
+        # Read from a file (a mounted secret, `"$(<file)"` and a newline), a token comes with
+        # whitespace no token holds: sent as it is, it is no legal header.
+        token = token.strip()
         if not urls:
             raise StoreError("ServiceBackend: give the service's URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -295,6 +298,10 @@ class ServiceBackend:
                 response = await client.request(
                     method, _API + path, content=content, params=params, timeout=timeout
                 )
+            except httpx.LocalProtocolError as exc:  # never sent: sending again cannot help
+                raise StoreError(
+                    f"could not send {method} {_API}{path} to the service at {self.url}: {exc}"
+                ) from None
             except httpx.TransportError as exc:  # refused, reset, timed out: not answered
                 problem = f"{type(exc).__name__}: {exc}"
             else:

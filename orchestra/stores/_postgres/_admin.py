@@ -516,6 +516,7 @@ async def _retry(
                     else f"task {task_id!r} of run {run_id!r} is {task.state}, not failed: "
                     "only failed tasks are retried",
                     task_id=task_id,
+                    field="task_ids",
                 )
     if not failed:
         return []

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._keyed import spawn_answers
-from ._settle import columns, settle
+from ._settle import GENERIC_PLANS, SESSION_PLANS, columns, settle
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -76,7 +76,11 @@ ORDER BY parent, idx
 
 async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
     """Take the ends of `run_id` that other processes wrote since the last call."""
+    generic = not conn.is_in_transaction()  # (a SET LOCAL would outlast this block in a caller's)
     async with conn.transaction():
+        # These reads are by primary key or a task's parent whatever the batch (GENERIC_PLANS).
+        if generic:
+            await conn.execute(GENERIC_PLANS)
         ends = list(await conn.fetch(_HEARD, run_id, SWEEP_EVERY))
         if not ends:
             return Heard([], [], [], {})
@@ -86,6 +90,8 @@ async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
         answers: dict[str, Answer] = {}
         spawners = sorted({row[0] for row in spawned if row[8] is not None})
         if spawners:
+            if generic:
+                await conn.execute(SESSION_PLANS)
             answers = await spawn_answers(conn, run_id, spawners)
     # The rows read are deleted, and stay in the table and its index, dead, until a vacuum: each
     # read walked them all again (a bitmap scan does not learn that an entry is dead), its cost

@@ -35,9 +35,10 @@ process whose clock is off changes nothing.
 **Connections** for these statements are made with `SERVER_SETTINGS` (`connect` does): each
 statement is planned for the batch it is given. asyncpg prepares a statement once and PostgreSQL
 then settles on a generic plan after five runs, one that assumes an array parameter holds 10 rows
-and, costed with the statistics of a run whose tasks were not leased yet, walks every lease of the
-owner against every row of the batch: a completion of 100 took 2.5 ms planned so, 1.3 ms planned
-for its batch (the planning itself costs a few hundredths of that).
+and, costed with the statistics of a run whose tasks were not leased yet, may walk every lease of
+the owner against every row of the batch (a completion of 100 took 2.5 ms planned so, 1.3 ms
+planned for its batch). A completion is the exception: its statements are written so that their
+generic plan serves every batch, and run under it (`_settle.GENERIC_PLANS`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ from ._keyed import admit_spawned
 from ._keys import finish_tasks
 from ._listen import ENDED, channel_of
 from ._sessions import cut_off
-from ._settle import QUEUE_STEP, settle, transaction
+from ._settle import (
+    GENERIC_PLANS,
+    QUEUE_STEP,
+    SESSION_PLANS,
+    Settled,
+    concerns,
+    end_cascade,
+    settle,
+    transaction,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -288,8 +298,9 @@ WITH ends AS (
         attempts = coalesce(e.attempts, t.attempts), defaulted = e.defaulted,
         started = coalesce(t.started, to_timestamp(e.started))
     FROM ends AS e
-    WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token AND t.lease_owner = $2
-        AND t.state IN ('claimed', 'running')
+    -- (the fence so written: `_settle.GENERIC_PLANS`)
+    WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token
+        AND coalesce(t.lease_owner, '') = $2 AND t.state IN ('claimed', 'running')
     RETURNING t.id, t.key IS NOT NULL AS keyed
 ), refused AS (
     INSERT INTO orchestra.events (run_id, task_id, event, agent, detail)
@@ -359,6 +370,8 @@ async def complete(
         t.key is not None for tasks in spawning.values() for t in tasks
     )
 
+    generic = not conn.is_in_transaction()
+
     async def step(conn: asyncpg.Connection) -> list[bool]:
         admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
@@ -373,6 +386,10 @@ async def complete(
                 )  # fmt: skip
                 if keyed_spawns:
                     admitted.extend(ids)
+        # The completion and `concerns` have plans that serve any batch (`_settle.GENERIC_PLANS`),
+        # but in a caller's transaction, which a SET LOCAL would outlast this call into.
+        if generic:
+            await conn.execute(GENERIC_PLANS)
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -384,7 +401,14 @@ async def complete(
                 [(task_id, f) for task_id, fs in failures.items() if task_id in written for f in fs],
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
-        settled = await settle(conn, run_id, ended)
+        settled = Settled([], [])
+        if ended and await concerns(conn, run_id, [task_id for task_id, _ in ended]):
+            # What a settle and the keys run next is planned for its batch again (the session's).
+            if generic:
+                await conn.execute(SESSION_PLANS)
+            settled = await end_cascade(conn, run_id, ended)
+        elif generic and (admitted or keyed):
+            await conn.execute(SESSION_PLANS)
         if admitted:
             # After the settle (a spawn it skipped claims nothing), before the keys of what
             # ended are written: the spawns' keys and those are locked together, in key order.

@@ -50,6 +50,9 @@ async def _connect(dsn: str) -> asyncpg.Connection:
 
 # `pg_try_advisory_xact_lock` key of the sweep: any constant, the same in every orchestra.
 _SWEEP_LOCK: Final = 0x6F72632D73776570  # "orc-swep"
+_GOODBYE: Final = 5.0
+"""Seconds a process on its way out waits for its goodbye at least, however short its lease: told
+gone, it is gone at once for every reader, not once a sweep finds its beat expired."""
 
 
 class Swept(NamedTuple):
@@ -196,7 +199,7 @@ class Presence:
         try:
             return await self._background.stop(exc_type, exc, tb)
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._lease):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(max(self._lease, _GOODBYE)):
                 await self._stop()
 
     async def _stop(self) -> None:

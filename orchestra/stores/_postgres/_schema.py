@@ -343,7 +343,19 @@ _V7 = (
     "CREATE INDEX runs_by_created ON orchestra.runs (created, id)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
+_V8 = (
+    # The service's idempotency keys (``Idempotency-Key``), shared by every replica: the run each
+    # started and the SHA-256 of the request that started it (`digest`), so that the key sent
+    # again with another request is refused rather than answered with a run it did not ask for.
+    """CREATE TABLE orchestra.service_keys (
+        key text PRIMARY KEY,
+        run_id text NOT NULL,
+        digest text NOT NULL,
+        created timestamptz NOT NULL DEFAULT now()
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

@@ -78,12 +78,15 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 __all__ = (
+    "GENERIC_PLANS",
     "LOCK_GROUPS",
     "QUEUE_STEP",
     "RETRIES",
+    "SESSION_PLANS",
     "Settled",
     "close_input",
     "columns",
+    "concerns",
     "end_cascade",
     "lock_groups",
     "make_ready",
@@ -101,6 +104,17 @@ times this, plus its rank among the tasks queued by the same statement."""
 
 RETRIES: Final = 5
 """A transaction aborted by a deadlock is run again this many times."""
+
+# Connections plan each statement for its parameters (`_leases.SERVER_SETTINGS`), but for the few
+# statements of the hot path that run in a transaction after `GENERIC_PLANS` (until
+# `SESSION_PLANS`): their generic plan (the one PostgreSQL settles on after five runs, when it
+# costs no more than planning each batch) reads the tasks by primary key whatever the batch, and
+# planning each batch again cost more than running it. tests/test_pg_plans.py checks those plans.
+# A completion's fence is written ``coalesce(t.lease_owner, '') = $2`` for that: with
+# ``t.lease_owner = $2`` a generic plan walks the partial index ``tasks_leased`` (every lease of
+# the table, and its dead entries) against every row of the batch instead.
+GENERIC_PLANS: Final = "SET LOCAL plan_cache_mode = auto"
+SESSION_PLANS: Final = "SET LOCAL plan_cache_mode TO DEFAULT"
 
 
 class Settled(NamedTuple):
@@ -157,17 +171,22 @@ async def settle(
     made ready; what waited for anything else is skipped, and so on down; groups count their
     members' ends and close. Notifies the run's channel when something became ready. Call it in
     the transaction that ended them (`_leases.complete` does)."""
-    if not ended:
-        return Settled([], [])
-    if not await conn.fetchval(_CONCERNS, run_id, [task_id for task_id, _ in ended]):
+    if not ended or not await concerns(conn, run_id, [task_id for task_id, _ in ended]):
         return Settled([], [])
     return await end_cascade(conn, run_id, list(ended))
 
 
+async def concerns(conn: asyncpg.Connection, run_id: str, ids: Sequence[str]) -> bool:
+    """Whether the ends of these tasks of `run_id`, written by this transaction, concern anything
+    `settle` would change (dependents, groups, keys): most batches of a run without them do not."""
+    concerned: bool = await conn.fetchval(_CONCERNS, run_id, ids)
+    return concerned
+
+
 # Whether ends concern anything at all (what `_ENDS` reads, with the same snapshot rules: a
 # statement after the ends' own): most batches of a run without dependencies, groups or keys
-# concern nothing, and this is planned in half of `_ENDS`'s time (each is planned for its
-# batch, `_leases.SERVER_SETTINGS`).
+# concern nothing, and this is planned in half of `_ENDS`'s time (a completion runs it under
+# `GENERIC_PLANS`: planned once).
 _CONCERNS = """
 SELECT EXISTS (
     SELECT FROM orchestra.edges WHERE run_id = $1 AND NOT on_group AND source = ANY ($2::text[])

@@ -233,6 +233,7 @@ def retry(
                         else f"task {task_id!r} of run {run_id!r} is {row[0]}, not failed: "
                         "only failed tasks are retried",
                         task_id=task_id,
+                        field="task_ids",
                     )
         reopened = [*failed, *(i for i, state in states.items() if state == "skipped")]
         if reopened:

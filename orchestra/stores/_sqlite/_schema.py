@@ -213,7 +213,19 @@ _V6 = (
     "CREATE INDEX runs_by_created ON runs (created, id)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+_V7 = (
+    # The service's idempotency keys (``Idempotency-Key``): the run each started and the SHA-256
+    # of the request that started it (`digest`), so that the key sent again with another request
+    # is refused rather than answered with a run that request did not ask for.
+    """CREATE TABLE service_keys (
+        key TEXT PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        digest TEXT NOT NULL,
+        created REAL NOT NULL
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 
