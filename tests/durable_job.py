@@ -1,14 +1,17 @@
 """A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
 
 Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]
-[--unnamed]``;
+[--unnamed] [--alone] [--chunk N]``;
 DB a SQLite file, or a PostgreSQL DSN (``postgresql://...``: a `PostgresStore`).
 Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
 test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
 
 The run: 24 tasks ``w0`` … ``w23`` (a few ms each, two at a time), a task ``split`` that spawns
 ``s0`` … ``s2``, and ``total``, which depends on ``w0`` … ``w3``; with ``--unnamed``, ``w4`` …
-``w23`` are given no id (the run generates ``work#1`` … ``work#20``). Kill points (SPEC):
+``w23`` are given no id (the run generates ``work#1`` … ``work#20``). With ``--alone``, the 24
+tasks alone (every one stands alone: a PostgreSQL run resumed streamed reads its ended tasks ahead
+of the input, ``--chunk N`` at a time), and the one with payload 5 fails for good. Kill points
+(SPEC):
 
 - ``calls:N``: SIGKILL inside the N-th agent call of this process (mid-run);
 - ``input:K``: SIGKILL after the streamed input yielded K tasks (mid-admission; with --stream);
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from orchestra import Context, Orchestrator, Task, agent
+from orchestra import Context, Orchestrator, PermanentError, Task, agent
 from orchestra.stores import SQLiteStore
 
 if TYPE_CHECKING:
@@ -59,6 +62,8 @@ async def work(task: Task, ctx: Context) -> dict[str, Any]:
     if task.id == "split":
         for i in range(3):
             ctx.spawn(Task("work", 100 + i, id=f"s{i}"))
+    if ARGS.alone and task.payload == 5:
+        raise PermanentError("five is refused")
     if task.id == "total":
         return {"id": task.id, "value": sum(d["value"] for d in ctx.deps.values())}
     await anyio.sleep(0.4 if ARGS.kill == f"after:{task.id}" else ARGS.sleep)
@@ -69,6 +74,8 @@ async def work(task: Task, ctx: Context) -> dict[str, Any]:
 
 def tasks() -> list[Task]:
     work = [Task("work", i, id=None if ARGS.unnamed and i >= 4 else f"w{i}") for i in range(24)]
+    if ARGS.alone:
+        return work
     return [
         *work,
         Task("work", 0, id="split"),
@@ -96,7 +103,13 @@ async def main() -> None:
     parser.add_argument("--unnamed", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.004)  # each agent call's
     parser.add_argument("--lease", type=float, default=30.0)  # (PostgreSQL)
+    parser.add_argument("--alone", action="store_true")
+    parser.add_argument("--chunk", type=int, default=None)  # (PostgreSQL)
     parser.parse_args(namespace=ARGS)
+    if ARGS.chunk is not None:  # the ended rows a resumed run reads ahead at a time
+        from orchestra.stores._postgres._run import PostgresRun
+
+        PostgresRun.read_ahead = ARGS.chunk
     store: Any
     if ARGS.db.startswith("postgresql://"):
         from orchestra.stores._postgres._store import PostgresStore

@@ -208,10 +208,10 @@ class TestARun:
 JOB = REPO / "tests" / "durable_job.py"
 
 
-def job(dsn: str, calls: Path, *options: str) -> subprocess.CompletedProcess[str]:
-    """Run tests/durable_job.py (run id "r") on `dsn` to its end or to its kill."""
+def job(dsn: str, calls: Path, *options: str, run: str = "r") -> subprocess.CompletedProcess[str]:
+    """Run tests/durable_job.py (run id `run`) on `dsn` to its end or to its kill."""
     return subprocess.run(
-        [sys.executable, str(JOB), dsn, "r", str(calls), *options],
+        [sys.executable, str(JOB), dsn, run, str(calls), *options],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -409,6 +409,83 @@ class TestResumeAfterKill:
         result = RunResult.model_validate_json(again.stdout)
         assert result.data == RunResult.model_validate_json(first.stdout).data
         assert result.metadata.resumed == 29
+
+    @pytest.mark.parametrize(
+        "options",
+        [("--kill", "calls:14"), ("--kill", "input:12"), ("--kill", "calls:14", "--unnamed")],
+        ids=lambda o: " ".join(o),
+    )
+    async def test_a_stream_of_tasks_that_stand_alone_ends_as_an_uninterrupted_run(
+        self, pg_dsn: str, tmp_path: Path, options: tuple[str, ...]
+    ) -> None:
+        # Its ended tasks are read ahead of the input as it comes again, 4 rows at a time here:
+        # the ones that ended before are heard once and never run again, the rest run.
+        alone = ("--stream", "--alone", "--chunk", "4")
+        calls = tmp_path / "calls.txt"
+        killed = await anyio.to_thread.run_sync(
+            functools.partial(job, pg_dsn, calls, *options, *alone)
+        )
+        assert killed.returncode == -9, killed.stderr
+        before = await committed(pg_dsn)
+        ended_before = {i for i, (state, _) in before.items() if state in ("succeeded", "failed")}
+        calls.write_text("")
+        resumed = await anyio.to_thread.run_sync(
+            functools.partial(job, pg_dsn, calls, *options[2:], *alone)
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        result = RunResult.model_validate_json(resumed.stdout)
+        assert not ended_before & set(calls.read_text().split())
+        assert result.metadata.resumed == len(ended_before)
+        assert result.metadata.total == 24
+        assert (result.metadata.counts["succeeded"], result.metadata.counts["failed"]) == (23, 1)
+        (error,) = result.errors
+        # Once refused, never again: before it, at most the attempt the killed process held.
+        assert [a.error_type for a in error.attempts] in (
+            ["PermanentError"],
+            ["LeaseExpired", "PermanentError"],
+        )
+        after = await committed(pg_dsn)
+        assert len(after) == 24
+        assert sorted(state for state, _ in after.values()) == ["failed"] + ["succeeded"] * 23
+        uninterrupted = await anyio.to_thread.run_sync(
+            functools.partial(job, pg_dsn, tmp_path / "other.txt", *options[2:], *alone, run="u")
+        )
+        assert result.data == RunResult.model_validate_json(uninterrupted.stdout).data
+
+
+class TestAResumedStreamInBoundedMemory:
+    async def test_holds_a_chunk_of_the_tasks_that_ended_not_the_whole_run(
+        self, store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A resumed run read every row of the run at once and kept a record of each: 900 MB for
+        # a million-task stream killed half way. It reads the ended ones as the input comes.
+        from orchestra._record import Record
+        from orchestra.stores._postgres._run import PostgresRun
+
+        monkeypatch.setattr(PostgresRun, "read_ahead", 1_000)
+        n = 20_000
+        held: list[int] = []
+        calls: list[int] = []
+
+        @agent(kinds=["work"])
+        async def quick(task: Task, ctx: Context) -> None:
+            calls.append(task.payload)
+
+        async def tasks(sample: bool) -> AsyncIterator[Task]:
+            for i in range(n):
+                if sample and i % 2_500 == 1:  # the first after the run was taken back
+                    gc.collect()
+                    held.append(sum(isinstance(o, Record) for o in gc.get_objects()))
+                yield Task("work", i)
+
+        async with Orchestrator(agents=[quick], store=store, aggregate=Discard()) as orch:
+            await orch.run(tasks(False), run_id="s")
+            calls.clear()
+            again = await orch.run(tasks(True), run_id="s")
+        assert (again.metadata.counts["succeeded"], again.metadata.resumed) == (n, n)
+        assert calls == []
+        assert len(held) == 8
+        assert max(held) <= 2 * 1_000 + 100, f"{held} records held of {n} tasks"
 
 
 def start_job(dsn: str, calls: Path, *options: str) -> subprocess.Popen[str]:

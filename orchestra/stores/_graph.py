@@ -490,6 +490,21 @@ class Graph:
                 live.append(record)
         return live
 
+    def restore_ended(self, records: Sequence[Record]) -> None:
+        """`restore` for records that ended, then kept as `release` keeps a task that ends in a
+        streamed run: a succeeded one with no group or key forgotten, its output kept when
+        later input may name it (its id was given)."""
+        self.restore(records, ())
+        if not self._compact:
+            return
+        compacted = self._compacted
+        for record in records:
+            task = record.task
+            if record.state is SUCCEEDED and not task.tags and task.key is None:
+                del self.records[record.id]
+                if record.named:
+                    compacted[record.id] = record.output
+
     # -- a worker's run: nothing kept of an ended task -------------------------------------------
 
     def forget(self, task_id: str) -> None:

@@ -557,3 +557,8 @@ class MemoryRun:
         self.unfinished += len(live)
         self.pending += len(live)
         self._wire(live)
+
+    def restore_ended(self, records: Sequence[Record]) -> None:
+        """Take back stored records that ended (`restore`'s ended ones) as a streamed run keeps
+        the tasks that end in it: a succeeded one compacted away (`Graph.restore_ended`)."""
+        self._graph.restore_ended(records)

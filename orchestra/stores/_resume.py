@@ -9,6 +9,8 @@ task's timeout starts again). The run hears the ended ones (`finished`) when the
 again, so the aggregate and the report are those of an uninterrupted run. Re-admitted input is
 matched by id (generated ids are generated again in the same order): the same task takes its place
 (the agent gets the caller's payload object again), a different one is refused with `InputError`.
+A streamed PostgreSQL run whose tasks stand alone reads its ended rows ahead of that input, a chunk
+at a time, instead of all at once (`Resume`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .._exceptions import InputError
 from .._task import TERMINAL, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from .._admission import Admission
     from .._record import Record
@@ -58,9 +60,20 @@ class Remote(Protocol):
 
 
 class Resume:
-    """What an earlier process left of one run, and the input admitted again matched against it."""
+    """What an earlier process left of one run, and the input admitted again matched against it.
 
-    __slots__ = ("_admission", "_loaded", "_rows", "run_id", "stored")
+    Read whole (`loaded` every row), or, for a streamed run whose tasks stand alone (no
+    dependency, group, key or spawn: `ahead` given), its unfinished tasks at once and its ended
+    ones a chunk at a time as the input comes again: a chunk is read when the input reaches the
+    index of the last row read, its tasks heard as ended and kept as the run keeps a task that
+    ended in it (a succeeded one compacted away), each stored row let go of once its input item
+    came again. What the run holds stays a chunk, not the run, and it starts at once."""
+
+    __slots__ = (
+        "_admission", "_ahead", "_frontier", "_lazy", "_listener", "_loaded", "_memory", "_next",
+        "_rows", "ended",
+        "run_id", "stored",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -68,12 +81,24 @@ class Resume:
         admission: Admission,
         rows: Reader,
         loaded: tuple[list[Any], list[Any]] | None,
+        ahead: Callable[[], tuple[list[Any], list[Any], int | None]] | None = None,
     ) -> None:
         self.run_id = run_id
         self._admission = admission
         self._rows = rows
         self._loaded = loaded  # (task rows, attempt rows) until they are taken back; None: none
-        # The tasks the file held, once taken back: id -> (record, payload JSON).
+        # The next chunk of the ended tasks' rows in input order: (task rows, their failed
+        # attempts' rows, the index of the last row, or None once no row is left). None: every
+        # row was in `loaded`, or all of them are read.
+        self._ahead = ahead
+        self._lazy = ahead is not None
+        self._frontier = -1  # the index of the last row `ahead` gave: every one before is read
+        self._next = 0  # the index of the next input item
+        self._memory: MemoryRun | None = None
+        self._listener: Listener | None = None
+        self.ended = 0  # the stored tasks that had ended, heard so far
+        # The tasks the file held, once taken back: id -> (record, payload JSON). Read ahead,
+        # an ended task's entry goes once its input item came again.
         self.stored: dict[str, tuple[Record, str]] = {}
 
     def take_back(self, memory: MemoryRun, listener: Listener, sharing: Remote) -> int:
@@ -85,6 +110,8 @@ class Resume:
             return 0
         rows, attempt_rows = self._loaded
         self._loaded = None
+        self._memory = memory
+        self._listener = listener
         failures = self._rows.failures(attempt_rows)
         stored: dict[str, tuple[Record, str]] = {}
         records = [self._rows.record(row, stored, failures) for row in rows]
@@ -100,7 +127,57 @@ class Resume:
         ended = [r for r in records if r.state in TERMINAL]
         for record in ended:
             listener.finished(record)
+        self.ended += len(ended)
         return len(ended) + sharing.resume(records, rows)
+
+    def read_up_to(self, last: float) -> None:
+        """Read the stored ended tasks ahead (`ahead`) until every one with an index up to
+        `last` is read (`math.inf`: all of them): each heard as ended, kept as the run keeps a
+        task that ended in it (`MemoryRun.restore_ended`). Before input with those indices is
+        matched: a stored task must be known when its item comes again."""
+        ahead = self._ahead
+        memory = self._memory
+        listener = self._listener
+        if ahead is None or memory is None or listener is None:
+            return
+        rows = self._rows
+        stored = self.stored
+        while self._frontier <= last:
+            chunk, attempt_rows, frontier = ahead()
+            if frontier is None:
+                self._ahead = None  # read out: the run may end as the last of them is heard
+            failures = rows.failures(attempt_rows)
+            records = [rows.record(row, stored, failures) for row in chunk]
+            memory.restore_ended(records)
+            self.ended += len(records)
+            for record in records:
+                listener.finished(record)
+            if frontier is None:
+                return
+            self._frontier = frontier
+
+    def wants(self, margin: int) -> bool:
+        """Whether the next chunk read ahead is due: the input is within `margin` items of the
+        last row read (the store may read it while the input waits, not as it is admitted)."""
+        return (
+            self._ahead is not None
+            and self._memory is not None
+            and self._frontier < self._next + margin
+        )
+
+    def _let_go(self, tasks: Sequence[Any]) -> None:
+        """Read ahead, the stored ended tasks whose input items came again are not looked up
+        any more (an item comes once, and generated ids only grow): their entries go."""
+        if not self._lazy:
+            return
+        stored = self.stored
+        for task in tasks:
+            task_id = getattr(task, "id", None)
+            if not isinstance(task_id, str):
+                continue
+            found = stored.get(task_id)
+            if found is not None and found[0].state in TERMINAL:
+                del stored[task_id]
 
     def knows(self, task_id: str) -> bool:
         """Whether the file held `task_id` (its row is written: not a new task)."""
@@ -128,9 +205,12 @@ class Resume:
         the indices (in `tasks`) of the ones gone, not admitted."""
         generated: set[int] = set()
         gone: list[int] = []
+        self.read_up_to(first_index + len(tasks) - 1)
+        self._next = max(self._next, first_index + len(tasks))
         if self.stored:
             generated = self.match(tasks, first_index)
             gone = [i for i, task in enumerate(tasks) if self.gone(task, memory)]
+            self._let_go(tasks)
         if not gone:
             added = memory.admit(
                 tasks, where=where, forward=forward, first_index=first_index, generated=generated
@@ -155,9 +235,13 @@ class Resume:
     def admit_one(self, memory: MemoryRun, task: Any, index: int) -> bool:
         """`admit` for one item of a streamed input; False when it is gone (not admitted)."""
         generated = False
+        self.read_up_to(index)
+        self._next = max(self._next, index + 1)
         if self.stored:
             generated = bool(self.match((task,), index))
-            if self.gone(task, memory):
+            gone = self.gone(task, memory)
+            self._let_go((task,))
+            if gone:
                 return False
         memory.admit_one(task, index, generated=generated)
         return True

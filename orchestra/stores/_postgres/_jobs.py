@@ -29,11 +29,12 @@ from . import _keys as keys
 from . import _leases as leases
 from ._graph import admit_in
 from ._listen import notify
-from ._rows import load
+from ._rows import load, load_unfinished
 from ._sessions import cut_off
 from ._settle import RETRIES, close_input
 
 if TYPE_CHECKING:
+    import datetime
     from collections.abc import Awaitable, Callable
 
     from ..._admission import Admission
@@ -105,15 +106,24 @@ def _alive(pid: int) -> bool:
 
 
 async def open_run(
-    conn: asyncpg.Connection, run_id: str, owner: str, lease: float
-) -> tuple[coordinator.Lease | coordinator.Holder, list[Any], list[Any], list[tuple[str, str]]]:
+    conn: asyncpg.Connection, run_id: str, owner: str, lease: float, streamed: bool = False
+) -> tuple[
+    coordinator.Lease | coordinator.Holder,
+    list[Any],
+    list[Any],
+    list[tuple[str, str]],
+    datetime.datetime | None,
+]:
     """Take the run (made when new) and read what an earlier coordinator left of it; the tasks
-    that coordinator held are taken back at once (their attempts counted), its process gone."""
+    that coordinator held are taken back at once (their attempts counted), its process gone.
+    A `streamed` run whose tasks stand alone reads its unfinished tasks only (`load_unfinished`),
+    the ended ones later, as its input comes again: the last value is then the database's time
+    as it read them (None: every row is read)."""
     taken = await coordinator.acquire(conn, run_id, owner=owner, lease=lease)
     if taken is None:
         holder = await coordinator.holder(conn, run_id)
         assert holder is not None  # acquire makes the run
-        return holder, [], [], []
+        return holder, [], [], [], None
     await conn.execute("UPDATE orchestra.runs SET state = 'open' WHERE id = $1", run_id)
     # The earlier coordinators of the run (the journal names each) are gone or fenced off: what
     # they held is taken back now, not when its lease would lapse; and a stopped one's session
@@ -132,12 +142,19 @@ async def open_run(
     )  # fmt: skip
     if expired:
         await leases.take_back_expired(conn, run_id)
-    rows, attempts = await load(conn, run_id)
+    # A run new or empty has no row: nothing to read ahead.
+    exists = await conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM orchestra.tasks WHERE run_id = $1)", run_id
+    )
+    alone = await load_unfinished(conn, run_id) if streamed and exists else None
+    rows, attempts = alone[:2] if alone is not None else await load(conn, run_id)
     held: list[tuple[str, str]] = []
-    if rows:  # the run's holds of keys are this coordinator's now; what waited, waits again
+    if rows and alone is None:
+        # The run's holds of keys are this coordinator's now; what waited, waits again (a run
+        # read ahead holds no key).
         await keys.adopt(conn, run_id, owner=owner, lease=lease)
         held = await keyed.held_back(conn, run_id)
-    return taken, rows, attempts, held
+    return taken, rows, attempts, held, None if alone is None else alone[2]
 
 
 async def claim_step(

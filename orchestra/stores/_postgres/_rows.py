@@ -19,22 +19,55 @@ from ..._task import (
 )
 
 if TYPE_CHECKING:
+    import datetime
+
     import asyncpg
 
-__all__ = ("STATES", "Rows", "load")
+__all__ = ("CHUNK", "STATES", "Rows", "ended_after", "load", "load_unfinished")
 
 STATES: Final = STATE_OF  # the interned constants: the engine compares states by `is`
 
 # A spawner's row before its spawns' (they are admitted in a later transaction), a batch's rows in
 # their order.
-_TASKS = """
+_COLUMNS = """
 SELECT id, parent, idx, named, kind, payload::text, depends_on, depends_on_tags, tags, key,
     timeout, critical, metadata::text, priority, state, attempts, agent_tries, target, tried,
     feedback::text, extract(epoch FROM started)::float8, extract(epoch FROM finished)::float8,
     output::text, agent, error, error_type, defaulted, took_key
-FROM orchestra.tasks WHERE run_id = $1
-ORDER BY admitted, parent IS NOT NULL, idx
+FROM orchestra.tasks WHERE run_id = $1"""
+
+_TASKS = _COLUMNS + " ORDER BY admitted, parent IS NOT NULL, idx"
+
+_ENDED = ["succeeded", "failed", "cancelled", "skipped"]
+
+# A run whose every task stands alone: none waits for another or a group, holds a key or was
+# spawned. Its ended tasks matter to nothing but themselves, so a streamed run reads them as
+# its input comes again (`load_unfinished`, `ended_after`), not all at once.
+_ALONE = """
+SELECT NOT EXISTS (
+    SELECT 1 FROM orchestra.tasks WHERE run_id = $1 AND (
+        parent IS NOT NULL OR key IS NOT NULL OR took_key OR cardinality(depends_on) > 0
+        OR cardinality(depends_on_tags) > 0 OR cardinality(tags) > 0))
 """
+
+_UNFINISHED = _COLUMNS + " AND state <> ALL ($2::text[]) ORDER BY idx, id"
+
+# Keyset-paged in input order: each page one short statement (no transaction held open for the
+# replay, which the sessions' idle-in-transaction timeout would cut), a scan of the run's rows
+# (no index on `idx`: one more entry a task on the admission path, for the resume alone).
+_ENDED_AFTER = (
+    _COLUMNS + " AND state = ANY ($2::text[]) AND (idx, id) > ($3, $4) AND admitted < $6"
+    " ORDER BY idx, id LIMIT $5"
+)
+
+_ATTEMPTS_OF = """
+SELECT task_id, number, agent, error_type, message, extract(epoch FROM started)::float8,
+    duration, retry_in, traceback, status_code, api_error_type, request_id
+FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
+ORDER BY task_id, number
+"""
+
+CHUNK: Final = 20_000  # ended rows read at a time (`ended_after`)
 
 _ATTEMPTS = """
 SELECT task_id, number, agent, error_type, message, extract(epoch FROM started)::float8,
@@ -50,6 +83,39 @@ async def load(conn: asyncpg.Connection, run_id: str) -> tuple[list[Any], list[A
     if not tasks:
         return [], []
     return tasks, list(await conn.fetch(_ATTEMPTS, run_id))
+
+
+async def load_unfinished(
+    conn: asyncpg.Connection, run_id: str
+) -> tuple[list[Any], list[Any], datetime.datetime] | None:
+    """For a run whose tasks all stand alone (`_ALONE`), the rows of its unfinished tasks and of
+    their failed attempts, and the database's time as it read them (what `ended_after` reads is
+    what was admitted before); None for any other run (read whole: `load`)."""
+    if not await conn.fetchval(_ALONE, run_id):
+        return None
+    now = await conn.fetchval("SELECT now()")
+    tasks = list(await conn.fetch(_UNFINISHED, run_id, _ENDED))
+    return tasks, await _attempts_of(conn, run_id, tasks), now
+
+
+async def ended_after(
+    conn: asyncpg.Connection,
+    run_id: str,
+    after: tuple[int, str],
+    before: datetime.datetime,
+    limit: int = CHUNK,
+) -> tuple[list[Any], list[Any]]:
+    """The next `limit` rows of `run_id`'s ended tasks after `after` (index, id), in input
+    order, admitted `before` (by an earlier process), and their failed attempts' rows."""
+    tasks = list(await conn.fetch(_ENDED_AFTER, run_id, _ENDED, after[0], after[1], limit, before))
+    return tasks, await _attempts_of(conn, run_id, tasks)
+
+
+async def _attempts_of(conn: asyncpg.Connection, run_id: str, tasks: list[Any]) -> list[Any]:
+    # Only a task that failed an attempt has rows there: one that did not succeed, or took more
+    # than one attempt (a lease lost is counted as one).
+    ids = [row[0] for row in tasks if row[14] != "succeeded" or row[15] > 1]
+    return list(await conn.fetch(_ATTEMPTS_OF, run_id, ids)) if ids else []
 
 
 class Rows:
@@ -112,3 +178,8 @@ class Rows:
 
     def took_key(self, row: Any) -> bool:
         return bool(row[27])
+
+    @staticmethod
+    def position(row: Any) -> tuple[int, str]:
+        """Where a row stands in input order (`ended_after`): its index, then its id."""
+        return row[2], row[0]

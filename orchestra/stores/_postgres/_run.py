@@ -56,7 +56,7 @@ from ._behind import Behind
 from ._graph import row_json
 from ._hearing import Hearing
 from ._listen import Wakeup, channel_of
-from ._rows import Rows
+from ._rows import CHUNK, Rows, ended_after
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -76,6 +76,7 @@ class PostgresRun:
     """One run of a `PostgresStore`, as its coordinator sees it (module docstring)."""
 
     quiet = None  # the mirror's listener: it hears every end (to write down what it decides)
+    read_ahead = CHUNK  # a resumed stream's ended rows read at a time (`_read_ahead`)
 
     def __init__(
         self,
@@ -88,7 +89,6 @@ class PostgresRun:
         compact: bool,
     ) -> None:
         self.run_id = run_id
-        self.resumed = 0
         self._store = store
         self._db = store.database
         self._listener = listener
@@ -112,8 +112,8 @@ class PostgresRun:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand (the contract suite): every call writes at once
             self._loop = None
-        taken, rows, attempts, held_back = self._db.call(
-            jobs.open_run, run_id, self.name, store.lease
+        taken, rows, attempts, held_back, ahead = self._db.call(
+            jobs.open_run, run_id, self.name, store.lease, compact
         )
         if isinstance(taken, coordinator.Holder):
             raise StoreError(
@@ -125,7 +125,18 @@ class PostgresRun:
         self._lease: coordinator.Lease = taken
         # What an earlier coordinator left of the run, taken back when the input comes again.
         reader = Rows(self._wall0, self._wall0 - memory.t0)
-        self._resume = Resume(run_id, admission, reader, (rows, attempts) if rows else None)
+        # Read ahead (`_read_ahead`): the rows admitted before `ahead` (by earlier processes)
+        # that had ended by then, after the last one read; not the ones unfinished then, taken
+        # back now and heard when they end here.
+        self._ahead = ahead
+        self._after = (-1, "")
+        self._taken_back = {row[0] for row in rows} if ahead is not None else set()
+        self._reading: Future[Any] | None = None  # the next chunk, read while the input waits
+        self._resume = Resume(
+            run_id, admission, reader,
+            (rows, attempts) if rows or ahead is not None else None,
+            None if ahead is None else self._read_ahead,
+        )  # fmt: skip
         del memory
         self._wakeup = Wakeup()
         self._hearing = Hearing(
@@ -154,6 +165,11 @@ class PostgresRun:
     @property
     def unfinished(self) -> int:
         return self._memory.unfinished
+
+    @property
+    def resumed(self) -> int:
+        """Tasks that had ended in an earlier coordinator, heard so far (`Resume.ended`)."""
+        return self._resume.ended
 
     @property
     def pending(self) -> int:
@@ -232,8 +248,30 @@ class PostgresRun:
 
     def close_input(self) -> None:
         self._take_back()
+        self._resume.read_up_to(math.inf)  # what the input did not give again, heard now
         self._memory.close_input()
         self._queue("close_input", None)
+
+    def _read_ahead(self) -> tuple[list[Any], list[Any], int | None]:
+        """The next chunk of the run's ended rows, for `Resume` to read ahead of the input."""
+        assert self._ahead is not None
+        chunk = self.read_ahead
+        reading, self._reading = self._reading, None
+        if reading is not None:  # asked for by `backpressure`: its answer, or waited for
+            rows, attempts = reading.result()
+        else:
+            rows, attempts = self._db.call(
+                ended_after, self.run_id, self._after, self._ahead, chunk
+            )
+        read = len(rows)
+        if read:
+            self._after = Rows.position(rows[-1])
+        taken_back = self._taken_back
+        if taken_back:
+            rows = [row for row in rows if row[0] not in taken_back]
+        if read < chunk:
+            return rows, attempts, None
+        return rows, attempts, self._after[0]
 
     def _generated(self, tasks: Sequence[Any]) -> set[str]:
         """The ids of `tasks` the mirror generated (given none): the writer behind sees every
@@ -268,7 +306,7 @@ class PostgresRun:
         """What an earlier coordinator left of this run, taken back as the input starts coming
         (the ends it saw heard by the run; what other processes hold stays theirs: ready in the
         mirror, claimed in the database until they end it or their lease lapses)."""
-        self.resumed += self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
+        self._resume.take_back(self._memory, self._listener, _NO_REMOTE)
         held_back = self._held_back
         if held_back is not None:
             self._held_back = None  # the mirror has every task now: the claimer may look
@@ -276,8 +314,21 @@ class PostgresRun:
                 self._hearing.wait_key(key, task_id, 0.0)
             self._wakeup.set()
 
-    def backpressure(self) -> asyncio.Future[None] | None:
-        return self._behind.backpressure()
+    def backpressure(self) -> asyncio.Future[Any] | None:
+        behind = self._behind.backpressure()
+        if behind is not None or self._loop is None or self._ahead is None:
+            return behind
+        # A resumed stream's next chunk of ended rows is read while the input waits for it, half
+        # a chunk ahead: the input (matched, not run) never waits on the writer, and it would
+        # otherwise take every chunk in one turn of the loop, the run deaf (no status) meanwhile.
+        reading = self._reading
+        if reading is None and self._resume.wants(self.read_ahead // 2):
+            reading = self._reading = self._db.submit(
+                ended_after, self.run_id, self._after, self._ahead, self.read_ahead
+            )
+        if reading is not None and not reading.done():  # a resolved one: read, not awaited again
+            return asyncio.wrap_future(reading, loop=self._loop)
+        return None
 
     def check_spawn(self, task: Task, parent: Any, pending: dict[str, Task]) -> None:
         self._memory.check_spawn(task, parent, pending)
