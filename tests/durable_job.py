@@ -1,7 +1,7 @@
 """A script for tests/test_sqlite.py: a durable run that can kill itself with SIGKILL at a point.
 
 Usage: ``python tests/durable_job.py DB RUN_ID CALLS [--kill SPEC] [--window S] [--stream]
-[--unnamed] [--alone] [--chunk N]``;
+[--unnamed] [--alone] [--chunk N] [--iter]``;
 DB a SQLite file, or a PostgreSQL DSN (``postgresql://...``: a `PostgresStore`).
 Every agent call appends ``<task id>`` to the file CALLS (flushed before the agent goes on), so the
 test knows what ran in which process. The `RunResult` is written as JSON to stdout, alone.
@@ -10,7 +10,8 @@ The run: 24 tasks ``w0`` … ``w23`` (a few ms each, two at a time), a task ``sp
 ``s0`` … ``s2``, and ``total``, which depends on ``w0`` … ``w3``; with ``--unnamed``, ``w4`` …
 ``w23`` are given no id (the run generates ``work#1`` … ``work#20``). With ``--alone``, the 24
 tasks alone (every one stands alone: a PostgreSQL run resumed streamed reads its ended tasks ahead
-of the input, ``--chunk N`` at a time), and the one with payload 5 fails for good. Kill points
+of the input, ``--chunk N`` at a time), and the one with payload 5 fails for good. With ``--iter``
+the input is a plain generator (admitted in chunks, not an item at a time). Kill points
 (SPEC):
 
 - ``calls:N``: SIGKILL inside the N-th agent call of this process (mid-run);
@@ -105,6 +106,7 @@ async def main() -> None:
     parser.add_argument("--lease", type=float, default=30.0)  # (PostgreSQL)
     parser.add_argument("--alone", action="store_true")
     parser.add_argument("--chunk", type=int, default=None)  # (PostgreSQL)
+    parser.add_argument("--iter", action="store_true")
     parser.parse_args(namespace=ARGS)
     if ARGS.chunk is not None:  # the ended rows a resumed run reads ahead at a time
         from orchestra.stores._postgres._run import PostgresRun
@@ -119,6 +121,8 @@ async def main() -> None:
         store = SQLiteStore(ARGS.db, window=ARGS.window)
     orch = Orchestrator(agents=[work], store=store, concurrency=2, seed=1)
     source: Any = streamed() if ARGS.stream else tasks()
+    if ARGS.iter:
+        source = (task for task in tasks())
     result = await orch.run(source, run_id=ARGS.run_id)
     store.close()
     sys.stdout.write(result.model_dump_json())

@@ -412,7 +412,12 @@ class TestResumeAfterKill:
 
     @pytest.mark.parametrize(
         "options",
-        [("--kill", "calls:14"), ("--kill", "input:12"), ("--kill", "calls:14", "--unnamed")],
+        [
+            ("--kill", "calls:14"),
+            ("--kill", "input:12"),
+            ("--kill", "calls:14", "--unnamed"),
+            ("--kill", "calls:14", "--iter"),
+        ],
         ids=lambda o: " ".join(o),
     )
     async def test_a_stream_of_tasks_that_stand_alone_ends_as_an_uninterrupted_run(
@@ -451,6 +456,19 @@ class TestResumeAfterKill:
             functools.partial(job, pg_dsn, tmp_path / "other.txt", *options[2:], *alone, run="u")
         )
         assert result.data == RunResult.model_validate_json(uninterrupted.stdout).data
+        # Each row stands at its task's place in the input, as in the uninterrupted run (a
+        # resumed chunk whose first items had ended wrote the rest from the chunk's first index).
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            places: dict[str, dict[str, int]] = {}
+            for run in ("r", "u"):
+                rows = await conn.fetch(
+                    "SELECT id, idx FROM orchestra.tasks WHERE run_id = $1", run
+                )
+                places[run] = {row["id"]: row["idx"] for row in rows}
+        finally:
+            await conn.close()
+        assert places["r"] == places["u"]
 
 
 class TestAResumedStreamInBoundedMemory:

@@ -228,10 +228,20 @@ class PostgresRun:
         added, gone = self._resume.admit(
             self._memory, tasks, where=where, forward=forward, first_index=first_index
         )
-        kept = [t for i, t in enumerate(tasks) if i not in gone] if gone else list(tasks)
-        self._queue(
-            "admit", (kept, where, forward, first_index, self._keys_of(kept), self._generated(kept))
-        )
+        # Each row is written at its task's place in the input: what a resume found done (`gone`)
+        # splits the rest into runs, each admitted from its own first index.
+        start = 0
+        for i in (*sorted(gone), len(tasks)) if gone else (len(tasks),):
+            if i > start:
+                kept = list(tasks[start:i])
+                self._queue(
+                    "admit",
+                    (
+                        kept, where, forward, first_index + start, self._keys_of(kept),
+                        self._generated(kept),
+                    ),
+                )  # fmt: skip
+            start = i + 1
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
