@@ -258,6 +258,9 @@ class Worker:
         self.writing: list[tuple[Claim, TaskResult]] = []  # ended, being written
         # Handed back while it waited: its local end (a cancel) is still to come out of the run.
         self.passing: set[str] = set()
+        # The tasks whose lease a renewal found lost, cancelled here: counted `lost` when their
+        # cancelled end comes, or `refused` if they ended otherwise first (each task once).
+        self.losing: set[str] = set()
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -507,9 +510,14 @@ class Worker:
             del self.held[claimed.id]
             noted.pop(claimed.id, None)
             self.spawned.pop(claimed.id, None)
+            losing = claimed.id in self.losing
+            self.losing.discard(claimed.id)
             if ok:
                 self.report.completed += 1
-            elif result.status is not CANCELLED:
+            elif result.status is CANCELLED:
+                if losing:
+                    self.report.lost += 1
+            else:
                 self.report.refused += 1
                 log.warning(
                     "completion refused: the lease was lost",
@@ -564,7 +572,7 @@ class Worker:
                 i for i, c in self.held.items() if (c.run_id, c.id) in lost_here and i not in ended
             ]
             if lost:
-                self.report.lost += len(lost)
+                self.losing.update(lost)
                 log.warning("leases lost: cancelling", worker=self.name, task_ids=lost)
                 handle.cancel(task_id=lost)
 
