@@ -192,8 +192,8 @@ class TestARun:
         from orchestra import InputError
 
         async with Orchestrator(agents=[double], store=store) as orch:
-            with pytest.raises(InputError, match="no agent serves kind 'wrok'"):
-                await orch.run([Task("wrok", {"n": 1}, id="x")], run_id="typo")
+            with pytest.raises(InputError, match="no agent serves kind 'analyse'"):
+                await orch.run([Task("analyse", {"n": 1}, id="x")], run_id="typo")
             conn = await asyncpg.connect(pg_dsn)
             try:
                 owner = await conn.fetchval("SELECT owner FROM orchestra.runs WHERE id='typo'")

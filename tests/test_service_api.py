@@ -800,7 +800,7 @@ class TestBadInput:
     async def test_a_body_that_is_not_utf8_json_says_so(self, api: Api) -> None:
         answer = await api.client.post(
             "/api/runs",
-            content=b'{"tasks": [{"kind": "echo", "payload": "caf\xe9"}]}',
+            content=b'{"tasks": [{"kind": "echo", "payload": "na\xefve"}]}',
             headers={**api.auth(), "Content-Type": "application/json"},
         )
         assert answer.status_code == 400

@@ -494,8 +494,8 @@ class TestBadValues:
     ) -> None:
         # Refused before anything ran: the run's hold in the file is let go of at once, so the
         # same id runs now (a typo fixed), here or in another process, not a lease later.
-        with pytest.raises(InputError, match="no agent serves kind 'wrok'"):
-            await orch.run([Task("wrok", 1, id="p1")], run_id="typo")
+        with pytest.raises(InputError, match="no agent serves kind 'analyse'"):
+            await orch.run([Task("analyse", 1, id="p1")], run_id="typo")
         (run,) = store.runs()
         assert run["owner"] is None
         result = await orch.run([Task("work", 1, id="p1")], run_id="typo")
