@@ -65,22 +65,14 @@ class Owner(Protocol):
 
 
 class LocalRun(Protocol):
-    """The worker's local run, as its orchestrator started it (a `RunHandle`)."""
+    """The worker's local run, as its orchestrator started it (a `RunHandle`). Its ends are
+    heard from its store (`Host.ended`), not read from a stream of its results."""
 
     @property
     def done(self) -> bool: ...
-    def results(self) -> Results: ...
     def cancel(self, *, task_id: list[str]) -> object: ...
     async def stop(self, grace: float | None = None) -> object: ...
     def __await__(self) -> Generator[Any, None, object]: ...
-
-
-class Results(Protocol):
-    """The results of a `LocalRun`, as its tasks end."""
-
-    def __aiter__(self) -> AsyncIterator[TaskResult]: ...
-    def ready(self) -> list[TaskResult]: ...
-    async def aclose(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -285,10 +277,23 @@ class Worker:
         """Its local run has its store: claims ask it what its agents can start now."""
         self.local = run
 
-    def ended(self, claimed: Claim, result: TaskResult) -> None:
-        """A held task ended here: its end is written with the next group commit."""
-        self.ends.append((claimed, result))
-        self._ended.set()
+    def ended(self, result: TaskResult) -> None:
+        """A task ended in the local run: if this worker still holds it, its end is written with
+        the next group commit."""
+        if result.error_type == "Stopped":
+            # The local run stopped (a KeyboardInterrupt in an agent, a drain): the task is
+            # handed back (`_leave`), not ended in the coordinator's run.
+            return
+        task_id = result.task_id
+        if result.status is CANCELLED and task_id in self.passing:
+            # Its local end as it was handed back (`_hand_back`): not an end of the task, nor of
+            # a claim of it made since.
+            self.passing.discard(task_id)
+            return
+        claimed = self.held.get(task_id)
+        if claimed is not None:
+            self.ends.append((claimed, result))
+            self._ended.set()
 
     def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None:
         """A held task's attempt failed and the task goes on: written as it fails."""
@@ -326,28 +331,13 @@ class Worker:
         log.info("worker started", worker=self.name, kinds=self.kinds, run_id=self.run_id)
         handle = self.orch.start(self._claims(), f"worker:{self.name}", WorkerStore(self))
         self._handle = handle
-        results = handle.results()
         try:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._beat, handle)
                     tg.start_soon(self._write_ends)
-                    async for first in results:
-                        # The ends of one claim come in one turn of the loop: taken together.
-                        for result in (first, *results.ready()):
-                            claimed = self.held.get(result.task_id)
-                            if result.error_type == "Stopped":
-                                # The local run stopped (a KeyboardInterrupt in an agent, a
-                                # drain): the task is handed back (`_leave`), not ended in the
-                                # coordinator's run.
-                                continue
-                            if result.status is CANCELLED and result.task_id in self.passing:
-                                # Its local end as it was handed back (`_hand_back`): not an end
-                                # of the task, nor of a claim of it made since.
-                                self.passing.discard(result.task_id)
-                                continue
-                            if claimed is not None:
-                                self.ended(claimed, result)
+                    # Its ends come from its store as they happen (`ended`), in the step that
+                    # ends them: no stream of results to carry them here one by one.
                     await handle
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -361,7 +351,6 @@ class Worker:
             await self._write()
         finally:
             with anyio.CancelScope(shield=True):
-                await results.aclose()
                 await self._leave(handle)
 
     async def _leave(self, handle: LocalRun) -> None:

@@ -72,7 +72,7 @@ class Host(Protocol):
 
     def claim_of(self, task_id: str) -> Claim | None: ...
     def opened(self, run: WorkerRun) -> None: ...
-    def ended(self, claimed: Claim, result: TaskResult) -> None: ...
+    def ended(self, result: TaskResult) -> None: ...
     def attempt_failed(self, claimed: Claim, attempt: Attempt) -> None: ...
     def spawns(self, task_id: str, spawned: list[Task], named_here: set[str]) -> None: ...
 
@@ -114,7 +114,9 @@ class WorkerRun:
         self.run_id = run_id
         self._host = host
         self._admission = admission
-        self._memory = memory = MemoryRun(run_id, admission, listener, clock, task_timeout, compact)
+        self._memory = memory = MemoryRun(
+            run_id, admission, _Heard(listener, host), clock, task_timeout, compact
+        )
         self._listener = listener
         host.wall0 = time.time()
         host.opened(self)
@@ -188,7 +190,7 @@ class WorkerRun:
             # task, handed back, would end the next worker's too.
             ended = TaskResult(task, index, FAILED, None, None, claimed.attempts, None, None, 0.0,
                                error=str(exc), error_type="InputError")  # fmt: skip
-            self._host.ended(claimed, ended)
+            self._host.ended(ended)
             return
         record = memory.record_of(task.id)
         if record is not None and claimed is not None:
@@ -288,6 +290,31 @@ class WorkerRun:
 
     def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
         return self.settle(record, token, SUCCEEDED, output, agent=agent)
+
+
+class _Heard:
+    """The listener of a worker's memory run: the run's, but every end is heard by the worker
+    too, in the step that ends the task (however it ends: settled, cancelled, stopped), rather
+    than read back from a stream of the run's results a turn of the loop later, one at a time."""
+
+    __slots__ = ("_host", "_listener", "hold", "quiet", "ready", "ready_all", "room", "stalled",
+                 "stop", "wake")  # fmt: skip
+
+    def __init__(self, listener: Listener, host: Host) -> None:
+        self._listener = listener
+        self._host = host
+        self.quiet: list[Any] | None = None  # every end is heard: none only counted
+        self.ready = listener.ready
+        self.ready_all = listener.ready_all
+        self.wake = listener.wake
+        self.stop = listener.stop
+        self.hold = listener.hold
+        self.room = listener.room
+        self.stalled = listener.stalled
+
+    def finished(self, record: Any) -> None:
+        self._listener.finished(record)
+        self._host.ended(record)
 
 
 def ending(
