@@ -142,6 +142,13 @@ class Admission:
             _validate_payload(task, models)
         return task
 
+    def check_payload(self, task: Task) -> None:
+        """`check`'s last step alone: `task`'s payload against this run's models of its kind,
+        for a task whose other fields were checked where it was first admitted."""
+        models = self._inputs.get(task.kind)
+        if models is not None:
+            _validate_payload(task, models)
+
 
 def check_new_priority(task_id: str, priority: Any) -> None:
     """A priority given to a task already in a run (`reprioritize`): an int that every store

@@ -95,6 +95,7 @@ class MemoryRun:
         # came before: those do not count against an agent's attempts any more (`tries_on`).
         self._reopened: dict[Record, int] = {}
         self._cascade: list[tuple[Record, str]] = []  # what to skip next; empty between steps
+        self._admission = admission
         graph = self._graph = Graph(admission, self, compact)
         self._checks = GraphChecks(graph, admission, compact)
         # Bound once, for the calls made per task: `succeed` asks whether the run has any group,
@@ -148,6 +149,22 @@ class MemoryRun:
             self._wire((record,))
         else:  # waits for nothing: the common streamed task, ready without the graph's wiring
             self.ready(record)
+
+    def admit_checked(self, task: Task, index: int) -> Record | None:
+        """`admit_one` for a task checked where it was first admitted, that waits for nothing (no
+        dependency, group or key): a worker's claim, which its coordinator's run checked and its
+        store kept as it was; only its payload meets this run's models (the worker's agents may
+        declare their own). None, admitting nothing, when the run has a task of its id: then
+        `admit_one` decides."""
+        graph = self._graph
+        if graph.taken(task.id):
+            return None
+        self._admission.check_payload(task)
+        record = graph.insert_one(task, index, True)
+        self.unfinished += 1
+        self.pending += 1
+        self.ready(record)
+        return record
 
     def _wire(self, records: Sequence[Record]) -> None:
         """New pending records into the graph: end the ones that cannot run (something they wait

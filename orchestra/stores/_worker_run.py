@@ -180,8 +180,16 @@ class WorkerRun:
             # The coordinator handed this task out to run: it holds its key (the run's other
             # tasks with the key follow it there), whatever this worker ran with that key before.
             memory.forget_key(task.key)
+        record = None
         try:
-            memory.admit_one(task, index, generated=generated)
+            if claimed is not None and not generated and _alone(task):
+                # A claim, rebuilt from the shared store's row of it: checked when its
+                # coordinator admitted it, but for its payload against this worker's agents.
+                record = memory.admit_checked(task, index)
+            if record is None:
+                memory.admit_one(task, index, generated=generated)
+                if claimed is not None:
+                    record = memory.record_of(task.id)
         except InputError as exc:
             if claimed is None:
                 raise
@@ -192,7 +200,6 @@ class WorkerRun:
                                error=str(exc), error_type="InputError")  # fmt: skip
             self._host.ended(ended)
             return
-        record = memory.record_of(task.id)
         if record is not None and claimed is not None:
             record.attempts = claimed.attempts  # attempts made elsewhere count here too
 
@@ -315,6 +322,11 @@ class _Heard:
     def finished(self, record: Any) -> None:
         self._listener.finished(record)
         self._host.ended(record)
+
+
+def _alone(task: Task) -> bool:
+    """Whether `task` waits for nothing and holds no key (what `MemoryRun.admit_checked` takes)."""
+    return not (task.depends_on or task.tags or task.depends_on_tags or task.key is not None)
 
 
 def ending(
