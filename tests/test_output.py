@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from orchestra import InvalidOutput, RunResult
-from orchestra._output import jsonable, stored_json
+from orchestra._output import json_value, jsonable, stored_json
 from orchestra.result import RunMetadata
 
 
@@ -155,3 +155,30 @@ class TestAStoreKeepsOnlyWhatJsonHolds:
         with pytest.raises(InvalidOutput, match=r"returned a dict .*keys 1 and '1'"):
             stored_json({"scores": {1: "a", "1": "b"}}, "t", "writer")
         assert json.loads(stored_json({1: "a", 2: "b"}, "t", "writer")) == {"1": "a", "2": "b"}
+
+
+class TestStoredJsonReadsBackAsJsonLoadsReadsIt:
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "null",
+            "12345",
+            "123456789012345678901234567890",
+            "-0.0",
+            "1E2",
+            '"caf\\u00e9"',
+            '{"a": 1, "a": 2}',
+            '[1, 2.0, "x", null, true, {"k": [false]}]',
+            # a lone surrogate escape, which pydantic_core's parser refuses
+            '"\\ud800"',
+            '{"deep": ' + "[" * 300 + "]" * 300 + "}",
+        ],
+    )
+    def test_the_value_and_its_types_are_json_loads_ones(self, text: str) -> None:
+        value = json_value(text)
+        assert value == json.loads(text)
+        assert repr(value) == repr(json.loads(text))  # 1 and 1.0, -0.0 and 0.0 told apart
+
+    def test_text_that_is_not_json_raises_a_value_error(self) -> None:
+        with pytest.raises(ValueError):
+            json_value("{'single': 'quotes'}")

@@ -19,7 +19,6 @@ worker) is its `Backend`: `_sqlite._worker` (calls in the file's writer thread) 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 import uuid
@@ -35,7 +34,7 @@ from .._log import get_logger
 from .._task import CANCELLED, Attempt, Task, TaskResult
 from ._sqlite._store import SQLiteStore
 from ._sqlite._worker import SQLiteWorkerBackend
-from ._worker_run import WorkerRun, WorkerStore
+from ._worker_run import WorkerRun, WorkerStore, task_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Generator, Mapping, Sequence
@@ -438,15 +437,7 @@ class Worker:
                 with anyio.CancelScope(shield=True):
                     await backend.release(self.name, clash)
             for claimed in taking.values():
-                yield Task(
-                    claimed.kind,
-                    json.loads(claimed.payload),
-                    id=claimed.id,
-                    priority=claimed.priority,
-                    timeout=claimed.timeout,
-                    critical=bool(claimed.critical),
-                    metadata=None if claimed.metadata is None else json.loads(claimed.metadata),
-                )
+                yield task_of(claimed)
             if clash:  # not claimed again at once: it is still the best ready task of its run
                 await anyio.sleep(self.poll)
 

@@ -10,15 +10,14 @@ days). What it tells its worker (an end, a failed attempt, spawns to write) goes
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic_core import PydanticSerializationError, to_json
 
 from .._exceptions import InputError, InvalidOutput
-from .._output import jsonable, stored_json
-from .._task import FAILED, PENDING, READY, SUCCEEDED, TERMINAL, TaskResult
+from .._output import json_value, jsonable, stored_json
+from .._task import FAILED, PENDING, READY, SUCCEEDED, TERMINAL, Task, TaskResult
 from ._memory import MemoryRun
 from ._protocol import KEEP
 
@@ -27,10 +26,10 @@ if TYPE_CHECKING:
 
     from .._admission import Admission
     from .._record import Record
-    from .._task import Attempt, Task
+    from .._task import Attempt
     from ._protocol import Listener
 
-__all__ = ("Claim", "Host", "WorkerRun", "WorkerStore", "ending", "spawn_data")
+__all__ = ("Claim", "Host", "WorkerRun", "WorkerStore", "ending", "spawn_data", "task_of")
 
 _UNSTARTED = frozenset((None, PENDING, READY))  # a held task's state before its run takes it up
 
@@ -172,21 +171,23 @@ class WorkerRun:
     def admit_one(self, task: Any, index: int, *, generated: bool = False) -> None:
         memory = self._memory
         claimed = self._host.claim_of(task.id)
-        # A task claimed again (its lease was lost here once, it came back): a record of its end
-        # that `settle` did not forget (a cancel ends a waiting task directly) must not make the
-        # new claim look admitted already.
-        memory.forget(task.id)
-        if task.key is not None:
-            # The coordinator handed this task out to run: it holds its key (the run's other
-            # tasks with the key follow it there), whatever this worker ran with that key before.
-            memory.forget_key(task.key)
-        record = None
         try:
+            record = None
             if claimed is not None and not generated and _alone(task):
                 # A claim, rebuilt from the shared store's row of it: checked when its
                 # coordinator admitted it, but for its payload against this worker's agents.
+                # (None when the run has a task of its id: the general case below.)
                 record = memory.admit_checked(task, index)
             if record is None:
+                # A task claimed again (its lease was lost here once, it came back): a record
+                # of its end that `settle` did not forget (a cancel ends a waiting task
+                # directly) must not make the new claim look admitted already.
+                memory.forget(task.id)
+                if task.key is not None:
+                    # The coordinator handed this task out to run: it holds its key (the run's
+                    # other tasks with the key follow it there), whatever this worker ran with
+                    # that key before.
+                    memory.forget_key(task.key)
                 memory.admit_one(task, index, generated=generated)
                 if claimed is not None:
                     record = memory.record_of(task.id)
@@ -230,7 +231,7 @@ class WorkerRun:
         claimed = self._host.claim_of(record.id)
         if claimed is None:
             return {}
-        return {i: None if text is None else json.loads(text) for i, text in claimed.deps.items()}
+        return {i: None if text is None else json_value(text) for i, text in claimed.deps.items()}
 
     def check_spawn(self, task: Task, parent: Record, pending: dict[str, Task]) -> None:
         # The coordinator checks references (it knows the run's tasks); here: the task's own
@@ -322,6 +323,20 @@ class _Heard:
     def finished(self, record: Any) -> None:
         self._listener.finished(record)
         self._host.ended(record)
+
+
+def task_of(claimed: Claim) -> Task:
+    """The `Task` a worker's run admits for a claim: rebuilt from the store's row of it."""
+    metadata = claimed.metadata
+    return Task(
+        claimed.kind,
+        json_value(claimed.payload),
+        id=claimed.id,
+        priority=claimed.priority,
+        timeout=claimed.timeout,
+        critical=bool(claimed.critical),
+        metadata=None if metadata is None else json_value(metadata),
+    )
 
 
 def _alone(task: Task) -> bool:
