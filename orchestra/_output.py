@@ -68,6 +68,8 @@ def jsonable(value: Any) -> Any:
 def json_text(value: Any) -> str:
     """`value`'s JSON text, or `ValueError` saying what in it JSON cannot hold (an iterator, which
     it never reads, included)."""
+    if value is None:  # (the output of an agent that returns nothing: no walk, no call)
+        return "null"
     try:
         _walk(value, set(), True)
         return to_json(value).decode()

@@ -168,19 +168,27 @@ class PostgresWorkerBackend:
     ) -> list[bool]:
         wall = wall0 + self._offset
         runs: dict[str, _Ends] = {}
+        of_run = None
         for claimed, result, failures, spawned in ends:
-            of_run = runs.setdefault(claimed.run_id, _Ends())
-            tasks, named_here = spawned if spawned is not None else (None, set())
-            state, output, error, error_type, kept = ending(result, tasks)
-            started = None if result.started is None else wall + result.started
+            # (Looked up per end only when the run changes: a group commit is of one run.)
+            if of_run is None or of_run.run_id != claimed.run_id:
+                of_run = runs.get(claimed.run_id)
+                if of_run is None:
+                    of_run = runs[claimed.run_id] = _Ends(claimed.run_id)
+            state, output, error, error_type, kept = ending(
+                result, None if spawned is None else spawned[0]
+            )
+            started = result.started
             end = End(claimed.id, claimed.token, state, output, result.agent, error, error_type,
-                      result.attempts, bool(result.defaulted), started)  # fmt: skip
+                      result.attempts, bool(result.defaulted),
+                      None if started is None else wall + started)  # fmt: skip
             of_run.ends.append(end)
             if failures:
                 of_run.failures[claimed.id] = [_failed(wall, a) for a in failures]
             if kept:
                 # A task spawned unnamed goes without the id given it here: the database names it
                 # after its spawner, skipping the ids its run has (`_graph.admit_in`).
+                named_here = spawned[1]  # (spawns kept: `spawned` gave them)
                 of_run.spawned[claimed.id] = [
                     _unnamed(t) if t.id in named_here else t for t in kept
                 ]
@@ -210,9 +218,10 @@ class PostgresWorkerBackend:
 class _Ends:
     """A run's part of a group commit."""
 
-    __slots__ = ("ends", "failures", "spawned")
+    __slots__ = ("ends", "failures", "run_id", "spawned")
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
         self.ends: list[End] = []
         self.failures: dict[str, list[Failed]] = {}
         self.spawned: dict[str, list[Task]] = {}
