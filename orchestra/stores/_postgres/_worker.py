@@ -37,7 +37,7 @@ from ..._exceptions import InputError, StoreError
 from ..._task import CANCELLED, FAILED
 from .._worker_run import ending
 from ._database import explain
-from ._leases import End, Failed, claim, complete, heartbeat, note, release
+from ._leases import Claimed, End, Failed, claim, complete, heartbeat, note, release
 from ._listen import ENDED, GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
 from ._processes import Presence
 
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from ..._task import Attempt, Task, TaskResult
     from .._worker_run import Claim
     from ._database import Local
-    from ._leases import Claimed
     from ._store import PostgresStore
 
 __all__ = ("PostgresWorkerBackend",)
@@ -145,7 +144,7 @@ class PostgresWorkerBackend:
             self._presence.claimed += len(claimed)
         # A claim counts the attempt its lease is for; the worker's run counts it again when it
         # starts it: it is given the attempts made before.
-        return [c._replace(attempts=c.attempts - 1) for c in claimed], closed
+        return [_before(c) for c in claimed], closed
 
     async def closed(self, run_id: str) -> bool:
         return bool(await self._run(_closed, run_id))
@@ -213,6 +212,18 @@ class PostgresWorkerBackend:
         leases = None if held is None else [(c.run_id, c.id, c.token) for c in held]
         released: int = await self._run(_release, name, leases)
         return released
+
+
+_ATTEMPTS = Claimed._fields.index("attempts")
+
+
+def _before(claimed: Claimed) -> Claimed:
+    """`claimed` with the attempts made before its claim (the claim counted its own). Built as
+    the tuple it is: `_replace` takes twice as long (a dict of changes, a map over the fields),
+    once per claimed task."""
+    return tuple.__new__(
+        Claimed, (*claimed[:_ATTEMPTS], claimed.attempts - 1, *claimed[_ATTEMPTS + 1 :])
+    )
 
 
 class _Ends:
