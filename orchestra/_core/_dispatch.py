@@ -69,6 +69,8 @@ class Dispatcher:
         self.router = Router(self, config.registry)
         self.recovery = Recovery(self)
         self.parked: list[asyncio.Future[None]] = []
+        # Runners woken (`wake_one`) that have not run yet: see `wake_one`.
+        self.waking = 0
         self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -162,8 +164,7 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self.parked:
-            self.wake_one()
+        self._wake_all()
 
     def cancel_all(self) -> None:
         """Cancel every runner, running or parked, until it leaves; no new attempt starts, and
@@ -215,8 +216,7 @@ class Dispatcher:
         if self.paused or self.held:
             return
         self.halted = False
-        while self.parked:
-            self.wake_one()
+        self._wake_all()
         if self._pool is not None and self._loop is not None and not self.closing:
             self.start(self._pool, self._loop)
 
@@ -259,13 +259,27 @@ class Dispatcher:
         return True
 
     def wake_one(self) -> None:
-        """Wake one parked runner, if any."""
+        """Wake one parked runner, if any, unless one woken already has yet to run: that one looks
+        at the queue and the slots as they are when it runs, and wakes the next when it takes a
+        task (`_runner`). So a burst of ready tasks or freed slots wakes runners one at a time, as
+        tasks are taken, not one per task at once: a runner whose agent returns without waiting
+        takes the whole burst itself before the others run, and each of those would wake to find
+        nothing (a worker's claims, of no-op tasks: nearly every wake-up was such)."""
+        if not self.waking:
+            self._wake()
+
+    def _wake(self) -> None:
         parked = self.parked
         while parked:
             waiter = parked.pop()
             if not waiter.done():
                 waiter.set_result(None)
+                self.waking += 1
                 return
+
+    def _wake_all(self) -> None:
+        while self.parked:
+            self._wake()
 
     async def _runner(self) -> None:
         # Parking on a bare future (not an anyio.Event) is the cheapest wait there is: one
@@ -318,7 +332,11 @@ class Dispatcher:
                             return
                         waiter = loop.create_future()
                         self.parked.append(waiter)
-                        await waiter
+                        try:
+                            await waiter
+                        finally:
+                            if waiter.done() and not waiter.cancelled():  # woken: it runs now
+                                self.waking -= 1
                         continue
                     record, token, slot, cost = picked
                 else:
@@ -339,6 +357,9 @@ class Dispatcher:
                         continue  # it waits in a lane (or ended): claim the next one
                     else:
                         record, token, slot, cost = picked
+                if self.parked and not self.waking:
+                    # It took a task: the next runner looks for one (see `wake_one`).
+                    self._wake()
                 current.record = record
                 ctx = attempts.begin(record, token, slot, cost, spare)
                 if ctx is False:
