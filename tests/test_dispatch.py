@@ -201,6 +201,46 @@ class TestRunnerPool:
         assert result.metadata.counts["succeeded"] == 200
         assert started <= 10 + 10  # the runners, and the run's own few tasks
 
+    async def test_a_burst_that_wakes_parked_runners_starts_every_task_it_has_room_for(
+        self, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # Parked runners are woken one at a time, each waking the next as it takes a task: a
+        # burst of tasks whose agent waits must still have them all running at once.
+        running = 0
+        go = asyncio.Event()
+
+        @agent(kinds=["quick"])
+        async def quick(task: Task, ctx: Context) -> None:
+            return None
+
+        @agent(kinds=["slow"])
+        async def slow(task: Task, ctx: Context) -> None:
+            nonlocal running
+            running += 1
+            await go.wait()
+
+        async def tasks() -> AsyncIterator[Task]:
+            for i in range(20):  # runners started, then parked when these are done
+                yield Task("quick", i)
+            for _ in range(5):
+                await asyncio.sleep(0)
+            for i in range(30):  # one burst, in one step of the input
+                yield Task("slow", i)
+
+        orch = make_orchestrator(agents=[quick, slow], concurrency=40)
+        async with anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def run() -> None:
+                results.append(await orch.run(tasks=tasks()))
+
+            tg.start_soon(run)
+            with anyio.fail_after(10):
+                while running < 30:
+                    await asyncio.sleep(0.001)
+            go.set()
+        assert results[0].metadata.counts["succeeded"] == 50
+
 
 class TestContexts:
     """A runner hands its next attempt the last one's context only when nobody kept it."""

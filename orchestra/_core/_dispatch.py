@@ -69,8 +69,10 @@ class Dispatcher:
         self.router = Router(self, config.registry)
         self.recovery = Recovery(self)
         self.parked: list[asyncio.Future[None]] = []
-        # Runners woken (`wake_one`) that have not run yet: see `wake_one`.
+        # Runners woken (`wake_one`) that have not run yet, and the wake-ups of ready tasks
+        # (`wake`) owed meanwhile: see `wake_one`.
         self.waking = 0
+        self.owed = 0
         self.attempts = Attempts(self, run, store, self.router, self.recovery)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -131,9 +133,12 @@ class Dispatcher:
         self.wake()
 
     def wake(self) -> None:
-        """A task can be claimed: wake a parked runner, or start one if the pool has room."""
-        if self.parked:
-            self.wake_one()
+        """A task can be claimed: wake a parked runner, or start one if the pool has room; owed
+        while a runner woken has yet to run (see `wake_one`)."""
+        if self.waking:
+            self.owed += 1
+        elif self.parked:
+            self._wake()
         elif self._pool is not None and self._runners < self._capacity.limit and not self.closing:
             self._runners += 1
             self._spawn(self._runner())
@@ -142,9 +147,12 @@ class Dispatcher:
         """`ready` for a batch: the timer armed once, as many runners woken as can take them."""
         if records and records[0].deadline is not None:
             self.schedule()
-        for _ in range(len(records)):
+        for i in range(len(records)):
+            if self.waking:
+                self.owed += len(records) - i
+                return
             if self.parked:
-                self.wake_one()
+                self._wake()
             elif (
                 self._pool is not None and self._runners < self._capacity.limit and not self.closing
             ):
@@ -260,8 +268,9 @@ class Dispatcher:
 
     def wake_one(self) -> None:
         """Wake one parked runner, if any, unless one woken already has yet to run: that one looks
-        at the queue and the slots as they are when it runs, and wakes the next when it takes a
-        task (`_runner`). So a burst of ready tasks or freed slots wakes runners one at a time, as
+        at the queue and the slots as they are when it runs. The ready tasks' wake-ups meanwhile
+        are owed (`wake`), and paid one at a time as runners take tasks (`_runner`), until one
+        finds nothing to take. So a burst of ready tasks wakes runners one after another, as
         tasks are taken, not one per task at once: a runner whose agent returns without waiting
         takes the whole burst itself before the others run, and each of those would wake to find
         nothing (a worker's claims, of no-op tasks: nearly every wake-up was such)."""
@@ -330,6 +339,7 @@ class Dispatcher:
                             store.unfinished <= attempts.running and not run.input_open
                         ):
                             return
+                        self.owed = 0  # nothing it could take: none is owed a runner
                         waiter = loop.create_future()
                         self.parked.append(waiter)
                         try:
@@ -357,9 +367,10 @@ class Dispatcher:
                         continue  # it waits in a lane (or ended): claim the next one
                     else:
                         record, token, slot, cost = picked
-                if self.parked and not self.waking:
-                    # It took a task: the next runner looks for one (see `wake_one`).
-                    self._wake()
+                if self.owed and not self.waking:
+                    # It took a task: the next owed wake-up (see `wake_one`).
+                    self.owed -= 1
+                    self.wake()
                 current.record = record
                 ctx = attempts.begin(record, token, slot, cost, spare)
                 if ctx is False:
