@@ -20,6 +20,7 @@ from ..._task import (
 
 if TYPE_CHECKING:
     import datetime
+    from collections.abc import Sequence
 
     import asyncpg
 
@@ -128,17 +129,20 @@ class Rows:
         self.offset = offset  # loop time + offset = wall time
 
     def failures(self, attempt_rows: list[Any]) -> dict[str, list[Attempt]]:
+        """Failed attempts by task id, from rows (task id, then `attempt`'s columns)."""
         failures: dict[str, list[Attempt]] = {}
         for a in attempt_rows:
-            failures.setdefault(a[0], []).append(
-                Attempt(
-                    number=a[1], agent=a[2], error_type=a[3], message=a[4],
-                    started=(a[5] or self.wall0) - self.wall0, duration=a[6] or 0.0,
-                    retry_in=a[7], traceback=a[8], status_code=a[9], api_error_type=a[10],
-                    request_id=a[11],
-                )
-            )  # fmt: skip
+            failures.setdefault(a[0], []).append(self.attempt(a[1:]))
         return failures
+
+    def attempt(self, a: Sequence[Any]) -> Attempt:
+        """A failed attempt from its row: number, agent, error_type, message, started (wall
+        seconds), duration, retry_in, traceback, status_code, api_error_type, request_id."""
+        return Attempt(
+            number=a[0], agent=a[1], error_type=a[2], message=a[3],
+            started=(a[4] or self.wall0) - self.wall0, duration=a[5] or 0.0, retry_in=a[6],
+            traceback=a[7], status_code=a[8], api_error_type=a[9], request_id=a[10],
+        )  # fmt: skip
 
     def record(
         self, row: Any, stored: dict[str, tuple[Record, str]], failures: dict[str, list[Attempt]]

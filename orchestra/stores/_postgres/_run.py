@@ -548,7 +548,9 @@ class PostgresRun:
         self._hand_out(claimed)
 
     def _take_in(self, heard: Any) -> None:
-        if not self._keyed and any(row[8] is not None for row in heard.spawned):
+        if not self._keyed and any(
+            spawn[7] is not None for spawns in heard.spawned.values() for spawn in spawns
+        ):
             self._keyed = True  # spawns a worker admitted with keys: their holds are the run's
         self._hearing.take_in(heard)
 
