@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..._exceptions import InputError, StoreError
 from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Task
 from . import _keys as keys
-from ._rows import STATES, Rows
+from ._rows import STATES, Rows, parsed
 
 if TYPE_CHECKING:
     import asyncio
@@ -75,7 +75,6 @@ class Hearing:
         record_of = memory.record_of
         held = self._held
         offset = self._rows.offset
-        loads = json.loads
         # Successes with nothing more to take in (no failed attempt, no spawn, no default), the
         # ends a worker writes most: taken in by the batch (`MemoryRun.succeeded_elsewhere`), in
         # the order heard, any other end played in between, in its place.
@@ -95,7 +94,7 @@ class Hearing:
                 if started is not None and record.t_start is None:
                     record.t_start = started - offset
                 output = row[2]
-                plain.append((record, None if output is None else loads(output), row[3]))
+                plain.append((record, None if output is None else parsed(output), row[3]))
                 continue
             if plain:
                 memory.succeeded_elsewhere(plain)
@@ -120,7 +119,7 @@ class Hearing:
             record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
         if started is not None and record.t_start is None:
             record.t_start = started - self._rows.offset
-        value = None if output is None else json.loads(output)
+        value = None if output is None else parsed(output)
         children = [_task(spawn) for spawn in heard.spawned.get(task_id, ())]
         try:
             memory.settle(
@@ -152,9 +151,7 @@ class Hearing:
                     continue
                 token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
                 self._held.pop(task_id, None)
-                memory.settle(
-                    record, token, SUCCEEDED, json.loads(answer.output), agent=answer.agent
-                )
+                memory.settle(record, token, SUCCEEDED, parsed(answer.output), agent=answer.agent)
             elif isinstance(answer, keys.Held):
                 record = memory.record_of(task_id)
                 if record is not None and record.task.key is not None:
