@@ -72,15 +72,17 @@ __all__ = ("PostgresRun",)
 log = get_logger("orchestra")
 
 BUSY: Final = 64
-"""Ends heard in one read of the feed from which the run counts as busy: its next read waits
+"""Ends heard in one read of the feed from which the run counts as busy: its next look waits
 `PACE` seconds."""
 
 PACE: Final = 0.02
-"""Seconds a busy run's coordinator lets pass before it reads the feed again. A read costs its
-round trips and two hops between the run's thread and the store's, whatever it brings; woken by
-each completion's notification, a coordinator would read the ends of two workers a few dozen at
-a time. Paced, it hears them by the hundred, at most this
-much later, for about half the CPU a task. A run whose reads bring a few ends at a time (one task
+"""Seconds a busy run's coordinator lets pass before it looks at the database again. A look (a
+read of the feed, a claim for its agents' room) costs its round trips and two hops between the
+run's thread and the store's, whatever it brings; woken by each completion's notification, a
+coordinator would read the ends of two workers a few dozen at a time. Paced, it hears them by
+the hundred, at most this much later, for about half the CPU a task; its own agents claim once a
+look, as many tasks as they have room for (a slot that frees meanwhile waits for the next look,
+as a worker's does for its next burst). A run whose reads bring a few ends at a time (one task
 after another, say) is not paced: each is heard as soon as it is announced."""
 
 
