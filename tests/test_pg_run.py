@@ -27,6 +27,7 @@ from orchestra import (
     Discard,
     Orchestrator,
     PermanentError,
+    RetryableError,
     RetryPolicy,
     RunResult,
     Task,
@@ -872,6 +873,59 @@ class TestAPausedCoordinator:
         assert sorted(t for _, t in calls) == ["a", "a.0", "a.1", "a.2", "b", "c"]
 
 
+class TestWhatACoordinatorHearsFromAWorker:
+    async def test_failed_attempts_a_default_and_a_failure_come_with_each_end(
+        self, pg_dsn: str
+    ) -> None:
+        @agent(kinds=["flaky", "bad", "fallen", "plain"])
+        async def fragile(task: Task, ctx: Context) -> Any:
+            if task.kind == "plain":
+                return {"n": task.payload}
+            if task.kind == "flaky" and ctx.attempt >= 3:
+                return "third time"
+            raise PermanentError("never") if task.kind != "flaky" else RetryableError("again")
+
+        tasks = [
+            Task("flaky", 0, id="f"), Task("bad", 0, id="x"), Task("fallen", 0, id="d"),
+            *(Task("plain", i, id=f"p{i}") for i in range(100)),
+        ]  # fmt: skip
+        here, there = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        try:
+            coordinator = Orchestrator(agents=[fragile], store=here)
+            worker = Orchestrator(
+                agents=[fragile], retry=RetryPolicy(max_attempts=3, base=0.01),
+                defaults={"fallen": "fallback"},
+            )  # fmt: skip
+            async with coordinator, worker, anyio.create_task_group() as tg:
+                handle = coordinator.start(tasks, run_id="r")
+                stream = handle.results()  # (opened before any end: it hears every one)
+                handle.pause()  # every task is the worker's
+                tg.start_soon(functools.partial(worker.work, there, run_id="r"))
+                result = await handle
+                heard = {r.task.id: r async for r in stream}
+                tg.cancel_scope.cancel()
+        finally:
+            here.close()
+            there.close()
+        assert result.metadata.counts["succeeded"] == 102
+        assert result.metadata.counts["failed"] == 1
+        assert result.data["f"] == "third time"
+        assert result.data["d"] == "fallback"
+        assert result.data["p7"] == {"n": 7}
+        assert sorted(heard) == sorted(t.id for t in tasks)
+        failures = {
+            i: [(a.number, a.error_type) for a in r.failures or ()] for i, r in heard.items()
+        }
+        assert failures["f"] == [(1, "RetryableError"), (2, "RetryableError")]
+        assert failures["x"] == [(1, "PermanentError")]
+        assert failures["d"] == [(1, "PermanentError")]
+        assert not any(failures[f"p{i}"] for i in range(100))
+        assert (heard["f"].attempts, heard["x"].attempts, heard["d"].attempts) == (3, 1, 1)
+        assert heard["x"].error_type == "PermanentError"
+        assert [i for i, r in heard.items() if r.defaulted] == ["d"]
+        assert result.metadata.defaulted == ["d"]  # defaulted in the worker
+
+
 class TestALeaseTheCoordinatorLost:
     async def test_its_late_end_is_refused_then_written_under_a_fresh_lease(
         self, pg_dsn: str, pg_conn: asyncpg.Connection
@@ -920,3 +974,37 @@ class TestALeaseTheCoordinatorLost:
 def handle_run(handle: Any) -> Any:
     """The `PostgresRun` under a run handle (for what only the store knows)."""
     return handle._run.store
+
+
+class TestAResumedRunKeepsWhatItsTasksFailed:
+    async def test_a_success_by_default_keeps_its_failed_attempt(self, pg_dsn: str) -> None:
+        @agent(kinds=["fallen", "plain"])
+        async def fragile(task: Task, ctx: Context) -> Any:
+            if task.kind == "plain":
+                return task.payload
+            raise PermanentError("never")
+
+        tasks = [Task("fallen", 0, id="d"), Task("plain", 1, id="p")]
+        results = []
+        for _ in range(2):  # the second run of the id resumes it: every task read back
+            store = PostgresStore(pg_dsn, poll=0.1)
+            try:
+                async with Orchestrator(
+                    agents=[fragile], store=store, defaults={"fallen": "fallback"}
+                ) as orch:
+                    # streamed: a resume reads its ended tasks back a page at a time
+                    handle = orch.start(iter(tasks), run_id="r")
+                    stream = handle.results()
+                    result = await handle
+                    heard = {r.task.id: r async for r in stream}
+            finally:
+                store.close()
+            results.append((result, heard))
+        (first, heard_first), (again, heard_again) = results
+        assert again.data == first.data == {"d": "fallback", "p": 1}
+        assert again.metadata.defaulted == first.metadata.defaulted == ["d"]
+        for heard in (heard_first, heard_again):
+            assert heard["d"].defaulted
+            assert [(a.number, a.error_type) for a in heard["d"].failures or ()] == [
+                (1, "PermanentError")
+            ]
