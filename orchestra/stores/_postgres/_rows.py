@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Final
 
-from pydantic_core import from_json
-
+from ..._output import json_value as parsed  # a row's JSON text's value (an output)
 from ..._record import Record
 from ..._task import (
     STATE_OF,
@@ -69,16 +68,6 @@ SELECT task_id, number, agent, error_type, message, extract(epoch FROM started):
 FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
 ORDER BY task_id, number
 """
-
-
-def parsed(text: str) -> Any:
-    """The value of a row's JSON text (an output): pydantic-core's parser, a tenth of
-    `json.loads`'s time for the small values most tasks return; what it refuses that `json`
-    reads (a lone surrogate's escape, nesting past its depth limit) is read by `json`."""
-    try:
-        return from_json(text)
-    except ValueError:
-        return json.loads(text)
 
 
 CHUNK: Final = 20_000  # ended rows read at a time (`ended_after`)
