@@ -26,6 +26,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import asyncpg
 import pytest
 from typer.testing import CliRunner
 
@@ -52,8 +53,6 @@ from tests.helpers import REPO, spawn
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
-
-    import asyncpg
 
     from orchestra.stores._worker import WorkReport
 
@@ -446,13 +445,15 @@ class TestGroupCommits:
         self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         batches: list[int] = []
-        complete = PostgresWorkerBackend.complete
+        complete = PostgresWorkerBackend.complete_and_claim  # (`complete` calls it too)
 
-        async def counted(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
-            batches.append(len(args[1]))  # (wall0, rows, failed, admission): the ends written
+        async def counted(
+            self: PostgresWorkerBackend, name: str, *args: Any
+        ) -> tuple[list[bool], list[Any]]:
+            batches.append(len(args[1]))  # (wall0, rows, failed, ...): the ends written
             return await complete(self, name, *args)
 
-        monkeypatch.setattr(PostgresWorkerBackend, "complete", counted)
+        monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", counted)
         await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(50)])
         work = Work(Orchestrator(agents=[runner], concurrency=50), pg_dsn, run_id="r")
         async with anyio.create_task_group() as tg:
@@ -462,6 +463,48 @@ class TestGroupCommits:
         assert work.report is not None
         assert work.report.claimed == 50
         assert batches == [50]
+
+    async def test_the_room_their_ends_give_back_is_claimed_in_their_commit_and_no_more(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        by_claim: list[int] = []
+        by_write: list[int] = []
+        leased: list[int] = []  # the worker's leases after each commit of its ends
+        claim, complete = PostgresWorkerBackend.claim, PostgresWorkerBackend.complete_and_claim
+        watch = await asyncpg.connect(pg_dsn)
+
+        async def claimed(self: PostgresWorkerBackend, *args: Any) -> tuple[list[Any], bool]:
+            batch, over = await claim(self, *args)
+            by_claim.append(len(batch))
+            return batch, over
+
+        async def completed(
+            self: PostgresWorkerBackend, name: str, *args: Any
+        ) -> tuple[list[bool], list[Any]]:
+            accepted, batch = await complete(self, name, *args)
+            by_write.append(len(batch))
+            leased.append(await watch.fetchval(
+                "SELECT count(*) FROM orchestra.tasks WHERE lease_owner = $1", name
+            ))  # fmt: skip
+            return accepted, batch
+
+        monkeypatch.setattr(PostgresWorkerBackend, "claim", claimed)
+        monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", completed)
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(30)])
+        work = Work(Orchestrator(agents=[runner], concurrency=10), pg_dsn, run_id="r")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(work)
+                rows = await until_ended(pg_conn, "r", 30)
+                await close_run(pg_conn, "r")
+        finally:
+            await watch.close()
+        assert work.report is not None
+        assert (work.report.claimed, work.report.completed) == (30, 30)
+        assert sum(by_claim) + sum(by_write) == 30
+        assert sum(by_write) >= 10, (by_claim, by_write)
+        assert max(leased) <= 10, leased
+        assert {(row["state"], row["attempts"]) for row in rows.values()} == {("succeeded", 1)}
 
 
 class TestTheWorkersConnections:

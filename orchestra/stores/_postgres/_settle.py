@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 __all__ = (
+    "FORCED_PLANS",
     "GENERIC_PLANS",
     "LOCK_GROUPS",
     "QUEUE_STEP",
@@ -115,6 +116,11 @@ RETRIES: Final = 5
 # the table, and its dead entries) against every row of the batch instead.
 GENERIC_PLANS: Final = "SET LOCAL plan_cache_mode = auto"
 SESSION_PLANS: Final = "SET LOCAL plan_cache_mode TO DEFAULT"
+# A worker's completion and the claim that follows it (`_leases.complete_and_claim`) run under
+# their generic plans from the first batch: the claim's generic plan is the right one (the
+# tests check it) but is costed for a tenth of the run's ready tasks, so that ``auto`` would
+# never choose it over planning each claim.
+FORCED_PLANS: Final = "SET LOCAL plan_cache_mode = force_generic_plan"
 
 
 class Settled(NamedTuple):
