@@ -447,9 +447,7 @@ class TestGroupCommits:
         batches: list[int] = []
         complete = PostgresWorkerBackend.complete_and_claim  # (`complete` calls it too)
 
-        async def counted(
-            self: PostgresWorkerBackend, name: str, *args: Any
-        ) -> tuple[list[bool], list[Any]]:
+        async def counted(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
             batches.append(len(args[1]))  # (wall0, rows, failed, ...): the ends written
             return await complete(self, name, *args)
 
@@ -470,7 +468,8 @@ class TestGroupCommits:
         by_claim: list[int] = []
         by_write: list[int] = []
         leased: list[int] = []  # the worker's leases after each commit of its ends
-        claim, complete = PostgresWorkerBackend.claim, PostgresWorkerBackend.complete_and_claim
+        claim = PostgresWorkerBackend.claim
+        complete: Any = PostgresWorkerBackend.complete_and_claim
         watch = await asyncpg.connect(pg_dsn)
 
         async def claimed(self: PostgresWorkerBackend, *args: Any) -> tuple[list[Any], bool]:
@@ -478,15 +477,18 @@ class TestGroupCommits:
             by_claim.append(len(batch))
             return batch, over
 
-        async def completed(
-            self: PostgresWorkerBackend, name: str, *args: Any
-        ) -> tuple[list[bool], list[Any]]:
-            accepted, batch = await complete(self, name, *args)
-            by_write.append(len(batch))
+        async def completed(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
+            *rest, taken = args
+
+            def counted(batch: list[Any]) -> None:
+                by_write.append(len(batch))
+                taken(batch)
+
+            accepted: list[bool] = await complete(self, name, *rest, counted)
             leased.append(await watch.fetchval(
                 "SELECT count(*) FROM orchestra.tasks WHERE lease_owner = $1", name
             ))  # fmt: skip
-            return accepted, batch
+            return accepted
 
         monkeypatch.setattr(PostgresWorkerBackend, "claim", claimed)
         monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", completed)

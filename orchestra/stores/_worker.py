@@ -539,12 +539,27 @@ class Worker:
             written = noted.get(claimed.id, 0)
             failures = [a for a in result.failures or () if a.number > written]
             rows.append((claimed, result, failures, self.spawned.get(claimed.id)))
+        # Claimed with the write and not to run, handed back after it: all of it once the worker
+        # stops; a task held already (`_take`).
+        unrun: list[Claim] = []
+        clashes: list[Claim] = []
+
+        def taken(batch: Sequence[Claim]) -> None:
+            # Before the commit (`_leases.NextClaim`): the local run starts them while it is
+            # flushed, with the room these ends gave back.
+            if self._stopping or self._finished:
+                unrun.extend(batch)
+                return
+            taking, clash = self._take(batch)
+            clashes.extend(clash)
+            self.ahead.extend(taking)  # for `_claims` to yield
+            self._room.set()
+
         try:
             # Shielded: a worker told to stop mid-write still learns which completions the store
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
                 admission = None if self.local is None else self.local.admission
-                batch: Sequence[Claim] = []
                 if then is None:
                     accepted = await self.backend.complete(
                         self.name, self.wall0, rows, failed, admission
@@ -553,8 +568,8 @@ class Worker:
                     assert chain is not None  # (`then` says so)
                     self._claiming = True  # (no claim of `_claims` meanwhile: one room, one claim)
                     try:
-                        accepted, batch = await chain(
-                            self.name, self.wall0, rows, failed, admission, then
+                        accepted = await chain(
+                            self.name, self.wall0, rows, failed, admission, then, taken
                         )
                     finally:
                         self._claiming = False
@@ -579,16 +594,12 @@ class Worker:
                     task_id=claimed.id,
                     run_id=claimed.run_id,
                 )
-        if batch:
-            if self._stopping or self._finished:  # none of it runs: handed back at once
-                with anyio.CancelScope(shield=True):
-                    self.report.released += await self.backend.release(self.name, list(batch))
-            else:
-                taking, clash = self._take(batch)
-                self.ahead.extend(taking)  # for `_claims` to yield
-                if clash:
-                    with anyio.CancelScope(shield=True):
-                        await self.backend.release(self.name, clash)
+        if unrun or clashes:
+            with anyio.CancelScope(shield=True):
+                if unrun:
+                    self.report.released += await self.backend.release(self.name, unrun)
+                if clashes:
+                    await self.backend.release(self.name, clashes)
         self._room.set()
 
     # -- leases ----------------------------------------------------------------------------------

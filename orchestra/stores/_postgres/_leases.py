@@ -66,7 +66,7 @@ from ._settle import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
     from datetime import datetime
 
     from ..._admission import Admission
@@ -393,11 +393,17 @@ async def complete(
 
 
 class NextClaim(NamedTuple):
-    """The claim `complete_and_claim` makes after the ends it writes (`claim`'s arguments)."""
+    """The claim `complete_and_claim` makes after the ends it writes (`claim`'s arguments), and
+    `taken`, called with what it claimed before the transaction commits: the caller may start
+    those tasks while the commit is flushed to disk. Their leases hold once the commit returns;
+    a commit that fails leaves them unleased (their ends are then refused, the tasks claimed
+    again: executions are at least once), and a transaction run again after a deadlock calls
+    it again with what that run claimed."""
 
     rooms: Mapping[str, int]
     limit: int | None
     lease: float
+    taken: Callable[[list[Claimed]], None] | None = None
 
 
 async def complete_and_claim(
@@ -503,6 +509,8 @@ async def _complete(
                 if planned:
                     await conn.execute(SESSION_PLANS)
                 await _fill_deps(conn, run_id, waiting)
+            if then.taken is not None:
+                then.taken(claimed)  # the last statement ran: only the commit is left
         return [end.id in written for end in ends], claimed
 
     return await transaction(conn, step)

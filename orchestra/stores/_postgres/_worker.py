@@ -176,8 +176,7 @@ class PostgresWorkerBackend:
         notes: Sequence[tuple[Claim, Attempt]],
         admission: Admission | None,
     ) -> list[bool]:
-        accepted, _ = await self.complete_and_claim(name, wall0, ends, notes, admission, None)
-        return accepted
+        return await self.complete_and_claim(name, wall0, ends, notes, admission, None, None)
 
     async def complete_and_claim(
         self,
@@ -187,10 +186,12 @@ class PostgresWorkerBackend:
         notes: Sequence[tuple[Claim, Attempt]],
         admission: Admission | None,
         then: tuple[str, Mapping[str, int], int] | None,
-    ) -> tuple[list[bool], list[Claimed]]:
+        taken: Callable[[list[Claimed]], None] | None,
+    ) -> list[bool]:
         """`complete`, and with `then` (run id, rooms, room) the claim `claim` would make, in
-        the transaction of that run's ends (one commit: `_leases.complete_and_claim`). None
-        claimed when the run has no end here."""
+        the transaction of that run's ends (one commit: `_leases.complete_and_claim`), what it
+        claimed given to `taken` before the commit (`_leases.NextClaim`). Nothing is claimed
+        when the run has no end here."""
         wall = wall0 + self._offset
         runs: dict[str, _Ends] = {}
         for claimed, result, failures, spawned in ends:
@@ -214,9 +215,20 @@ class PostgresWorkerBackend:
             noted.setdefault(claimed.run_id, []).append(
                 (claimed.id, claimed.token, _failed(wall, attempt))
             )
-        nxt = None if then is None else (then[0], NextClaim(dict(then[1]), then[2], self.lease))
+        nxt = None
+        if then is not None:
+            presence = self._presence
+
+            def hand(batch: list[Claimed]) -> None:
+                if presence is not None:
+                    presence.claimed += len(batch)
+                if taken is not None:
+                    # A claim counts the attempt its lease is for (as `claim` says).
+                    taken([c._replace(attempts=c.attempts - 1) for c in batch])
+
+            nxt = (then[0], NextClaim(dict(then[1]), then[2], self.lease, hand))
         written: dict[tuple[str, str], bool]
-        written, taken = await self._run(_complete, name, runs, noted, admission, self.lease, nxt)
+        written, _ = await self._run(_complete, name, runs, noted, admission, self.lease, nxt)
         accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
         if self._presence is not None:  # counted as the worker's report counts them
             self._presence.completed += sum(accepted)
@@ -224,8 +236,7 @@ class PostgresWorkerBackend:
                 not ok and result.status != CANCELLED
                 for ok, (_, result, *_) in zip(accepted, ends, strict=True)
             )
-            self._presence.claimed += len(taken)
-        return accepted, [c._replace(attempts=c.attempts - 1) for c in taken]
+        return accepted
 
     async def release(self, name: str, held: Sequence[Claim] | None) -> int:
         leases = None if held is None else [(c.run_id, c.id, c.token) for c in held]
