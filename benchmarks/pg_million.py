@@ -291,7 +291,13 @@ async def measure(
                 watched.thread.join(5)
                 break
         final = json.loads(watched.other[-1]) if watched and watched.other else {}
-        if kill_at is not None:
+        if kill_at is not None and standby is None:
+            # The coordinator ended (or died) before the kill point: no take-over to time.
+            events["error"] = (
+                f"the coordinator exited with code {cproc.returncode} at {done} tasks, before "
+                f"the kill point {kill_at}"
+            )
+        elif kill_at is not None:
             first = next((s for s in watched.samples if s["total"]), {}) if watched else {}
             events["standby_first_status_s"] = (first.get("t", 0) - killed) if first else None
         out_w = await pool.outputs()

@@ -199,10 +199,11 @@ class Resume:
         where: str,
         forward: bool,
         first_index: int,
-    ) -> tuple[int, frozenset[int]]:
+    ) -> tuple[int, list[tuple[int, int]]]:
         """Admit input into `memory`, matched against what the store kept (`match`), around
         the stored tasks done and forgotten since (`gone`). Returns how many tasks are new, and
-        the indices (in `tasks`) of the ones gone, not admitted."""
+        the stretches of `tasks` admitted, as (start, stop) slices: the whole input unless some
+        were gone (a store writes each stretch from its own first index)."""
         generated: set[int] = set()
         gone: list[int] = []
         self.read_up_to(first_index + len(tasks) - 1)
@@ -215,11 +216,12 @@ class Resume:
             added = memory.admit(
                 tasks, where=where, forward=forward, first_index=first_index, generated=generated
             )
-            return added, frozenset()
+            return added, [(0, len(tasks))] if tasks else []
         # Admitted around the tasks that are gone, a stretch at a time. Only a streamed input's
         # chunk has such tasks (a whole list is never compacted), and it may only depend
         # backwards, so the stretches are independent.
         added = start = 0
+        stretches = []
         for stop in [*gone, len(tasks)]:
             if start < stop:
                 added += memory.admit(
@@ -229,8 +231,9 @@ class Resume:
                     first_index=first_index + start,
                     generated=generated,
                 )
+                stretches.append((start, stop))
             start = stop + 1
-        return added, frozenset(gone)
+        return added, stretches
 
     def admit_one(self, memory: MemoryRun, task: Any, index: int) -> bool:
         """`admit` for one item of a streamed input; False when it is gone (not admitted)."""

@@ -225,23 +225,20 @@ class PostgresRun:
     ) -> int:
         self._take_back()
         _storable(tasks, where)
-        added, gone = self._resume.admit(
+        added, stretches = self._resume.admit(
             self._memory, tasks, where=where, forward=forward, first_index=first_index
         )
-        # Each row is written at its task's place in the input: what a resume found done (`gone`)
-        # splits the rest into runs, each admitted from its own first index.
-        start = 0
-        for i in (*sorted(gone), len(tasks)) if gone else (len(tasks),):
-            if i > start:
-                kept = list(tasks[start:i])
-                self._queue(
-                    "admit",
-                    (
-                        kept, where, forward, first_index + start, self._keys_of(kept),
-                        self._generated(kept),
-                    ),
-                )  # fmt: skip
-            start = i + 1
+        # Each row is written at its task's place in the input: the stretches the mirror
+        # admitted (around what a resume found done), each from its own first index.
+        for start, stop in stretches:
+            kept = list(tasks[start:stop])
+            self._queue(
+                "admit",
+                (
+                    kept, where, forward, first_index + start, self._keys_of(kept),
+                    self._generated(kept),
+                ),
+            )  # fmt: skip
         return added
 
     def admit_one(self, task: Any, index: int) -> None:
