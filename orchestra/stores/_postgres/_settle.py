@@ -52,6 +52,9 @@ claim, renew, renew_run,      keys only, by key (`release_run` reads tasks witho
 finish, release_run, adopt
 ============================  ==============================================================
 
+A claim in a completion's transaction (`_leases.complete_and_claim`) locks its tasks last, after
+the keys: ``SKIP LOCKED``, it never waits for a lock, and so cannot take part in a deadlock.
+
 What goes against the order, and so may deadlock: a settle cascade locks tasks again after
 run_keys and groups, and so meets an admission (run_keys, then a pending holder's task row) or
 `close_input` (groups, then their waiters) that locks the same rows the other way round; and
