@@ -397,8 +397,8 @@ class NextClaim(NamedTuple):
     `taken`, called with what it claimed before the transaction commits: the caller may start
     those tasks while the commit is flushed to disk. Their leases hold once the commit returns;
     a commit that fails leaves them unleased (their ends are then refused, the tasks claimed
-    again: executions are at least once), and a transaction run again after a deadlock calls
-    it again with what that run claimed."""
+    again: executions are at least once), and a transaction run again (after a deadlock, or on
+    a new connection when its own was lost) calls it again with what that run claimed."""
 
     rooms: Mapping[str, int]
     limit: int | None
