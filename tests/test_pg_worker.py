@@ -21,8 +21,10 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -46,13 +48,14 @@ from orchestra.stores import MemoryStore
 from orchestra.stores._postgres import _worker as worker_module
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._schema import migrate
+from orchestra.stores._postgres._server import embedded_server
 from orchestra.stores._postgres._store import PostgresStore
 from orchestra.stores._postgres._worker import PostgresWorkerBackend
 from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from pathlib import Path
 
     from orchestra.stores._worker import WorkReport
 
@@ -712,6 +715,80 @@ class TestWorkerProcesses:
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+class TestADatabaseRestart:
+    async def test_a_restart_that_cuts_off_a_write_loses_nothing_and_records_each_end_once(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A write claims the next tasks and hands them over before it commits: the server stops
+        # there, the commit fails, and the tasks started run unleased (their ends refused) while
+        # the write runs again on a new connection once the server is back.
+        with tempfile.TemporaryDirectory() as parent:
+            os.chmod(parent, 0o755)  # reachable by the server's user when root
+            directory = Path(parent) / "data"
+            server = embedded_server(directory, durable=True)
+            port = server.port
+            calls: collections.Counter[str] = collections.Counter()
+            stopped = anyio.Event()
+            writes: list[int] = []  # the tasks each write handed over
+            cut_off: list[int] = []  # how many the write cut off handed over
+            complete: Any = PostgresWorkerBackend.complete_and_claim
+
+            async def cut(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
+                *rest, taken = args
+
+                def handed(batch: list[Any]) -> None:
+                    taken(batch)
+                    writes.append(len(batch))
+                    if len(writes) >= 5 and batch and not stopped.is_set():
+                        server.stop()  # (blocking: the transaction is open, its commit next)
+                        cut_off.append(len(batch))
+                        stopped.set()
+
+                accepted: list[bool] = await complete(self, name, *rest, handed)
+                return accepted
+
+            monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", cut)
+
+            @agent(kinds=["work"], concurrency=20)
+            async def slow(task: Task, ctx: Context) -> int:
+                calls[task.id] += 1
+                await anyio.sleep(0.005)
+                return int(task.payload)
+
+            try:
+                conn = await asyncpg.connect(server.dsn)
+                try:
+                    await migrate(conn)
+                    await open_run(conn, "r", [Task("work", i, id=f"t{i}") for i in range(300)])
+                finally:
+                    await conn.close()
+                work = Work(Orchestrator(agents=[slow]), server.dsn, run_id="r", lease=10)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(work)
+                    await stopped.wait()
+                    await anyio.sleep(0.5)
+                    server = await anyio.to_thread.run_sync(
+                        lambda: embedded_server(directory, durable=True, port=port)
+                    )
+                    conn = await asyncpg.connect(server.dsn)
+                    try:
+                        rows = await until_ended(conn, "r", 300, within=60)
+                        await close_run(conn, "r")
+                    finally:
+                        await conn.close()
+                assert {(row["state"], value(row)) for row in rows.values()} == {
+                    ("succeeded", int(task_id[1:])) for task_id in rows
+                }
+                assert set(calls) == set(rows)
+                report = work.report
+                assert report is not None
+                assert report.completed == 300
+                # The tasks handed over by the write cut off ran twice, the first end refused.
+                assert report.refused == cut_off[0] == sum(calls.values()) - 300
+            finally:
+                server.stop()
 
 
 class TestAPoisonTask:
