@@ -85,7 +85,13 @@ class Results(Protocol):
 
 class Backend(Protocol):
     """What a worker asks of the shared store it works for. Every call is a write or a read of
-    that store; `Claim`s are the store's own."""
+    that store; `Claim`s are the store's own.
+
+    A backend may offer one call more, ``complete_and_claim(name, wall0, ends, notes, admission,
+    then, taken)`` (the PostgreSQL one does): `complete`, and with `then` (run id, rooms, room)
+    the claim `claim` would make, in the transaction that writes the ends; what it claimed is
+    given to `taken` before that transaction commits. A worker's group commits use it when it is
+    there (`Worker._write`)."""
 
     lease: float  # seconds a claim lasts unrenewed (the worker renews every third of it)
     poll: float  # seconds between looks when nothing woke the worker, unless it is given one
