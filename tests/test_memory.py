@@ -14,7 +14,7 @@ from orchestra import Context, Orchestrator, Task, agent
 from orchestra._admission import Admission
 from orchestra._task import SUCCEEDED
 from orchestra.stores import MemoryStore
-from orchestra.stores._protocol import NoListener
+from orchestra.stores._protocol import NoListener, Selector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -266,3 +266,66 @@ class TestQuietSuccesses:
         for _ in range(3):
             self._run_one(store)
         assert listener.heard == ["t0", "t1", "t2"]
+
+
+class _Hearing(NoListener):
+    """A listener that records the ends it hears, and the tasks made ready."""
+
+    def __init__(self) -> None:
+        self.heard: list[str] = []
+        self.readied: list[str] = []
+
+    def ready(self, record: Any) -> None:
+        self.readied.append(record.task_id)
+
+    def finished(self, record: Any) -> None:
+        self.heard.append(record.task_id)
+
+
+class TestSuccessesWrittenElsewhere:
+    """`MemoryRun.succeeded_elsewhere`: the ends a durable store's coordinator hears, by the batch."""
+
+    def _run(self, *, compact: bool = False) -> tuple[Any, _Hearing]:
+        listener = _Hearing()
+        store = open_run(listener, compact=compact)
+        store.admit(
+            [
+                Task("work", 1, id="a"), Task("work", 2, id="b"),
+                Task("work", 3, id="c", depends_on=["a"]), Task("work", 4, id="d"),
+            ],
+            where="tasks", forward=True,
+        )  # fmt: skip
+        return store, listener
+
+    def test_each_ends_as_written_in_order_and_readies_what_waited_for_it(self) -> None:
+        store, listener = self._run()
+        a, b, c = (store.record_of(i) for i in "abc")
+        assert store.claim() is a  # claimed here: another process ended it since
+        store.succeeded_elsewhere([(b, {"v": 2}, "w1"), (a, 1, "w2")])
+        assert listener.heard == ["b", "a"]
+        assert (a.status, a.output, a.agent, b.status, b.output, b.agent) == (
+            SUCCEEDED, 1, "w2", SUCCEEDED, {"v": 2}, "w1",
+        )  # fmt: skip
+        assert listener.readied[-1] == "c"  # what waited for "a" is ready now
+        assert c.state == "ready"
+        assert store.unfinished == 2
+        assert not store.settle(a, a.token, SUCCEEDED, 5, agent="here")  # its end is final
+        # "b" left the ready queue; "c" waits behind "d", ready before it.
+        assert [store.claim(), store.claim(), store.claim()] == [store.record_of("d"), c, None]
+
+    def test_a_task_ended_here_meanwhile_keeps_its_end(self) -> None:
+        store, listener = self._run()
+        d = store.record_of("d")
+        store.cancel(Selector(task_ids=["d"]), "stop")
+        heard = list(listener.heard)
+        store.succeeded_elsewhere([(d, 4, "w1")])
+        assert listener.heard == heard
+        assert d.status == "cancelled"
+
+    def test_a_streamed_run_forgets_them_as_it_forgets_its_own(self) -> None:
+        store, listener = self._run(compact=True)
+        b = store.record_of("b")
+        store.succeeded_elsewhere([(b, 2, "w1")])
+        assert listener.heard == ["b"]
+        assert store.record_of("b") is None
+        assert store.state_of("b") == SUCCEEDED

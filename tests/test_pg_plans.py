@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from orchestra.stores._postgres._follow import _FAILURES, _HEARD, _SPAWNED
+from orchestra.stores._postgres._follow import _HEARD
 from orchestra.stores._postgres._leases import _CLAIM, _COMPLETE
 from orchestra.stores._postgres._settle import _CONCERNS
 
@@ -66,14 +66,12 @@ class TestGenericPlans:
         assert "Seq Scan on tasks" not in plan, plan
 
     @pytest.mark.parametrize(
-        ("statement", "index"),
-        [(_FAILURES, "attempts_by_task"), (_SPAWNED, "tasks_by_parent")],
-        ids=["failed attempts of ends heard", "spawns of ends heard"],
+        "index", ["attempts_by_task", "tasks_by_parent"], ids=["failed attempts", "spawns"]
     )
-    async def test_the_reads_after_the_ended_feed_use_their_index(
-        self, tasks: asyncpg.Connection, statement: str, index: str
+    async def test_the_ended_feeds_read_takes_what_came_with_each_end_by_its_index(
+        self, tasks: asyncpg.Connection, index: str
     ) -> None:
-        plan = await generic_plan(tasks, statement)
+        plan = await generic_plan(tasks, _HEARD)
         assert f"using {index} on" in plan, plan
         assert "Seq Scan" not in plan, plan
 
@@ -81,7 +79,6 @@ class TestGenericPlans:
         self, tasks: asyncpg.Connection
     ) -> None:
         plan = await generic_plan(tasks, _CLAIM)
-        print(plan)
         assert "using tasks_ready on tasks r" in plan, plan
         assert "using tasks_pkey on tasks t" in plan, plan
         assert "Seq Scan" not in plan, plan

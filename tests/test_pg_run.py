@@ -27,6 +27,7 @@ from orchestra import (
     Discard,
     Orchestrator,
     PermanentError,
+    RetryableError,
     RetryPolicy,
     RunResult,
     Task,
@@ -870,6 +871,58 @@ class TestAPausedCoordinator:
         assert result.data["c"] == ["a", "b"]
         assert result.data["a.2"] == 4
         assert sorted(t for _, t in calls) == ["a", "a.0", "a.1", "a.2", "b", "c"]
+
+
+class TestWhatACoordinatorHearsFromAWorker:
+    async def test_failed_attempts_a_default_and_a_failure_come_with_each_end(
+        self, pg_dsn: str
+    ) -> None:
+        @agent(kinds=["flaky", "bad", "fallen", "plain"])
+        async def fragile(task: Task, ctx: Context) -> Any:
+            if task.kind == "plain":
+                return {"n": task.payload}
+            if task.kind == "flaky" and ctx.attempt >= 3:
+                return "third time"
+            raise PermanentError("never") if task.kind != "flaky" else RetryableError("again")
+
+        tasks = [
+            Task("flaky", 0, id="f"), Task("bad", 0, id="x"), Task("fallen", 0, id="d"),
+            *(Task("plain", i, id=f"p{i}") for i in range(100)),
+        ]  # fmt: skip
+        here, there = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        try:
+            coordinator = Orchestrator(agents=[fragile], store=here)
+            worker = Orchestrator(
+                agents=[fragile], retry=RetryPolicy(max_attempts=3, base=0.01),
+                defaults={"fallen": "fallback"},
+            )  # fmt: skip
+            async with coordinator, worker, anyio.create_task_group() as tg:
+                handle = coordinator.start(tasks, run_id="r")
+                stream = handle.results()  # (opened before any end: it hears every one)
+                handle.pause()  # every task is the worker's
+                tg.start_soon(functools.partial(worker.work, there, run_id="r"))
+                result = await handle
+                heard = {r.task.id: r async for r in stream}
+                tg.cancel_scope.cancel()
+        finally:
+            here.close()
+            there.close()
+        assert result.metadata.counts["succeeded"] == 102
+        assert result.metadata.counts["failed"] == 1
+        assert result.data["f"] == "third time"
+        assert result.data["d"] == "fallback"
+        assert result.data["p7"] == {"n": 7}
+        assert sorted(heard) == sorted(t.id for t in tasks)
+        failures = {
+            i: [(a.number, a.error_type) for a in r.failures or ()] for i, r in heard.items()
+        }
+        assert failures["f"] == [(1, "RetryableError"), (2, "RetryableError")]
+        assert failures["x"] == [(1, "PermanentError")]
+        assert failures["d"] == [(1, "PermanentError")]
+        assert not any(failures[f"p{i}"] for i in range(100))
+        assert (heard["f"].attempts, heard["x"].attempts, heard["d"].attempts) == (3, 1, 1)
+        assert heard["x"].error_type == "PermanentError"
+        assert [i for i, r in heard.items() if r.defaulted] == ["d"]
 
 
 class TestALeaseTheCoordinatorLost:

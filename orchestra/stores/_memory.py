@@ -533,6 +533,41 @@ class MemoryRun:
         record.token += 1
         return record.token
 
+    def succeeded_elsewhere(self, ended: Sequence[tuple[Record, Any, str | None]]) -> None:
+        """Successes another process wrote (a durable store's worker held the tasks), as
+        (record, output, agent), in the order they were written: each task taken (`take`) and
+        ended as `settle` ends a success; one ended here meanwhile (a follower of a key ended
+        with its holder's success, earlier in the batch) is left as it is. The end a coordinator
+        hears most, a batch at a time: the common one, with nothing waiting for it, in a few
+        writes (as `succeed`)."""
+        queue = self._queue
+        listener = self._listener
+        t0 = self.t0
+        finished = self._now() - t0  # (heard at once: one time for the batch)
+        general = bool(self._groups) or self._compact
+        for record, output, agent in ended:
+            state = record.state
+            if state in TERMINAL:
+                continue
+            record.token += 1
+            if general or record.dependents is not None:
+                self._end(record, SUCCEEDED, output, agent, None, None, False)
+                continue
+            if state is READY:
+                queue.discard(record)
+            elif state is PENDING:
+                self.pending -= 1
+            record.state = record.status = SUCCEEDED
+            record.output = output
+            record.agent = agent
+            t_start = record.t_start
+            record.started = None if t_start is None else t_start - t0
+            record.finished = finished
+            record.error = record.error_type = None
+            record.defaulted = False
+            self.unfinished -= 1
+            listener.finished(record)
+
     def forget(self, task_id: str) -> None:
         """Keep nothing of `task_id` if it ended (a worker's run: the file keeps it)."""
         self._graph.forget(task_id)

@@ -32,79 +32,102 @@ __all__ = ("Heard", "decide", "heard")
 
 class Heard(NamedTuple):
     """Ends heard from the feed: `ends` rows (id, state, output JSON, agent, error, error_type,
-    attempts, started (wall seconds), defaulted, and a flag of the feed's own), in the order they
-    were written; `failures`
-    rows (task id, number, agent, error_type, message, started, duration, retry_in, traceback,
-    status_code, api_error_type, request_id); `spawned` rows (parent, id, kind, payload JSON,
-    priority, depends_on, depends_on_tags, tags, key, timeout, critical, metadata JSON), each
-    parent's in their order; `answers`, what the completions decided for the spawns' keys
-    (`_keyed.spawn_answers`), by task id."""
+    attempts, started (wall seconds), defaulted, and two of the feed's own), in the order they
+    were written; `failures` by task id, rows (number, agent, error_type, message, started,
+    duration, retry_in, traceback, status_code, api_error_type, request_id) in their order;
+    `spawned` by parent, rows (id, kind, payload JSON, priority, depends_on, depends_on_tags,
+    tags, key, timeout, critical, metadata JSON) in their order; `answers`, what the completions
+    decided for the spawns' keys (`_keyed.spawn_answers`), by task id."""
 
     ends: list[Any]
-    failures: list[Any]
-    spawned: list[Any]
+    failures: dict[str, list[Any]]
+    spawned: dict[str, list[Any]]
     answers: dict[str, Answer]
 
 
 SWEEP_EVERY: Final = 2048
 """The feed is vacuumed by the coordinator that reads its row numbered a multiple of this."""
 
+# One statement, one round trip per read: an end's failed attempts and spawns come with it, as
+# arrays of rows (asyncpg decodes them to tuples), instead of two more statements by the ids
+# read. Only a task that failed an attempt has rows in `attempts`: one that did not succeed, took
+# more than one attempt (a lease lost counts as one) or succeeded with its default after its
+# agents failed; the others skip that probe (`ARRAY` of none: an empty list, no NULL to check).
 _HEARD = """
 WITH taken AS (
     DELETE FROM orchestra.ended WHERE run_id = $1 RETURNING id, n
 )
 SELECT t.id, t.state, t.output::text, t.agent, t.error, t.error_type, t.attempts,
-    extract(epoch FROM t.started)::float8, t.defaulted, taken.n % $2 = 0 AS sweep
+    extract(epoch FROM t.started)::float8, t.defaulted, taken.n % $2 = 0 AS sweep,
+    CASE WHEN t.state <> 'succeeded' OR t.attempts > 1 OR t.defaulted THEN ARRAY(
+        SELECT ROW(a.number, a.agent, a.error_type, a.message,
+            extract(epoch FROM a.started)::float8, a.duration, a.retry_in, a.traceback,
+            a.status_code, a.api_error_type, a.request_id)
+        FROM orchestra.attempts AS a WHERE a.run_id = $1 AND a.task_id = t.id
+        ORDER BY a.number
+    ) END AS failures,
+    ARRAY(
+        SELECT ROW(s.id, s.kind, s.payload::text, s.priority, s.depends_on, s.depends_on_tags,
+            s.tags, s.key, s.timeout, s.critical, s.metadata::text)
+        FROM orchestra.tasks AS s WHERE s.run_id = $1 AND s.parent = t.id
+        ORDER BY s.idx
+    ) AS spawned
 FROM taken JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = taken.id
 ORDER BY taken.n
 """
 
-_FAILURES = """
-SELECT task_id, number, agent, error_type, message, extract(epoch FROM started)::float8,
-    duration, retry_in, traceback, status_code, api_error_type, request_id
-FROM orchestra.attempts WHERE run_id = $1 AND task_id = ANY ($2::text[])
-ORDER BY task_id, number
-"""
-
-_SPAWNED = """
-SELECT parent, id, kind, payload::text, priority, depends_on, depends_on_tags, tags, key,
-    timeout, critical, metadata::text
-FROM orchestra.tasks WHERE run_id = $1 AND parent = ANY ($2::text[])
-ORDER BY parent, idx
-"""
+# (asyncpg's `Transaction` sends its BEGIN alone: with the plans' setting after it, one round
+# trip more per read, for each of the run's few dozen ends.)
+_BEGIN: Final = f"BEGIN; {GENERIC_PLANS}"
 
 
 async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
     """Take the ends of `run_id` that other processes wrote since the last call."""
-    generic = not conn.is_in_transaction()  # (a SET LOCAL would outlast this block in a caller's)
-    async with conn.transaction():
-        # These reads are by primary key or a task's parent whatever the batch (GENERIC_PLANS).
-        if generic:
-            await conn.execute(GENERIC_PLANS)
-        ends = list(await conn.fetch(_HEARD, run_id, SWEEP_EVERY))
-        if not ends:
-            return Heard([], [], [], {})
-        ids = [row[0] for row in ends]
-        failures = list(await conn.fetch(_FAILURES, run_id, ids))
-        spawned = list(await conn.fetch(_SPAWNED, run_id, ids))
-        answers: dict[str, Answer] = {}
-        spawners = sorted({row[0] for row in spawned if row[8] is not None})
-        if spawners:
-            if generic:
-                await conn.execute(SESSION_PLANS)
-            answers = await spawn_answers(conn, run_id, spawners)
+    if conn.is_in_transaction():  # (a SET LOCAL would outlast this call in a caller's)
+        found = await _take(conn, run_id, generic=False)
+    else:
+        # The read is by primary key or a task's parent whatever the batch (GENERIC_PLANS).
+        await conn.execute(_BEGIN)
+        try:
+            found = await _take(conn, run_id, generic=True)
+        except BaseException:
+            if not conn.is_closed():
+                # (a connection cut mid-statement is closed, its transaction gone with it)
+                await conn.execute("ROLLBACK")
+            raise
+        await conn.execute("COMMIT")
     # The rows read are deleted, and stay in the table and its index, dead, until a vacuum: each
     # read walked them all again (a bitmap scan does not learn that an entry is dead), its cost
     # growing with every end of the run (17 us per end on average over 50,000, a tenth of that
     # at first). Autovacuum looks once a minute at most; the feed is vacuumed here every
     # `SWEEP_EVERY` ends of all runs (the rows are numbered across them, so one coordinator does
     # each time), a table of a few thousand dead rows: a millisecond or so.
-    if any(row[9] for row in ends) and not conn.is_in_transaction():
+    if any(row[9] for row in found.ends) and not conn.is_in_transaction():
         # SKIP_LOCKED: another process (autovacuum) vacuuming it now is as good. TRUNCATE false:
         # giving its empty tail pages back takes an exclusive lock, which the workers' inserts
         # of ends hold off; the vacuum would retry it every 50 ms (64 ms per vacuum, measured)
         # and, once it has it, stop their completions meanwhile.
         await conn.execute("VACUUM (SKIP_LOCKED, TRUNCATE false) orchestra.ended")
+    return found
+
+
+async def _take(conn: asyncpg.Connection, run_id: str, *, generic: bool) -> Heard:
+    ends = await conn.fetch(_HEARD, run_id, SWEEP_EVERY)
+    failures: dict[str, list[Any]] = {}
+    spawned: dict[str, list[Any]] = {}
+    spawners = []  # of spawns with keys
+    for row in ends:
+        if row[10]:
+            failures[row[0]] = row[10]
+        if row[11]:
+            spawned[row[0]] = spawns = row[11]
+            if any(spawn[7] is not None for spawn in spawns):
+                spawners.append(row[0])
+    answers: dict[str, Answer] = {}
+    if spawners:
+        if generic:
+            await conn.execute(SESSION_PLANS)
+        answers = await spawn_answers(conn, run_id, sorted(spawners))
     return Heard(ends, failures, spawned, answers)
 
 

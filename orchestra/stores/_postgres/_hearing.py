@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 from ..._exceptions import InputError, StoreError
 from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Task
 from . import _keys as keys
-from ._rows import STATES, Rows
+from ._rows import STATES, Rows, parsed
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Sequence
 
+    from ..._record import Record
     from .._memory import MemoryRun
     from . import _follow as follow
     from . import _leases as leases
@@ -70,58 +71,72 @@ class Hearing:
 
     def take_in(self, heard: follow.Heard) -> None:
         """Play the ends written elsewhere into the mirror, as if they had happened here."""
-        if not heard.ends:
-            return
         memory = self._memory
-        failures = self._rows.failures(heard.failures)  # (the columns a resume reads)
-        spawned: dict[str, list[Task]] = {}
-        for row in heard.spawned:
-            spawned.setdefault(row[0], []).append(_task(row[1:]))
-        for (
-            task_id,
-            state,
-            output,
-            agent,
-            error,
-            error_type,
-            attempts,
-            started,
-            defaulted,
-            _,
-        ) in heard.ends:
-            record = memory.record_of(task_id)
+        record_of = memory.record_of
+        held = self._held
+        offset = self._rows.offset
+        # Successes with nothing more to take in (no failed attempt, no spawn, no default), the
+        # ends a worker writes most: taken in by the batch (`MemoryRun.succeeded_elsewhere`), in
+        # the order heard, any other end played in between, in its place.
+        plain: list[tuple[Record, Any, str | None]] = []
+        for row in heard.ends:
+            task_id = row[0]
+            record = record_of(task_id)
             if record is None or record.state in TERMINAL:
                 continue  # ended here meanwhile (a cancel, a deadline): the mirror's is final
-            if self._held.pop(task_id, None) is not None or record.state in (CLAIMED, RUNNING):
-                token = record.token  # ours once; another process ended it since
-            else:
-                token = memory.take(record)
-            record.attempts = attempts
-            more = failures.get(task_id)
-            if more:
-                known = {a.number for a in record.failures or ()}
-                new = [a for a in more if a.number not in known]
-                record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
-            if started is not None and record.t_start is None:
-                record.t_start = started - self._rows.offset
-            value = None if output is None else json.loads(output)
-            children = spawned.get(task_id, ())
-            try:
-                memory.settle(
-                    record, token, STATES[state], value, spawned=children, agent=agent,
-                    error=error, error_type=error_type, defaulted=defaulted,
-                )  # fmt: skip
-            except InputError as exc:  # the database took them: the mirror must too
-                self._keep_error(
-                    StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
-                )
-            if heard.answers and children:
-                # What the completion decided for the spawns' keys, played in before any later
-                # end (one of what a reused spawn readied, say) is.
-                self.answered({
-                    child.id: heard.answers[child.id]
-                    for child in children if child.id in heard.answers
-                })  # fmt: skip
+            if (
+                row[1] == "succeeded" and not row[10] and not row[11] and not row[8]
+                and row[4] is None and row[5] is None
+            ):  # fmt: skip
+                held.pop(task_id, None)
+                record.attempts = row[6]
+                started = row[7]
+                if started is not None and record.t_start is None:
+                    record.t_start = started - offset
+                output = row[2]
+                plain.append((record, None if output is None else parsed(output), row[3]))
+                continue
+            if plain:
+                memory.succeeded_elsewhere(plain)
+                plain = []
+            self._take_one(record, row, heard)
+        if plain:
+            memory.succeeded_elsewhere(plain)
+
+    def _take_one(self, record: Record, row: Any, heard: follow.Heard) -> None:
+        """Play one end into the mirror: its failed attempts, its spawns, its outcome."""
+        memory = self._memory
+        (task_id, state, output, agent, error, error_type, attempts, started, defaulted, *_) = row
+        if self._held.pop(task_id, None) is not None or record.state in (CLAIMED, RUNNING):
+            token = record.token  # ours once; another process ended it since
+        else:
+            token = memory.take(record)
+        record.attempts = attempts
+        more = heard.failures.get(task_id)
+        if more:
+            known = {a.number for a in record.failures or ()}
+            new = [a for a in map(self._rows.attempt, more) if a.number not in known]
+            record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
+        if started is not None and record.t_start is None:
+            record.t_start = started - self._rows.offset
+        value = None if output is None else parsed(output)
+        children = [_task(spawn) for spawn in heard.spawned.get(task_id, ())]
+        try:
+            memory.settle(
+                record, token, STATES[state], value, spawned=children, agent=agent,
+                error=error, error_type=error_type, defaulted=defaulted,
+            )  # fmt: skip
+        except InputError as exc:  # the database took them: the mirror must too
+            self._keep_error(
+                StoreError(f"run {self.run_id!r}: the tasks {task_id!r} spawned: {exc}")
+            )
+        if heard.answers and children:
+            # What the completion decided for the spawns' keys, played in before any later
+            # end (one of what a reused spawn readied, say) is.
+            self.answered({
+                child.id: heard.answers[child.id]
+                for child in children if child.id in heard.answers
+            })  # fmt: skip
 
     def answered(self, answers: dict[str, keys.Answer]) -> None:
         """What the database answered for the keys of the run's tasks: a stored result ends the
@@ -136,9 +151,7 @@ class Hearing:
                     continue
                 token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
                 self._held.pop(task_id, None)
-                memory.settle(
-                    record, token, SUCCEEDED, json.loads(answer.output), agent=answer.agent
-                )
+                memory.settle(record, token, SUCCEEDED, parsed(answer.output), agent=answer.agent)
             elif isinstance(answer, keys.Held):
                 record = memory.record_of(task_id)
                 if record is not None and record.task.key is not None:
@@ -167,7 +180,7 @@ class Hearing:
 
 
 def _task(row: Sequence[Any]) -> Task:
-    """A task as its row holds it (a spawned one, heard with its spawner's end)."""
+    """A task as its row holds it (a spawned one, heard with its spawner's end: `Heard`)."""
     (task_id, kind, payload, priority, depends_on, depends_on_tags, tags, key, timeout,
      critical, metadata) = row  # fmt: skip
     return Task(
