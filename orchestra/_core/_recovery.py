@@ -367,10 +367,11 @@ class Recovery:
         defaults = self._owner.config.defaults
         store = self._owner.store
         if record.kind in defaults:
-            if store.settle(
+            # (listed in `metadata.defaulted` as the report counts its end, like one defaulted
+            # in another process)
+            store.settle(
                 record, token, SUCCEEDED, defaults[record.kind], defaulted=True, attempt=attempt
-            ):
-                self._owner.report.defaulted.append(record.id)
+            )
             return
         last = attempt or (record.failures[-1] if record.failures else None)
         if error_type is not None:

@@ -235,8 +235,10 @@ class Report:
         (`fold`): counting one at a time was a fifth of a no-op task's whole cost, and a batch
         of one kind within one second is a few quick passes. Everything that reads what a success
         changes (`kinds`, `window`, `result`) counts the batch first, as does the end of a task
-        that did not succeed (so the counts keep the order the tasks ended in)."""
-        if record.status is SUCCEEDED and record.started is not None:
+        that did not succeed (so the counts keep the order the tasks ended in). A success by its
+        kind's default is counted alone, listed in `metadata.defaulted` wherever it ended (here,
+        in a worker, in an earlier process)."""
+        if record.status is SUCCEEDED and record.started is not None and not record.defaulted:
             done = self.batch
             done.append(record)
             if len(done) >= BATCH:
@@ -316,6 +318,8 @@ class Report:
             if agent is not None:
                 per_agent = self.per_agent
                 per_agent[agent] = per_agent.get(agent, 0) + 1
+            if record.defaulted:
+                self.defaulted.append(record.id)
         else:
             self._not_ok(kind, record)
         started = record.started

@@ -126,9 +126,9 @@ async def ended_after(
 
 
 async def _attempts_of(conn: asyncpg.Connection, run_id: str, tasks: list[Any]) -> list[Any]:
-    # Only a task that failed an attempt has rows there: one that did not succeed, or took more
-    # than one attempt (a lease lost is counted as one).
-    ids = [row[0] for row in tasks if row[14] != "succeeded" or row[15] > 1]
+    # Only a task that failed an attempt has rows there: one that did not succeed, took more
+    # than one attempt (a lease lost is counted as one), or succeeded by its kind's default.
+    ids = [row[0] for row in tasks if row[14] != "succeeded" or row[15] > 1 or row[26]]
     return list(await conn.fetch(_ATTEMPTS_OF, run_id, ids)) if ids else []
 
 
