@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pytest
 
+from orchestra import Task
+from orchestra._admission import Admission
 from orchestra.stores._postgres import _follow as follow
+from orchestra.stores._postgres import _graph as graph
 from orchestra.stores._postgres._leases import (
     _COMPLETE,
     MAX_LOST,
     End,
+    NextClaim,
     claim,
     complete,
+    complete_and_claim,
     connect,
     fail,
     heartbeat,
@@ -264,6 +269,44 @@ class TestFencing:
             await conn.fetchval("SELECT count(*) FROM orchestra.events WHERE event = 'refused'")
             == 1
         )
+
+
+class TestCompleteAndClaim:
+    async def test_the_ends_and_the_claim_of_the_room_they_give_back_commit_together(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(1, 6)])
+        t1, t2 = await claim(conn, "r", {"a": 2}, owner="w", lease=30)
+        ends = [End("t1", t1.token, "succeeded", "1"), End("t2", t2.token + 1, "succeeded", "2")]
+        written, claimed = await complete_and_claim(
+            conn, "r", "w", ends, NextClaim({"a": 2}, None, 30)
+        )
+        assert written == [True, False]  # t2's end carried a token it was not given
+        assert [task.id for task in claimed] == ["t3", "t4"]
+        t3, t4 = claimed
+        # One token for the claim, greater than any lease of these tasks had.
+        assert t3.token == t4.token > t1.token
+        rows = await conn.fetch(
+            "SELECT id, xmin::text AS tx, state, lease_owner FROM orchestra.tasks "
+            "WHERE id IN ('t1', 't3', 't4') ORDER BY id"
+        )
+        assert [(r["id"], r["state"], r["lease_owner"]) for r in rows] == [
+            ("t1", "succeeded", None), ("t3", "claimed", "w"), ("t4", "claimed", "w"),
+        ]  # fmt: skip
+        assert len({r["tx"] for r in rows}) == 1  # one transaction wrote them
+
+    async def test_what_the_ends_make_ready_is_claimed_with_them_its_dependencies_outputs_too(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await conn.execute("INSERT INTO orchestra.runs (id) VALUES ('r')")
+        tasks = [Task("a", 1, id="x"), Task("a", 2, id="y", depends_on=["x"])]
+        await graph.admit(conn, "r", tasks, admission=Admission(["a"], {}))
+        (x,) = await claim(conn, "r", {"a": 2}, owner="w", lease=30)
+        written, claimed = await complete_and_claim(
+            conn, "r", "w", [End("x", x.token, "succeeded", '"out"')], NextClaim({"a": 2}, 1, 30)
+        )
+        assert written == [True]
+        assert [(task.id, task.deps) for task in claimed] == [("y", {"x": '"out"'})]
 
 
 class TestTheCoordinatorHearsOfEnds:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from orchestra.stores._postgres._follow import _HEARD
-from orchestra.stores._postgres._leases import _COMPLETE
+from orchestra.stores._postgres._leases import _CLAIM, _COMPLETE
 from orchestra.stores._postgres._settle import _CONCERNS
 
 if TYPE_CHECKING:
@@ -73,4 +73,12 @@ class TestGenericPlans:
     ) -> None:
         plan = await generic_plan(tasks, _HEARD)
         assert f"using {index} on" in plan, plan
+        assert "Seq Scan" not in plan, plan
+
+    async def test_a_claim_picks_from_the_ready_index_and_updates_by_primary_key(
+        self, tasks: asyncpg.Connection
+    ) -> None:
+        plan = await generic_plan(tasks, _CLAIM)
+        assert "using tasks_ready on tasks r" in plan, plan
+        assert "using tasks_pkey on tasks t" in plan, plan
         assert "Seq Scan" not in plan, plan

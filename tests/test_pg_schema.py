@@ -130,6 +130,24 @@ class TestOwnersIndex:
         assert "tasks_by_owner" not in await _indexes(conn)
 
 
+class TestTasksPages:
+    async def test_a_v8_database_leaves_half_of_each_new_page_for_the_rows_written_anew(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # A claim and an end each write a task's row anew: the new version stays on its page.
+        assert await migrate(conn, migrations=MIGRATIONS[:8]) == 8
+        assert await _options(conn) is None
+        assert await migrate(conn) == NEWEST
+        assert await _options(conn) == ["fillfactor=50"]
+
+
+async def _options(conn: asyncpg.Connection) -> list[str] | None:
+    options: list[str] | None = await conn.fetchval(
+        "SELECT reloptions FROM pg_class WHERE oid = 'orchestra.tasks'::regclass"
+    )
+    return options
+
+
 async def _indexes(conn: asyncpg.Connection) -> set[str]:
     rows = await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'orchestra'")
     return {row[0] for row in rows}

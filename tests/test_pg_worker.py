@@ -21,11 +21,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import asyncpg
 import pytest
 from typer.testing import CliRunner
 
@@ -45,15 +48,14 @@ from orchestra.stores import MemoryStore
 from orchestra.stores._postgres import _worker as worker_module
 from orchestra.stores._postgres._coordinator import acquire
 from orchestra.stores._postgres._graph import admit
+from orchestra.stores._postgres._schema import migrate
+from orchestra.stores._postgres._server import embedded_server
 from orchestra.stores._postgres._store import PostgresStore
 from orchestra.stores._postgres._worker import PostgresWorkerBackend
 from tests.helpers import REPO, spawn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from pathlib import Path
-
-    import asyncpg
 
     from orchestra.stores._worker import WorkReport
 
@@ -446,13 +448,13 @@ class TestGroupCommits:
         self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         batches: list[int] = []
-        complete = PostgresWorkerBackend.complete
+        complete = PostgresWorkerBackend.complete_and_claim  # (`complete` calls it too)
 
         async def counted(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
-            batches.append(len(args[1]))  # (wall0, rows, failed, admission): the ends written
+            batches.append(len(args[1]))  # (wall0, rows, failed, ...): the ends written
             return await complete(self, name, *args)
 
-        monkeypatch.setattr(PostgresWorkerBackend, "complete", counted)
+        monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", counted)
         await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(50)])
         work = Work(Orchestrator(agents=[runner], concurrency=50), pg_dsn, run_id="r")
         async with anyio.create_task_group() as tg:
@@ -462,6 +464,52 @@ class TestGroupCommits:
         assert work.report is not None
         assert work.report.claimed == 50
         assert batches == [50]
+
+    async def test_the_room_their_ends_give_back_is_claimed_in_their_commit_and_no_more(
+        self, pg_dsn: str, pg_conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        by_claim: list[int] = []
+        by_write: list[int] = []
+        leased: list[int] = []  # the worker's leases after each commit of its ends
+        claim = PostgresWorkerBackend.claim
+        complete: Any = PostgresWorkerBackend.complete_and_claim
+        watch = await asyncpg.connect(pg_dsn)
+
+        async def claimed(self: PostgresWorkerBackend, *args: Any) -> tuple[list[Any], bool]:
+            batch, over = await claim(self, *args)
+            by_claim.append(len(batch))
+            return batch, over
+
+        async def completed(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
+            *rest, taken = args
+
+            def counted(batch: list[Any]) -> None:
+                by_write.append(len(batch))
+                taken(batch)
+
+            accepted: list[bool] = await complete(self, name, *rest, counted)
+            leased.append(await watch.fetchval(
+                "SELECT count(*) FROM orchestra.tasks WHERE lease_owner = $1", name
+            ))  # fmt: skip
+            return accepted
+
+        monkeypatch.setattr(PostgresWorkerBackend, "claim", claimed)
+        monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", completed)
+        await open_run(pg_conn, "r", [Task("work", i, id=f"t{i}") for i in range(30)])
+        work = Work(Orchestrator(agents=[runner], concurrency=10), pg_dsn, run_id="r")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(work)
+                rows = await until_ended(pg_conn, "r", 30)
+                await close_run(pg_conn, "r")
+        finally:
+            await watch.close()
+        assert work.report is not None
+        assert (work.report.claimed, work.report.completed) == (30, 30)
+        assert sum(by_claim) + sum(by_write) == 30
+        assert sum(by_write) >= 10, (by_claim, by_write)
+        assert max(leased) <= 10, leased
+        assert {(row["state"], row["attempts"]) for row in rows.values()} == {("succeeded", 1)}
 
 
 class TestTheWorkersConnections:
@@ -667,6 +715,80 @@ class TestWorkerProcesses:
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+class TestADatabaseRestart:
+    async def test_a_restart_that_cuts_off_a_write_loses_nothing_and_records_each_end_once(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A write claims the next tasks and hands them over before it commits: the server stops
+        # there, the commit fails, and the tasks started run unleased (their ends refused) while
+        # the write runs again on a new connection once the server is back.
+        with tempfile.TemporaryDirectory() as parent:
+            os.chmod(parent, 0o755)  # reachable by the server's user when root
+            directory = Path(parent) / "data"
+            server = embedded_server(directory, durable=True)
+            port = server.port
+            calls: collections.Counter[str] = collections.Counter()
+            stopped = anyio.Event()
+            writes: list[int] = []  # the tasks each write handed over
+            cut_off: list[int] = []  # how many the write cut off handed over
+            complete: Any = PostgresWorkerBackend.complete_and_claim
+
+            async def cut(self: PostgresWorkerBackend, name: str, *args: Any) -> list[bool]:
+                *rest, taken = args
+
+                def handed(batch: list[Any]) -> None:
+                    taken(batch)
+                    writes.append(len(batch))
+                    if len(writes) >= 5 and batch and not stopped.is_set():
+                        server.stop()  # (blocking: the transaction is open, its commit next)
+                        cut_off.append(len(batch))
+                        stopped.set()
+
+                accepted: list[bool] = await complete(self, name, *rest, handed)
+                return accepted
+
+            monkeypatch.setattr(PostgresWorkerBackend, "complete_and_claim", cut)
+
+            @agent(kinds=["work"], concurrency=20)
+            async def slow(task: Task, ctx: Context) -> int:
+                calls[task.id] += 1
+                await anyio.sleep(0.005)
+                return int(task.payload)
+
+            try:
+                conn = await asyncpg.connect(server.dsn)
+                try:
+                    await migrate(conn)
+                    await open_run(conn, "r", [Task("work", i, id=f"t{i}") for i in range(300)])
+                finally:
+                    await conn.close()
+                work = Work(Orchestrator(agents=[slow]), server.dsn, run_id="r", lease=10)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(work)
+                    await stopped.wait()
+                    await anyio.sleep(0.5)
+                    server = await anyio.to_thread.run_sync(
+                        lambda: embedded_server(directory, durable=True, port=port)
+                    )
+                    conn = await asyncpg.connect(server.dsn)
+                    try:
+                        rows = await until_ended(conn, "r", 300, within=60)
+                        await close_run(conn, "r")
+                    finally:
+                        await conn.close()
+                assert {(row["state"], value(row)) for row in rows.values()} == {
+                    ("succeeded", int(task_id[1:])) for task_id in rows
+                }
+                assert set(calls) == set(rows)
+                report = work.report
+                assert report is not None
+                assert report.completed == 300
+                # The tasks handed over by the write cut off ran twice, the first end refused.
+                assert report.refused == cut_off[0] == sum(calls.values()) - 300
+            finally:
+                server.stop()
 
 
 class TestAPoisonTask:

@@ -37,7 +37,7 @@ from ._sqlite._worker import SQLiteWorkerBackend
 from ._worker_run import WorkerRun, WorkerStore, task_of
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Collection, Generator, Mapping, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from .._admission import Admission
@@ -76,7 +76,13 @@ class LocalRun(Protocol):
 
 class Backend(Protocol):
     """What a worker asks of the shared store it works for. Every call is a write or a read of
-    that store; `Claim`s are the store's own."""
+    that store; `Claim`s are the store's own.
+
+    A backend may offer one call more, ``complete_and_claim(name, wall0, ends, notes, admission,
+    then, taken)`` (the PostgreSQL one does): `complete`, and with `then` (run id, rooms, room)
+    the claim `claim` would make, in the transaction that writes the ends; what it claimed is
+    given to `taken` before that transaction commits. A worker's group commits use it when it is
+    there (`Worker._write`)."""
 
     lease: float  # seconds a claim lasts unrenewed (the worker renews every third of it)
     poll: float  # seconds between looks when nothing woke the worker, unless it is given one
@@ -252,6 +258,10 @@ class Worker:
         # The tasks whose lease a renewal found lost, cancelled here: counted `lost` when their
         # cancelled end comes, or `refused` if they ended otherwise first (each task once).
         self.losing: set[str] = set()
+        # Claimed with ends written (`_write`), held, for `_claims` to yield; and whether a claim
+        # is under way (`_claims`' or `_write`'s: the other waits, or claims nothing).
+        self.ahead: list[Claim] = []
+        self._claiming = False
         self._room = anyio.Event()
         self._ended = anyio.Event()
         self._stopping = False
@@ -367,76 +377,100 @@ class Worker:
 
     # -- claims: the local run's input -----------------------------------------------------------
 
+    def _rooms(self, leaving: Collection[str] = ()) -> tuple[dict[str, int], int, bool]:
+        """What a claim may take now, the tasks of `leaving` (ends written with the claim) no
+        longer held: the room of each kind, the room in all (0: none), and, when there is none,
+        whether the agents (not the leases) are what leave none."""
+        # A task holds its room until its end is written (the store's leases are what other
+        # workers see: a worker holds no more than its agents can start).
+        held = [c for i, c in self.held.items() if i not in leaving]
+        room = self.capacity - len(held)
+        counts = Counter(claimed.kind for claimed in held)
+        rooms = {k: n - counts[k] for k, n in self.rooms.items() if n > counts[k]}
+        if room <= 0 or not rooms:
+            return {}, 0, False
+        local = self.local
+        if local is not None:
+            # What the agents can start now (a shared limit another user fills, a rate or a
+            # breaker's wait that holds a task already), within the room above; a task ended
+            # here whose end is not written yet still holds its agent's place (its agent is
+            # free, but its lease is not: the worker would hold one more).
+            ended = {claimed.id for claimed, _ in self.ends + self.writing}.difference(leaving)
+            for kind, n in list(rooms.items()):
+                of_kind = [c.id for c in held if c.kind == kind]
+                ids = [i for i in of_kind if i not in ended]
+                live = local.room(kind, ids) - (len(of_kind) - len(ids))
+                if live < n:
+                    rooms[kind] = live
+            rooms = {k: n for k, n in rooms.items() if n > 0}
+            room = min(room, sum(rooms.values()))
+            if not rooms:
+                return {}, 0, True
+        return rooms, room, False
+
+    def _take(self, batch: Sequence[Claim]) -> tuple[list[Claim], list[Claim]]:
+        """Hold what a claim brought (before anything is yielded or awaited: a stop hands back
+        only what is held); and the claims of a task held already (another run's task of the
+        same id), to hand back."""
+        taking: dict[str, Claim] = {}
+        clash = []
+        for claimed in batch:
+            if claimed.id in self.held or claimed.id in taking:
+                clash.append(claimed)
+            else:
+                taking[claimed.id] = claimed
+        self.held.update(taking)
+        self.report.claimed += len(taking)
+        return list(taking.values()), clash
+
     async def _claims(self) -> AsyncIterator[Task]:
         backend = self.backend
-        capacity = self.capacity
         while not (self._stopping or self._finished):
-            # A task holds its room until its end is written (the store's leases are what
-            # other workers see: a worker holds no more than its agents can start). The room a
-            # burst of ends frees is claimed in one claim, not a claim per end.
-            await self._burst()
-            ended = {claimed.id for claimed, _ in self.ends + self.writing}
-            room = capacity - len(self.held)
-            held = Counter(claimed.kind for claimed in self.held.values())
-            rooms = {k: n - held[k] for k, n in self.rooms.items() if n > held[k]}
-            if room <= 0 or not rooms:
-                self._room = anyio.Event()
-                await self._room.wait()
-                continue
-            local = self.local
-            if local is not None:
-                # What the agents can start now (a shared limit another user fills, a rate or
-                # a breaker's wait that holds a task already), within the room above; a task
-                # ended here whose end is not written yet still holds its agent's place (its
-                # agent is free, but its lease is not: the worker would hold one more).
-                for kind, n in list(rooms.items()):
-                    of_kind = [i for i, c in self.held.items() if c.kind == kind]
-                    ids = [i for i in of_kind if i not in ended]
-                    live = local.room(kind, ids) - (len(of_kind) - len(ids))
-                    if live < n:
-                        rooms[kind] = live
-                rooms = {k: n for k, n in rooms.items() if n > 0}
-                room = min(room, sum(rooms.values()))
-                if not rooms:
-                    # Room comes with an end written here (`_write` says so), a release or a
-                    # refill elsewhere: looked at again then, or after a poll.
+            clash: list[Claim] = []
+            if self.ahead:
+                # Claimed with the last ends written (`_write`), held already.
+                taking, self.ahead = self.ahead, []
+            else:
+                # The room a burst of ends frees is claimed in one claim, not a claim per end.
+                await self._burst()
+                rooms, room, limited = self._rooms()
+                if not room or self._claiming:
+                    # Room comes with an end written here (`_write` says so, and may have
+                    # claimed it already), a release, or a refill of the agents' limits
+                    # elsewhere: looked at again then, or after a poll when the agents are what
+                    # leave none.
                     self._room = anyio.Event()
-                    with anyio.move_on_after(self.poll):
+                    with anyio.move_on_after(self.poll if limited else math.inf):
                         await self._room.wait()
                     continue
-            # A stop may drop this answer (the claim commits all the same): `_leave` hands back
-            # whatever the store says this worker holds, not only what it heard of.
-            batch, maybe_over = await backend.claim(self.name, self.run_id, rooms, room)
-            if (
-                self.run_id is not None
-                and maybe_over
-                and not batch
-                and not self.held
-                and await backend.closed(self.run_id)
-            ):
-                self._finished = True
-                return
-            if self.stopping:  # a drain began while this claim was written: none of it runs
-                with anyio.CancelScope(shield=True):
-                    self.report.released += await backend.release(self.name, list(batch))
-                return
-            if not batch:
-                await backend.wait(self.poll)
-                continue
-            taking: dict[str, Claim] = {}
-            clash = []  # another run's task of the same id is here: handed back, for a while
-            for claimed in batch:
-                if claimed.id in self.held or claimed.id in taking:
-                    clash.append(claimed)
-                else:
-                    taking[claimed.id] = claimed
-            # Held before anything is yielded or awaited: a stop handed back only what was held.
-            self.held.update(taking)
-            self.report.claimed += len(taking)
-            if clash:
-                with anyio.CancelScope(shield=True):
-                    await backend.release(self.name, clash)
-            for claimed in taking.values():
+                # A stop may drop this answer (the claim commits all the same): `_leave` hands
+                # back whatever the store says this worker holds, not only what it heard of.
+                self._claiming = True
+                try:
+                    batch, maybe_over = await backend.claim(self.name, self.run_id, rooms, room)
+                finally:
+                    self._claiming = False
+                if (
+                    self.run_id is not None
+                    and maybe_over
+                    and not batch
+                    and not self.held
+                    and await backend.closed(self.run_id)
+                ):
+                    self._finished = True
+                    return
+                if self.stopping:  # a drain began while this claim was written: none of it runs
+                    with anyio.CancelScope(shield=True):
+                        self.report.released += await backend.release(self.name, list(batch))
+                    return
+                if not batch:
+                    await backend.wait(self.poll)
+                    continue
+                taking, clash = self._take(batch)
+                if clash:
+                    with anyio.CancelScope(shield=True):
+                        await backend.release(self.name, clash)
+            for claimed in taking:
                 yield task_of(claimed)
             if clash:  # not claimed again at once: it is still the best ready task of its run
                 await anyio.sleep(self.poll)
@@ -453,7 +487,7 @@ class Worker:
             # room: small claims, small commits, each paying a durable commit's latency.
             await self._burst()
             self._ended = anyio.Event()
-            await self._write()
+            await self._write(claim=True)
 
     async def _burst(self) -> None:
         """Wait out the turns of the loop that still bring ends."""
@@ -464,12 +498,27 @@ class Worker:
             # is (sniffio), a few turns per burst, twice per burst (claims and writes).
             await asyncio.sleep(0)
 
-    async def _write(self) -> None:
+    async def _write(self, claim: bool = False) -> None:
+        """Write what ended and the failed attempts; with `claim`, and a backend that can
+        (``complete_and_claim``: the PostgreSQL one), claim the room these ends give back in the
+        same transaction (one commit where a claim after the write took a second one)."""
         if not self.ends and not self.failed:
             return
         ends, self.ends = self.ends, []
         failed, self.failed = self.failed, []
         self.writing = ends
+        chain = getattr(self.backend, "complete_and_claim", None) if claim else None
+        then = None
+        if (
+            chain is not None
+            and ends
+            and self.run_id is not None
+            and not (self._stopping or self._finished or self._claiming)
+        ):
+            # The room as it is once these ends are written (they are, before the claim).
+            rooms, room, _ = self._rooms({claimed.id for claimed, _ in ends})
+            if room:
+                then = (self.run_id, rooms, room)
         noted = self.noted
         for claimed, attempt in failed:
             noted[claimed.id] = max(noted.get(claimed.id, 0), attempt.number)
@@ -478,14 +527,40 @@ class Worker:
             written = noted.get(claimed.id, 0)
             failures = [a for a in result.failures or () if a.number > written]
             rows.append((claimed, result, failures, self.spawned.get(claimed.id)))
+        # Claimed with the write and not to run, handed back after it: all of it once the worker
+        # stops; a task held already (`_take`).
+        unrun: list[Claim] = []
+        clashes: list[Claim] = []
+
+        def taken(batch: Sequence[Claim]) -> None:
+            # Before the commit (`_leases.NextClaim`): the local run starts them while it is
+            # flushed, with the room these ends gave back.
+            if self._stopping or self._finished:
+                unrun.extend(batch)
+                return
+            taking, clash = self._take(batch)
+            clashes.extend(clash)
+            self.ahead.extend(taking)  # for `_claims` to yield
+            self._room.set()
+
         try:
             # Shielded: a worker told to stop mid-write still learns which completions the store
             # took (the transaction commits either way).
             with anyio.CancelScope(shield=True):
                 admission = None if self.local is None else self.local.admission
-                accepted = await self.backend.complete(
-                    self.name, self.wall0, rows, failed, admission
-                )
+                if then is None:
+                    accepted = await self.backend.complete(
+                        self.name, self.wall0, rows, failed, admission
+                    )
+                else:
+                    assert chain is not None  # (`then` says so)
+                    self._claiming = True  # (no claim of `_claims` meanwhile: one room, one claim)
+                    try:
+                        accepted = await chain(
+                            self.name, self.wall0, rows, failed, admission, then, taken
+                        )
+                    finally:
+                        self._claiming = False
         finally:
             self.writing = []
         for (claimed, result), ok in zip(ends, accepted, strict=True):
@@ -507,6 +582,12 @@ class Worker:
                     task_id=claimed.id,
                     run_id=claimed.run_id,
                 )
+        if unrun or clashes:
+            with anyio.CancelScope(shield=True):
+                if unrun:
+                    self.report.released += await self.backend.release(self.name, unrun)
+                if clashes:
+                    await self.backend.release(self.name, clashes)
         self._room.set()
 
     # -- leases ----------------------------------------------------------------------------------

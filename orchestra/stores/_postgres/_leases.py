@@ -37,8 +37,9 @@ statement is planned for the batch it is given. asyncpg prepares a statement onc
 then settles on a generic plan after five runs, one that assumes an array parameter holds 10 rows
 and, costed with the statistics of a run whose tasks were not leased yet, may walk every lease of
 the owner against every row of the batch (a completion of 100 took 2.5 ms planned so, 1.3 ms
-planned for its batch). A completion is the exception: its statements are written so that their
-generic plan serves every batch, and run under it (`_settle.GENERIC_PLANS`).
+planned for its batch). A completion, and the claim that may follow it in its transaction
+(`complete_and_claim`), are the exception: their statements are written so that their generic
+plans serve every batch, and run under them (`_settle.FORCED_PLANS`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from ._keys import finish_tasks
 from ._listen import ENDED, channel_of
 from ._sessions import cut_off
 from ._settle import (
-    GENERIC_PLANS,
+    FORCED_PLANS,
     QUEUE_STEP,
     SESSION_PLANS,
     Settled,
@@ -65,7 +66,7 @@ from ._settle import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
     from datetime import datetime
 
     from ..._admission import Admission
@@ -76,9 +77,11 @@ __all__ = (
     "Claimed",
     "End",
     "Failed",
+    "NextClaim",
     "TakenBack",
     "claim",
     "complete",
+    "complete_and_claim",
     "connect",
     "fail",
     "heartbeat",
@@ -172,25 +175,28 @@ class TakenBack(NamedTuple):
     failed: bool
 
 
+# The rows are picked (and locked) by an uncommitted subquery that the UPDATE reads as an array
+# of ids, so that its plan, generic or not, reads them back by primary key (a join with the
+# picked rows may be planned as a walk of the run's tasks). The lease's fencing token is drawn
+# once for the claim, not per row: each lease of a task still has a token no lease of that task
+# had before (the sequence only grows), which is all the fence compares.
 _CLAIM = """
-WITH picked AS (
-    SELECT c.id, c.priority, c.seq
+UPDATE orchestra.tasks AS t
+SET state = 'claimed', token = (SELECT nextval('orchestra.lease_tokens')),
+    attempts = t.attempts + 1, lease_owner = $5, lease_expires = now() + make_interval(secs => $6)
+WHERE t.run_id = $1 AND t.id = ANY (ARRAY(
+    SELECT c.id
     FROM unnest($2::text[], $3::integer[]) AS k (kind, room)
     CROSS JOIN LATERAL (
-        SELECT t.id, t.priority, t.seq FROM orchestra.tasks AS t
-        WHERE t.run_id = $1 AND t.state = 'ready' AND t.kind = k.kind
-        ORDER BY t.priority, t.seq
+        SELECT r.id, r.priority, r.seq FROM orchestra.tasks AS r
+        WHERE r.run_id = $1 AND r.state = 'ready' AND r.kind = k.kind
+        ORDER BY r.priority, r.seq
         LIMIT k.room
         FOR UPDATE SKIP LOCKED
     ) AS c
     ORDER BY c.priority, c.seq
     LIMIT $4
-)
-UPDATE orchestra.tasks AS t
-SET state = 'claimed', token = nextval('orchestra.lease_tokens'), attempts = t.attempts + 1,
-    lease_owner = $5, lease_expires = now() + make_interval(secs => $6)
-FROM picked
-WHERE t.run_id = $1 AND t.id = picked.id
+))
 RETURNING t.run_id, t.id, t.seq, t.token, t.lease_expires, t.kind, t.payload::text, t.priority,
     t.attempts, t.target, t.timeout, t.critical, t.metadata::text, t.depends_on,
     t.depends_on_tags, t.tags
@@ -222,25 +228,44 @@ async def claim(
     """Claim the best ready tasks of `run_id` for `owner`: of each kind in `rooms` at most its
     room, at most `limit` in all (None: the rooms' sum), by priority then admission order, each
     under a fresh lease of `lease` seconds on the database's clock. Returns them best first."""
-    kinds = [kind for kind, room in rooms.items() if room > 0]
-    if not kinds:
+    kinds, room, total = _rooms(rooms, limit)
+    if not total:
         return []
-    total = sum(rooms[kind] for kind in kinds)
-    if limit is not None:
-        total = min(total, limit)
-    if total <= 0:
-        return []
-    # Each kind's best rows are locked before the best of all are kept: a kind is asked for no
-    # more than the whole claim can take, so that few rows are locked and let go untaken.
-    room = [min(rooms[kind], total) for kind in kinds]
-    rows = await conn.fetch(_CLAIM, run_id, kinds, room, total, owner, float(lease))
-    claimed = sorted(
-        (Claimed._make((*row, {})) for row in rows), key=lambda task: (task.priority, task.seq)
-    )
+    claimed = await _claim_rows(conn, run_id, kinds, room, total, owner, lease)
     waiting = [task for task in claimed if task.depends_on or task.depends_on_tags]
     if waiting:
         await _fill_deps(conn, run_id, waiting)
     return claimed
+
+
+def _rooms(rooms: Mapping[str, int], limit: int | None) -> tuple[list[str], list[int], int]:
+    """The kinds a claim asks for, each one's room, and the claim's total (0: nothing to ask)."""
+    kinds = [kind for kind, room in rooms.items() if room > 0]
+    if not kinds:
+        return [], [], 0
+    total = sum(rooms[kind] for kind in kinds)
+    if limit is not None:
+        total = min(total, limit)
+    if total <= 0:
+        return [], [], 0
+    # Each kind's best rows are locked before the best of all are kept: a kind is asked for no
+    # more than the whole claim can take, so that few rows are locked and let go untaken.
+    return kinds, [min(rooms[kind], total) for kind in kinds], total
+
+
+async def _claim_rows(
+    conn: asyncpg.Connection,
+    run_id: str,
+    kinds: list[str],
+    room: list[int],
+    total: int,
+    owner: str,
+    lease: float,
+) -> list[Claimed]:
+    rows = await conn.fetch(_CLAIM, run_id, kinds, room, total, owner, float(lease))
+    return sorted(
+        (Claimed._make((*row, {})) for row in rows), key=lambda task: (task.priority, task.seq)
+    )
 
 
 async def _fill_deps(conn: asyncpg.Connection, run_id: str, waiting: Sequence[Claimed]) -> None:
@@ -298,7 +323,7 @@ WITH ends AS (
         attempts = coalesce(e.attempts, t.attempts), defaulted = e.defaulted,
         started = coalesce(t.started, to_timestamp(e.started))
     FROM ends AS e
-    -- (the fence so written: `_settle.GENERIC_PLANS`)
+    -- (the fence so written: `_settle.FORCED_PLANS`)
     WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token
         AND coalesce(t.lease_owner, '') = $2 AND t.state IN ('claimed', 'running')
     RETURNING t.id, t.key IS NOT NULL AS keyed
@@ -361,8 +386,57 @@ async def complete(
     Raises:
         InputError: a spawn was refused: nothing was written.
     """
+    done, _ = await _complete(
+        conn, run_id, owner, ends, spawned, admission, failures, key_lease, None
+    )
+    return done
+
+
+class NextClaim(NamedTuple):
+    """The claim `complete_and_claim` makes after the ends it writes (`claim`'s arguments), and
+    `taken`, called with what it claimed before the transaction commits: the caller may start
+    those tasks while the commit is flushed to disk. Their leases hold once the commit returns;
+    a commit that fails leaves them unleased (their ends are then refused, the tasks claimed
+    again: executions are at least once), and a transaction run again (after a deadlock, or on
+    a new connection when its own was lost) calls it again with what that run claimed."""
+
+    rooms: Mapping[str, int]
+    limit: int | None
+    lease: float
+    taken: Callable[[list[Claimed]], None] | None = None
+
+
+async def complete_and_claim(
+    conn: asyncpg.Connection,
+    run_id: str,
+    owner: str,
+    ends: Sequence[End],
+    then: NextClaim,
+    *,
+    spawned: Mapping[str, Sequence[Task]] | None = None,
+    admission: Admission | None = None,
+    failures: Mapping[str, Sequence[Failed]] | None = None,
+    key_lease: float | None = None,
+) -> tuple[list[bool], list[Claimed]]:
+    """`complete`, then `claim` for `owner` in the same transaction (one commit, one round trip
+    less): the room the ends give back is claimed as they are written, and what their settle made
+    ready may be claimed at once. Returns whether each end was written, and the tasks claimed."""
+    return await _complete(conn, run_id, owner, ends, spawned, admission, failures, key_lease, then)
+
+
+async def _complete(
+    conn: asyncpg.Connection,
+    run_id: str,
+    owner: str,
+    ends: Sequence[End],
+    spawned: Mapping[str, Sequence[Task]] | None,
+    admission: Admission | None,
+    failures: Mapping[str, Sequence[Failed]] | None,
+    key_lease: float | None,
+    then: NextClaim | None,
+) -> tuple[list[bool], list[Claimed]]:
     if not ends:
-        return []
+        return [], []
     spawning = {task_id: tasks for task_id, tasks in (spawned or {}).items() if tasks}
     if spawning and admission is None:
         raise TypeError("complete: spawned tasks need the run's admission to be checked")
@@ -372,7 +446,8 @@ async def complete(
 
     generic = not conn.is_in_transaction()
 
-    async def step(conn: asyncpg.Connection) -> list[bool]:
+    async def step(conn: asyncpg.Connection) -> tuple[list[bool], list[Claimed]]:
+        planned = False  # whether the statements run now run under `FORCED_PLANS`
         admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
@@ -386,10 +461,12 @@ async def complete(
                 )  # fmt: skip
                 if keyed_spawns:
                     admitted.extend(ids)
-        # The completion and `concerns` have plans that serve any batch (`_settle.GENERIC_PLANS`),
-        # but in a caller's transaction, which a SET LOCAL would outlast this call into.
+        # The completion, `concerns` and the claim have plans that serve any batch
+        # (`_settle.FORCED_PLANS`), but in a caller's transaction, which a SET LOCAL would outlast
+        # this call into.
         if generic:
-            await conn.execute(GENERIC_PLANS)
+            await conn.execute(FORCED_PLANS)
+            planned = True
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -404,11 +481,13 @@ async def complete(
         settled = Settled([], [])
         if ended and await concerns(conn, run_id, [task_id for task_id, _ in ended]):
             # What a settle and the keys run next is planned for its batch again (the session's).
-            if generic:
+            if planned:
                 await conn.execute(SESSION_PLANS)
+                planned = False
             settled = await end_cascade(conn, run_id, ended)
-        elif generic and (admitted or keyed):
+        elif planned and (admitted or keyed):
             await conn.execute(SESSION_PLANS)
+            planned = False
         if admitted:
             # After the settle (a spawn it skipped claims nothing), before the keys of what
             # ended are written: the spawns' keys and those are locked together, in key order.
@@ -418,10 +497,23 @@ async def complete(
         if keyed or settled.skipped:
             # The keys of what ended (the skipped too) take its end: waiters hear it at commit.
             await finish_tasks(conn, run_id, [task_id for task_id, _ in ended] + settled.skipped)
-        return [end.id in written for end in ends]
+        claimed: list[Claimed] = []
+        kinds, room, total = _rooms(then.rooms, then.limit) if then else ([], [], 0)
+        if then and total:
+            # Under the generic plan when nothing switched back (tests/test_pg_plans.py): its
+            # rows are read by the indexes whatever the batch; planned otherwise. Rows are
+            # locked SKIP LOCKED, never waited for: the lock order does not reach them.
+            claimed = await _claim_rows(conn, run_id, kinds, room, total, owner, then.lease)
+            waiting = [task for task in claimed if task.depends_on or task.depends_on_tags]
+            if waiting:
+                if planned:
+                    await conn.execute(SESSION_PLANS)
+                await _fill_deps(conn, run_id, waiting)
+            if then.taken is not None:
+                then.taken(claimed)  # the last statement ran: only the commit is left
+        return [end.id in written for end in ends], claimed
 
-    done: list[bool] = await transaction(conn, step)
-    return done
+    return await transaction(conn, step)
 
 
 _ATTEMPTS = """

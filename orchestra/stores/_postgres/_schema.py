@@ -355,7 +355,16 @@ _V8 = (
     )""",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
+_V9 = (
+    # A task's row is written anew by its claim and again by its end (no HOT update: both change
+    # indexed columns). On a full page the new version goes to another page, and PostgreSQL then
+    # logs a lock of the old one besides the update (a WAL record more per write, two pages
+    # locked); a page filled to half keeps the new versions on it (pruned as they die). New pages
+    # only: the rows already written stay where they are.
+    "ALTER TABLE orchestra.tasks SET (fillfactor = 50)",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

@@ -52,6 +52,9 @@ claim, renew, renew_run,      keys only, by key (`release_run` reads tasks witho
 finish, release_run, adopt
 ============================  ==============================================================
 
+A claim in a completion's transaction (`_leases.complete_and_claim`) locks its tasks last, after
+the keys: ``SKIP LOCKED``, it never waits for a lock, and so cannot take part in a deadlock.
+
 What goes against the order, and so may deadlock: a settle cascade locks tasks again after
 run_keys and groups, and so meets an admission (run_keys, then a pending holder's task row) or
 `close_input` (groups, then their waiters) that locks the same rows the other way round; and
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 __all__ = (
+    "FORCED_PLANS",
     "GENERIC_PLANS",
     "LOCK_GROUPS",
     "QUEUE_STEP",
@@ -115,6 +119,11 @@ RETRIES: Final = 5
 # the table, and its dead entries) against every row of the batch instead.
 GENERIC_PLANS: Final = "SET LOCAL plan_cache_mode = auto"
 SESSION_PLANS: Final = "SET LOCAL plan_cache_mode TO DEFAULT"
+# A worker's completion and the claim that follows it (`_leases.complete_and_claim`) run under
+# their generic plans from the first batch: the claim's generic plan is the right one (the
+# tests check it) but is costed for a tenth of the run's ready tasks, so that ``auto`` would
+# never choose it over planning each claim.
+FORCED_PLANS: Final = "SET LOCAL plan_cache_mode = force_generic_plan"
 
 
 class Settled(NamedTuple):

@@ -37,7 +37,18 @@ from ..._exceptions import InputError, StoreError
 from ..._task import CANCELLED, FAILED
 from .._worker_run import ending
 from ._database import explain
-from ._leases import Claimed, End, Failed, claim, complete, heartbeat, note, release
+from ._leases import (
+    Claimed,
+    End,
+    Failed,
+    NextClaim,
+    claim,
+    complete,
+    complete_and_claim,
+    heartbeat,
+    note,
+    release,
+)
 from ._listen import ENDED, GLOBAL_CHANNEL, Listener, Wakeup, channel_of, notify
 from ._processes import Presence
 
@@ -165,6 +176,22 @@ class PostgresWorkerBackend:
         notes: Sequence[tuple[Claim, Attempt]],
         admission: Admission | None,
     ) -> list[bool]:
+        return await self.complete_and_claim(name, wall0, ends, notes, admission, None, None)
+
+    async def complete_and_claim(
+        self,
+        name: str,
+        wall0: float,
+        ends: Sequence[tuple[Claim, TaskResult, Sequence[Attempt], Any]],
+        notes: Sequence[tuple[Claim, Attempt]],
+        admission: Admission | None,
+        then: tuple[str, Mapping[str, int], int] | None,
+        taken: Callable[[list[Claimed]], None] | None,
+    ) -> list[bool]:
+        """`complete`, and with `then` (run id, rooms, room) the claim `claim` would make, in
+        the transaction of that run's ends (one commit: `_leases.complete_and_claim`), what it
+        claimed given to `taken` before the commit (`_leases.NextClaim`). Nothing is claimed
+        when the run has no end here."""
         wall = wall0 + self._offset
         runs: dict[str, _Ends] = {}
         of_run = None
@@ -196,9 +223,20 @@ class PostgresWorkerBackend:
             noted.setdefault(claimed.run_id, []).append(
                 (claimed.id, claimed.token, _failed(wall, attempt))
             )
-        written: dict[tuple[str, str], bool] = await self._run(
-            _complete, name, runs, noted, admission, self.lease
-        )
+        nxt = None
+        if then is not None:
+            presence = self._presence
+
+            def hand(batch: list[Claimed]) -> None:
+                if presence is not None:
+                    presence.claimed += len(batch)
+                if taken is not None:
+                    # A claim counts the attempt its lease is for (as `claim` says).
+                    taken([_before(c) for c in batch])
+
+            nxt = (then[0], NextClaim(dict(then[1]), then[2], self.lease, hand))
+        written: dict[tuple[str, str], bool]
+        written, _ = await self._run(_complete, name, runs, noted, admission, self.lease, nxt)
         accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
         if self._presence is not None:  # counted as the worker's report counts them
             self._presence.completed += sum(accepted)
@@ -322,19 +360,27 @@ async def _complete(
     noted: dict[str, list[tuple[str, int, Failed]]],
     admission: Admission | None,
     lease: float,
-) -> dict[tuple[str, str], bool]:
+    then: tuple[str, NextClaim] | None,
+) -> tuple[dict[tuple[str, str], bool], list[Claimed]]:
     """The failed attempts of tasks that go on, then each run's ends in a transaction of its own;
-    whether each end was written, by (run id, task id). `lease`: the keys' holds of the spawns
-    (`_leases.complete`'s ``key_lease``)."""
+    whether each end was written, by (run id, task id), and what `then` claimed (with its run's
+    ends). `lease`: the keys' holds of the spawns (`_leases.complete`'s ``key_lease``)."""
     for run_id, failed in noted.items():
         await note(conn, run_id, owner, failed)
     written: dict[tuple[str, str], bool] = {}
+    claimed: list[Claimed] = []
     for run_id, of_run in runs.items():
         try:
-            done = await complete(
-                conn, run_id, owner, of_run.ends, spawned=of_run.spawned,
-                admission=admission, failures=of_run.failures, key_lease=lease,
-            )  # fmt: skip
+            if then is not None and then[0] == run_id:
+                done, claimed = await complete_and_claim(
+                    conn, run_id, owner, of_run.ends, then[1], spawned=of_run.spawned,
+                    admission=admission, failures=of_run.failures, key_lease=lease,
+                )  # fmt: skip
+            else:
+                done = await complete(
+                    conn, run_id, owner, of_run.ends, spawned=of_run.spawned,
+                    admission=admission, failures=of_run.failures, key_lease=lease,
+                )  # fmt: skip
         except InputError:
             # A spawn was refused, and nothing written: each end alone, then, so that only the
             # spawner whose spawns were refused fails for it.
@@ -344,7 +390,7 @@ async def _complete(
             ]
         for end, ok in zip(of_run.ends, done, strict=True):
             written[(run_id, end.id)] = ok
-    return written
+    return written, claimed
 
 
 async def _complete_one(
