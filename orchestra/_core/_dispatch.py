@@ -273,8 +273,12 @@ class Dispatcher:
         finds nothing to take. So a burst of ready tasks wakes runners one after another, as
         tasks are taken, not one per task at once: a runner whose agent returns without waiting
         takes the whole burst itself before the others run, and each of those would wake to find
-        nothing (a worker's claims, of no-op tasks: nearly every wake-up was such)."""
-        if not self.waking:
+        nothing (a worker's claims, of no-op tasks: nearly every wake-up was such). A slot
+        freed meanwhile is owed too: several freed at once (another run's attempts ending) each
+        start a task here, and the one woken runner takes only one of them."""
+        if self.waking:
+            self.owed += 1
+        else:
             self._wake()
 
     def _wake(self) -> None:
