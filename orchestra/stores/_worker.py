@@ -460,6 +460,8 @@ class Worker:
                     self._finished = True
                     return
                 if self.stopping:  # a drain began while this claim was written: none of it runs
+                    # Claimed all the same (the store counts it so): claimed, then released.
+                    self.report.claimed += len(batch)
                     with anyio.CancelScope(shield=True):
                         self.report.released += await backend.release(self.name, list(batch))
                     return
@@ -536,6 +538,8 @@ class Worker:
             # Before the commit (`_leases.NextClaim`): the local run starts them while it is
             # flushed, with the room these ends gave back.
             if self._stopping or self._finished:
+                # Claimed all the same (the store counts it so): claimed, then released.
+                self.report.claimed += len(batch)
                 unrun.extend(batch)
                 return
             taking, clash = self._take(batch)
