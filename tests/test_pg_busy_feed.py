@@ -56,8 +56,8 @@ class TestABusyFeed:
                 results = handle.results()
                 tg.start_soon(functools.partial(worker.work, there, run_id="busy"))
                 with anyio.fail_after(60):
-                    async for result in results:
-                        streamed.append(result)
+                    async for end in results:
+                        streamed.append(end)
                         seen.append(handle.status().completed)
                     result = await handle
                 tg.cancel_scope.cancel()
@@ -96,8 +96,8 @@ class TestABusyFeed:
                 results = handle.results()
                 tg.start_soon(functools.partial(worker.work, there, run_id="busy"))
                 with anyio.fail_after(60):
-                    async for result in results:
-                        streamed.append(result.task_id)
+                    async for end in results:
+                        streamed.append(end.task_id)
                         if len(streamed) == 2 * BUSY:
                             tg.start_soon(functools.partial(handle.stop, grace=0))
                     result = await handle

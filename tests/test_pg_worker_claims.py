@@ -49,7 +49,8 @@ class TestAClaimMadeWithAWrite:
         # ends, and every third one's payload fails the agent's model.
         @agent(kinds=["work"], concurrency=2, input=Number)
         async def typed(task: Task, ctx: Context) -> int:
-            return task.payload.n * 2
+            n: int = task.payload.n
+            return n * 2
 
         tasks = [
             Task("work", {"n": "not a number"} if i % 3 == 2 else {"n": i}, id=f"t{i:02}")
