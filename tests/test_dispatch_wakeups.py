@@ -10,10 +10,12 @@ import anyio
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from orchestra import Agent, Concurrency, Context, Orchestrator, Task, agent
+from orchestra import Agent, Concurrency, Context, Orchestrator, Rate, Task, agent
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
+
+    from orchestra.testing import FakeClock
 
 
 class TestSlotsFreedForAnotherRun:
@@ -187,3 +189,29 @@ class TestEveryReadyTaskWithRoomStarts:
                     await asyncio.sleep(0)
             result = await handle
         assert result.metadata.counts["succeeded"] == len(admitted)
+
+
+class TestLanesThatOpenTogether:
+    async def test_tasks_of_two_rate_limited_agents_due_at_once_both_start(
+        self, clock: FakeClock, make_orchestrator: Callable[..., Orchestrator]
+    ) -> None:
+        # One task each goes at once; the second of each waits in its agent's lane for the
+        # same refill. Then both must start together: each ends only once both run.
+        running: list[str] = []
+        both = asyncio.Event()
+
+        async def call(task: Task, ctx: Context) -> None:
+            running.append(task.id)
+            if task.payload:
+                if sum(1 for t in running if t.endswith("2")) == 2:
+                    both.set()
+                await both.wait()
+
+        a = agent(call, kinds=["a"], name="a", limits=[Rate(1, per=1)])
+        b = agent(call, kinds=["b"], name="b", limits=[Rate(1, per=1)])
+        tasks = [Task("a", 0, id="a1"), Task("b", 0, id="b1")]
+        tasks += [Task("a", 1, id="a2"), Task("b", 1, id="b2")]
+        orch = make_orchestrator(agents=[a, b], concurrency=4)
+        with anyio.fail_after(30):
+            result = await orch.run(tasks=tasks)
+        assert result.metadata.counts["succeeded"] == 4
