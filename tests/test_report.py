@@ -18,6 +18,7 @@ def ended(
     record.finished = finished
     record.error = "boom"
     record.error_type = "ValueError"
+    record.defaulted = False  # (as every store's end of a task sets it)
     return record
 
 
@@ -61,6 +62,14 @@ class TestBatchedSuccesses:
         assert got.per_agent == expected.per_agent == {"a": 4999}
         assert got.window(0.5, 10) == expected.window(0.5, 10)
         assert [r.id for r in got.not_ok] == [records[3000].id]
+
+    def test_a_success_by_default_counts_in_its_place_and_is_listed(self) -> None:
+        records = [ended(i, "k", SUCCEEDED, i * 1e-5, i * 1e-5 + 1e-6) for i in range(600)]
+        for i in (7, 300, 599):
+            records[i].defaulted = True
+        expected, got = one_by_one(records, ["k"]), batched(records, ["k"])
+        assert tallies(got) == tallies(expected)
+        assert got.defaulted == expected.defaulted == [records[i].id for i in (7, 300, 599)]
 
     def test_kinds_agents_and_seconds_mixed_count_as_one_at_a_time(self) -> None:
         records = [
