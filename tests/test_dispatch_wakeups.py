@@ -80,35 +80,50 @@ class _Call:
 
 
 @st.composite
-def _scenarios(draw: st.DrawFn) -> tuple[int, list[int], int | None, list[tuple[Any, ...]]]:
+def _scenarios(draw: st.DrawFn) -> tuple[int, list[int], int | None, int, list[tuple[Any, ...]]]:
     kinds = draw(st.integers(1, 4))
+    runs = draw(st.integers(1, 2))
     limits = draw(st.lists(st.integers(1, 4), min_size=kinds, max_size=kinds))
     shared = draw(st.one_of(st.none(), st.integers(1, 4))) if kinds >= 2 else None
     step = st.one_of(
-        st.tuples(st.just("burst"), st.lists(st.integers(0, kinds - 1), min_size=1, max_size=12)),
-        st.tuples(st.just("dependents"), st.lists(st.integers(0, kinds - 1), max_size=8)),
+        st.tuples(
+            st.just("burst"),
+            st.integers(0, runs - 1),
+            st.lists(st.integers(0, kinds - 1), min_size=1, max_size=12),
+        ),
+        st.tuples(
+            st.just("dependents"),
+            st.integers(0, runs - 1),
+            st.lists(st.integers(0, kinds - 1), max_size=8),
+        ),
         st.tuples(st.just("release"), st.integers(1, 12)),
         st.tuples(st.just("pause")),
         st.tuples(st.just("resume")),
     )
     steps = draw(st.lists(step, min_size=1, max_size=12))
-    return draw(st.integers(1, 8)), limits, shared, steps
+    return draw(st.integers(1, 8)), limits, shared, runs, steps
 
 
 class TestEveryReadyTaskWithRoomStarts:
     @settings(max_examples=60, deadline=None)
     @given(scenario=_scenarios())
     # Two runners parked, then a burst of three: the third needs a runner started, not woken.
-    @example(scenario=(4, [4], None, [("burst", [0, 0]), ("release", 2), ("burst", [0, 0, 0])]))
+    @example(
+        scenario=(4, [4], None, 1, [("burst", 0, [0, 0]), ("release", 2), ("burst", 0, [0] * 3)])
+    )
+    # Run 1 fills the limit, run 0 waits; run 1's calls all end in one turn of the loop.
+    @example(
+        scenario=(2, [2], None, 2, [("burst", 1, [0, 0]), ("burst", 0, [0, 0]), ("release", 2)])
+    )
     async def test_at_every_quiet_moment_as_many_run_as_the_limits_allow(
-        self, scenario: tuple[int, list[int], int | None, list[tuple[Any, ...]]]
+        self, scenario: tuple[int, list[int], int | None, int, list[tuple[Any, ...]]]
     ) -> None:
-        # A streamed run of one agent per kind, each with its own limit (kinds 0 and 1 maybe
+        # One or two streamed runs (sharing the global limit and the agents) of one agent per kind, each with its own limit (kinds 0 and 1 maybe
         # under a shared one too), fed in bursts (plain tasks, or dependents of a running task,
         # readied in one batch when it ends), its calls released a few at once, paused and
         # resumed. After each step, once the loop is quiet, the running calls are exactly what
         # the global, agent and shared limits allow of the ready tasks.
-        concurrency, limits, shared, steps = scenario
+        concurrency, limits, shared, runs, steps = scenario
         together = Concurrency(shared) if shared is not None else None
         running: list[_Call] = []
         ended: set[str] = set()
@@ -127,9 +142,9 @@ class TestEveryReadyTaskWithRoomStarts:
             extra = [together] if together is not None and k < 2 else []
             return agent(call, kinds=[f"k{k}"], name=f"a{k}", concurrency=limits[k], limits=extra)
 
-        feed: asyncio.Queue[list[Task] | None] = asyncio.Queue()
+        feeds: list[asyncio.Queue[list[Task] | None]] = [asyncio.Queue() for _ in range(runs)]
 
-        async def tasks() -> AsyncIterator[Task]:
+        async def tasks(feed: asyncio.Queue[list[Task] | None]) -> AsyncIterator[Task]:
             while (burst := await feed.get()) is not None:
                 for task in burst:  # one burst in one step of the input
                     yield task
@@ -152,21 +167,24 @@ class TestEveryReadyTaskWithRoomStarts:
         paused = False
         orch = Orchestrator(agents=[make(k) for k in range(len(limits))], concurrency=concurrency)
         async with orch:
-            handle = orch.start(tasks=tasks())
+            handles = [orch.start(tasks=tasks(feed)) for feed in feeds]
+            handle = handles[0]  # the one paused and resumed
             for step in steps:
                 if step[0] in ("burst", "dependents"):
                     dep = None
+                    r = step[1]
                     if step[0] == "dependents":
-                        if not running:
+                        theirs = [c.id for c in running if c.id.startswith(f"r{r}")]
+                        if not theirs:
                             continue
-                        dep = running[0].id
+                        dep = theirs[0]
                     burst = []
-                    for k in step[1]:
-                        tid = f"t{count}"
+                    for k in step[2]:
+                        tid = f"r{r}t{count}"
                         count += 1
                         admitted[tid] = (k, dep)
                         burst.append(Task(f"k{k}", None, id=tid, depends_on=[dep] if dep else []))
-                    feed.put_nowait(burst)
+                    feeds[r].put_nowait(burst)
                 elif step[0] == "release":
                     for entry in running[: step[1]]:  # all in one turn of the loop
                         entry.done.set_result(None)
@@ -180,15 +198,16 @@ class TestEveryReadyTaskWithRoomStarts:
                 if not paused:
                     assert len(running) == allowed(), (step, [c.id for c in running])
             handle.resume()
-            feed.put_nowait(None)
+            for feed in feeds:
+                feed.put_nowait(None)
             with anyio.fail_after(10):
-                while not handle.done:
+                while not all(h.done for h in handles):
                     for entry in list(running):
                         if not entry.done.done():
                             entry.done.set_result(None)
                     await asyncio.sleep(0)
-            result = await handle
-        assert result.metadata.counts["succeeded"] == len(admitted)
+            results = [await h for h in handles]
+        assert sum(r.metadata.counts["succeeded"] for r in results) == len(admitted)
 
 
 class TestLanesThatOpenTogether:
