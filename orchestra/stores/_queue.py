@@ -106,17 +106,10 @@ class ReadyQueue(Generic[T]):
             bucket = buckets[priority]
             while bucket:
                 entry = bucket.popleft()
-                if ghosts:
-                    key = (id(entry), priority)
-                    left = ghosts.get(key)
-                    if left is not None:  # a slot it left when it moved
-                        if left > 1:
-                            ghosts[key] = left - 1
-                        else:
-                            del ghosts[key]
-                            if not ghosts:
-                                self.front = bucket
-                        continue
+                if ghosts and self._ghost((id(entry), priority)):
+                    if not ghosts:
+                        self.front = bucket
+                    continue
                 if entry.qseq >= 0:
                     entry.qseq = -1
                     self.size -= 1
@@ -148,6 +141,20 @@ class ReadyQueue(Generic[T]):
         if self._dead >= self.size and self._dead >= self.SWEEP:
             self._sweep()
 
+    def _ghost(self, key: tuple[int, int]) -> bool:
+        """Whether the slot of `key` (an entry's id and a priority) is one it left when it moved
+        (`move`): then spent, one of that entry's ghosts at that priority fewer. Asked only while
+        there are ghosts (none in a run that never changes a queued task's priority)."""
+        ghosts = self._ghosts
+        left = ghosts.get(key)
+        if left is None:
+            return False
+        if left > 1:
+            ghosts[key] = left - 1
+        else:
+            del ghosts[key]
+        return True
+
     def _sweep(self) -> None:
         """Count the dead slots; rebuild the buckets without them when they are at least half
         as many as the live entries (or `SWEEP`)."""
@@ -160,15 +167,8 @@ class ReadyQueue(Generic[T]):
         for priority, bucket in self._buckets.items():
             live: deque[T] = deque()
             for entry in bucket:
-                if ghosts:
-                    key = (id(entry), priority)
-                    left = ghosts.get(key)
-                    if left is not None:  # a slot it left when it moved
-                        if left > 1:
-                            ghosts[key] = left - 1
-                        else:
-                            del ghosts[key]
-                        continue
+                if ghosts and self._ghost((id(entry), priority)):
+                    continue
                 if entry.qseq >= 0:
                     live.append(entry)
             bucket.clear()
