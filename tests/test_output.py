@@ -172,8 +172,11 @@ class TestStoredJsonReadsBackAsJsonLoadsReadsIt:
             # a lone surrogate escape, which pydantic_core's parser refuses
             '"\\ud800"',
             '{"deep": ' + "[" * 300 + "]" * 300 + "}",
+            "5", "-0", "1.0", "1e400", "0.1",
+            '"h\\u00e9llo \\ud83d\\ude00"', '{"a": 1, "b": [1.5e-7, true], "a": 2}',
+            "[" * 300 + "]" * 300,  # deeper than pydantic-core's parser goes
         ],
-    )
+    )  # fmt: skip
     def test_the_value_and_its_types_are_json_loads_ones(self, text: str) -> None:
         value = json_value(text)
         assert value == json.loads(text)

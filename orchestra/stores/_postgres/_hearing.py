@@ -19,9 +19,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..._exceptions import InputError, StoreError
+from ..._output import json_value
 from ..._task import CLAIMED, RUNNING, SUCCEEDED, TERMINAL, Task
 from . import _keys as keys
-from ._rows import STATES, Rows, parsed
+from ._rows import STATES, Rows
 
 if TYPE_CHECKING:
     import asyncio
@@ -94,7 +95,7 @@ class Hearing:
                 if started is not None and record.t_start is None:
                     record.t_start = started - offset
                 output = row[2]
-                plain.append((record, None if output is None else parsed(output), row[3]))
+                plain.append((record, None if output is None else json_value(output), row[3]))
                 continue
             if plain:
                 memory.succeeded_elsewhere(plain)
@@ -119,7 +120,7 @@ class Hearing:
             record.failures = sorted([*(record.failures or ()), *new], key=lambda a: a.number)
         if started is not None and record.t_start is None:
             record.t_start = started - self._rows.offset
-        value = None if output is None else parsed(output)
+        value = None if output is None else json_value(output)
         children = [_task(spawn) for spawn in heard.spawned.get(task_id, ())]
         try:
             memory.settle(
@@ -151,7 +152,9 @@ class Hearing:
                     continue
                 token = record.token if record.state in (CLAIMED, RUNNING) else memory.take(record)
                 self._held.pop(task_id, None)
-                memory.settle(record, token, SUCCEEDED, parsed(answer.output), agent=answer.agent)
+                memory.settle(
+                    record, token, SUCCEEDED, json_value(answer.output), agent=answer.agent
+                )
             elif isinstance(answer, keys.Held):
                 record = memory.record_of(task_id)
                 if record is not None and record.task.key is not None:

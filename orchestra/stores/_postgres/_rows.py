@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Final
 
-from ..._output import json_value as parsed  # a row's JSON text's value (an output)
 from ..._record import Record
 from ..._task import (
     STATE_OF,
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
 
     import asyncpg
 
-__all__ = ("CHUNK", "STATES", "Rows", "ended_after", "load", "load_unfinished", "parsed")
+__all__ = ("CHUNK", "STATES", "Rows", "ended_after", "load", "load_unfinished")
 
 STATES: Final = STATE_OF  # the interned constants: the engine compares states by `is`
 
