@@ -444,10 +444,15 @@ async def _complete(
         t.key is not None for tasks in spawning.values() for t in tasks
     )
 
+    # The completion, `concerns` and the claim have plans that serve any batch
+    # (`_settle.FORCED_PLANS`), but in a caller's transaction, which a SET LOCAL would outlast
+    # this call into. Set with the transaction's BEGIN (one round trip), unless spawns are
+    # admitted first: those are planned for their batch.
     generic = not conn.is_in_transaction()
+    begin = FORCED_PLANS if generic and not spawning else None
 
     async def step(conn: asyncpg.Connection) -> tuple[list[bool], list[Claimed]]:
-        planned = False  # whether the statements run now run under `FORCED_PLANS`
+        planned = begin is not None  # whether the statements run now run under `FORCED_PLANS`
         admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
@@ -461,12 +466,9 @@ async def _complete(
                 )  # fmt: skip
                 if keyed_spawns:
                     admitted.extend(ids)
-        # The completion, `concerns` and the claim have plans that serve any batch
-        # (`_settle.FORCED_PLANS`), but in a caller's transaction, which a SET LOCAL would outlast
-        # this call into.
-        if generic:
-            await conn.execute(FORCED_PLANS)
-            planned = True
+            if generic:
+                await conn.execute(FORCED_PLANS)
+                planned = True
         rows = await conn.fetch(
             _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
         )
@@ -513,7 +515,7 @@ async def _complete(
                 then.taken(claimed)  # the last statement ran: only the commit is left
         return [end.id in written for end in ends], claimed
 
-    return await transaction(conn, step)
+    return await transaction(conn, step, begin=begin)
 
 
 _ATTEMPTS = """
