@@ -67,7 +67,6 @@ from ._settle import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
-    from datetime import datetime
 
     from ..._admission import Admission
     from ..._task import Task
@@ -105,26 +104,24 @@ async def connect(dsn: str) -> asyncpg.Connection:
 
 
 class Claimed(NamedTuple):
-    """A task as its claimer gets it: what rebuilds its `Task`, and its lease. JSON columns are the
-    text the store wrote; `deps` maps each task it waited for (dependencies, members of its
-    groups) to that task's output, JSON text."""
+    """A task as its claimer gets it: what rebuilds its `Task`, and its lease's token (its expiry
+    is the database's to know: ``tasks.lease_expires``). JSON columns are the text the store
+    wrote; `deps` maps each task it waited for (dependencies, members of its groups) to that
+    task's output, JSON text."""
 
     run_id: str
     id: str
     seq: int
     token: int
-    expires: datetime
     kind: str
     payload: str
     priority: int
     attempts: int
-    target: str | None
     timeout: float | None
     critical: bool
     metadata: str | None
     depends_on: list[str] | None
     depends_on_tags: list[str] | None
-    tags: list[str] | None
     deps: dict[str, str | None]
 
 
@@ -179,7 +176,9 @@ class TakenBack(NamedTuple):
 # of ids, so that its plan, generic or not, reads them back by primary key (a join with the
 # picked rows may be planned as a walk of the run's tasks). The lease's fencing token is drawn
 # once for the claim, not per row: each lease of a task still has a token no lease of that task
-# had before (the sequence only grows), which is all the fence compares.
+# had before (the sequence only grows), which is all the fence compares. It returns what the
+# claimer needs of each row, no more: every value is decoded per claimed task (the run id is the
+# caller's; a lease's expiry, a timestamp, cost a microsecond a row to decode, read by nobody).
 _CLAIM = """
 UPDATE orchestra.tasks AS t
 SET state = 'claimed', token = (SELECT nextval('orchestra.lease_tokens')),
@@ -197,9 +196,8 @@ WHERE t.run_id = $1 AND t.id = ANY (ARRAY(
     ORDER BY c.priority, c.seq
     LIMIT $4
 ))
-RETURNING t.run_id, t.id, t.seq, t.token, t.lease_expires, t.kind, t.payload::text, t.priority,
-    t.attempts, t.target, t.timeout, t.critical, t.metadata::text, t.depends_on,
-    t.depends_on_tags, t.tags
+RETURNING t.id, t.seq, t.token, t.kind, t.payload::text, t.priority, t.attempts, t.timeout,
+    t.critical, t.metadata::text, t.depends_on, t.depends_on_tags
 """
 
 # The outputs a claimed task's context shows: of its dependencies, and of its groups' members
@@ -264,7 +262,8 @@ async def _claim_rows(
 ) -> list[Claimed]:
     rows = await conn.fetch(_CLAIM, run_id, kinds, room, total, owner, float(lease))
     return sorted(
-        (Claimed._make((*row, {})) for row in rows), key=lambda task: (task.priority, task.seq)
+        (Claimed._make((run_id, *row, {})) for row in rows),
+        key=lambda task: (task.priority, task.seq),
     )
 
 
