@@ -283,6 +283,16 @@ def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
     return [list(column) for column in zip(*rows, strict=True)]
 
 
+def _unnested(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any] | None]:
+    """`_columns` for a multi-argument ``unnest`` in FROM, which pads a shorter array with NULLs:
+    a column of NULLs only (a batch of successes' errors, error types and attempts) is sent as
+    one NULL. asyncpg checks each element of an array against three abstract base classes
+    (whether it is a nested array) before it encodes it, a Python-level call each."""
+    return [
+        None if column.count(None) == len(column) else column for column in _columns(rows, width)
+    ]
+
+
 _HEARTBEAT = """
 UPDATE orchestra.tasks AS t SET lease_expires = now() + make_interval(secs => $5)
 FROM unnest($2::text[], $3::text[], $4::bigint[]) AS h (run_id, id, token)
@@ -469,7 +479,7 @@ async def _complete(
                 await conn.execute(FORCED_PLANS)
                 planned = True
         rows = await conn.fetch(
-            _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
+            _COMPLETE, run_id, owner, *_unnested(ends, len(End._fields)), channel_of(run_id), ENDED
         )
         written = {row[0] for row in rows}
         keyed = any(row[1] for row in rows)
