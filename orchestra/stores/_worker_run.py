@@ -113,8 +113,12 @@ class WorkerRun:
         self.run_id = run_id
         self._host = host
         self._admission = admission
+        # Not compacting, whatever the engine asks (`compact`: its input is streamed): `settle`
+        # forgets every task that ended, and so the common success takes `MemoryRun.succeed`'s
+        # one step, not the general end that compacts it first (its output kept by id, then
+        # forgotten at once).
         self._memory = memory = MemoryRun(
-            run_id, admission, _Heard(listener, host), clock, task_timeout, compact
+            run_id, admission, _Heard(listener, host), clock, task_timeout, False
         )
         self._listener = listener
         host.wall0 = time.time()
