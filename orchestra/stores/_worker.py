@@ -263,7 +263,9 @@ class Worker:
         self.ahead: list[Claim] = []
         self._claiming = False
         self._room = anyio.Event()
-        self._ended = anyio.Event()
+        # Set per end: a bare asyncio event (a worker runs on asyncio: `_burst`), whose `set` is
+        # one call, not anyio's wrapper around it.
+        self._ended = asyncio.Event()
         self._stopping = False
         self._finished = False  # the run it serves is over: stop claiming
         self._handle: LocalRun | None = None
@@ -494,7 +496,7 @@ class Worker:
             # commit per turn would also hand the room back in slivers, and the claims follow the
             # room: small claims, small commits, each paying a durable commit's latency.
             await self._burst()
-            self._ended = anyio.Event()
+            self._ended = asyncio.Event()
             await self._write(claim=True)
 
     async def _burst(self) -> None:

@@ -301,7 +301,17 @@ class WorkerRun:
         return ended
 
     def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
-        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+        # `settle` for a success with no spawn (the engine's common end), to `MemoryRun.succeed`
+        # straight: not through `settle`'s keywords and checks, twice.
+        if record.token == token and record.state not in TERMINAL:
+            stored_json(output, record.id, agent)  # (as `settle` checks it)
+        if self._named_here:  # ids given to spawns of an earlier attempt of it
+            self._named_here.pop(record.id, None)
+        memory = self._memory
+        ended = memory.succeed(record, token, output, agent)
+        if ended:
+            memory.forget(record.id)
+        return ended
 
 
 class _Heard:
