@@ -1,4 +1,4 @@
-"""The plans of the PostgreSQL statements that run under generic plans (`_settle.GENERIC_PLANS`):
+"""The plans of the PostgreSQL statements that run under generic plans (`_settle.FORCED_PLANS`):
 the generic plan PostgreSQL would keep for each (a prepared statement explained under
 ``force_generic_plan``, on the session's real server) reads the tasks by primary key, whatever
 the batch, on a table whose statistics tempt it otherwise (many tasks, none of them leased when

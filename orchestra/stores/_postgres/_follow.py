@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._keyed import spawn_answers
-from ._settle import GENERIC_PLANS, SESSION_PLANS, columns, settle
+from ._settle import FORCED_PLANS, SESSION_PLANS, columns, settle
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -82,7 +82,7 @@ ORDER BY taken.n, t.id
 
 # (asyncpg's `Transaction` sends its BEGIN alone: with the plans' setting after it, one round
 # trip more per read, for each of the run's few dozen ends.)
-_BEGIN: Final = f"BEGIN; {GENERIC_PLANS}"
+_BEGIN: Final = f"BEGIN; {FORCED_PLANS}"
 
 
 async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
@@ -90,7 +90,7 @@ async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
     if conn.is_in_transaction():  # (a SET LOCAL would outlast this call in a caller's)
         found = await _take(conn, run_id, generic=False)
     else:
-        # The read is by primary key or a task's parent whatever the batch (GENERIC_PLANS).
+        # The read is by primary key or a task's parent whatever the batch (FORCED_PLANS).
         await conn.execute(_BEGIN)
         try:
             found = await _take(conn, run_id, generic=True)
