@@ -34,7 +34,7 @@ from orchestra.stores._postgres._leases import (
     take_back_expired,
 )
 from orchestra.stores._postgres._listen import ENDED, channel_of, notify
-from orchestra.stores._postgres._settle import _CONCERNS
+from orchestra.stores._postgres._settle import _WAITED_FOR
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -580,7 +580,7 @@ class TestConnections:
             )
         finally:
             await worker.close()
-        generic = {_COMPLETE.strip(), _CONCERNS.strip()}
+        generic = {_COMPLETE.strip(), _WAITED_FOR.strip()}
         plans = {row[0].strip(): (row[1], row[2]) for row in rows}
         assert generic <= set(plans)
         assert all(plans[statement][0] > 0 for statement in generic)

@@ -326,7 +326,7 @@ WITH done AS (
     -- (the fence so written: `_settle.FORCED_PLANS`)
     WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token
         AND coalesce(t.lease_owner, '') = $2 AND t.state IN ('claimed', 'running')
-    RETURNING t.id, t.key IS NOT NULL AS keyed
+    RETURNING t.id, t.key IS NOT NULL AS keyed, t.tags IS NOT NULL AS tagged
 ), heard AS (
     -- the coordinator's run follows the ends it did not write itself (`orchestra.ended`): one
     -- row for the batch, saying whether its tasks spawned (admitted earlier in this transaction)
@@ -344,7 +344,7 @@ WITH done AS (
     SELECT pg_notify($13, $14) FROM (SELECT 1 FROM done LIMIT 1) AS d
     WHERE $2 <> (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
-SELECT id, keyed FROM done LEFT JOIN woken ON true
+SELECT id, keyed, tagged FROM done LEFT JOIN woken ON true
 """
 
 _REFUSED = """
@@ -490,7 +490,13 @@ async def _complete(
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
         settled = Settled([], [])
-        if ended and await concerns(conn, run_id, [task_id for task_id, _ in ended]):
+        # A task with tags or a key concerns its groups or its key's holds: settled without
+        # asking; the others are asked only whether something waits for them.
+        if ended and (
+            keyed
+            or any(row[2] for row in rows)
+            or await concerns(conn, run_id, [task_id for task_id, _ in ended], members=False)
+        ):
             # What a settle and the keys run next is planned for its batch again (the session's).
             if planned:
                 await conn.execute(SESSION_PLANS)

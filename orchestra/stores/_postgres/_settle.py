@@ -182,10 +182,15 @@ async def settle(
     return await end_cascade(conn, run_id, list(ended))
 
 
-async def concerns(conn: asyncpg.Connection, run_id: str, ids: Sequence[str]) -> bool:
+async def concerns(
+    conn: asyncpg.Connection, run_id: str, ids: Sequence[str], *, members: bool = True
+) -> bool:
     """Whether the ends of these tasks of `run_id`, written by this transaction, concern anything
-    `settle` would change (dependents, groups, keys): most batches of a run without them do not."""
-    concerned: bool = await conn.fetchval(_CONCERNS, run_id, ids)
+    `settle` would change (dependents, groups, keys): most batches of a run without them do not.
+    `members` False: the caller knows that none of the tasks has tags or a key (what the end's
+    write returned: a task's are written once, at its admission), so only what waits for them is
+    looked at."""
+    concerned: bool = await conn.fetchval(_CONCERNS if members else _WAITED_FOR, run_id, ids)
     return concerned
 
 
@@ -193,12 +198,14 @@ async def concerns(conn: asyncpg.Connection, run_id: str, ids: Sequence[str]) ->
 # statement after the ends' own): most batches of a run without dependencies, groups or keys
 # concern nothing, and this is planned in half of `_ENDS`'s time (a completion runs it under
 # `FORCED_PLANS`: planned once).
-_CONCERNS = """
+_WAITED_FOR = """
 SELECT EXISTS (
     SELECT FROM orchestra.edges WHERE run_id = $1 AND NOT on_group AND source = ANY ($2::text[])
 ) OR EXISTS (
     SELECT FROM orchestra.groups WHERE run_id = $1 AND tag = ANY ($2::text[])
-) OR EXISTS (
+)
+"""
+_CONCERNS = f"""{_WAITED_FOR.rstrip()} OR EXISTS (
     SELECT FROM orchestra.tasks WHERE run_id = $1 AND id = ANY ($2::text[])
         AND (tags IS NOT NULL OR key IS NOT NULL)
 )
