@@ -56,16 +56,17 @@ per transaction that wrote ends: a worker's batch of up to a hundred)."""
 # agents failed; the others skip that probe, and so do the ends of a batch that spawned nothing
 # (the feed's row says so) skip the probe for spawns (NULL: nothing to take in). A row's ids are
 # read from the primary key in one index scan (`= ANY`, in key order: a batch's ids are close to
-# each other there), not one descent per id; a batch's ends are taken in in that order.
+# each other there), not one descent per id; a batch's ends are taken in in that order. Times
+# are read as float8 seconds by date_part (extract would make a numeric of each first).
 _HEARD = """
 WITH taken AS (
     DELETE FROM orchestra.ended WHERE run_id = $1 RETURNING ids, n, spawned
 )
 SELECT t.id, t.state, t.output::text, t.agent, t.error, t.error_type, t.attempts,
-    extract(epoch FROM t.started)::float8, t.defaulted, taken.n % $2 = 0 AS sweep,
+    date_part('epoch', t.started), t.defaulted, taken.n % $2 = 0 AS sweep,
     CASE WHEN t.state <> 'succeeded' OR t.attempts > 1 OR t.defaulted THEN ARRAY(
         SELECT ROW(a.number, a.agent, a.error_type, a.message,
-            extract(epoch FROM a.started)::float8, a.duration, a.retry_in, a.traceback,
+            date_part('epoch', a.started), a.duration, a.retry_in, a.traceback,
             a.status_code, a.api_error_type, a.request_id)
         FROM orchestra.attempts AS a WHERE a.run_id = $1 AND a.task_id = t.id
         ORDER BY a.number
