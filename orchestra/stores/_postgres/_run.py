@@ -89,7 +89,6 @@ after another, say) is not paced: each is heard as soon as it is announced."""
 class PostgresRun:
     """One run of a `PostgresStore`, as its coordinator sees it (module docstring)."""
 
-    quiet = None  # the mirror's listener: it hears every end (to write down what it decides)
     read_ahead = CHUNK  # a resumed stream's ended rows read at a time (`_read_ahead`)
 
     def __init__(
@@ -190,6 +189,13 @@ class PostgresRun:
         return self._memory.pending
 
     # -- the mirror's listener -------------------------------------------------------------------
+
+    @property
+    def quiet(self) -> list[Any] | None:
+        """The run's (`Listener.quiet`): the mirror may put a plain success there rather than
+        tell this listener, which would only pass it on (it writes nothing for an end; it
+        collects the ends of a cancel, `cancel`, which ends no task as a success)."""
+        return self._listener.quiet
 
     def ready(self, record: Record) -> None:
         claimed = self._held.pop(record.id, None)
