@@ -678,7 +678,7 @@ class PostgresRun:
             if channel == keys.KEY_CHANNEL:
                 loop.call_soon_threadsafe(self._hearing.key_heard, channel, payload)
             else:
-                loop.call_soon_threadsafe(self._wakeup.set)
+                self._wakeup.set_from(loop)
 
         def reconnected() -> None:
             loop.call_soon_threadsafe(self._hearing.reconnected)
