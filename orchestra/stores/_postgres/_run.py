@@ -73,7 +73,8 @@ log = get_logger("orchestra")
 
 BUSY: Final = 64
 """Ends heard in one read of the feed from which the run counts as busy: its next look waits
-`PACE` seconds, and claims for its agents only a room of `WORTH` or more."""
+`PACE` seconds (unless `LAST` tasks or fewer are left), and claims for its agents only a room of
+`WORTH` or more."""
 
 PACE: Final = 0.02
 """Seconds a busy run's coordinator lets pass before it looks at the database again. A look (a
@@ -84,6 +85,11 @@ the hundred, at most this much later, for about half the CPU a task; its own age
 look, as many tasks as they have room for (`WORTH`) (a slot that frees meanwhile waits for the next look,
 as a worker's does for its next burst). A run whose reads bring a few ends at a time (one task
 after another, say) is not paced: each is heard as soon as it is announced."""
+
+LAST: Final = 4 * BUSY
+"""Unfinished tasks at most from which a busy run is not paced: its last ends (the last batches
+of its workers, all under way) are heard as they are announced, not a `PACE` later — the run's
+result waited for that pace (a few per cent of a one-second run), for a few reads saved."""
 
 WORTH: Final = 16
 """The least room for which a busy run's coordinator claims tasks for its own agents (a run not
@@ -627,7 +633,7 @@ class PostgresRun:
             self._take_in(heard)
             self._hand_out(claimed)
             busy = len(heard.ends) >= BUSY
-            if busy:
+            if busy and self._memory.unfinished > LAST:
                 await asyncio.sleep(PACE)  # (what is announced meanwhile wakes the next look)
 
     def _over(self) -> bool:
