@@ -95,7 +95,10 @@ class Hearing:
                 if started is not None and record.t_start is None:
                     record.t_start = started - offset
                 output = row[2]
-                plain.append((record, None if output is None else json_value(output), row[3]))
+                # (an agent that returns nothing, the common side-effect task: its JSON 'null'
+                # known without a parser's call)
+                value = None if output is None or output == "null" else json_value(output)
+                plain.append((record, value, row[3]))
                 continue
             if plain:
                 memory.succeeded_elsewhere(plain)
