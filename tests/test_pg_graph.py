@@ -609,7 +609,9 @@ class TestTheCoordinatorsMirror:
             (task,) = await claim(conn, "run", {"a": 1}, owner="worker", lease=30)
             assert task.id == task_id
             await complete(conn, "run", "worker", [End(task_id, task.token, SUCCEEDED, '"v"', "w")])
-            feed: list[str] = await conn.fetchval("SELECT array_agg(id) FROM orchestra.ended")
+            feed: list[str] = await conn.fetchval(
+                "SELECT array_agg(id) FROM orchestra.ended, unnest(ids) AS id"
+            )
             return feed
         finally:
             await conn.close()

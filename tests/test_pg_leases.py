@@ -34,7 +34,7 @@ from orchestra.stores._postgres._leases import (
     take_back_expired,
 )
 from orchestra.stores._postgres._listen import ENDED, channel_of, notify
-from orchestra.stores._postgres._settle import _CONCERNS
+from orchestra.stores._postgres._settle import _WAITED_FOR
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -249,6 +249,29 @@ class TestFencing:
         assert (await row(conn, "t"))["output"] == "1"
         assert (await row(conn, "u"))["error"] == "boom"
 
+    async def test_a_batch_writes_the_ends_it_holds_and_journals_only_the_refused_ones(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [("t", "a", 0), ("u", "a", 0), ("v", "a", 0)])
+        await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
+        t, u, v = await claim(conn, "r", {"a": 3}, owner="w1", lease=5)
+        await expire(conn, "u")
+        await take_back_expired(conn, "r")
+        ends = [
+            End("t", t.token, "succeeded", "1", agent="a1"),
+            End("u", u.token, "failed", agent="a2", error="late"),
+            End("v", v.token, "succeeded", "3", agent="a3"),
+        ]
+        assert await complete(conn, "r", "w1", ends) == [True, False, True]
+        refused = await conn.fetch(
+            "SELECT task_id, agent, detail FROM orchestra.events WHERE event = 'refused'"
+        )
+        assert [tuple(event) for event in refused] == [
+            ("u", "a2", f"failed from w1 refused: its lease (token {u.token}) is no longer held")
+        ]
+        assert (await row(conn, "u"))["state"] == "ready"
+        assert [row[0] for row in (await follow.heard(conn, "r")).ends] == ["t", "v"]
+
     async def test_a_stale_tokens_failure_is_refused(self, conn: asyncpg.Connection) -> None:
         await admit(conn, "r", [("t", "a", 0)])
         (old,) = await claim(conn, "r", {"a": 1}, owner="w1", lease=5)
@@ -357,15 +380,27 @@ class TestTheCoordinatorHearsOfEnds:
         await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
         assert await self.heard(pg_dsn, conn, "coordinator") == []
 
-    async def test_the_feed_is_vacuumed_by_the_reader_of_every_nth_end_each_heard_once(
+    async def test_a_completion_writes_one_row_of_the_feed_for_its_batch(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(3)])
+        await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
+        claimed = await claim(conn, "r", {"a": 3}, owner="worker", lease=5)
+        ends = [End(task.id, task.token, "succeeded") for task in claimed]
+        assert await complete(conn, "r", "worker", ends) == [True, True, True]
+        rows = await conn.fetch("SELECT ids, spawned FROM orchestra.ended")
+        # (nothing spawned: the coordinator's read looks for no spawns of these)
+        assert [(sorted(r["ids"]), r["spawned"]) for r in rows] == [(["t0", "t1", "t2"], False)]
+
+    async def test_the_feed_is_vacuumed_by_the_reader_of_every_nth_row_each_end_heard_once(
         self, conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(follow, "SWEEP_EVERY", 4)
+        monkeypatch.setattr(follow, "SWEEP_EVERY", 2)
         await admit(conn, "r", [(f"t{i}", "a", 0) for i in range(6)])
         await conn.execute("UPDATE orchestra.runs SET owner = 'coordinator' WHERE id = 'r'")
         heard: list[str] = []
         vacuums: list[int] = []
-        for _ in range(3):  # the feed's rows numbered 1 and 2, 3 and 4, 5 and 6
+        for _ in range(3):  # the feed's rows (one per completion) numbered 1, 2, 3
             claimed = await claim(conn, "r", {"a": 2}, owner="worker", lease=5)
             ends = [End(task.id, task.token, "succeeded") for task in claimed]
             assert await complete(conn, "r", "worker", ends) == [True, True]
@@ -545,7 +580,7 @@ class TestConnections:
             )
         finally:
             await worker.close()
-        generic = {_COMPLETE.strip(), _CONCERNS.strip()}
+        generic = {_COMPLETE.strip(), _WAITED_FOR.strip()}
         plans = {row[0].strip(): (row[1], row[2]) for row in rows}
         assert generic <= set(plans)
         assert all(plans[statement][0] > 0 for statement in generic)

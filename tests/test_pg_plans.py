@@ -1,4 +1,4 @@
-"""The plans of the PostgreSQL statements that run under generic plans (`_settle.GENERIC_PLANS`):
+"""The plans of the PostgreSQL statements that run under generic plans (`_settle.FORCED_PLANS`):
 the generic plan PostgreSQL would keep for each (a prepared statement explained under
 ``force_generic_plan``, on the session's real server) reads the tasks by primary key, whatever
 the batch, on a table whose statistics tempt it otherwise (many tasks, none of them leased when
@@ -12,7 +12,7 @@ import pytest
 
 from orchestra.stores._postgres._follow import _HEARD
 from orchestra.stores._postgres._leases import _CLAIM, _COMPLETE
-from orchestra.stores._postgres._settle import _CONCERNS
+from orchestra.stores._postgres._settle import _CONCERNS, _WAITED_FOR
 
 if TYPE_CHECKING:
     import asyncpg
@@ -64,6 +64,14 @@ class TestGenericPlans:
         assert "using tasks_pkey on tasks" in plan, plan
         assert "tasks_leased" not in plan, plan
         assert "Seq Scan on tasks" not in plan, plan
+
+    async def test_whether_something_waits_for_ends_reads_edges_and_groups_by_their_keys(
+        self, tasks: asyncpg.Connection
+    ) -> None:
+        plan = await generic_plan(tasks, _WAITED_FOR)
+        assert "using edges_pkey on edges" in plan, plan
+        assert "using groups_pkey on groups" in plan, plan
+        assert "Seq Scan" not in plan, plan
 
     @pytest.mark.parametrize(
         "index", ["attempts_by_task", "tasks_by_parent"], ids=["failed attempts", "spawns"]

@@ -13,6 +13,7 @@ import asyncpg
 import pytest
 
 from orchestra import StoreError
+from orchestra.stores._postgres import _follow as follow
 from orchestra.stores._postgres._schema import MIGRATIONS, migrate, version_of
 
 if TYPE_CHECKING:
@@ -181,3 +182,27 @@ class TestAForeignSchema:
         ):
             await migrate(conn)
         assert await _tables(conn) == {"mine"}
+
+
+class TestEndedFeed:
+    async def test_a_v9_feeds_ends_are_heard_after_the_upgrade_in_order_with_their_spawns(
+        self, conn: asyncpg.Connection
+    ) -> None:
+        # A run resumed across the upgrade: the ends an older worker wrote, a row per task, are
+        # still its coordinator's to hear, once.
+        assert await migrate(conn, migrations=MIGRATIONS[:9]) == 9
+        await conn.execute("INSERT INTO orchestra.runs (id, owner) VALUES ('r', 'coordinator')")
+        await conn.execute(
+            "INSERT INTO orchestra.tasks (run_id, id, seq, parent, idx, named, kind, payload, "
+            "priority, state, output, attempts) VALUES "
+            "('r', 'b', 1, NULL, 0, true, 'k', '{}', 0, 'succeeded', '1', 1), "
+            "('r', 'a', 2, NULL, 1, true, 'k', '{}', 0, 'succeeded', '2', 1), "
+            "('r', 'a/c', 3, 'a', 0, true, 'k', '{\"x\": 1}', 0, 'ready', NULL, 0)"
+        )
+        await conn.execute("INSERT INTO orchestra.ended (run_id, id) VALUES ('r', 'b'), ('r', 'a')")
+        assert await migrate(conn) == NEWEST
+        heard = await follow.heard(conn, "r")
+        assert [(row[0], row[2]) for row in heard.ends] == [("b", "1"), ("a", "2")]
+        assert [spawn[0] for spawn in heard.spawned["a"]] == ["a/c"]
+        assert "b" not in heard.spawned
+        assert (await follow.heard(conn, "r")).ends == []

@@ -178,7 +178,9 @@ class TestInOneProcess:
             rows, (1, None)
         )
         # The coordinator follows what others ended: every end is in its feed, once.
-        ended = await pg_conn.fetch("SELECT id FROM orchestra.ended WHERE run_id = 'r'")
+        ended = await pg_conn.fetch(
+            "SELECT unnest(ids) AS id FROM orchestra.ended WHERE run_id = 'r'"
+        )
         assert sorted(r["id"] for r in ended) == sorted(rows)
         assert work.report is not None
         assert (work.report.claimed, work.report.completed, work.report.refused) == (6, 6, 0)
@@ -561,11 +563,13 @@ class TestWorkerProcesses:
         assert not await pg_conn.fetchval(
             "SELECT count(*) FROM orchestra.events WHERE event = 'refused'"
         )
-        ended = await pg_conn.fetchval("SELECT count(*) FROM orchestra.ended")
+        ended = await pg_conn.fetchval("SELECT sum(cardinality(ids)) FROM orchestra.ended")
         assert (
             ended
             == 3000
-            == await pg_conn.fetchval("SELECT count(DISTINCT id) FROM orchestra.ended")
+            == await pg_conn.fetchval(
+                "SELECT count(DISTINCT id) FROM orchestra.ended, unnest(ids) AS id"
+            )
         )
         for err in errs:
             assert "0 refused, 0 lost" in err

@@ -440,6 +440,15 @@ WHERE t.run_id = $1 AND t.id = u.id
 """
 
 
+# The ends a coordinator has not taken in yet of tasks now reopened are no longer true: taken out
+# of the feed's rows (a row per transaction that wrote ends), a row left with none deleted.
+_UNHEARD = """
+UPDATE orchestra.ended AS f
+SET ids = ARRAY(SELECT i FROM unnest(f.ids) AS i WHERE i <> ALL ($2::text[]))
+WHERE f.run_id = $1 AND f.ids && $2::text[]
+"""
+
+
 class _Task:
     __slots__ = ("depends_on", "depends_on_tags", "finished", "id", "key", "state", "tags")
 
@@ -574,9 +583,8 @@ async def _retry(
             run_id, *columns(edges, 3),
         )  # fmt: skip
     # The ends a coordinator has not taken in yet of tasks now reopened: no longer true.
-    await conn.execute(
-        "DELETE FROM orchestra.ended WHERE run_id = $1 AND id = ANY ($2::text[])", run_id, ids
-    )
+    await conn.execute(_UNHEARD, run_id, ids)
+    await conn.execute("DELETE FROM orchestra.ended WHERE run_id = $1 AND ids = '{}'", run_id)
     await conn.execute(
         "UPDATE orchestra.runs SET state = 'open', updated = now() WHERE id = $1", run_id
     )

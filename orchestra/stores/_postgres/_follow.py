@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._keyed import spawn_answers
-from ._settle import GENERIC_PLANS, SESSION_PLANS, columns, settle
+from ._settle import FORCED_PLANS, SESSION_PLANS, columns, settle
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -32,8 +32,8 @@ __all__ = ("Heard", "decide", "heard")
 
 class Heard(NamedTuple):
     """Ends heard from the feed: `ends` rows (id, state, output JSON, agent, error, error_type,
-    attempts, started (wall seconds), defaulted, and two of the feed's own), in the order they
-    were written; `failures` by task id, rows (number, agent, error_type, message, started,
+    attempts, started (wall seconds), defaulted, and the feed's own), in the order they were
+    written (the ends one transaction wrote, by task id); `failures` by task id, rows (number, agent, error_type, message, started,
     duration, retry_in, traceback, status_code, api_error_type, request_id) in their order;
     `spawned` by parent, rows (id, kind, payload JSON, priority, depends_on, depends_on_tags,
     tags, key, timeout, critical, metadata JSON) in their order; `answers`, what the completions
@@ -45,40 +45,45 @@ class Heard(NamedTuple):
     answers: dict[str, Answer]
 
 
-SWEEP_EVERY: Final = 2048
-"""The feed is vacuumed by the coordinator that reads its row numbered a multiple of this."""
+SWEEP_EVERY: Final = 256
+"""The feed is vacuumed by the coordinator that reads its row numbered a multiple of this (a row
+per transaction that wrote ends: a worker's batch of up to a hundred)."""
 
 # One statement, one round trip per read: an end's failed attempts and spawns come with it, as
 # arrays of rows (asyncpg decodes them to tuples), instead of two more statements by the ids
 # read. Only a task that failed an attempt has rows in `attempts`: one that did not succeed, took
 # more than one attempt (a lease lost counts as one) or succeeded with its default after its
-# agents failed; the others skip that probe (`ARRAY` of none: an empty list, no NULL to check).
+# agents failed; the others skip that probe, and so do the ends of a batch that spawned nothing
+# (the feed's row says so) skip the probe for spawns (NULL: nothing to take in). A row's ids are
+# read from the primary key in one index scan (`= ANY`, in key order: a batch's ids are close to
+# each other there), not one descent per id; a batch's ends are taken in in that order. Times
+# are read as float8 seconds by date_part (extract would make a numeric of each first).
 _HEARD = """
 WITH taken AS (
-    DELETE FROM orchestra.ended WHERE run_id = $1 RETURNING id, n
+    DELETE FROM orchestra.ended WHERE run_id = $1 RETURNING ids, n, spawned
 )
 SELECT t.id, t.state, t.output::text, t.agent, t.error, t.error_type, t.attempts,
-    extract(epoch FROM t.started)::float8, t.defaulted, taken.n % $2 = 0 AS sweep,
+    date_part('epoch', t.started), t.defaulted, taken.n % $2 = 0 AS sweep,
     CASE WHEN t.state <> 'succeeded' OR t.attempts > 1 OR t.defaulted THEN ARRAY(
         SELECT ROW(a.number, a.agent, a.error_type, a.message,
-            extract(epoch FROM a.started)::float8, a.duration, a.retry_in, a.traceback,
+            date_part('epoch', a.started), a.duration, a.retry_in, a.traceback,
             a.status_code, a.api_error_type, a.request_id)
         FROM orchestra.attempts AS a WHERE a.run_id = $1 AND a.task_id = t.id
         ORDER BY a.number
     ) END AS failures,
-    ARRAY(
+    CASE WHEN taken.spawned THEN ARRAY(
         SELECT ROW(s.id, s.kind, s.payload::text, s.priority, s.depends_on, s.depends_on_tags,
             s.tags, s.key, s.timeout, s.critical, s.metadata::text)
         FROM orchestra.tasks AS s WHERE s.run_id = $1 AND s.parent = t.id
         ORDER BY s.idx
-    ) AS spawned
-FROM taken JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = taken.id
-ORDER BY taken.n
+    ) END AS spawned
+FROM taken JOIN orchestra.tasks AS t ON t.run_id = $1 AND t.id = ANY (taken.ids)
+ORDER BY taken.n, t.id
 """
 
 # (asyncpg's `Transaction` sends its BEGIN alone: with the plans' setting after it, one round
 # trip more per read, for each of the run's few dozen ends.)
-_BEGIN: Final = f"BEGIN; {GENERIC_PLANS}"
+_BEGIN: Final = f"BEGIN; {FORCED_PLANS}"
 
 
 async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
@@ -86,7 +91,7 @@ async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
     if conn.is_in_transaction():  # (a SET LOCAL would outlast this call in a caller's)
         found = await _take(conn, run_id, generic=False)
     else:
-        # The read is by primary key or a task's parent whatever the batch (GENERIC_PLANS).
+        # The read is by primary key or a task's parent whatever the batch (FORCED_PLANS).
         await conn.execute(_BEGIN)
         try:
             found = await _take(conn, run_id, generic=True)
@@ -98,10 +103,10 @@ async def heard(conn: asyncpg.Connection, run_id: str) -> Heard:
         await conn.execute("COMMIT")
     # The rows read are deleted, and stay in the table and its index, dead, until a vacuum: each
     # read walked them all again (a bitmap scan does not learn that an entry is dead), its cost
-    # growing with every end of the run (17 us per end on average over 50,000, a tenth of that
-    # at first). Autovacuum looks once a minute at most; the feed is vacuumed here every
-    # `SWEEP_EVERY` ends of all runs (the rows are numbered across them, so one coordinator does
-    # each time), a table of a few thousand dead rows: a millisecond or so.
+    # growing with every row the feed had (with a row per end, 17 us per end on average over
+    # 50,000, a tenth of that at first). Autovacuum looks once a minute at most; the feed is
+    # vacuumed here every `SWEEP_EVERY` rows of all runs (the rows are numbered across them, so
+    # one coordinator does each time), a table of a few hundred dead rows: a millisecond or so.
     if any(row[9] for row in found.ends) and not conn.is_in_transaction():
         # SKIP_LOCKED: another process (autovacuum) vacuuming it now is as good. TRUNCATE false:
         # giving its empty tail pages back takes an exclusive lock, which the workers' inserts

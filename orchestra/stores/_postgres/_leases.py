@@ -311,33 +311,32 @@ async def heartbeat(
     return {(run, task) for run, task, _ in held} - extended
 
 
+# A write refused is rare (its task was re-leased meanwhile): the journal's line for it is written
+# by `_REFUSED`, only when some were, not by an anti-join of every batch with what it wrote.
 _COMPLETE = """
-WITH ends AS (
-    SELECT * FROM unnest($3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-        $8::text[], $9::text[], $10::integer[], $11::boolean[], $12::float8[])
-        AS e (id, token, state, output, agent, error, error_type, attempts, defaulted, started)
-), done AS (
+WITH done AS (
     UPDATE orchestra.tasks AS t
     SET state = e.state, output = e.output::json, agent = e.agent, error = e.error,
         error_type = e.error_type, finished = now(), lease_owner = NULL, lease_expires = NULL,
         attempts = coalesce(e.attempts, t.attempts), defaulted = e.defaulted,
         started = coalesce(t.started, to_timestamp(e.started))
-    FROM ends AS e
+    FROM unnest($3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::text[],
+        $9::text[], $10::integer[], $11::boolean[], $12::float8[])
+        AS e (id, token, state, output, agent, error, error_type, attempts, defaulted, started)
     -- (the fence so written: `_settle.FORCED_PLANS`)
     WHERE t.run_id = $1 AND t.id = e.id AND t.token = e.token
         AND coalesce(t.lease_owner, '') = $2 AND t.state IN ('claimed', 'running')
-    RETURNING t.id, t.key IS NOT NULL AS keyed
-), refused AS (
-    INSERT INTO orchestra.events (run_id, task_id, event, agent, detail)
-    SELECT $1, e.id, 'refused', e.agent,
-        e.state || ' from ' || $2 || ' refused: its lease (token ' || e.token
-        || ') is no longer held'
-    FROM ends AS e WHERE e.id NOT IN (SELECT id FROM done)
+    RETURNING t.id, t.key IS NOT NULL AS keyed, t.tags IS NOT NULL AS tagged
 ), heard AS (
-    -- the coordinator's run follows the ends it did not write itself (`orchestra.ended`)
-    INSERT INTO orchestra.ended (run_id, id)
-    SELECT $1, id FROM done
-    WHERE $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
+    -- the coordinator's run follows the ends it did not write itself (`orchestra.ended`): one
+    -- row for the batch, saying whether its tasks spawned (admitted earlier in this transaction)
+    INSERT INTO orchestra.ended (run_id, ids, spawned)
+    SELECT $1, d.ids, EXISTS (
+        SELECT FROM orchestra.tasks AS s WHERE s.run_id = $1 AND s.parent = ANY (d.ids)
+    )
+    FROM (SELECT array_agg(id) AS ids FROM done) AS d
+    WHERE d.ids IS NOT NULL
+        AND $2 IS DISTINCT FROM (SELECT owner FROM orchestra.runs WHERE id = $1)
 ), woken AS (
     -- and, while one holds the run, hears of them at the commit: an end that readies nothing
     -- notifies nobody otherwise, and a coordinator with nothing left to claim would wait for its
@@ -345,7 +344,16 @@ WITH ends AS (
     SELECT pg_notify($13, $14) FROM (SELECT 1 FROM done LIMIT 1) AS d
     WHERE $2 <> (SELECT owner FROM orchestra.runs WHERE id = $1)
 )
-SELECT id, keyed FROM done LEFT JOIN woken ON true
+SELECT id, keyed, tagged FROM done LEFT JOIN woken ON true
+"""
+
+_REFUSED = """
+INSERT INTO orchestra.events (run_id, task_id, event, agent, detail)
+SELECT $1, e.id, 'refused', e.agent,
+    e.state || ' from ' || $2 || ' refused: its lease (token ' || e.token || ') is no longer held'
+FROM unnest($3::text[], $4::bigint[], $5::text[], $6::text[]) WITH ORDINALITY
+    AS e (id, token, state, agent, n)
+ORDER BY e.n
 """
 
 
@@ -472,6 +480,9 @@ async def _complete(
         )
         written = {row[0] for row in rows}
         keyed = any(row[1] for row in rows)
+        if len(written) < len(ends):
+            refused = [(e.id, e.token, e.state, e.agent) for e in ends if e.id not in written]
+            await conn.execute(_REFUSED, run_id, owner, *_columns(refused, 4))
         if failures:
             await _record(
                 conn, run_id,
@@ -479,7 +490,13 @@ async def _complete(
             )  # fmt: skip
         ended = [(end.id, end.state) for end in ends if end.id in written]
         settled = Settled([], [])
-        if ended and await concerns(conn, run_id, [task_id for task_id, _ in ended]):
+        # A task with tags or a key concerns its groups or its key's holds: settled without
+        # asking; the others are asked only whether something waits for them.
+        if ended and (
+            keyed
+            or any(row[2] for row in rows)
+            or await concerns(conn, run_id, [task_id for task_id, _ in ended], members=False)
+        ):
             # What a settle and the keys run next is planned for its batch again (the session's).
             if planned:
                 await conn.execute(SESSION_PLANS)
@@ -728,7 +745,8 @@ WITH expired AS (
         || CASE WHEN failed THEN ': failed, lost too often' ELSE '' END
     FROM taken
 ), heard AS (
-    INSERT INTO orchestra.ended (run_id, id) SELECT run_id, id FROM taken WHERE failed
+    INSERT INTO orchestra.ended (run_id, ids)
+    SELECT run_id, array_agg(id) FROM taken WHERE failed GROUP BY run_id
 )
 SELECT * FROM taken
 """

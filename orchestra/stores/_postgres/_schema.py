@@ -364,7 +364,25 @@ _V9 = (
     "ALTER TABLE orchestra.tasks SET (fillfactor = 50)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)
+_V10 = (
+    # The ended feed holds a row per transaction that wrote ends (a completion's batch), its
+    # tasks' ids as an array, not a row per task: one row and one index entry written per batch,
+    # one row deleted by the coordinator's read, which joins the ids to their tasks. The rows an
+    # older orchestra left (a run resumed across the upgrade) become rows of one id each.
+    "ALTER TABLE orchestra.ended ALTER COLUMN id TYPE text[] USING ARRAY[id]",
+    "ALTER TABLE orchestra.ended RENAME COLUMN id TO ids",
+    # Whether the tasks may have spawned (an attempt's spawns are read with its end): a
+    # completion says whether it admitted any, so that the read of a batch that did not probes
+    # no task for spawns. Rows written otherwise (a lease lost too often) and older rows: true.
+    "ALTER TABLE orchestra.ended ADD COLUMN spawned boolean NOT NULL DEFAULT true",
+    # A batch's ids kept in the row as written (up to a page), not compressed or moved out to
+    # the TOAST table once past 2 kB: the row is written once and read once.
+    "ALTER TABLE orchestra.ended SET (toast_tuple_target = 8160)",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10,
+)  # fmt: skip
 """Schema version n is reached by applying `MIGRATIONS[:n]`; append, never edit."""
 
 

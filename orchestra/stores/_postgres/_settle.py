@@ -82,7 +82,6 @@ if TYPE_CHECKING:
 
 __all__ = (
     "FORCED_PLANS",
-    "GENERIC_PLANS",
     "LOCK_GROUPS",
     "QUEUE_STEP",
     "RETRIES",
@@ -110,20 +109,18 @@ RETRIES: Final = 5
 """A transaction aborted by a deadlock is run again this many times."""
 
 # Connections plan each statement for its parameters (`_leases.SERVER_SETTINGS`), but for the few
-# statements of the hot path that run in a transaction after `GENERIC_PLANS` (until
-# `SESSION_PLANS`): their generic plan (the one PostgreSQL settles on after five runs, when it
-# costs no more than planning each batch) reads the tasks by primary key whatever the batch, and
-# planning each batch again cost more than running it. tests/test_pg_plans.py checks those plans.
-# A completion's fence is written ``coalesce(t.lease_owner, '') = $2`` for that: with
-# ``t.lease_owner = $2`` a generic plan walks the partial index ``tasks_leased`` (every lease of
-# the table, and its dead entries) against every row of the batch instead.
-GENERIC_PLANS: Final = "SET LOCAL plan_cache_mode = auto"
-SESSION_PLANS: Final = "SET LOCAL plan_cache_mode TO DEFAULT"
-# A worker's completion and the claim that follows it (`_leases.complete_and_claim`) run under
-# their generic plans from the first batch: the claim's generic plan is the right one (the
-# tests check it) but is costed for a tenth of the run's ready tasks, so that ``auto`` would
-# never choose it over planning each claim.
+# statements of the hot path that run in a transaction after `FORCED_PLANS` (until
+# `SESSION_PLANS`): a worker's completion and the claim that follows it
+# (`_leases.complete_and_claim`), and the coordinator's read of the ended feed. Their generic plan
+# reads the tasks by primary key whatever the batch, and planning each batch again cost more than
+# running it; it is used from the first batch: PostgreSQL's own choice (``auto``) costs it for
+# statistics that do not fit (the claim's for a tenth of the run's ready tasks) and would plan
+# most batches anyway (the feed's read: 37 plans in 50 reads). tests/test_pg_plans.py checks
+# those plans. A completion's fence is written ``coalesce(t.lease_owner, '') = $2`` for that:
+# with ``t.lease_owner = $2`` a generic plan walks the partial index ``tasks_leased`` (every
+# lease of the table, and its dead entries) against every row of the batch instead.
 FORCED_PLANS: Final = "SET LOCAL plan_cache_mode = force_generic_plan"
+SESSION_PLANS: Final = "SET LOCAL plan_cache_mode TO DEFAULT"
 
 
 class Settled(NamedTuple):
@@ -185,23 +182,30 @@ async def settle(
     return await end_cascade(conn, run_id, list(ended))
 
 
-async def concerns(conn: asyncpg.Connection, run_id: str, ids: Sequence[str]) -> bool:
+async def concerns(
+    conn: asyncpg.Connection, run_id: str, ids: Sequence[str], *, members: bool = True
+) -> bool:
     """Whether the ends of these tasks of `run_id`, written by this transaction, concern anything
-    `settle` would change (dependents, groups, keys): most batches of a run without them do not."""
-    concerned: bool = await conn.fetchval(_CONCERNS, run_id, ids)
+    `settle` would change (dependents, groups, keys): most batches of a run without them do not.
+    `members` False: the caller knows that none of the tasks has tags or a key (what the end's
+    write returned: a task's are written once, at its admission), so only what waits for them is
+    looked at."""
+    concerned: bool = await conn.fetchval(_CONCERNS if members else _WAITED_FOR, run_id, ids)
     return concerned
 
 
 # Whether ends concern anything at all (what `_ENDS` reads, with the same snapshot rules: a
 # statement after the ends' own): most batches of a run without dependencies, groups or keys
 # concern nothing, and this is planned in half of `_ENDS`'s time (a completion runs it under
-# `GENERIC_PLANS`: planned once).
-_CONCERNS = """
+# `FORCED_PLANS`: planned once).
+_WAITED_FOR = """
 SELECT EXISTS (
     SELECT FROM orchestra.edges WHERE run_id = $1 AND NOT on_group AND source = ANY ($2::text[])
 ) OR EXISTS (
     SELECT FROM orchestra.groups WHERE run_id = $1 AND tag = ANY ($2::text[])
-) OR EXISTS (
+)
+"""
+_CONCERNS = f"""{_WAITED_FOR.rstrip()} OR EXISTS (
     SELECT FROM orchestra.tasks WHERE run_id = $1 AND id = ANY ($2::text[])
         AND (tags IS NOT NULL OR key IS NOT NULL)
 )
