@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from orchestra import Context, Orchestrator, PermanentError, Task, TaskResult, agent
-from orchestra.stores._postgres._run import BUSY
+from orchestra.stores._postgres import _run
+from orchestra.stores._postgres._run import BUSY, HOLD, WORTH, waits_for_more
 from orchestra.stores._postgres._store import PostgresStore
 
 pytestmark = [
@@ -109,3 +110,61 @@ class TestABusyFeed:
         assert len(streamed) == len(set(streamed)) == len(tasks)
         counts = result.metadata.counts
         assert counts["succeeded"] + counts["cancelled"] == len(tasks)
+
+
+class TestTheCoordinatorsSmallRoomWhileBusy:
+    def test_a_small_room_waits_at_most_hold_and_only_while_busy(self) -> None:
+        assert waits_for_more(1, True, None, 10.0)  # first held back now
+        assert waits_for_more(WORTH - 1, True, 10.0, 10.0 + HOLD / 2)
+        assert not waits_for_more(1, True, 10.0, 10.0 + HOLD)  # held long enough: claimed
+        assert not waits_for_more(WORTH, True, None, 10.0)  # worth a claim at once
+        assert not waits_for_more(1, False, None, 10.0)  # a run not busy claims any room
+        assert not waits_for_more(0, True, None, 10.0)  # no room: nothing to hold
+
+    async def test_a_kind_only_the_coordinator_serves_runs_while_workers_keep_the_feed_busy(
+        self, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The worker's tasks spawn more for as long as the coordinator's one-slot agent has not
+        # run both of its tasks: a coordinator that left its small room to wait for a quiet feed
+        # would keep the run going until the cap. Busy from the first end heard (a worker in
+        # this process, on a shared machine, may not end BUSY tasks a read), and v1 can only be
+        # claimed once v0 has run, a while after that.
+        monkeypatch.setattr(_run, "BUSY", 1)
+        verified: list[str] = []
+        cap = 400 * BUSY
+
+        @agent(kinds=["verify"], concurrency=1)
+        async def verify(task: Task, ctx: Context) -> Any:
+            await anyio.sleep(0.3)
+            verified.append(task.id)
+            return task.payload
+
+        async def spawning(task: Task, ctx: Context) -> Any:
+            if len(verified) < 2 and task.payload < cap:
+                next_one = task.payload + 4 * BUSY
+                ctx.spawn(Task("work", next_one, id=f"w{next_one}"))
+            return None
+
+        work = agent(spawning, kinds=["work"], concurrency=4 * BUSY)
+        # (the coordinator serves every kind of its input; one slot here, with verify's: a room
+        # under WORTH)
+        work_here = agent(spawning, kinds=["work"], concurrency=1, name="work_here")
+
+        tasks = [Task("work", i, id=f"w{i}") for i in range(4 * BUSY)]
+        tasks += [Task("verify", i, id=f"v{i}") for i in range(2)]
+        here, there = PostgresStore(pg_dsn, poll=0.1), PostgresStore(pg_dsn, poll=0.1)
+        try:
+            coordinator = Orchestrator(agents=[verify, work_here], store=here)
+            worker = Orchestrator(agents=[work])
+            async with coordinator, worker, anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(worker.work, there, run_id="small"))
+                with anyio.fail_after(60):
+                    result = await coordinator.run(tasks, run_id="small")
+                tg.cancel_scope.cancel()
+        finally:
+            here.close()
+            there.close()
+        assert sorted(verified) == ["v0", "v1"]
+        assert result.status == "success"
+        spawned = result.metadata.counts["succeeded"] - len(tasks)
+        assert spawned < cap - 4 * BUSY  # the spawning stopped once both had run

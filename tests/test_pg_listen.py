@@ -5,11 +5,13 @@ stands behind it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import asyncpg
@@ -180,3 +182,40 @@ class TestWakeup:
         started = clock.time()
         assert await wakeup.wait(30)
         assert clock.time() == started
+
+
+class TestAWakeupFromAnotherThread:
+    """The store's thread hears a notification and wakes the run's loop (`Wakeup.set_from`)."""
+
+    async def test_each_wake_after_the_last_was_used_reaches_the_waiter(self) -> None:
+        loop = asyncio.get_running_loop()
+        wakeup = Wakeup()
+        for _ in range(3):
+            await anyio.to_thread.run_sync(wakeup.set_from, loop)
+            assert await wakeup.wait(10)
+        assert not await wakeup.wait(0.05)
+
+    async def test_a_burst_while_the_waiter_is_away_costs_one_hop(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        hops: list[Any] = []
+        hop = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            hops.append(callback)
+            return hop(callback, *args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        wakeup = Wakeup()
+
+        def burst() -> None:
+            for _ in range(100):
+                wakeup.set_from(loop)
+
+        thread = threading.Thread(target=burst)
+        thread.start()
+        thread.join()  # (the loop does not run meanwhile: every wake finds the waiter away)
+        assert len(hops) == 1
+        assert await wakeup.wait(10)
+        assert not await wakeup.wait(0.05)  # one wake, used up

@@ -73,7 +73,7 @@ class Hearing:
     def take_in(self, heard: follow.Heard) -> None:
         """Play the ends written elsewhere into the mirror, as if they had happened here."""
         memory = self._memory
-        record_of = memory.record_of
+        record_of = memory.by_id.get
         held = self._held
         offset = self._rows.offset
         # Successes with nothing more to take in (no failed attempt, no spawn, no default), the
@@ -81,21 +81,24 @@ class Hearing:
         # the order heard, any other end played in between, in its place.
         plain: list[tuple[Record, Any, str | None]] = []
         for row in heard.ends:
-            task_id = row[0]
-            record = record_of(task_id)
+            record = record_of(row[0])
             if record is None or record.state in TERMINAL:
                 continue  # ended here meanwhile (a cancel, a deadline): the mirror's is final
             if (
-                row[1] == "succeeded" and not row[10] and not row[11] and not row[8]
-                and row[4] is None and row[5] is None
+                row[1] == "succeeded" and row[4] is None and row[5] is None and not row[8]
+                and not row[10] and not row[11]
             ):  # fmt: skip
-                held.pop(task_id, None)
+                if held:  # (a task of this process's own agents: most are a worker's)
+                    held.pop(row[0], None)
                 record.attempts = row[6]
                 started = row[7]
                 if started is not None and record.t_start is None:
                     record.t_start = started - offset
                 output = row[2]
-                plain.append((record, None if output is None else json_value(output), row[3]))
+                # (an agent that returns nothing, the common side-effect task: its JSON 'null'
+                # known without a parser's call)
+                value = None if output is None or output == "null" else json_value(output)
+                plain.append((record, value, row[3]))
                 continue
             if plain:
                 memory.succeeded_elsewhere(plain)

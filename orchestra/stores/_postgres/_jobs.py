@@ -347,10 +347,21 @@ async def fenced_op(
     return False
 
 
-_RELEASE_UNREAD = """
-UPDATE orchestra.tasks SET state = 'ready', attempts = attempts - 1, lease_owner = NULL,
-    lease_expires = NULL
-WHERE run_id = $1 AND lease_owner = $2 AND state = 'claimed'
+# The run let go of in one statement (one round trip, one commit, at the end of every run): the
+# claims of this process whose answer the run's end left unread handed back, then the run
+# closed (when every task ended) and given up, both fenced by the lease's token as
+# `_coordinator.fenced` and `hand_over` fence them.
+_CLOSE = """
+WITH unread AS (
+    UPDATE orchestra.tasks SET state = 'ready', attempts = attempts - 1, lease_owner = NULL,
+        lease_expires = NULL
+    WHERE run_id = $1 AND lease_owner = $2 AND state = 'claimed'
+)
+UPDATE orchestra.runs
+SET state = CASE WHEN $4 THEN 'closed' ELSE state END, owner = NULL, expires = NULL,
+    updated = now()
+WHERE id = $1 AND owner = $2 AND token = $3
+RETURNING true
 """
 
 
@@ -367,14 +378,12 @@ async def close_run(
     closed when all its tasks ended, and give the run up (a standby or the next coordinator takes
     it now)."""
     await leases.release(conn, lease.owner, held)
-    await conn.execute(_RELEASE_UNREAD, lease.run_id, lease.owner)
     if keyed and not done:
         await keys.release_run(conn, lease.run_id, lease.owner)
-    if done:
+    let_go = await conn.fetchval(_CLOSE, lease.run_id, lease.owner, lease.token, done)
+    if not let_go and done:
+        # Taken over meanwhile: the run is not this process's to close. The fence journals the
+        # refusal (and raises, as it does for any write of a coordinator fenced off).
         with contextlib.suppress(coordinator.LeaseLost):
             async with coordinator.fenced(conn, lease):
-                await conn.execute(
-                    "UPDATE orchestra.runs SET state = 'closed', updated = now() WHERE id = $1",
-                    lease.run_id,
-                )
-    await coordinator.hand_over(conn, lease)
+                pass  # pragma: no cover - the fence refuses before the block

@@ -28,6 +28,7 @@ import asyncpg
 from ._background import Background
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
@@ -68,9 +69,26 @@ class Wakeup:
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self._coming = False  # a `set_from` on its way to the waiter's loop
 
     def set(self, *_: object) -> None:
         """Wake the waiter (any arguments ignored: usable as a listener's callback)."""
+        self._event.set()
+
+    def set_from(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`set`, from another thread than the waiter's (whose loop is `loop`): a notification
+        heard in the store's thread. Each hop costs both threads a wake-up (a write to the
+        loop's self-pipe, a turn of the loop), and a busy run's notifications come by the
+        hundred while it waits out its pace: a hop goes only when the waiter is not woken
+        already and none is on its way. (Read from this thread, the flags are at worst stale
+        the safe way: the waiter clears them before it looks, and looks after this.)"""
+        if self._coming or self._event.is_set():
+            return
+        self._coming = True
+        loop.call_soon_threadsafe(self._arrive)
+
+    def _arrive(self) -> None:
+        self._coming = False
         self._event.set()
 
     async def wait(self, poll: float) -> bool:

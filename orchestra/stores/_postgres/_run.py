@@ -10,10 +10,11 @@ keeps it in step with the database:
   anything is written), then written behind, in order, by one writer (`jobs.apply`) inside the fence
   of the coordinator's lease on the run (`_coordinator.fenced`); the database checks it again.
 - **Claims** go through the database only (`_leases.claim`, sized by what the run's agents can
-  start: `Listener.room`), whatever the mirror says is ready: a task the mirror holds as ready may
-  be a worker's at this moment. A claimed task waits in `_runnable` until the engine's `claim`
-  takes it. Its attempt's end goes back with its lease's token (`_leases.complete`, which settles
-  its dependents in the same transaction); its failed attempts as they fail (`_leases.note`).
+  start: `Listener.room`; while the run is busy, a small room waits a moment for more: `WORTH`),
+  whatever the mirror says is ready: a task the mirror holds as ready may be a worker's at this
+  moment. A claimed task waits in `_runnable` until the engine's `claim` takes it. Its attempt's
+  end goes back with its lease's token (`_leases.complete`, which settles its dependents in the
+  same transaction); its failed attempts as they fail (`_leases.note`).
 - **Ends written elsewhere** (a worker's completion, a lease lost too often) are heard from the
   database's feed (`_follow.heard`) and played into the mirror as if they had happened here:
   the engine's report, events, results and aggregate see every end once.
@@ -73,7 +74,8 @@ log = get_logger("orchestra")
 
 BUSY: Final = 64
 """Ends heard in one read of the feed from which the run counts as busy: its next look waits
-`PACE` seconds."""
+`PACE` seconds (unless `LAST` tasks or fewer are left), and claims for its agents a room of `WORTH`
+or more at once, a smaller one `HOLD` seconds later."""
 
 PACE: Final = 0.02
 """Seconds a busy run's coordinator lets pass before it looks at the database again. A look (a
@@ -81,15 +83,38 @@ read of the feed, a claim for its agents' room) costs its round trips and two ho
 run's thread and the store's, whatever it brings; woken by each completion's notification, a
 coordinator would read the ends of two workers a few dozen at a time. Paced, it hears them by
 the hundred, at most this much later, for about half the CPU a task; its own agents claim once a
-look, as many tasks as they have room for (a slot that frees meanwhile waits for the next look,
-as a worker's does for its next burst). A run whose reads bring a few ends at a time (one task
-after another, say) is not paced: each is heard as soon as it is announced."""
+look, as many tasks as they have room for (`WORTH`, `HOLD`: a slot that frees meanwhile waits
+for a later look, as a worker's does for its next burst). A run whose reads bring a few ends at
+a time (one task after another, say) is not paced: each is heard as soon as it is announced."""
+
+LAST: Final = 4 * BUSY
+"""Unfinished tasks at most from which a busy run is not paced: its last ends (the last batches
+of its workers, all under way) are heard as they are announced, not a `PACE` later — the run's
+result waited for that pace (a few per cent of a one-second run), for a few reads saved."""
+
+WORTH: Final = 16
+"""The least room for which a busy run's coordinator claims tasks for its own agents at once (a
+run not busy claims any room). A claim costs the database about as much for one task as for a
+hundred (a walk of the run's ready tasks past those other claims took, a commit), and a task
+claimed costs the coordinator a completion of its own, written alone: a one-slot agent claiming a
+task a look cost the whole run (the database, the coordinator, its thread) about 6 us per task of
+100,000 that two workers ran, for the 150 it took. A smaller room waits for more, `HOLD` at most."""
+
+HOLD: Final = 0.25
+"""Seconds at most a busy run's coordinator holds back a claim for a room under `WORTH`: its
+agents' few slots still take tasks a few times a second (a kind only they serve is never left
+to wait for the workers' whole run), not once every look."""
+
+
+def waits_for_more(room: int, busy: bool, since: float | None, now: float) -> bool:
+    """Whether a claim for `room` tasks waits (`WORTH`, `HOLD`): `since`, when a room under
+    `WORTH` was first held back (None: it was not)."""
+    return busy and 0 < room < WORTH and (since is None or now - since < HOLD)
 
 
 class PostgresRun:
     """One run of a `PostgresStore`, as its coordinator sees it (module docstring)."""
 
-    quiet = None  # the mirror's listener: it hears every end (to write down what it decides)
     read_ahead = CHUNK  # a resumed stream's ended rows read at a time (`_read_ahead`)
 
     def __init__(
@@ -190,6 +215,13 @@ class PostgresRun:
         return self._memory.pending
 
     # -- the mirror's listener -------------------------------------------------------------------
+
+    @property
+    def quiet(self) -> list[Any] | None:
+        """The run's (`Listener.quiet`): the mirror may put a plain success there rather than
+        tell this listener, which would only pass it on (it writes nothing for an end; it
+        collects the ends of a cancel, `cancel`, which ends no task as a success)."""
+        return self._listener.quiet
 
     def ready(self, record: Record) -> None:
         claimed = self._held.pop(record.id, None)
@@ -571,6 +603,8 @@ class PostgresRun:
         poll = self._store.poll
         every = self._store.lease / 3
         swept = -math.inf
+        busy = False  # the last read heard BUSY ends or more
+        small = None  # since when a small room waits (`waits_for_more`)
         while not self.closed:
             await self._wakeup.wait(max(0.0, min(poll, self._hearing.next_look() - loop.time())))
             if self.closed or self._error is not None:
@@ -590,11 +624,17 @@ class PostgresRun:
             sweep = loop.time() - swept >= every
             if sweep:
                 swept = loop.time()
+            rooms = self._rooms()
+            now = loop.time()
+            if waits_for_more(sum(rooms.values()), busy, small, now):
+                small = now if small is None else small
+                rooms = {}
+            else:
+                small = None
             try:
                 heard, claimed = await self._db.run(
-                    jobs.claim_step, self.run_id, self._rooms(), self.name, self._store.lease, None,
-                    sweep,
-                )  # fmt: skip
+                    jobs.claim_step, self.run_id, rooms, self.name, self._store.lease, None, sweep
+                )
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -608,7 +648,8 @@ class PostgresRun:
                 return
             self._take_in(heard)
             self._hand_out(claimed)
-            if len(heard.ends) >= BUSY:
+            busy = len(heard.ends) >= BUSY
+            if busy and self._memory.unfinished > LAST:
                 await asyncio.sleep(PACE)  # (what is announced meanwhile wakes the next look)
 
     def _over(self) -> bool:
@@ -672,7 +713,7 @@ class PostgresRun:
             if channel == keys.KEY_CHANNEL:
                 loop.call_soon_threadsafe(self._hearing.key_heard, channel, payload)
             else:
-                loop.call_soon_threadsafe(self._wakeup.set)
+                self._wakeup.set_from(loop)
 
         def reconnected() -> None:
             loop.call_soon_threadsafe(self._hearing.reconnected)
