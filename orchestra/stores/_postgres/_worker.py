@@ -195,6 +195,7 @@ class PostgresWorkerBackend:
         wall = wall0 + self._offset
         runs: dict[str, _Ends] = {}
         of_run = None
+        new = tuple.__new__
         for claimed, result, failures, spawned in ends:
             # (Looked up per end only when the run changes: a group commit is of one run.)
             if of_run is None or of_run.run_id != claimed.run_id:
@@ -205,9 +206,11 @@ class PostgresWorkerBackend:
                 result, None if spawned is None else spawned[0]
             )
             started = result.started
-            end = End(claimed.id, claimed.token, state, output, result.agent, error, error_type,
-                      result.attempts, bool(result.defaulted),
-                      None if started is None else wall + started)  # fmt: skip
+            # Built as the tuple it is (as `_before` builds a claim): `End(...)` is a Python call
+            # with ten arguments, once per end.
+            end = new(End, (claimed.id, claimed.token, state, output, result.agent, error,
+                            error_type, result.attempts, bool(result.defaulted),
+                            None if started is None else wall + started))  # fmt: skip
             of_run.ends.append(end)
             if failures:
                 of_run.failures[claimed.id] = [_failed(wall, a) for a in failures]
