@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import asyncpg
 import pytest
 
 from orchestra import ConfigError, StoreError
@@ -118,6 +119,63 @@ class TestALocalPool:
             store.close()
         assert len(backends) == 2
         assert answered == backends[1] != backends[0]
+
+    async def test_its_jobs_one_after_another_share_a_connection_and_one_meanwhile_takes_another(
+        self, pg_dsn: str
+    ) -> None:
+        store = PostgresStore(pg_dsn)
+        inside = asyncio.Event()
+        leave = asyncio.Event()
+
+        async def pid(conn: object) -> int:
+            return await conn.fetchval("SELECT pg_backend_pid()")  # type: ignore[attr-defined,no-any-return]
+
+        async def held(conn: object) -> int:
+            inside.set()
+            await leave.wait()
+            return await pid(conn)
+
+        try:
+            await store.database.run(_version)
+            local = await store.database.local()
+            try:
+                first, second = await local.run(pid), await local.run(pid)
+                holding = asyncio.ensure_future(local.run(held))
+                await inside.wait()
+                meanwhile = await local.run(pid)  # while `held` runs on the kept one
+                leave.set()
+                after = await holding
+            finally:
+                await local.close()
+        finally:
+            store.close()
+        assert first == second == after != meanwhile
+
+    async def test_a_kept_connection_the_server_ended_between_jobs_is_replaced_at_the_next(
+        self, pg_dsn: str
+    ) -> None:
+        store = PostgresStore(pg_dsn)
+
+        async def pid(conn: object) -> int:
+            return await conn.fetchval("SELECT pg_backend_pid()")  # type: ignore[attr-defined,no-any-return]
+
+        try:
+            await store.database.run(_version)
+            local = await store.database.local()
+            try:
+                first = await local.run(pid)
+                other = await asyncpg.connect(pg_dsn)
+                try:  # the server ends that session while no job runs on it (a restart would)
+                    assert await other.fetchval("SELECT pg_terminate_backend($1)", first)
+                finally:
+                    await other.close()
+                second = await local.run(pid)
+                third = await local.run(pid)
+            finally:
+                await local.close()
+        finally:
+            store.close()
+        assert first != second == third
 
 
 async def test_an_unreachable_server_is_a_store_error_that_says_what_to_do() -> None:

@@ -263,7 +263,9 @@ class Worker:
         self.ahead: list[Claim] = []
         self._claiming = False
         self._room = anyio.Event()
-        self._ended = anyio.Event()
+        # Set per end: a bare asyncio event (a worker runs on asyncio: `_burst`), whose `set` is
+        # one call, not anyio's wrapper around it.
+        self._ended = asyncio.Event()
         self._stopping = False
         self._finished = False  # the run it serves is over: stop claiming
         self._handle: LocalRun | None = None
@@ -382,12 +384,18 @@ class Worker:
         longer held: the room of each kind, the room in all (0: none), and, when there is none,
         whether the agents (not the leases) are what leave none."""
         # A task holds its room until its end is written (the store's leases are what other
-        # workers see: a worker holds no more than its agents can start).
-        held = [c for i, c in self.held.items() if i not in leaving]
-        room = self.capacity - len(held)
+        # workers see: a worker holds no more than its agents can start). Asked as often as the
+        # room may have changed, most often while it holds its whole room: that is answered
+        # before the held tasks are counted by kind.
+        holding = self.held
+        kept = holding.keys() - leaving if leaving else holding.keys()
+        room = self.capacity - len(kept)
+        if room <= 0:
+            return {}, 0, False
+        held = [holding[i] for i in kept]
         counts = Counter(claimed.kind for claimed in held)
         rooms = {k: n - counts[k] for k, n in self.rooms.items() if n > counts[k]}
-        if room <= 0 or not rooms:
+        if not rooms:
             return {}, 0, False
         local = self.local
         if local is not None:
@@ -488,7 +496,7 @@ class Worker:
             # commit per turn would also hand the room back in slivers, and the claims follow the
             # room: small claims, small commits, each paying a durable commit's latency.
             await self._burst()
-            self._ended = anyio.Event()
+            self._ended = asyncio.Event()
             await self._write(claim=True)
 
     async def _burst(self) -> None:
@@ -525,10 +533,13 @@ class Worker:
         for claimed, attempt in failed:
             noted[claimed.id] = max(noted.get(claimed.id, 0), attempt.number)
         rows = []
+        spawned = self.spawned
         for claimed, result in ends:
-            written = noted.get(claimed.id, 0)
-            failures = [a for a in result.failures or () if a.number > written]
-            rows.append((claimed, result, failures, self.spawned.get(claimed.id)))
+            failures: Sequence[Attempt] = result.failures or ()
+            if failures:
+                written = noted.get(claimed.id, 0)
+                failures = [a for a in failures if a.number > written]
+            rows.append((claimed, result, failures, spawned.get(claimed.id) if spawned else None))
         # Claimed with the write and not to run, handed back after it: all of it once the worker
         # stops; a task held already (`_take`).
         unrun: list[Claim] = []
@@ -567,14 +578,21 @@ class Worker:
                         self._claiming = False
         finally:
             self.writing = []
+        held = self.held
+        lost = self.losing
+        completed = 0
         for (claimed, result), ok in zip(ends, accepted, strict=True):
-            del self.held[claimed.id]
-            noted.pop(claimed.id, None)
-            self.spawned.pop(claimed.id, None)
-            losing = claimed.id in self.losing
-            self.losing.discard(claimed.id)
+            task_id = claimed.id
+            del held[task_id]
+            if noted:
+                noted.pop(task_id, None)
+            if spawned:
+                spawned.pop(task_id, None)
+            losing = task_id in lost
+            if losing:
+                lost.discard(task_id)
             if ok:
-                self.report.completed += 1
+                completed += 1
             elif result.status is CANCELLED:
                 if losing:
                     self.report.lost += 1
@@ -583,9 +601,10 @@ class Worker:
                 log.warning(
                     "completion refused: the lease was lost",
                     worker=self.name,
-                    task_id=claimed.id,
+                    task_id=task_id,
                     run_id=claimed.run_id,
                 )
+        self.report.completed += completed
         if unrun or clashes:
             with anyio.CancelScope(shield=True):
                 if unrun:

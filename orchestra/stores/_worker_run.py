@@ -113,8 +113,12 @@ class WorkerRun:
         self.run_id = run_id
         self._host = host
         self._admission = admission
+        # Not compacting, whatever the engine asks (`compact`: its input is streamed): `settle`
+        # forgets every task that ended, and so the common success takes `MemoryRun.succeed`'s
+        # one step, not the general end that compacts it first (its output kept by id, then
+        # forgotten at once).
         self._memory = memory = MemoryRun(
-            run_id, admission, _Heard(listener, host), clock, task_timeout, compact
+            run_id, admission, _Heard(listener, host), clock, task_timeout, False
         )
         self._listener = listener
         host.wall0 = time.time()
@@ -297,7 +301,17 @@ class WorkerRun:
         return ended
 
     def succeed(self, record: Record, token: int, output: Any, agent: str) -> bool:
-        return self.settle(record, token, SUCCEEDED, output, agent=agent)
+        # `settle` for a success with no spawn (the engine's common end), to `MemoryRun.succeed`
+        # straight: not through `settle`'s keywords and checks, twice.
+        if record.token == token and record.state not in TERMINAL:
+            stored_json(output, record.id, agent)  # (as `settle` checks it)
+        if self._named_here:  # ids given to spawns of an earlier attempt of it
+            self._named_here.pop(record.id, None)
+        memory = self._memory
+        ended = memory.succeed(record, token, output, agent)
+        if ended:
+            memory.forget(record.id)
+        return ended
 
 
 class _Heard:

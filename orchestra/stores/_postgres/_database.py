@@ -38,6 +38,8 @@ from ._sessions import application_name
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
+    from asyncpg.pool import PoolConnectionProxy
+
 __all__ = ("Database", "Local", "explain", "where")
 
 _CONNECT_TIMEOUT: Final = 10.0  # seconds a new connection may take before the store gives up
@@ -273,25 +275,85 @@ class Database:
 
 
 class Local:
-    """A `Database`'s pool on one event loop (`Database.local`)."""
+    """A `Database`'s pool on one event loop (`Database.local`), one of whose connections is kept
+    out of it between jobs: a job that finds that one free runs on it, with none of the pool's
+    acquire and release (asyncpg's release runs as a shielded task of its own: a turn of the
+    loop or two and its bookkeeping, about as much client CPU as two round trips, once per job).
+    A worker's group commits are one job each, one at a time; a job that finds the kept
+    connection taken (a claim or a heartbeat meanwhile) goes to the pool."""
 
-    __slots__ = ("database", "pool")
+    __slots__ = ("_busy", "_closing", "_kept", "database", "pool")
 
     def __init__(self, database: Database, pool: asyncpg.Pool) -> None:
         self.database = database
         self.pool = pool
+        self._kept: PoolConnectionProxy | None = None
+        self._busy = False  # a job runs on the kept connection
+        self._closing = False
 
     async def run(self, job: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
         """``await job(conn, *args)`` on a connection of this pool, reconnected and explained as
         `Database.within`'s."""
-        return await self.database._retried(self.pool, job, *args)
+        if self._busy or self._closing:
+            return await self.database._retried(self.pool, job, *args)
+        self._busy = True
+        try:
+            conn = self._kept
+            if conn is not None and not _alive(conn):
+                conn = self._kept = None  # its session ended while no job ran on it
+            if conn is None:
+                try:
+                    conn = await self.pool.acquire()
+                except _LOST:  # the pool's way: waits, reconnects, or explains
+                    return await self.database._retried(self.pool, job, *args)
+                self._kept = conn
+            try:
+                # (a pooled connection proxies a `Connection`: the jobs are typed so)
+                return await job(cast("asyncpg.Connection", conn), *args)
+            except BaseException as exc:
+                # What it left is not known (a statement cut, a transaction open): back to the
+                # pool, which resets the connection or drops it; a job whose connection was lost
+                # runs again as the pool's jobs do.
+                self._kept = None
+                lost = isinstance(exc, _LOST) and (
+                    not isinstance(exc, asyncpg.InterfaceError)
+                    or "closed" in str(exc)
+                    or not _alive(conn)  # (the pool took it back as its session ended)
+                )
+                if isinstance(exc, asyncpg.InternalClientError):
+                    conn.terminate()  # its protocol broke mid-statement: never reused
+                await self.pool.release(conn)  # (a no-op for one the pool took back)
+                if lost:
+                    return await self.database._retried(self.pool, job, *args)
+                raise
+        finally:
+            self._busy = False
+            await self._let_go()  # (`close` came while the job ran: the pool waits for it)
+
+    async def _let_go(self) -> None:
+        """Back to the pool with the kept connection, once closing."""
+        if self._closing and self._kept is not None:
+            kept, self._kept = self._kept, None
+            await self.pool.release(kept)
 
     async def close(self) -> None:
         """Close its connections once their jobs are over (cut after `_CONNECT_TIMEOUT`)."""
+        self._closing = True
         try:
+            if not self._busy:  # (a busy one is let go by its job)
+                await self._let_go()
             await asyncio.wait_for(self.pool.close(), _CONNECT_TIMEOUT)
         except Exception:  # a server gone, a job that would not end: nothing left to wait for
             self.pool.terminate()
+
+
+def _alive(conn: PoolConnectionProxy) -> bool:
+    """Whether a connection kept out of the pool can still run a job: the pool takes back a
+    connection whose session ended, and one taken back refuses every call."""
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
+        return False
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:

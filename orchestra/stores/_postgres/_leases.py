@@ -44,6 +44,7 @@ plans serve every batch, and run under them (`_settle.FORCED_PLANS`).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import asyncpg
@@ -67,7 +68,6 @@ from ._settle import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
-    from datetime import datetime
 
     from ..._admission import Admission
     from ..._task import Task
@@ -105,26 +105,24 @@ async def connect(dsn: str) -> asyncpg.Connection:
 
 
 class Claimed(NamedTuple):
-    """A task as its claimer gets it: what rebuilds its `Task`, and its lease. JSON columns are the
-    text the store wrote; `deps` maps each task it waited for (dependencies, members of its
-    groups) to that task's output, JSON text."""
+    """A task as its claimer gets it: what rebuilds its `Task`, and its lease's token (its expiry
+    is the database's to know: ``tasks.lease_expires``). JSON columns are the text the store
+    wrote; `deps` maps each task it waited for (dependencies, members of its groups) to that
+    task's output, JSON text."""
 
     run_id: str
     id: str
     seq: int
     token: int
-    expires: datetime
     kind: str
     payload: str
     priority: int
     attempts: int
-    target: str | None
     timeout: float | None
     critical: bool
     metadata: str | None
     depends_on: list[str] | None
     depends_on_tags: list[str] | None
-    tags: list[str] | None
     deps: dict[str, str | None]
 
 
@@ -179,7 +177,9 @@ class TakenBack(NamedTuple):
 # of ids, so that its plan, generic or not, reads them back by primary key (a join with the
 # picked rows may be planned as a walk of the run's tasks). The lease's fencing token is drawn
 # once for the claim, not per row: each lease of a task still has a token no lease of that task
-# had before (the sequence only grows), which is all the fence compares.
+# had before (the sequence only grows), which is all the fence compares. It returns what the
+# claimer needs of each row, no more: every value is decoded per claimed task (the run id is the
+# caller's; a lease's expiry, a timestamp, cost a microsecond a row to decode, read by nobody).
 _CLAIM = """
 UPDATE orchestra.tasks AS t
 SET state = 'claimed', token = (SELECT nextval('orchestra.lease_tokens')),
@@ -197,9 +197,8 @@ WHERE t.run_id = $1 AND t.id = ANY (ARRAY(
     ORDER BY c.priority, c.seq
     LIMIT $4
 ))
-RETURNING t.run_id, t.id, t.seq, t.token, t.lease_expires, t.kind, t.payload::text, t.priority,
-    t.attempts, t.target, t.timeout, t.critical, t.metadata::text, t.depends_on,
-    t.depends_on_tags, t.tags
+RETURNING t.id, t.seq, t.token, t.kind, t.payload::text, t.priority, t.attempts, t.timeout,
+    t.critical, t.metadata::text, t.depends_on, t.depends_on_tags
 """
 
 # The outputs a claimed task's context shows: of its dependencies, and of its groups' members
@@ -263,9 +262,13 @@ async def _claim_rows(
     lease: float,
 ) -> list[Claimed]:
     rows = await conn.fetch(_CLAIM, run_id, kinds, room, total, owner, float(lease))
-    return sorted(
-        (Claimed._make((*row, {})) for row in rows), key=lambda task: (task.priority, task.seq)
-    )
+    # Each built as the tuple it is, and sorted by a key read in C (per claimed task: `_make`
+    # and a lambda are a Python call each).
+    new = tuple.__new__
+    return sorted((new(Claimed, (run_id, *row, {})) for row in rows), key=_BEST_FIRST)
+
+
+_BEST_FIRST = attrgetter("priority", "seq")
 
 
 async def _fill_deps(conn: asyncpg.Connection, run_id: str, waiting: Sequence[Claimed]) -> None:
@@ -282,6 +285,16 @@ def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
     if not rows:
         return [[] for _ in range(width)]
     return [list(column) for column in zip(*rows, strict=True)]
+
+
+def _unnested(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any] | None]:
+    """`_columns` for a multi-argument ``unnest`` in FROM, which pads a shorter array with NULLs:
+    a column of NULLs only (a batch of successes' errors, error types and attempts) is sent as
+    one NULL. asyncpg checks each element of an array against three abstract base classes
+    (whether it is a nested array) before it encodes it, a Python-level call each."""
+    return [
+        None if column.count(None) == len(column) else column for column in _columns(rows, width)
+    ]
 
 
 _HEARTBEAT = """
@@ -452,10 +465,15 @@ async def _complete(
         t.key is not None for tasks in spawning.values() for t in tasks
     )
 
+    # The completion, `concerns` and the claim have plans that serve any batch
+    # (`_settle.FORCED_PLANS`), but in a caller's transaction, which a SET LOCAL would outlast
+    # this call into. Set with the transaction's BEGIN (one round trip), unless spawns are
+    # admitted first: those are planned for their batch.
     generic = not conn.is_in_transaction()
+    begin = FORCED_PLANS if generic and not spawning else None
 
     async def step(conn: asyncpg.Connection) -> tuple[list[bool], list[Claimed]]:
-        planned = False  # whether the statements run now run under `FORCED_PLANS`
+        planned = begin is not None  # whether the statements run now run under `FORCED_PLANS`
         admitted: list[str] = []  # the spawns admitted, when some have keys
         if spawning:
             spawners = [end for end in ends if end.id in spawning]
@@ -469,14 +487,11 @@ async def _complete(
                 )  # fmt: skip
                 if keyed_spawns:
                     admitted.extend(ids)
-        # The completion, `concerns` and the claim have plans that serve any batch
-        # (`_settle.FORCED_PLANS`), but in a caller's transaction, which a SET LOCAL would outlast
-        # this call into.
-        if generic:
-            await conn.execute(FORCED_PLANS)
-            planned = True
+            if generic:
+                await conn.execute(FORCED_PLANS)
+                planned = True
         rows = await conn.fetch(
-            _COMPLETE, run_id, owner, *_columns(ends, len(End._fields)), channel_of(run_id), ENDED
+            _COMPLETE, run_id, owner, *_unnested(ends, len(End._fields)), channel_of(run_id), ENDED
         )
         written = {row[0] for row in rows}
         keyed = any(row[1] for row in rows)
@@ -530,7 +545,7 @@ async def _complete(
                 then.taken(claimed)  # the last statement ran: only the commit is left
         return [end.id in written for end in ends], claimed
 
-    return await transaction(conn, step)
+    return await transaction(conn, step, begin=begin)
 
 
 _ATTEMPTS = """

@@ -132,21 +132,46 @@ class Settled(NamedTuple):
 
 
 async def transaction(
-    conn: asyncpg.Connection, step: Callable[[asyncpg.Connection], Awaitable[_T]]
+    conn: asyncpg.Connection,
+    step: Callable[[asyncpg.Connection], Awaitable[_T]],
+    *,
+    begin: str | None = None,
 ) -> _T:
     """Run `step` in a transaction of its own, run again when PostgreSQL aborted it to break a
     deadlock with another (each try starts from nothing: the aborted one left nothing). Inside a
-    transaction already, `step` runs in it (a deadlock then aborts the caller's, which retries)."""
+    transaction already, `step` runs in it (a deadlock then aborts the caller's, which retries).
+    `begin`: statements the transaction starts with (``SET LOCAL ...``), sent with its BEGIN
+    (not run inside a caller's transaction: the caller's SET LOCAL is the caller's)."""
     if conn.is_in_transaction():
         return await step(conn)
     for attempt in range(RETRIES):
         try:
-            async with conn.transaction():
-                return await step(conn)
+            if begin is None:
+                async with conn.transaction():
+                    return await step(conn)
+            else:
+                return await _begun(conn, step, begin)
         except asyncpg.DeadlockDetectedError:
             if attempt == RETRIES - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _begun(
+    conn: asyncpg.Connection, step: Callable[[asyncpg.Connection], Awaitable[_T]], begin: str
+) -> _T:
+    """`step` in a transaction begun with `begin`, by hand: asyncpg's `Transaction` sends its
+    BEGIN alone, and so a transaction that starts with a setting took one round trip more (a
+    worker's completion, every batch)."""
+    await conn.execute(f"BEGIN; {begin}")
+    try:
+        result = await step(conn)
+    except BaseException:
+        if not conn.is_closed():  # (a connection cut mid-statement is closed, its transaction gone)
+            await conn.execute("ROLLBACK")
+        raise
+    await conn.execute("COMMIT")
+    return result
 
 
 def columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
@@ -309,8 +334,9 @@ async def _skip(
     ready is undone and done again one task at a time."""
     cascade_ready: list[str] = []
     skipped: list[str] = []
-    savepoint = conn.transaction()
-    await savepoint.start()
+    # Written as statements, not asyncpg's `Transaction`: that refuses to be a savepoint of a
+    # transaction begun by hand (`transaction`'s ``begin``).
+    await conn.execute(f"SAVEPOINT {_SKIPS}")
     try:
         # (reversed: a task pushed twice is skipped for the reason pushed last, as in memory)
         ended = await skip_pending(conn, run_id, stack[::-1])
@@ -320,13 +346,13 @@ async def _skip(
             await _release(conn, run_id, ended, cascade_ready, more)
             ended = await skip_pending(conn, run_id, more[::-1]) if more else []
     except BaseException:
-        await savepoint.rollback()
+        await conn.execute(f"ROLLBACK TO SAVEPOINT {_SKIPS}")
         raise
     if len(cascade_ready) < 2:
-        await savepoint.commit()
+        await conn.execute(f"RELEASE SAVEPOINT {_SKIPS}")
         readied.extend(cascade_ready)
         return skipped
-    await savepoint.rollback()
+    await conn.execute(f"ROLLBACK TO SAVEPOINT {_SKIPS}; RELEASE SAVEPOINT {_SKIPS}")
     skipped = []
     stack = list(stack)
     while stack:
@@ -338,6 +364,9 @@ async def _skip(
         await _release(conn, run_id, [(task_id, SKIPPED)], readied, more)
         stack.extend(more)
     return skipped
+
+
+_SKIPS: Final = "orchestra_skips"  # `_skip`'s savepoint
 
 
 async def _release(

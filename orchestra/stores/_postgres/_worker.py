@@ -195,6 +195,7 @@ class PostgresWorkerBackend:
         wall = wall0 + self._offset
         runs: dict[str, _Ends] = {}
         of_run = None
+        new = tuple.__new__
         for claimed, result, failures, spawned in ends:
             # (Looked up per end only when the run changes: a group commit is of one run.)
             if of_run is None or of_run.run_id != claimed.run_id:
@@ -205,9 +206,11 @@ class PostgresWorkerBackend:
                 result, None if spawned is None else spawned[0]
             )
             started = result.started
-            end = End(claimed.id, claimed.token, state, output, result.agent, error, error_type,
-                      result.attempts, bool(result.defaulted),
-                      None if started is None else wall + started)  # fmt: skip
+            # Built as the tuple it is (as `_before` builds a claim): `End(...)` is a Python call
+            # with ten arguments, once per end.
+            end = new(End, (claimed.id, claimed.token, state, output, result.agent, error,
+                            error_type, result.attempts, bool(result.defaulted),
+                            None if started is None else wall + started))  # fmt: skip
             of_run.ends.append(end)
             if failures:
                 of_run.failures[claimed.id] = [_failed(wall, a) for a in failures]
@@ -235,15 +238,22 @@ class PostgresWorkerBackend:
                     taken([_before(c) for c in batch])
 
             nxt = (then[0], NextClaim(dict(then[1]), then[2], self.lease, hand))
-        written: dict[tuple[str, str], bool]
+        written: dict[str, list[bool]]
         written, _ = await self._run(_complete, name, runs, noted, admission, self.lease, nxt)
-        accepted = [written[(claimed.run_id, claimed.id)] for claimed, *_ in ends]
-        if self._presence is not None:  # counted as the worker's report counts them
-            self._presence.completed += sum(accepted)
-            self._presence.refused += sum(
-                not ok and result.status != CANCELLED
-                for ok, (_, result, *_) in zip(accepted, ends, strict=True)
-            )
+        if len(written) == 1:  # (a group commit is of one run: its ends in their order)
+            [accepted] = written.values()
+        else:
+            by_run = {run_id: iter(done) for run_id, done in written.items()}
+            accepted = [next(by_run[end[0].run_id]) for end in ends]
+        presence = self._presence
+        if presence is not None:  # counted as the worker's report counts them
+            completed = sum(accepted)
+            presence.completed += completed
+            if completed != len(accepted):
+                presence.refused += sum(
+                    not ok and end[1].status != CANCELLED
+                    for ok, end in zip(accepted, ends, strict=True)
+                )
         return accepted
 
     async def release(self, name: str, held: Sequence[Claim] | None) -> int:
@@ -361,13 +371,14 @@ async def _complete(
     admission: Admission | None,
     lease: float,
     then: tuple[str, NextClaim] | None,
-) -> tuple[dict[tuple[str, str], bool], list[Claimed]]:
+) -> tuple[dict[str, list[bool]], list[Claimed]]:
     """The failed attempts of tasks that go on, then each run's ends in a transaction of its own;
-    whether each end was written, by (run id, task id), and what `then` claimed (with its run's
-    ends). `lease`: the keys' holds of the spawns (`_leases.complete`'s ``key_lease``)."""
+    whether each end was written, by run id in the order of its `_Ends`, and what `then` claimed
+    (with its run's ends). `lease`: the keys' holds of the spawns (`_leases.complete`'s
+    ``key_lease``)."""
     for run_id, failed in noted.items():
         await note(conn, run_id, owner, failed)
-    written: dict[tuple[str, str], bool] = {}
+    written: dict[str, list[bool]] = {}
     claimed: list[Claimed] = []
     for run_id, of_run in runs.items():
         try:
@@ -388,8 +399,7 @@ async def _complete(
                 await _complete_one(conn, run_id, owner, of_run, e, admission, lease)
                 for e in of_run.ends
             ]
-        for end, ok in zip(of_run.ends, done, strict=True):
-            written[(run_id, end.id)] = ok
+        written[run_id] = done
     return written, claimed
 
 
