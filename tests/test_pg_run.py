@@ -974,37 +974,3 @@ class TestALeaseTheCoordinatorLost:
 def handle_run(handle: Any) -> Any:
     """The `PostgresRun` under a run handle (for what only the store knows)."""
     return handle._run.store
-
-
-class TestAResumedRunKeepsWhatItsTasksFailed:
-    async def test_a_success_by_default_keeps_its_failed_attempt(self, pg_dsn: str) -> None:
-        @agent(kinds=["fallen", "plain"])
-        async def fragile(task: Task, ctx: Context) -> Any:
-            if task.kind == "plain":
-                return task.payload
-            raise PermanentError("never")
-
-        tasks = [Task("fallen", 0, id="d"), Task("plain", 1, id="p")]
-        results = []
-        for _ in range(2):  # the second run of the id resumes it: every task read back
-            store = PostgresStore(pg_dsn, poll=0.1)
-            try:
-                async with Orchestrator(
-                    agents=[fragile], store=store, defaults={"fallen": "fallback"}
-                ) as orch:
-                    # streamed: a resume reads its ended tasks back a page at a time
-                    handle = orch.start(iter(tasks), run_id="r")
-                    stream = handle.results()
-                    result = await handle
-                    heard = {r.task.id: r async for r in stream}
-            finally:
-                store.close()
-            results.append((result, heard))
-        (first, heard_first), (again, heard_again) = results
-        assert again.data == first.data == {"d": "fallback", "p": 1}
-        assert again.metadata.defaulted == first.metadata.defaulted == ["d"]
-        for heard in (heard_first, heard_again):
-            assert heard["d"].defaulted
-            assert [(a.number, a.error_type) for a in heard["d"].failures or ()] == [
-                (1, "PermanentError")
-            ]

@@ -313,38 +313,6 @@ def orch(store: SQLiteStore, seen: list[str]) -> Orchestrator:
     return orchestrator(store, seen)
 
 
-class TestAResumedRunKeepsWhatItsTasksFailed:
-    async def test_a_success_by_default_is_listed_and_keeps_its_failed_attempt(
-        self, tmp_path: Path
-    ) -> None:
-        @agent(kinds=["fallen", "plain"])
-        async def fragile(task: Task, ctx: Context) -> Any:
-            if task.kind == "plain":
-                return task.payload
-            raise PermanentError("never")
-
-        tasks = [Task("fallen", 0, id="d"), Task("plain", 1, id="p")]
-        runs = []
-        for _ in range(2):  # the second run of the id resumes it: every task read back
-            async with Orchestrator(
-                agents=[fragile], store=SQLiteStore(tmp_path / "r.db"),
-                defaults={"fallen": "fallback"},
-            ) as orch:  # fmt: skip
-                handle = orch.start(iter(tasks), run_id="r")
-                stream = handle.results()
-                result = await handle
-                heard = {r.task.id: r async for r in stream}
-            runs.append((result, heard))
-        (first, heard_first), (again, heard_again) = runs
-        assert again.data == first.data == {"d": "fallback", "p": 1}
-        assert again.metadata.defaulted == first.metadata.defaulted == ["d"]
-        for heard in (heard_first, heard_again):
-            assert heard["d"].defaulted
-            assert [(a.number, a.error_type) for a in heard["d"].failures or ()] == [
-                (1, "PermanentError")
-            ]
-
-
 class TestBackpressure:
     """While the writer thread is behind, the run waits for it: at most two windows are handed
     to the writer uncommitted, and nothing more is claimed or admitted until one is committed."""
